@@ -1,0 +1,79 @@
+#include "cudnn_library.h"
+
+#include <dlfcn.h>
+
+#include <mutex>
+#include <stdexcept>
+
+#include "check.h"
+#include "cudnn_frontend.h"
+
+// cudnn-frontend's dynamic loader resolves every cuDNN symbol through this handle.
+namespace cudnn_frontend {
+void* cudnn_dlhandle = nullptr;
+}  // namespace cudnn_frontend
+
+namespace jax_ragged_attn {
+namespace {
+
+constexpr const char* kCudnnSoname = "libcudnn.so.9";
+std::mutex load_mutex;
+
+}  // namespace
+
+xla::ffi::Error load_cudnn(const std::string& fallback_path) {
+  std::lock_guard<std::mutex> lock(load_mutex);
+  if (cudnn_frontend::cudnn_dlhandle != nullptr) return xla::ffi::Error::Success();
+  // Prefer the copy jaxlib already loaded: two cuDNNs in one process would each keep their own state.
+  void* handle = dlopen(kCudnnSoname, RTLD_NOW | RTLD_NOLOAD);
+  if (handle == nullptr && !fallback_path.empty()) handle = dlopen(fallback_path.c_str(), RTLD_NOW);
+  if (handle == nullptr) handle = dlopen(kCudnnSoname, RTLD_NOW);
+  if (handle == nullptr) {
+    const char* reason = dlerror();
+    return ErrorStream(xla::ffi::ErrorCode::kUnavailable)
+           << "cannot load cuDNN (" << kCudnnSoname << (fallback_path.empty() ? "" : " or " + fallback_path)
+           << "): " << (reason ? reason : "unknown dlopen error")
+           << "; install jax[cuda12] or jax[cuda13], which bring nvidia-cudnn";
+  }
+  cudnn_frontend::cudnn_dlhandle = handle;
+  return xla::ffi::Error::Success();
+}
+
+bool cudnn_loaded() { return cudnn_frontend::cudnn_dlhandle != nullptr; }
+
+int64_t cudnn_version() {
+  if (!cudnn_loaded()) return 0;
+  try {
+    return static_cast<int64_t>(cudnn_frontend::detail::get_backend_version());
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+xla::ffi::Error set_current_device(int device) {
+  using SetDevice = cudaError_t (*)(int);
+  try {
+    auto fn = reinterpret_cast<SetDevice>(
+        cudnn_frontend::detail::get_cuda_symbol(cudnn_frontend::detail::CudaLibrary::CUDART, "cudaSetDevice"));
+    const cudaError_t status = fn(device);
+    FFI_CHECK(status == cudaSuccess) << "cudaSetDevice(" << device << ") returned " << static_cast<int>(status);
+  } catch (const std::exception& e) {
+    return ErrorStream(xla::ffi::ErrorCode::kUnavailable) << "cannot reach the CUDA runtime: " << e.what();
+  }
+  return xla::ffi::Error::Success();
+}
+
+xla::ffi::Error compute_capability(int device, int* sm_version) {
+  int major = 0, minor = 0;
+  try {
+    auto a = cudnn_frontend::detail::cuda_device_get_attribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    auto b = cudnn_frontend::detail::cuda_device_get_attribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    FFI_CHECK(a == cudaSuccess && b == cudaSuccess) << "cudaDeviceGetAttribute failed for device " << device;
+  } catch (const std::exception& e) {
+    return ErrorStream(xla::ffi::ErrorCode::kUnavailable) << "cannot reach the CUDA runtime: " << e.what();
+  }
+  *sm_version = major * 10 + minor;
+  return xla::ffi::Error::Success();
+}
+
+}  // namespace jax_ragged_attn

@@ -1,0 +1,75 @@
+"""Prints the include directories the extension needs, one `NAME=path` a line, from installed pip packages.
+
+Run by CMakeLists.txt with the Python it builds for. A missing package ends the build with one sentence
+naming the package that provides the header.
+"""
+
+import importlib.metadata
+import importlib.util
+import os
+import sys
+
+
+def _package_dir(module: str) -> str | None:
+    try:
+        spec = importlib.util.find_spec(module)
+    except ModuleNotFoundError:
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
+
+
+def xla_ffi() -> str:
+    from jax import ffi
+
+    return ffi.include_dir()
+
+
+def cudnn_frontend() -> str | None:
+    try:
+        dist = importlib.metadata.distribution("nvidia-cudnn-frontend")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    path = str(dist.locate_file("include"))
+    return path if os.path.exists(os.path.join(path, "cudnn_frontend.h")) else None
+
+
+def cudnn() -> str | None:
+    base = _package_dir("nvidia.cudnn")
+    path = base and os.path.join(base, "include")
+    return path if path and os.path.exists(os.path.join(path, "cudnn.h")) else None
+
+
+def cuda_runtime() -> str | None:
+    # CUDA 13 wheels install under nvidia/cu13, CUDA 12 ones under nvidia/cuda_runtime.
+    for module in ("nvidia.cu13", "nvidia.cuda_runtime"):
+        base = _package_dir(module)
+        path = base and os.path.join(base, "include")
+        if path and os.path.exists(os.path.join(path, "cuda_runtime_api.h")):
+            return path
+    for path in ("/usr/local/cuda/include",):
+        if os.path.exists(os.path.join(path, "cuda_runtime_api.h")):
+            return path
+    return None
+
+
+def main() -> int:
+    found = {
+        "XLA_FFI_INCLUDE_DIR": (xla_ffi, "jax (pip install jax)"),
+        "CUDNN_FRONTEND_INCLUDE_DIR": (cudnn_frontend, "nvidia-cudnn-frontend (pip install --no-deps 'nvidia-cudnn-frontend>=1.28')"),
+        "CUDNN_INCLUDE_DIR": (cudnn, "nvidia-cudnn-cu13 or nvidia-cudnn-cu12 (pip install nvidia-cudnn-cu13)"),
+        "CUDA_INCLUDE_DIR": (cuda_runtime, "nvidia-cuda-runtime (pip install nvidia-cuda-runtime) or a CUDA toolkit"),
+    }
+    for name, (locate, package) in found.items():
+        path = locate()
+        if not path:
+            print(f"the headers for {name} were not found: install {package} into {sys.executable}'s environment",
+                  file=sys.stderr)
+            return 1
+        print(f"{name}={path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

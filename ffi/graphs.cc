@@ -1,0 +1,312 @@
+#include "graphs.h"
+
+#include <atomic>
+#include <climits>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "check.h"
+#include "cudnn_library.h"
+#include "layouts.h"
+#include "sizing.h"
+
+namespace jax_ragged_attn {
+namespace {
+
+namespace fe = cudnn_frontend;
+using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
+
+enum class Direction { kForward, kBackward };
+
+std::vector<int64_t> as_vector(const std::array<int64_t, 4>& a) { return {a.begin(), a.end()}; }
+int64_t uid(TensorUid u) { return static_cast<int64_t>(u); }
+
+fe::DataType_t io_data_type(const AttentionConfig& c) {
+  return c.dtype == static_cast<int64_t>(DType::kFloat16) ? fe::DataType_t::HALF : fe::DataType_t::BFLOAT16;
+}
+
+xla::ffi::Error from_frontend(fe::error_t status, const char* stage, const AttentionConfig& c) {
+  if (status.is_good()) return xla::ffi::Error::Success();
+  const bool unsupported = status.code == fe::error_code_t::GRAPH_NOT_SUPPORTED ||
+                           status.code == fe::error_code_t::GRAPH_EXECUTION_PLAN_CREATION_FAILED;
+  return ErrorStream(unsupported ? xla::ffi::ErrorCode::kUnimplemented : xla::ffi::ErrorCode::kInternal)
+         << "cuDNN " << stage << (unsupported ? " does not support this graph: " : " failed: ") << status.get_message()
+         << " [" << c.describe() << "]";
+}
+
+// Tensors shared by the forward and the backward graph.
+struct GraphInputs {
+  TensorPtr seq_len_q, seq_len_kv;
+  TensorPtr offset_q, offset_k, offset_v, offset_o, offset_stats;
+  TensorPtr q, k, v;
+};
+
+TensorPtr index_tensor(fe::graph::Graph& g, TensorUid id, const char* name, int64_t n) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_uid(uid(id))
+                      .set_dim({n, 1, 1, 1})
+                      .set_stride({1, 1, 1, 1})
+                      .set_data_type(fe::DataType_t::INT32));
+}
+
+TensorPtr ragged_tensor(fe::graph::Graph& g, TensorUid id, const char* name, const TensorLayout& layout,
+                        const TensorPtr& offset, fe::DataType_t type) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_uid(uid(id))
+                      .set_dim(as_vector(layout.dim))
+                      .set_stride(as_vector(layout.stride))
+                      .set_ragged_offset(offset)
+                      .set_data_type(type));
+}
+
+void mark_output(const TensorPtr& t, TensorUid id, const TensorLayout& layout, const TensorPtr& offset,
+                 fe::DataType_t type) {
+  t->set_output(true)
+      .set_uid(uid(id))
+      .set_dim(as_vector(layout.dim))
+      .set_stride(as_vector(layout.stride))
+      .set_ragged_offset(offset)
+      .set_data_type(type);
+}
+
+TensorLayout q_layout(const AttentionConfig& c) {
+  return token_layout(c.num_seqs, c.num_heads_q, c.max_seqlen_q, c.head_dim_qk);
+}
+TensorLayout k_layout(const AttentionConfig& c) {
+  return token_layout(c.num_seqs, c.num_heads_kv, c.max_seqlen_kv, c.head_dim_qk);
+}
+TensorLayout v_layout(const AttentionConfig& c) {
+  return token_layout(c.num_seqs, c.num_heads_kv, c.max_seqlen_kv, c.head_dim_v);
+}
+TensorLayout o_layout(const AttentionConfig& c) {
+  return token_layout(c.num_seqs, c.num_heads_q, c.max_seqlen_q, c.head_dim_v);
+}
+
+GraphInputs declare_inputs(fe::graph::Graph& g, const AttentionConfig& c) {
+  const int64_t b = c.num_seqs;
+  const fe::DataType_t io = io_data_type(c);
+  GraphInputs in;
+  in.seq_len_q = index_tensor(g, TensorUid::kSeqLenQ, "seq_len_q", b);
+  in.seq_len_kv = index_tensor(g, TensorUid::kSeqLenKV, "seq_len_kv", b);
+  in.offset_q = index_tensor(g, TensorUid::kOffsetQ, "offset_q", b + 1);
+  in.offset_k = index_tensor(g, TensorUid::kOffsetK, "offset_k", b + 1);
+  in.offset_v = index_tensor(g, TensorUid::kOffsetV, "offset_v", b + 1);
+  in.offset_o = index_tensor(g, TensorUid::kOffsetO, "offset_o", b + 1);
+  in.offset_stats = index_tensor(g, TensorUid::kOffsetStats, "offset_stats", b + 1);
+  in.q = ragged_tensor(g, TensorUid::kQ, "q", q_layout(c), in.offset_q, io);
+  in.k = ragged_tensor(g, TensorUid::kK, "k", k_layout(c), in.offset_k, io);
+  in.v = ragged_tensor(g, TensorUid::kV, "v", v_layout(c), in.offset_v, io);
+  return in;
+}
+
+// Padding mask from the per-sequence lengths, and causal / window limits as cuDNN diagonal bands.
+template <typename Attributes>
+void apply_masking(Attributes& attributes, const AttentionConfig& c, const GraphInputs& in) {
+  attributes.set_padding_mask(true).set_seq_len_q(in.seq_len_q).set_seq_len_kv(in.seq_len_kv);
+  if (c.left_bound < 0 && c.right_bound < 0) return;
+  attributes.set_diagonal_alignment(c.bottom_right ? fe::DiagonalAlignment_t::BOTTOM_RIGHT
+                                                   : fe::DiagonalAlignment_t::TOP_LEFT);
+  // cuDNN keeps key j when j + left_bound > diagonal, so its bound counts the diagonal itself: ours + 1.
+  if (c.left_bound >= 0) {
+    attributes.set_diagonal_band_left_bound(static_cast<int>(std::min<int64_t>(c.left_bound + 1, INT_MAX)));
+  }
+  if (c.right_bound >= 0) {
+    attributes.set_diagonal_band_right_bound(static_cast<int>(std::min<int64_t>(c.right_bound, INT_MAX)));
+  }
+}
+
+xla::ffi::Error finalize(InspectableGraph& g, cudnnHandle_t handle, const AttentionConfig& c, CachedGraph* out) {
+  FFI_RETURN_IF_ERROR(from_frontend(g.validate(), "validate", c));
+  FFI_RETURN_IF_ERROR(from_frontend(g.build_operation_graph(handle), "build_operation_graph", c));
+  FFI_RETURN_IF_ERROR(
+      from_frontend(g.create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}), "create_plans", c));
+  FFI_RETURN_IF_ERROR(from_frontend(g.check_support(handle), "check_support", c));
+  FFI_RETURN_IF_ERROR(from_frontend(g.build_plans(handle), "build_plans", c));
+  int64_t workspace = 0;
+  FFI_RETURN_IF_ERROR(from_frontend(g.get_workspace_size(workspace), "get_workspace_size", c));
+  out->workspace_bytes = workspace;
+  return xla::ffi::Error::Success();
+}
+
+xla::ffi::Error build_forward(cudnnHandle_t handle, const AttentionConfig& c, CachedGraph* out) {
+  auto g = std::make_shared<InspectableGraph>();
+  g->set_io_data_type(io_data_type(c))
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  const GraphInputs in = declare_inputs(*g, c);
+
+  fe::graph::SDPA_attributes attributes;
+  attributes.set_name("ragged_sdpa_forward").set_generate_stats(true).set_attn_scale(c.scale);
+  apply_masking(attributes, c, in);
+  auto [o, stats] = g->sdpa(in.q, in.k, in.v, attributes);
+  mark_output(o, TensorUid::kO, o_layout(c), in.offset_o, io_data_type(c));
+  mark_output(stats, TensorUid::kStats, stats_layout(c), in.offset_stats, fe::DataType_t::FLOAT);
+
+  FFI_RETURN_IF_ERROR(finalize(*g, handle, c, out));
+  out->graph = std::move(g);
+  return xla::ffi::Error::Success();
+}
+
+xla::ffi::Error build_backward(cudnnHandle_t handle, const AttentionConfig& c, bool max_total, CachedGraph* out) {
+  auto g = std::make_shared<InspectableGraph>();
+  const fe::DataType_t io = io_data_type(c);
+  g->set_io_data_type(io).set_intermediate_data_type(fe::DataType_t::FLOAT).set_compute_data_type(fe::DataType_t::FLOAT);
+  const GraphInputs in = declare_inputs(*g, c);
+  auto o = ragged_tensor(*g, TensorUid::kO, "o", o_layout(c), in.offset_o, io);
+  auto d_o = ragged_tensor(*g, TensorUid::kDO, "d_o", o_layout(c), in.offset_o, io);
+  auto stats = ragged_tensor(*g, TensorUid::kStats, "stats", stats_layout(c), in.offset_stats, fe::DataType_t::FLOAT);
+
+  fe::graph::SDPA_backward_attributes attributes;
+  attributes.set_name("ragged_sdpa_backward").set_attn_scale(c.scale);
+  apply_masking(attributes, c, in);
+  if (max_total) {
+    // The physical capacities, not the real token counts: offsets anywhere inside the buffers stay covered.
+    attributes.set_max_total_seq_len_q(c.capacity_q).set_max_total_seq_len_kv(c.capacity_kv);
+  }
+  auto [d_q, d_k, d_v] = g->sdpa_backward(in.q, in.k, in.v, o, d_o, stats, attributes);
+  mark_output(d_q, TensorUid::kDQ, q_layout(c), in.offset_q, io);
+  mark_output(d_k, TensorUid::kDK, k_layout(c), in.offset_k, io);
+  mark_output(d_v, TensorUid::kDV, v_layout(c), in.offset_v, io);
+
+  FFI_RETURN_IF_ERROR(finalize(*g, handle, c, out));
+  out->graph = std::move(g);
+  out->max_total_seq_len_applied = max_total;
+  return xla::ffi::Error::Success();
+}
+
+// The frontend silently drops max_total_seq_len in these cases (cudnn-frontend's infer_properties_node),
+// and then lays the intermediates out densely; mirror it so the full-extent check compares like with like.
+bool frontend_applies_max_total(const AttentionConfig& c, int sm_version) {
+  const int major = sm_version / 10;
+  return c.use_max_total_seq_len && cudnn_version() >= 90600 && c.head_dim_qk % 16 == 0 &&
+         c.head_dim_v % 16 == 0 && major != 8 && major != 12;
+}
+
+std::atomic<bool> full_extent_fallback_enabled{true};
+
+xla::ffi::Error build_backward_checked(int device, cudnnHandle_t handle, const AttentionConfig& c, CachedGraph* out) {
+  int sm_version = 0;
+  FFI_RETURN_IF_ERROR(compute_capability(device, &sm_version));
+  const bool max_total = frontend_applies_max_total(c, sm_version);
+  FFI_RETURN_IF_ERROR(build_backward(handle, c, max_total, out));
+  if (!max_total) return xla::ffi::Error::Success();
+
+  // The full-extent check: with max_total_seq_len set, the frontend sizes the ragged intermediates itself.
+  // Frontends before 1.28 sized head-major stats h times too small and every gradient came back zero. If the
+  // region it reserved is smaller than the full extent of what it lays out there, use the dense layout.
+  out->frontend_region_bytes = out->graph->frontend_region_bytes();
+  out->expected_intermediate_bytes = full_extent_backward_intermediates(c).total();
+  if (out->frontend_region_bytes >= out->expected_intermediate_bytes || !full_extent_fallback_enabled.load()) {
+    return xla::ffi::Error::Success();
+  }
+  CachedGraph dense;
+  FFI_RETURN_IF_ERROR(build_backward(handle, c, /*max_total=*/false, &dense));
+  dense.frontend_region_bytes = out->frontend_region_bytes;
+  dense.expected_intermediate_bytes = out->expected_intermediate_bytes;
+  dense.fell_back = true;
+  *out = std::move(dense);
+  return xla::ffi::Error::Success();
+}
+
+// One cuDNN handle per device, created on first use and kept for the life of the process: destroying it
+// at exit can run after the CUDA runtime has shut down. The mutex serialises set_stream + execute.
+struct DeviceState {
+  cudnnHandle_t handle = nullptr;
+  std::mutex execute_mutex;
+};
+
+std::mutex cache_mutex;
+std::map<int, std::unique_ptr<DeviceState>> devices;
+std::map<std::tuple<int, Direction, AttentionConfig>, std::shared_ptr<const CachedGraph>> graphs;
+GraphCacheStats cache_stats;
+
+xla::ffi::Error device_state(int device, DeviceState** out) {
+  auto it = devices.find(device);
+  if (it == devices.end()) {
+    auto state = std::make_unique<DeviceState>();
+    try {
+      const cudnnStatus_t status = fe::detail::create_handle(&state->handle);
+      FFI_CHECK(status == CUDNN_STATUS_SUCCESS)
+          << "cudnnCreate on device " << device << ": " << fe::detail::get_error_string(status);
+    } catch (const std::exception& e) {
+      return ErrorStream(xla::ffi::ErrorCode::kInternal) << "cudnnCreate on device " << device << ": " << e.what();
+    }
+    it = devices.emplace(device, std::move(state)).first;
+  }
+  *out = it->second.get();
+  return xla::ffi::Error::Success();
+}
+
+xla::ffi::Error cached_graph(int device, Direction direction, const AttentionConfig& c,
+                             std::shared_ptr<const CachedGraph>* out) {
+  FFI_CHECK(cudnn_loaded()) << "cuDNN is not loaded; import jax_ragged_attn on a CUDA backend first";
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  const auto key = std::make_tuple(device, direction, c);
+  if (auto it = graphs.find(key); it != graphs.end()) {
+    ++cache_stats.hits;
+    *out = it->second;
+    return xla::ffi::Error::Success();
+  }
+  ++cache_stats.misses;
+  DeviceState* state = nullptr;
+  FFI_RETURN_IF_ERROR(device_state(device, &state));
+  auto built = std::make_shared<CachedGraph>();
+  try {
+    if (direction == Direction::kForward) {
+      FFI_RETURN_IF_ERROR(build_forward(state->handle, c, built.get()));
+    } else {
+      FFI_RETURN_IF_ERROR(build_backward_checked(device, state->handle, c, built.get()));
+    }
+  } catch (const std::exception& e) {
+    return ErrorStream(xla::ffi::ErrorCode::kInternal) << "building the cuDNN graph threw: " << e.what() << " ["
+                                                       << c.describe() << "]";
+  }
+  graphs.emplace(key, built);
+  cache_stats.size = static_cast<int64_t>(graphs.size());
+  *out = std::move(built);
+  return xla::ffi::Error::Success();
+}
+
+}  // namespace
+
+xla::ffi::Error forward_graph(int device, const AttentionConfig& config, std::shared_ptr<const CachedGraph>* out) {
+  return cached_graph(device, Direction::kForward, config, out);
+}
+
+xla::ffi::Error backward_graph(int device, const AttentionConfig& config, std::shared_ptr<const CachedGraph>* out) {
+  return cached_graph(device, Direction::kBackward, config, out);
+}
+
+xla::ffi::Error execute_graph(int device, const CachedGraph& graph, cudaStream_t stream,
+                              std::unordered_map<int64_t, void*>& variant_pack, void* workspace) {
+  DeviceState* state = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    FFI_RETURN_IF_ERROR(device_state(device, &state));
+  }
+  std::lock_guard<std::mutex> lock(state->execute_mutex);
+  try {
+    const cudnnStatus_t status = fe::detail::set_stream(state->handle, stream);
+    FFI_CHECK(status == CUDNN_STATUS_SUCCESS) << "cudnnSetStream: " << fe::detail::get_error_string(status);
+    fe::error_t result = graph.graph->execute(state->handle, variant_pack, workspace);
+    if (result.is_bad()) {
+      return ErrorStream(xla::ffi::ErrorCode::kInternal) << "cuDNN execute failed: " << result.get_message();
+    }
+  } catch (const std::exception& e) {
+    return ErrorStream(xla::ffi::ErrorCode::kInternal) << "cuDNN execute threw: " << e.what();
+  }
+  return xla::ffi::Error::Success();
+}
+
+GraphCacheStats graph_cache_stats() {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  return cache_stats;
+}
+
+void set_full_extent_fallback_enabled(bool enabled) { full_extent_fallback_enabled.store(enabled); }
+
+}  // namespace jax_ragged_attn

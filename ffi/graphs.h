@@ -1,0 +1,70 @@
+// Builds cuDNN ragged SDPA forward and backward graphs and caches them per (device, configuration).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+
+#include "attention_config.h"
+#include "cudnn_frontend.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ragged_attn {
+
+// Tensor UIDs of the variant pack; the same values in the forward and the backward graph.
+enum class TensorUid : int64_t {
+  kQ = 1,
+  kK,
+  kV,
+  kO,
+  kStats,
+  kDO,
+  kDQ,
+  kDK,
+  kDV,
+  kSeqLenQ,
+  kSeqLenKV,
+  kOffsetQ,   // ragged offsets of Q, dQ: cu_q * Hq * Dqk
+  kOffsetK,   // K, dK: cu_kv * Hkv * Dqk
+  kOffsetV,   // V, dV: cu_kv * Hkv * Dv
+  kOffsetO,   // O, dO: cu_q * Hq * Dv
+  kOffsetStats,  // cu_q (head-major) or cu_q * Hq (token-major)
+};
+
+// Exposes the size of the workspace region the frontend itself carves out for the backward's ragged
+// intermediates (it sits before the engine's own workspace).
+class InspectableGraph : public cudnn_frontend::graph::Graph {
+ public:
+  int64_t frontend_region_bytes() const { return get_fe_workspace_size_subtree(); }
+};
+
+struct CachedGraph {
+  std::shared_ptr<InspectableGraph> graph;
+  int64_t workspace_bytes = 0;
+  // Backward only: the full-extent check of the ragged intermediates.
+  bool max_total_seq_len_applied = false;
+  int64_t frontend_region_bytes = 0;
+  int64_t expected_intermediate_bytes = 0;
+  bool fell_back = false;  // the region was short, so the graph was rebuilt without max_total_seq_len
+};
+
+// Both return the cached graph, building it first on a miss. Not-supported configurations come back as
+// ErrorCode::kUnimplemented.
+xla::ffi::Error forward_graph(int device, const AttentionConfig& config, std::shared_ptr<const CachedGraph>* out);
+xla::ffi::Error backward_graph(int device, const AttentionConfig& config, std::shared_ptr<const CachedGraph>* out);
+
+// Runs `graph` on `stream`; the variant pack maps TensorUid values to device pointers.
+xla::ffi::Error execute_graph(int device, const CachedGraph& graph, cudaStream_t stream,
+                              std::unordered_map<int64_t, void*>& variant_pack, void* workspace);
+
+struct GraphCacheStats {
+  int64_t hits = 0;
+  int64_t misses = 0;
+  int64_t size = 0;
+};
+GraphCacheStats graph_cache_stats();
+
+// Test-only (documented in the README): skip the full-extent fallback so a short region is used as built.
+void set_full_extent_fallback_enabled(bool enabled);
+
+}  // namespace jax_ragged_attn

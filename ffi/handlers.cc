@@ -1,0 +1,217 @@
+// The XLA FFI handlers. They check every buffer against the configuration, fetch the cached graph and
+// launch it. They allocate nothing and synchronise nothing: the workspace is an ordinary XLA output whose
+// size Python asked for at trace time, so the handlers are safe inside XLA's command buffers (CUDA graphs).
+#include "handlers.h"
+
+#include <unordered_map>
+#include <vector>
+
+#include "check.h"
+#include "graphs.h"
+#include "layouts.h"
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jax_ragged_attn::AttentionConfig, ::xla::ffi::StructMember<int64_t>("num_seqs"),
+    ::xla::ffi::StructMember<int64_t>("capacity_q"), ::xla::ffi::StructMember<int64_t>("capacity_kv"),
+    ::xla::ffi::StructMember<int64_t>("num_heads_q"), ::xla::ffi::StructMember<int64_t>("num_heads_kv"),
+    ::xla::ffi::StructMember<int64_t>("head_dim_qk"), ::xla::ffi::StructMember<int64_t>("head_dim_v"),
+    ::xla::ffi::StructMember<int64_t>("max_seqlen_q"), ::xla::ffi::StructMember<int64_t>("max_seqlen_kv"),
+    ::xla::ffi::StructMember<int64_t>("dtype"), ::xla::ffi::StructMember<float>("scale"),
+    ::xla::ffi::StructMember<int64_t>("bottom_right"), ::xla::ffi::StructMember<int64_t>("left_bound"),
+    ::xla::ffi::StructMember<int64_t>("right_bound"), ::xla::ffi::StructMember<int64_t>("stats_token_major"),
+    ::xla::ffi::StructMember<int64_t>("use_max_total_seq_len"));
+
+namespace jax_ragged_attn {
+namespace {
+
+using Int32Buffer = ffi::Buffer<ffi::S32>;
+
+ffi::DataType element_type(const AttentionConfig& c) {
+  return c.dtype == static_cast<int64_t>(DType::kFloat16) ? ffi::DataType::F16 : ffi::DataType::BF16;
+}
+
+std::string shape_string(ffi::Span<const int64_t> dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// A buffer of the configured dtype and exactly the expected shape; anything else could let cuDNN address
+// memory outside it.
+ffi::Error check_buffer(const char* name, ffi::DataType type, ffi::Span<const int64_t> dims, ffi::DataType expected_type,
+                        std::vector<int64_t> expected_dims, const AttentionConfig& c) {
+  const bool same_shape = dims.size() == expected_dims.size() &&
+                          std::equal(dims.begin(), dims.end(), expected_dims.begin());
+  FFI_CHECK(type == expected_type && same_shape)
+      << name << " is " << shape_string(dims) << " of type " << static_cast<int>(type) << ", expected "
+      << shape_string(ffi::Span<const int64_t>(expected_dims.data(), expected_dims.size())) << " of type "
+      << static_cast<int>(expected_type) << " [" << c.describe() << "]";
+  return ffi::Error::Success();
+}
+
+ffi::Error check_index(const char* name, const Int32Buffer& buffer, int64_t expected, const AttentionConfig& c) {
+  return check_buffer(name, ffi::DataType::S32, buffer.dimensions(), ffi::DataType::S32, {expected}, c);
+}
+
+ffi::Error check_workspace(int64_t have, const CachedGraph& graph, const AttentionConfig& c) {
+  FFI_CHECK(have >= graph.workspace_bytes)
+      << "the workspace XLA allocated (" << have << " bytes) is smaller than the graph needs (" << graph.workspace_bytes
+      << " bytes): the configuration at trace time and at run time differ [" << c.describe() << "]";
+  return ffi::Error::Success();
+}
+
+struct IndexArgs {
+  Int32Buffer seq_len_q, seq_len_kv, offset_q, offset_k, offset_v, offset_o, offset_stats;
+};
+
+ffi::Error check_indices(const IndexArgs& idx, const AttentionConfig& c) {
+  FFI_RETURN_IF_ERROR(check_index("seq_len_q", idx.seq_len_q, c.num_seqs, c));
+  FFI_RETURN_IF_ERROR(check_index("seq_len_kv", idx.seq_len_kv, c.num_seqs, c));
+  for (auto [name, buffer] : {std::pair{"offset_q", &idx.offset_q}, std::pair{"offset_k", &idx.offset_k},
+                              std::pair{"offset_v", &idx.offset_v}, std::pair{"offset_o", &idx.offset_o},
+                              std::pair{"offset_stats", &idx.offset_stats}}) {
+    FFI_RETURN_IF_ERROR(check_index(name, *buffer, c.num_seqs + 1, c));
+  }
+  return ffi::Error::Success();
+}
+
+void add_indices(std::unordered_map<int64_t, void*>& pack, const IndexArgs& idx) {
+  pack[static_cast<int64_t>(TensorUid::kSeqLenQ)] = idx.seq_len_q.untyped_data();
+  pack[static_cast<int64_t>(TensorUid::kSeqLenKV)] = idx.seq_len_kv.untyped_data();
+  pack[static_cast<int64_t>(TensorUid::kOffsetQ)] = idx.offset_q.untyped_data();
+  pack[static_cast<int64_t>(TensorUid::kOffsetK)] = idx.offset_k.untyped_data();
+  pack[static_cast<int64_t>(TensorUid::kOffsetV)] = idx.offset_v.untyped_data();
+  pack[static_cast<int64_t>(TensorUid::kOffsetO)] = idx.offset_o.untyped_data();
+  pack[static_cast<int64_t>(TensorUid::kOffsetStats)] = idx.offset_stats.untyped_data();
+}
+
+std::vector<int64_t> q_shape(const AttentionConfig& c) { return {c.capacity_q, c.num_heads_q, c.head_dim_qk}; }
+std::vector<int64_t> k_shape(const AttentionConfig& c) { return {c.capacity_kv, c.num_heads_kv, c.head_dim_qk}; }
+std::vector<int64_t> v_shape(const AttentionConfig& c) { return {c.capacity_kv, c.num_heads_kv, c.head_dim_v}; }
+std::vector<int64_t> o_shape(const AttentionConfig& c) { return {c.capacity_q, c.num_heads_q, c.head_dim_v}; }
+std::vector<int64_t> stats_shape(const AttentionConfig& c) {
+  if (c.stats_token_major) return {c.capacity_q, c.num_heads_q};
+  return {c.num_heads_q, c.capacity_q};
+}
+
+ffi::Error check_qkv(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                     const AttentionConfig& c) {
+  const ffi::DataType t = element_type(c);
+  FFI_RETURN_IF_ERROR(check_buffer("q", q.element_type(), q.dimensions(), t, q_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("k", k.element_type(), k.dimensions(), t, k_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("v", v.element_type(), v.dimensions(), t, v_shape(c), c));
+  return ffi::Error::Success();
+}
+
+ffi::Error forward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        Int32Buffer seq_len_q, Int32Buffer seq_len_kv, Int32Buffer offset_q, Int32Buffer offset_k,
+                        Int32Buffer offset_v, Int32Buffer offset_o, Int32Buffer offset_stats,
+                        ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> stats,
+                        ffi::Result<ffi::Buffer<ffi::U8>> workspace, AttentionConfig c) {
+  const IndexArgs idx{seq_len_q, seq_len_kv, offset_q, offset_k, offset_v, offset_o, offset_stats};
+  FFI_RETURN_IF_ERROR(check_qkv(q, k, v, c));
+  FFI_RETURN_IF_ERROR(check_indices(idx, c));
+  FFI_RETURN_IF_ERROR(check_buffer("o", o->element_type(), o->dimensions(), element_type(c), o_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("stats", ffi::DataType::F32, stats->dimensions(), ffi::DataType::F32,
+                                   stats_shape(c), c));
+
+  std::shared_ptr<const CachedGraph> graph;
+  FFI_RETURN_IF_ERROR(forward_graph(device, c, &graph));
+  FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace->element_count()), *graph, c));
+
+  std::unordered_map<int64_t, void*> pack = {
+      {static_cast<int64_t>(TensorUid::kQ), q.untyped_data()},
+      {static_cast<int64_t>(TensorUid::kK), k.untyped_data()},
+      {static_cast<int64_t>(TensorUid::kV), v.untyped_data()},
+      {static_cast<int64_t>(TensorUid::kO), o->untyped_data()},
+      {static_cast<int64_t>(TensorUid::kStats), stats->untyped_data()},
+  };
+  add_indices(pack, idx);
+  return execute_graph(device, *graph, stream, pack, workspace->untyped_data());
+}
+
+ffi::Error backward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                         ffi::AnyBuffer o, ffi::AnyBuffer d_o, ffi::Buffer<ffi::F32> stats, Int32Buffer seq_len_q,
+                         Int32Buffer seq_len_kv, Int32Buffer offset_q, Int32Buffer offset_k, Int32Buffer offset_v,
+                         Int32Buffer offset_o, Int32Buffer offset_stats, ffi::Result<ffi::AnyBuffer> d_q,
+                         ffi::Result<ffi::AnyBuffer> d_k, ffi::Result<ffi::AnyBuffer> d_v,
+                         ffi::Result<ffi::Buffer<ffi::U8>> workspace, AttentionConfig c) {
+  const IndexArgs idx{seq_len_q, seq_len_kv, offset_q, offset_k, offset_v, offset_o, offset_stats};
+  const ffi::DataType t = element_type(c);
+  FFI_RETURN_IF_ERROR(check_qkv(q, k, v, c));
+  FFI_RETURN_IF_ERROR(check_indices(idx, c));
+  FFI_RETURN_IF_ERROR(check_buffer("o", o.element_type(), o.dimensions(), t, o_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("d_o", d_o.element_type(), d_o.dimensions(), t, o_shape(c), c));
+  FFI_RETURN_IF_ERROR(
+      check_buffer("stats", ffi::DataType::F32, stats.dimensions(), ffi::DataType::F32, stats_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("d_q", d_q->element_type(), d_q->dimensions(), t, q_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("d_k", d_k->element_type(), d_k->dimensions(), t, k_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("d_v", d_v->element_type(), d_v->dimensions(), t, v_shape(c), c));
+
+  std::shared_ptr<const CachedGraph> graph;
+  FFI_RETURN_IF_ERROR(backward_graph(device, c, &graph));
+  FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace->element_count()), *graph, c));
+
+  std::unordered_map<int64_t, void*> pack = {
+      {static_cast<int64_t>(TensorUid::kQ), q.untyped_data()},
+      {static_cast<int64_t>(TensorUid::kK), k.untyped_data()},
+      {static_cast<int64_t>(TensorUid::kV), v.untyped_data()},
+      {static_cast<int64_t>(TensorUid::kO), o.untyped_data()},
+      {static_cast<int64_t>(TensorUid::kDO), d_o.untyped_data()},
+      {static_cast<int64_t>(TensorUid::kStats), stats.untyped_data()},
+      {static_cast<int64_t>(TensorUid::kDQ), d_q->untyped_data()},
+      {static_cast<int64_t>(TensorUid::kDK), d_k->untyped_data()},
+      {static_cast<int64_t>(TensorUid::kDV), d_v->untyped_data()},
+  };
+  add_indices(pack, idx);
+  return execute_graph(device, *graph, stream, pack, workspace->untyped_data());
+}
+
+}  // namespace
+}  // namespace jax_ragged_attn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnForward, jax_ragged_attn::forward_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_len_q
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_len_kv
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_q
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_k
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_o
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_stats
+                                  .Ret<ffi::AnyBuffer>()  // o
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // stats
+                                  .Ret<ffi::Buffer<ffi::U8>>()  // workspace
+                                  .Attrs<jax_ragged_attn::AttentionConfig>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnBackward, jax_ragged_attn::backward_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // o
+                                  .Arg<ffi::AnyBuffer>()  // d_o
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // stats
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_len_q
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_len_kv
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_q
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_k
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_o
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_stats
+                                  .Ret<ffi::AnyBuffer>()  // d_q
+                                  .Ret<ffi::AnyBuffer>()  // d_k
+                                  .Ret<ffi::AnyBuffer>()  // d_v
+                                  .Ret<ffi::Buffer<ffi::U8>>()  // workspace
+                                  .Attrs<jax_ragged_attn::AttentionConfig>(),
+                              {ffi::Traits::kCmdBufferCompatible});

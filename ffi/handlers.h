@@ -1,0 +1,7 @@
+// The two XLA FFI handlers, registered from Python for platform "CUDA".
+#pragma once
+
+#include "xla/ffi/api/api.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxRaggedAttnForward);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxRaggedAttnBackward);

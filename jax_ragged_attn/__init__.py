@@ -1,0 +1,1 @@
+"""cuDNN ragged attention for JAX."""

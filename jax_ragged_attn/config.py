@@ -1,0 +1,190 @@
+"""The static description of one ragged attention call, validated once.
+
+Every backend receives an `AttentionConfig`: a frozen, hashable dataclass that holds everything that is
+known at trace time. It is the graph-cache key on the cuDNN side and a `nondiff_argnums` entry in the
+`custom_vjp`, so it must hold plain Python values only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+
+import jax.numpy as jnp
+import numpy as np
+
+DIAGONAL_ALIGNMENTS = ("top_left", "bottom_right")
+STATS_LAYOUTS = ("head_major", "token_major")
+IMPLEMENTATIONS = (None, "cudnn", "xla")
+XLA_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Shapes and options of one call; see `ragged_attention` for the meaning of each field."""
+
+    num_seqs: int  # B: cu_seqlens has B + 1 entries
+    capacity_q: int  # Tq: rows of q, padding included
+    capacity_kv: int  # Tkv
+    num_heads_q: int
+    num_heads_kv: int
+    head_dim_qk: int
+    head_dim_v: int
+    max_seqlen_q: int
+    max_seqlen_kv: int
+    dtype: str  # numpy name: "bfloat16", "float16", "float32"
+    scale: float
+    is_causal: bool
+    diagonal_alignment: str
+    window_left: int | None  # keys at most this far left of the diagonal; None = unbounded
+    window_right: int | None  # keys at most this far right of the diagonal; None = unbounded
+    stats_layout: str
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads_q // self.num_heads_kv
+
+    @property
+    def left_bound(self) -> int | None:
+        """How far left of the diagonal a key may sit, or None for no limit."""
+        return self.window_left
+
+    @property
+    def right_bound(self) -> int | None:
+        """How far right of the diagonal a key may sit, or None for no limit (causal means 0)."""
+        if self.is_causal:
+            return 0 if self.window_right is None else min(self.window_right, 0)
+        return self.window_right
+
+    def describe(self) -> str:
+        fields = dataclasses.asdict(self)
+        return ", ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def _static_int(value, name: str, minimum: int) -> int:
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(
+            f"{name} must be a static Python int (it fixes the graph's shape), got {type(value).__name__} "
+            f"{value!r}; pass it outside jax.jit or mark it static"
+        ) from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _normalize_window(local_window_size) -> tuple[int | None, int | None]:
+    # jax.nn.dot_product_attention spells the window as an int or a (left, right) pair.
+    if local_window_size is None:
+        return None, None
+    if isinstance(local_window_size, (tuple, list)):
+        if len(local_window_size) != 2:
+            raise ValueError(
+                f"local_window_size must be an int or a (left, right) pair, got {local_window_size!r}"
+            )
+        left, right = local_window_size
+    else:
+        left = right = local_window_size
+    return (
+        _static_int(left, "local_window_size[0] (left)", 0),
+        _static_int(right, "local_window_size[1] (right)", 0),
+    )
+
+
+def _check_array(x, name: str, rank: int, layout: str):
+    shape = getattr(x, "shape", None)
+    if shape is None or getattr(x, "dtype", None) is None:
+        raise ValueError(f"{name} must be an array {layout}, got {type(x).__name__}")
+    if len(shape) != rank:
+        raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(shape)}")
+
+
+def make_config(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_kv,
+    *,
+    max_seqlen_q,
+    max_seqlen_kv,
+    scale,
+    is_causal,
+    diagonal_alignment,
+    local_window_size,
+    stats_layout,
+) -> AttentionConfig:
+    """Checks every static property of the arguments; raises ValueError naming the argument."""
+    _check_array(q, "q", 3, "[Tq, Hq, Dqk]")
+    _check_array(k, "k", 3, "[Tkv, Hkv, Dqk]")
+    _check_array(v, "v", 3, "[Tkv, Hkv, Dv]")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
+        _check_array(cu, name, 1, "[B + 1]")
+        if cu.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {cu.dtype}")
+        if cu.shape[0] < 2:
+            raise ValueError(f"{name} must have B + 1 >= 2 entries, got shape {tuple(cu.shape)}")
+    if cu_seqlens_q.shape != cu_seqlens_kv.shape:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_kv must both be [B + 1], got {tuple(cu_seqlens_q.shape)} "
+            f"and {tuple(cu_seqlens_kv.shape)}"
+        )
+
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in [np.dtype(d) for d in XLA_DTYPES]:
+        raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
+
+    tq, hq, dqk = q.shape
+    tkv, hkv, dk = k.shape
+    if v.shape[0] != tkv or v.shape[1] != hkv:
+        raise ValueError(f"v must be [Tkv={tkv}, Hkv={hkv}, Dv] like k, got {tuple(v.shape)}")
+    if dk != dqk:
+        raise ValueError(f"k's head dim must equal q's ({dqk}), got k shape {tuple(k.shape)}")
+    for name, dim in (("q.shape[0] (Tq)", tq), ("k.shape[0] (Tkv)", tkv)):
+        if dim < 1:
+            raise ValueError(f"{name} must be >= 1, got {dim}")
+    for name, dim in (("q.shape[1] (Hq)", hq), ("k.shape[1] (Hkv)", hkv), ("q.shape[2] (Dqk)", dqk),
+                      ("v.shape[2] (Dv)", v.shape[2])):
+        if dim < 1:
+            raise ValueError(f"{name} must be >= 1, got {dim}")
+    if hq % hkv:
+        raise ValueError(f"q's heads ({hq}) must be a multiple of k's heads ({hkv})")
+
+    if diagonal_alignment not in DIAGONAL_ALIGNMENTS:
+        raise ValueError(f"diagonal_alignment must be one of {DIAGONAL_ALIGNMENTS}, got {diagonal_alignment!r}")
+    if stats_layout not in STATS_LAYOUTS:
+        raise ValueError(f"stats_layout must be one of {STATS_LAYOUTS}, got {stats_layout!r}")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise ValueError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(dqk)
+    try:
+        scale = float(scale)
+    except TypeError:
+        raise ValueError(f"scale must be a static Python float, got {type(scale).__name__}") from None
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+
+    window_left, window_right = _normalize_window(local_window_size)
+    return AttentionConfig(
+        num_seqs=int(cu_seqlens_q.shape[0]) - 1,
+        capacity_q=int(tq),
+        capacity_kv=int(tkv),
+        num_heads_q=int(hq),
+        num_heads_kv=int(hkv),
+        head_dim_qk=int(dqk),
+        head_dim_v=int(v.shape[2]),
+        max_seqlen_q=_static_int(max_seqlen_q, "max_seqlen_q", 1),
+        max_seqlen_kv=_static_int(max_seqlen_kv, "max_seqlen_kv", 1),
+        dtype=np.dtype(q.dtype).name,
+        scale=scale,
+        is_causal=bool(is_causal),
+        diagonal_alignment=diagonal_alignment,
+        window_left=window_left,
+        window_right=window_right,
+        stats_layout=stats_layout,
+    )
