@@ -1,0 +1,83 @@
+"""The public entry point: validate, pick an implementation, call it."""
+
+from __future__ import annotations
+
+import jax
+
+from jax_ragged_attn import cudnn
+from jax_ragged_attn.config import IMPLEMENTATIONS, AttentionConfig, make_config
+from jax_ragged_attn.xla import attention_xla
+
+
+def ragged_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_kv: jax.Array,
+    *,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    scale: float | None = None,
+    is_causal: bool = False,
+    diagonal_alignment: str = "top_left",
+    local_window_size: int | tuple[int, int] | None = None,
+    stats_layout: str = "head_major",
+    return_stats: bool = False,
+    implementation: str | None = None,
+):
+    """Scaled dot-product attention over sequences packed into one token buffer (the THD / varlen layout).
+
+    Args:
+      q: [Tq, Hq, Dqk]; k: [Tkv, Hkv, Dqk]; v: [Tkv, Hkv, Dv]. Hq must be a multiple of Hkv (MHA, GQA, MQA):
+        query head h reads key/value head h // (Hq // Hkv).
+      cu_seqlens_q, cu_seqlens_kv: int32 [B + 1]. Sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
+        and key rows cu_seqlens_kv[b]:cu_seqlens_kv[b+1]. Zero-length sequences are fine. Tq and Tkv are
+        static capacities; rows past cu_seqlens[-1] are padding. Values are clamped monotone into [0, T]
+        before use, so no value can make a kernel address outside the buffers.
+      max_seqlen_q, max_seqlen_kv: static upper bounds of the sequence lengths (rows of a longer sequence
+        past the bound are treated as padding).
+      scale: multiplies q.k; default 1/sqrt(Dqk).
+      is_causal: query i sees key j only if j <= diagonal.
+      diagonal_alignment: "top_left" (diagonal d = i) or "bottom_right" (d = i + skv - sq), per sequence.
+      local_window_size: (left, right) keeps d - left <= j <= d + right; an int w means (w, w).
+      stats_layout: "head_major" returns stats [Hq, Tq] (FlashAttention's softmax_lse); "token_major"
+        returns [Tq, Hq] (cuDNN's and TransformerEngine's).
+      return_stats: also return the float32 natural-log log-sum-exp of the attended logits.
+      implementation: None picks cuDNN when it can serve the call here, else "xla"; "cudnn" raises
+        NotImplementedError saying why when it cannot; "xla" is the portable jnp implementation.
+
+    Returns:
+      out [Tq, Hq, Dv] in q's dtype, or (out, stats) with return_stats=True. Rows with no attended key and
+      padding rows read out = 0 and stats = -inf, and their gradients are 0.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    config = make_config(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_kv=max_seqlen_kv,
+        scale=scale,
+        is_causal=is_causal,
+        diagonal_alignment=diagonal_alignment,
+        local_window_size=local_window_size,
+        stats_layout=stats_layout,
+    )
+    if _choose(implementation, config) == "cudnn":
+        out, stats = cudnn.attention_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_kv, config)
+    else:
+        out, stats = attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config)
+    return (out, stats) if return_stats else out
+
+
+def _choose(implementation: str | None, config: AttentionConfig) -> str:
+    if implementation == "xla":
+        return "xla"
+    reason = cudnn.unsupported_reason(config)
+    if implementation == "cudnn" and reason is not None:
+        raise NotImplementedError(f"implementation='cudnn' cannot serve this call: {reason}")
+    return "xla" if reason is not None else "cudnn"

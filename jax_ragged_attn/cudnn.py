@@ -1,0 +1,205 @@
+"""The cuDNN path: `jax.ffi.ffi_call` into the C++ handlers, wrapped in a `jax.custom_vjp`.
+
+At trace time the extension builds (or finds) the exact cuDNN graph and tells us its workspace size, which
+becomes an extra uint8 output of the call: XLA allocates it like any buffer and the wrapper drops it.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
+
+from jax_ragged_attn import extension
+from jax_ragged_attn.config import AttentionConfig
+from jax_ragged_attn.packing import (
+    query_rows_with_keys,
+    row_positions,
+    sanitize_cu_seqlens,
+    sequence_lengths,
+)
+
+CUDNN_DTYPES = ("bfloat16", "float16")
+MAX_HEAD_DIM = 256
+_INT32_LIMIT = 2**31 - 1
+
+
+def ffi_attributes(config: AttentionConfig) -> dict:
+    """The configuration as the C++ side names it (ffi/attention_config.h), in plain Python values."""
+    return dict(
+        num_seqs=config.num_seqs,
+        capacity_q=config.capacity_q,
+        capacity_kv=config.capacity_kv,
+        num_heads_q=config.num_heads_q,
+        num_heads_kv=config.num_heads_kv,
+        head_dim_qk=config.head_dim_qk,
+        head_dim_v=config.head_dim_v,
+        max_seqlen_q=config.max_seqlen_q,
+        max_seqlen_kv=config.max_seqlen_kv,
+        dtype=CUDNN_DTYPES.index(config.dtype),
+        scale=config.scale,
+        bottom_right=int(config.diagonal_alignment == "bottom_right"),
+        left_bound=-1 if config.left_bound is None else config.left_bound,
+        right_bound=-1 if config.right_bound is None else config.right_bound,
+        stats_token_major=int(config.stats_layout == "token_major"),
+        use_max_total_seq_len=1,
+    )
+
+
+def _ffi_kwargs(config: AttentionConfig) -> dict:
+    # FFI attributes are typed: every field is an int64 except the float32 scale.
+    return {k: (np.float32(v) if k == "scale" else np.int64(v)) for k, v in ffi_attributes(config).items()}
+
+
+def _device_ordinal() -> int:
+    # Graphs are built on the first GPU at trace time; a handler running on another device of the same kind
+    # builds its own copy, and checks that the workspace XLA gave it is large enough.
+    return jax.devices("gpu")[0].local_hardware_id or 0
+
+
+def graph_info(direction: str, config: AttentionConfig) -> dict:
+    """Builds or finds the graph; raises NotImplementedError if cuDNN cannot run it."""
+    info = extension.module().graph_info(direction, _device_ordinal(), ffi_attributes(config))
+    if info["status"] == "unsupported":
+        raise NotImplementedError(f"cuDNN cannot run this {direction} configuration: {info['message']}")
+    if info["status"] != "ok":
+        raise RuntimeError(f"building the cuDNN {direction} graph failed: {info['message']}")
+    if info.get("fell_back"):
+        warnings.warn(
+            "cudnn-frontend reserved "
+            f"{info['frontend_region_bytes']} bytes for the ragged backward intermediates, less than their full "
+            f"extent ({info['expected_intermediate_bytes']} bytes); using the dense layout without "
+            "max_total_seq_len instead (correct, larger workspace). Upgrade nvidia-cudnn-frontend to 1.28+.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return info
+
+
+def unsupported_reason(config: AttentionConfig) -> str | None:
+    """None when the cuDNN path can serve `config` here, else a sentence saying why not."""
+    if config.dtype not in CUDNN_DTYPES:
+        return f"the cuDNN path takes bfloat16 or float16 inputs, got {config.dtype}"
+    for name, dim in (("Dqk", config.head_dim_qk), ("Dv", config.head_dim_v)):
+        if dim % 8 or dim > MAX_HEAD_DIM:
+            return f"cuDNN needs head dims that are multiples of 8 up to {MAX_HEAD_DIM}, got {name}={dim}"
+    widest = max(config.head_dim_qk, config.head_dim_v)
+    if max(config.capacity_q * config.num_heads_q, config.capacity_kv * config.num_heads_kv) * widest > _INT32_LIMIT:
+        return "the ragged offsets are int32: T * H * D must stay below 2**31 elements"
+    reason = extension.cudnn_unavailable_reason()
+    if reason is not None:
+        return reason
+    for direction in ("forward", "backward"):
+        try:
+            graph_info(direction, config)
+        except NotImplementedError as error:
+            return str(error)
+    return None
+
+
+def _index_arrays(cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
+    """Sequence lengths and the ragged offsets of each tensor, in elements (see ffi/layouts.h)."""
+    cu_q = sanitize_cu_seqlens(cu_seqlens_q, config.capacity_q)
+    cu_kv = sanitize_cu_seqlens(cu_seqlens_kv, config.capacity_kv)
+    hq, hkv = config.num_heads_q, config.num_heads_kv
+    dqk, dv = config.head_dim_qk, config.head_dim_v
+    stats_offset = cu_q * hq if config.stats_layout == "token_major" else cu_q
+    return (
+        sequence_lengths(cu_q, config.max_seqlen_q),
+        sequence_lengths(cu_kv, config.max_seqlen_kv),
+        cu_q * (hq * dqk),  # q, dq
+        cu_kv * (hkv * dqk),  # k, dk
+        cu_kv * (hkv * dv),  # v, dv
+        cu_q * (hq * dv),  # o, do
+        stats_offset,
+    )
+
+
+def _valid_rows(cu_seqlens, capacity: int, max_seqlen: int) -> jax.Array:
+    return row_positions(sanitize_cu_seqlens(cu_seqlens, capacity), capacity, max_seqlen)[2]
+
+
+def _attending_rows(cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig) -> jax.Array:
+    cu_q = sanitize_cu_seqlens(cu_seqlens_q, config.capacity_q)
+    cu_kv = sanitize_cu_seqlens(cu_seqlens_kv, config.capacity_kv)
+    return query_rows_with_keys(cu_q, cu_kv, config)
+
+
+def _stats_shape(config: AttentionConfig) -> tuple[int, int]:
+    if config.stats_layout == "token_major":
+        return (config.capacity_q, config.num_heads_q)
+    return (config.num_heads_q, config.capacity_q)
+
+
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
+    """Returns (out, stats for the caller, stats as cuDNN wrote them for the backward)."""
+    info = graph_info("forward", config)
+    out_shape = (config.capacity_q, config.num_heads_q, config.head_dim_v)
+    result_types = (
+        jax.ShapeDtypeStruct(out_shape, q.dtype),
+        jax.ShapeDtypeStruct(_stats_shape(config), jnp.float32),
+        jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),
+    )
+    call = jax.ffi.ffi_call(extension.FORWARD_TARGET, result_types, vmap_method="sequential")
+    out, raw_stats, _workspace = call(
+        q, k, v, *_index_arrays(cu_seqlens_q, cu_seqlens_kv, config), **_ffi_kwargs(config)
+    )
+    # cuDNN writes only the rows of real tokens, and rows without any key have no defined softmax: give
+    # both the documented values. The backward gets the raw stats, the values cuDNN itself expects.
+    rows = _attending_rows(cu_seqlens_q, cu_seqlens_kv, config)
+    out = jnp.where(rows[:, None, None], out, jnp.zeros((), out.dtype))
+    stats_rows = rows[:, None] if config.stats_layout == "token_major" else rows[None, :]
+    stats = jnp.where(stats_rows, raw_stats, -jnp.inf)
+    return out, stats, raw_stats
+
+
+def _backward(q, k, v, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config: AttentionConfig):
+    info = graph_info("backward", config)
+    result_types = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+        jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),
+    )
+    call = jax.ffi.ffi_call(extension.BACKWARD_TARGET, result_types, vmap_method="sequential")
+    indices = _index_arrays(cu_seqlens_q, cu_seqlens_kv, config)
+    d_q, d_k, d_v, _workspace = call(q, k, v, out, d_out.astype(q.dtype), raw_stats, *indices, **_ffi_kwargs(config))
+    valid_q = _attending_rows(cu_seqlens_q, cu_seqlens_kv, config)[:, None, None]
+    valid_kv = _valid_rows(cu_seqlens_kv, config.capacity_kv, config.max_seqlen_kv)[:, None, None]
+    zero = jnp.zeros((), q.dtype)
+    return jnp.where(valid_q, d_q, zero), jnp.where(valid_kv, d_k, zero), jnp.where(valid_kv, d_v, zero)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def attention_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
+    """Returns (out [Tq, Hq, Dv], stats float32 in the configured layout), differentiable in q, k, v."""
+    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config)[:2]
+
+
+def _attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, config):
+    # symbolic_zeros=True wraps each primal input; unwrap them.
+    q, k, v, cu_seqlens_q, cu_seqlens_kv = (x.value for x in (q, k, v, cu_seqlens_q, cu_seqlens_kv))
+    out, stats, raw_stats = _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config)
+    return (out, stats), (q, k, v, cu_seqlens_q, cu_seqlens_kv, out, raw_stats)
+
+
+def _attention_bwd(config, residuals, cotangents):
+    q, k, v, cu_seqlens_q, cu_seqlens_kv, out, raw_stats = residuals
+    d_out, d_stats = cotangents
+    if not isinstance(d_stats, SymbolicZero):
+        # FlashAttention's API silently drops this term; a wrong gradient is worse than an error.
+        raise NotImplementedError(
+            "the cuDNN path cannot differentiate through stats (the log-sum-exp): a non-zero cotangent reached "
+            "it. Use implementation='xla' for this loss, or stop_gradient the stats."
+        )
+    if isinstance(d_out, SymbolicZero):
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), None, None
+    d_q, d_k, d_v = _backward(q, k, v, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config)
+    return d_q, d_k, d_v, None, None
+
+
+attention_cudnn.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)

@@ -1,0 +1,89 @@
+"""Loads the compiled extension, registers its FFI targets and answers "can the cuDNN path run here?".
+
+Importing jax_ragged_attn never fails because of the extension: a missing build or a machine without a GPU
+only makes `cudnn_unavailable_reason()` return a sentence, and implementation=None picks the xla path.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import importlib.util
+import os
+
+import jax
+
+FORWARD_TARGET = "jax_ragged_attn_forward"
+BACKWARD_TARGET = "jax_ragged_attn_backward"
+
+
+@functools.cache
+def _module():
+    """The nanobind module, or the ImportError that explains why there is none."""
+    try:
+        from jax_ragged_attn import _ext
+    except ImportError as error:
+        return error
+    return _ext
+
+
+def module():
+    """The extension module; raises NotImplementedError when it was not built."""
+    ext = _module()
+    if isinstance(ext, ImportError):
+        raise NotImplementedError(f"the jax_ragged_attn C++ extension is not built or not importable: {ext}")
+    return ext
+
+
+def _wheel_cudnn_path() -> str:
+    """libcudnn.so.9 inside the nvidia-cudnn wheel, for when jaxlib has not loaded one yet."""
+    spec = importlib.util.find_spec("nvidia.cudnn") if importlib.util.find_spec("nvidia") else None
+    for base in (spec.submodule_search_locations if spec else []):
+        for path in glob.glob(os.path.join(base, "lib", "libcudnn.so.9*")):
+            return path
+    return ""
+
+
+def _has_cuda_backend() -> bool:
+    try:
+        return bool(jax.devices("gpu")) and jax.devices("gpu")[0].platform == "gpu"
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def _initialize() -> str | None:
+    """Registers the FFI targets and loads cuDNN once; returns why the cuDNN path is unusable, or None."""
+    ext = _module()
+    if isinstance(ext, ImportError):
+        return f"the C++ extension is not importable ({ext})"
+    if not _has_cuda_backend():
+        return f"no CUDA device: JAX's backend is {jax.default_backend()!r}"
+    for name, capsule in ext.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    try:
+        ext.load_cudnn(_wheel_cudnn_path())
+    except RuntimeError as error:
+        return str(error)
+    if ext.cudnn_version() < 90600:
+        return f"cuDNN {ext.cudnn_version()} is too old: ragged backward needs 9.6 or newer"
+    return None
+
+
+def cudnn_unavailable_reason() -> str | None:
+    """None when the cuDNN path can run in this process, else a sentence saying why not."""
+    return _initialize()
+
+
+def versions() -> dict:
+    """What the self-check prints: extension, cuDNN and cudnn-frontend versions."""
+    ext = _module()
+    if isinstance(ext, ImportError):
+        return {"extension": f"not importable ({ext})"}
+    reason = cudnn_unavailable_reason()
+    return {
+        "extension": "built",
+        "cudnn_frontend": ".".join(map(str, ext.frontend_version)),
+        "cudnn": ext.cudnn_version() or "not loaded",
+        "cudnn_path": "usable" if reason is None else f"unusable: {reason}",
+    }

@@ -1,0 +1,63 @@
+"""Where each packed row belongs: sanitised cu_seqlens, per-row sequence index, position and validity.
+
+Shared by the xla path (to gather rows into a padded batch and back) and the cuDNN path (to zero the rows
+cuDNN never writes). Everything here is jit-traceable and cheap: O(B + T) integer work.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sanitize_cu_seqlens(cu_seqlens: jax.Array, capacity: int) -> jax.Array:
+    """Clamps cu_seqlens monotone into [0, capacity], so no offset can address outside the buffer.
+
+    Valid input passes through unchanged: [0, 3, 3, 7] -> [0, 3, 3, 7]. Garbage is made harmless:
+    [5, 2, 9, 4] with capacity 6 -> [5, 5, 6, 6].
+    """
+    return jnp.clip(jax.lax.cummax(cu_seqlens, axis=0), 0, capacity)
+
+
+def sequence_lengths(cu_seqlens: jax.Array, max_seqlen: int) -> jax.Array:
+    """Rows of each sequence, capped at max_seqlen: the graph has room for no more."""
+    return jnp.minimum(jnp.diff(cu_seqlens), max_seqlen).astype(jnp.int32)
+
+
+def row_positions(cu_seqlens: jax.Array, capacity: int, max_seqlen: int):
+    """For each of `capacity` rows: (sequence index, position within it, whether it is a real token).
+
+    cu_seqlens = [0, 2, 2, 5], capacity 7, max_seqlen 8:
+      sequence = [0, 0, 2, 2, 2, 3, 3]   (3 = past the last sequence)
+      position = [0, 1, 0, 1, 2, 0, 1]
+      valid    = [T, T, T, T, T, F, F]
+    """
+    rows = jnp.arange(capacity, dtype=jnp.int32)
+    num_seqs = cu_seqlens.shape[0] - 1
+    # side="right" skips zero-length sequences: row 2 above lies in sequence 2, not the empty sequence 1.
+    sequence = jnp.searchsorted(cu_seqlens[1:], rows, side="right").astype(jnp.int32)
+    clamped = jnp.minimum(sequence, num_seqs - 1)
+    position = rows - cu_seqlens[clamped]
+    lengths = sequence_lengths(cu_seqlens, max_seqlen)
+    valid = (sequence < num_seqs) & (position >= 0) & (position < lengths[clamped])
+    return sequence, position, valid
+
+
+def query_rows_with_keys(cu_seqlens_q, cu_seqlens_kv, config) -> jax.Array:
+    """[Tq] boolean: the row is a real token and attends to at least one key.
+
+    Rows outside it must read out = 0 and stats = -inf whatever a kernel left there: padding rows are never
+    written, and a row whose band is empty (causal bottom-right with sq > skv, a narrow window, skv = 0)
+    has no softmax to take. Arguments are already sanitised cu_seqlens.
+    """
+    seq, pos, valid = row_positions(cu_seqlens_q, config.capacity_q, config.max_seqlen_q)
+    seq = jnp.minimum(seq, config.num_seqs - 1)
+    sq = sequence_lengths(cu_seqlens_q, config.max_seqlen_q)[seq]
+    skv = sequence_lengths(cu_seqlens_kv, config.max_seqlen_kv)[seq]
+    diagonal = pos if config.diagonal_alignment == "top_left" else pos + skv - sq
+    first, last = jnp.zeros_like(pos), skv - 1
+    if config.left_bound is not None:
+        first = jnp.maximum(first, diagonal - config.left_bound)
+    if config.right_bound is not None:
+        last = jnp.minimum(last, diagonal + config.right_bound)
+    return valid & (first <= last)
