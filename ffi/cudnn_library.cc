@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <cstdlib>
 #include <mutex>
 #include <stdexcept>
 
@@ -18,6 +19,20 @@ namespace {
 
 constexpr const char* kCudnnSoname = "libcudnn.so.9";
 std::mutex load_mutex;
+
+// cudnn-frontend's loader opens libcudart.so.12 before libcudart.so.13 and keeps the first it finds; a
+// runtime of the other major than our headers fills structs of another layout. Point it at the runtime
+// jaxlib already loaded, unless the user chose one.
+void pin_loaded_cudart() {
+  if (std::getenv("CUDNN_FRONTEND_CUDART_LIB_NAME") != nullptr) return;
+  for (const char* name : {"libcudart.so.13", "libcudart.so.12"}) {
+    if (void* handle = dlopen(name, RTLD_NOW | RTLD_NOLOAD)) {
+      dlclose(handle);
+      setenv("CUDNN_FRONTEND_CUDART_LIB_NAME", name, /*overwrite=*/0);
+      return;
+    }
+  }
+}
 
 }  // namespace
 
@@ -36,6 +51,7 @@ xla::ffi::Error load_cudnn(const std::string& fallback_path) {
            << "; install jax[cuda12] or jax[cuda13], which bring nvidia-cudnn";
   }
   cudnn_frontend::cudnn_dlhandle = handle;
+  pin_loaded_cudart();
   return xla::ffi::Error::Success();
 }
 

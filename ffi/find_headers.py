@@ -42,14 +42,20 @@ def cudnn() -> str | None:
 
 
 def cuda_runtime() -> str | None:
-    # CUDA 13 wheels install under nvidia/cu13, CUDA 12 ones under nvidia/cuda_runtime.
+    # cudnn.h pulls in cuda_runtime_api.h, which needs crt/ (nvidia-cuda-crt) and cuda_fp16.h, which needs
+    # CCCL's nv/target (nvidia-cuda-cccl): take the first directory that has all three. CUDA 13 wheels install
+    # under nvidia/cu13, CUDA 12 ones under nvidia/cuda_runtime; a toolkit has everything in one place.
+    candidates = []
     for module in ("nvidia.cu13", "nvidia.cuda_runtime"):
         base = _package_dir(module)
-        path = base and os.path.join(base, "include")
-        if path and os.path.exists(os.path.join(path, "cuda_runtime_api.h")):
-            return path
-    for path in ("/usr/local/cuda/include",):
-        if os.path.exists(os.path.join(path, "cuda_runtime_api.h")):
+        if base:
+            candidates.append(os.path.join(base, "include"))
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root:
+            candidates.append(os.path.join(root, "include"))
+    needed = ("cuda_runtime_api.h", os.path.join("crt", "host_defines.h"), os.path.join("nv", "target"))
+    for path in candidates:
+        if all(os.path.exists(os.path.join(path, name)) for name in needed):
             return path
     return None
 
@@ -59,7 +65,7 @@ def main() -> int:
         "XLA_FFI_INCLUDE_DIR": (xla_ffi, "jax (pip install jax)"),
         "CUDNN_FRONTEND_INCLUDE_DIR": (cudnn_frontend, "nvidia-cudnn-frontend (pip install --no-deps 'nvidia-cudnn-frontend>=1.28')"),
         "CUDNN_INCLUDE_DIR": (cudnn, "nvidia-cudnn-cu13 or nvidia-cudnn-cu12 (pip install nvidia-cudnn-cu13)"),
-        "CUDA_INCLUDE_DIR": (cuda_runtime, "nvidia-cuda-runtime (pip install nvidia-cuda-runtime) or a CUDA toolkit"),
+        "CUDA_INCLUDE_DIR": (cuda_runtime, "nvidia-cuda-runtime, nvidia-cuda-crt and nvidia-cuda-cccl (pip install nvidia-cuda-runtime nvidia-cuda-crt nvidia-cuda-cccl) or a CUDA toolkit"),
     }
     for name, (locate, package) in found.items():
         path = locate()

@@ -1,0 +1,110 @@
+"""`python -m jax_ragged_attn`: what this machine can run, and one packed batch checked and timed.
+
+Prints the environment (JAX backend, cuDNN and cudnn-frontend versions, whether the cuDNN path is usable),
+runs a packed causal batch forward and backward with the best implementation, compares it with the
+float32 xla path and prints the errors and timings. Exits non-zero if the errors exceed the tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ragged_attn import api, cudnn, extension
+from jax_ragged_attn.config import make_config
+
+
+def _lengths(rng, num_seqs: int, low: int, high: int, total: int | None) -> np.ndarray:
+    lengths = rng.integers(low, high + 1, size=num_seqs)
+    if total is not None:  # trim the last sequences so the batch holds exactly `total` tokens
+        excess = int(lengths.sum()) - total
+        for i in range(num_seqs - 1, -1, -1):
+            cut = min(excess, int(lengths[i]) - 1)
+            lengths[i] -= max(cut, 0)
+            excess -= max(cut, 0)
+    return lengths.astype(np.int32)
+
+
+def _time(fn, *args, iterations: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(args) -> int:
+    on_gpu = extension.cudnn_unavailable_reason() is None
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
+    for key, value in extension.versions().items():
+        print(f"  {key}: {value}")
+
+    rng = np.random.default_rng(args.seed)
+    lengths = _lengths(rng, args.num_seqs, args.min_len, args.max_len, args.total)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    tokens, max_len = int(lengths.sum()), int(lengths.max())
+    dtype = jnp.dtype(args.dtype)
+    shape_q = (tokens, args.heads, args.head_dim)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape_q), dtype) for _ in range(3))
+    kwargs = dict(max_seqlen_q=max_len, max_seqlen_kv=max_len, is_causal=True)
+    print(f"batch: {args.num_seqs} sequences of {lengths.min()}..{max_len} tokens ({tokens} in all), "
+          f"{args.heads} heads, head dim {args.head_dim}, {args.dtype}, causal")
+
+    status = 0
+    for layout in ("head_major", "token_major"):
+        def loss(q, k, v, implementation):
+            out = api.ragged_attention(q, k, v, cu, cu, stats_layout=layout, implementation=implementation, **kwargs)
+            return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.shape[-1], dtype=jnp.float32)))
+
+        best = "cudnn" if on_gpu and args.dtype != "float32" else "xla"
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+        forward = jax.jit(loss, static_argnums=3)
+        value, grads = step(q, k, v, best)
+        step_s = _time(step, q, k, v, best, iterations=args.iterations)
+        forward_s = _time(forward, q, k, v, best, iterations=args.iterations)
+
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        ref_value, ref_grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)(*f32, "xla")
+        errors = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - r))) for g, r in zip(grads, ref_grads)]
+        scale = max(float(jnp.max(jnp.abs(r))) for r in ref_grads)
+        tolerance = 0.05 if args.dtype != "float32" else 1e-4
+        ok = all(e <= tolerance * scale for e in errors) and all(float(jnp.abs(g).max()) > 0 for g in grads)
+        status |= not ok
+        extra = ""
+        if best == "cudnn":
+            config = make_config(q, k, v, cu, cu, scale=None, diagonal_alignment="top_left", local_window_size=None,
+                                 stats_layout=layout, **kwargs)
+            extra = f", backward workspace {cudnn.graph_info('backward', config)['workspace_bytes']:,} bytes"
+        print(f"[{layout}] {best}: forward {forward_s * 1e3:.3f} ms, forward+backward {step_s * 1e3:.3f} ms{extra}")
+        print(f"[{layout}] max |grad - float32 xla| (dq, dk, dv) = {', '.join(f'{e:.3g}' for e in errors)} "
+              f"(max |grad| {scale:.3g}) -> {'OK' if ok else 'FAIL'}")
+    return status
+
+
+def main(argv=None) -> int:
+    on_gpu = extension.cudnn_unavailable_reason() is None
+    parser = argparse.ArgumentParser(prog="python -m jax_ragged_attn.selfcheck", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    # On a GPU the default batch is the project's reference workload; on a CPU a small one.
+    parser.add_argument("--num-seqs", type=int, default=16 if on_gpu else 8)
+    parser.add_argument("--min-len", type=int, default=128 if on_gpu else 16)
+    parser.add_argument("--max-len", type=int, default=4096 if on_gpu else 128)
+    parser.add_argument("--total", type=int, default=32768 if on_gpu else None)
+    parser.add_argument("--heads", type=int, default=16 if on_gpu else 4)
+    parser.add_argument("--head-dim", type=int, default=128 if on_gpu else 64)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--iterations", type=int, default=20 if on_gpu else 3)
+    parser.add_argument("--seed", type=int, default=0)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

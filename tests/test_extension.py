@@ -1,0 +1,82 @@
+"""The C++ extension builds, imports and registers on any machine, and its sizing math is right.
+
+These run in CI without a GPU: the full-extent arithmetic is what decides whether a cuDNN backward can
+write past its workspace, so it is pinned here, independently of cuDNN.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jax_ragged_attn import cudnn, extension
+from jax_ragged_attn.config import make_config
+
+ext = extension.module()
+
+
+def _config(**overrides):
+    shapes = dict(tq=1000, tkv=1200, hq=16, hkv=16, dqk=128, dv=128, b=4, layout="head_major")
+    shapes.update(overrides)
+    q = jax.ShapeDtypeStruct((shapes["tq"], shapes["hq"], shapes["dqk"]), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((shapes["tkv"], shapes["hkv"], shapes["dqk"]), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((shapes["tkv"], shapes["hkv"], shapes["dv"]), jnp.bfloat16)
+    cu = jax.ShapeDtypeStruct((shapes["b"] + 1,), jnp.int32)
+    return make_config(q, k, v, cu, cu, max_seqlen_q=300, max_seqlen_kv=400, scale=None, is_causal=True,
+                       diagonal_alignment="top_left", local_window_size=None, stats_layout=shapes["layout"])
+
+
+def test_extension_registers_both_handlers():
+    capsules = ext.registrations()
+    assert set(capsules) == {extension.FORWARD_TARGET, extension.BACKWARD_TARGET}
+    assert all(type(c).__name__ == "PyCapsule" for c in capsules.values())
+
+
+def test_built_against_a_fixed_frontend():
+    # 1.28 is the first cudnn-frontend that sizes ragged intermediates from every axis.
+    assert tuple(ext.frontend_version[:2]) >= (1, 28)
+
+
+def test_token_major_stats_full_extent_equals_old_formula():
+    t, h, s, b = 1000, 16, 300, 4
+    dim, stride = [b, h, s, 1], [s * h, 1, h, 1]  # token-major [T, H]
+    assert ext.ragged_span_bytes(t, dim, stride, 4) == t * h * 4
+    assert ext.ragged_span_bytes(t, dim, stride, 4) == ext.token_stride_only_bytes(t, stride, 4)
+
+
+def test_head_major_stats_full_extent_exceeds_old_formula_by_h_minus_one_rows():
+    t, h, s, b = 1000, 16, 300, 4
+    dim, stride = [b, h, s, 1], [h * t, t, 1, 1]  # head-major [H, T]
+    full = ext.ragged_span_bytes(t, dim, stride, 4)
+    old = ext.token_stride_only_bytes(t, stride, 4)
+    assert old == t * 4  # what frontends <= 1.27 reserved: one head's worth
+    assert full - old == (h - 1) * t * 4
+    assert full == h * t * 4
+
+
+def test_full_extent_of_thd_tensor_is_the_whole_buffer():
+    t, h, s, d, b = 777, 8, 100, 64, 3
+    assert ext.ragged_span_bytes(t, [b, h, s, d], [s * h * d, d, h * d, 1], 4) == t * h * d * 4
+
+
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+def test_backward_intermediates_cover_every_buffer(layout):
+    config = _config(layout=layout)
+    sizes = ext.full_extent_backward_intermediates(cudnn.ffi_attributes(config))
+    assert sizes["softmax_sum"] == config.capacity_q * config.num_heads_q * 4
+    assert sizes["dq_accum"] == config.capacity_q * config.num_heads_q * config.head_dim_qk * 4
+    assert sizes["dk_fullhead"] == sizes["dv_fullhead"] == 0  # MHA: dK and dV are written directly
+    assert sizes["total"] == sizes["softmax_sum"] + sizes["dq_accum"]
+
+
+def test_backward_intermediates_for_gqa_hold_every_query_head():
+    config = _config(hq=16, hkv=4, dv=64)
+    sizes = ext.full_extent_backward_intermediates(cudnn.ffi_attributes(config))
+    assert sizes["dk_fullhead"] == config.capacity_kv * 16 * config.head_dim_qk * 4
+    assert sizes["dv_fullhead"] == config.capacity_kv * 16 * config.head_dim_v * 4
+
+
+def test_graph_queries_without_cuda_report_a_reason():
+    if extension.cudnn_unavailable_reason() is None:
+        pytest.skip("a CUDA device is present; this checks the CPU-only answer")
+    assert "CUDA" in extension.cudnn_unavailable_reason() or "cuda" in extension.cudnn_unavailable_reason()
+    assert cudnn.unsupported_reason(_config()) == extension.cudnn_unavailable_reason()
