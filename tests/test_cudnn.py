@@ -1,0 +1,220 @@
+"""The cuDNN path against the float64 reference, on a CUDA GPU (skipped elsewhere, with the reason).
+
+Every case uses the same number of sequences, max_seqlen and capacities, so cases that differ only in
+their lengths share one cuDNN graph: a graph build costs seconds, a cached call microseconds. Padding rows
+of q, k, v and of the output cotangent are NaN, so any read of them shows up as NaN in a result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ragged_attn as jra
+from jax_ragged_attn import cudnn, extension
+from jax_ragged_attn.config import make_config
+from jax_ragged_attn.reference import reference_attention
+from jax_ragged_attn.testing import assert_close, packed_batch
+
+_REASON = extension.cudnn_unavailable_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=f"cuDNN path unavailable: {_REASON}")]
+
+NUM_SEQS = 6
+MAX_SEQLEN_Q = 160
+MAX_SEQLEN_KV = 192
+CAPACITY_Q = NUM_SEQS * MAX_SEQLEN_Q + 37  # slack past every real token: padding rows
+CAPACITY_KV = NUM_SEQS * MAX_SEQLEN_KV + 21
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    dtype: str = "bfloat16"
+    heads: tuple[int, int] = (8, 8)
+    dims: tuple[int, int] = (64, 64)
+    is_causal: bool = False
+    alignment: str = "top_left"
+    window: int | tuple[int, int] | None = None
+    layout: str = "head_major"
+    empty: tuple[int, ...] = ()  # which sequences are empty in q and kv
+
+    def __str__(self):
+        return "-".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items() if v != getattr(Case, k))
+
+
+CASES = [
+    Case(),
+    Case(dtype="float16"),
+    Case(is_causal=True),
+    Case(is_causal=True, layout="token_major"),
+    Case(is_causal=True, alignment="bottom_right"),
+    Case(is_causal=True, alignment="bottom_right", dtype="float16", layout="token_major"),
+    Case(heads=(8, 2), is_causal=True),
+    Case(heads=(8, 1), layout="token_major"),
+    Case(heads=(8, 2), dims=(64, 128), is_causal=True, layout="token_major"),
+    Case(dims=(128, 64)),
+    Case(dims=(128, 128), is_causal=True, dtype="float16"),
+    Case(window=(16, 4)),
+    Case(window=8, is_causal=True, alignment="bottom_right", layout="token_major"),
+    Case(window=(32, 0), alignment="bottom_right", heads=(8, 2)),
+    Case(empty=(0, 3, 5), is_causal=True),
+    Case(empty=(0, 3, 5), heads=(8, 2), layout="token_major", alignment="bottom_right", is_causal=True),
+]
+
+
+def _batch(case: Case, seed: int):
+    rng = np.random.default_rng(seed)
+    lengths_q = rng.integers(1, MAX_SEQLEN_Q, size=NUM_SEQS, endpoint=True)
+    lengths_kv = rng.integers(1, MAX_SEQLEN_KV, size=NUM_SEQS, endpoint=True)
+    lengths_q[list(case.empty)] = 0
+    lengths_kv[list(case.empty)] = 0
+    (hq, hkv), (dqk, dv) = case.heads, case.dims
+    batch = packed_batch(rng, lengths_q, lengths_kv, num_heads_q=hq, num_heads_kv=hkv, head_dim_qk=dqk,
+                         head_dim_v=dv, dtype=case.dtype, slack_q=CAPACITY_Q - int(lengths_q.sum()),
+                         slack_kv=CAPACITY_KV - int(lengths_kv.sum()))
+    d_out = rng.standard_normal((CAPACITY_Q, hq, dv)).astype(case.dtype)
+    d_out[int(lengths_q.sum()):] = np.nan  # never read: the cotangent of padding rows is not the op's business
+    return batch, d_out
+
+
+def _options(case: Case) -> dict:
+    return dict(max_seqlen_q=MAX_SEQLEN_Q, max_seqlen_kv=MAX_SEQLEN_KV, is_causal=case.is_causal,
+                diagonal_alignment=case.alignment, local_window_size=case.window)
+
+
+def _run(case: Case, batch, d_out, layout: str | None = None, implementation: str = "cudnn"):
+    options = _options(case)
+
+    @jax.jit
+    def step(q, k, v, cu_q, cu_kv, d_out):
+        def attend(q, k, v):
+            return jra.ragged_attention(q, k, v, cu_q, cu_kv, stats_layout=layout or case.layout, return_stats=True,
+                                        implementation=implementation, **options)
+
+        (out, stats), vjp = jax.vjp(attend, q, k, v)
+        grads = vjp((d_out, jnp.zeros_like(stats)))
+        return out, stats, grads
+
+    out, stats, grads = step(*batch.args, jnp.asarray(d_out))
+    return np.asarray(out, np.float64), np.asarray(stats, np.float64), [np.asarray(g, np.float64) for g in grads]
+
+
+def _seed(case: Case) -> int:
+    return zlib.crc32(str(case).encode())
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_reference(case: Case):
+    batch, d_out = _batch(case, _seed(case))
+    out, stats, (dq, dk, dv) = _run(case, batch, d_out)
+    ref = reference_attention(*batch.reference_args, d_out=d_out.astype(np.float64), **_options(case))
+
+    token_major_stats = stats if case.layout == "token_major" else stats.T
+    assert_close(out, ref["out"], case.dtype, "out")
+    assert_close(token_major_stats, ref["stats"], "float32", "stats")
+    assert_close(dq, ref["dq"], case.dtype, "dq")
+    assert_close(dk, ref["dk"], case.dtype, "dk")
+    assert_close(dv, ref["dv"], case.dtype, "dv")
+    # Padding rows: exactly zero and -inf, whatever was in the buffers.
+    assert np.all(out[batch.padding_q] == 0) and np.all(token_major_stats[batch.padding_q] == -np.inf)
+    assert np.all(dq[batch.padding_q] == 0)
+    assert np.all(dk[batch.padding_kv] == 0) and np.all(dv[batch.padding_kv] == 0)
+    # The reference is not all zeros, so agreeing with it means the kernel wrote its gradients.
+    assert np.abs(ref["dq"]).max() > 0 and np.abs(ref["dk"]).max() > 0 and np.abs(ref["dv"]).max() > 0
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
+def test_head_major_and_token_major_stats_give_the_same_gradients(heads):
+    """The regression test for cudnn-frontend <= 1.27: head-major stats with max_total_seq_len set made the
+    backward overwrite its own tile counter, and dQ/dK/dV came back all zero with no error."""
+    case = Case(heads=heads, is_causal=True)
+    batch, d_out = _batch(case, 1234)
+    config = make_config(*batch.args, scale=None, stats_layout="head_major", **_options(case))
+    info = cudnn.graph_info("backward", config)
+    assert info["max_total_seq_len_applied"] and not info["fell_back"], info
+    assert info["frontend_region_bytes"] >= info["expected_intermediate_bytes"] > 0, info
+
+    _, _, head_major = _run(case, batch, d_out, layout="head_major")
+    _, _, token_major = _run(case, batch, d_out, layout="token_major")
+    for name, a, b in zip(("dq", "dk", "dv"), head_major, token_major):
+        assert np.abs(a).max() > 0, f"{name} is all zero with head-major stats"
+        assert_close(a, b, case.dtype, f"{name}: head-major vs token-major")
+
+
+def test_same_jitted_step_twice_gives_identical_outputs():
+    case = Case(heads=(8, 2), is_causal=True)
+    batch, d_out = _batch(case, 7)
+    first = _run(case, batch, d_out)
+    second = _run(case, batch, d_out)
+    np.testing.assert_array_equal(first[0], second[0])
+    np.testing.assert_array_equal(first[1], second[1])
+    for a, b in zip(first[2], second[2]):  # dQ is accumulated with atomics: equal up to summation order
+        assert_close(a, b, case.dtype, "gradient rerun")
+
+
+def test_default_implementation_on_gpu_is_cudnn():
+    case = Case(is_causal=True)
+    batch, d_out = _batch(case, 11)
+    auto = _run(case, batch, d_out, implementation=None)
+    explicit = _run(case, batch, d_out, implementation="cudnn")
+    np.testing.assert_array_equal(auto[0], explicit[0])
+    hlo = jax.jit(lambda *a: jra.ragged_attention(*a, **_options(case))).lower(*batch.args).as_text()
+    assert extension.FORWARD_TARGET in hlo
+
+
+def test_float32_falls_back_to_xla_and_cudnn_refuses_it():
+    case = Case(dtype="float32")
+    batch, _ = _batch(case, 3)
+    hlo = jax.jit(lambda *a: jra.ragged_attention(*a, **_options(case))).lower(*batch.args).as_text()
+    assert extension.FORWARD_TARGET not in hlo
+    with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
+        jra.ragged_attention(*batch.args, implementation="cudnn", **_options(case))
+
+
+def test_stats_cotangent_raises_instead_of_being_dropped():
+    case = Case()
+    batch, _ = _batch(case, 5)
+
+    def loss(q):
+        _, stats = jra.ragged_attention(q, *batch.args[1:], return_stats=True, implementation="cudnn",
+                                        **_options(case))
+        return jnp.sum(jnp.where(jnp.isfinite(stats), stats, 0.0))
+
+    with pytest.raises(NotImplementedError, match="stats"):
+        jax.grad(loss)(batch.q)
+
+
+def test_workspace_is_an_xla_buffer_of_the_reported_size():
+    case = Case(is_causal=True)
+    batch, _ = _batch(case, 9)
+    config = make_config(*batch.args, scale=None, stats_layout=case.layout, **_options(case))
+    workspace = cudnn.graph_info("forward", config)["workspace_bytes"]
+    hlo = jax.jit(lambda *a: jra.ragged_attention(*a, implementation="cudnn", **_options(case))).lower(
+        *batch.args).as_text()
+    assert f"tensor<{workspace}xui8>" in hlo
+
+
+def test_vmap_and_checkpoint():
+    case = Case(heads=(8, 2), is_causal=True)
+    (b1, _), (b2, _) = _batch(case, 21), _batch(case, 22)
+    stack = lambda *xs: jnp.stack(xs)  # noqa: E731
+
+    def attend(q, k, v, cu_q, cu_kv):
+        return jra.ragged_attention(q, k, v, cu_q, cu_kv, implementation="cudnn", **_options(case))
+
+    batched = jax.jit(jax.vmap(attend))(*[stack(x, y) for x, y in zip(b1.args, b2.args)])
+    for i, b in enumerate((b1, b2)):
+        np.testing.assert_array_equal(np.asarray(batched[i]), np.asarray(jax.jit(attend)(*b.args)))
+
+    def loss(q, k, v, remat):
+        f = jax.checkpoint(attend) if remat else attend
+        return jnp.sum(f(q, k, v, *b1.args[3:]).astype(jnp.float32) ** 2)
+
+    plain = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(*b1.args[:3], False)
+    remat = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(*b1.args[:3], True)
+    for a, b in zip(plain, remat):
+        assert_close(np.asarray(a, np.float64), np.asarray(b, np.float64), case.dtype, "checkpoint")
