@@ -194,7 +194,8 @@ def _attention_bwd(config, residuals, cotangents):
         # FlashAttention's API silently drops this term; a wrong gradient is worse than an error.
         raise NotImplementedError(
             "the cuDNN path cannot differentiate through stats (the log-sum-exp): a non-zero cotangent reached "
-            "it. Use implementation='xla' for this loss, or stop_gradient the stats."
+            "it (under jit an explicit zero array counts too). Use implementation='xla' for this loss, or "
+            "jax.lax.stop_gradient the stats, or return them as has_aux."
         )
     if isinstance(d_out, SymbolicZero):
         return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), None, None

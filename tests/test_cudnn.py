@@ -95,9 +95,9 @@ def _run(case: Case, batch, d_out, layout: str | None = None, implementation: st
             return jra.ragged_attention(q, k, v, cu_q, cu_kv, stats_layout=layout or case.layout, return_stats=True,
                                         implementation=implementation, **options)
 
-        (out, stats), vjp = jax.vjp(attend, q, k, v)
-        grads = vjp((d_out, jnp.zeros_like(stats)))
-        return out, stats, grads
+        # stats as aux: no cotangent flows into it (an explicit zero array would, and the cuDNN path refuses).
+        out, vjp, stats = jax.vjp(attend, q, k, v, has_aux=True)
+        return out, stats, vjp(d_out)
 
     out, stats, grads = step(*batch.args, jnp.asarray(d_out))
     return np.asarray(out, np.float64), np.asarray(stats, np.float64), [np.asarray(g, np.float64) for g in grads]
