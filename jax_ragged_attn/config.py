@@ -164,8 +164,9 @@ def make_config(
         scale = 1.0 / math.sqrt(dqk)
     try:
         scale = float(scale)
-    except TypeError:
-        raise ValueError(f"scale must be a static Python float, got {type(scale).__name__}") from None
+    except (TypeError, ValueError):
+        # Also catches a traced scale (jax's ConcretizationTypeError is a TypeError): it is baked into the graph.
+        raise ValueError(f"scale must be a static Python float, got {type(scale).__name__} {scale!r}") from None
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
 

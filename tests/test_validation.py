@@ -1,0 +1,117 @@
+"""Malformed calls fail early with ValueError (or NotImplementedError) whose message names the argument."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ragged_attn import ragged_attention
+
+
+def _zeros(*shape, dtype=jnp.float32):
+    return jnp.zeros(shape, dtype)
+
+
+# A valid call: two sequences, GQA with 4 query heads over 2 kv heads.
+VALID = dict(
+    q=_zeros(6, 4, 8),
+    k=_zeros(5, 2, 8),
+    v=_zeros(5, 2, 8),
+    cu_seqlens_q=jnp.array([0, 2, 6], jnp.int32),
+    cu_seqlens_kv=jnp.array([0, 3, 5], jnp.int32),
+    max_seqlen_q=4,
+    max_seqlen_kv=3,
+    implementation="xla",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bad:
+    changes: dict  # replaces entries of VALID
+    names: str  # the argument the message must name, as a whole word
+    error: type = ValueError
+    traced: tuple[str, ...] = ()  # arguments passed in as jit-traced values
+
+    def call(self):
+        kwargs = {**VALID, **self.changes}
+        if not self.traced:
+            return ragged_attention(**kwargs)
+        traced = {name: kwargs.pop(name) for name in self.traced}
+        return jax.jit(lambda traced: ragged_attention(**kwargs, **traced))(traced)
+
+
+CASES = {
+    # Ranks and kinds.
+    "q_rank_2": Bad(dict(q=_zeros(6, 32)), "q"),
+    "k_rank_4": Bad(dict(k=_zeros(5, 2, 8, 1)), "k"),
+    "v_rank_2": Bad(dict(v=_zeros(5, 16)), "v"),
+    "q_is_a_list": Bad(dict(q=[[[0.0] * 8] * 4] * 6), "q"),
+    "cu_seqlens_q_rank_2": Bad(dict(cu_seqlens_q=jnp.array([[0, 2, 6]], jnp.int32)), "cu_seqlens_q"),
+    # Dtypes.
+    "k_dtype_differs": Bad(dict(k=_zeros(5, 2, 8, dtype=jnp.float16)), "k"),
+    "v_dtype_differs": Bad(dict(v=_zeros(5, 2, 8, dtype=jnp.bfloat16)), "v"),
+    "qkv_integer": Bad(dict(q=_zeros(6, 4, 8, dtype=jnp.int32), k=_zeros(5, 2, 8, dtype=jnp.int32),
+                            v=_zeros(5, 2, 8, dtype=jnp.int32)), "q"),
+    "qkv_float64": Bad(dict(q=np.zeros((6, 4, 8)), k=np.zeros((5, 2, 8)), v=np.zeros((5, 2, 8))), "q"),
+    "cu_seqlens_q_int64": Bad(dict(cu_seqlens_q=np.array([0, 2, 6], np.int64)), "cu_seqlens_q"),
+    "cu_seqlens_kv_float32": Bad(dict(cu_seqlens_kv=jnp.array([0, 3, 5], jnp.float32)), "cu_seqlens_kv"),
+    # Shapes that disagree.
+    "cu_seqlens_single_entry": Bad(dict(cu_seqlens_q=jnp.array([0], jnp.int32),
+                                        cu_seqlens_kv=jnp.array([0], jnp.int32)), "cu_seqlens_q"),
+    "cu_seqlens_lengths_differ": Bad(dict(cu_seqlens_kv=jnp.array([0, 3, 4, 5], jnp.int32)), "cu_seqlens_kv"),
+    "heads_not_a_multiple": Bad(dict(q=_zeros(6, 3, 8)), "q"),
+    "k_head_dim_differs": Bad(dict(k=_zeros(5, 2, 4)), "k"),
+    "v_rows_differ": Bad(dict(v=_zeros(4, 2, 8)), "v"),
+    "v_heads_differ": Bad(dict(v=_zeros(5, 1, 8)), "v"),
+    "zero_query_heads": Bad(dict(q=_zeros(6, 0, 8)), "Hq"),
+    "zero_query_rows": Bad(dict(q=_zeros(0, 4, 8)), "Tq"),
+    # max_seqlen fixes shapes, so it must be a static int >= 1.
+    "max_seqlen_q_float": Bad(dict(max_seqlen_q=4.0), "max_seqlen_q"),
+    "max_seqlen_q_negative": Bad(dict(max_seqlen_q=-3), "max_seqlen_q"),
+    "max_seqlen_kv_zero": Bad(dict(max_seqlen_kv=0), "max_seqlen_kv"),
+    "max_seqlen_kv_none": Bad(dict(max_seqlen_kv=None), "max_seqlen_kv"),
+    "max_seqlen_q_traced": Bad(dict(max_seqlen_q=jnp.int32(4)), "max_seqlen_q", traced=("max_seqlen_q",)),
+    # Option strings.
+    "diagonal_alignment_unknown": Bad(dict(diagonal_alignment="bottom-right"), "diagonal_alignment"),
+    "diagonal_alignment_none": Bad(dict(diagonal_alignment=None), "diagonal_alignment"),
+    "stats_layout_unknown": Bad(dict(stats_layout="bhs"), "stats_layout"),
+    "implementation_unknown": Bad(dict(implementation="triton"), "implementation"),
+    "implementation_wrong_case": Bad(dict(implementation="XLA"), "implementation"),
+    # scale must be a finite static float.
+    "scale_nan": Bad(dict(scale=float("nan")), "scale"),
+    "scale_inf": Bad(dict(scale=float("inf")), "scale"),
+    "scale_not_a_number": Bad(dict(scale="abc"), "scale"),
+    "scale_traced": Bad(dict(scale=jnp.float32(0.5)), "scale", traced=("scale",)),
+    # local_window_size is an int or a (left, right) pair of ints >= 0.
+    "window_negative": Bad(dict(local_window_size=-1), "local_window_size"),
+    "window_right_negative": Bad(dict(local_window_size=(2, -1)), "local_window_size"),
+    "window_three_entries": Bad(dict(local_window_size=(1, 2, 3)), "local_window_size"),
+    "window_float": Bad(dict(local_window_size=(1.5, 2)), "local_window_size"),
+    "window_string": Bad(dict(local_window_size="3"), "local_window_size"),
+    # is_causal picks a graph, so it must be a Python bool.
+    "is_causal_int": Bad(dict(is_causal=1), "is_causal"),
+    "is_causal_string": Bad(dict(is_causal="yes"), "is_causal"),
+    "is_causal_traced": Bad(dict(is_causal=jnp.bool_(True)), "is_causal", traced=("is_causal",)),
+    # Valid requests the cuDNN path cannot serve (on any machine): NotImplementedError, saying why.
+    "cudnn_float32": Bad(dict(implementation="cudnn"), "float32", NotImplementedError),
+    "cudnn_head_dim_not_multiple_of_8": Bad(
+        dict(implementation="cudnn", q=_zeros(6, 4, 12, dtype=jnp.bfloat16), k=_zeros(5, 2, 12, dtype=jnp.bfloat16),
+             v=_zeros(5, 2, 12, dtype=jnp.bfloat16)), "Dqk", NotImplementedError),
+}
+
+
+@pytest.mark.parametrize("bad", list(CASES.values()), ids=list(CASES))
+def test_bad_input_names_the_argument(bad):
+    with pytest.raises(bad.error, match=rf"(?<![\w.]){re.escape(bad.names)}(?!\w)"):
+        bad.call()
+
+
+def test_valid_call_passes():
+    """The baseline the cases above modify must itself be accepted, or every case passes for nothing."""
+    out = ragged_attention(**VALID)
+    assert out.shape == (6, 4, 8)
