@@ -1,7 +1,10 @@
 #include "graphs.h"
 
 #include <atomic>
+#include <algorithm>
 #include <climits>
+#include <cstdlib>
+#include <list>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -161,7 +164,7 @@ xla::ffi::Error build_backward(cudnnHandle_t handle, const AttentionConfig& c, b
   auto stats = ragged_tensor(*g, TensorUid::kStats, "stats", stats_layout(c), in.offset_stats, fe::DataType_t::FLOAT);
 
   fe::graph::SDPA_backward_attributes attributes;
-  attributes.set_name("ragged_sdpa_backward").set_attn_scale(c.scale);
+  attributes.set_name("ragged_sdpa_backward").set_attn_scale(c.scale).set_deterministic_algorithm(c.deterministic != 0);
   apply_masking(attributes, c, in);
   if (max_total) {
     // The physical capacities, not the real token counts: offsets anywhere inside the buffers stay covered.
@@ -186,7 +189,9 @@ bool frontend_applies_max_total(const AttentionConfig& c, int sm_version) {
          c.head_dim_v % 16 == 0 && major != 8 && major != 12;
 }
 
-std::atomic<bool> full_extent_fallback_enabled{true};
+// Test-only switch (JAX_RAGGED_ATTN_DISABLE_FULL_EXTENT_FALLBACK=1, or the module function): lets the sweep
+// show that a short region is caught by the tests when nothing rebuilds the graph.
+std::atomic<bool> full_extent_fallback_enabled{std::getenv("JAX_RAGGED_ATTN_DISABLE_FULL_EXTENT_FALLBACK") == nullptr};
 
 xla::ffi::Error build_backward_checked(int device, cudnnHandle_t handle, const AttentionConfig& c, CachedGraph* out) {
   int sm_version = 0;
@@ -219,9 +224,56 @@ struct DeviceState {
   std::mutex execute_mutex;
 };
 
+using GraphKey = std::tuple<int, Direction, AttentionConfig>;
+
+// A bounded least-recently-used cache: a training job that varies max_seqlen per step would otherwise keep
+// every graph (and its cuDNN plans) alive forever. Handlers hold a shared_ptr, so evicting a graph that
+// is executing is safe.
+class GraphCache {
+ public:
+  std::shared_ptr<const CachedGraph> find(const GraphKey& key) {
+    auto it = entries_.find(key);
+    if (it == entries_.end()) return nullptr;
+    order_.splice(order_.begin(), order_, it->second.second);  // most recently used first
+    return it->second.first;
+  }
+
+  void insert(const GraphKey& key, std::shared_ptr<const CachedGraph> graph, GraphCacheStats& stats) {
+    order_.push_front(key);
+    entries_[key] = {std::move(graph), order_.begin()};
+    evict(stats);
+  }
+
+  void set_capacity(int64_t capacity, GraphCacheStats& stats) {
+    capacity_ = std::max<int64_t>(capacity, 1);
+    evict(stats);
+  }
+
+  int64_t capacity() const { return capacity_; }
+  int64_t size() const { return static_cast<int64_t>(entries_.size()); }
+
+ private:
+  void evict(GraphCacheStats& stats) {
+    while (static_cast<int64_t>(entries_.size()) > capacity_) {
+      entries_.erase(order_.back());
+      order_.pop_back();
+      ++stats.evictions;
+    }
+  }
+
+  static int64_t initial_capacity() {
+    const char* env = std::getenv("JAX_RAGGED_ATTN_GRAPH_CACHE_SIZE");
+    return env ? std::max<int64_t>(std::atoll(env), 1) : 64;
+  }
+
+  int64_t capacity_ = initial_capacity();
+  std::list<GraphKey> order_;
+  std::map<GraphKey, std::pair<std::shared_ptr<const CachedGraph>, std::list<GraphKey>::iterator>> entries_;
+};
+
 std::mutex cache_mutex;
 std::map<int, std::unique_ptr<DeviceState>> devices;
-std::map<std::tuple<int, Direction, AttentionConfig>, std::shared_ptr<const CachedGraph>> graphs;
+GraphCache graphs;
 GraphCacheStats cache_stats;
 
 xla::ffi::Error device_state(int device, DeviceState** out) {
@@ -246,9 +298,9 @@ xla::ffi::Error cached_graph(int device, Direction direction, const AttentionCon
   FFI_CHECK(cudnn_loaded()) << "cuDNN is not loaded; import jax_ragged_attn on a CUDA backend first";
   std::lock_guard<std::mutex> lock(cache_mutex);
   const auto key = std::make_tuple(device, direction, c);
-  if (auto it = graphs.find(key); it != graphs.end()) {
+  if (auto hit = graphs.find(key)) {
     ++cache_stats.hits;
-    *out = it->second;
+    *out = std::move(hit);
     return xla::ffi::Error::Success();
   }
   ++cache_stats.misses;
@@ -265,8 +317,7 @@ xla::ffi::Error cached_graph(int device, Direction direction, const AttentionCon
     return ErrorStream(xla::ffi::ErrorCode::kInternal) << "building the cuDNN graph threw: " << e.what() << " ["
                                                        << c.describe() << "]";
   }
-  graphs.emplace(key, built);
-  cache_stats.size = static_cast<int64_t>(graphs.size());
+  graphs.insert(key, built, cache_stats);
   *out = std::move(built);
   return xla::ffi::Error::Success();
 }
@@ -304,7 +355,15 @@ xla::ffi::Error execute_graph(int device, const CachedGraph& graph, cudaStream_t
 
 GraphCacheStats graph_cache_stats() {
   std::lock_guard<std::mutex> lock(cache_mutex);
-  return cache_stats;
+  GraphCacheStats stats = cache_stats;
+  stats.size = graphs.size();
+  stats.capacity = graphs.capacity();
+  return stats;
+}
+
+void set_graph_cache_capacity(int64_t capacity) {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  graphs.set_capacity(capacity, cache_stats);
 }
 
 void set_full_extent_fallback_enabled(bool enabled) { full_extent_fallback_enabled.store(enabled); }

@@ -60,9 +60,15 @@ xla::ffi::Error execute_graph(int device, const CachedGraph& graph, cudaStream_t
 struct GraphCacheStats {
   int64_t hits = 0;
   int64_t misses = 0;
+  int64_t evictions = 0;
   int64_t size = 0;
+  int64_t capacity = 0;
 };
 GraphCacheStats graph_cache_stats();
+
+// Bounds the number of cached graphs (least recently used go first); JAX_RAGGED_ATTN_GRAPH_CACHE_SIZE sets
+// the initial bound, 64 by default.
+void set_graph_cache_capacity(int64_t capacity);
 
 // Test-only (documented in the README): skip the full-extent fallback so a short region is used as built.
 void set_full_extent_fallback_enabled(bool enabled);

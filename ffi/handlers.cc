@@ -21,7 +21,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("dtype"), ::xla::ffi::StructMember<float>("scale"),
     ::xla::ffi::StructMember<int64_t>("bottom_right"), ::xla::ffi::StructMember<int64_t>("left_bound"),
     ::xla::ffi::StructMember<int64_t>("right_bound"), ::xla::ffi::StructMember<int64_t>("stats_token_major"),
-    ::xla::ffi::StructMember<int64_t>("use_max_total_seq_len"));
+    ::xla::ffi::StructMember<int64_t>("use_max_total_seq_len"), ::xla::ffi::StructMember<int64_t>("deterministic"));
 
 namespace jax_ragged_attn {
 namespace {
@@ -169,49 +169,87 @@ ffi::Error backward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, 
   return execute_graph(device, *graph, stream, pack, workspace->untyped_data());
 }
 
+// Guard mode: the workspace arrives as an extra input aliased to the workspace output, larger than the graph
+// asked for and filled with a canary past its end, which Python verifies after the call. The buffer is the
+// same memory as the result, so the argument itself is not read here.
+ffi::Error forward_guarded_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                ffi::AnyBuffer v, Int32Buffer seq_len_q, Int32Buffer seq_len_kv, Int32Buffer offset_q,
+                                Int32Buffer offset_k, Int32Buffer offset_v, Int32Buffer offset_o,
+                                Int32Buffer offset_stats, ffi::Buffer<ffi::U8> /*guarded_workspace*/,
+                                ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> stats,
+                                ffi::Result<ffi::Buffer<ffi::U8>> workspace, AttentionConfig c) {
+  return forward_impl(stream, device, q, k, v, seq_len_q, seq_len_kv, offset_q, offset_k, offset_v, offset_o,
+                      offset_stats, o, stats, workspace, c);
+}
+
+ffi::Error backward_guarded_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                 ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer d_o, ffi::Buffer<ffi::F32> stats,
+                                 Int32Buffer seq_len_q, Int32Buffer seq_len_kv, Int32Buffer offset_q,
+                                 Int32Buffer offset_k, Int32Buffer offset_v, Int32Buffer offset_o,
+                                 Int32Buffer offset_stats, ffi::Buffer<ffi::U8> /*guarded_workspace*/,
+                                 ffi::Result<ffi::AnyBuffer> d_q, ffi::Result<ffi::AnyBuffer> d_k,
+                                 ffi::Result<ffi::AnyBuffer> d_v, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
+                                 AttentionConfig c) {
+  return backward_impl(stream, device, q, k, v, o, d_o, stats, seq_len_q, seq_len_kv, offset_q, offset_k, offset_v,
+                       offset_o, offset_stats, d_q, d_k, d_v, workspace, c);
+}
+
 }  // namespace
 }  // namespace jax_ragged_attn
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnForward, jax_ragged_attn::forward_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_len_q
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_len_kv
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_q
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_k
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_v
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_o
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_stats
-                                  .Ret<ffi::AnyBuffer>()  // o
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // stats
-                                  .Ret<ffi::Buffer<ffi::U8>>()  // workspace
-                                  .Attrs<jax_ragged_attn::AttentionConfig>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// The argument lists, once: the guarded variants append the aliased workspace argument.
+#define JAX_RAGGED_ATTN_INDEX_ARGS                  \
+  .Arg<ffi::Buffer<ffi::S32>>()   /* seq_len_q */   \
+      .Arg<ffi::Buffer<ffi::S32>>() /* seq_len_kv */ \
+      .Arg<ffi::Buffer<ffi::S32>>() /* offset_q */   \
+      .Arg<ffi::Buffer<ffi::S32>>() /* offset_k */   \
+      .Arg<ffi::Buffer<ffi::S32>>() /* offset_v */   \
+      .Arg<ffi::Buffer<ffi::S32>>() /* offset_o */   \
+      .Arg<ffi::Buffer<ffi::S32>>() /* offset_stats */
 
+#define JAX_RAGGED_ATTN_FORWARD_ARGS                                                                         \
+  ffi::Ffi::Bind()                                                                                           \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()                                                              \
+      .Ctx<ffi::DeviceOrdinal>()                                                                             \
+      .Arg<ffi::AnyBuffer>() /* q */                                                                         \
+      .Arg<ffi::AnyBuffer>() /* k */                                                                         \
+      .Arg<ffi::AnyBuffer>() /* v */                                                                         \
+      JAX_RAGGED_ATTN_INDEX_ARGS
+
+#define JAX_RAGGED_ATTN_FORWARD_RETS                                                                          \
+  .Ret<ffi::AnyBuffer>()                /* o */                                                              \
+      .Ret<ffi::Buffer<ffi::F32>>()     /* stats */                                                          \
+      .Ret<ffi::Buffer<ffi::U8>>()      /* workspace */                                                      \
+      .Attrs<jax_ragged_attn::AttentionConfig>()
+
+#define JAX_RAGGED_ATTN_BACKWARD_ARGS                                                                        \
+  ffi::Ffi::Bind()                                                                                           \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()                                                              \
+      .Ctx<ffi::DeviceOrdinal>()                                                                             \
+      .Arg<ffi::AnyBuffer>()          /* q */                                                                \
+      .Arg<ffi::AnyBuffer>()          /* k */                                                                \
+      .Arg<ffi::AnyBuffer>()          /* v */                                                                \
+      .Arg<ffi::AnyBuffer>()          /* o */                                                                \
+      .Arg<ffi::AnyBuffer>()          /* d_o */                                                              \
+      .Arg<ffi::Buffer<ffi::F32>>()   /* stats */                                                            \
+      JAX_RAGGED_ATTN_INDEX_ARGS
+
+#define JAX_RAGGED_ATTN_BACKWARD_RETS                                                                         \
+  .Ret<ffi::AnyBuffer>()                /* d_q */                                                            \
+      .Ret<ffi::AnyBuffer>()            /* d_k */                                                            \
+      .Ret<ffi::AnyBuffer>()            /* d_v */                                                            \
+      .Ret<ffi::Buffer<ffi::U8>>()      /* workspace */                                                      \
+      .Attrs<jax_ragged_attn::AttentionConfig>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnForward, jax_ragged_attn::forward_impl,
+                              JAX_RAGGED_ATTN_FORWARD_ARGS JAX_RAGGED_ATTN_FORWARD_RETS,
+                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnBackward, jax_ragged_attn::backward_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // o
-                                  .Arg<ffi::AnyBuffer>()  // d_o
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // stats
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_len_q
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_len_kv
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_q
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_k
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_v
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_o
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_stats
-                                  .Ret<ffi::AnyBuffer>()  // d_q
-                                  .Ret<ffi::AnyBuffer>()  // d_k
-                                  .Ret<ffi::AnyBuffer>()  // d_v
-                                  .Ret<ffi::Buffer<ffi::U8>>()  // workspace
-                                  .Attrs<jax_ragged_attn::AttentionConfig>(),
+                              JAX_RAGGED_ATTN_BACKWARD_ARGS JAX_RAGGED_ATTN_BACKWARD_RETS,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnForwardGuarded, jax_ragged_attn::forward_guarded_impl,
+                              JAX_RAGGED_ATTN_FORWARD_ARGS.Arg<ffi::Buffer<ffi::U8>>() JAX_RAGGED_ATTN_FORWARD_RETS,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnBackwardGuarded, jax_ragged_attn::backward_guarded_impl,
+                              JAX_RAGGED_ATTN_BACKWARD_ARGS.Arg<ffi::Buffer<ffi::U8>>() JAX_RAGGED_ATTN_BACKWARD_RETS,
                               {ffi::Traits::kCmdBufferCompatible});

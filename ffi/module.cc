@@ -42,6 +42,7 @@ AttentionConfig config_from_dict(const nb::dict& d) {
   c.right_bound = get<int64_t>(d, "right_bound");
   c.stats_token_major = get<int64_t>(d, "stats_token_major");
   c.use_max_total_seq_len = get<int64_t>(d, "use_max_total_seq_len");
+  c.deterministic = get<int64_t>(d, "deterministic");
   return c;
 }
 
@@ -101,6 +102,8 @@ NB_MODULE(_ext, m) {
     nb::dict d;
     d["jax_ragged_attn_forward"] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnForward));
     d["jax_ragged_attn_backward"] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnBackward));
+    d["jax_ragged_attn_forward_guarded"] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnForwardGuarded));
+    d["jax_ragged_attn_backward_guarded"] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnBackwardGuarded));
     return d;
   });
   m.def("load_cudnn", [](const std::string& fallback_path) {
@@ -116,9 +119,12 @@ NB_MODULE(_ext, m) {
     nb::dict d;
     d["hits"] = s.hits;
     d["misses"] = s.misses;
+    d["evictions"] = s.evictions;
     d["size"] = s.size;
+    d["capacity"] = s.capacity;
     return d;
   });
+  m.def("set_graph_cache_capacity", &set_graph_cache_capacity, nb::arg("capacity"));
   m.def("set_full_extent_fallback_enabled", &set_full_extent_fallback_enabled, nb::arg("enabled"));
   m.def("ragged_span_bytes", &ragged_span_bytes, nb::arg("max_total_seq_len"), nb::arg("dim"), nb::arg("stride"),
         nb::arg("elem_size"));

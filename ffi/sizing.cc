@@ -19,8 +19,11 @@ BackwardIntermediates full_extent_backward_intermediates(const AttentionConfig& 
   BackwardIntermediates sizes;
   const TensorLayout stats = stats_layout(c);
   sizes.softmax_sum = ragged_span_bytes(c.capacity_q, stats.dim, stats.stride, kFloat);
-  const TensorLayout dq = token_layout(c.num_seqs, c.num_heads_q, c.max_seqlen_q, c.head_dim_qk);
-  sizes.dq_accum = ragged_span_bytes(c.capacity_q, dq.dim, dq.stride, kFloat);
+  // The deterministic algorithm keeps dP in a dense workspace of its own instead of accumulating dQ.
+  if (!c.deterministic) {
+    const TensorLayout dq = token_layout(c.num_seqs, c.num_heads_q, c.max_seqlen_q, c.head_dim_qk);
+    sizes.dq_accum = ragged_span_bytes(c.capacity_q, dq.dim, dq.stride, kFloat);
+  }
   if (c.num_heads_q != c.num_heads_kv) {
     // dK and dV are first produced per query head on the dK/dV strides with the token stride scaled by the
     // group size, then reduced over the group.

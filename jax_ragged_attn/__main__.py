@@ -1,5 +1,7 @@
+"""`python -m jax_ragged_attn` runs the training demo; `python -m jax_ragged_attn.selfcheck` checks the op."""
+
 import sys
 
-from jax_ragged_attn.selfcheck import main
+from jax_ragged_attn.demo import main
 
 sys.exit(main())

@@ -25,6 +25,7 @@ def ragged_attention(
     stats_layout: str = "head_major",
     return_stats: bool = False,
     implementation: str | None = None,
+    deterministic: bool = False,
 ):
     """Scaled dot-product attention over sequences packed into one token buffer (the THD / varlen layout).
 
@@ -46,6 +47,8 @@ def ragged_attention(
       return_stats: also return the float32 natural-log log-sum-exp of the attended logits.
       implementation: None picks cuDNN when it can serve the call here, else "xla"; "cudnn" raises
         NotImplementedError saying why when it cannot; "xla" is the portable jnp implementation.
+      deterministic: run cuDNN's deterministic backward, so dQ/dK/dV are bit-identical run to run (it keeps
+        dP in a dense workspace: slower and much more memory). The xla path is deterministic anyway.
 
     Returns:
       out [Tq, Hq, Dv] in q's dtype, or (out, stats) with return_stats=True. Rows with no attended key and
@@ -66,6 +69,7 @@ def ragged_attention(
         diagonal_alignment=diagonal_alignment,
         local_window_size=local_window_size,
         stats_layout=stats_layout,
+        deterministic=deterministic,
     )
     if _choose(implementation, config) == "cudnn":
         out, stats = cudnn.attention_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_kv, config)

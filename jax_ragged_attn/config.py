@@ -40,6 +40,7 @@ class AttentionConfig:
     window_left: int | None  # keys at most this far left of the diagonal; None = unbounded
     window_right: int | None  # keys at most this far right of the diagonal; None = unbounded
     stats_layout: str
+    deterministic: bool = False  # cuDNN backward: bit-identical dQ/dK/dV run to run (slower, more memory)
 
     @property
     def group_size(self) -> int:
@@ -115,6 +116,7 @@ def make_config(
     diagonal_alignment,
     local_window_size,
     stats_layout,
+    deterministic=False,
 ) -> AttentionConfig:
     """Checks every static property of the arguments; raises ValueError naming the argument."""
     _check_array(q, "q", 3, "[Tq, Hq, Dqk]")
@@ -157,8 +159,9 @@ def make_config(
         raise ValueError(f"diagonal_alignment must be one of {DIAGONAL_ALIGNMENTS}, got {diagonal_alignment!r}")
     if stats_layout not in STATS_LAYOUTS:
         raise ValueError(f"stats_layout must be one of {STATS_LAYOUTS}, got {stats_layout!r}")
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise ValueError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
+    for name, flag in (("is_causal", is_causal), ("deterministic", deterministic)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise ValueError(f"{name} must be a Python bool, got {type(flag).__name__}")
 
     if scale is None:
         scale = 1.0 / math.sqrt(dqk)
@@ -188,4 +191,5 @@ def make_config(
         window_left=window_left,
         window_right=window_right,
         stats_layout=stats_layout,
+        deterministic=bool(deterministic),
     )

@@ -47,6 +47,7 @@ def ffi_attributes(config: AttentionConfig) -> dict:
         right_bound=-1 if config.right_bound is None else config.right_bound,
         stats_token_major=int(config.stats_layout == "token_major"),
         use_max_total_seq_len=1,
+        deterministic=int(config.deterministic),
     )
 
 

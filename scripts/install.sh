@@ -17,7 +17,9 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
   jax='jax'
 fi
-"$py" -m pip install -q "$jax" numpy scikit-build-core nanobind cmake ninja pytest pytest-xdist matplotlib \
-  nvidia-cudnn-cu13 nvidia-cuda-runtime nvidia-cuda-crt nvidia-cuda-cccl
-"$py" -m pip install -q --no-deps 'nvidia-cudnn-frontend>=1.28'
+"$py" -m pip install -q "$jax" numpy scikit-build-core nanobind cmake ninja pytest pytest-xdist matplotlib tqdm
+# Headers only: --no-deps keeps cuBLAS, NVRTC and the CUTLASS DSL (their dependencies) off a CPU machine; on
+# a GPU machine jax[cuda13] has already installed the runtime libraries these belong to.
+"$py" -m pip install -q --no-deps 'nvidia-cudnn-frontend>=1.28' nvidia-cudnn-cu13 nvidia-cuda-runtime \
+  nvidia-cuda-crt nvidia-cuda-cccl
 "$py" -m pip install -q --no-build-isolation --no-deps -e .

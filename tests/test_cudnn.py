@@ -218,3 +218,35 @@ def test_vmap_and_checkpoint():
     remat = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(*b1.args[:3], True)
     for a, b in zip(plain, remat):
         assert_close(np.asarray(a, np.float64), np.asarray(b, np.float64), case.dtype, "checkpoint")
+
+
+def test_deterministic_backward_is_bit_identical():
+    case = Case(heads=(8, 2), is_causal=True)
+    batch, d_out = _batch(case, 13)
+
+    @jax.jit
+    def grads(q, k, v, d_out):
+        def attend(q, k, v):
+            return jra.ragged_attention(q, k, v, *batch.args[3:], implementation="cudnn", deterministic=True,
+                                        **_options(case))
+
+        return jax.vjp(attend, q, k, v)[1](d_out)
+
+    first = grads(*batch.args[:3], jnp.asarray(d_out))
+    second = grads(*batch.args[:3], jnp.asarray(d_out))
+    ref = reference_attention(*batch.reference_args, d_out=d_out.astype(np.float64), **_options(case))
+    for name, a, b in zip(("dq", "dk", "dv"), first, second):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+        assert_close(np.asarray(a, np.float64), ref[name], case.dtype, f"deterministic {name}")
+
+
+def test_graph_cache_hits_after_first_call_and_stays_bounded():
+    ext = extension.module()
+    case = Case(is_causal=True, layout="token_major")
+    batch, d_out = _batch(case, 17)
+    _run(case, batch, d_out)
+    before = ext.graph_cache_stats()
+    _run(case, _batch(case, 18)[0], d_out)  # new lengths, same configuration: no new graph
+    after = ext.graph_cache_stats()
+    assert after["misses"] == before["misses"] and after["hits"] > before["hits"]
+    assert after["size"] <= after["capacity"]
