@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import jax
 
+import dataclasses
+
 from jax_ragged_attn import cudnn
+from jax_ragged_attn.checks import check_enabled, checked_cu_seqlens
 from jax_ragged_attn.config import IMPLEMENTATIONS, AttentionConfig, make_config
 from jax_ragged_attn.xla import attention_xla
 
@@ -26,6 +29,7 @@ def ragged_attention(
     return_stats: bool = False,
     implementation: str | None = None,
     deterministic: bool = False,
+    check: bool | None = None,
 ):
     """Scaled dot-product attention over sequences packed into one token buffer (the THD / varlen layout).
 
@@ -49,6 +53,10 @@ def ragged_attention(
         NotImplementedError saying why when it cannot; "xla" is the portable jnp implementation.
       deterministic: run cuDNN's deterministic backward, so dQ/dK/dV are bit-identical run to run (it keeps
         dP in a dense workspace: slower and much more memory). The xla path is deterministic anyway.
+      check: validate cu_seqlens at run time (start at 0, never decrease, stay within the capacity, no
+        sequence longer than max_seqlen) and, on cuDNN, surround the workspace with a verified canary band;
+        a violation stops the computation with an error. None reads JAX_RAGGED_ATTN_CHECK. Off, cu_seqlens
+        are clamped into the buffers instead (see above). Costs a device-to-host round trip per call.
 
     Returns:
       out [Tq, Hq, Dv] in q's dtype, or (out, stats) with return_stats=True. Rows with no attended key and
@@ -71,6 +79,12 @@ def ragged_attention(
         stats_layout=stats_layout,
         deterministic=deterministic,
     )
+    if check_enabled(check):
+        config = dataclasses.replace(config, guard_workspace=True)
+        cu_seqlens_q = checked_cu_seqlens(cu_seqlens_q, name="cu_seqlens_q", capacity=config.capacity_q,
+                                          max_seqlen=config.max_seqlen_q)
+        cu_seqlens_kv = checked_cu_seqlens(cu_seqlens_kv, name="cu_seqlens_kv", capacity=config.capacity_kv,
+                                           max_seqlen=config.max_seqlen_kv)
     if _choose(implementation, config) == "cudnn":
         out, stats = cudnn.attention_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_kv, config)
     else:

@@ -41,6 +41,7 @@ class AttentionConfig:
     window_right: int | None  # keys at most this far right of the diagonal; None = unbounded
     stats_layout: str
     deterministic: bool = False  # cuDNN backward: bit-identical dQ/dK/dV run to run (slower, more memory)
+    guard_workspace: bool = False  # cuDNN: canary band after the workspace, verified after each call
 
     @property
     def group_size(self) -> int:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from jax_ragged_attn import extension
+from jax_ragged_attn import checks, extension
 from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.packing import (
     query_rows_with_keys,
@@ -102,6 +102,24 @@ def unsupported_reason(config: AttentionConfig) -> str | None:
     return None
 
 
+def _ffi_call(target: str, result_types: tuple, args: tuple, config: AttentionConfig):
+    """The FFI call; the workspace is its last result. In guard mode the workspace comes in as an input
+    aliased to that result, GUARD_BYTES longer than reported and filled with a canary there, which is
+    verified after the call: any write past the reported workspace stops the computation with an error."""
+    if not config.guard_workspace:
+        return jax.ffi.ffi_call(target, result_types, vmap_method="sequential")(*args, **_ffi_kwargs(config))
+    size = result_types[-1].shape[0]
+    guarded = jnp.concatenate([jnp.zeros((size,), jnp.uint8), jnp.full((checks.GUARD_BYTES,), checks.CANARY, jnp.uint8)])
+    types = (*result_types[:-1], jax.ShapeDtypeStruct(guarded.shape, jnp.uint8))
+    call = jax.ffi.ffi_call(target + "_guarded", types, vmap_method="sequential",
+                            input_output_aliases={len(args): len(types) - 1})
+    *results, workspace = call(*args, guarded, **_ffi_kwargs(config))
+    verified = checks.verified_guard_band(workspace[size:], description=f"{target}: {config.describe()}")
+    # The barrier makes every result wait for the verification, without copying any of them.
+    results, _ = jax.lax.optimization_barrier((tuple(results), verified))
+    return (*results, workspace[:size])
+
+
 def _index_arrays(cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
     """Sequence lengths and the ragged offsets of each tensor, in elements (see ffi/layouts.h)."""
     cu_q = sanitize_cu_seqlens(cu_seqlens_q, config.capacity_q)
@@ -145,10 +163,8 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
         jax.ShapeDtypeStruct(_stats_shape(config), jnp.float32),
         jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),
     )
-    call = jax.ffi.ffi_call(extension.FORWARD_TARGET, result_types, vmap_method="sequential")
-    out, raw_stats, _workspace = call(
-        q, k, v, *_index_arrays(cu_seqlens_q, cu_seqlens_kv, config), **_ffi_kwargs(config)
-    )
+    args = (q, k, v, *_index_arrays(cu_seqlens_q, cu_seqlens_kv, config))
+    out, raw_stats, _workspace = _ffi_call(extension.FORWARD_TARGET, result_types, args, config)
     # cuDNN writes only the rows of real tokens, and rows without any key have no defined softmax: give
     # both the documented values. The backward gets the raw stats, the values cuDNN itself expects.
     rows = _attending_rows(cu_seqlens_q, cu_seqlens_kv, config)
@@ -166,9 +182,8 @@ def _backward(q, k, v, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, confi
         jax.ShapeDtypeStruct(v.shape, v.dtype),
         jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),
     )
-    call = jax.ffi.ffi_call(extension.BACKWARD_TARGET, result_types, vmap_method="sequential")
-    indices = _index_arrays(cu_seqlens_q, cu_seqlens_kv, config)
-    d_q, d_k, d_v, _workspace = call(q, k, v, out, d_out.astype(q.dtype), raw_stats, *indices, **_ffi_kwargs(config))
+    args = (q, k, v, out, d_out.astype(q.dtype), raw_stats, *_index_arrays(cu_seqlens_q, cu_seqlens_kv, config))
+    d_q, d_k, d_v, _workspace = _ffi_call(extension.BACKWARD_TARGET, result_types, args, config)
     valid_q = _attending_rows(cu_seqlens_q, cu_seqlens_kv, config)[:, None, None]
     valid_kv = _valid_rows(cu_seqlens_kv, config.capacity_kv, config.max_seqlen_kv)[:, None, None]
     zero = jnp.zeros((), q.dtype)

@@ -1,6 +1,7 @@
 #!/bin/bash
-# Build, test and self-check on the offline H200 host (../shared/gpu-host/README.md), from the repo root,
-# with the cudnn-frontend wheel carried in .whl/. Logs go to $OUT when it is set.
+# Everything the offline H200 host (../shared/gpu-host/README.md) has to show, in one call from the repo root:
+# the extension (prebuilt in .prebuilt/ when carried, else built here), the GPU tests, the benchmark, the
+# demo and a GPU sweep tier, each under its own time limit, in that order of priority. Logs go to $OUT.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/jax_ragged_attn_gpu}
@@ -8,11 +9,22 @@ mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site
-# That host's default CXX (/opt/gcc/bin/g++, a wrapper) builds an extension that crashes inside
-# cudnn-frontend's string streams; the system compiler matches the libstdc++ the interpreter loads.
-export CXX=/usr/bin/g++
 start=$(date +%s)
-python3 -m pip install --no-build-isolation --no-deps -e . -q 2>&1 | grep -E "error|Error" ; echo "build: $(( $(date +%s) - start )) s"
-python3 -m pytest -q -rs -p no:cacheprovider ${@:-tests/test_cudnn.py tests/test_extension.py} 2>&1 \
-  | tee "$out/pytest.log" | tail -40
-python3 -m jax_ragged_attn 2>&1 | tee "$out/selfcheck.log"
+if ls .prebuilt/_ext*.so >/dev/null 2>&1; then
+  cp .prebuilt/_ext*.so jax_ragged_attn/  # built for this host's Python 3.12 and jaxlib 0.11.2
+else
+  # That host's default CXX (/opt/gcc/bin/g++, a wrapper) builds an extension that crashes inside
+  # cudnn-frontend's string streams; the system compiler matches the libstdc++ the interpreter loads.
+  CXX=/usr/bin/g++ python3 -m pip install --no-build-isolation --no-deps -e . -q 2>&1 | grep -E "error|Error"
+fi
+echo "extension ready: $(( $(date +%s) - start )) s"
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAME.log, print its tail
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  echo "=== $name: exit $? after $(( $(date +%s) - t0 )) s"; tail -n "${TAIL:-25}" "$out/$name.log"
+}
+step pytest "${PYTEST_S:-90}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_cudnn.py tests/test_extension.py
+step bench "${BENCH_S:-130}" python3 -m jax_ragged_attn.bench ${BENCH_ARGS:---workloads W1,W2} --out "$out"
+step demo "${DEMO_S:-50}" python3 -m jax_ragged_attn --plot "$out/demo_loss.png"
+step sweep "${SWEEP_S:-40}" python3 -m jax_ragged_attn.sweep --tier gpu --num-tests "${SWEEP_N:-40}" --seed 0

@@ -250,3 +250,47 @@ def test_graph_cache_hits_after_first_call_and_stays_bounded():
     after = ext.graph_cache_stats()
     assert after["misses"] == before["misses"] and after["hits"] > before["hits"]
     assert after["size"] <= after["capacity"]
+
+
+def test_check_mode_guards_the_workspace_and_changes_nothing():
+    case = Case(heads=(8, 2), is_causal=True, layout="token_major")
+    batch, d_out = _batch(case, 31)
+    plain = _run(case, batch, d_out)
+
+    @jax.jit
+    def checked(q, k, v, d_out):
+        def attend(q, k, v):
+            return jra.ragged_attention(q, k, v, *batch.args[3:], implementation="cudnn", check=True,
+                                        stats_layout=case.layout, **_options(case))
+
+        out, vjp = jax.vjp(attend, q, k, v)
+        return out, vjp(d_out)
+
+    hlo = checked.lower(*batch.args[:3], jnp.asarray(d_out)).as_text()
+    assert extension.FORWARD_TARGET + "_guarded" in hlo and extension.BACKWARD_TARGET + "_guarded" in hlo
+    out, grads = checked(*batch.args[:3], jnp.asarray(d_out))
+    np.testing.assert_array_equal(np.asarray(out, np.float64), plain[0])
+    for a, b in zip(grads, plain[2]):
+        assert_close(np.asarray(a, np.float64), b, case.dtype, "check mode gradient")
+
+
+def test_garbage_cu_seqlens_stay_inside_the_buffers():
+    """Unchecked garbage is clamped into the buffers: the guard band after the workspace stays intact and
+    every result is finite (NaN padding would show any read outside the real rows)."""
+    case = Case(heads=(8, 2), is_causal=True)
+    batch, d_out = _batch(case, 41)
+    config = dataclasses.replace(make_config(*batch.args, scale=None, stats_layout=case.layout, **_options(case)),
+                                 guard_workspace=True)
+    garbage = [jnp.array([5, -7, 2000, 3, 900, 10**9, -1], jnp.int32), jnp.array([0, 10**6, 4, 4, 1173, 0, 2**31 - 1],
+                                                                                jnp.int32)]
+
+    @jax.jit
+    def step(q, k, v, cu_q, cu_kv, d_out):
+        out, vjp = jax.vjp(lambda q, k, v: cudnn.attention_cudnn(q, k, v, cu_q, cu_kv, config)[0], q, k, v)
+        return out, vjp(d_out)
+
+    finite_q = jnp.nan_to_num(batch.q)  # garbage offsets may point at any row, so give every row a value
+    finite_kv = [jnp.nan_to_num(x) for x in (batch.k, batch.v)]
+    out, grads = step(finite_q, *finite_kv, *garbage, jnp.nan_to_num(jnp.asarray(d_out)))
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
