@@ -43,7 +43,8 @@ def cudnn() -> str | None:
 
 def cuda_runtime() -> str | None:
     # cudnn.h pulls in cuda_runtime_api.h, which needs crt/ (nvidia-cuda-crt) and cuda_fp16.h, which needs
-    # CCCL's nv/target (nvidia-cuda-cccl): take the first directory that has all three. CUDA 13 wheels install
+    # CCCL's nv/target (nvidia-cuda-cccl); cudnn-frontend includes nvrtc.h (nvidia-cuda-nvrtc): take the first
+    # directory that has all four. CUDA 13 wheels install
     # under nvidia/cu13, CUDA 12 ones under nvidia/cuda_runtime; a toolkit has everything in one place.
     candidates = []
     for module in ("nvidia.cu13", "nvidia.cuda_runtime"):
@@ -53,7 +54,7 @@ def cuda_runtime() -> str | None:
     for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if root:
             candidates.append(os.path.join(root, "include"))
-    needed = ("cuda_runtime_api.h", os.path.join("crt", "host_defines.h"), os.path.join("nv", "target"))
+    needed = ("cuda_runtime_api.h", os.path.join("crt", "host_defines.h"), os.path.join("nv", "target"), "nvrtc.h")
     for path in candidates:
         if all(os.path.exists(os.path.join(path, name)) for name in needed):
             return path
@@ -65,7 +66,7 @@ def main() -> int:
         "XLA_FFI_INCLUDE_DIR": (xla_ffi, "jax (pip install jax)"),
         "CUDNN_FRONTEND_INCLUDE_DIR": (cudnn_frontend, "nvidia-cudnn-frontend (pip install --no-deps 'nvidia-cudnn-frontend>=1.28')"),
         "CUDNN_INCLUDE_DIR": (cudnn, "nvidia-cudnn-cu13 or nvidia-cudnn-cu12 (pip install nvidia-cudnn-cu13)"),
-        "CUDA_INCLUDE_DIR": (cuda_runtime, "nvidia-cuda-runtime, nvidia-cuda-crt and nvidia-cuda-cccl (pip install nvidia-cuda-runtime nvidia-cuda-crt nvidia-cuda-cccl) or a CUDA toolkit"),
+        "CUDA_INCLUDE_DIR": (cuda_runtime, "nvidia-cuda-runtime, nvidia-cuda-crt, nvidia-cuda-cccl and nvidia-cuda-nvrtc (pip install --no-deps nvidia-cuda-runtime nvidia-cuda-crt nvidia-cuda-cccl nvidia-cuda-nvrtc) or a CUDA toolkit"),
     }
     for name, (locate, package) in found.items():
         path = locate()

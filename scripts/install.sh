@@ -21,5 +21,5 @@ fi
 # Headers only: --no-deps keeps cuBLAS, NVRTC and the CUTLASS DSL (their dependencies) off a CPU machine; on
 # a GPU machine jax[cuda13] has already installed the runtime libraries these belong to.
 "$py" -m pip install -q --no-deps 'nvidia-cudnn-frontend>=1.28' nvidia-cudnn-cu13 nvidia-cuda-runtime \
-  nvidia-cuda-crt nvidia-cuda-cccl
+  nvidia-cuda-crt nvidia-cuda-cccl nvidia-cuda-nvrtc
 "$py" -m pip install -q --no-build-isolation --no-deps -e .
