@@ -1,0 +1,128 @@
+"""The benchmark's outputs: a text table, a CSV with every field, and a bar plot of TFLOP/s."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+from jax_ragged_attn.bench_timing import Measurement
+from jax_ragged_attn.workloads import DIRECTIONS
+
+RAW_SYSTEM = "raw-cudnn"
+_SHORT = {"forward": "fwd", "backward": "bwd", "forward+backward": "fwd+bwd"}
+
+
+def ratios_to_raw(measurements: list[Measurement]) -> dict[int, float]:
+    """id(row) -> its time over raw cuDNN's on the same workload and direction (1.10 = 10% slower)."""
+    raw = {(m.workload, m.direction): m.median_s for m in measurements if m.system == RAW_SYSTEM and m.ok}
+    return {id(m): m.median_s / raw[(m.workload, m.direction)]
+            for m in measurements if m.ok and raw.get((m.workload, m.direction))}
+
+
+def format_tflops(tflops: float) -> str:
+    return f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.2g}"  # CPU smoke runs reach only GFLOP/s
+
+
+def _megabytes(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e6:,.1f} MB"
+
+
+def _status(m: Measurement, width: int = 110) -> str:
+    text = m.status
+    if m.ok:
+        flags = [part.strip() for part in m.note.split(";") if "WARNING" in part]
+        if m.loop_copy_bytes:
+            flags.append(f"XLA copies {_megabytes(m.loop_copy_bytes)} per step in the loop")
+        text = "; ".join(["ok", *flags])
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _collapsed(measurements: list[Measurement]) -> list[tuple[Measurement, str]]:
+    """(row, direction label): a system's three rows sharing one skip or error reason become one "all" row."""
+    rows, i = [], 0
+    while i < len(measurements):
+        group = [m for m in measurements[i:i + len(DIRECTIONS)]
+                 if (m.workload, m.system) == (measurements[i].workload, measurements[i].system)]
+        if len(group) == len(DIRECTIONS) and not group[0].ok and len({m.status for m in group}) == 1:
+            rows.append((group[0], "all"))
+            i += len(group)
+        else:
+            rows.append((measurements[i], _SHORT.get(measurements[i].direction, measurements[i].direction)))
+            i += 1
+    return rows
+
+
+def table(measurements: list[Measurement]) -> str:
+    """One line per measurement in the order measured (one per system where all its rows share a reason)."""
+    ratio = ratios_to_raw(measurements)
+    header = ("workload", "system", "dir", "ms", "TFLOP/s", "t/t_raw", "workspace", "device mem", "status")
+    lines = [header]
+    for m, direction in _collapsed(measurements):
+        lines.append((
+            m.workload, m.system, direction,
+            "-" if m.median_s is None else f"{m.median_s * 1e3:.3f}",
+            "-" if m.tflops is None else format_tflops(m.tflops),
+            f"{ratio[id(m)]:.2f}x" if id(m) in ratio else "-",
+            _megabytes(m.workspace_bytes), _megabytes(m.peak_bytes), _status(m),
+        ))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
+    right = {3, 4, 5, 6, 7}
+    return "\n".join(
+        "  ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+        + "  " + line[-1]
+        for line in lines)
+
+
+CSV_FIELDS = ("workload", "system", "direction", "status", "median_ms", "min_ms", "max_ms", "iterations", "steps",
+              "gflop", "tflops", "time_vs_raw", "workspace_bytes", "device_bytes", "loop_copy_bytes", "note")
+
+
+def write_csv(path: str, measurements: list[Measurement]) -> None:
+    ratio = ratios_to_raw(measurements)
+
+    def ms(seconds):
+        return "" if seconds is None else f"{seconds * 1e3:.6f}"
+
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(CSV_FIELDS)
+        for m in measurements:
+            writer.writerow((m.workload, m.system, m.direction, m.status, ms(m.median_s), ms(m.min_s), ms(m.max_s),
+                             m.iterations, m.steps, f"{m.flops / 1e9:.3f}",
+                             "" if m.tflops is None else f"{m.tflops:.2f}",
+                             f"{ratio[id(m)]:.4f}" if id(m) in ratio else "",
+                             "" if m.workspace_bytes is None else m.workspace_bytes,
+                             "" if m.peak_bytes is None else m.peak_bytes,
+                             "" if m.loop_copy_bytes is None else m.loop_copy_bytes, m.note))
+
+
+def plot(path: str, measurements: list[Measurement]) -> str | None:
+    """Bars of TFLOP/s, one panel per direction; returns why no plot was written, or None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: the GPU host has no display
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        return f"matplotlib is not importable ({error})"
+    workloads = list(dict.fromkeys(m.workload for m in measurements))
+    systems = list(dict.fromkeys(m.system for m in measurements if m.tflops is not None))
+    found = {(m.workload, m.system, m.direction): m.tflops for m in measurements}
+    width = 0.8 / max(len(systems), 1)
+    figure, axes = plt.subplots(len(DIRECTIONS), 1, figsize=(max(7, 1.3 * len(workloads) * max(len(systems), 2) / 2),
+                                                             3.2 * len(DIRECTIONS)), squeeze=False)
+    for axis, direction in zip(axes[:, 0], DIRECTIONS):
+        for j, system in enumerate(systems):
+            xs = [i + (j - (len(systems) - 1) / 2) * width for i in range(len(workloads))]
+            heights = [found.get((w, system, direction)) or 0.0 for w in workloads]  # skipped or failed: no bar
+            axis.bar(xs, heights, width, label=system)
+        axis.set_xticks(range(len(workloads)), workloads)
+        axis.set_ylabel("useful TFLOP/s")
+        axis.set_title(direction)
+        axis.grid(axis="y", alpha=0.3)
+    figure.legend(*axes[0, 0].get_legend_handles_labels(), loc="upper center", ncol=max(len(systems), 1))
+    figure.tight_layout(rect=(0, 0, 1, 0.96))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return None

@@ -1,0 +1,312 @@
+"""Device-side timing of a JAX attention: one jitted loop of N steps per timed call, N chosen per workload.
+
+Each timed call runs `jax.lax.fori_loop` over N steps and is divided by N, so Python dispatch never sits
+between two steps. Three things keep XLA from measuring less than a real training step would:
+  - One element of q toggles in place every step, so no call can be hoisted out of the loop; the integer
+    index arrays get an update that keeps their values but that XLA cannot prove keeps them, so the op's
+    own index arithmetic stays in the loop too. Both cost nothing next to attention, where a full-size
+    elementwise op in the loop would cost a few percent and distort the comparison.
+  - Outputs (and gradients) are carried through the loop and returned whole. Reading back one element
+    instead lets XLA fuse the slice into whatever elementwise op follows the attention kernel, which then
+    computes one element instead of the whole tensor: a masked `where` on the output would disappear.
+  - The median of `iterations` timed calls is reported, after `warmup_calls` untimed ones.
+
+Backward time is forward+backward minus forward (see `derive_backward`): a backward timed on its own from
+precomputed residuals would let XLA hoist the op's index arithmetic, which a training step pays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+import statistics
+import sys
+import time
+import traceback
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jax_ragged_attn.api import ragged_attention
+from jax_ragged_attn.workloads import Workload
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    iterations: int = 20  # timed calls per measurement; the median is reported
+    target_call_s: float = 0.02  # each timed call runs enough steps to last about this long
+    max_steps: int = 200
+    warmup_calls: int = 2  # untimed calls first: the first may capture CUDA graphs or load kernels
+    assumed_flops_per_s: float = 3e14  # only to pick the number of steps before the first call
+
+
+@dataclasses.dataclass
+class Measurement:
+    """One row of the results: a (workload, system, direction) and what was measured, or why not."""
+
+    workload: str
+    system: str
+    direction: str
+    status: str = "ok"  # "ok", "skipped: <reason>" or "error: <message>"
+    median_s: float | None = None  # per step
+    min_s: float | None = None
+    max_s: float | None = None
+    iterations: int = 0
+    steps: int = 0
+    flops: float = 0.0
+    workspace_bytes: int | None = None
+    peak_bytes: int | None = None
+    loop_copy_bytes: int | None = None  # full-size copies per loop step XLA added (should be 0)
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def tflops(self) -> float | None:
+        return self.flops / self.median_s / 1e12 if self.ok and self.median_s and self.median_s > 0 else None
+
+
+def error_status(error: BaseException) -> str:
+    message = " ".join(str(error).split()) or "(no message)"
+    return f"error: {type(error).__name__}: {message}"
+
+
+def rows_with_status(workload: Workload, system: str, status: str, directions) -> list[Measurement]:
+    return [Measurement(workload.name, system, d, status=status, flops=workload.flops(d)) for d in directions]
+
+
+def steps_for(flops: float, settings: Settings) -> int:
+    """Steps per timed call so that a call lasts about target_call_s (20 us per step for launch latency)."""
+    step_s = flops / settings.assumed_flops_per_s + 2e-5
+    return max(1, min(settings.max_steps, math.ceil(settings.target_call_s / step_s)))
+
+
+def derive_backward(forward: Measurement, both: Measurement, workspace_bytes: int | None) -> Measurement:
+    """The backward row: forward+backward minus forward, from the same steps-per-call timing method."""
+    row = Measurement(forward.workload, forward.system, "backward", flops=both.flops - forward.flops,
+                      workspace_bytes=workspace_bytes, note="forward+backward minus forward")
+    if forward.ok and both.ok:
+        row.median_s = both.median_s - forward.median_s
+        row.iterations, row.steps = both.iterations, both.steps
+        if row.median_s <= 0:  # possible on a tiny or noisy run: no figure rather than a wrong one
+            row.status, row.median_s = "skipped: forward+backward was not slower than forward (timing noise)", None
+    elif both.status.startswith("skipped") or forward.status.startswith("skipped"):
+        row.status = both.status if both.status.startswith("skipped") else forward.status
+    else:
+        failed = forward if not forward.ok else both
+        row.status = f"error: needs forward and forward+backward; {failed.direction} failed"
+    return row
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxCase:
+    """A JAX system on one workload: its attention as a function, and the arrays to call it with."""
+
+    attention: Callable  # (q, k, v, *index) -> out; traced inside the timing loop
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    index: tuple  # integer arrays the op reads each step (cu_seqlens, lengths, offsets)
+    # Workspace bytes per direction from the op itself; None reads the cuDNN calls' scratch from the HLO.
+    workspace_bytes: Callable[[str], int | None] | None = None
+
+
+def _nudge(x: jax.Array, i) -> jax.Array:
+    # One element toggles between two values each step, so nothing that reads x can be hoisted out of the
+    # loop. A dynamic_update_slice of a value that does not read x: XLA does it in place. (`x.at[...]`
+    # reading x, or bf16 arithmetic that CPU XLA upcasts, made it copy all of x every step.)
+    value = jnp.where(i % 2 == 0, 0.5, -0.5).astype(x.dtype).reshape((1,) * x.ndim)
+    return jax.lax.dynamic_update_slice(x, value, (0,) * x.ndim)
+
+
+def _same_but_opaque(a: jax.Array, i) -> jax.Array:
+    # min(a0, a0 + i) == a0 for the loop counter i >= 0, but XLA cannot prove it, so the op's index
+    # arithmetic (offsets, row masks) is recomputed every step as a real training step recomputes it.
+    first = a[(0,) * a.ndim]
+    return a.at[(0,) * a.ndim].set(jnp.minimum(first, first + i.astype(a.dtype)))
+
+
+def _forward_loop(attention, steps, q, k, v, index):
+    out = jax.eval_shape(attention, q, k, v, *index)
+
+    def step(i, carry):
+        q, index, _ = carry
+        q = _nudge(q, i)
+        index = tuple(_same_but_opaque(a, i) for a in index)
+        return q, index, attention(q, k, v, *index)
+
+    return jax.lax.fori_loop(0, steps, step, (q, index, jnp.zeros(out.shape, out.dtype)))
+
+
+def _forward_backward_loop(attention, steps, q, k, v, index, d_out):
+    def step(i, carry):
+        q, index, _ = carry
+        q = _nudge(q, i)
+        index = tuple(_same_but_opaque(a, i) for a in index)
+        out, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, *index), q, k, v)
+        return q, index, (out, *pullback(d_out))
+
+    zeros = tuple(jnp.zeros(x.shape, x.dtype) for x in (d_out, q, k, v))
+    return jax.lax.fori_loop(0, steps, step, (q, index, zeros))
+
+
+def _call_seconds(compiled, args) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    return time.perf_counter() - start
+
+
+def _device_bytes(compiled) -> int | None:
+    """Arguments + outputs + temporaries of the compiled step (its peak device footprint)."""
+    try:
+        m = compiled.memory_analysis()
+        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+    except Exception:  # noqa: BLE001 - not every backend reports it; the column then reads "-"
+        return None
+
+
+_BYTES_PER_ELEMENT = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                      "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_RESULT = re.compile(r"^\s*%?(\S+) = (\w+)\[([\d,]*)\]")
+
+
+def _array_bytes(dtype: str, dims: str) -> int:
+    return math.prod(int(d) for d in dims.split(",") if d) * _BYTES_PER_ELEMENT.get(dtype, 0)
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+    """HLO text split into its computations: name -> instruction lines."""
+    found, current = {}, None
+    for line in hlo.splitlines():
+        if line.rstrip().endswith("{") and not line.startswith(" "):
+            words = line.split()
+            name = words[1] if words[0] == "ENTRY" else words[0]
+            current = found.setdefault(name.lstrip("%"), [])
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            current.append(line)
+    return found
+
+
+def loop_copy_bytes(hlo: str, at_least: int = 1 << 20) -> int:
+    """Bytes per step of copies into or out of a while loop's carried state (at least `at_least` each).
+
+    XLA inserts such copies when a value cannot be written in place into the loop's carried buffer, e.g.
+    if carrying an output forced a copy of it. That is work the loop adds, which a training step would not
+    do: it should be 0. Layout copies inside an op's own computation (the xla path's transposes) do not
+    read loop state directly and are not counted.
+    """
+    computations = _computations(hlo)
+    total = 0
+    for body in set(re.findall(r"body=%?([\w.\-]+)", hlo)):
+        lines = computations.get(body, [])
+        state = {m.group(1) for line in lines if "get-tuple-element(" in line and (m := _RESULT.match(line))}
+        root = next((line for line in lines if line.lstrip().startswith("ROOT") and " tuple(" in line), "")
+        carried = set(re.findall(r"%([\w.\-]+)", root.split(" tuple(", 1)[1])) if root else set()
+        for line in lines:
+            result, source = _RESULT.match(line), re.search(r"\scopy\(%?([\w.\-]+)\)", line)
+            if result and source and (source.group(1) in state or result.group(1) in carried):
+                size = _array_bytes(result.group(2), result.group(3))
+                total += size if size >= at_least else 0
+    return total
+
+
+def cudnn_scratch_bytes(hlo: str) -> int | None:
+    """Scratch (u8) outputs of the cuDNN calls in compiled HLO, or None if there are none to read."""
+    sizes = []
+    for line in hlo.splitlines():
+        if "cudnn" in line.lower() and ("custom-call(" in line or "fusion(" in line) and " = " in line:
+            result = line.split(" = ", 1)[1].split("custom-call(")[0].split("fusion(")[0]
+            sizes += [int(n) for n in re.findall(r"u8\[(\d+)\]", result)]
+    return sum(sizes) if sizes else None
+
+
+def _workspace_bytes(case: JaxCase, direction: str) -> int | None:
+    try:
+        return case.workspace_bytes(direction)
+    except Exception:  # noqa: BLE001 - a missing workspace figure must not discard a timing
+        return None
+
+
+def _measure_direction(case: JaxCase, workload: Workload, system: str, direction: str, settings: Settings):
+    flops = workload.flops(direction)
+    if direction == "forward":
+        loop, args = _forward_loop, (case.q, case.k, case.v, case.index)
+    else:
+        out = jax.eval_shape(case.attention, case.q, case.k, case.v, *case.index)
+        d_out = jax.random.normal(jax.random.key(1), out.shape, out.dtype)
+        loop, args = _forward_backward_loop, (case.q, case.k, case.v, case.index, d_out)
+
+    def build(steps):
+        return jax.jit(functools.partial(loop, case.attention, steps)).lower(*args).compile()
+
+    steps = steps_for(flops, settings)
+    compiled = build(steps)
+    warm = min(_call_seconds(compiled, args) for _ in range(settings.warmup_calls))
+    if warm > 3 * settings.target_call_s and steps > 1:  # far slower than assumed (the xla path): fewer steps
+        steps = max(1, int(steps * settings.target_call_s / warm))
+        compiled = build(steps)
+        _call_seconds(compiled, args)
+    times = [_call_seconds(compiled, args) / steps for _ in range(settings.iterations)]
+    hlo = compiled.as_text() or ""
+    workspace = _workspace_bytes(case, direction) if case.workspace_bytes else cudnn_scratch_bytes(hlo)
+    return Measurement(workload.name, system, direction, median_s=statistics.median(times), min_s=min(times),
+                       max_s=max(times), iterations=len(times), steps=steps, flops=flops,
+                       workspace_bytes=workspace, peak_bytes=_device_bytes(compiled),
+                       loop_copy_bytes=loop_copy_bytes(hlo))
+
+
+def measure_jax(case: JaxCase, workload: Workload, system: str, settings: Settings) -> list[Measurement]:
+    """Forward and forward+backward measured, backward derived; a failing direction is reported, not raised."""
+    rows = {}
+    for direction in ("forward", "forward+backward"):
+        try:
+            rows[direction] = _measure_direction(case, workload, system, direction, settings)
+        except Exception as error:  # noqa: BLE001 - one failing direction must not hide the other
+            traceback.print_exc(file=sys.stderr)  # the row keeps the message; stderr keeps where it came from
+            rows[direction] = Measurement(workload.name, system, direction, status=error_status(error),
+                                          flops=workload.flops(direction))
+    backward_workspace = None
+    if case.workspace_bytes:
+        backward_workspace = _workspace_bytes(case, "backward")
+    elif rows["forward"].workspace_bytes is not None and rows["forward+backward"].workspace_bytes is not None:
+        backward_workspace = rows["forward+backward"].workspace_bytes - rows["forward"].workspace_bytes
+    rows["backward"] = derive_backward(rows["forward"], rows["forward+backward"], backward_workspace)
+    return [rows["forward"], rows["backward"], rows["forward+backward"]]
+
+
+def host_overhead(workload: Workload, implementation: str, calls: int = 300) -> dict[str, tuple[float, float]]:
+    """Host cost of a cached jitted ragged_attention call next to a jitted `q * 2` of the same shapes.
+
+    On a workload this small the device finishes first, so back-to-back calls (no sync between them)
+    measure what the host spends per call: JAX's dispatch, plus for the cuDNN path the FFI handler's
+    graph-cache lookup and cuDNN's launch. Returns name -> (seconds per back-to-back call, median seconds
+    of a call followed by a sync).
+    """
+    q, k, v, cu = workload.packed_inputs()
+    attention = jax.jit(lambda q, k, v, cu: ragged_attention(
+        q, k, v, cu, cu, max_seqlen_q=workload.max_seqlen, max_seqlen_kv=workload.max_seqlen,
+        is_causal=workload.causal, implementation=implementation))
+    trivial = jax.jit(lambda q, k, v, cu: q * 2)
+    results = {}
+    for name, function in ((f"ragged_attention[{implementation}]", attention), ("q * 2", trivial)):
+        for _ in range(3):
+            jax.block_until_ready(function(q, k, v, cu))
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = function(q, k, v, cu)
+        jax.block_until_ready(out)
+        back_to_back = (time.perf_counter() - start) / calls
+        synced = []
+        for _ in range(min(calls, 100)):
+            begin = time.perf_counter()
+            jax.block_until_ready(function(q, k, v, cu))
+            synced.append(time.perf_counter() - begin)
+        results[name] = (back_to_back, statistics.median(synced))
+    return results
