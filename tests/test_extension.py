@@ -25,9 +25,10 @@ def _config(**overrides):
                        diagonal_alignment="top_left", local_window_size=None, stats_layout=shapes["layout"])
 
 
-def test_extension_registers_both_handlers():
+def test_extension_registers_both_handlers_and_their_guarded_variants():
     capsules = ext.registrations()
-    assert set(capsules) == {extension.FORWARD_TARGET, extension.BACKWARD_TARGET}
+    targets = {extension.FORWARD_TARGET, extension.BACKWARD_TARGET}
+    assert set(capsules) == targets | {t + "_guarded" for t in targets}
     assert all(type(c).__name__ == "PyCapsule" for c in capsules.values())
 
 
