@@ -198,47 +198,43 @@ ffi::Error backward_guarded_impl(cudaStream_t stream, int32_t device, ffi::AnyBu
 }  // namespace jax_ragged_attn
 
 // The argument lists, once: the guarded variants append the aliased workspace argument.
-#define JAX_RAGGED_ATTN_INDEX_ARGS                  \
-  .Arg<ffi::Buffer<ffi::S32>>()   /* seq_len_q */   \
-      .Arg<ffi::Buffer<ffi::S32>>() /* seq_len_kv */ \
-      .Arg<ffi::Buffer<ffi::S32>>() /* offset_q */   \
-      .Arg<ffi::Buffer<ffi::S32>>() /* offset_k */   \
-      .Arg<ffi::Buffer<ffi::S32>>() /* offset_v */   \
-      .Arg<ffi::Buffer<ffi::S32>>() /* offset_o */   \
+#define JAX_RAGGED_ATTN_QKV_ARGS                       \
+  ffi::Ffi::Bind()                                     \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()        \
+      .Ctx<ffi::DeviceOrdinal>()                       \
+      .Arg<ffi::AnyBuffer>() /* q */                   \
+      .Arg<ffi::AnyBuffer>() /* k */                   \
+      .Arg<ffi::AnyBuffer>() /* v */
+
+#define JAX_RAGGED_ATTN_INDEX_ARGS                     \
+  .Arg<ffi::Buffer<ffi::S32>>()     /* seq_len_q */    \
+      .Arg<ffi::Buffer<ffi::S32>>() /* seq_len_kv */   \
+      .Arg<ffi::Buffer<ffi::S32>>() /* offset_q */     \
+      .Arg<ffi::Buffer<ffi::S32>>() /* offset_k */     \
+      .Arg<ffi::Buffer<ffi::S32>>() /* offset_v */     \
+      .Arg<ffi::Buffer<ffi::S32>>() /* offset_o */     \
       .Arg<ffi::Buffer<ffi::S32>>() /* offset_stats */
 
-#define JAX_RAGGED_ATTN_FORWARD_ARGS                                                                         \
-  ffi::Ffi::Bind()                                                                                           \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()                                                              \
-      .Ctx<ffi::DeviceOrdinal>()                                                                             \
-      .Arg<ffi::AnyBuffer>() /* q */                                                                         \
-      .Arg<ffi::AnyBuffer>() /* k */                                                                         \
-      .Arg<ffi::AnyBuffer>() /* v */                                                                         \
-      JAX_RAGGED_ATTN_INDEX_ARGS
+#define JAX_RAGGED_ATTN_FORWARD_ARGS JAX_RAGGED_ATTN_QKV_ARGS JAX_RAGGED_ATTN_INDEX_ARGS
 
-#define JAX_RAGGED_ATTN_FORWARD_RETS                                                                          \
-  .Ret<ffi::AnyBuffer>()                /* o */                                                              \
-      .Ret<ffi::Buffer<ffi::F32>>()     /* stats */                                                          \
-      .Ret<ffi::Buffer<ffi::U8>>()      /* workspace */                                                      \
+#define JAX_RAGGED_ATTN_FORWARD_RETS                   \
+  .Ret<ffi::AnyBuffer>()            /* o */            \
+      .Ret<ffi::Buffer<ffi::F32>>() /* stats */        \
+      .Ret<ffi::Buffer<ffi::U8>>()  /* workspace */    \
       .Attrs<jax_ragged_attn::AttentionConfig>()
 
-#define JAX_RAGGED_ATTN_BACKWARD_ARGS                                                                        \
-  ffi::Ffi::Bind()                                                                                           \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()                                                              \
-      .Ctx<ffi::DeviceOrdinal>()                                                                             \
-      .Arg<ffi::AnyBuffer>()          /* q */                                                                \
-      .Arg<ffi::AnyBuffer>()          /* k */                                                                \
-      .Arg<ffi::AnyBuffer>()          /* v */                                                                \
-      .Arg<ffi::AnyBuffer>()          /* o */                                                                \
-      .Arg<ffi::AnyBuffer>()          /* d_o */                                                              \
-      .Arg<ffi::Buffer<ffi::F32>>()   /* stats */                                                            \
+#define JAX_RAGGED_ATTN_BACKWARD_ARGS                  \
+  JAX_RAGGED_ATTN_QKV_ARGS                             \
+      .Arg<ffi::AnyBuffer>()        /* o */            \
+      .Arg<ffi::AnyBuffer>()        /* d_o */          \
+      .Arg<ffi::Buffer<ffi::F32>>() /* stats */        \
       JAX_RAGGED_ATTN_INDEX_ARGS
 
-#define JAX_RAGGED_ATTN_BACKWARD_RETS                                                                         \
-  .Ret<ffi::AnyBuffer>()                /* d_q */                                                            \
-      .Ret<ffi::AnyBuffer>()            /* d_k */                                                            \
-      .Ret<ffi::AnyBuffer>()            /* d_v */                                                            \
-      .Ret<ffi::Buffer<ffi::U8>>()      /* workspace */                                                      \
+#define JAX_RAGGED_ATTN_BACKWARD_RETS                  \
+  .Ret<ffi::AnyBuffer>()           /* d_q */           \
+      .Ret<ffi::AnyBuffer>()       /* d_k */           \
+      .Ret<ffi::AnyBuffer>()       /* d_v */           \
+      .Ret<ffi::Buffer<ffi::U8>>() /* workspace */     \
       .Attrs<jax_ragged_attn::AttentionConfig>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnForward, jax_ragged_attn::forward_impl,
