@@ -103,21 +103,24 @@ def unsupported_reason(config: AttentionConfig) -> str | None:
 
 
 def _ffi_call(target: str, result_types: tuple, args: tuple, config: AttentionConfig):
-    """The FFI call; the workspace is its last result. In guard mode the workspace comes in as an input
-    aliased to that result, GUARD_BYTES longer than reported and filled with a canary there, which is
-    verified after the call: any write past the reported workspace stops the computation with an error."""
+    """Returns (the call's results but the workspace, a boolean scalar the caller must fold into its masks).
+
+    In guard mode the workspace comes in as an input aliased to the workspace result, GUARD_BYTES longer
+    than reported and filled with a canary there, verified on the host after the call: a write past the
+    reported workspace stops the computation with an error. The scalar depends on that verification, and
+    the caller's row masks depend on the scalar, so the check can be neither pruned nor overtaken.
+    """
     if not config.guard_workspace:
-        return jax.ffi.ffi_call(target, result_types, vmap_method="sequential")(*args, **_ffi_kwargs(config))
+        *results, _ = jax.ffi.ffi_call(target, result_types, vmap_method="sequential")(*args, **_ffi_kwargs(config))
+        return results, jnp.bool_(True)
     size = result_types[-1].shape[0]
     guarded = jnp.concatenate([jnp.zeros((size,), jnp.uint8), jnp.full((checks.GUARD_BYTES,), checks.CANARY, jnp.uint8)])
     types = (*result_types[:-1], jax.ShapeDtypeStruct(guarded.shape, jnp.uint8))
     call = jax.ffi.ffi_call(target + "_guarded", types, vmap_method="sequential",
                             input_output_aliases={len(args): len(types) - 1})
     *results, workspace = call(*args, guarded, **_ffi_kwargs(config))
-    verified = checks.verified_guard_band(workspace[size:], description=f"{target}: {config.describe()}")
-    # The barrier makes every result wait for the verification, without copying any of them.
-    results, _ = jax.lax.optimization_barrier((tuple(results), verified))
-    return (*results, workspace[:size])
+    clobbered = checks.verified_guard_band(workspace[size:], description=f"{target}: {config.describe()}")
+    return results, clobbered == 0
 
 
 def _index_arrays(cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
@@ -164,10 +167,10 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
         jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),
     )
     args = (q, k, v, *_index_arrays(cu_seqlens_q, cu_seqlens_kv, config))
-    out, raw_stats, _workspace = _ffi_call(extension.FORWARD_TARGET, result_types, args, config)
+    (out, raw_stats), intact = _ffi_call(extension.FORWARD_TARGET, result_types, args, config)
     # cuDNN writes only the rows of real tokens, and rows without any key have no defined softmax: give
     # both the documented values. The backward gets the raw stats, the values cuDNN itself expects.
-    rows = _attending_rows(cu_seqlens_q, cu_seqlens_kv, config)
+    rows = _attending_rows(cu_seqlens_q, cu_seqlens_kv, config) & intact
     out = jnp.where(rows[:, None, None], out, jnp.zeros((), out.dtype))
     stats_rows = rows[:, None] if config.stats_layout == "token_major" else rows[None, :]
     stats = jnp.where(stats_rows, raw_stats, -jnp.inf)
@@ -183,9 +186,9 @@ def _backward(q, k, v, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, confi
         jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),
     )
     args = (q, k, v, out, d_out.astype(q.dtype), raw_stats, *_index_arrays(cu_seqlens_q, cu_seqlens_kv, config))
-    d_q, d_k, d_v, _workspace = _ffi_call(extension.BACKWARD_TARGET, result_types, args, config)
-    valid_q = _attending_rows(cu_seqlens_q, cu_seqlens_kv, config)[:, None, None]
-    valid_kv = _valid_rows(cu_seqlens_kv, config.capacity_kv, config.max_seqlen_kv)[:, None, None]
+    (d_q, d_k, d_v), intact = _ffi_call(extension.BACKWARD_TARGET, result_types, args, config)
+    valid_q = (_attending_rows(cu_seqlens_q, cu_seqlens_kv, config) & intact)[:, None, None]
+    valid_kv = (_valid_rows(cu_seqlens_kv, config.capacity_kv, config.max_seqlen_kv) & intact)[:, None, None]
     zero = jnp.zeros((), q.dtype)
     return jnp.where(valid_q, d_q, zero), jnp.where(valid_kv, d_k, zero), jnp.where(valid_kv, d_v, zero)
 

@@ -1,0 +1,170 @@
+"""The cuDNN path's Python layer on a CPU, with the FFI call replaced by a stand-in kernel.
+
+Everything around the kernel is ours and runs in CI here: offsets, the custom_vjp with symbolic zeros, the
+masking of rows cuDNN never writes, check mode's canary band. The stand-in computes attention with the xla
+path from what the real handler receives (ragged offsets, lengths) and, like cuDNN, leaves every row it does
+not own as garbage (NaN), so the wrapper must clean them up. It can also write past the workspace, to prove
+the guard band catches it. The real kernels are held to the reference in tests/test_cudnn.py on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ragged_attn import checks, cudnn, extension
+from jax_ragged_attn.config import make_config
+from jax_ragged_attn.packing import row_positions
+from jax_ragged_attn.testing import assert_close, packed_batch
+from jax_ragged_attn.xla import attention_xla
+
+OPTIONS = dict(max_seqlen_q=24, max_seqlen_kv=20, is_causal=True, diagonal_alignment="bottom_right",
+               local_window_size=None)
+
+
+class StandInKernel:
+    """Replaces jax.ffi.ffi_call for the two targets; `overrun` bytes are written past the workspace."""
+
+    def __init__(self, overrun: int = 0):
+        self.overrun = overrun
+        self.targets = []
+
+    def __call__(self, target, result_types, *, vmap_method=None, input_output_aliases=None):
+        self.targets.append(target)
+        guarded = target.endswith("_guarded")
+
+        def call(*args, **attributes):
+            config = self.config
+            args, workspace_in = (args[:-1], args[-1]) if guarded else (args, None)
+            if target.startswith(extension.FORWARD_TARGET):
+                results = self._forward(config, *args)
+            else:
+                results = self._backward(config, *args)
+            workspace = workspace_in if guarded else jnp.zeros(result_types[-1].shape, jnp.uint8)
+            size = result_types[-1].shape[0] - (checks.GUARD_BYTES if guarded else 0)
+            if self.overrun:
+                workspace = workspace.at[size:size + self.overrun].set(0)
+            return (*results, workspace)
+
+        return call
+
+    @staticmethod
+    def _cu(offsets, per_token):
+        return (offsets // per_token).astype(jnp.int32)
+
+    def _owned_rows(self, cu, capacity, max_seqlen):
+        return row_positions(cu, capacity, max_seqlen)[2]
+
+    def _forward(self, c, q, k, v, seq_len_q, seq_len_kv, off_q, off_k, *_):
+        cu_q = self._cu(off_q, c.num_heads_q * c.head_dim_qk)
+        cu_kv = self._cu(off_k, c.num_heads_kv * c.head_dim_qk)
+        out, stats = attention_xla(q, k, v, cu_q, cu_kv, dataclasses.replace(c, stats_layout="token_major"))
+        rows = self._owned_rows(cu_q, c.capacity_q, c.max_seqlen_q)
+        out = jnp.where(rows[:, None, None], out, jnp.nan)  # cuDNN leaves rows it does not own untouched
+        stats = jnp.where(rows[:, None], stats, jnp.nan)
+        return out, (stats if c.stats_layout == "token_major" else stats.T)
+
+    def _backward(self, c, q, k, v, out, d_out, stats, seq_len_q, seq_len_kv, off_q, off_k, *_):
+        cu_q = self._cu(off_q, c.num_heads_q * c.head_dim_qk)
+        cu_kv = self._cu(off_k, c.num_heads_kv * c.head_dim_qk)
+        _, vjp = jax.vjp(lambda q, k, v: attention_xla(q, k, v, cu_q, cu_kv, c)[0], q, k, v)
+        d_q, d_k, d_v = vjp(d_out)
+        rows_q = self._owned_rows(cu_q, c.capacity_q, c.max_seqlen_q)[:, None, None]
+        rows_kv = self._owned_rows(cu_kv, c.capacity_kv, c.max_seqlen_kv)[:, None, None]
+        return jnp.where(rows_q, d_q, jnp.nan), jnp.where(rows_kv, d_k, jnp.nan), jnp.where(rows_kv, d_v, jnp.nan)
+
+
+@pytest.fixture
+def batch():
+    rng = np.random.default_rng(2024)
+    return packed_batch(rng, [17, 0, 24, 3], [20, 5, 9, 0], num_heads_q=4, num_heads_kv=2, head_dim_qk=16,
+                        head_dim_v=8, dtype="bfloat16", slack_q=11, slack_kv=6)
+
+
+def _install(monkeypatch, config, overrun=0):
+    kernel = StandInKernel(overrun)
+    kernel.config = config
+    monkeypatch.setattr(jax.ffi, "ffi_call", kernel)
+    monkeypatch.setattr(cudnn, "graph_info", lambda direction, config: {"workspace_bytes": 64})
+    return kernel
+
+
+def _config(batch, layout="head_major", **changes):
+    config = make_config(*batch.args, scale=None, stats_layout=layout, **OPTIONS)
+    return dataclasses.replace(config, **changes)
+
+
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+def test_outputs_and_gradients_match_the_xla_path_with_padding_cleaned(monkeypatch, batch, layout):
+    config = _config(batch, layout)
+    _install(monkeypatch, config)
+    d_out = jnp.asarray(np.random.default_rng(1).standard_normal((batch.q.shape[0], 4, 8)), jnp.bfloat16)
+
+    out, stats = cudnn.attention_cudnn(*batch.args, config)
+    ref_out, ref_stats = attention_xla(*batch.args, config)
+    assert_close(np.asarray(out, np.float64), np.asarray(ref_out, np.float64), "bfloat16", "out")
+    assert_close(np.asarray(stats, np.float64), np.asarray(ref_stats, np.float64), "float32", "stats")
+
+    grads = jax.vjp(lambda q, k, v: cudnn.attention_cudnn(q, k, v, *batch.args[3:], config)[0], *batch.args[:3])[1](
+        d_out)
+    ref_grads = jax.vjp(lambda q, k, v: attention_xla(q, k, v, *batch.args[3:], config)[0], *batch.args[:3])[1](
+        d_out)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert np.isfinite(np.asarray(g, np.float32)).all(), f"{name}: garbage rows leaked"
+        assert_close(np.asarray(g, np.float64), np.asarray(r, np.float64), "bfloat16", name)
+    assert np.all(np.asarray(grads[0])[batch.padding_q] == 0)
+    assert np.all(np.asarray(grads[1])[batch.padding_kv] == 0)
+
+
+def test_rows_without_keys_read_zero_and_minus_inf(monkeypatch, batch):
+    config = _config(batch)
+    _install(monkeypatch, config)
+    out, stats = jax.jit(lambda *a: cudnn.attention_cudnn(*a, config))(*batch.args)
+    ref_out, ref_stats = attention_xla(*batch.args, config)
+    # Sequence 3 has 3 queries and no keys; padding rows follow it.
+    empty = ~np.isfinite(np.asarray(ref_stats)).any(axis=0)
+    assert empty.sum() > batch.padding_q.sum()
+    assert np.all(np.asarray(out)[empty] == 0) and np.all(np.asarray(stats)[:, empty] == -np.inf)
+
+
+def test_a_stats_cotangent_raises_but_stats_as_aux_does_not(monkeypatch, batch):
+    config = _config(batch)
+    _install(monkeypatch, config)
+
+    def loss_through_stats(q):
+        out, stats = cudnn.attention_cudnn(q, *batch.args[1:], config)
+        return jnp.sum(jnp.where(jnp.isfinite(stats), stats, 0.0))
+
+    with pytest.raises(NotImplementedError, match="stats"):
+        jax.grad(loss_through_stats)(batch.q)
+
+    def loss_with_stats_aux(q):
+        out, stats = cudnn.attention_cudnn(q, *batch.args[1:], config)
+        return jnp.sum(out.astype(jnp.float32)), stats
+
+    grad, _ = jax.grad(loss_with_stats_aux, has_aux=True)(batch.q)
+    assert np.isfinite(np.asarray(grad, np.float32)).all()
+
+
+def test_check_mode_uses_the_guarded_targets_and_passes_an_intact_band(monkeypatch, batch):
+    config = _config(batch, guard_workspace=True)
+    kernel = _install(monkeypatch, config)
+    plain = cudnn.attention_cudnn(*batch.args, dataclasses.replace(config, guard_workspace=False))
+    grads = jax.grad(lambda q: jnp.sum(cudnn.attention_cudnn(q, *batch.args[1:], config)[0].astype(jnp.float32)))(
+        batch.q)
+    guarded = cudnn.attention_cudnn(*batch.args, config)
+    np.testing.assert_array_equal(np.asarray(guarded[0]), np.asarray(plain[0]))
+    assert np.isfinite(np.asarray(grads, np.float32)).all()
+    assert extension.FORWARD_TARGET + "_guarded" in kernel.targets
+    assert extension.BACKWARD_TARGET + "_guarded" in kernel.targets
+
+
+def test_a_write_past_the_workspace_stops_the_computation(monkeypatch, batch):
+    config = _config(batch, guard_workspace=True)
+    _install(monkeypatch, config, overrun=5)
+    with pytest.raises((RuntimeError, ValueError), match="5 of the 4096 guard bytes"):
+        jax.block_until_ready(jax.jit(lambda *a: cudnn.attention_cudnn(*a, config))(*batch.args))
