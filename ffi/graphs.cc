@@ -185,8 +185,9 @@ xla::ffi::Error build_backward(cudnnHandle_t handle, const AttentionConfig& c, b
 // and then lays the intermediates out densely; mirror it so the full-extent check compares like with like.
 bool frontend_applies_max_total(const AttentionConfig& c, int sm_version) {
   const int major = sm_version / 10;
+  const bool ampere_style = (major == 8 || major == 12) && cudnn_version() >= 91801;
   return c.use_max_total_seq_len && cudnn_version() >= 90600 && c.head_dim_qk % 16 == 0 &&
-         c.head_dim_v % 16 == 0 && major != 8 && major != 12;
+         c.head_dim_v % 16 == 0 && !ampere_style;
 }
 
 // Test-only switch (JAX_RAGGED_ATTN_DISABLE_FULL_EXTENT_FALLBACK=1, or the module function): lets the sweep
@@ -261,9 +262,13 @@ class GraphCache {
     }
   }
 
+  // A malformed value falls back to the default rather than to a capacity of 1, under which the forward
+  // and backward graphs would evict each other every step. Python validates the variable first.
   static int64_t initial_capacity() {
     const char* env = std::getenv("JAX_RAGGED_ATTN_GRAPH_CACHE_SIZE");
-    return env ? std::max<int64_t>(std::atoll(env), 1) : 64;
+    char* end = nullptr;
+    const long long value = env ? std::strtoll(env, &end, 10) : 0;
+    return (env && *env && end && *end == '\0' && value >= 1) ? value : 64;
   }
 
   int64_t capacity_ = initial_capacity();
@@ -307,6 +312,9 @@ xla::ffi::Error cached_graph(int device, Direction direction, const AttentionCon
   DeviceState* state = nullptr;
   FFI_RETURN_IF_ERROR(device_state(device, &state));
   auto built = std::make_shared<CachedGraph>();
+  // The handle is shared with execute_graph (which holds only this mutex): cuDNN handles are not
+  // thread-safe, so a build must not overlap a launch on the same device. Lock order: cache, then execute.
+  std::lock_guard<std::mutex> handle_lock(state->execute_mutex);
   try {
     if (direction == Direction::kForward) {
       FFI_RETURN_IF_ERROR(build_forward(state->handle, c, built.get()));

@@ -3,6 +3,7 @@
 // size Python asked for at trace time, so the handlers are safe inside XLA's command buffers (CUDA graphs).
 #include "handlers.h"
 
+#include <algorithm>
 #include <unordered_map>
 #include <vector>
 

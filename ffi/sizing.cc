@@ -1,5 +1,7 @@
 #include "sizing.h"
 
+#include <cstdlib>
+
 #include "layouts.h"
 
 namespace jax_ragged_attn {
@@ -19,8 +21,10 @@ BackwardIntermediates full_extent_backward_intermediates(const AttentionConfig& 
   BackwardIntermediates sizes;
   const TensorLayout stats = stats_layout(c);
   sizes.softmax_sum = ragged_span_bytes(c.capacity_q, stats.dim, stats.stride, kFloat);
-  // The deterministic algorithm keeps dP in a dense workspace of its own instead of accumulating dQ.
-  if (!c.deterministic) {
+  // The deterministic algorithm keeps dP in a dense workspace of its own instead of accumulating dQ, unless
+  // CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT opts into the ordered dQ accumulation; count dQ_accum then too
+  // (over-counting only costs the dense fallback, under-counting could hide a short region).
+  if (!c.deterministic || std::getenv("CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT") != nullptr) {
     const TensorLayout dq = token_layout(c.num_seqs, c.num_heads_q, c.max_seqlen_q, c.head_dim_qk);
     sizes.dq_accum = ragged_span_bytes(c.capacity_q, dq.dim, dq.stride, kFloat);
   }

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import jax
-
 import dataclasses
+
+import jax
 
 from jax_ragged_attn import cudnn
 from jax_ragged_attn.checks import check_enabled, checked_cu_seqlens
@@ -64,6 +64,8 @@ def ragged_attention(
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if not isinstance(return_stats, bool):
+        raise ValueError(f"return_stats must be a Python bool, got {type(return_stats).__name__} {return_stats!r}")
     config = make_config(
         q,
         k,

@@ -45,6 +45,8 @@ def check_enabled(check: bool | None) -> bool:
     An unrecognised value raises rather than meaning "off": a typo must not silently disable the checks.
     """
     if check is not None:
+        if not isinstance(check, (bool, np.bool_)):  # check="false" must not mean "on"
+            raise ValueError(f"check must be True, False or None, got {check!r}")
         return bool(check)
     value = os.environ.get(ENV_VAR, "").strip().lower()
     if value in _TRUE:

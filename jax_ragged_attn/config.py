@@ -65,6 +65,8 @@ class AttentionConfig:
 
 
 def _static_int(value, name: str, minimum: int) -> int:
+    if isinstance(value, (bool, np.bool_)):  # operator.index(True) == 1: almost certainly a mistake
+        raise ValueError(f"{name} must be a static Python int, got the bool {value!r}")
     try:
         value = operator.index(value)
     except TypeError:
@@ -171,8 +173,9 @@ def make_config(
     except (TypeError, ValueError):
         # Also catches a traced scale (jax's ConcretizationTypeError is a TypeError): it is baked into the graph.
         raise ValueError(f"scale must be a static Python float, got {type(scale).__name__} {scale!r}") from None
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    if not math.isfinite(scale) or abs(scale) > float(np.finfo(np.float32).max):
+        # The kernels take it as float32: a finite float64 beyond float32's range would become inf there.
+        raise ValueError(f"scale must be finite in float32, got {scale}")
 
     window_left, window_right = _normalize_window(local_window_size)
     return AttentionConfig(

@@ -89,8 +89,9 @@ def unsupported_reason(config: AttentionConfig) -> str | None:
         if dim % 8 or dim > MAX_HEAD_DIM:
             return f"cuDNN needs head dims that are multiples of 8 up to {MAX_HEAD_DIM}, got {name}={dim}"
     widest = max(config.head_dim_qk, config.head_dim_v)
-    if max(config.capacity_q * config.num_heads_q, config.capacity_kv * config.num_heads_kv) * widest > _INT32_LIMIT:
-        return "the ragged offsets are int32: T * H * D must stay below 2**31 elements"
+    # The backward's per-query-head dK/dV intermediates (GQA) scale the kv offsets by Hq / Hkv as well.
+    if max(config.capacity_q, config.capacity_kv) * config.num_heads_q * widest > _INT32_LIMIT:
+        return "the ragged offsets are int32: T * Hq * D must stay below 2**31 elements"
     reason = extension.cudnn_unavailable_reason()
     if reason is not None:
         return reason

@@ -1,4 +1,4 @@
-"""`python -m jax_ragged_attn`: what this machine can run, and one packed batch checked and timed.
+"""`python -m jax_ragged_attn.selfcheck`: what this machine can run, and one packed batch checked and timed.
 
 Prints the environment (JAX backend, cuDNN and cudnn-frontend versions, whether the cuDNN path is usable),
 runs a packed causal batch forward and backward with the best implementation, compares it with the
@@ -18,17 +18,7 @@ import numpy as np
 
 from jax_ragged_attn import api, cudnn, extension
 from jax_ragged_attn.config import make_config
-
-
-def _lengths(rng, num_seqs: int, low: int, high: int, total: int | None) -> np.ndarray:
-    lengths = rng.integers(low, high + 1, size=num_seqs)
-    if total is not None:  # trim the last sequences so the batch holds exactly `total` tokens
-        excess = int(lengths.sum()) - total
-        for i in range(num_seqs - 1, -1, -1):
-            cut = min(excess, int(lengths[i]) - 1)
-            lengths[i] -= max(cut, 0)
-            excess -= max(cut, 0)
-    return lengths.astype(np.int32)
+from jax_ragged_attn.workloads import seeded_lengths
 
 
 def _time(fn, *args, iterations: int) -> float:
@@ -47,8 +37,9 @@ def run(args) -> int:
     for key, value in extension.versions().items():
         print(f"  {key}: {value}")
 
-    rng = np.random.default_rng(args.seed)
-    lengths = _lengths(rng, args.num_seqs, args.min_len, args.max_len, args.total)
+    # The same seeded draw as the benchmark's W1 (jax_ragged_attn/workloads.py) with the default flags.
+    lengths = np.asarray(seeded_lengths(args.num_seqs, args.min_len, args.max_len, total=args.total, seed=args.seed))
+    rng = np.random.default_rng(args.seed + 1)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
     tokens, max_len = int(lengths.sum()), int(lengths.max())
     dtype = jnp.dtype(args.dtype)

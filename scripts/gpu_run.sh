@@ -18,13 +18,17 @@ else
   CXX=/usr/bin/g++ python3 -m pip install --no-build-isolation --no-deps -e . -q 2>&1 | grep -E "error|Error"
 fi
 echo "extension ready: $(( $(date +%s) - start )) s"
+failed=()
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAME.log, print its tail
   local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
+  local t0=$(date +%s) status
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
-  echo "=== $name: exit $? after $(( $(date +%s) - t0 )) s"; tail -n "${TAIL:-25}" "$out/$name.log"
+  status=$?
+  [ "$status" -eq 0 ] || failed+=("$name")
+  echo "=== $name: exit $status after $(( $(date +%s) - t0 )) s"; tail -n "${TAIL:-25}" "$out/$name.log"
 }
 step pytest "${PYTEST_S:-90}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_cudnn.py tests/test_extension.py
 step bench "${BENCH_S:-150}" python3 -m jax_ragged_attn.bench ${BENCH_ARGS:---workloads W1,W2 --time-budget 100} --out "$out"
 step demo "${DEMO_S:-45}" python3 -m jax_ragged_attn --plot "$out/demo_loss.png"
 step sweep "${SWEEP_S:-40}" python3 -m jax_ragged_attn.sweep --tier gpu --num-tests "${SWEEP_N:-8}" --seed 0
+[ ${#failed[@]} -eq 0 ] || { echo "failed steps: ${failed[*]}"; exit 1; }

@@ -18,8 +18,9 @@ else
   jax='jax'
 fi
 "$py" -m pip install -q "$jax" numpy scikit-build-core nanobind cmake ninja pytest pytest-xdist matplotlib tqdm
-# Headers only: --no-deps keeps cuBLAS, NVRTC and the CUTLASS DSL (their dependencies) off a CPU machine; on
-# a GPU machine jax[cuda13] has already installed the runtime libraries these belong to.
-"$py" -m pip install -q --no-deps 'nvidia-cudnn-frontend>=1.28' nvidia-cudnn-cu13 nvidia-cuda-runtime \
-  nvidia-cuda-crt nvidia-cuda-cccl nvidia-cuda-nvrtc
+# For their headers only: --no-deps keeps cuBLAS and the CUTLASS DSL (dependencies of these packages) off a
+# CPU machine; on a GPU machine jax[cuda13] has already installed the libraries they belong to. CUDA 13
+# headers (<14): CUDA 14 wheels install under nvidia/cu14, which ffi/find_headers.py does not search.
+"$py" -m pip install -q --no-deps 'nvidia-cudnn-frontend>=1.28' 'nvidia-cudnn-cu13<10' 'nvidia-cuda-runtime<14' \
+  'nvidia-cuda-crt<14' 'nvidia-cuda-cccl<14' 'nvidia-cuda-nvrtc<14'
 "$py" -m pip install -q --no-build-isolation --no-deps -e .

@@ -11,7 +11,10 @@ import pytest
 from jax_ragged_attn import cudnn, extension
 from jax_ragged_attn.config import make_config
 
-ext = extension.module()
+@pytest.fixture(scope="module")
+def ext():
+    # A failed build fails these tests one by one instead of stopping the whole suite at collection.
+    return extension.module()
 
 
 def _config(**overrides):
@@ -25,26 +28,26 @@ def _config(**overrides):
                        diagonal_alignment="top_left", local_window_size=None, stats_layout=shapes["layout"])
 
 
-def test_extension_registers_both_handlers_and_their_guarded_variants():
+def test_extension_registers_both_handlers_and_their_guarded_variants(ext):
     capsules = ext.registrations()
     targets = {extension.FORWARD_TARGET, extension.BACKWARD_TARGET}
     assert set(capsules) == targets | {t + "_guarded" for t in targets}
     assert all(type(c).__name__ == "PyCapsule" for c in capsules.values())
 
 
-def test_built_against_a_fixed_frontend():
+def test_built_against_a_fixed_frontend(ext):
     # 1.28 is the first cudnn-frontend that sizes ragged intermediates from every axis.
     assert tuple(ext.frontend_version[:2]) >= (1, 28)
 
 
-def test_token_major_stats_full_extent_equals_old_formula():
+def test_token_major_stats_full_extent_equals_old_formula(ext):
     t, h, s, b = 1000, 16, 300, 4
     dim, stride = [b, h, s, 1], [s * h, 1, h, 1]  # token-major [T, H]
     assert ext.ragged_span_bytes(t, dim, stride, 4) == t * h * 4
     assert ext.ragged_span_bytes(t, dim, stride, 4) == ext.token_stride_only_bytes(t, stride, 4)
 
 
-def test_head_major_stats_full_extent_exceeds_old_formula_by_h_minus_one_rows():
+def test_head_major_stats_full_extent_exceeds_old_formula_by_h_minus_one_rows(ext):
     t, h, s, b = 1000, 16, 300, 4
     dim, stride = [b, h, s, 1], [h * t, t, 1, 1]  # head-major [H, T]
     full = ext.ragged_span_bytes(t, dim, stride, 4)
@@ -54,13 +57,13 @@ def test_head_major_stats_full_extent_exceeds_old_formula_by_h_minus_one_rows():
     assert full == h * t * 4
 
 
-def test_full_extent_of_thd_tensor_is_the_whole_buffer():
+def test_full_extent_of_thd_tensor_is_the_whole_buffer(ext):
     t, h, s, d, b = 777, 8, 100, 64, 3
     assert ext.ragged_span_bytes(t, [b, h, s, d], [s * h * d, d, h * d, 1], 4) == t * h * d * 4
 
 
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])
-def test_backward_intermediates_cover_every_buffer(layout):
+def test_backward_intermediates_cover_every_buffer(ext, layout):
     config = _config(layout=layout)
     sizes = ext.full_extent_backward_intermediates(cudnn.ffi_attributes(config))
     assert sizes["softmax_sum"] == config.capacity_q * config.num_heads_q * 4
@@ -69,7 +72,7 @@ def test_backward_intermediates_cover_every_buffer(layout):
     assert sizes["total"] == sizes["softmax_sum"] + sizes["dq_accum"]
 
 
-def test_backward_intermediates_for_gqa_hold_every_query_head():
+def test_backward_intermediates_for_gqa_hold_every_query_head(ext):
     config = _config(hq=16, hkv=4, dv=64)
     sizes = ext.full_extent_backward_intermediates(cudnn.ffi_attributes(config))
     assert sizes["dk_fullhead"] == config.capacity_kv * 16 * config.head_dim_qk * 4
