@@ -5,10 +5,10 @@ from __future__ import annotations
 import csv
 import os
 
+from jax_ragged_attn.bench_cudnn_raw import SYSTEM as RAW_SYSTEM
 from jax_ragged_attn.bench_timing import Measurement
 from jax_ragged_attn.workloads import DIRECTIONS
 
-RAW_SYSTEM = "raw-cudnn"
 _SHORT = {"forward": "fwd", "backward": "bwd", "forward+backward": "fwd+bwd"}
 
 

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+def cu_seqlens_from_lengths(lengths) -> np.ndarray:
+    """Host-side int32 [B + 1] offsets of sequences packed back to back: [3, 0, 2] -> [0, 3, 3, 5]."""
+    return np.concatenate([[0], np.cumsum(np.asarray(lengths, np.int64))]).astype(np.int32)
 
 
 def sanitize_cu_seqlens(cu_seqlens: jax.Array, capacity: int) -> jax.Array:

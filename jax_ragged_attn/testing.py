@@ -7,6 +7,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ragged_attn.packing import cu_seqlens_from_lengths
+
 
 def random_lengths(rng: np.random.Generator, num_seqs: int, low: int, high: int, *, zero_at=()) -> tuple[int, ...]:
     """num_seqs lengths drawn uniformly from [low, high], then forced to 0 at the indices in zero_at.
@@ -63,11 +65,6 @@ class PackedBatch:
         return np.arange(self.k.shape[0]) >= sum(self.seqlens_kv)
 
 
-def _cumulative(lengths) -> np.ndarray:
-    # [3, 0, 2] -> [0, 3, 3, 5]
-    return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32)
-
-
 def _packed(rng, rows: int, heads: int, dim: int, capacity: int, dtype, poison):
     values = rng.standard_normal((capacity, heads, dim)).astype(dtype)
     values[rows:] = poison
@@ -102,8 +99,8 @@ def packed_batch(
         q=q,
         k=k,
         v=v,
-        cu_seqlens_q=jnp.asarray(_cumulative(seqlens_q)),
-        cu_seqlens_kv=jnp.asarray(_cumulative(seqlens_kv)),
+        cu_seqlens_q=jnp.asarray(cu_seqlens_from_lengths(seqlens_q)),
+        cu_seqlens_kv=jnp.asarray(cu_seqlens_from_lengths(seqlens_kv)),
         # max_seqlen must be >= 1 even when every sequence is empty.
         max_seqlen_q=max(max(seqlens_q, default=0), 1),
         max_seqlen_kv=max(max(seqlens_kv, default=0), 1),

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ragged_attn.packing import cu_seqlens_from_lengths
+
 DIRECTIONS = ("forward", "backward", "forward+backward")
 # A backward pass does five matmuls of the forward's size (recomputing S = q.k, then dV, dP, dQ, dK) against
 # the forward's two; the usual convention (FlashAttention's, cuDNN's samples) counts it as 2.5 forwards.
@@ -88,8 +90,7 @@ class Workload:
         return max(self.seqlens)
 
     def cu_seqlens(self) -> np.ndarray:
-        """int32 [B + 1]: [3, 0, 2] -> [0, 3, 3, 5]."""
-        return np.concatenate([[0], np.cumsum(self.seqlens)]).astype(np.int32)
+        return cu_seqlens_from_lengths(self.seqlens)
 
     def flops(self, direction: str = "forward") -> float:
         return direction_flops(attention_flops(self.seqlens, self.num_heads_q, self.head_dim, self.causal), direction)
