@@ -27,7 +27,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAM
   [ "$status" -eq 0 ] || failed+=("$name")
   echo "=== $name: exit $status after $(( $(date +%s) - t0 )) s"; tail -n "${TAIL:-25}" "$out/$name.log"
 }
-step pytest "${PYTEST_S:-90}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_cudnn.py tests/test_extension.py
+step pytest "${PYTEST_S:-90}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_cudnn.py tests/test_extension.py tests/test_load.py
 step bench "${BENCH_S:-150}" python3 -m jax_ragged_attn.bench ${BENCH_ARGS:---workloads W1,W2 --time-budget 100} --out "$out"
 step demo "${DEMO_S:-45}" python3 -m jax_ragged_attn --plot "$out/demo_loss.png"
 step sweep "${SWEEP_S:-40}" python3 -m jax_ragged_attn.sweep --tier gpu --num-tests "${SWEEP_N:-8}" --seed 0
