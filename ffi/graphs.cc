@@ -1,5 +1,7 @@
 #include "graphs.h"
 
+#include "cudnn_frontend_version.h"
+
 #include <atomic>
 #include <algorithm>
 #include <climits>
@@ -14,6 +16,13 @@
 #include "cudnn_library.h"
 #include "layouts.h"
 #include "sizing.h"
+
+// The same guard as CMakeLists.txt, for builds that do not go through it (BUILD): frontends before 1.28 size
+// the ragged backward's head-major softmax_sum h_q times too small, and every gradient comes back zero.
+#if (CUDNN_FRONTEND_MAJOR_VERSION * 100 + CUDNN_FRONTEND_MINOR_VERSION) < 128 && \
+    !defined(JAX_RAGGED_ATTN_ALLOW_OLD_FRONTEND)
+#error "cudnn-frontend >= 1.28 is required (define JAX_RAGGED_ATTN_ALLOW_OLD_FRONTEND only to test the fallback)"
+#endif
 
 namespace jax_ragged_attn {
 namespace {
