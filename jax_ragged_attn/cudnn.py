@@ -19,7 +19,7 @@ from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.packing import (
     query_rows_with_keys,
     row_positions,
-    sanitize_cu_seqlens,
+    sanitize_both,
     sequence_lengths,
 )
 
@@ -124,10 +124,8 @@ def _ffi_call(target: str, result_types: tuple, args: tuple, config: AttentionCo
     return results, clobbered == 0
 
 
-def _index_arrays(cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
+def _index_arrays(cu_q, cu_kv, config: AttentionConfig):
     """Sequence lengths and the ragged offsets of each tensor, in elements (see ffi/layouts.h)."""
-    cu_q = sanitize_cu_seqlens(cu_seqlens_q, config.capacity_q)
-    cu_kv = sanitize_cu_seqlens(cu_seqlens_kv, config.capacity_kv)
     hq, hkv = config.num_heads_q, config.num_heads_kv
     dqk, dv = config.head_dim_qk, config.head_dim_v
     stats_offset = cu_q * hq if config.stats_layout == "token_major" else cu_q
@@ -140,16 +138,6 @@ def _index_arrays(cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
         cu_q * (hq * dv),  # o, do
         stats_offset,
     )
-
-
-def _valid_rows(cu_seqlens, capacity: int, max_seqlen: int) -> jax.Array:
-    return row_positions(sanitize_cu_seqlens(cu_seqlens, capacity), capacity, max_seqlen)[2]
-
-
-def _attending_rows(cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig) -> jax.Array:
-    cu_q = sanitize_cu_seqlens(cu_seqlens_q, config.capacity_q)
-    cu_kv = sanitize_cu_seqlens(cu_seqlens_kv, config.capacity_kv)
-    return query_rows_with_keys(cu_q, cu_kv, config)
 
 
 def _stats_shape(config: AttentionConfig) -> tuple[int, int]:
@@ -167,11 +155,12 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
         jax.ShapeDtypeStruct(_stats_shape(config), jnp.float32),
         jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),
     )
-    args = (q, k, v, *_index_arrays(cu_seqlens_q, cu_seqlens_kv, config))
+    cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
+    args = (q, k, v, *_index_arrays(cu_q, cu_kv, config))
     (out, raw_stats), intact = _ffi_call(extension.FORWARD_TARGET, result_types, args, config)
     # cuDNN writes only the rows of real tokens, and rows without any key have no defined softmax: give
     # both the documented values. The backward gets the raw stats, the values cuDNN itself expects.
-    rows = _attending_rows(cu_seqlens_q, cu_seqlens_kv, config) & intact
+    rows = query_rows_with_keys(cu_q, cu_kv, config) & intact
     out = jnp.where(rows[:, None, None], out, jnp.zeros((), out.dtype))
     stats_rows = rows[:, None] if config.stats_layout == "token_major" else rows[None, :]
     stats = jnp.where(stats_rows, raw_stats, -jnp.inf)
@@ -186,10 +175,11 @@ def _backward(q, k, v, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, confi
         jax.ShapeDtypeStruct(v.shape, v.dtype),
         jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),
     )
-    args = (q, k, v, out, d_out.astype(q.dtype), raw_stats, *_index_arrays(cu_seqlens_q, cu_seqlens_kv, config))
+    cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
+    args = (q, k, v, out, d_out.astype(q.dtype), raw_stats, *_index_arrays(cu_q, cu_kv, config))
     (d_q, d_k, d_v), intact = _ffi_call(extension.BACKWARD_TARGET, result_types, args, config)
-    valid_q = (_attending_rows(cu_seqlens_q, cu_seqlens_kv, config) & intact)[:, None, None]
-    valid_kv = (_valid_rows(cu_seqlens_kv, config.capacity_kv, config.max_seqlen_kv) & intact)[:, None, None]
+    valid_q = (query_rows_with_keys(cu_q, cu_kv, config) & intact)[:, None, None]
+    valid_kv = (row_positions(cu_kv, config.capacity_kv, config.max_seqlen_kv)[2] & intact)[:, None, None]
     zero = jnp.zeros((), q.dtype)
     return jnp.where(valid_q, d_q, zero), jnp.where(valid_kv, d_k, zero), jnp.where(valid_kv, d_v, zero)
 

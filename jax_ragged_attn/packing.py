@@ -25,6 +25,12 @@ def sanitize_cu_seqlens(cu_seqlens: jax.Array, capacity: int) -> jax.Array:
     return jnp.clip(jax.lax.cummax(cu_seqlens, axis=0), 0, capacity)
 
 
+def sanitize_both(cu_seqlens_q: jax.Array, cu_seqlens_kv: jax.Array, config) -> tuple[jax.Array, jax.Array]:
+    """Both cu_seqlens clamped into their buffers, once per call: offsets, lengths and masks derive from these."""
+    return (sanitize_cu_seqlens(cu_seqlens_q, config.capacity_q),
+            sanitize_cu_seqlens(cu_seqlens_kv, config.capacity_kv))
+
+
 def sequence_lengths(cu_seqlens: jax.Array, max_seqlen: int) -> jax.Array:
     """Rows of each sequence, capped at max_seqlen: the graph has room for no more."""
     return jnp.minimum(jnp.diff(cu_seqlens), max_seqlen).astype(jnp.int32)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ragged_attn.config import AttentionConfig
-from jax_ragged_attn.packing import row_positions, sanitize_cu_seqlens, sequence_lengths
+from jax_ragged_attn.packing import row_positions, sanitize_both, sequence_lengths
 
 
 def _to_padded(x: jax.Array, starts: jax.Array, lengths: jax.Array, max_seqlen: int) -> jax.Array:
@@ -40,8 +40,7 @@ def _mask(config: AttentionConfig, lengths_q: jax.Array, lengths_kv: jax.Array) 
 
 def attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
     """Returns (out [Tq, Hq, Dv] in q's dtype, stats float32 in the configured layout)."""
-    cu_q = sanitize_cu_seqlens(cu_seqlens_q, config.capacity_q)
-    cu_kv = sanitize_cu_seqlens(cu_seqlens_kv, config.capacity_kv)
+    cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
     lengths_q = sequence_lengths(cu_q, config.max_seqlen_q)
     lengths_kv = sequence_lengths(cu_kv, config.max_seqlen_kv)
 
