@@ -80,10 +80,15 @@ xla::ffi::Error set_current_device(int device) {
 }
 
 xla::ffi::Error compute_capability(int device, int* sm_version) {
+  // Through the same dlopen'ed runtime as cudaSetDevice: the frontend's own wrapper for this call only
+  // exists from 1.28, and the old-frontend test build must compile too.
+  using GetAttribute = cudaError_t (*)(int*, cudaDeviceAttr, int);
   int major = 0, minor = 0;
   try {
-    auto a = cudnn_frontend::detail::cuda_device_get_attribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    auto b = cudnn_frontend::detail::cuda_device_get_attribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    auto fn = reinterpret_cast<GetAttribute>(cudnn_frontend::detail::get_cuda_symbol(
+        cudnn_frontend::detail::CudaLibrary::CUDART, "cudaDeviceGetAttribute"));
+    const cudaError_t a = fn(&major, cudaDevAttrComputeCapabilityMajor, device);
+    const cudaError_t b = fn(&minor, cudaDevAttrComputeCapabilityMinor, device);
     FFI_CHECK(a == cudaSuccess && b == cudaSuccess) << "cudaDeviceGetAttribute failed for device " << device;
   } catch (const std::exception& e) {
     return ErrorStream(xla::ffi::ErrorCode::kUnavailable) << "cannot reach the CUDA runtime: " << e.what();

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import functools
 import json
+import multiprocessing
 import shlex
 import sys
 import traceback
@@ -292,21 +294,35 @@ def _failure(case: dict, error: BaseException) -> str:
     return f"{what}\n  repro: {repro_command(case)}"
 
 
+def _run_all(cases: list[dict], jobs: int):
+    """run_case over the cases, in order; with jobs > 1 in spawned worker processes (JAX is not fork-safe)."""
+    if jobs == 1:
+        yield from map(run_case, cases)
+        return
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        yield from pool.map(run_case, cases)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jax_ragged_attn.sweep", description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0, help="the first case's seed; case i uses seed + i")
     parser.add_argument("--num-tests", type=int, default=100)
     parser.add_argument("--tier", choices=tuple(TIERS), default="cpu")
     parser.add_argument("--repro", metavar="JSON", help="run exactly this case (as a failure prints it)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="worker processes (each compiles its own cases; the float64 reference and XLA's "
+                             "compiler, not the GPU, bound a GPU sweep)")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.repro is not None:
         cases = [json.loads(args.repro)]
     else:
         cases = [draw_case(args.seed + i, args.tier) for i in range(args.num_tests)]
 
     counts, skips, failures = collections.Counter(), collections.Counter(), []
-    for i, case in enumerate(cases):
-        status, message = run_case(case)
+    for i, (case, (status, message)) in enumerate(zip(cases, _run_all(cases, args.jobs))):
         counts[status] += 1
         line = f"[{i + 1}/{len(cases)}] seed={case['seed']} {status.upper():7} {describe(case)}"
         if status == "skipped":

@@ -1,7 +1,13 @@
 #!/bin/bash
 # Everything the offline H200 host (../shared/gpu-host/README.md) has to show, in one call from the repo root:
-# the extension (prebuilt in .prebuilt/ when carried, else built here), the GPU tests, the benchmark, the
-# demo and a GPU sweep tier, each under its own time limit, in that order of priority. Logs go to $OUT.
+# the extension (prebuilt in .prebuilt/ when carried, else built here), then the steps named in STEPS, each
+# under its own time limit, in the order given. Logs go to $OUT; each step prints its tail.
+#
+#   STEPS="pytest soak mutation sweep bench demo" bash scripts/gpu_run.sh
+#
+# mutation: the proof that the sweep catches the head-major zero-gradient bug. It needs an extension built
+# against cudnn-frontend 1.27 in .prebuilt127/ (scripts/build_old_frontend.sh); the sweep must fail with the
+# full-extent fallback disabled and pass with it enabled.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/jax_ragged_attn_gpu}
@@ -27,8 +33,38 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAM
   [ "$status" -eq 0 ] || failed+=("$name")
   echo "=== $name: exit $status after $(( $(date +%s) - t0 )) s"; tail -n "${TAIL:-25}" "$out/$name.log"
 }
-step pytest "${PYTEST_S:-90}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_cudnn.py tests/test_extension.py tests/test_load.py
-step bench "${BENCH_S:-150}" python3 -m jax_ragged_attn.bench ${BENCH_ARGS:---workloads W1,W2 --time-budget 100} --out "$out"
-step demo "${DEMO_S:-45}" python3 -m jax_ragged_attn --plot "$out/demo_loss.png"
-step sweep "${SWEEP_S:-40}" python3 -m jax_ragged_attn.sweep --tier gpu --num-tests "${SWEEP_N:-8}" --seed 0
+mutation() {  # the sweep against the frontend-1.27 build: must fail without the fallback, pass with it
+  local tree=/tmp/mutation
+  rm -rf "$tree" && mkdir -p "$tree" && cp -r jax_ragged_attn "$tree/" && rm -f "$tree"/jax_ragged_attn/_ext*.so
+  cp .prebuilt127/_ext*.so "$tree/jax_ragged_attn/" || return 1
+  local args=(--tier gpu --num-tests "${MUTATION_N:-40}" --seed 0 --jobs "${JOBS:-8}")
+  ( cd "$tree" && python3 -c "import jax_ragged_attn.extension as e; print('cudnn-frontend headers of this build:', e.module().frontend_version)" )
+  echo "--- fallback disabled (JAX_RAGGED_ATTN_DISABLE_FULL_EXTENT_FALLBACK=1): the sweep must fail"
+  ( cd "$tree" && JAX_RAGGED_ATTN_DISABLE_FULL_EXTENT_FALLBACK=1 python3 -m jax_ragged_attn.sweep "${args[@]}" ) \
+    > "$out/mutation_disabled.log" 2>&1
+  local disabled=$?
+  grep -E "FAILED|cases:|failed seeds" "$out/mutation_disabled.log" | head -n 12
+  grep -m 3 -E "AssertionError|Error" "$out/mutation_disabled.log"
+  echo "--- fallback enabled (the default): the sweep must pass"
+  ( cd "$tree" && python3 -m jax_ragged_attn.sweep "${args[@]}" ) > "$out/mutation_enabled.log" 2>&1
+  local enabled=$?
+  grep -E "cases:|skipped [0-9]|failed seeds" "$out/mutation_enabled.log"
+  grep -m 2 -i "warn" "$out/mutation_enabled.log"
+  echo "exit status with the fallback disabled: $disabled (must be 1), enabled: $enabled (must be 0)"
+  [ "$disabled" -eq 1 ] && [ "$enabled" -eq 0 ]
+}
+for name in ${STEPS:-pytest bench demo sweep}; do
+  case $name in
+    pytest) step pytest "${PYTEST_S:-120}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_cudnn.py \
+              tests/test_extension.py tests/test_load.py ;;
+    soak) step soak "${SOAK_S:-240}" python3 -m pytest -q -s -rs -p no:cacheprovider -m soak tests/test_load.py ;;
+    mutation) step mutation "${MUTATION_S:-240}" mutation ;;
+    sweep) step sweep "${SWEEP_S:-40}" python3 -m jax_ragged_attn.sweep --tier gpu --num-tests "${SWEEP_N:-8}" \
+             --seed "${SWEEP_SEED:-0}" --jobs "${JOBS:-1}" ;;
+    bench) step bench "${BENCH_S:-150}" python3 -m jax_ragged_attn.bench ${BENCH_ARGS:---workloads W1,W2 --time-budget 100} \
+             --out "$out" ;;
+    demo) step demo "${DEMO_S:-45}" python3 -m jax_ragged_attn --plot "$out/demo_loss.png" ;;
+    *) echo "unknown step $name"; failed+=("$name") ;;
+  esac
+done
 [ ${#failed[@]} -eq 0 ] || { echo "failed steps: ${failed[*]}"; exit 1; }

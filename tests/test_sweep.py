@@ -143,3 +143,12 @@ def test_gpu_tier_without_a_gpu_reports_every_case_skipped():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "3 cases: 0 passed, 3 skipped, 0 failed" in result.stdout, result.stdout
     assert f"skipped 3: cuDNN path unavailable: {reason}" in result.stdout, result.stdout
+
+
+def test_jobs_report_the_same_cases_in_order_as_one_process():
+    command = [sys.executable, "-m", "jax_ragged_attn.sweep", "--tier", "cpu", "--num-tests", "3", "--seed", "5"]
+    serial = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    parallel = subprocess.run(command + ["--jobs", "2"], capture_output=True, text=True, timeout=600)
+    assert serial.returncode == parallel.returncode == 0, serial.stdout + parallel.stdout + parallel.stderr
+    assert parallel.stdout == serial.stdout
+    assert "3 cases: 3 passed, 0 skipped, 0 failed" in parallel.stdout
