@@ -58,7 +58,7 @@ for name in ${STEPS:-pytest bench demo sweep}; do
     pytest) step pytest "${PYTEST_S:-120}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_cudnn.py \
               tests/test_extension.py tests/test_load.py ;;
     soak) step soak "${SOAK_S:-240}" python3 -m pytest -q -s -rs -p no:cacheprovider -m soak tests/test_load.py ;;
-    mutation) step mutation "${MUTATION_S:-240}" mutation ;;
+    mutation) export -f mutation; export out; step mutation "${MUTATION_S:-240}" bash -c mutation ;;
     sweep) step sweep "${SWEEP_S:-40}" python3 -m jax_ragged_attn.sweep --tier gpu --num-tests "${SWEEP_N:-8}" \
              --seed "${SWEEP_SEED:-0}" --jobs "${JOBS:-1}" ;;
     bench) step bench "${BENCH_S:-150}" python3 -m jax_ragged_attn.bench ${BENCH_ARGS:---workloads W1,W2 --time-budget 100} \
