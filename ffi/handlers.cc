@@ -170,13 +170,15 @@ ffi::Error backward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, 
   return execute_graph(device, *graph, stream, pack, workspace->untyped_data());
 }
 
-// Guard mode: the workspace arrives as an extra input aliased to the workspace output, larger than the graph
-// asked for and filled with a canary past its end, which Python verifies after the call. The buffer is the
-// same memory as the result, so the argument itself is not read here.
+// Guard mode: the workspace and every output arrive as extra inputs aliased to the results. Python made
+// the workspace longer than the graph asked for and the outputs longer by guard rows on both sides (the
+// ragged offsets skip the leading ones), filled the slack with a canary and verifies it after the call.
+// Each argument is the same memory as its result, so the arguments themselves are not read here.
 ffi::Error forward_guarded_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                 ffi::AnyBuffer v, Int32Buffer seq_len_q, Int32Buffer seq_len_kv, Int32Buffer offset_q,
                                 Int32Buffer offset_k, Int32Buffer offset_v, Int32Buffer offset_o,
                                 Int32Buffer offset_stats, ffi::Buffer<ffi::U8> /*guarded_workspace*/,
+                                ffi::AnyBuffer /*guarded_o*/, ffi::Buffer<ffi::F32> /*guarded_stats*/,
                                 ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> stats,
                                 ffi::Result<ffi::Buffer<ffi::U8>> workspace, AttentionConfig c) {
   return forward_impl(stream, device, q, k, v, seq_len_q, seq_len_kv, offset_q, offset_k, offset_v, offset_o,
@@ -188,9 +190,10 @@ ffi::Error backward_guarded_impl(cudaStream_t stream, int32_t device, ffi::AnyBu
                                  Int32Buffer seq_len_q, Int32Buffer seq_len_kv, Int32Buffer offset_q,
                                  Int32Buffer offset_k, Int32Buffer offset_v, Int32Buffer offset_o,
                                  Int32Buffer offset_stats, ffi::Buffer<ffi::U8> /*guarded_workspace*/,
-                                 ffi::Result<ffi::AnyBuffer> d_q, ffi::Result<ffi::AnyBuffer> d_k,
-                                 ffi::Result<ffi::AnyBuffer> d_v, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
-                                 AttentionConfig c) {
+                                 ffi::AnyBuffer /*guarded_d_q*/, ffi::AnyBuffer /*guarded_d_k*/,
+                                 ffi::AnyBuffer /*guarded_d_v*/, ffi::Result<ffi::AnyBuffer> d_q,
+                                 ffi::Result<ffi::AnyBuffer> d_k, ffi::Result<ffi::AnyBuffer> d_v,
+                                 ffi::Result<ffi::Buffer<ffi::U8>> workspace, AttentionConfig c) {
   return backward_impl(stream, device, q, k, v, o, d_o, stats, seq_len_q, seq_len_kv, offset_q, offset_k, offset_v,
                        offset_o, offset_stats, d_q, d_k, d_v, workspace, c);
 }
@@ -198,7 +201,7 @@ ffi::Error backward_guarded_impl(cudaStream_t stream, int32_t device, ffi::AnyBu
 }  // namespace
 }  // namespace jax_ragged_attn
 
-// The argument lists, once: the guarded variants append the aliased workspace argument.
+// The argument lists, once: the guarded variants append the aliased workspace and output arguments.
 #define JAX_RAGGED_ATTN_QKV_ARGS                       \
   ffi::Ffi::Bind()                                     \
       .Ctx<ffi::PlatformStream<cudaStream_t>>()        \
@@ -245,8 +248,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnBackward, jax_ragged_attn::backward_i
                               JAX_RAGGED_ATTN_BACKWARD_ARGS JAX_RAGGED_ATTN_BACKWARD_RETS,
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnForwardGuarded, jax_ragged_attn::forward_guarded_impl,
-                              JAX_RAGGED_ATTN_FORWARD_ARGS.Arg<ffi::Buffer<ffi::U8>>() JAX_RAGGED_ATTN_FORWARD_RETS,
+                              JAX_RAGGED_ATTN_FORWARD_ARGS.Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>() JAX_RAGGED_ATTN_FORWARD_RETS,
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnBackwardGuarded, jax_ragged_attn::backward_guarded_impl,
-                              JAX_RAGGED_ATTN_BACKWARD_ARGS.Arg<ffi::Buffer<ffi::U8>>() JAX_RAGGED_ATTN_BACKWARD_RETS,
+                              JAX_RAGGED_ATTN_BACKWARD_ARGS.Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>() JAX_RAGGED_ATTN_BACKWARD_RETS,
                               {ffi::Traits::kCmdBufferCompatible});

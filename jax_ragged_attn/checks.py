@@ -32,6 +32,7 @@ import functools
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 ENV_VAR = "JAX_RAGGED_ATTN_CHECK"
@@ -99,10 +100,13 @@ def checked_cu_seqlens(cu_seqlens: jax.Array, *, name: str, capacity: int, max_s
     return jax.pure_callback(check, result, cu_seqlens, vmap_method="expand_dims")
 
 
-# The guard band: bytes past the end of the workspace the graph reported, filled with CANARY before the
-# call and verified after it (guard mode of the cuDNN path, on with check=True).
+# Guard mode of the cuDNN path (on with check=True): GUARD_BYTES past the end of the workspace the graph
+# reported, and GUARD_ROWS rows before and after every output, filled with CANARY bytes before the call
+# and verified after it.
 GUARD_BYTES = 4096
+GUARD_ROWS = 8
 CANARY = 0xA5
+_UINTS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
 def _count_clobbered(band, *, description: str) -> np.ndarray:
@@ -121,3 +125,41 @@ def verified_guard_band(band: jax.Array, *, description: str) -> jax.Array:
     check = functools.partial(_count_clobbered, description=description)
     result = jax.ShapeDtypeStruct(band.shape[:-1], np.int32)
     return jax.pure_callback(check, result, band, vmap_method="expand_dims")
+
+
+def padded_rows(x: jax.Array, axis: int, rows: int) -> jax.Array:
+    """`x` with `rows` NaN rows before and after along `axis`: the input side of an output's guard band,
+    so the kernel's buffers agree in shape; a kernel reading one of them would spread NaN."""
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (rows, rows)
+    return jnp.pad(x, widths, constant_values=jnp.nan)
+
+
+def canary_array(shape, dtype) -> jax.Array:
+    """An array of `dtype` whose every byte is CANARY (for a float, a finite value nothing computes)."""
+    dtype = jnp.dtype(dtype)
+    word = int.from_bytes(bytes([CANARY]) * dtype.itemsize, "little")
+    return jax.lax.bitcast_convert_type(jnp.full(shape, word, _UINTS[dtype.itemsize]), dtype)
+
+
+def _count_changed(band, *, name: str, rows: int, description: str) -> np.ndarray:
+    band = np.asarray(band)
+    changed = int(np.count_nonzero(band != int.from_bytes(bytes([CANARY]) * band.dtype.itemsize, "little")))
+    if changed:
+        raise RuntimeError(
+            f"cuDNN wrote outside the rows of {name}: {changed} of the {band.size} elements in the {rows} guard "
+            f"rows before and after it were overwritten [{description}]"
+        )
+    return np.zeros((), np.int32)
+
+
+def verified_output_band(result: jax.Array, axis: int, rows: int, *, name: str, description: str) -> jax.Array:
+    """A zero int32 once a host check found the `rows` guard rows at both ends of `result` along `axis`
+    still canary; otherwise the computation stops with an error naming `name`."""
+    size = result.shape[axis]
+    before = jax.lax.slice_in_dim(result, 0, rows, axis=axis)
+    after = jax.lax.slice_in_dim(result, size - rows, size, axis=axis)
+    band = jnp.concatenate([before, after], axis=axis)
+    band = jax.lax.bitcast_convert_type(band, _UINTS[jnp.dtype(result.dtype).itemsize])
+    check = functools.partial(_count_changed, name=name, rows=rows, description=description)
+    return jax.pure_callback(check, jax.ShapeDtypeStruct((), np.int32), band, vmap_method="sequential")

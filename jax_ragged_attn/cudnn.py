@@ -6,6 +6,7 @@ becomes an extra uint8 output of the call: XLA allocates it like any buffer and 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -38,8 +39,11 @@ def ffi_attributes(config: AttentionConfig) -> dict:
         num_heads_kv=config.num_heads_kv,
         head_dim_qk=config.head_dim_qk,
         head_dim_v=config.head_dim_v,
-        max_seqlen_q=config.max_seqlen_q,
-        max_seqlen_kv=config.max_seqlen_kv,
+        # At least 2: measured on the H200 (cuDNN 9.19), graphs built for s_q = 1 wrote wrong or NaN stats
+        # (sweep seeds 78 and 182) and the backward refuses s_q = s_kv = 1. The lengths are still capped at
+        # the caller's max_seqlen (packing.sequence_lengths), so a larger bound changes no result.
+        max_seqlen_q=max(config.max_seqlen_q, 2),
+        max_seqlen_kv=max(config.max_seqlen_kv, 2),
         dtype=CUDNN_DTYPES.index(config.dtype),
         scale=config.scale,
         bottom_right=int(config.diagonal_alignment == "bottom_right"),
@@ -49,6 +53,10 @@ def ffi_attributes(config: AttentionConfig) -> dict:
         use_max_total_seq_len=1,
         deterministic=int(config.deterministic),
     )
+
+
+# What each handler's results are called in errors, in order (the workspace comes last, unnamed).
+RESULT_NAMES = {extension.FORWARD_TARGET: ("out", "stats"), extension.BACKWARD_TARGET: ("dq", "dk", "dv")}
 
 
 def _ffi_kwargs(config: AttentionConfig) -> dict:
@@ -103,25 +111,52 @@ def unsupported_reason(config: AttentionConfig) -> str | None:
     return None
 
 
-def _ffi_call(target: str, result_types: tuple, args: tuple, config: AttentionConfig):
-    """Returns (the call's results but the workspace, a boolean scalar the caller must fold into its masks).
+def _launch(direction: str, target: str, inputs, result_specs, cu_q, cu_kv, config: AttentionConfig):
+    """Runs one handler; returns (its results but the workspace, a boolean scalar the caller must fold into
+    its masks).
 
-    In guard mode the workspace comes in as an input aliased to the workspace result, GUARD_BYTES longer
-    than reported and filled with a canary there, verified on the host after the call: a write past the
-    reported workspace stops the computation with an error. The scalar depends on that verification, and
-    the caller's row masks depend on the scalar, so the check can be neither pruned nor overtaken.
+    inputs: (array, row axis) pairs in the handler's argument order, before the index arrays.
+    result_specs(config): (shape, dtype, row axis) of each result but the workspace.
+
+    Guard mode (check=True) makes every buffer the kernel writes larger than the call needs and verifies
+    the slack on the host after the call: the workspace gets GUARD_BYTES more, each output GUARD_ROWS more
+    rows before and after (inputs are padded to match with NaN rows; the ragged offsets skip the leading
+    ones), all filled with a canary and passed in aliased to the results. A write outside the region a
+    tensor owns stops the computation with an error naming the tensor. The scalar depends on those
+    verifications, and the caller's row masks depend on the scalar, so they can be neither pruned nor
+    overtaken.
     """
     if not config.guard_workspace:
-        *results, _ = jax.ffi.ffi_call(target, result_types, vmap_method="sequential")(*args, **_ffi_kwargs(config))
+        info = graph_info(direction, config)
+        types = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in result_specs(config))
+        types += (jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),)
+        args = (*(x for x, _ in inputs), *_index_arrays(cu_q, cu_kv, config))
+        *results, _ = jax.ffi.ffi_call(target, types, vmap_method="sequential")(*args, **_ffi_kwargs(config))
         return results, jnp.bool_(True)
-    size = result_types[-1].shape[0]
-    guarded = jnp.concatenate([jnp.zeros((size,), jnp.uint8), jnp.full((checks.GUARD_BYTES,), checks.CANARY, jnp.uint8)])
-    types = (*result_types[:-1], jax.ShapeDtypeStruct(guarded.shape, jnp.uint8))
-    call = jax.ffi.ffi_call(target + "_guarded", types, vmap_method="sequential",
-                            input_output_aliases={len(args): len(types) - 1})
-    *results, workspace = call(*args, guarded, **_ffi_kwargs(config))
-    clobbered = checks.verified_guard_band(workspace[size:], description=f"{target}: {config.describe()}")
-    return results, clobbered == 0
+
+    rows = checks.GUARD_ROWS
+    padded = dataclasses.replace(config, capacity_q=config.capacity_q + 2 * rows,
+                                 capacity_kv=config.capacity_kv + 2 * rows)
+    size = graph_info(direction, padded)["workspace_bytes"]
+    args = (*(checks.padded_rows(x, axis, rows) for x, axis in inputs),
+            *_index_arrays(cu_q + rows, cu_kv + rows, padded))
+    specs = result_specs(padded)
+    guarded = (*(checks.canary_array(shape, dtype) for shape, dtype, _ in specs),
+               jnp.concatenate([jnp.zeros((size,), jnp.uint8),
+                                jnp.full((checks.GUARD_BYTES,), checks.CANARY, jnp.uint8)]))
+    types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in guarded)
+    workspace_at = len(specs)
+    aliases = {len(args): workspace_at, **{len(args) + 1 + i: i for i in range(len(specs))}}
+    call = jax.ffi.ffi_call(target + "_guarded", types, vmap_method="sequential", input_output_aliases=aliases)
+    *results, workspace = call(*args, guarded[-1], *guarded[:-1], **_ffi_kwargs(padded))
+    description = f"{target}: {config.describe()}"
+    clobbered = checks.verified_guard_band(workspace[size:], description=description)
+    names = RESULT_NAMES[target]
+    for name, result, (_, _, axis) in zip(names, results, specs):
+        clobbered = clobbered + checks.verified_output_band(result, axis, rows, name=name, description=description)
+    inner = [jax.lax.slice_in_dim(result, rows, result.shape[axis] - rows, axis=axis)
+             for result, (_, _, axis) in zip(results, specs)]
+    return inner, clobbered == 0
 
 
 def _index_arrays(cu_q, cu_kv, config: AttentionConfig):
@@ -146,18 +181,28 @@ def _stats_shape(config: AttentionConfig) -> tuple[int, int]:
     return (config.num_heads_q, config.capacity_q)
 
 
+def _stats_axis(config: AttentionConfig) -> int:
+    return 0 if config.stats_layout == "token_major" else 1
+
+
+def _forward_results(config: AttentionConfig):
+    out_shape = (config.capacity_q, config.num_heads_q, config.head_dim_v)
+    return ((out_shape, jnp.dtype(config.dtype), 0), (_stats_shape(config), jnp.float32, _stats_axis(config)))
+
+
+def _backward_results(config: AttentionConfig):
+    dtype = jnp.dtype(config.dtype)
+    return (((config.capacity_q, config.num_heads_q, config.head_dim_qk), dtype, 0),
+            ((config.capacity_kv, config.num_heads_kv, config.head_dim_qk), dtype, 0),
+            ((config.capacity_kv, config.num_heads_kv, config.head_dim_v), dtype, 0))
+
+
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
     """Returns (out, stats for the caller, stats as cuDNN wrote them for the backward)."""
-    info = graph_info("forward", config)
-    out_shape = (config.capacity_q, config.num_heads_q, config.head_dim_v)
-    result_types = (
-        jax.ShapeDtypeStruct(out_shape, q.dtype),
-        jax.ShapeDtypeStruct(_stats_shape(config), jnp.float32),
-        jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),
-    )
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
-    args = (q, k, v, *_index_arrays(cu_q, cu_kv, config))
-    (out, raw_stats), intact = _ffi_call(extension.FORWARD_TARGET, result_types, args, config)
+    inputs = ((q, 0), (k, 0), (v, 0))
+    (out, raw_stats), intact = _launch("forward", extension.FORWARD_TARGET, inputs, _forward_results, cu_q, cu_kv,
+                                       config)
     # cuDNN writes only the rows of real tokens, and rows without any key have no defined softmax: give
     # both the documented values. The backward gets the raw stats, the values cuDNN itself expects.
     rows = query_rows_with_keys(cu_q, cu_kv, config) & intact
@@ -168,16 +213,10 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
 
 
 def _backward(q, k, v, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config: AttentionConfig):
-    info = graph_info("backward", config)
-    result_types = (
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
-        jax.ShapeDtypeStruct(k.shape, k.dtype),
-        jax.ShapeDtypeStruct(v.shape, v.dtype),
-        jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),
-    )
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
-    args = (q, k, v, out, d_out.astype(q.dtype), raw_stats, *_index_arrays(cu_q, cu_kv, config))
-    (d_q, d_k, d_v), intact = _ffi_call(extension.BACKWARD_TARGET, result_types, args, config)
+    inputs = ((q, 0), (k, 0), (v, 0), (out, 0), (d_out.astype(q.dtype), 0), (raw_stats, _stats_axis(config)))
+    (d_q, d_k, d_v), intact = _launch("backward", extension.BACKWARD_TARGET, inputs, _backward_results, cu_q,
+                                      cu_kv, config)
     valid_q = (query_rows_with_keys(cu_q, cu_kv, config) & intact)[:, None, None]
     valid_kv = (row_positions(cu_kv, config.capacity_kv, config.max_seqlen_kv)[2] & intact)[:, None, None]
     zero = jnp.zeros((), q.dtype)

@@ -150,10 +150,16 @@ def draw_case(seed: int, tier: str = "cpu") -> dict:
         # A cotangent into stats is differentiated by the xla path only; cuDNN raises (documented).
         stats_cotangent=bool(spec["implementation"] == "xla" and rng.random() < 0.5),
     )
+    # Drawn last, so the axes above keep the values they had before this one existed. Check mode guards
+    # every buffer the kernel writes with canary bands (cuDNN only; the xla path has no kernel to guard);
+    # it also rejects sequences longer than max_seqlen, so cases that cut sequences run without it.
+    check = spec["implementation"] == "cudnn" and rng.random() < 0.25
     while _work(case) > spec["work"]:  # shrink the lengths, not the variety of the other axes
         for side in ("q", "kv"):
             case[f"seqlens_{side}"] = [n // 2 for n in case[f"seqlens_{side}"]]
             case[f"max_seqlen_{side}"] = max(case[f"max_seqlen_{side}"] // 2, 1)
+    cut = any(max(case[f"seqlens_{side}"], default=0) > case[f"max_seqlen_{side}"] for side in ("q", "kv"))
+    case["check"] = bool(check and not cut)
     # A buffer needs at least one row, even when every sequence is empty.
     for side in ("q", "kv"):
         if sum(case[f"seqlens_{side}"]) + case[f"slack_{side}"] == 0:
@@ -175,6 +181,8 @@ def describe(case: dict) -> str:
         parts.append(f"scale={case['scale']}")
     if case["stats_cotangent"]:
         parts.append("d_stats")
+    if case.get("check"):
+        parts.append("check")
     return " ".join(parts)
 
 
@@ -230,7 +238,8 @@ def _forward_backward(case: dict, arrays, d_out, d_stats):
 
     def attend(q, k, v):
         return api.ragged_attention(q, k, v, cu_q, cu_kv, stats_layout=case["stats_layout"], return_stats=True,
-                                    implementation=case["implementation"], **_options(case))
+                                    implementation=case["implementation"], check=case.get("check", False),
+                                    **_options(case))
 
     @functools.partial(jax.jit, compiler_options=TIERS[case["tier"]]["compiler_options"])
     def step(q, k, v, d_out, d_stats):

@@ -27,24 +27,41 @@ OPTIONS = dict(max_seqlen_q=24, max_seqlen_kv=20, is_causal=True, diagonal_align
 
 
 class StandInKernel:
-    """Replaces jax.ffi.ffi_call for the two targets; `overrun` bytes are written past the workspace."""
+    """Replaces jax.ffi.ffi_call for the handlers. `overrun` bytes are written past the workspace; with
+    `stray_row`, one row of `stray_row` (a result name) just before the first sequence is written too."""
 
-    def __init__(self, overrun: int = 0):
+    def __init__(self, overrun: int = 0, stray_row: str | None = None):
         self.overrun = overrun
+        self.stray_row = stray_row
         self.targets = []
 
     def __call__(self, target, result_types, *, vmap_method=None, input_output_aliases=None):
         self.targets.append(target)
         guarded = target.endswith("_guarded")
+        forward = target.startswith(extension.FORWARD_TARGET)
+        num_results = len(result_types) - 1
 
         def call(*args, **attributes):
-            config = self.config
-            args, workspace_in = (args[:-1], args[-1]) if guarded else (args, None)
-            if target.startswith(extension.FORWARD_TARGET):
-                results = self._forward(config, *args)
+            # Guarded: (inputs, 7 index arrays, workspace, one initial value per result), all aliased.
+            if guarded:
+                args, workspace, initial = args[:-num_results - 1], args[-num_results - 1], args[-num_results:]
             else:
-                results = self._backward(config, *args)
-            workspace = workspace_in if guarded else jnp.zeros(result_types[-1].shape, jnp.uint8)
+                workspace = jnp.zeros(result_types[-1].shape, jnp.uint8)
+                initial = [jnp.full(t.shape, jnp.nan, t.dtype) for t in result_types[:-1]]
+            # The shapes say what the handler was configured for (guard mode adds rows).
+            config = dataclasses.replace(self.config, capacity_q=args[0].shape[0], capacity_kv=args[1].shape[0])
+            results, owned = (self._forward if forward else self._backward)(config, *args)
+            # Like cuDNN, write only the rows of sequences; every other row keeps what was there.
+            results = [jnp.where(mask, r, init) for r, mask, init in zip(results, owned, initial)]
+            names = ("out", "stats") if forward else ("dq", "dk", "dv")
+            if self.stray_row in names:
+                i = names.index(self.stray_row)
+                kv_side = self.stray_row in ("dk", "dv")
+                offsets = args[(5 if forward else 8) + kv_side]  # offset_q or offset_k, in elements
+                tensor = args[1 if kv_side else 0]
+                first = offsets[0] // (tensor.shape[1] * tensor.shape[2])  # the first sequence's first row
+                axis = 1 if forward and i == 1 and config.stats_layout == "head_major" else 0
+                results[i] = results[i].at[(slice(None),) * axis + (first - 1,)].set(0)
             size = result_types[-1].shape[0] - (checks.GUARD_BYTES if guarded else 0)
             if self.overrun:
                 workspace = workspace.at[size:size + self.overrun].set(0)
@@ -64,18 +81,19 @@ class StandInKernel:
         cu_kv = self._cu(off_k, c.num_heads_kv * c.head_dim_qk)
         out, stats = attention_xla(q, k, v, cu_q, cu_kv, dataclasses.replace(c, stats_layout="token_major"))
         rows = self._owned_rows(cu_q, c.capacity_q, c.max_seqlen_q)
-        out = jnp.where(rows[:, None, None], out, jnp.nan)  # cuDNN leaves rows it does not own untouched
-        stats = jnp.where(rows[:, None], stats, jnp.nan)
-        return out, (stats if c.stats_layout == "token_major" else stats.T)
+        if c.stats_layout == "head_major":
+            return (out, stats.T), (rows[:, None, None], rows[None, :])
+        return (out, stats), (rows[:, None, None], rows[:, None])
 
     def _backward(self, c, q, k, v, out, d_out, stats, seq_len_q, seq_len_kv, off_q, off_k, *_):
         cu_q = self._cu(off_q, c.num_heads_q * c.head_dim_qk)
         cu_kv = self._cu(off_k, c.num_heads_kv * c.head_dim_qk)
         _, vjp = jax.vjp(lambda q, k, v: attention_xla(q, k, v, cu_q, cu_kv, c)[0], q, k, v)
-        d_q, d_k, d_v = vjp(d_out)
         rows_q = self._owned_rows(cu_q, c.capacity_q, c.max_seqlen_q)[:, None, None]
         rows_kv = self._owned_rows(cu_kv, c.capacity_kv, c.max_seqlen_kv)[:, None, None]
-        return jnp.where(rows_q, d_q, jnp.nan), jnp.where(rows_kv, d_k, jnp.nan), jnp.where(rows_kv, d_v, jnp.nan)
+        # A NaN in an unowned row of d_out must not reach the owned rows (cuDNN never reads it).
+        d_out = jnp.where(rows_q, d_out, 0)
+        return vjp(d_out), (rows_q, rows_kv, rows_kv)
 
 
 @pytest.fixture
@@ -85,8 +103,8 @@ def batch():
                         head_dim_v=8, dtype="bfloat16", slack_q=11, slack_kv=6)
 
 
-def _install(monkeypatch, config, overrun=0):
-    kernel = StandInKernel(overrun)
+def _install(monkeypatch, config, overrun=0, stray_row=None):
+    kernel = StandInKernel(overrun, stray_row)
     kernel.config = config
     monkeypatch.setattr(jax.ffi, "ffi_call", kernel)
     monkeypatch.setattr(cudnn, "graph_info", lambda direction, config: {"workspace_bytes": 64})
@@ -168,3 +186,17 @@ def test_a_write_past_the_workspace_stops_the_computation(monkeypatch, batch):
     _install(monkeypatch, config, overrun=5)
     with pytest.raises((RuntimeError, ValueError), match="5 of the 4096 guard bytes"):
         jax.block_until_ready(jax.jit(lambda *a: cudnn.attention_cudnn(*a, config))(*batch.args))
+
+
+@pytest.mark.parametrize("result", ["out", "stats", "dq", "dk", "dv"])
+def test_a_write_outside_an_outputs_rows_stops_the_computation(monkeypatch, batch, result):
+    config = _config(batch, guard_workspace=True)
+    _install(monkeypatch, config, stray_row=result)
+
+    def step(q, k, v):
+        out, vjp, stats = jax.vjp(lambda q, k, v: cudnn.attention_cudnn(q, k, v, *batch.args[3:], config),
+                                  q, k, v, has_aux=True)
+        return out, stats, vjp(jnp.ones_like(out))
+
+    with pytest.raises((RuntimeError, ValueError), match=f"cuDNN wrote outside the rows of {result}: "):
+        jax.block_until_ready(jax.jit(step)(*batch.args[:3]))

@@ -54,6 +54,7 @@ def test_draw_case_is_deterministic_json_and_varied(tier):
         seen["empty"].add(0 in case["seqlens_q"])
         seen["cut"].add(case["max_seqlen_q"] < max(case["seqlens_q"]))
         seen["batch"].add(len(case["seqlens_q"]))
+        seen["check"].add(case["check"])
     spec = sweep.TIERS[tier]
     assert seen["lengths"] == {name for name, _ in sweep.LENGTHS}
     assert seen["dtype"] == {name for name, _ in spec["dtypes"]}
@@ -64,6 +65,7 @@ def test_draw_case_is_deterministic_json_and_varied(tier):
     assert seen["diagonal_alignment"] == {"top_left", "bottom_right"}
     assert seen["stats_layout"] == {"head_major", "token_major"}
     assert {1, 64} <= seen["batch"]
+    assert seen["check"] == ({False, True} if spec["implementation"] == "cudnn" else {False})
     for case in cases:
         assert case["implementation"] == spec["implementation"]
         assert sum(case["seqlens_q"]) <= spec["tokens"] and sum(case["seqlens_kv"]) <= spec["tokens"]
