@@ -46,8 +46,12 @@ def row_positions(cu_seqlens: jax.Array, capacity: int, max_seqlen: int):
     """
     rows = jnp.arange(capacity, dtype=jnp.int32)
     num_seqs = cu_seqlens.shape[0] - 1
-    # side="right" skips zero-length sequences: row 2 above lies in sequence 2, not the empty sequence 1.
-    sequence = jnp.searchsorted(cu_seqlens[1:], rows, side="right").astype(jnp.int32)
+    # A row's sequence is how many sequence ends lie at or before it (so zero-length sequences are skipped:
+    # row 2 above lies in sequence 2, not the empty sequence 1). Counted with one scatter-add and a cumsum
+    # rather than jnp.searchsorted, whose binary search is a loop of log2(B) small steps: on a GPU a
+    # while loop costs a host round trip per iteration.
+    ends = jnp.clip(cu_seqlens[1:], 0, capacity)
+    sequence = jnp.cumsum(jnp.zeros(capacity + 1, jnp.int32).at[ends].add(1))[:capacity]
     clamped = jnp.minimum(sequence, num_seqs - 1)
     position = rows - cu_seqlens[clamped]
     lengths = sequence_lengths(cu_seqlens, max_seqlen)

@@ -1,0 +1,44 @@
+"""Row bookkeeping shared by both paths, against a plain NumPy statement of the same thing."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ragged_attn.packing import cu_seqlens_from_lengths, row_positions, sanitize_cu_seqlens
+
+
+def _expected(cu: np.ndarray, capacity: int, max_seqlen: int):
+    rows = np.arange(capacity)
+    sequence = np.searchsorted(cu[1:], rows, side="right")
+    clamped = np.minimum(sequence, len(cu) - 2)
+    position = rows - cu[clamped]
+    lengths = np.minimum(np.diff(cu), max_seqlen)
+    valid = (sequence < len(cu) - 1) & (position >= 0) & (position < lengths[clamped])
+    return sequence, position, valid
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_row_positions_match_a_binary_search(seed):
+    rng = np.random.default_rng(seed)
+    num_seqs = int(rng.integers(1, 12))
+    lengths = np.where(rng.random(num_seqs) < 0.3, 0, rng.integers(0, 9, num_seqs))
+    slack = int(rng.integers(0, 5))
+    capacity = max(int(lengths.sum()) + slack, 1)
+    max_seqlen = int(rng.integers(1, 10))
+    cu = cu_seqlens_from_lengths(lengths)
+    got = jax.jit(row_positions, static_argnums=(1, 2))(jnp.asarray(cu), capacity, max_seqlen)
+    for name, a, b in zip(("sequence", "position", "valid"), got, _expected(cu, capacity, max_seqlen)):
+        np.testing.assert_array_equal(np.asarray(a), b, err_msg=f"{name}: cu={cu.tolist()} capacity={capacity}")
+
+
+def test_row_positions_of_sanitised_garbage_and_under_vmap():
+    capacity = 6
+    cus = jnp.asarray([[5, 2, 9, 4], [0, 3, 3, 6], [0, 0, 0, 0]], jnp.int32)
+    clean = jax.vmap(lambda cu: sanitize_cu_seqlens(cu, capacity))(cus)
+    got = jax.vmap(lambda cu: row_positions(cu, capacity, 4))(clean)
+    for i, cu in enumerate(np.asarray(clean)):
+        for a, b in zip(got, _expected(cu, capacity, 4)):
+            np.testing.assert_array_equal(np.asarray(a[i]), b)
