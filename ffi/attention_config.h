@@ -29,11 +29,12 @@ struct AttentionConfig {
   int64_t stats_token_major = 0;   // 0: stats [H, T]; 1: stats [T, H]
   int64_t use_max_total_seq_len = 1;  // backward: bound the ragged intermediates by the capacities
   int64_t deterministic = 0;          // backward: cuDNN's deterministic algorithm (bit-identical dQ/dK/dV)
+  int64_t plan_index = -1;            // which of cuDNN's candidate plans runs; -1: the heuristic's first choice
 
   auto key() const {
     return std::make_tuple(num_seqs, capacity_q, capacity_kv, num_heads_q, num_heads_kv, head_dim_qk, head_dim_v,
                            max_seqlen_q, max_seqlen_kv, dtype, scale, bottom_right, left_bound, right_bound,
-                           stats_token_major, use_max_total_seq_len, deterministic);
+                           stats_token_major, use_max_total_seq_len, deterministic, plan_index);
   }
   bool operator==(const AttentionConfig& other) const { return key() == other.key(); }
   bool operator<(const AttentionConfig& other) const { return key() < other.key(); }
@@ -46,7 +47,7 @@ struct AttentionConfig {
       << " alignment=" << (bottom_right ? "bottom_right" : "top_left") << " left_bound=" << left_bound
       << " right_bound=" << right_bound << " stats=" << (stats_token_major ? "token_major" : "head_major")
       << " max_total_seq_len=" << (use_max_total_seq_len ? "capacity" : "unset")
-      << " deterministic=" << deterministic;
+      << " deterministic=" << deterministic << " plan=" << plan_index;
     return s.str();
   }
 };

@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "autotune.h"
 #include "check.h"
 #include "cudnn_library.h"
 #include "layouts.h"
@@ -131,20 +132,37 @@ void apply_masking(Attributes& attributes, const AttentionConfig& c, const Graph
   }
 }
 
-xla::ffi::Error finalize(InspectableGraph& g, cudnnHandle_t handle, const AttentionConfig& c, CachedGraph* out) {
+// Validates the graph and asks cuDNN for candidate plans. Then builds one: the heuristic's first choice, or
+// the candidate config.plan_index names (an autotuned choice). When tuning, builds none: tune_plans builds
+// and times every candidate itself.
+xla::ffi::Error finalize(InspectableGraph& g, cudnnHandle_t handle, const AttentionConfig& c, bool tuning,
+                         CachedGraph* out) {
   FFI_RETURN_IF_ERROR(from_frontend(g.validate(), "validate", c));
   FFI_RETURN_IF_ERROR(from_frontend(g.build_operation_graph(handle), "build_operation_graph", c));
   FFI_RETURN_IF_ERROR(
       from_frontend(g.create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}), "create_plans", c));
   FFI_RETURN_IF_ERROR(from_frontend(g.check_support(handle), "check_support", c));
-  FFI_RETURN_IF_ERROR(from_frontend(g.build_plans(handle), "build_plans", c));
+  if (tuning) return xla::ffi::Error::Success();
   int64_t workspace = 0;
-  FFI_RETURN_IF_ERROR(from_frontend(g.get_workspace_size(workspace), "get_workspace_size", c));
+  if (c.plan_index >= 0) {
+    FFI_CHECK(c.plan_index < g.get_execution_plan_count())
+        << "plan_index " << c.plan_index << " is out of range: cuDNN offers " << g.get_execution_plan_count()
+        << " plans for this graph (a stale autotuning cache?) [" << c.describe() << "]";
+    FFI_RETURN_IF_ERROR(from_frontend(g.build_plan_at_index(c.plan_index), "build_plan_at_index", c));
+    FFI_RETURN_IF_ERROR(
+        from_frontend(g.get_workspace_size_plan_at_index(c.plan_index, workspace), "get_workspace_size", c));
+    if (g.get_plan_name_at_index(c.plan_index, out->plan_name).is_bad()) out->plan_name = "?";
+  } else {
+    FFI_RETURN_IF_ERROR(from_frontend(g.build_plans(handle), "build_plans", c));
+    FFI_RETURN_IF_ERROR(from_frontend(g.get_workspace_size(workspace), "get_workspace_size", c));
+    if (g.get_plan_name(out->plan_name).is_bad()) out->plan_name = "?";
+  }
   out->workspace_bytes = workspace;
+  out->plan_index = c.plan_index;
   return xla::ffi::Error::Success();
 }
 
-xla::ffi::Error build_forward(cudnnHandle_t handle, const AttentionConfig& c, CachedGraph* out) {
+xla::ffi::Error build_forward(cudnnHandle_t handle, const AttentionConfig& c, bool tuning, CachedGraph* out) {
   auto g = std::make_shared<InspectableGraph>();
   g->set_io_data_type(io_data_type(c))
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
@@ -158,12 +176,13 @@ xla::ffi::Error build_forward(cudnnHandle_t handle, const AttentionConfig& c, Ca
   mark_output(o, TensorUid::kO, o_layout(c), in.offset_o, io_data_type(c));
   mark_output(stats, TensorUid::kStats, stats_layout(c), in.offset_stats, fe::DataType_t::FLOAT);
 
-  FFI_RETURN_IF_ERROR(finalize(*g, handle, c, out));
+  FFI_RETURN_IF_ERROR(finalize(*g, handle, c, tuning, out));
   out->graph = std::move(g);
   return xla::ffi::Error::Success();
 }
 
-xla::ffi::Error build_backward(cudnnHandle_t handle, const AttentionConfig& c, bool max_total, CachedGraph* out) {
+xla::ffi::Error build_backward(cudnnHandle_t handle, const AttentionConfig& c, bool max_total, bool tuning,
+                               CachedGraph* out) {
   auto g = std::make_shared<InspectableGraph>();
   const fe::DataType_t io = io_data_type(c);
   g->set_io_data_type(io).set_intermediate_data_type(fe::DataType_t::FLOAT).set_compute_data_type(fe::DataType_t::FLOAT);
@@ -184,7 +203,7 @@ xla::ffi::Error build_backward(cudnnHandle_t handle, const AttentionConfig& c, b
   mark_output(d_k, TensorUid::kDK, k_layout(c), in.offset_k, io);
   mark_output(d_v, TensorUid::kDV, v_layout(c), in.offset_v, io);
 
-  FFI_RETURN_IF_ERROR(finalize(*g, handle, c, out));
+  FFI_RETURN_IF_ERROR(finalize(*g, handle, c, tuning, out));
   out->graph = std::move(g);
   out->max_total_seq_len_applied = max_total;
   return xla::ffi::Error::Success();
@@ -203,11 +222,12 @@ bool frontend_applies_max_total(const AttentionConfig& c, int sm_version) {
 // show that a short region is caught by the tests when nothing rebuilds the graph.
 std::atomic<bool> full_extent_fallback_enabled{std::getenv("JAX_RAGGED_ATTN_DISABLE_FULL_EXTENT_FALLBACK") == nullptr};
 
-xla::ffi::Error build_backward_checked(int device, cudnnHandle_t handle, const AttentionConfig& c, CachedGraph* out) {
+xla::ffi::Error build_backward_checked(int device, cudnnHandle_t handle, const AttentionConfig& c, bool tuning,
+                                       CachedGraph* out) {
   int sm_version = 0;
   FFI_RETURN_IF_ERROR(compute_capability(device, &sm_version));
   const bool max_total = frontend_applies_max_total(c, sm_version);
-  FFI_RETURN_IF_ERROR(build_backward(handle, c, max_total, out));
+  FFI_RETURN_IF_ERROR(build_backward(handle, c, max_total, tuning, out));
   if (!max_total) return xla::ffi::Error::Success();
 
   // The full-extent check: with max_total_seq_len set, the frontend sizes the ragged intermediates itself.
@@ -219,7 +239,7 @@ xla::ffi::Error build_backward_checked(int device, cudnnHandle_t handle, const A
     return xla::ffi::Error::Success();
   }
   CachedGraph dense;
-  FFI_RETURN_IF_ERROR(build_backward(handle, c, /*max_total=*/false, &dense));
+  FFI_RETURN_IF_ERROR(build_backward(handle, c, /*max_total=*/false, tuning, &dense));
   dense.frontend_region_bytes = out->frontend_region_bytes;
   dense.expected_intermediate_bytes = out->expected_intermediate_bytes;
   dense.fell_back = true;
@@ -326,9 +346,9 @@ xla::ffi::Error cached_graph(int device, Direction direction, const AttentionCon
   std::lock_guard<std::mutex> handle_lock(state->execute_mutex);
   try {
     if (direction == Direction::kForward) {
-      FFI_RETURN_IF_ERROR(build_forward(state->handle, c, built.get()));
+      FFI_RETURN_IF_ERROR(build_forward(state->handle, c, /*tuning=*/false, built.get()));
     } else {
-      FFI_RETURN_IF_ERROR(build_backward_checked(device, state->handle, c, built.get()));
+      FFI_RETURN_IF_ERROR(build_backward_checked(device, state->handle, c, /*tuning=*/false, built.get()));
     }
   } catch (const std::exception& e) {
     return ErrorStream(xla::ffi::ErrorCode::kInternal) << "building the cuDNN graph threw: " << e.what() << " ["
@@ -360,7 +380,9 @@ xla::ffi::Error execute_graph(int device, const CachedGraph& graph, cudaStream_t
   try {
     const cudnnStatus_t status = fe::detail::set_stream(state->handle, stream);
     FFI_CHECK(status == CUDNN_STATUS_SUCCESS) << "cudnnSetStream: " << fe::detail::get_error_string(status);
-    fe::error_t result = graph.graph->execute(state->handle, variant_pack, workspace);
+    fe::error_t result = graph.plan_index >= 0
+                             ? graph.graph->execute_plan_at_index(state->handle, variant_pack, workspace, graph.plan_index)
+                             : graph.graph->execute(state->handle, variant_pack, workspace);
     if (result.is_bad()) {
       return ErrorStream(xla::ffi::ErrorCode::kInternal) << "cuDNN execute failed: " << result.get_message();
     }
@@ -368,6 +390,30 @@ xla::ffi::Error execute_graph(int device, const CachedGraph& graph, cudaStream_t
     return ErrorStream(xla::ffi::ErrorCode::kInternal) << "cuDNN execute threw: " << e.what();
   }
   return xla::ffi::Error::Success();
+}
+
+xla::ffi::Error tune_plans(int device, bool forward, const AttentionConfig& config, std::vector<PlanTiming>* out) {
+  FFI_CHECK(cudnn_loaded()) << "cuDNN is not loaded; import jax_ragged_attn on a CUDA backend first";
+  DeviceState* state = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    FFI_RETURN_IF_ERROR(device_state(device, &state));
+  }
+  // A graph of its own, never cached: every candidate is built and run on scratch buffers, so the handle
+  // is held for the whole measurement.
+  std::lock_guard<std::mutex> lock(state->execute_mutex);
+  CachedGraph graph;
+  try {
+    if (forward) {
+      FFI_RETURN_IF_ERROR(build_forward(state->handle, config, /*tuning=*/true, &graph));
+    } else {
+      FFI_RETURN_IF_ERROR(build_backward_checked(device, state->handle, config, /*tuning=*/true, &graph));
+    }
+    return time_candidate_plans(state->handle, *graph.graph, config, forward, out);
+  } catch (const std::exception& e) {
+    return ErrorStream(xla::ffi::ErrorCode::kInternal) << "autotuning threw: " << e.what() << " ["
+                                                       << config.describe() << "]";
+  }
 }
 
 GraphCacheStats graph_cache_stats() {

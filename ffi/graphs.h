@@ -3,6 +3,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 #include <unordered_map>
 
 #include "attention_config.h"
@@ -46,6 +48,18 @@ struct CachedGraph {
   int64_t frontend_region_bytes = 0;
   int64_t expected_intermediate_bytes = 0;
   bool fell_back = false;  // the region was short, so the graph was rebuilt without max_total_seq_len
+  int64_t plan_index = -1;  // the candidate that runs; -1: the heuristic's first choice (graph.execute)
+  std::string plan_name;    // cuDNN's engine tag of that plan
+};
+
+// One candidate plan of a graph, as tune_plans measured it.
+struct PlanTiming {
+  int64_t index = 0;
+  std::string name;
+  bool ok = false;  // built and ran; otherwise `message` says why not
+  std::string message;
+  int64_t workspace_bytes = 0;
+  double median_ms = 0.0;
 };
 
 // Both return the cached graph, building it first on a miss. Not-supported configurations come back as
@@ -56,6 +70,10 @@ xla::ffi::Error backward_graph(int device, const AttentionConfig& config, std::s
 // Runs `graph` on `stream`; the variant pack maps TensorUid values to device pointers.
 xla::ffi::Error execute_graph(int device, const CachedGraph& graph, cudaStream_t stream,
                               std::unordered_map<int64_t, void*>& variant_pack, void* workspace);
+
+// Builds a fresh graph for `config` (never cached), then builds and times every candidate plan cuDNN
+// offers on scratch buffers it allocates and frees itself. Trace time only: it synchronises the device.
+xla::ffi::Error tune_plans(int device, bool forward, const AttentionConfig& config, std::vector<PlanTiming>* out);
 
 struct GraphCacheStats {
   int64_t hits = 0;

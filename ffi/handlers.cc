@@ -22,7 +22,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("dtype"), ::xla::ffi::StructMember<float>("scale"),
     ::xla::ffi::StructMember<int64_t>("bottom_right"), ::xla::ffi::StructMember<int64_t>("left_bound"),
     ::xla::ffi::StructMember<int64_t>("right_bound"), ::xla::ffi::StructMember<int64_t>("stats_token_major"),
-    ::xla::ffi::StructMember<int64_t>("use_max_total_seq_len"), ::xla::ffi::StructMember<int64_t>("deterministic"));
+    ::xla::ffi::StructMember<int64_t>("use_max_total_seq_len"), ::xla::ffi::StructMember<int64_t>("deterministic"),
+    ::xla::ffi::StructMember<int64_t>("plan_index"));
 
 namespace jax_ragged_attn {
 namespace {

@@ -4,6 +4,7 @@
 #include <nanobind/stl/string.h>
 
 #include <string>
+#include <vector>
 
 #include "attention_config.h"
 #include "cudnn_frontend_version.h"
@@ -43,6 +44,7 @@ AttentionConfig config_from_dict(const nb::dict& d) {
   c.stats_token_major = get<int64_t>(d, "stats_token_major");
   c.use_max_total_seq_len = get<int64_t>(d, "use_max_total_seq_len");
   c.deterministic = get<int64_t>(d, "deterministic");
+  c.plan_index = get<int64_t>(d, "plan_index");
   return c;
 }
 
@@ -76,8 +78,34 @@ nb::dict graph_info(const std::string& direction, int device, const nb::dict& co
     info["frontend_region_bytes"] = graph->frontend_region_bytes;
     info["expected_intermediate_bytes"] = graph->expected_intermediate_bytes;
     info["fell_back"] = graph->fell_back;
+    info["plan_index"] = graph->plan_index;
+    info["plan_name"] = graph->plan_name;
   }
   return info;
+}
+
+// Times every candidate plan of the graph for `config`; errors come back as data, like graph_info's.
+nb::dict tune(const std::string& direction, int device, const nb::dict& config) {
+  const AttentionConfig c = config_from_dict(config);
+  std::vector<PlanTiming> plans;
+  xla::ffi::Error status = set_current_device(device);
+  if (status.success()) status = tune_plans(device, direction == "forward", c, &plans);
+  nb::dict result;
+  result["status"] = error_kind(status);
+  result["message"] = status.message();
+  nb::list timings;
+  for (const PlanTiming& p : plans) {
+    nb::dict d;
+    d["index"] = p.index;
+    d["name"] = p.name;
+    d["ok"] = p.ok;
+    d["message"] = p.message;
+    d["workspace_bytes"] = p.workspace_bytes;
+    d["median_ms"] = p.median_ms;
+    timings.append(d);
+  }
+  result["plans"] = timings;
+  return result;
 }
 
 nb::dict intermediates(const nb::dict& config) {
@@ -114,6 +142,7 @@ NB_MODULE(_ext, m) {
   m.attr("frontend_version") = nb::make_tuple(CUDNN_FRONTEND_MAJOR_VERSION, CUDNN_FRONTEND_MINOR_VERSION,
                                               CUDNN_FRONTEND_PATCH_VERSION);
   m.def("graph_info", &graph_info, nb::arg("direction"), nb::arg("device"), nb::arg("config"));
+  m.def("tune_plans", &tune, nb::arg("direction"), nb::arg("device"), nb::arg("config"));
   m.def("graph_cache_stats", []() {
     const GraphCacheStats s = graph_cache_stats();
     nb::dict d;

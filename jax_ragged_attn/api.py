@@ -30,6 +30,7 @@ def ragged_attention(
     implementation: str | None = None,
     deterministic: bool = False,
     check: bool | None = None,
+    autotune: bool = False,
 ):
     """Scaled dot-product attention over sequences packed into one token buffer (the THD / varlen layout).
 
@@ -57,6 +58,10 @@ def ragged_attention(
         sequence longer than max_seqlen) and, on cuDNN, surround the workspace with a verified canary band;
         a violation stops the computation with an error. None reads JAX_RAGGED_ATTN_CHECK. Off, cu_seqlens
         are clamped into the buffers instead (see above). Costs a device-to-host round trip per call.
+      autotune: on cuDNN, time every candidate plan cuDNN offers for this configuration once (at trace
+        time, on scratch buffers) and run the fastest; the heuristic's choice is kept unless another plan
+        is measurably faster. Choices persist on disk per (GPU, cuDNN version, configuration); see
+        jax_ragged_attn/autotune.py. The xla path ignores it.
 
     Returns:
       out [Tq, Hq, Dv] in q's dtype, or (out, stats) with return_stats=True. Rows with no attended key and
@@ -80,6 +85,7 @@ def ragged_attention(
         local_window_size=local_window_size,
         stats_layout=stats_layout,
         deterministic=deterministic,
+        autotune=autotune,
     )
     if check_enabled(check):
         config = dataclasses.replace(config, guard_workspace=True)

@@ -41,7 +41,8 @@ class AttentionConfig:
     window_right: int | None  # keys at most this far right of the diagonal; None = unbounded
     stats_layout: str
     deterministic: bool = False  # cuDNN backward: bit-identical dQ/dK/dV run to run (slower, more memory)
-    guard_workspace: bool = False  # cuDNN: canary band after the workspace, verified after each call
+    guard_workspace: bool = False  # cuDNN: canary bands around the workspace and outputs, verified after each call
+    autotune: bool = False  # cuDNN: run the fastest of cuDNN's candidate plans, measured once (autotune.py)
 
     @property
     def group_size(self) -> int:
@@ -120,6 +121,7 @@ def make_config(
     local_window_size,
     stats_layout,
     deterministic=False,
+    autotune=False,
 ) -> AttentionConfig:
     """Checks every static property of the arguments; raises ValueError naming the argument."""
     _check_array(q, "q", 3, "[Tq, Hq, Dqk]")
@@ -162,7 +164,7 @@ def make_config(
         raise ValueError(f"diagonal_alignment must be one of {DIAGONAL_ALIGNMENTS}, got {diagonal_alignment!r}")
     if stats_layout not in STATS_LAYOUTS:
         raise ValueError(f"stats_layout must be one of {STATS_LAYOUTS}, got {stats_layout!r}")
-    for name, flag in (("is_causal", is_causal), ("deterministic", deterministic)):
+    for name, flag in (("is_causal", is_causal), ("deterministic", deterministic), ("autotune", autotune)):
         if not isinstance(flag, (bool, np.bool_)):
             raise ValueError(f"{name} must be a Python bool, got {type(flag).__name__}")
 
@@ -196,4 +198,5 @@ def make_config(
         window_right=window_right,
         stats_layout=stats_layout,
         deterministic=bool(deterministic),
+        autotune=bool(autotune),
     )

@@ -95,6 +95,8 @@ CASES = {
     "window_string": Bad(dict(local_window_size="3"), "local_window_size"),
     # is_causal picks a graph, so it must be a Python bool.
     "is_causal_int": Bad(dict(is_causal=1), "is_causal"),
+    "deterministic_string": Bad(dict(deterministic="no"), "deterministic"),
+    "autotune_int": Bad(dict(autotune=1), "autotune"),
     "is_causal_string": Bad(dict(is_causal="yes"), "is_causal"),
     "is_causal_traced": Bad(dict(is_causal=jnp.bool_(True)), "is_causal", traced=("is_causal",)),
     # Valid requests the cuDNN path cannot serve (on any machine): NotImplementedError, saying why.
