@@ -86,19 +86,6 @@ void mark_output(const TensorPtr& t, TensorUid id, const TensorLayout& layout, c
       .set_data_type(type);
 }
 
-TensorLayout q_layout(const AttentionConfig& c) {
-  return token_layout(c.num_seqs, c.num_heads_q, c.max_seqlen_q, c.head_dim_qk);
-}
-TensorLayout k_layout(const AttentionConfig& c) {
-  return token_layout(c.num_seqs, c.num_heads_kv, c.max_seqlen_kv, c.head_dim_qk);
-}
-TensorLayout v_layout(const AttentionConfig& c) {
-  return token_layout(c.num_seqs, c.num_heads_kv, c.max_seqlen_kv, c.head_dim_v);
-}
-TensorLayout o_layout(const AttentionConfig& c) {
-  return token_layout(c.num_seqs, c.num_heads_q, c.max_seqlen_q, c.head_dim_v);
-}
-
 GraphInputs declare_inputs(fe::graph::Graph& g, const AttentionConfig& c) {
   const int64_t b = c.num_seqs;
   const fe::DataType_t io = io_data_type(c);

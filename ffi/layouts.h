@@ -17,9 +17,43 @@ struct TensorLayout {
   std::array<int64_t, 4> stride;
 };
 
-// q, k, v, o and their gradients: [T, H, D] token-major rows.
+// q, k, v, o and their gradients: token-major rows of `token_stride` elements (H*D when the tensor has its
+// own buffer; 2*H*D or 3*H*D when it is one part of a packed kv or qkv buffer).
+inline TensorLayout token_layout(int64_t b, int64_t h, int64_t s, int64_t d, int64_t token_stride) {
+  return {{b, h, s, d}, {s * token_stride, d, token_stride, 1}};
+}
 inline TensorLayout token_layout(int64_t b, int64_t h, int64_t s, int64_t d) {
-  return {{b, h, s, d}, {s * h * d, d, h * d, 1}};
+  return token_layout(b, h, s, d, h * d);
+}
+
+// Elements from one token's row to the next, and where in that row each part starts, per packing.
+inline int64_t parts(const AttentionConfig& c, bool kv_side) {
+  if (c.packing == static_cast<int64_t>(Packing::kQKV)) return 3;
+  return kv_side && c.packing == static_cast<int64_t>(Packing::kKV) ? 2 : 1;
+}
+inline int64_t q_token_stride(const AttentionConfig& c) { return parts(c, false) * c.num_heads_q * c.head_dim_qk; }
+inline int64_t k_token_stride(const AttentionConfig& c) { return parts(c, true) * c.num_heads_kv * c.head_dim_qk; }
+inline int64_t v_token_stride(const AttentionConfig& c) { return parts(c, true) * c.num_heads_kv * c.head_dim_v; }
+// Start of k and v within a packed row, in elements (q always starts at 0): [q | k | v] or [k | v].
+inline int64_t k_part_offset(const AttentionConfig& c) {
+  return c.packing == static_cast<int64_t>(Packing::kQKV) ? c.num_heads_q * c.head_dim_qk : 0;
+}
+inline int64_t v_part_offset(const AttentionConfig& c) {
+  return k_part_offset(c) + (c.packing == static_cast<int64_t>(Packing::kSeparate) ? 0 : c.num_heads_kv * c.head_dim_qk);
+}
+
+// q/dq, k/dk, v/dv and o/do as cuDNN addresses them.
+inline TensorLayout q_layout(const AttentionConfig& c) {
+  return token_layout(c.num_seqs, c.num_heads_q, c.max_seqlen_q, c.head_dim_qk, q_token_stride(c));
+}
+inline TensorLayout k_layout(const AttentionConfig& c) {
+  return token_layout(c.num_seqs, c.num_heads_kv, c.max_seqlen_kv, c.head_dim_qk, k_token_stride(c));
+}
+inline TensorLayout v_layout(const AttentionConfig& c) {
+  return token_layout(c.num_seqs, c.num_heads_kv, c.max_seqlen_kv, c.head_dim_v, v_token_stride(c));
+}
+inline TensorLayout o_layout(const AttentionConfig& c) {
+  return token_layout(c.num_seqs, c.num_heads_q, c.max_seqlen_q, c.head_dim_v);
 }
 
 // The softmax log-sum-exp, float32, one value per (token, head).

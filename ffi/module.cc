@@ -45,6 +45,7 @@ AttentionConfig config_from_dict(const nb::dict& d) {
   c.use_max_total_seq_len = get<int64_t>(d, "use_max_total_seq_len");
   c.deterministic = get<int64_t>(d, "deterministic");
   c.plan_index = get<int64_t>(d, "plan_index");
+  c.packing = get<int64_t>(d, "packing");
   return c;
 }
 
@@ -132,6 +133,12 @@ NB_MODULE(_ext, m) {
     d["jax_ragged_attn_backward"] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnBackward));
     d["jax_ragged_attn_forward_guarded"] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnForwardGuarded));
     d["jax_ragged_attn_backward_guarded"] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnBackwardGuarded));
+    d["jax_ragged_attn_backward_kvpacked"] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnBackwardKVPacked));
+    d["jax_ragged_attn_backward_kvpacked_guarded"] =
+        nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnBackwardKVPackedGuarded));
+    d["jax_ragged_attn_backward_qkvpacked"] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnBackwardQKVPacked));
+    d["jax_ragged_attn_backward_qkvpacked_guarded"] =
+        nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnBackwardQKVPackedGuarded));
     return d;
   });
   m.def("load_cudnn", [](const std::string& fallback_path) {

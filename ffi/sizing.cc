@@ -25,17 +25,17 @@ BackwardIntermediates full_extent_backward_intermediates(const AttentionConfig& 
   // CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT opts into the ordered dQ accumulation; count dQ_accum then too
   // (over-counting only costs the dense fallback, under-counting could hide a short region).
   if (!c.deterministic || std::getenv("CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT") != nullptr) {
-    const TensorLayout dq = token_layout(c.num_seqs, c.num_heads_q, c.max_seqlen_q, c.head_dim_qk);
+    const TensorLayout dq = q_layout(c);  // on dQ's strides, packed ones included
     sizes.dq_accum = ragged_span_bytes(c.capacity_q, dq.dim, dq.stride, kFloat);
   }
   if (c.num_heads_q != c.num_heads_kv) {
     // dK and dV are first produced per query head on the dK/dV strides with the token stride scaled by the
-    // group size, then reduced over the group.
+    // group size (packed strides included), then reduced over the group.
     const int64_t group = c.num_heads_q / c.num_heads_kv;
-    TensorLayout dk = token_layout(c.num_seqs, c.num_heads_q, c.max_seqlen_kv, c.head_dim_qk);
-    TensorLayout dv = token_layout(c.num_seqs, c.num_heads_q, c.max_seqlen_kv, c.head_dim_v);
-    dk.stride = {dk.stride[0], c.head_dim_qk, c.num_heads_kv * c.head_dim_qk * group, 1};
-    dv.stride = {dv.stride[0], c.head_dim_v, c.num_heads_kv * c.head_dim_v * group, 1};
+    TensorLayout dk = k_layout(c), dv = v_layout(c);
+    dk.dim[1] = dv.dim[1] = c.num_heads_q;
+    dk.stride[2] *= group;
+    dv.stride[2] *= group;
     sizes.dk_fullhead = ragged_span_bytes(c.capacity_kv, dk.dim, dk.stride, kFloat);
     sizes.dv_fullhead = ragged_span_bytes(c.capacity_kv, dv.dim, dv.stride, kFloat);
   }

@@ -87,20 +87,30 @@ def ragged_attention(
         deterministic=deterministic,
         autotune=autotune,
     )
-    if check_enabled(check):
-        config = dataclasses.replace(config, guard_workspace=True)
-        cu_seqlens_q = checked_cu_seqlens(cu_seqlens_q, name="cu_seqlens_q", capacity=config.capacity_q,
-                                          max_seqlen=config.max_seqlen_q)
-        cu_seqlens_kv = checked_cu_seqlens(cu_seqlens_kv, name="cu_seqlens_kv", capacity=config.capacity_kv,
-                                           max_seqlen=config.max_seqlen_kv)
-    if _choose(implementation, config) == "cudnn":
+    config, cu_seqlens_q, cu_seqlens_kv = apply_check(check, config, cu_seqlens_q, cu_seqlens_kv)
+    if choose_implementation(implementation, config) == "cudnn":
         out, stats = cudnn.attention_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_kv, config)
     else:
         out, stats = attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config)
     return (out, stats) if return_stats else out
 
 
-def _choose(implementation: str | None, config: AttentionConfig) -> str:
+def apply_check(check: bool | None, config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv):
+    """With check on: guard mode in the config, and cu_seqlens that are validated on the host at run time."""
+    if not check_enabled(check):
+        return config, cu_seqlens_q, cu_seqlens_kv
+    config = dataclasses.replace(config, guard_workspace=True)
+    cu_seqlens_q = checked_cu_seqlens(cu_seqlens_q, name="cu_seqlens_q", capacity=config.capacity_q,
+                                      max_seqlen=config.max_seqlen_q)
+    cu_seqlens_kv = checked_cu_seqlens(cu_seqlens_kv, name="cu_seqlens_kv", capacity=config.capacity_kv,
+                                       max_seqlen=config.max_seqlen_kv)
+    return config, cu_seqlens_q, cu_seqlens_kv
+
+
+def choose_implementation(implementation: str | None, config: AttentionConfig) -> str:
+    """"cudnn" or "xla" for this call; implementation="cudnn" that cannot be served raises saying why."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if implementation == "xla":
         return "xla"
     reason = cudnn.unsupported_reason(config)

@@ -17,6 +17,8 @@ import numpy as np
 DIAGONAL_ALIGNMENTS = ("top_left", "bottom_right")
 STATS_LAYOUTS = ("head_major", "token_major")
 IMPLEMENTATIONS = (None, "cudnn", "xla")
+# How q, k, v lie in memory on the cuDNN path (ffi/attention_config.h's Packing, in this order).
+PACKINGS = ("none", "kv", "qkv")
 XLA_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
@@ -43,6 +45,7 @@ class AttentionConfig:
     deterministic: bool = False  # cuDNN backward: bit-identical dQ/dK/dV run to run (slower, more memory)
     guard_workspace: bool = False  # cuDNN: canary bands around the workspace and outputs, verified after each call
     autotune: bool = False  # cuDNN: run the fastest of cuDNN's candidate plans, measured once (autotune.py)
+    packing: str = "none"  # cuDNN: "kv" / "qkv" read a fused projection in place (packed.py)
 
     @property
     def group_size(self) -> int:

@@ -15,6 +15,9 @@ import jax
 
 FORWARD_TARGET = "jax_ragged_attn_forward"
 BACKWARD_TARGET = "jax_ragged_attn_backward"
+# The backward of packed inputs: one gradient buffer per packed input, written in place.
+BACKWARD_KVPACKED_TARGET = "jax_ragged_attn_backward_kvpacked"
+BACKWARD_QKVPACKED_TARGET = "jax_ragged_attn_backward_qkvpacked"
 
 
 @functools.cache

@@ -3,7 +3,7 @@
 # the extension (prebuilt in .prebuilt/ when carried, else built here), then the steps named in STEPS, each
 # under its own time limit, in the order given. Logs go to $OUT; each step prints its tail.
 #
-#   STEPS="pytest soak mutation sweep bench demo" bash scripts/gpu_run.sh
+#   STEPS="pytest soak mutation sweep bench demo autotune cb" bash scripts/gpu_run.sh
 #
 # mutation: the proof that the sweep catches the head-major zero-gradient bug. It needs an extension built
 # against cudnn-frontend 1.27 in .prebuilt127/ (scripts/build_old_frontend.sh); the sweep must fail with the
@@ -55,8 +55,9 @@ mutation() {  # the sweep against the frontend-1.27 build: must fail without the
 }
 for name in ${STEPS:-pytest bench demo sweep}; do
   case $name in
-    pytest) step pytest "${PYTEST_S:-120}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_cudnn.py \
-              tests/test_extension.py tests/test_load.py ;;
+    pytest) step pytest "${PYTEST_S:-150}" python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not soak" tests/ ;;
+    autotune) step autotune "${AUTOTUNE_S:-120}" python3 -m jax_ragged_attn.autotune --workloads "${AUTOTUNE_W:-W1,W2,W3}" ;;
+    cb) step cb "${CB_S:-240}" python3 -m jax_ragged_attn.bench_command_buffers --out "$out/command_buffers" ;;
     soak) step soak "${SOAK_S:-240}" python3 -m pytest -q -s -rs -p no:cacheprovider -m soak tests/test_load.py ;;
     mutation) export -f mutation; export out; step mutation "${MUTATION_S:-240}" bash -c mutation ;;
     sweep) step sweep "${SWEEP_S:-40}" python3 -m jax_ragged_attn.sweep --tier gpu --num-tests "${SWEEP_N:-8}" \

@@ -4,6 +4,8 @@ These run in CI without a GPU: the full-extent arithmetic is what decides whethe
 write past its workspace, so it is pinned here, independently of cuDNN.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -28,9 +30,10 @@ def _config(**overrides):
                        diagonal_alignment="top_left", local_window_size=None, stats_layout=shapes["layout"])
 
 
-def test_extension_registers_both_handlers_and_their_guarded_variants(ext):
+def test_extension_registers_every_handler_and_its_guarded_variant(ext):
     capsules = ext.registrations()
-    targets = {extension.FORWARD_TARGET, extension.BACKWARD_TARGET}
+    targets = {extension.FORWARD_TARGET, extension.BACKWARD_TARGET, extension.BACKWARD_KVPACKED_TARGET,
+               extension.BACKWARD_QKVPACKED_TARGET}
     assert set(capsules) == targets | {t + "_guarded" for t in targets}
     assert all(type(c).__name__ == "PyCapsule" for c in capsules.values())
 
@@ -84,3 +87,17 @@ def test_graph_queries_without_cuda_report_a_reason():
         pytest.skip("a CUDA device is present; this checks the CPU-only answer")
     assert "CUDA" in extension.cudnn_unavailable_reason() or "cuda" in extension.cudnn_unavailable_reason()
     assert cudnn.unsupported_reason(_config()) == extension.cudnn_unavailable_reason()
+
+
+def test_backward_intermediates_follow_packed_strides(ext):
+    """cuDNN lays dQ_accum on dQ's strides and dK/dV per query head on dK/dV's: a packed row's stride
+    widens their extent (the frontend sizes from every axis; so must our check)."""
+    config = dataclasses.replace(_config(tkv=1000), packing="qkv")
+    t, h, d = config.capacity_q, config.num_heads_q, config.head_dim_qk
+    sizes = ext.full_extent_backward_intermediates(cudnn.ffi_attributes(config))
+    assert sizes["dq_accum"] == ((t - 1) * 3 * h * d + h * d) * 4
+
+    config = dataclasses.replace(_config(hq=16, hkv=4), packing="kv")
+    t, hq, d = config.capacity_kv, config.num_heads_q, config.head_dim_qk
+    sizes = ext.full_extent_backward_intermediates(cudnn.ffi_attributes(config))
+    assert sizes["dk_fullhead"] == ((t - 1) * 2 * hq * d + hq * d) * 4  # kv token stride 2*Hkv*D, times 4 heads

@@ -146,3 +146,45 @@ def test_unknown_head_axis_raises():
 
 if __name__ == "__main__":
     _child()
+
+
+@pytest.mark.gpu
+def test_two_gpus_cudnn_head_sharded_matches_one_gpu_without_collectives():
+    """On a host with 2+ GPUs: the cuDNN path split over heads equals the unsharded cuDNN call and the
+    float64 reference, with no collective in the compiled program."""
+    from jax_ragged_attn import extension
+    from jax_ragged_attn.reference import reference_attention
+
+    reason = extension.cudnn_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"cuDNN path unavailable: {reason}")
+    gpus = jax.devices("gpu")
+    if len(gpus) < 2:
+        pytest.skip(f"needs 2 GPUs, this host has {len(gpus)}")
+    mesh = jax.make_mesh((2,), ("model",), axis_types=(EXPLICIT,), devices=gpus[:2])
+    rng = np.random.default_rng(11)
+    batch = packed_batch(rng, (300, 0, 517, 64), (280, 9, 517, 70), num_heads_q=16, num_heads_kv=4, head_dim_qk=128,
+                         head_dim_v=128, dtype="bfloat16", slack_q=40, slack_kv=7)
+    options = dict(max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv, is_causal=True,
+                   implementation="cudnn")
+    d_out = rng.standard_normal((batch.q.shape[0], 16, 128)).astype("bfloat16")
+    d_out[sum(batch.seqlens_q):] = 0
+
+    def forward_and_backward(attention, q, k, v, cu_q, cu_kv, d_out):
+        out, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, cu_q, cu_kv, **options), q, k, v)
+        return (out, *pullback(d_out))
+
+    sharded = functools.partial(sharded_ragged_attention, mesh=mesh, head_axis="model")
+    head_split = jax.NamedSharding(mesh, jax.P(None, "model", None))
+    args = (*jax.device_put(batch.args[:3], head_split), *batch.args[3:], jax.device_put(jnp.asarray(d_out), head_split))
+    compiled = jax.jit(functools.partial(forward_and_backward, sharded)).lower(*args).compile()
+    got = compiled(*args)
+    one_gpu = jax.jit(functools.partial(forward_and_backward, ragged_attention))(*batch.args, jnp.asarray(d_out))
+    expected = reference_attention(*batch.reference_args, d_out=d_out.astype(np.float64),
+                                   max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv, is_causal=True)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, one_gpu):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+        assert_close(np.asarray(a, np.float64), expected[name], "bfloat16", name)
+    assert got[0].addressable_shards[0].data.shape[1] == 8 and {s.device for s in got[0].addressable_shards} == set(gpus[:2])
+    found = [c for c in COLLECTIVES if c in compiled.as_text()]
+    assert not found, f"collectives in the compiled program: {found}"

@@ -1,0 +1,238 @@
+"""Fused projections: qkv [T, 3, H, D] and kv [T, 2, Hkv, D].
+
+CPU: the xla path against the float64 reference; the cuDNN path's lowering (its kernels need a GPU) passes
+the packed buffer itself to the handlers and builds no full-size concatenate. GPU: the cuDNN path against
+the reference over a fuzz of packings, stats layouts, head counts and padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ragged_attn import cudnn, extension, packed
+from jax_ragged_attn.config import make_config
+from jax_ragged_attn.packing import cu_seqlens_from_lengths
+from jax_ragged_attn.reference import reference_attention
+from jax_ragged_attn.testing import assert_close
+
+OPTIONS = dict(is_causal=True, diagonal_alignment="bottom_right")
+
+
+def _packed_inputs(rng, lengths_q, lengths_kv, heads_q, heads_kv, dim, dtype, slack, layout):
+    """(arrays for the op, float64 q, k, v for the reference, cu_q, cu_kv); padding rows are NaN."""
+    tq, tkv = sum(lengths_q) + slack, sum(lengths_kv) + slack
+    q = rng.standard_normal((tq, heads_q, dim))
+    k = rng.standard_normal((tkv, heads_kv, dim))
+    v = rng.standard_normal((tkv, heads_kv, dim))
+    q[sum(lengths_q):] = np.nan
+    k[sum(lengths_kv):] = np.nan
+    v[sum(lengths_kv):] = np.nan
+    q, k, v = (x.astype(dtype) for x in (q, k, v))  # the reference sees exactly the rounded values
+    cu_q, cu_kv = cu_seqlens_from_lengths(lengths_q), cu_seqlens_from_lengths(lengths_kv)
+    if layout == "qkv":
+        arrays = (jnp.asarray(np.stack([q, k, v], axis=1)),)
+    else:
+        arrays = (jnp.asarray(q), jnp.asarray(np.stack([k, v], axis=1)))
+    return arrays, tuple(x.astype(np.float64) for x in (q, k, v)), jnp.asarray(cu_q), jnp.asarray(cu_kv)
+
+
+def _attend(layout, arrays, cu_q, cu_kv, max_q, max_kv, **options):
+    if layout == "qkv":
+        return packed.ragged_attention_qkvpacked(arrays[0], cu_q, max_seqlen=max_q, return_stats=True, **options)
+    return packed.ragged_attention_kvpacked(*arrays, cu_q, cu_kv, max_seqlen_q=max_q, max_seqlen_kv=max_kv,
+                                            return_stats=True, **options)
+
+
+def _check_against_reference(layout, arrays, ref_qkv, cu_q, cu_kv, max_q, max_kv, dtype, stats_layout, rng,
+                             **options):
+    tq, hq = ref_qkv[0].shape[:2]
+    d_out = rng.standard_normal((tq, hq, ref_qkv[2].shape[2])).astype(dtype)
+    d_out[int(cu_q[-1]):] = np.nan  # the cotangent of padding rows must never be read
+
+    @jax.jit
+    def step(arrays, d_out):
+        def attend(*arrays):
+            return _attend(layout, arrays, cu_q, cu_kv, max_q, max_kv, stats_layout=stats_layout, **OPTIONS,
+                           **options)
+
+        (out, stats), vjp = jax.vjp(attend, *arrays)
+        return out, stats, vjp((d_out, jnp.zeros_like(stats)) if options.get("implementation") == "xla"
+                               else (d_out, None))
+
+    if options.get("implementation") == "xla":
+        out, stats, grads = step(arrays, jnp.asarray(d_out))
+    else:  # stats as aux: no stats cotangent on the cuDNN path's plain backward
+        @jax.jit
+        def step_aux(arrays, d_out):
+            def attend(*arrays):
+                out, stats = _attend(layout, arrays, cu_q, cu_kv, max_q, max_kv, stats_layout=stats_layout,
+                                     **OPTIONS, **options)
+                return out, stats
+
+            out, vjp, stats = jax.vjp(attend, *arrays, has_aux=True)
+            return out, stats, vjp(d_out)
+
+        out, stats, grads = step_aux(arrays, jnp.asarray(d_out))
+    expected = reference_attention(*ref_qkv, np.asarray(cu_q), np.asarray(cu_kv), max_seqlen_q=max_q,
+                                   max_seqlen_kv=max_kv, d_out=d_out.astype(np.float64), **OPTIONS)
+    assert_close(np.asarray(out, np.float64), expected["out"], dtype, "out")
+    stats = np.asarray(stats, np.float64)
+    assert_close(stats.T if stats_layout == "head_major" else stats, expected["stats"], "float32", "stats")
+    if layout == "qkv":
+        (d_qkv,) = grads
+        assert d_qkv.shape == arrays[0].shape
+        parts = {"dq": d_qkv[:, 0], "dk": d_qkv[:, 1], "dv": d_qkv[:, 2]}
+    else:
+        d_q, d_kv = grads
+        assert d_q.shape == arrays[0].shape and d_kv.shape == arrays[1].shape
+        parts = {"dq": d_q, "dk": d_kv[:, 0], "dv": d_kv[:, 1]}
+    for name, grad in parts.items():
+        assert_close(np.asarray(grad, np.float64), expected[name], dtype, name)
+
+
+@pytest.mark.parametrize("layout", ["qkv", "kv"])
+@pytest.mark.parametrize("stats_layout", ["head_major", "token_major"])
+def test_xla_path_matches_the_reference(layout, stats_layout):
+    rng = np.random.default_rng([3, len(layout), len(stats_layout)])
+    heads_kv = 4 if layout == "qkv" else 2
+    lengths_q = [9, 0, 13, 4]
+    lengths_kv = lengths_q if layout == "qkv" else [7, 3, 13, 0]
+    arrays, ref_qkv, cu_q, cu_kv = _packed_inputs(rng, lengths_q, lengths_kv, 4, heads_kv, 16, "float32", 5, layout)
+    _check_against_reference(layout, arrays, ref_qkv, cu_q, cu_kv, 13, 13, "float32", stats_layout, rng,
+                             implementation="xla")
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: packed.ragged_attention_qkvpacked(jnp.zeros((8, 2, 4, 16)), jnp.array([0, 8], jnp.int32),
+                                               max_seqlen=8), r"qkv must be \[T, 3, H, D\], got shape \(8, 2, 4, 16\)"),
+    (lambda: packed.ragged_attention_qkvpacked(jnp.zeros((8, 3, 64)), jnp.array([0, 8], jnp.int32), max_seqlen=8),
+     r"qkv must be \[T, 3, H, D\]"),
+    (lambda: packed.ragged_attention_kvpacked(jnp.zeros((8, 4, 16)), jnp.zeros((8, 3, 2, 16)),
+                                              jnp.array([0, 8], jnp.int32), jnp.array([0, 8], jnp.int32),
+                                              max_seqlen_q=8, max_seqlen_kv=8), r"kv must be \[Tkv, 2, Hkv, D\]"),
+    (lambda: packed.ragged_attention_kvpacked(jnp.zeros((8, 3, 16)), jnp.zeros((8, 2, 2, 16)),
+                                              jnp.array([0, 8], jnp.int32), jnp.array([0, 8], jnp.int32),
+                                              max_seqlen_q=8, max_seqlen_kv=8), r"q's heads \(3\)"),
+])
+def test_malformed_packed_inputs_name_the_argument(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def _lowered_cudnn_grad(monkeypatch, layout):
+    """The StableHLO of jax.grad through the cuDNN path (lowering needs no GPU; graph_info is stubbed)."""
+    monkeypatch.setattr(cudnn, "graph_info", lambda direction, config: {"workspace_bytes": 64})
+    t, h, d = 32, 4, 16
+    cu = jnp.array([0, 10, 20, 25], jnp.int32)
+    view = jax.ShapeDtypeStruct((t, h, d), jnp.bfloat16)
+    config = make_config(view, view, view, cu, cu, max_seqlen_q=16, max_seqlen_kv=16, scale=None, is_causal=True,
+                         diagonal_alignment="top_left", local_window_size=None, stats_layout="head_major")
+    config = dataclasses.replace(config, packing=layout)
+    if layout == "qkv":
+        args = (jnp.zeros((t, 3, h, d), jnp.bfloat16),)
+        attend = lambda qkv: packed._cudnn_qkvpacked(qkv, cu, cu, config)  # noqa: E731
+    else:
+        args = (jnp.zeros((t, h, d), jnp.bfloat16), jnp.zeros((t, 2, h, d), jnp.bfloat16))
+        attend = lambda q, kv: packed._cudnn_kvpacked(q, kv, cu, cu, config)  # noqa: E731
+
+    def loss(*args):
+        return jnp.sum(attend(*args)[0].astype(jnp.float32))
+
+    return jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).lower(*args).as_text()
+
+
+@pytest.mark.parametrize("layout", ["qkv", "kv"])
+def test_cudnn_path_hands_the_packed_buffer_to_the_kernels_and_never_concatenates(monkeypatch, layout):
+    text = _lowered_cudnn_grad(monkeypatch, layout)
+    calls = {m.group(1): m.group(2) for m in re.finditer(r"custom_call @(jax_ragged_attn_\w+)\(([^)]*)\)", text)}
+    packed_arg = "%arg0" if layout == "qkv" else "%arg1"
+    forward_operands = calls[extension.FORWARD_TARGET].split(", ")
+    assert forward_operands[1:3] == [packed_arg, packed_arg]  # k and v are the packed buffer itself
+    backward = extension.BACKWARD_QKVPACKED_TARGET if layout == "qkv" else extension.BACKWARD_KVPACKED_TARGET
+    assert backward in calls and calls[backward].split(", ")[1:3] == [packed_arg, packed_arg]
+    full = "32x3x4x16xbf16" if layout == "qkv" else "32x2x4x16xbf16"
+    concatenates = [line for line in text.splitlines() if "concatenate" in line]
+    assert not [line for line in concatenates if full in line], concatenates
+    slices = [line for line in text.splitlines() if "slice" in line and full in line]
+    assert not slices, slices  # nor does it split the packed buffer
+
+
+@pytest.mark.parametrize("packing, parts", [("none", (1, 1)), ("kv", (1, 2)), ("qkv", (3, 3))])
+def test_ragged_offsets_step_over_every_part_of_a_packed_row(packing, parts):
+    view_q = jax.ShapeDtypeStruct((20, 4, 16), jnp.bfloat16)
+    view_kv = jax.ShapeDtypeStruct((20, 4 if packing == "qkv" else 2, 16), jnp.bfloat16)
+    cu = jnp.array([0, 7, 7, 19], jnp.int32)
+    config = dataclasses.replace(make_config(view_q, view_kv, view_kv, cu, cu, max_seqlen_q=12, max_seqlen_kv=12,
+                                             scale=None, is_causal=False, diagonal_alignment="top_left",
+                                             local_window_size=None, stats_layout="token_major"), packing=packing)
+    _, _, offset_q, offset_k, offset_v, offset_o, offset_stats = cudnn._index_arrays(cu, cu, config)
+    hkv = view_kv.shape[1]
+    np.testing.assert_array_equal(offset_q, np.asarray(cu) * parts[0] * 4 * 16)
+    np.testing.assert_array_equal(offset_k, np.asarray(cu) * parts[1] * hkv * 16)
+    np.testing.assert_array_equal(offset_v, np.asarray(cu) * parts[1] * hkv * 16)
+    np.testing.assert_array_equal(offset_o, np.asarray(cu) * 4 * 16)  # out has its own buffer
+    np.testing.assert_array_equal(offset_stats, np.asarray(cu) * 4)
+
+
+_REASON = extension.cudnn_unavailable_reason()
+
+
+def _fuzz_cases(count: int):
+    """Packings x stats layouts x head counts x dims x lengths x slack, drawn from one seed per case (the
+    way cudnn-frontend's strided-layout fuzzing draws per-tensor token strides)."""
+    cases = []
+    for seed in range(count):
+        rng = np.random.default_rng([2026, seed])
+        layout = ("qkv", "kv")[seed % 2]
+        heads_q = int(rng.choice([4, 8, 16]))
+        heads_kv = heads_q if layout == "qkv" else int(rng.choice([h for h in (1, 2, 4, 8) if heads_q % h == 0]))
+        dim = int(rng.choice([64, 128]))
+        batch = int(rng.integers(1, 9))
+        lengths_q = [int(n) for n in rng.integers(0, 300, batch)]
+        lengths_kv = lengths_q if layout == "qkv" else [int(n) for n in rng.integers(0, 300, batch)]
+        cases.append(dict(seed=seed, layout=layout, heads=(heads_q, heads_kv), dim=dim, lengths_q=lengths_q,
+                          lengths_kv=lengths_kv, slack=int(rng.integers(0, 40)),
+                          stats_layout=str(rng.choice(["head_major", "token_major"])),
+                          dtype=str(rng.choice(["bfloat16", "float16"])), check=bool(seed % 5 == 0)))
+    return cases
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _fuzz_cases(12), ids=lambda c: f"seed{c['seed']}-{c['layout']}")
+def test_cudnn_packed_strides_match_the_reference(case):
+    if _REASON is not None:
+        pytest.skip(f"cuDNN path unavailable: {_REASON}")
+    rng = np.random.default_rng([case["seed"], 1])
+    arrays, ref_qkv, cu_q, cu_kv = _packed_inputs(rng, case["lengths_q"], case["lengths_kv"], *case["heads"],
+                                                  case["dim"], case["dtype"], case["slack"], case["layout"])
+    max_q = max(max(case["lengths_q"]), 1)
+    max_kv = max(max(case["lengths_kv"]), 1)
+    try:
+        _check_against_reference(case["layout"], arrays, ref_qkv, cu_q, cu_kv, max_q, max_kv, case["dtype"],
+                                 case["stats_layout"], rng, implementation="cudnn", check=case["check"])
+    except AssertionError as error:
+        raise AssertionError(f"{case}: {error}") from None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["qkv", "kv"])
+def test_cudnn_compiled_program_has_no_full_size_concatenate(layout):
+    if _REASON is not None:
+        pytest.skip(f"cuDNN path unavailable: {_REASON}")
+    rng = np.random.default_rng(5)
+    arrays, _, cu_q, cu_kv = _packed_inputs(rng, [100, 50], [100, 50], 8, 8, 64, "bfloat16", 6, layout)
+    arrays = tuple(jnp.nan_to_num(a) for a in arrays)
+
+    def loss(*arrays):
+        out = _attend(layout, arrays, cu_q, cu_kv, 100, 100, implementation="cudnn")[0]
+        return jnp.sum(out.astype(jnp.float32))
+
+    compiled = jax.jit(jax.grad(loss, argnums=tuple(range(len(arrays))))).lower(*arrays).compile().as_text()
+    full = "bf16[156,3,8,64]" if layout == "qkv" else "bf16[156,2,8,64]"
+    assert not [line for line in compiled.splitlines() if "concatenate(" in line and full in line.split("=")[0]]
