@@ -9,6 +9,9 @@ the others still run. Writes bench.csv, bench.png and table.txt into --out; the 
 
   python -m jax_ragged_attn.bench                                   # every workload and system
   python -m jax_ragged_attn.bench --workloads W3 --systems xla --quick   # a CPU smoke run
+
+XLA's command buffers (CUDA graphs) off and on, and whether our custom calls are captured:
+python -m jax_ragged_attn.bench_command_buffers (jax_ragged_attn/command_buffers.py explains how it is read).
 """
 
 from __future__ import annotations

@@ -234,7 +234,8 @@ def _workspace_bytes(case: JaxCase, direction: str) -> int | None:
         return None
 
 
-def _measure_direction(case: JaxCase, workload: Workload, system: str, direction: str, settings: Settings):
+def _measure_direction(case: JaxCase, workload: Workload, system: str, direction: str, settings: Settings,
+                       on_compiled: Callable | None = None):
     flops = workload.flops(direction)
     if direction == "forward":
         loop, args = _forward_loop, (case.q, case.k, case.v, case.index)
@@ -244,7 +245,10 @@ def _measure_direction(case: JaxCase, workload: Workload, system: str, direction
         loop, args = _forward_backward_loop, (case.q, case.k, case.v, case.index, d_out)
 
     def build(steps):
-        return jax.jit(functools.partial(loop, case.attention, steps)).lower(*args).compile()
+        compiled = jax.jit(functools.partial(loop, case.attention, steps)).lower(*args).compile()
+        if on_compiled is not None:  # the last call of a direction sees the executable that is timed
+            on_compiled(direction, compiled)
+        return compiled
 
     steps = steps_for(flops, settings)
     compiled = build(steps)
@@ -262,12 +266,16 @@ def _measure_direction(case: JaxCase, workload: Workload, system: str, direction
                        loop_copy_bytes=loop_copy_bytes(hlo))
 
 
-def measure_jax(case: JaxCase, workload: Workload, system: str, settings: Settings) -> list[Measurement]:
-    """Forward and forward+backward measured, backward derived; a failing direction is reported, not raised."""
+def measure_jax(case: JaxCase, workload: Workload, system: str, settings: Settings,
+                on_compiled: Callable | None = None) -> list[Measurement]:
+    """Forward and forward+backward measured, backward derived; a failing direction is reported, not raised.
+
+    on_compiled(direction, compiled), if given, is called after each compilation of a timing loop.
+    """
     rows = {}
     for direction in ("forward", "forward+backward"):
         try:
-            rows[direction] = _measure_direction(case, workload, system, direction, settings)
+            rows[direction] = _measure_direction(case, workload, system, direction, settings, on_compiled)
         except Exception as error:  # noqa: BLE001 - one failing direction must not hide the other
             traceback.print_exc(file=sys.stderr)  # the row keeps the message; stderr keeps where it came from
             rows[direction] = Measurement(workload.name, system, direction, status=error_status(error),

@@ -164,3 +164,268 @@ def test_cli_runs_end_to_end(tmp_path, capsys):
     assert len(lines) > header + 1 and all(line.startswith("tiny ") for line in lines[header + 1:])  # table last
     if jax.default_backend() == "cpu":  # a system skipped for one reason reads as one line
         assert sum(" all " in line and "skipped: " in line for line in lines[header + 1:]) == 3
+
+
+# ---- command buffers (jax_ragged_attn/command_buffers.py, bench_command_buffers.py) -------------------------
+# Synthetic XLA output, written after openxla/xla: CommandBufferScheduling's HLO (a `command_buffer`
+# computation called through `call(...), to_apply=%command_buffer`) and the thunk dumps of
+# CommandBufferConversionPass (`<indent><id>: <kind>`, a command buffer's thunks indented under it).
+
+_FWD = 'custom_call_target="jax_ragged_attn_forward", api_version=API_VERSION_TYPED_FFI'
+_BWD = 'custom_call_target="jax_ragged_attn_backward", api_version=API_VERSION_TYPED_FFI'
+_HEADER = ("HloModule jit__forward_loop, is_scheduled=true, entry_computation_layout={(bf16[64,8,64]{2,1,0})->"
+           "bf16[64,8,64]{2,1,0}}\n\nFileNames\n1 \"bench_timing.py\"\n\nStackFrames\n1 {file_location_id=1 "
+           "parent_frame_id=1}\n\n")
+_CALL = "(bf16[64,8,64]{2,1,0}, f32[8,64]{1,0}, u8[4096]{0}) custom-call(%p, %fusion)"
+
+HLO_CAPTURED = _HEADER + f"""
+%fused_computation (param_0: s32[5]) -> s32[5] {{
+  ROOT %param_0 = s32[5]{{0}} parameter(0)
+}}
+
+%command_buffer (p: bf16[64,8,64], p.1: s32[5]) -> (bf16[64,8,64], f32[8,64], u8[4096]) {{
+  %p = bf16[64,8,64]{{2,1,0}} parameter(0)
+  %p.1 = s32[5]{{0}} parameter(1)
+  %fusion = s32[5]{{0}} fusion(%p.1), kind=kLoop, calls=%fused_computation
+  ROOT %custom-call.1 = {_CALL}, {_FWD}
+}}
+
+ENTRY %main.10 (q: bf16[64,8,64], cu: s32[5]) -> bf16[64,8,64] {{
+  %q = bf16[64,8,64]{{2,1,0}} parameter(0)
+  %cu = s32[5]{{0}} parameter(1)
+  %call = (bf16[64,8,64]{{2,1,0}}, f32[8,64]{{1,0}}, u8[4096]{{0}}) call(%q, %cu), to_apply=%command_buffer
+  ROOT %get-tuple-element = bf16[64,8,64]{{2,1,0}} get-tuple-element(%call), index=0
+}}
+"""
+
+# A captured loop (WHILE enabled): the body is reached from the command buffer. The backward call sits
+# outside, next to a second command buffer that does not hold it. Names printed without '%', as newer XLA does.
+HLO_LOOP = _HEADER + f"""
+region_0.2 (arg: (s32[], bf16[64,8,64])) -> (s32[], bf16[64,8,64]) {{
+  arg = (s32[], bf16[64,8,64]{{2,1,0}}) parameter(0)
+  p = bf16[64,8,64]{{2,1,0}} get-tuple-element(arg), index=1
+  fusion = s32[5]{{0}} fusion(p), kind=kLoop, calls=fused_computation
+  custom-call.7 = {_CALL.replace('%', '')}, {_FWD}
+  ROOT tuple.3 = (s32[], bf16[64,8,64]{{2,1,0}}) tuple(fusion, custom-call.7)
+}}
+
+command_buffer.1 (p.2: (s32[], bf16[64,8,64])) -> (s32[], bf16[64,8,64]) {{
+  p.2 = (s32[], bf16[64,8,64]{{2,1,0}}) parameter(0)
+  ROOT while.1 = (s32[], bf16[64,8,64]{{2,1,0}}) while(p.2), condition=region_1.3, body=region_0.2
+}}
+
+command_buffer.2 (p.3: bf16[64,8,64]) -> bf16[64,8,64] {{
+  p.3 = bf16[64,8,64]{{2,1,0}} parameter(0)
+  ROOT fusion.9 = bf16[64,8,64]{{2,1,0}} fusion(p.3), kind=kLoop, calls=fused_computation.2
+}}
+
+ENTRY main.10 (q: bf16[64,8,64]) -> bf16[64,8,64] {{
+  q = bf16[64,8,64]{{2,1,0}} parameter(0)
+  call = (s32[], bf16[64,8,64]{{2,1,0}}) call(q), to_apply=command_buffer.1
+  custom-call.8 = (bf16[64,8,64]{{2,1,0}}, u8[64]{{0}}) custom-call(q, q), {_BWD}
+  ROOT call.1 = bf16[64,8,64]{{2,1,0}} call(q), to_apply=command_buffer.2
+}}
+"""
+
+# What newer XLA prints: no command_buffer computation (they are formed later, on thunks); a `call` to a
+# computation that is not a command buffer; our forward in a loop body and the backward in ENTRY.
+HLO_PLAIN = _HEADER + f"""
+%region_0.2 (arg: (s32[], bf16[64,8,64])) -> (s32[], bf16[64,8,64]) {{
+  %arg = (s32[], bf16[64,8,64]{{2,1,0}}) parameter(0)
+  %p = bf16[64,8,64]{{2,1,0}} get-tuple-element(%arg), index=1
+  %fusion = s32[5]{{0}} fusion(%p), kind=kLoop, calls=%fused_computation
+  %custom-call.3 = {_CALL}, {_FWD}
+  ROOT %tuple.3 = (s32[], bf16[64,8,64]{{2,1,0}}) tuple(%fusion, %custom-call.3)
+}}
+
+%while.5_computation (tuple.4: (s32[], bf16[64,8,64])) -> (s32[], bf16[64,8,64]) {{
+  %tuple.4 = (s32[], bf16[64,8,64]{{2,1,0}}) parameter(0)
+  ROOT %while.0 = (s32[], bf16[64,8,64]{{2,1,0}}) while(%tuple.4), condition=%region_1.3, body=%region_0.2
+}}
+
+ENTRY %main.10 (q: bf16[64,8,64]) -> bf16[64,8,64] {{
+  %q = bf16[64,8,64]{{2,1,0}} parameter(0)
+  %call = (s32[], bf16[64,8,64]{{2,1,0}}) call(%q), to_apply=%while.5_computation
+  ROOT %custom-call.9 = (bf16[64,8,64]{{2,1,0}}, u8[64]{{0}}) custom-call(%q, %q), {_BWD}
+}}
+"""
+
+# Thunk dumps of HLO_PLAIN's module: forward (thunk 5) in a command buffer inside the loop body, backward
+# (thunk 9) outside every command buffer.
+THUNKS_AFTER = """000: kSequential\t
+001: kWhile        \t
+  condition:
+    002: kKernel\t
+  body:
+    010: kCommandBuffer\t
+        003: kKernel     \t
+        005: kCustomCall \t
+        006: kKernel     \t
+007: kKernel       \t
+009: kCustomCall   \t
+"""
+THUNKS_BEFORE = """001: kWhile\t
+  body:
+    003: kKernel\t
+    005: kCustomCall\t
+009: kCustomCall\t
+"""
+METADATA = "".join(
+    f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{name}"\n    thunk_id: {thunk_id}\n  }}\n'
+    f'  thunk_kind: "{kind}"\n}}\n'
+    for thunk_id, name, kind in ((1, "while.0", "kWhile"), (10, "", "kCommandBuffer"), (3, "fusion", "kKernel"),
+                                 (5, "custom-call.3", "kCustomCall"), (9, "custom-call.9", "kCustomCall")))
+
+
+def _statuses(occurrences):
+    return [(o.target, o.instruction, o.status) for o in occurrences]
+
+
+def test_hlo_classifier_reads_command_buffer_computations():
+    from jax_ragged_attn import command_buffers as cb
+
+    (captured,) = cb.classify_hlo(HLO_CAPTURED)
+    assert (captured.target, captured.instruction, captured.computation) == (
+        "jax_ragged_attn_forward", "custom-call.1", "command_buffer")
+    assert captured.status == cb.CAPTURED and "command_buffer" in captured.reason
+    assert _statuses(cb.classify_hlo(HLO_LOOP)) == [
+        ("jax_ragged_attn_forward", "custom-call.7", cb.CAPTURED),  # a loop body reached from command_buffer.1
+        ("jax_ragged_attn_backward", "custom-call.8", cb.NOT_CAPTURED)]
+    plain = cb.classify_hlo(HLO_PLAIN)  # a `call` to a non-command-buffer computation does not count
+    assert [o.status for o in plain] == [cb.UNKNOWN, cb.UNKNOWN]
+    assert all("no command_buffer computation" in o.reason for o in plain)
+    assert cb.module_name(HLO_PLAIN) == "jit__forward_loop"
+
+
+def test_hlo_classifier_matches_targets_exactly():
+    from jax_ragged_attn import command_buffers as cb
+
+    guarded = HLO_CAPTURED.replace('"jax_ragged_attn_forward"', '"jax_ragged_attn_forward_guarded"')
+    assert _statuses(cb.classify_hlo(guarded)) == [("jax_ragged_attn_forward_guarded", "custom-call.1", cb.CAPTURED)]
+    assert cb.classify_hlo(guarded, targets=("jax_ragged_attn_forward",)) == []
+    other = HLO_CAPTURED.replace('"jax_ragged_attn_forward"', '"__cudnn$fmhaSoftmax"')
+    assert cb.classify_hlo(other) == [] and cb.summary([]) == "none of our calls"
+
+
+def test_thunk_classifier_reads_nesting_and_metadata():
+    from jax_ragged_attn import command_buffers as cb
+
+    lines = {t.thunk_id: t for t in cb.parse_thunk_sequence(THUNKS_AFTER)}
+    assert lines[5].kind == "kCustomCall" and lines[5].in_command_buffer
+    assert not lines[9].in_command_buffer and not lines[2].in_command_buffer and lines[3].in_command_buffer
+    expected = [("jax_ragged_attn_forward", "custom-call.3", cb.CAPTURED),
+                ("jax_ragged_attn_backward", "custom-call.9", cb.NOT_CAPTURED)]
+    occurrences = cb.classify_thunks(HLO_PLAIN, THUNKS_AFTER, METADATA)
+    assert _statuses(occurrences) == expected
+    assert "thunk 005" in occurrences[0].reason and "kCommandBuffer" in occurrences[0].reason
+    # Text protos leave out default fields: an entry without thunk_id is thunk 0.
+    assert cb.parse_thunk_metadata('thunk_metadata {\n  thunk_info {\n    profile_annotation: "a"\n  }\n'
+                                   '  thunk_kind: "kKernel"\n}\n') == [(0, "a", "kKernel")]
+    # classify: the HLO cannot tell, so the dump answers.
+    assert _statuses(cb.classify(HLO_PLAIN, thunk_after=THUNKS_AFTER, metadata=METADATA)) == expected
+    # Only thunk_sequence.txt (the thunk passes changed nothing): no command buffer anywhere.
+    before = cb.classify(HLO_PLAIN, thunk_before=THUNKS_BEFORE, metadata=METADATA)
+    assert [o.status for o in before] == [cb.NOT_CAPTURED] * 2 and "changed nothing" in before[0].reason
+    # Older XLA printed the kind then the annotation, without ids or metadata.
+    older = ("kWhile:\t\n  body:\n    kCommandBuffer:\t\n      kCustomCall:\tcustom-call.3\n"
+             "kCustomCall:\tcustom-call.9\n")
+    assert _statuses(cb.classify_thunks(HLO_PLAIN, older)) == expected
+    assert cb.summary(occurrences, {"jax_ragged_attn_forward": "forward", "jax_ragged_attn_backward": "backward"}) \
+        == "forward captured, backward not captured"
+
+
+def test_thunk_classifier_says_unknown_rather_than_guess():
+    from jax_ragged_attn import command_buffers as cb
+
+    # No metadata and the custom-call thunks disagree: which one is ours cannot be told.
+    unknown = cb.classify_thunks(HLO_PLAIN, THUNKS_AFTER, None)
+    assert [o.status for o in unknown] == [cb.UNKNOWN] * 2 and "1 of 2" in unknown[0].reason
+    # No metadata, but every custom-call thunk is captured: by elimination.
+    all_in = THUNKS_AFTER.replace("007: kKernel       \t\n009: kCustomCall",
+                                  "011: kCommandBuffer\t\n  009: kCustomCall")
+    assert [o.status for o in cb.classify_thunks(HLO_PLAIN, all_in)] == [cb.CAPTURED] * 2
+    # Not a thunk dump at all, or no dump.
+    assert [o.status for o in cb.classify_thunks(HLO_PLAIN, "something else\n")] == [cb.UNKNOWN] * 2
+    missing = cb.classify(HLO_PLAIN)
+    assert [o.status for o in missing] == [cb.UNKNOWN] * 2 and "--xla_dump_to" in missing[0].reason
+    # The HLO's answer wins where it has one.
+    assert [o.status for o in cb.classify(HLO_CAPTURED, thunk_after="")] == [cb.CAPTURED]
+
+
+def test_dump_files_of_the_timed_module():
+    from jax_ragged_attn import command_buffers as cb
+
+    names = ["module_0040.jit__forward_loop.thunk_sequence.txt",
+             "module_0042.jit__forward_loop.thunk_sequence_after_thunk_passes.txt",
+             "module_0042.jit__forward_loop.thunk_sequence.txt",
+             "module_0042.jit__forward_loop.thunk_metadata.txt",
+             "module_0042.jit__forward_loop.sm_9.0_gpu_after_optimizations.txt",
+             "module_0043.jit_normal.thunk_sequence.txt"]
+    assert cb.module_dump_files(names, "jit__forward_loop") == {
+        "after": names[1], "before": names[2], "metadata": names[3]}
+    assert cb.module_dump_files(names, "jit_unnamed")["before"] == names[5]  # no name match: the newest module
+    assert cb.module_dump_files([], "jit__forward_loop") == {"after": None, "before": None, "metadata": None}
+
+
+def test_command_buffer_modes_set_xla_flags_for_the_child():
+    from jax_ragged_attn import bench_command_buffers as bcb
+
+    inherited = "--xla_gpu_enable_command_buffer=CUBLAS --xla_dump_to=/old --xla_gpu_autotune_level=0"
+    assert bcb.child_xla_flags(inherited, "off", "/d").split() == [
+        "--xla_gpu_autotune_level=0", "--xla_gpu_enable_command_buffer=", "--xla_dump_to=/d", "--xla_dump_hlo_as_text"]
+    assert bcb.child_xla_flags("", "on", "/d").split()[:2] == [
+        "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL", "--xla_gpu_graph_min_graph_size=1"]
+    assert "enable_command_buffer" not in bcb.child_xla_flags("", "default", "/d")
+    env = bcb.child_environment("on", "/d", {"JAX_RAGGED_ATTN_CHECK": "1", "PATH": "/bin"})
+    assert "JAX_RAGGED_ATTN_CHECK" not in env and env["JAX_ENABLE_COMPILATION_CACHE"] == "false"
+
+
+def test_command_buffer_report_table():
+    from jax_ragged_attn import bench_command_buffers as bcb
+    from jax_ragged_attn import command_buffers as cb
+
+    def result(mode, fwd, both, status):
+        rows = [_row("ours-hm", "forward", fwd), _row("ours-hm", "backward", both - fwd),
+                _row("ours-hm", "forward+backward", both)]
+        capture = {d: {"module": "m", "files": {}, "occurrences": [dataclasses.asdict(cb.Occurrence(
+            "jax_ragged_attn_forward", "custom-call.3", "region_0.2", status, "thunks: ..."))]}
+            for d in ("forward", "forward+backward")}
+        return {"mode": mode, "status": "ok", "rows": [dataclasses.asdict(r) for r in rows], "capture": capture,
+                "seconds": 12.0, "jax": "0.11.2", "device": "NVIDIA H200"}
+
+    text = bcb.report([result("off", 0.4, 1.4, cb.NOT_CAPTURED), result("on", 0.36, 1.33, cb.CAPTURED)],
+                      WORKLOADS["W3"])
+    lines = text.splitlines()
+    off = next(line for line in lines if line.startswith("off "))
+    on = next(line for line in lines if line.startswith("on "))
+    assert "0.400" in off and "1.400" in off and "forward not captured" in off
+    assert "0.360" in on and "forward captured" in on
+    assert any(line.strip().startswith("on") and "fwd 0.90x" in line and "fwd+bwd 0.95x" in line for line in lines)
+    assert "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" in text
+
+
+def test_command_buffer_bench_without_a_gpu_exits_cleanly(tmp_path, capsys):
+    if jax.default_backend() != "cpu":
+        pytest.skip("this checks the path taken without a GPU")
+    from jax_ragged_attn import bench_command_buffers as bcb
+
+    assert bcb.main(["--out", str(tmp_path), "--modes", "off,on"]) == 0
+    printed = capsys.readouterr().out
+    assert "needs a CUDA GPU" in printed and "not measured" in printed
+    assert not (tmp_path / "on").exists()  # stopped after the first mode said why
+
+
+def test_command_buffer_bench_runs_end_to_end_on_the_xla_path(tmp_path, capsys):
+    # --allow-cpu: the same subprocess, timing and dump plumbing, timing the xla path (no custom calls).
+    if jax.default_backend() != "cpu":
+        pytest.skip("on a GPU the real run is `python -m jax_ragged_attn.bench_command_buffers`")
+    from jax_ragged_attn import bench_command_buffers as bcb
+
+    status = bcb.main(["--out", str(tmp_path), "--modes", "on", "--workload", "tiny", "--iterations", "1",
+                       "--allow-cpu"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    row = next(line for line in printed.splitlines() if line.startswith("on "))
+    assert "none of our calls" in row and float(row.split()[1]) > 0  # fwd ms
+    assert "implementation='xla'" in printed
+    assert (tmp_path / "table.txt").exists() and (tmp_path / "results.json").exists()
