@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from jax_ragged_attn import checks, extension
-from jax_ragged_attn.config import AttentionConfig
+from jax_ragged_attn import autotune, checks, extension, stats_grad
+from jax_ragged_attn.config import PACKINGS, AttentionConfig
 from jax_ragged_attn.packing import (
     query_rows_with_keys,
     row_positions,
@@ -29,9 +29,12 @@ MAX_HEAD_DIM = 256
 _INT32_LIMIT = 2**31 - 1
 
 
-def ffi_attributes(config: AttentionConfig) -> dict:
-    """The configuration as the C++ side names it (ffi/attention_config.h), in plain Python values."""
-    return dict(
+def ffi_attributes(config: AttentionConfig, direction: str | None = None) -> dict:
+    """The configuration as the C++ side names it (ffi/attention_config.h), in plain Python values.
+
+    `direction` ("forward" / "backward") picks the autotuned plan for that graph when config.autotune.
+    """
+    attributes = dict(
         num_seqs=config.num_seqs,
         capacity_q=config.capacity_q,
         capacity_kv=config.capacity_kv,
@@ -52,31 +55,53 @@ def ffi_attributes(config: AttentionConfig) -> dict:
         stats_token_major=int(config.stats_layout == "token_major"),
         use_max_total_seq_len=1,
         deterministic=int(config.deterministic),
+        plan_index=-1,  # cuDNN's heuristic choice
+        packing=PACKINGS.index(config.packing),
     )
+    if config.autotune and direction is not None:
+        attributes["plan_index"] = autotune.plan_index(direction, attributes, _device_ordinal())
+    return attributes
 
 
 # What each handler's results are called in errors, in order (the workspace comes last, unnamed).
-RESULT_NAMES = {extension.FORWARD_TARGET: ("out", "stats"), extension.BACKWARD_TARGET: ("dq", "dk", "dv")}
+RESULT_NAMES = {extension.FORWARD_TARGET: ("out", "stats"), extension.BACKWARD_TARGET: ("dq", "dk", "dv"),
+                extension.BACKWARD_KVPACKED_TARGET: ("dq", "dkv"), extension.BACKWARD_QKVPACKED_TARGET: ("dqkv",)}
+# Per packing: the backward target, and how many parts a token's row holds on the q and the kv side.
+_BACKWARD_TARGETS = {"none": extension.BACKWARD_TARGET, "kv": extension.BACKWARD_KVPACKED_TARGET,
+                     "qkv": extension.BACKWARD_QKVPACKED_TARGET}
+_PARTS = {"none": (1, 1), "kv": (1, 2), "qkv": (3, 3)}
 
 
-def _ffi_kwargs(config: AttentionConfig) -> dict:
+def _ffi_kwargs(config: AttentionConfig, direction: str) -> dict:
     # FFI attributes are typed: every field is an int64 except the float32 scale.
-    return {k: (np.float32(v) if k == "scale" else np.int64(v)) for k, v in ffi_attributes(config).items()}
+    attributes = ffi_attributes(config, direction)
+    return {k: (np.float32(v) if k == "scale" else np.int64(v)) for k, v in attributes.items()}
 
 
 def _device_ordinal() -> int:
-    # Graphs are built on the first GPU at trace time; a handler running on another device of the same kind
-    # builds its own copy, and checks that the workspace XLA gave it is large enough.
+    # The device whose graph answers trace-time questions (workspace size, support): the first GPU.
     return jax.devices("gpu")[0].local_hardware_id or 0
+
+
+def _other_local_ordinals() -> list[int]:
+    """The other GPUs of this process: their graphs are built at trace time too, so no handler ever builds
+    one while it runs (where XLA may be capturing it into a CUDA graph, which a build would break)."""
+    ordinals = [d.local_hardware_id or 0 for d in jax.local_devices(backend="gpu")]
+    return [o for o in ordinals if o != _device_ordinal()]
 
 
 def graph_info(direction: str, config: AttentionConfig) -> dict:
     """Builds or finds the graph; raises NotImplementedError if cuDNN cannot run it."""
-    info = extension.module().graph_info(direction, _device_ordinal(), ffi_attributes(config))
+    attributes = ffi_attributes(config, direction)
+    info = extension.module().graph_info(direction, _device_ordinal(), attributes)
     if info["status"] == "unsupported":
         raise NotImplementedError(f"cuDNN cannot run this {direction} configuration: {info['message']}")
     if info["status"] != "ok":
         raise RuntimeError(f"building the cuDNN {direction} graph failed: {info['message']}")
+    for ordinal in _other_local_ordinals():
+        other = extension.module().graph_info(direction, ordinal, attributes)
+        if other["status"] != "ok":
+            raise RuntimeError(f"building the cuDNN {direction} graph on GPU {ordinal} failed: {other['message']}")
     if info.get("fell_back"):
         warnings.warn(
             "cudnn-frontend reserved "
@@ -97,9 +122,11 @@ def unsupported_reason(config: AttentionConfig) -> str | None:
         if dim % 8 or dim > MAX_HEAD_DIM:
             return f"cuDNN needs head dims that are multiples of 8 up to {MAX_HEAD_DIM}, got {name}={dim}"
     widest = max(config.head_dim_qk, config.head_dim_v)
-    # The backward's per-query-head dK/dV intermediates (GQA) scale the kv offsets by Hq / Hkv as well.
-    if max(config.capacity_q, config.capacity_kv) * config.num_heads_q * widest > _INT32_LIMIT:
-        return "the ragged offsets are int32: T * Hq * D must stay below 2**31 elements"
+    # The backward's per-query-head dK/dV intermediates (GQA) scale the kv offsets by Hq / Hkv as well, and a
+    # packed row holds 2 or 3 parts.
+    parts = max(_PARTS[config.packing])
+    if max(config.capacity_q, config.capacity_kv) * config.num_heads_q * widest * parts > _INT32_LIMIT:
+        return "the ragged offsets are int32: T * Hq * D (times the parts of a packed row) must stay below 2**31"
     reason = extension.cudnn_unavailable_reason()
     if reason is not None:
         return reason
@@ -131,7 +158,8 @@ def _launch(direction: str, target: str, inputs, result_specs, cu_q, cu_kv, conf
         types = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in result_specs(config))
         types += (jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),)
         args = (*(x for x, _ in inputs), *_index_arrays(cu_q, cu_kv, config))
-        *results, _ = jax.ffi.ffi_call(target, types, vmap_method="sequential")(*args, **_ffi_kwargs(config))
+        call = jax.ffi.ffi_call(target, types, vmap_method="sequential")
+        *results, _ = call(*args, **_ffi_kwargs(config, direction))
         return results, jnp.bool_(True)
 
     rows = checks.GUARD_ROWS
@@ -148,7 +176,7 @@ def _launch(direction: str, target: str, inputs, result_specs, cu_q, cu_kv, conf
     workspace_at = len(specs)
     aliases = {len(args): workspace_at, **{len(args) + 1 + i: i for i in range(len(specs))}}
     call = jax.ffi.ffi_call(target + "_guarded", types, vmap_method="sequential", input_output_aliases=aliases)
-    *results, workspace = call(*args, guarded[-1], *guarded[:-1], **_ffi_kwargs(padded))
+    *results, workspace = call(*args, guarded[-1], *guarded[:-1], **_ffi_kwargs(padded, direction))
     description = f"{target}: {config.describe()}"
     clobbered = checks.verified_guard_band(workspace[size:], description=description)
     names = RESULT_NAMES[target]
@@ -160,16 +188,18 @@ def _launch(direction: str, target: str, inputs, result_specs, cu_q, cu_kv, conf
 
 
 def _index_arrays(cu_q, cu_kv, config: AttentionConfig):
-    """Sequence lengths and the ragged offsets of each tensor, in elements (see ffi/layouts.h)."""
+    """Sequence lengths and the ragged offsets of each tensor, in elements (see ffi/layouts.h): a sequence
+    starts at its first row times the tensor's token stride, which covers every part of a packed row."""
     hq, hkv = config.num_heads_q, config.num_heads_kv
     dqk, dv = config.head_dim_qk, config.head_dim_v
+    parts_q, parts_kv = _PARTS[config.packing]
     stats_offset = cu_q * hq if config.stats_layout == "token_major" else cu_q
     return (
         sequence_lengths(cu_q, config.max_seqlen_q),
         sequence_lengths(cu_kv, config.max_seqlen_kv),
-        cu_q * (hq * dqk),  # q, dq
-        cu_kv * (hkv * dqk),  # k, dk
-        cu_kv * (hkv * dv),  # v, dv
+        cu_q * (parts_q * hq * dqk),  # q, dq
+        cu_kv * (parts_kv * hkv * dqk),  # k, dk
+        cu_kv * (parts_kv * hkv * dv),  # v, dv
         cu_q * (hq * dv),  # o, do
         stats_offset,
     )
@@ -192,9 +222,13 @@ def _forward_results(config: AttentionConfig):
 
 def _backward_results(config: AttentionConfig):
     dtype = jnp.dtype(config.dtype)
-    return (((config.capacity_q, config.num_heads_q, config.head_dim_qk), dtype, 0),
-            ((config.capacity_kv, config.num_heads_kv, config.head_dim_qk), dtype, 0),
-            ((config.capacity_kv, config.num_heads_kv, config.head_dim_v), dtype, 0))
+    hq, hkv, dqk, dv = config.num_heads_q, config.num_heads_kv, config.head_dim_qk, config.head_dim_v
+    dq = ((config.capacity_q, hq, dqk), dtype, 0)
+    if config.packing == "qkv":
+        return (((config.capacity_q, 3, hq, dqk), dtype, 0),)
+    if config.packing == "kv":
+        return dq, ((config.capacity_kv, 2, hkv, dqk), dtype, 0)
+    return dq, ((config.capacity_kv, hkv, dqk), dtype, 0), ((config.capacity_kv, hkv, dv), dtype, 0)
 
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
@@ -213,14 +247,23 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
 
 
 def _backward(q, k, v, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config: AttentionConfig):
+    """The gradients in the inputs' own layout: (dq, dk, dv), (dq, dkv) or (dqkv,) per config.packing."""
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
     inputs = ((q, 0), (k, 0), (v, 0), (out, 0), (d_out.astype(q.dtype), 0), (raw_stats, _stats_axis(config)))
-    (d_q, d_k, d_v), intact = _launch("backward", extension.BACKWARD_TARGET, inputs, _backward_results, cu_q,
-                                      cu_kv, config)
-    valid_q = (query_rows_with_keys(cu_q, cu_kv, config) & intact)[:, None, None]
-    valid_kv = (row_positions(cu_kv, config.capacity_kv, config.max_seqlen_kv)[2] & intact)[:, None, None]
+    grads, intact = _launch("backward", _BACKWARD_TARGETS[config.packing], inputs, _backward_results, cu_q, cu_kv,
+                            config)
+    valid_q = query_rows_with_keys(cu_q, cu_kv, config) & intact
+    valid_kv = row_positions(cu_kv, config.capacity_kv, config.max_seqlen_kv)[2] & intact
+    # Rows cuDNN does not own are garbage: zero them. In a packed gradient each part has its own rows.
+    if config.packing == "qkv":
+        masks = (jnp.stack([valid_q, valid_kv, valid_kv], axis=1),)
+    elif config.packing == "kv":
+        masks = (valid_q, jnp.stack([valid_kv, valid_kv], axis=1))
+    else:
+        masks = (valid_q, valid_kv, valid_kv)
     zero = jnp.zeros((), q.dtype)
-    return jnp.where(valid_q, d_q, zero), jnp.where(valid_kv, d_k, zero), jnp.where(valid_kv, d_v, zero)
+    return tuple(jnp.where(mask.reshape(mask.shape + (1,) * (g.ndim - mask.ndim)), g, zero)
+                 for g, mask in zip(grads, masks))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -236,16 +279,34 @@ def _attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, config):
     return (out, stats), (q, k, v, cu_seqlens_q, cu_seqlens_kv, out, raw_stats)
 
 
+def _stats_gradient_unsupported(config: AttentionConfig) -> str | None:
+    """Why the backward cannot take a stats cotangent here (stats_grad.py widens Dv), or None."""
+    widened = config.head_dim_v + stats_grad.EXTRA_COLUMNS
+    if widened > MAX_HEAD_DIM:
+        return (f"the cuDNN path cannot differentiate through stats (the log-sum-exp) with Dv={config.head_dim_v}: "
+                f"it carries the stats term on {stats_grad.EXTRA_COLUMNS} extra value columns, and Dv + "
+                f"{stats_grad.EXTRA_COLUMNS} = {widened} exceeds cuDNN's head dim limit of {MAX_HEAD_DIM} "
+                f"(Dv <= {MAX_HEAD_DIM - stats_grad.EXTRA_COLUMNS} works)")
+    if max(config.capacity_q, config.capacity_kv) * config.num_heads_q * widened > _INT32_LIMIT:
+        return (f"the cuDNN path cannot differentiate through stats (the log-sum-exp) here: with Dv + "
+                f"{stats_grad.EXTRA_COLUMNS} value columns the int32 ragged offsets would pass 2**31 elements")
+    return None
+
+
 def _attention_bwd(config, residuals, cotangents):
     q, k, v, cu_seqlens_q, cu_seqlens_kv, out, raw_stats = residuals
     d_out, d_stats = cotangents
     if not isinstance(d_stats, SymbolicZero):
-        # FlashAttention's API silently drops this term; a wrong gradient is worse than an error.
-        raise NotImplementedError(
-            "the cuDNN path cannot differentiate through stats (the log-sum-exp): a non-zero cotangent reached "
-            "it (under jit an explicit zero array counts too). Use implementation='xla' for this loss, or "
-            "jax.lax.stop_gradient the stats, or return them as has_aux."
-        )
+        # Under jit an explicit zero array lands here too: correct, only a little slower than the plain pass.
+        reason = _stats_gradient_unsupported(config)
+        if reason is not None:
+            raise NotImplementedError(f"{reason}. Use implementation='xla' for this loss, or jax.lax.stop_gradient "
+                                      "the stats, or return them as has_aux.")
+        widened, v_wide, out_wide, d_out_wide = stats_grad.widened_backward_inputs(
+            v, out, d_out, d_stats, cu_seqlens_q, cu_seqlens_kv, config)
+        d_q, d_k, d_v_wide = _backward(q, k, v_wide, cu_seqlens_q, cu_seqlens_kv, out_wide, raw_stats, d_out_wide,
+                                       widened)
+        return d_q, d_k, d_v_wide[:, :, :config.head_dim_v], None, None
     if isinstance(d_out, SymbolicZero):
         return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), None, None
     d_q, d_k, d_v = _backward(q, k, v, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config)

@@ -95,7 +95,8 @@ def _run(case: Case, batch, d_out, layout: str | None = None, implementation: st
             return jra.ragged_attention(q, k, v, cu_q, cu_kv, stats_layout=layout or case.layout, return_stats=True,
                                         implementation=implementation, **options)
 
-        # stats as aux: no cotangent flows into it (an explicit zero array would, and the cuDNN path refuses).
+        # stats as aux: no cotangent flows into it (an explicit zero array would, and take the widened
+        # backward of stats_grad.py); the tests at the end differentiate through stats.
         out, vjp, stats = jax.vjp(attend, q, k, v, has_aux=True)
         return out, stats, vjp(d_out)
 
@@ -173,19 +174,6 @@ def test_float32_falls_back_to_xla_and_cudnn_refuses_it():
     assert extension.FORWARD_TARGET not in hlo
     with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
         jra.ragged_attention(*batch.args, implementation="cudnn", **_options(case))
-
-
-def test_stats_cotangent_raises_instead_of_being_dropped():
-    case = Case()
-    batch, _ = _batch(case, 5)
-
-    def loss(q):
-        _, stats = jra.ragged_attention(q, *batch.args[1:], return_stats=True, implementation="cudnn",
-                                        **_options(case))
-        return jnp.sum(jnp.where(jnp.isfinite(stats), stats, 0.0))
-
-    with pytest.raises(NotImplementedError, match="stats"):
-        jax.grad(loss)(batch.q)
 
 
 def test_workspace_is_an_xla_buffer_of_the_reported_size():
@@ -298,3 +286,61 @@ def test_garbage_cu_seqlens_stay_inside_the_buffers():
     out, grads = step(finite_q, *finite_kv, *garbage, jnp.nan_to_num(jnp.asarray(d_out)))
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
+
+
+def _grads_through_stats(case: Case, batch, d_out, d_stats):
+    """jax.grad of sum(out * d_out) + sum(stats * d_stats) (d_out None: stats alone), d_stats token-major."""
+    weights = jnp.asarray(d_stats if case.layout == "token_major" else d_stats.T)
+
+    @jax.jit
+    def grads(q, k, v):
+        def loss(q, k, v):
+            out, stats = jra.ragged_attention(q, k, v, *batch.args[3:], stats_layout=case.layout, return_stats=True,
+                                              implementation="cudnn", **_options(case))
+            # -inf stats rows get a zero weight through `where`, so the loss stays finite there.
+            total = jnp.sum(jnp.where(jnp.isfinite(stats), stats * weights, 0.0))
+            return total if d_out is None else total + jnp.sum(out.astype(jnp.float32) * jnp.asarray(d_out))
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    return [np.asarray(g, np.float64) for g in grads(*batch.args[:3])]
+
+
+def _check_stats_gradients(case: Case, batch, grads, ref):
+    for name, grad in zip(("dq", "dk", "dv"), grads):
+        assert_close(grad, ref[name], case.dtype, name)
+    dq, dk, dv = grads
+    assert np.all(dq[batch.padding_q] == 0)
+    assert np.all(dk[batch.padding_kv] == 0) and np.all(dv[batch.padding_kv] == 0)
+    assert np.abs(ref["dq"]).max() > 0 and np.abs(ref["dk"]).max() > 0
+
+
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+def test_grad_through_out_and_stats_matches_reference(layout):
+    """The stats cotangent rides in the one backward pass on Dv + 16 value columns (stats_grad.py)."""
+    case = Case(heads=(8, 2), is_causal=True, alignment="bottom_right", layout=layout, empty=(3,))
+    batch, d_out = _batch(case, _seed(case))
+    d_stats = np.random.default_rng(_seed(case) + 1).standard_normal((CAPACITY_Q, 8)).astype(np.float32)
+    grads = _grads_through_stats(case, batch, d_out, d_stats)
+    ref = reference_attention(*batch.reference_args, d_out=d_out.astype(np.float64),
+                              d_stats=d_stats.astype(np.float64), **_options(case))
+    _check_stats_gradients(case, batch, grads, ref)
+
+
+def test_grad_of_stats_alone_matches_reference():
+    """out unused (its cotangent is a symbolic zero); float16, whose narrow range the power-of-two split of
+    the stats cotangent is for."""
+    case = Case(dtype="float16", heads=(8, 2), dims=(128, 128), is_causal=True, layout="token_major")
+    batch, _ = _batch(case, _seed(case))
+    d_stats = 100 * np.random.default_rng(_seed(case) + 1).standard_normal((CAPACITY_Q, 8)).astype(np.float32)
+    grads = _grads_through_stats(case, batch, None, d_stats)
+    ref = reference_attention(*batch.reference_args, d_out=np.zeros((CAPACITY_Q, 8, 128)),
+                              d_stats=d_stats.astype(np.float64), **_options(case))
+    _check_stats_gradients(case, batch, grads, ref)
+
+
+def test_stats_cotangent_past_the_head_dim_limit_raises():
+    case = Case(dims=(256, 256))
+    batch, _ = _batch(case, 5)
+    with pytest.raises(NotImplementedError, match=r"Dv \+ 16 = 272 exceeds cuDNN's head dim limit of 256"):
+        _grads_through_stats(case, batch, None, np.ones((CAPACITY_Q, 8), np.float32))

@@ -16,7 +16,7 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from jax_ragged_attn import api, extension, sweep, xla
+from jax_ragged_attn import api, cudnn, extension, stats_grad, sweep, xla
 
 CI_SEEDS = range(40)
 
@@ -55,6 +55,7 @@ def test_draw_case_is_deterministic_json_and_varied(tier):
         seen["cut"].add(case["max_seqlen_q"] < max(case["seqlens_q"]))
         seen["batch"].add(len(case["seqlens_q"]))
         seen["check"].add(case["check"])
+        seen["stats_cotangent"].add(case["stats_cotangent"])
     spec = sweep.TIERS[tier]
     assert seen["lengths"] == {name for name, _ in sweep.LENGTHS}
     assert seen["dtype"] == {name for name, _ in spec["dtypes"]}
@@ -66,10 +67,13 @@ def test_draw_case_is_deterministic_json_and_varied(tier):
     assert seen["stats_layout"] == {"head_major", "token_major"}
     assert {1, 64} <= seen["batch"]
     assert seen["check"] == ({False, True} if spec["implementation"] == "cudnn" else {False})
+    assert seen["stats_cotangent"] == {False, True}
     for case in cases:
         assert case["implementation"] == spec["implementation"]
         assert sum(case["seqlens_q"]) <= spec["tokens"] and sum(case["seqlens_kv"]) <= spec["tokens"]
         assert sum(case["seqlens_q"]) + case["slack_q"] >= 1 and sum(case["seqlens_kv"]) + case["slack_kv"] >= 1
+        if spec["implementation"] == "cudnn" and case["stats_cotangent"]:  # cuDNN widens Dv for it (stats_grad.py)
+            assert case["head_dim_v"] + stats_grad.EXTRA_COLUMNS <= cudnn.MAX_HEAD_DIM
 
 
 def _broken(change=None, after=None):
