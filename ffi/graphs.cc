@@ -284,7 +284,7 @@ class GraphCache {
     const char* env = std::getenv("JAX_RAGGED_ATTN_GRAPH_CACHE_SIZE");
     char* end = nullptr;
     const long long value = env ? std::strtoll(env, &end, 10) : 0;
-    return (env && *env && end && *end == '\0' && value >= 1) ? value : 64;
+    return (env && *env && end && *end == '\0' && value >= 1) ? value : 256;
   }
 
   int64_t capacity_ = initial_capacity();
@@ -314,8 +314,34 @@ xla::ffi::Error device_state(int device, DeviceState** out) {
   return xla::ffi::Error::Success();
 }
 
+// Switches the calling thread to relaxed stream-capture mode for its lifetime. A graph missing when a handler
+// runs is built right there, and XLA may be capturing that handler's stream into a CUDA graph (command
+// buffers, on by default): in the default global mode the allocations and module loads of a cuDNN build are
+// forbidden calls that invalidate the capture; relaxed mode allows them (they are not captured, and the build
+// enqueues no work on the stream).
+class RelaxedStreamCapture {
+ public:
+  RelaxedStreamCapture() {
+    try {
+      exchange_ = reinterpret_cast<Exchange>(
+          fe::detail::get_cuda_symbol(fe::detail::CudaLibrary::CUDART, "cudaThreadExchangeStreamCaptureMode"));
+      if (exchange_(&mode_) != cudaSuccess) exchange_ = nullptr;
+    } catch (const std::exception&) {
+      exchange_ = nullptr;
+    }
+  }
+  ~RelaxedStreamCapture() {
+    if (exchange_) exchange_(&mode_);
+  }
+
+ private:
+  using Exchange = cudaError_t (*)(cudaStreamCaptureMode*);
+  Exchange exchange_ = nullptr;
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
 xla::ffi::Error cached_graph(int device, Direction direction, const AttentionConfig& c,
-                             std::shared_ptr<const CachedGraph>* out) {
+                             std::shared_ptr<const CachedGraph>* out, bool in_handler) {
   FFI_CHECK(cudnn_loaded()) << "cuDNN is not loaded; import jax_ragged_attn on a CUDA backend first";
   std::lock_guard<std::mutex> lock(cache_mutex);
   const auto key = std::make_tuple(device, direction, c);
@@ -325,6 +351,8 @@ xla::ffi::Error cached_graph(int device, Direction direction, const AttentionCon
     return xla::ffi::Error::Success();
   }
   ++cache_stats.misses;
+  if (in_handler) ++cache_stats.handler_builds;
+  RelaxedStreamCapture relaxed;
   DeviceState* state = nullptr;
   FFI_RETURN_IF_ERROR(device_state(device, &state));
   auto built = std::make_shared<CachedGraph>();
@@ -348,12 +376,14 @@ xla::ffi::Error cached_graph(int device, Direction direction, const AttentionCon
 
 }  // namespace
 
-xla::ffi::Error forward_graph(int device, const AttentionConfig& config, std::shared_ptr<const CachedGraph>* out) {
-  return cached_graph(device, Direction::kForward, config, out);
+xla::ffi::Error forward_graph(int device, const AttentionConfig& config, std::shared_ptr<const CachedGraph>* out,
+                              bool in_handler) {
+  return cached_graph(device, Direction::kForward, config, out, in_handler);
 }
 
-xla::ffi::Error backward_graph(int device, const AttentionConfig& config, std::shared_ptr<const CachedGraph>* out) {
-  return cached_graph(device, Direction::kBackward, config, out);
+xla::ffi::Error backward_graph(int device, const AttentionConfig& config, std::shared_ptr<const CachedGraph>* out,
+                               bool in_handler) {
+  return cached_graph(device, Direction::kBackward, config, out, in_handler);
 }
 
 xla::ffi::Error execute_graph(int device, const CachedGraph& graph, cudaStream_t stream,

@@ -63,9 +63,12 @@ struct PlanTiming {
 };
 
 // Both return the cached graph, building it first on a miss. Not-supported configurations come back as
-// ErrorCode::kUnimplemented.
-xla::ffi::Error forward_graph(int device, const AttentionConfig& config, std::shared_ptr<const CachedGraph>* out);
-xla::ffi::Error backward_graph(int device, const AttentionConfig& config, std::shared_ptr<const CachedGraph>* out);
+// ErrorCode::kUnimplemented. `in_handler`: the caller is a handler running on the device's stream (counted,
+// and built with the thread in relaxed stream-capture mode; see cached_graph).
+xla::ffi::Error forward_graph(int device, const AttentionConfig& config, std::shared_ptr<const CachedGraph>* out,
+                              bool in_handler = true);
+xla::ffi::Error backward_graph(int device, const AttentionConfig& config, std::shared_ptr<const CachedGraph>* out,
+                               bool in_handler = true);
 
 // Runs `graph` on `stream`; the variant pack maps TensorUid values to device pointers.
 xla::ffi::Error execute_graph(int device, const CachedGraph& graph, cudaStream_t stream,
@@ -78,6 +81,7 @@ xla::ffi::Error tune_plans(int device, bool forward, const AttentionConfig& conf
 struct GraphCacheStats {
   int64_t hits = 0;
   int64_t misses = 0;
+  int64_t handler_builds = 0;  // misses inside a handler: the graph was evicted, or never traced on that device
   int64_t evictions = 0;
   int64_t size = 0;
   int64_t capacity = 0;
@@ -85,7 +89,7 @@ struct GraphCacheStats {
 GraphCacheStats graph_cache_stats();
 
 // Bounds the number of cached graphs (least recently used go first); JAX_RAGGED_ATTN_GRAPH_CACHE_SIZE sets
-// the initial bound, 64 by default.
+// the initial bound, 256 by default.
 void set_graph_cache_capacity(int64_t capacity);
 
 // Test-only (documented in the README): skip the full-extent fallback so a short region is used as built.

@@ -69,7 +69,8 @@ nb::dict graph_info(const std::string& direction, int device, const nb::dict& co
   xla::ffi::Error status = set_current_device(device);
   std::shared_ptr<const CachedGraph> graph;
   if (status.success()) {
-    status = direction == "forward" ? forward_graph(device, c, &graph) : backward_graph(device, c, &graph);
+    status = direction == "forward" ? forward_graph(device, c, &graph, /*in_handler=*/false)
+                                    : backward_graph(device, c, &graph, /*in_handler=*/false);
   }
   info["status"] = error_kind(status);
   info["message"] = status.message();
@@ -155,6 +156,7 @@ NB_MODULE(_ext, m) {
     nb::dict d;
     d["hits"] = s.hits;
     d["misses"] = s.misses;
+    d["handler_builds"] = s.handler_builds;
     d["evictions"] = s.evictions;
     d["size"] = s.size;
     d["capacity"] = s.capacity;

@@ -55,7 +55,9 @@ mutation() {  # the sweep against the frontend-1.27 build: must fail without the
 }
 for name in ${STEPS:-pytest bench demo sweep}; do
   case $name in
-    pytest) step pytest "${PYTEST_S:-150}" python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not soak" tests/ ;;
+    pytest) step pytest "${PYTEST_S:-150}" python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not soak" tests/ \
+              --ignore=tests/test_load.py ;;
+    load) step load "${LOAD_S:-120}" python3 -m pytest -q -s -rs -p no:cacheprovider -m gpu tests/test_load.py ;;
     autotune) step autotune "${AUTOTUNE_S:-120}" python3 -m jax_ragged_attn.autotune --workloads "${AUTOTUNE_W:-W1,W2,W3}" ;;
     cb) step cb "${CB_S:-240}" python3 -m jax_ragged_attn.bench_command_buffers --out "$out/command_buffers" ;;
     soak) step soak "${SOAK_S:-240}" python3 -m pytest -q -s -rs -p no:cacheprovider -m soak tests/test_load.py ;;

@@ -95,3 +95,4 @@ def test_eight_threads_with_different_configurations_give_correct_results():
             out, stats, ref = future.result()
             assert_close(out, ref["out"], "bfloat16", f"out {config}")
             assert_close(stats, ref["stats"], "float32", f"stats {config}")
+    print(f"graph cache after the threads: {extension.module().graph_cache_stats()}")
