@@ -31,6 +31,7 @@ def ragged_attention(
     deterministic: bool = False,
     check: bool | None = None,
     autotune: bool = False,
+    sinks: jax.Array | None = None,
 ):
     """Scaled dot-product attention over sequences packed into one token buffer (the THD / varlen layout).
 
@@ -62,6 +63,10 @@ def ragged_attention(
         time, on scratch buffers) and run the fastest; the heuristic's choice is kept unless another plan
         is measurably faster. Choices persist on disk per (GPU, cuDNN version, configuration); see
         jax_ragged_attn/autotune.py. The xla path ignores it.
+      sinks: None or [Hq] float, one learnable logit per query head (gpt-oss style) that joins every row's
+        softmax without a value, so a row can put weight on "nothing"; differentiable. stats then include
+        the sink term. The xla path only, for now: the cuDNN path reports it cannot serve the call, so
+        implementation=None falls back to xla.
 
     Returns:
       out [Tq, Hq, Dv] in q's dtype, or (out, stats) with return_stats=True. Rows with no attended key and
@@ -86,12 +91,13 @@ def ragged_attention(
         stats_layout=stats_layout,
         deterministic=deterministic,
         autotune=autotune,
+        sinks=sinks,
     )
     config, cu_seqlens_q, cu_seqlens_kv = apply_check(check, config, cu_seqlens_q, cu_seqlens_kv)
     if choose_implementation(implementation, config) == "cudnn":
         out, stats = cudnn.attention_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_kv, config)
     else:
-        out, stats = attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config)
+        out, stats = attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config, sinks)
     return (out, stats) if return_stats else out
 
 

@@ -46,6 +46,7 @@ class AttentionConfig:
     guard_workspace: bool = False  # cuDNN: canary bands around the workspace and outputs, verified after each call
     autotune: bool = False  # cuDNN: run the fastest of cuDNN's candidate plans, measured once (autotune.py)
     packing: str = "none"  # cuDNN: "kv" / "qkv" read a fused projection in place (packed.py)
+    has_sinks: bool = False  # a learnable sink logit per query head joins every softmax (xla path only)
 
     @property
     def group_size(self) -> int:
@@ -125,6 +126,7 @@ def make_config(
     stats_layout,
     deterministic=False,
     autotune=False,
+    sinks=None,
 ) -> AttentionConfig:
     """Checks every static property of the arguments; raises ValueError naming the argument."""
     _check_array(q, "q", 3, "[Tq, Hq, Dqk]")
@@ -182,6 +184,13 @@ def make_config(
         # The kernels take it as float32: a finite float64 beyond float32's range would become inf there.
         raise ValueError(f"scale must be finite in float32, got {scale}")
 
+    if sinks is not None:
+        _check_array(sinks, "sinks", 1, "[Hq]")
+        if sinks.shape[0] != hq:
+            raise ValueError(f"sinks must be [Hq={hq}], one logit per query head, got shape {tuple(sinks.shape)}")
+        if not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise ValueError(f"sinks must be a floating array, got {sinks.dtype}")
+
     window_left, window_right = _normalize_window(local_window_size)
     return AttentionConfig(
         num_seqs=int(cu_seqlens_q.shape[0]) - 1,
@@ -202,4 +211,5 @@ def make_config(
         stats_layout=stats_layout,
         deterministic=bool(deterministic),
         autotune=bool(autotune),
+        has_sinks=sinks is not None,
     )

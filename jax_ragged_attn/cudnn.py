@@ -116,6 +116,9 @@ def graph_info(direction: str, config: AttentionConfig) -> dict:
 
 def unsupported_reason(config: AttentionConfig) -> str | None:
     """None when the cuDNN path can serve `config` here, else a sentence saying why not."""
+    if config.has_sinks:
+        # cuDNN 9.13+ has a sink-token input (and dSink) that this extension does not wire up yet.
+        return "learnable sinks run on the xla path only (cuDNN's sink-token support is not wired up here yet)"
     if config.dtype not in CUDNN_DTYPES:
         return f"the cuDNN path takes bfloat16 or float16 inputs, got {config.dtype}"
     for name, dim in (("Dqk", config.head_dim_qk), ("Dv", config.head_dim_v)):

@@ -77,12 +77,17 @@ def reference_attention(
     local_window_size=None,
     d_out=None,
     d_stats=None,
+    sinks=None,
 ) -> dict[str, np.ndarray]:
     """Attention over packed sequences in float64; see the module docstring for the semantics.
 
     Returns {"out": [Tq, Hq, Dv], "stats": [Tq, Hq]} and, when d_out ([Tq, Hq, Dv]) is given, also
     "dq", "dk", "dv": the vector-Jacobian product for cotangents d_out and d_stats ([Tq, Hq], token-major;
     None means zero).
+
+    sinks ([Hq] or None): one learnable logit per query head that joins every row's softmax without a
+    value (gpt-oss): p_ij = exp(s_ij) / (sum_j exp(s_ij) + exp(sink_h)). Rows with no attended key stay
+    out 0 / stats -inf. With d_out, the result also holds "dsinks" [Hq].
     """
     if diagonal_alignment not in DIAGONAL_ALIGNMENTS:
         raise ValueError(f"diagonal_alignment must be one of {DIAGONAL_ALIGNMENTS}, got {diagonal_alignment!r}")
@@ -95,6 +100,7 @@ def reference_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(dqk)
     window = _window(local_window_size)
+    sinks = None if sinks is None else np.asarray(sinks, dtype=np.float64)
 
     out = np.zeros((tq, hq, v.shape[2]))
     stats = np.full((tq, hq), -np.inf)
@@ -103,6 +109,7 @@ def reference_attention(
         d_out = np.asarray(d_out, dtype=np.float64)
         d_stats = np.zeros((tq, hq)) if d_stats is None else np.asarray(d_stats, dtype=np.float64)
         dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+        dsinks = np.zeros(hq)
 
     for b in range(len(cu_q) - 1):
         rows_q = _span(cu_q, b, max_seqlen_q)
@@ -120,8 +127,13 @@ def reference_attention(
         scores = scale * np.einsum("ihd,jhd->hij", qb, kb)
         scores = np.where(keep, scores, -np.inf)
         row_max = np.where(attended, scores.max(axis=2, initial=-np.inf), 0.0)  # [Hq, sq]
+        if sinks is not None:  # the sink joins the softmax: shift by the larger of the two
+            row_max = np.where(attended, np.maximum(row_max, sinks[:, None]), 0.0)
         unnormalised = np.where(keep, np.exp(scores - row_max[:, :, None]), 0.0)
         row_sum = unnormalised.sum(axis=2)
+        if sinks is not None:
+            sink_weight = np.where(attended, np.exp(sinks[:, None] - row_max), 0.0)  # [Hq, sq]
+            row_sum = row_sum + sink_weight
         # Rows without a key divide 0 by 1 so that p stays 0 there instead of becoming NaN.
         p = unnormalised / np.where(attended, row_sum, 1.0)[:, :, None]  # [Hq, sq, skv]
         ob = np.einsum("hij,jhd->ihd", p, vb)
@@ -135,6 +147,10 @@ def reference_attention(
         delta = np.einsum("ihd,ihd->hi", dob, ob)  # D_i = rowsum(dO * O)
         # d stats_i / d s_ij = p_ij, so the stats cotangent adds p * d_stats to the softmax backward.
         ds = p * (dp - delta[:, :, None] + d_stats[rows_q].T[:, :, None])  # [Hq, sq, skv]
+        if sinks is not None:
+            # The sink's logit gets the same softmax gradient as a key's, with no value: p_sink * (g - D).
+            p_sink = sink_weight / np.where(attended, row_sum, 1.0)
+            dsinks += (p_sink * (d_stats[rows_q].T - delta)).sum(axis=1)
         dq[rows_q] = scale * np.einsum("hij,jhd->ihd", ds, kb)
         dk_heads = scale * np.einsum("hij,ihd->jhd", ds, qb)  # [skv, Hq, Dqk]
         dv_heads = np.einsum("hij,ihd->jhd", p, dob)  # [skv, Hq, Dv]
@@ -145,4 +161,6 @@ def reference_attention(
     result = {"out": out, "stats": stats}
     if grads:
         result.update(dq=dq, dk=dk, dv=dv)
+        if sinks is not None:
+            result["dsinks"] = dsinks
     return result

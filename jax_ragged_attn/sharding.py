@@ -49,6 +49,9 @@ def sharded_ragged_attention(
     stats sharded on its head axis (axis 0 for "head_major" [Hq, Tq], axis 1 for "token_major" [Tq, Hq]).
     Inputs laid out otherwise (replicated, heads split another way) are resharded to this layout first.
     """
+    if kwargs.get("sinks") is not None:
+        raise NotImplementedError("sinks with sharded_ragged_attention: the per-head sink logits are not split over "
+                                  "head_axis yet; call ragged_attention under jit with sharded inputs instead")
     if token_axis is not None:
         raise NotImplementedError(
             f"token_axis={token_axis!r}: splitting the packed token axis over devices is not supported (a "

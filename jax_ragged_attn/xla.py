@@ -38,8 +38,11 @@ def _mask(config: AttentionConfig, lengths_q: jax.Array, lengths_kv: jax.Array) 
     return mask
 
 
-def attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
-    """Returns (out [Tq, Hq, Dv] in q's dtype, stats float32 in the configured layout)."""
+def attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, sinks=None):
+    """Returns (out [Tq, Hq, Dv] in q's dtype, stats float32 in the configured layout).
+
+    sinks: None or [Hq], one logit per query head that joins each row's softmax without a value.
+    """
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
     lengths_q = sequence_lengths(cu_q, config.max_seqlen_q)
     lengths_kv = sequence_lengths(cu_kv, config.max_seqlen_kv)
@@ -53,12 +56,17 @@ def attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig)
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", q_pad, k_pad, precision="highest") * config.scale
     mask = _mask(config, lengths_q, lengths_kv)[:, None, None]
     logits = jnp.where(mask, logits, -jnp.inf)
+    has_keys = jnp.any(mask, axis=-1, keepdims=True)  # from the mask: a large sink may underflow every weight
     row_max = jnp.max(logits, axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(1, hkv, g, 1, 1)
+        row_max = jnp.maximum(row_max, sink)
     # Rows with no attended key have max -inf; shift them by 0 so exp gives exact zeros, not NaN.
-    row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    row_max = jax.lax.stop_gradient(jnp.where(has_keys, row_max, 0.0))
     weights = jnp.exp(logits - row_max)
     row_sum = jnp.sum(weights, axis=-1, keepdims=True)
-    has_keys = row_sum > 0
+    if sinks is not None:  # the sink's share of the softmax, which multiplies no value
+        row_sum = row_sum + jnp.where(has_keys, jnp.exp(sink - row_max), 0.0)
     safe_sum = jnp.where(has_keys, row_sum, 1.0)
     out_pad = jnp.einsum("bhgqk,bkhd->bqhgd", weights / safe_sum, v_pad, precision="highest")
     lse_pad = jnp.where(has_keys, jnp.log(safe_sum) + row_max, -jnp.inf)[..., 0]  # [B, Hkv, G, Sq]
