@@ -117,8 +117,11 @@ def graph_info(direction: str, config: AttentionConfig) -> dict:
 def unsupported_reason(config: AttentionConfig) -> str | None:
     """None when the cuDNN path can serve `config` here, else a sentence saying why not."""
     if config.has_sinks:
-        # cuDNN 9.13+ has a sink-token input (and dSink) that this extension does not wire up yet.
-        return "learnable sinks run on the xla path only (cuDNN's sink-token support is not wired up here yet)"
+        # cuDNN has a sink-token input from 9.13, but cudnn-frontend refuses a ragged backward with one before
+        # cuDNN 9.26 ("SDPA backward with ragged offsets and a sink token requires cuDNN 9.26.0 or newer"):
+        # on the 9.19 we test with, the op could not be differentiated, so it is not wired up.
+        return ("learnable sinks run on the xla path only: cuDNN takes a sink token in a ragged backward only "
+                "from 9.26 (cudnn-frontend's check), and the cuDNN path does not wire it up")
     if config.dtype not in CUDNN_DTYPES:
         return f"the cuDNN path takes bfloat16 or float16 inputs, got {config.dtype}"
     for name, dim in (("Dqk", config.head_dim_qk), ("Dv", config.head_dim_v)):
