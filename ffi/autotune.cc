@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "check.h"
+#include "layouts.h"
 
 namespace jax_ragged_attn {
 namespace {
@@ -54,32 +55,51 @@ std::vector<int32_t> cumulative(int64_t num_seqs, int64_t length, int64_t per_to
   return cu;
 }
 
+// One buffer per tensor, laid out as the graph addresses it: `capacity` rows of the tensor's token stride
+// (a packed row for packed q/k/v, whose part starts at its offset in the row), so no plan can address past
+// the scratch memory whatever the packing.
+xla::ffi::Error tensor_buffer(Scratch& scratch, int64_t capacity, int64_t token_stride, int64_t part_offset,
+                              int64_t elem_size, void** out) {
+  void* base = nullptr;
+  FFI_RETURN_IF_ERROR(scratch.alloc(capacity * token_stride * elem_size, &base));
+  *out = static_cast<char*>(base) + part_offset * elem_size;
+  return xla::ffi::Error::Success();
+}
+
 xla::ffi::Error variant_pack(Scratch& scratch, const AttentionConfig& c, bool forward,
                              std::unordered_map<int64_t, void*>* pack) {
   const int64_t b = c.num_seqs;
   const int64_t len_q = std::min(c.max_seqlen_q, c.capacity_q / std::max<int64_t>(b, 1));
   const int64_t len_kv = std::min(c.max_seqlen_kv, c.capacity_kv / std::max<int64_t>(b, 1));
   const int64_t io = 2;  // bf16 / fp16 bytes
-  const int64_t q_bytes = c.capacity_q * c.num_heads_q * c.head_dim_qk * io;
-  const int64_t k_bytes = c.capacity_kv * c.num_heads_kv * c.head_dim_qk * io;
-  const int64_t v_bytes = c.capacity_kv * c.num_heads_kv * c.head_dim_v * io;
-  const int64_t o_bytes = c.capacity_q * c.num_heads_q * c.head_dim_v * io;
-  const int64_t stats_bytes = c.capacity_q * c.num_heads_q * 4;
-  std::vector<std::pair<TensorUid, int64_t>> tensors = {
-      {TensorUid::kQ, q_bytes}, {TensorUid::kK, k_bytes}, {TensorUid::kV, v_bytes},
-      {TensorUid::kO, o_bytes}, {TensorUid::kStats, stats_bytes}};
+  struct Spec {
+    TensorUid id;
+    int64_t capacity, token_stride, part_offset, elem_size;
+  };
+  const int64_t o_stride = c.num_heads_q * c.head_dim_v;
+  std::vector<Spec> tensors = {
+      {TensorUid::kQ, c.capacity_q, q_token_stride(c), 0, io},
+      {TensorUid::kK, c.capacity_kv, k_token_stride(c), k_part_offset(c), io},
+      {TensorUid::kV, c.capacity_kv, v_token_stride(c), v_part_offset(c), io},
+      {TensorUid::kO, c.capacity_q, o_stride, 0, io},
+      {TensorUid::kStats, c.capacity_q, c.num_heads_q, 0, 4}};
   if (!forward) {
-    tensors.insert(tensors.end(), {{TensorUid::kDO, o_bytes}, {TensorUid::kDQ, q_bytes},
-                                   {TensorUid::kDK, k_bytes}, {TensorUid::kDV, v_bytes}});
+    tensors.insert(tensors.end(), {{TensorUid::kDO, c.capacity_q, o_stride, 0, io},
+                                   {TensorUid::kDQ, c.capacity_q, q_token_stride(c), 0, io},
+                                   {TensorUid::kDK, c.capacity_kv, k_token_stride(c), k_part_offset(c), io},
+                                   {TensorUid::kDV, c.capacity_kv, v_token_stride(c), v_part_offset(c), io}});
   }
-  for (auto [id, bytes] : tensors) FFI_RETURN_IF_ERROR(scratch.alloc(bytes, &(*pack)[static_cast<int64_t>(id)]));
+  for (const Spec& t : tensors) {
+    FFI_RETURN_IF_ERROR(tensor_buffer(scratch, t.capacity, t.token_stride, t.part_offset, t.elem_size,
+                                      &(*pack)[static_cast<int64_t>(t.id)]));
+  }
   const std::vector<std::pair<TensorUid, std::vector<int32_t>>> indices = {
       {TensorUid::kSeqLenQ, std::vector<int32_t>(b, static_cast<int32_t>(len_q))},
       {TensorUid::kSeqLenKV, std::vector<int32_t>(b, static_cast<int32_t>(len_kv))},
-      {TensorUid::kOffsetQ, cumulative(b, len_q, c.num_heads_q * c.head_dim_qk)},
-      {TensorUid::kOffsetK, cumulative(b, len_kv, c.num_heads_kv * c.head_dim_qk)},
-      {TensorUid::kOffsetV, cumulative(b, len_kv, c.num_heads_kv * c.head_dim_v)},
-      {TensorUid::kOffsetO, cumulative(b, len_q, c.num_heads_q * c.head_dim_v)},
+      {TensorUid::kOffsetQ, cumulative(b, len_q, q_token_stride(c))},
+      {TensorUid::kOffsetK, cumulative(b, len_kv, k_token_stride(c))},
+      {TensorUid::kOffsetV, cumulative(b, len_kv, v_token_stride(c))},
+      {TensorUid::kOffsetO, cumulative(b, len_q, o_stride)},
       {TensorUid::kOffsetStats, cumulative(b, len_q, c.stats_token_major ? c.num_heads_q : 1)}};
   for (const auto& [id, values] : indices) {
     FFI_RETURN_IF_ERROR(scratch.upload(values, &(*pack)[static_cast<int64_t>(id)]));

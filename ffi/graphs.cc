@@ -342,6 +342,9 @@ class RelaxedStreamCapture {
 
 xla::ffi::Error cached_graph(int device, Direction direction, const AttentionConfig& c,
                              std::shared_ptr<const CachedGraph>* out, bool in_handler) {
+  if (const char* violation = packing_violation(c)) {
+    return ErrorStream(xla::ffi::ErrorCode::kInvalidArgument) << violation << " [" << c.describe() << "]";
+  }
   FFI_CHECK(cudnn_loaded()) << "cuDNN is not loaded; import jax_ragged_attn on a CUDA backend first";
   std::lock_guard<std::mutex> lock(cache_mutex);
   const auto key = std::make_tuple(device, direction, c);
@@ -410,6 +413,9 @@ xla::ffi::Error execute_graph(int device, const CachedGraph& graph, cudaStream_t
 }
 
 xla::ffi::Error tune_plans(int device, bool forward, const AttentionConfig& config, std::vector<PlanTiming>* out) {
+  if (const char* violation = packing_violation(config)) {
+    return ErrorStream(xla::ffi::ErrorCode::kInvalidArgument) << violation << " [" << config.describe() << "]";
+  }
   FFI_CHECK(cudnn_loaded()) << "cuDNN is not loaded; import jax_ragged_attn on a CUDA backend first";
   DeviceState* state = nullptr;
   {

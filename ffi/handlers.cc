@@ -127,8 +127,15 @@ struct Parts {
   void* v = nullptr;
 };
 
+ffi::Error check_packing_invariants(const AttentionConfig& c) {
+  const char* violation = packing_violation(c);
+  FFI_CHECK(violation == nullptr) << violation << " [" << c.describe() << "]";
+  return ffi::Error::Success();
+}
+
 ffi::Error qkv_parts(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                      const AttentionConfig& c, Parts* parts) {
+  FFI_RETURN_IF_ERROR(check_packing_invariants(c));
   const ffi::DataType t = element_type(c);
   FFI_RETURN_IF_ERROR(check_buffer("q", q.element_type(), q.dimensions(), t, q_shape(c), c));
   FFI_RETURN_IF_ERROR(check_buffer("k", k.element_type(), k.dimensions(), t, k_shape(c), c));

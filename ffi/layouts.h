@@ -42,6 +42,20 @@ inline int64_t v_part_offset(const AttentionConfig& c) {
   return k_part_offset(c) + (c.packing == static_cast<int64_t>(Packing::kSeparate) ? 0 : c.num_heads_kv * c.head_dim_qk);
 }
 
+// What a packed layout relies on, or nullptr: the parts share one row, so they share its head dim (and,
+// for qkv, its rows and heads). Any other combination would make a part's strides run past its buffer.
+inline const char* packing_violation(const AttentionConfig& c) {
+  if (c.packing < 0 || c.packing > 2) return "packing must be 0 (separate), 1 (kv) or 2 (qkv)";
+  if (c.packing != static_cast<int64_t>(Packing::kSeparate) && c.head_dim_qk != c.head_dim_v) {
+    return "packed k and v need Dqk == Dv";
+  }
+  if (c.packing == static_cast<int64_t>(Packing::kQKV) &&
+      (c.num_heads_q != c.num_heads_kv || c.capacity_q != c.capacity_kv)) {
+    return "packed qkv needs Hq == Hkv and Tq == Tkv";
+  }
+  return nullptr;
+}
+
 // q/dq, k/dk, v/dv and o/do as cuDNN addresses them.
 inline TensorLayout q_layout(const AttentionConfig& c) {
   return token_layout(c.num_seqs, c.num_heads_q, c.max_seqlen_q, c.head_dim_qk, q_token_stride(c));

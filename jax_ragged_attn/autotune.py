@@ -23,6 +23,7 @@ import os
 import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 from jax_ragged_attn import extension
@@ -108,9 +109,14 @@ def plan_index(direction: str, attributes: dict, device: int) -> int:
             if entry is None:
                 try:
                     entry = tune(direction, attributes, device)
-                except NotImplementedError:
-                    return -1  # the graph itself is unsupported: graph_info says so with its own message
-                _store(path, key, entry)
+                except NotImplementedError:  # the graph itself is unsupported: graph_info says so itself
+                    entry = dict(plan_index=-1, unsupported=True)
+                except RuntimeError as error:  # e.g. no memory for the scratch buffers: keep the heuristic's
+                    warnings.warn(f"autotuning the cuDNN {direction} graph failed, using cuDNN's heuristic "
+                                  f"choice: {error}", RuntimeWarning, stacklevel=4)
+                    entry = dict(plan_index=-1, failed=str(error))
+                else:
+                    _store(path, key, entry)
             _chosen[key] = entry
     return int(entry["plan_index"])
 

@@ -131,7 +131,8 @@ def unsupported_reason(config: AttentionConfig) -> str | None:
     # The backward's per-query-head dK/dV intermediates (GQA) scale the kv offsets by Hq / Hkv as well, and a
     # packed row holds 2 or 3 parts.
     parts = max(_PARTS[config.packing])
-    if max(config.capacity_q, config.capacity_kv) * config.num_heads_q * widest * parts > _INT32_LIMIT:
+    guard = 2 * checks.GUARD_ROWS if config.guard_workspace else 0  # check mode adds rows at both ends
+    if (max(config.capacity_q, config.capacity_kv) + guard) * config.num_heads_q * widest * parts > _INT32_LIMIT:
         return "the ragged offsets are int32: T * Hq * D (times the parts of a packed row) must stay below 2**31"
     reason = extension.cudnn_unavailable_reason()
     if reason is not None:

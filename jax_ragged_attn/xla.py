@@ -66,7 +66,9 @@ def attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig,
     weights = jnp.exp(logits - row_max)
     row_sum = jnp.sum(weights, axis=-1, keepdims=True)
     if sinks is not None:  # the sink's share of the softmax, which multiplies no value
-        row_sum = row_sum + jnp.where(has_keys, jnp.exp(sink - row_max), 0.0)
+        # -inf inside the exp, not a where around it: exp(sink) overflows in rows without keys (shift 0),
+        # and a where would send 0 * inf = NaN back to the sinks.
+        row_sum = row_sum + jnp.exp(jnp.where(has_keys, sink - row_max, -jnp.inf))
     safe_sum = jnp.where(has_keys, row_sum, 1.0)
     out_pad = jnp.einsum("bhgqk,bkhd->bqhgd", weights / safe_sum, v_pad, precision="highest")
     lse_pad = jnp.where(has_keys, jnp.log(safe_sum) + row_max, -jnp.inf)[..., 0]  # [B, Hkv, G, Sq]

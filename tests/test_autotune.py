@@ -156,3 +156,13 @@ def test_autotuned_plans_run_and_match_the_reference(monkeypatch, tmp_path):
         assert any(p["ok"] for p in entry["plans"]) and entry["chosen_ms"] <= entry["heuristic_ms"]
         print(f"autotune: {len(entry['plans'])} plans, heuristic {entry['heuristic_ms']:.3f} ms, chosen "
               f"{entry['plan_name']} {entry['chosen_ms']:.3f} ms")
+
+
+def test_a_failed_measurement_warns_and_keeps_the_heuristic(fake, monkeypatch):
+    def fail(*args):
+        return dict(status="error", message="cudaMalloc of 4096 bytes failed", plans=[])
+
+    monkeypatch.setattr(fake, "tune_plans", fail)
+    with pytest.warns(RuntimeWarning, match="cudaMalloc of 4096 bytes failed"):
+        assert cudnn.ffi_attributes(_config(autotune=True), "forward")["plan_index"] == -1
+    assert cudnn.ffi_attributes(_config(autotune=True), "forward")["plan_index"] == -1  # not measured again

@@ -199,15 +199,19 @@ def _fuzz_cases(count: int):
         cases.append(dict(seed=seed, layout=layout, heads=(heads_q, heads_kv), dim=dim, lengths_q=lengths_q,
                           lengths_kv=lengths_kv, slack=int(rng.integers(0, 40)),
                           stats_layout=str(rng.choice(["head_major", "token_major"])),
-                          dtype=str(rng.choice(["bfloat16", "float16"])), check=bool(seed % 5 == 0)))
+                          dtype=str(rng.choice(["bfloat16", "float16"])), check=bool(seed % 5 == 0),
+                          autotune=bool(seed % 4 == 1)))
     return cases
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", _fuzz_cases(12), ids=lambda c: f"seed{c['seed']}-{c['layout']}")
-def test_cudnn_packed_strides_match_the_reference(case):
+def test_cudnn_packed_strides_match_the_reference(case, monkeypatch, tmp_path):
     if _REASON is not None:
         pytest.skip(f"cuDNN path unavailable: {_REASON}")
+    from jax_ragged_attn import autotune
+
+    monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "autotune.json"))  # autotune measures packed graphs
     rng = np.random.default_rng([case["seed"], 1])
     arrays, ref_qkv, cu_q, cu_kv = _packed_inputs(rng, case["lengths_q"], case["lengths_kv"], *case["heads"],
                                                   case["dim"], case["dtype"], case["slack"], case["layout"])
@@ -215,7 +219,8 @@ def test_cudnn_packed_strides_match_the_reference(case):
     max_kv = max(max(case["lengths_kv"]), 1)
     try:
         _check_against_reference(case["layout"], arrays, ref_qkv, cu_q, cu_kv, max_q, max_kv, case["dtype"],
-                                 case["stats_layout"], rng, implementation="cudnn", check=case["check"])
+                                 case["stats_layout"], rng, implementation="cudnn", check=case["check"],
+                                 autotune=case["autotune"])
     except AssertionError as error:
         raise AssertionError(f"{case}: {error}") from None
 
@@ -235,4 +240,30 @@ def test_cudnn_compiled_program_has_no_full_size_concatenate(layout):
 
     compiled = jax.jit(jax.grad(loss, argnums=tuple(range(len(arrays))))).lower(*arrays).compile().as_text()
     full = "bf16[156,3,8,64]" if layout == "qkv" else "bf16[156,2,8,64]"
-    assert not [line for line in compiled.splitlines() if "concatenate(" in line and full in line.split("=")[0]]
+    # Optimised HLO reads `%name = bf16[...] concatenate(...)`: the result type follows the `=`.
+    concatenates = [line for line in compiled.splitlines() if " concatenate(" in line]
+    assert not [line for line in concatenates if full in line.split("=", 1)[1].split("concatenate(")[0]], concatenates
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("changes, message", [
+    (dict(packing=2, num_heads_kv=2), "packed qkv needs Hq == Hkv and Tq == Tkv"),
+    (dict(packing=1, head_dim_v=64), "packed k and v need Dqk == Dv"),
+    (dict(packing=3), "packing must be 0"),
+])
+def test_the_extension_refuses_packed_attributes_that_would_run_past_a_buffer(changes, message):
+    """Defence in depth under the Python wrappers: graph building and tuning reject a packed layout whose
+    parts do not fit one row, so no handler ever runs with it."""
+    if _REASON is not None:
+        pytest.skip(f"cuDNN path unavailable: {_REASON}")
+    view = jax.ShapeDtypeStruct((64, 4, 128), jnp.bfloat16)
+    cu = jnp.array([0, 30, 64], jnp.int32)
+    config = make_config(view, view, view, cu, cu, max_seqlen_q=40, max_seqlen_kv=40, scale=None, is_causal=True,
+                         diagonal_alignment="top_left", local_window_size=None, stats_layout="head_major")
+    attributes = {**cudnn.ffi_attributes(config), **changes}
+    ext = extension.module()
+    for direction in ("forward", "backward"):
+        info = ext.graph_info(direction, 0, attributes)
+        assert info["status"] == "error" and message in info["message"], info
+        tuned = ext.tune_plans(direction, 0, attributes)
+        assert tuned["status"] == "error" and message in tuned["message"], tuned

@@ -72,3 +72,15 @@ def test_bad_sinks_name_the_argument_and_cudnn_declines_them():
         jra.ragged_attention(*batch.args, sinks=jnp.zeros((4,)), implementation="cudnn", **OPTIONS)
     out = jra.ragged_attention(*batch.args, sinks=jnp.zeros((4,)), **OPTIONS)  # None: falls back to xla
     assert out.shape == batch.q.shape[:2] + (8,)
+
+
+def test_huge_sinks_keep_every_gradient_finite():
+    """exp(sink) overflows float32 in rows without keys; neither values nor gradients may turn NaN."""
+    _, batch = _batch(3)
+
+    def loss(q, sinks):
+        out = jra.ragged_attention(q, *batch.args[1:], sinks=sinks, implementation="xla", **OPTIONS)
+        return jnp.sum(jnp.where(jnp.isfinite(out), out, 0.0))
+
+    dq, dsinks = jax.grad(loss, argnums=(0, 1))(batch.q, jnp.full((4,), 100.0))
+    assert np.isfinite(np.asarray(dsinks)).all() and np.isfinite(np.asarray(dq)[:sum(batch.seqlens_q)]).all()

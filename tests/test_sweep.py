@@ -79,20 +79,21 @@ def test_draw_case_is_deterministic_json_and_varied(tier):
 def _broken(change=None, after=None):
     """The xla path with a deliberate bug: `change` edits the static config, `after` edits (out, stats)."""
 
-    def attention(q, k, v, cu_q, cu_kv, config):
-        out, stats = xla.attention_xla(q, k, v, cu_q, cu_kv, change(config) if change else config)
+    def attention(q, k, v, cu_q, cu_kv, config, sinks=None):
+        out, stats = xla.attention_xla(q, k, v, cu_q, cu_kv, change(config) if change else config, sinks)
         return after(out, stats) if after else (out, stats)
 
     return attention
 
 
 BUGS = {
-    "drops_the_scale": (_broken(change=lambda c: dataclasses.replace(c, scale=1.0)), "out"),
+    "drops_the_scale": (_broken(change=lambda c: dataclasses.replace(c, scale=1.0)), "AssertionError: out: "),
     "flips_the_diagonal": (_broken(change=lambda c: dataclasses.replace(
-        c, diagonal_alignment="top_left" if c.diagonal_alignment == "bottom_right" else "bottom_right")), "out"),
+        c, diagonal_alignment="top_left" if c.diagonal_alignment == "bottom_right" else "bottom_right")),
+        "AssertionError: out: "),
     # Within every tolerance, so only the exact-zero check on rows without keys can catch it.
     "padding_rows_not_exactly_zero": (_broken(after=lambda o, s: (jnp.where(o == 0, 1e-30, o), s)),
-                                      "not exactly 0"),
+                                      "that attend no key are not exactly 0"),
 }
 
 
