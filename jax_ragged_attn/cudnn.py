@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from jax_ragged_attn import autotune, checks, extension, stats_grad
+from jax_ragged_attn import checks, extension, stats_grad
 from jax_ragged_attn.config import PACKINGS, AttentionConfig
 from jax_ragged_attn.packing import (
     query_rows_with_keys,
@@ -59,6 +59,9 @@ def ffi_attributes(config: AttentionConfig, direction: str | None = None) -> dic
         packing=PACKINGS.index(config.packing),
     )
     if config.autotune and direction is not None:
+        # Imported here: `python -m jax_ragged_attn.autotune` must not find its module imported already.
+        from jax_ragged_attn import autotune
+
         attributes["plan_index"] = autotune.plan_index(direction, attributes, _device_ordinal())
     return attributes
 
