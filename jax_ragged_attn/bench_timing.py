@@ -30,6 +30,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jax_ragged_attn import command_buffers
 from jax_ragged_attn.api import ragged_attention
 from jax_ragged_attn.workloads import Workload
 
@@ -179,21 +180,6 @@ def _array_bytes(dtype: str, dims: str) -> int:
     return math.prod(int(d) for d in dims.split(",") if d) * _BYTES_PER_ELEMENT.get(dtype, 0)
 
 
-def _computations(hlo: str) -> dict[str, list[str]]:
-    """HLO text split into its computations: name -> instruction lines."""
-    found, current = {}, None
-    for line in hlo.splitlines():
-        if line.rstrip().endswith("{") and not line.startswith(" "):
-            words = line.split()
-            name = words[1] if words[0] == "ENTRY" else words[0]
-            current = found.setdefault(name.lstrip("%"), [])
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
-            current.append(line)
-    return found
-
-
 def loop_copy_bytes(hlo: str, at_least: int = 1 << 20) -> int:
     """Bytes per step of copies into or out of a while loop's carried state (at least `at_least` each).
 
@@ -202,7 +188,7 @@ def loop_copy_bytes(hlo: str, at_least: int = 1 << 20) -> int:
     do: it should be 0. Layout copies inside an op's own computation (the xla path's transposes) do not
     read loop state directly and are not counted.
     """
-    computations = _computations(hlo)
+    computations = command_buffers.computations(hlo)
     total = 0
     for body in set(re.findall(r"body=%?([\w.\-]+)", hlo)):
         lines = computations.get(body, [])
