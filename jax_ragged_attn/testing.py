@@ -167,3 +167,14 @@ def assert_close(actual, expected, dtype, what: str) -> None:
             f"rtol={rtol:.3g} * |expected| ({np.dtype(dtype).name}); worst at {tuple(int(i) for i in worst)}: "
             f"got {actual[worst]}, expected {expected[worst]}"
         )
+
+
+def stand_in_handler_args(args: tuple, result_types: tuple, guarded: bool):
+    """(inputs + index arrays, workspace, initial results) of a call a CPU stand-in for the FFI handlers
+    receives: guarded calls append the workspace and one initial value per result, all aliased to the
+    results (cudnn._launch); plain ones get a fresh workspace and NaN results, like uninitialised memory."""
+    num_results = len(result_types) - 1
+    if guarded:
+        return args[:-num_results - 1], args[-num_results - 1], args[-num_results:]
+    workspace = jnp.zeros(result_types[-1].shape, jnp.uint8)
+    return args, workspace, [jnp.full(t.shape, jnp.nan, t.dtype) for t in result_types[:-1]]

@@ -19,7 +19,7 @@ import pytest
 from jax_ragged_attn import checks, cudnn, extension
 from jax_ragged_attn.config import make_config
 from jax_ragged_attn.packing import row_positions
-from jax_ragged_attn.testing import assert_close, packed_batch
+from jax_ragged_attn.testing import assert_close, packed_batch, stand_in_handler_args
 from jax_ragged_attn.xla import attention_xla
 
 OPTIONS = dict(max_seqlen_q=24, max_seqlen_kv=20, is_causal=True, diagonal_alignment="bottom_right",
@@ -39,15 +39,9 @@ class StandInKernel:
         self.targets.append(target)
         guarded = target.endswith("_guarded")
         forward = target.startswith(extension.FORWARD_TARGET)
-        num_results = len(result_types) - 1
 
         def call(*args, **attributes):
-            # Guarded: (inputs, 7 index arrays, workspace, one initial value per result), all aliased.
-            if guarded:
-                args, workspace, initial = args[:-num_results - 1], args[-num_results - 1], args[-num_results:]
-            else:
-                workspace = jnp.zeros(result_types[-1].shape, jnp.uint8)
-                initial = [jnp.full(t.shape, jnp.nan, t.dtype) for t in result_types[:-1]]
+            args, workspace, initial = stand_in_handler_args(args, result_types, guarded)
             # The shapes say what the handler was configured for (guard mode adds rows).
             config = dataclasses.replace(self.config, capacity_q=args[0].shape[0], capacity_kv=args[1].shape[0])
             results, owned = (self._forward if forward else self._backward)(config, *args)

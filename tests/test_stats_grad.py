@@ -21,7 +21,7 @@ import pytest
 from jax_ragged_attn import cudnn, extension, stats_grad
 from jax_ragged_attn.config import make_config
 from jax_ragged_attn.reference import reference_attention
-from jax_ragged_attn.testing import assert_close, packed_batch
+from jax_ragged_attn.testing import assert_close, packed_batch, stand_in_handler_args
 
 # GQA, causal bottom-right, an empty query sequence (1), a sequence with queries but no keys (3) and one with
 # more queries than keys (2: its first rows attend nothing), capacity padding on both sides.
@@ -54,15 +54,9 @@ class CudnnArithmetic:
         self.targets.append(target)
         guarded = target.endswith("_guarded")
         forward = target.startswith(extension.FORWARD_TARGET)
-        num_results = len(result_types) - 1
 
         def call(*args, **attributes):
-            # Guarded: (inputs, 7 index arrays, workspace, one initial value per result), all aliased.
-            if guarded:
-                args, workspace, initial = args[:-num_results - 1], args[-num_results - 1], args[-num_results:]
-            else:
-                workspace = jnp.zeros(result_types[-1].shape, jnp.uint8)
-                initial = [jnp.full(t.shape, jnp.nan, t.dtype) for t in result_types[:-1]]
+            args, workspace, initial = stand_in_handler_args(args, result_types, guarded)
             results, owned = (self._forward if forward else self._backward)(*args)
             results = [jnp.where(mask, r.astype(init.dtype), init) for r, mask, init in zip(results, owned, initial)]
             return (*results, workspace)
