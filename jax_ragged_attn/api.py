@@ -8,7 +8,7 @@ import jax
 
 from jax_ragged_attn import cudnn
 from jax_ragged_attn.checks import check_enabled, checked_cu_seqlens
-from jax_ragged_attn.config import IMPLEMENTATIONS, AttentionConfig, make_config
+from jax_ragged_attn.config import AttentionConfig, check_implementation, make_config
 from jax_ragged_attn.xla import attention_xla
 
 
@@ -72,8 +72,7 @@ def ragged_attention(
       out [Tq, Hq, Dv] in q's dtype, or (out, stats) with return_stats=True. Rows with no attended key and
       padding rows read out = 0 and stats = -inf, and their gradients are 0.
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    check_implementation(implementation)
     if not isinstance(return_stats, bool):
         raise ValueError(f"return_stats must be a Python bool, got {type(return_stats).__name__} {return_stats!r}")
     config = make_config(
@@ -114,9 +113,8 @@ def apply_check(check: bool | None, config: AttentionConfig, cu_seqlens_q, cu_se
 
 
 def choose_implementation(implementation: str | None, config: AttentionConfig) -> str:
-    """"cudnn" or "xla" for this call; implementation="cudnn" that cannot be served raises saying why."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    """"cudnn" or "xla" for this call (implementation already checked); implementation="cudnn" that cannot be
+    served raises saying why."""
     if implementation == "xla":
         return "xla"
     reason = cudnn.unsupported_reason(config)

@@ -69,6 +69,12 @@ class AttentionConfig:
         return ", ".join(f"{k}={v}" for k, v in fields.items())
 
 
+def check_implementation(implementation) -> None:
+    """Every entry point checks this first, before any array is looked at."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+
+
 def _static_int(value, name: str, minimum: int) -> int:
     if isinstance(value, (bool, np.bool_)):  # operator.index(True) == 1: almost certainly a mistake
         raise ValueError(f"{name} must be a static Python int, got the bool {value!r}")

@@ -23,7 +23,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_ragged_attn import cudnn
 from jax_ragged_attn.api import apply_check, choose_implementation
-from jax_ragged_attn.config import make_config
+from jax_ragged_attn.config import check_implementation, make_config
 from jax_ragged_attn.xla import attention_xla
 
 
@@ -47,6 +47,7 @@ def ragged_attention_qkvpacked(qkv, cu_seqlens, *, max_seqlen: int, scale: float
     Sequence b owns rows cu_seqlens[b]:cu_seqlens[b+1] of q, k and v alike. Every option means what it
     means in `ragged_attention`. Returns out [T, H, D] (and stats); the gradient has qkv's shape.
     """
+    check_implementation(implementation)
     view = _part_view(qkv, 3, "qkv", "[T, 3, H, D]")
     config = make_config(view, view, view, cu_seqlens, cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
                          scale=scale, is_causal=is_causal, diagonal_alignment=diagonal_alignment,
@@ -72,6 +73,7 @@ def ragged_attention_kvpacked(q, kv, cu_seqlens_q, cu_seqlens_kv, *, max_seqlen_
     Every option means what it means in `ragged_attention`. Returns out [Tq, Hq, D] (and stats); the
     gradients have the shapes of q and kv.
     """
+    check_implementation(implementation)
     view = _part_view(kv, 2, "kv", "[Tkv, 2, Hkv, D]")
     config = make_config(q, view, view, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
                          max_seqlen_kv=max_seqlen_kv, scale=scale, is_causal=is_causal,
