@@ -6,7 +6,7 @@
 
 from jax_ragged_attn.api import ragged_attention
 from jax_ragged_attn.config import AttentionConfig
-from jax_ragged_attn.extension import cudnn_unavailable_reason
+from jax_ragged_attn._cudnn.extension import cudnn_unavailable_reason
 
 __all__ = ["AttentionConfig", "cudnn_unavailable_reason", "ragged_attention"]
 __version__ = "0.1.0"

@@ -1,7 +1,7 @@
-"""`python -m jax_ragged_attn` runs the training demo; `python -m jax_ragged_attn.selfcheck` checks the op."""
+"""`python -m jax_ragged_attn` runs the main job, the training demo (jax_ragged_attn/tools/demo.py)."""
 
 import sys
 
-from jax_ragged_attn.demo import main
+from jax_ragged_attn.tools.demo import main
 
 sys.exit(main())

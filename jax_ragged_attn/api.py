@@ -6,7 +6,7 @@ import dataclasses
 
 import jax
 
-from jax_ragged_attn import cudnn
+from jax_ragged_attn import _cudnn as cudnn
 from jax_ragged_attn.checks import check_enabled, checked_cu_seqlens
 from jax_ragged_attn.config import AttentionConfig, check_implementation, make_config
 from jax_ragged_attn.xla import attention_xla
@@ -62,7 +62,7 @@ def ragged_attention(
       autotune: on cuDNN, time every candidate plan cuDNN offers for this configuration once (at trace
         time, on scratch buffers) and run the fastest; the heuristic's choice is kept unless another plan
         is measurably faster. Choices persist on disk per (GPU, cuDNN version, configuration); see
-        jax_ragged_attn/autotune.py. The xla path ignores it.
+        jax_ragged_attn/_cudnn/autotune.py. The xla path ignores it.
       sinks: None or [Hq] float, one learnable logit per query head (gpt-oss style) that joins every row's
         softmax without a value, so a row can put weight on "nothing"; differentiable. stats then include
         the sink term. The xla path only, for now: the cuDNN path reports it cannot serve the call, so

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jax_ragged_attn import cudnn
+from jax_ragged_attn import _cudnn as cudnn
+from jax_ragged_attn._cudnn import launch
 from jax_ragged_attn.api import apply_check, choose_implementation
 from jax_ragged_attn.config import check_implementation, make_config
 from jax_ragged_attn.xla import attention_xla
@@ -94,17 +95,17 @@ def _stats_cotangent_backward(q, k, v, cu_q, cu_kv, out, raw_stats, d_out, d_sta
     if isinstance(d_out, SymbolicZero):
         d_out = jnp.zeros(out.shape, out.dtype)
     separate = dataclasses.replace(config, packing="none")
-    return cudnn._attention_bwd(separate, (q, k, v, cu_q, cu_kv, out, raw_stats), (d_out, d_stats))[:3]
+    return launch._attention_bwd(separate, (q, k, v, cu_q, cu_kv, out, raw_stats), (d_out, d_stats))[:3]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _cudnn_qkvpacked(qkv, cu_q, cu_kv, config):
-    return cudnn._forward(qkv, qkv, qkv, cu_q, cu_kv, config)[:2]
+    return launch._forward(qkv, qkv, qkv, cu_q, cu_kv, config)[:2]
 
 
 def _qkvpacked_fwd(qkv, cu_q, cu_kv, config):
     qkv, cu_q, cu_kv = (x.value for x in (qkv, cu_q, cu_kv))
-    out, stats, raw_stats = cudnn._forward(qkv, qkv, qkv, cu_q, cu_kv, config)
+    out, stats, raw_stats = launch._forward(qkv, qkv, qkv, cu_q, cu_kv, config)
     return (out, stats), (qkv, cu_q, cu_kv, out, raw_stats)
 
 
@@ -117,7 +118,7 @@ def _qkvpacked_bwd(config, residuals, cotangents):
         return jnp.stack(grads, axis=1), None, None
     if isinstance(d_out, SymbolicZero):
         return jnp.zeros_like(qkv), None, None
-    (d_qkv,) = cudnn._backward(qkv, qkv, qkv, cu_q, cu_kv, out, raw_stats, d_out, config)
+    (d_qkv,) = launch._backward(qkv, qkv, qkv, cu_q, cu_kv, out, raw_stats, d_out, config)
     return d_qkv, None, None
 
 
@@ -126,12 +127,12 @@ _cudnn_qkvpacked.defvjp(_qkvpacked_fwd, _qkvpacked_bwd, symbolic_zeros=True)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _cudnn_kvpacked(q, kv, cu_q, cu_kv, config):
-    return cudnn._forward(q, kv, kv, cu_q, cu_kv, config)[:2]
+    return launch._forward(q, kv, kv, cu_q, cu_kv, config)[:2]
 
 
 def _kvpacked_fwd(q, kv, cu_q, cu_kv, config):
     q, kv, cu_q, cu_kv = (x.value for x in (q, kv, cu_q, cu_kv))
-    out, stats, raw_stats = cudnn._forward(q, kv, kv, cu_q, cu_kv, config)
+    out, stats, raw_stats = launch._forward(q, kv, kv, cu_q, cu_kv, config)
     return (out, stats), (q, kv, cu_q, cu_kv, out, raw_stats)
 
 
@@ -144,7 +145,7 @@ def _kvpacked_bwd(config, residuals, cotangents):
         return d_q, jnp.stack([d_k, d_v], axis=1), None, None
     if isinstance(d_out, SymbolicZero):
         return jnp.zeros_like(q), jnp.zeros_like(kv), None, None
-    d_q, d_kv = cudnn._backward(q, kv, kv, cu_q, cu_kv, out, raw_stats, d_out, config)
+    d_q, d_kv = launch._backward(q, kv, kv, cu_q, cu_kv, out, raw_stats, d_out, config)
     return d_q, d_kv, None, None
 
 

@@ -38,15 +38,15 @@ mutation() {  # the sweep against the frontend-1.27 build: must fail without the
   rm -rf "$tree" && mkdir -p "$tree" && cp -r jax_ragged_attn "$tree/" && rm -f "$tree"/jax_ragged_attn/_ext*.so
   cp .prebuilt127/_ext*.so "$tree/jax_ragged_attn/" || return 1
   local args=(--tier gpu --num-tests "${MUTATION_N:-40}" --seed 0 --jobs "${JOBS:-8}")
-  ( cd "$tree" && python3 -c "import jax_ragged_attn.extension as e; print('cudnn-frontend headers of this build:', e.module().frontend_version)" )
+  ( cd "$tree" && python3 -c "import jax_ragged_attn._cudnn.extension as e; print('cudnn-frontend headers of this build:', e.module().frontend_version)" )
   echo "--- fallback disabled (JAX_RAGGED_ATTN_DISABLE_FULL_EXTENT_FALLBACK=1): the sweep must fail"
-  ( cd "$tree" && JAX_RAGGED_ATTN_DISABLE_FULL_EXTENT_FALLBACK=1 python3 -m jax_ragged_attn.sweep "${args[@]}" ) \
+  ( cd "$tree" && JAX_RAGGED_ATTN_DISABLE_FULL_EXTENT_FALLBACK=1 python3 -m jax_ragged_attn.tools.sweep "${args[@]}" ) \
     > "$out/mutation_disabled.log" 2>&1
   local disabled=$?
   grep -E "FAILED|cases:|failed seeds" "$out/mutation_disabled.log" | head -n 12
   grep -m 3 -E "AssertionError|Error" "$out/mutation_disabled.log"
   echo "--- fallback enabled (the default): the sweep must pass"
-  ( cd "$tree" && python3 -m jax_ragged_attn.sweep "${args[@]}" ) > "$out/mutation_enabled.log" 2>&1
+  ( cd "$tree" && python3 -m jax_ragged_attn.tools.sweep "${args[@]}" ) > "$out/mutation_enabled.log" 2>&1
   local enabled=$?
   grep -E "cases:|skipped [0-9]|failed seeds" "$out/mutation_enabled.log"
   grep -m 2 -i "warn" "$out/mutation_enabled.log"
@@ -58,11 +58,11 @@ for name in ${STEPS:-pytest bench demo sweep}; do
     pytest) step pytest "${PYTEST_S:-150}" python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not soak" tests/ \
               --ignore=tests/test_load.py ;;
     load) step load "${LOAD_S:-120}" python3 -m pytest -q -s -rs -p no:cacheprovider -m gpu tests/test_load.py ;;
-    autotune) step autotune "${AUTOTUNE_S:-120}" python3 -m jax_ragged_attn.autotune --workloads "${AUTOTUNE_W:-W1,W2,W3}" ;;
-    cb) step cb "${CB_S:-240}" python3 -m jax_ragged_attn.bench_command_buffers --out "$out/command_buffers" ;;
+    autotune) step autotune "${AUTOTUNE_S:-120}" python3 -m jax_ragged_attn.tools.autotune --workloads "${AUTOTUNE_W:-W1,W2,W3}" ;;
+    cb) step cb "${CB_S:-240}" python3 -m jax_ragged_attn.tools.bench.command_buffers --out "$out/command_buffers" ;;
     soak) step soak "${SOAK_S:-240}" python3 -m pytest -q -s -rs -p no:cacheprovider -m soak tests/test_load.py ;;
     mutation) export -f mutation; export out; step mutation "${MUTATION_S:-240}" bash -c mutation ;;
-    sweep) step sweep "${SWEEP_S:-40}" python3 -m jax_ragged_attn.sweep --tier gpu --num-tests "${SWEEP_N:-8}" \
+    sweep) step sweep "${SWEEP_S:-40}" python3 -m jax_ragged_attn.tools.sweep --tier gpu --num-tests "${SWEEP_N:-8}" \
              --seed "${SWEEP_SEED:-0}" --jobs "${JOBS:-1}" ;;
     bench) step bench "${BENCH_S:-150}" python3 -m jax_ragged_attn.bench ${BENCH_ARGS:---workloads W1,W2 --time-budget 100} \
              --out "$out" ;;

@@ -11,7 +11,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_ragged_attn import autotune, cudnn, extension
+from jax_ragged_attn import _cudnn as cudnn
+from jax_ragged_attn._cudnn import autotune, extension, graphs
+from jax_ragged_attn.tools import autotune as autotune_cli
 from jax_ragged_attn.config import make_config
 
 
@@ -57,7 +59,7 @@ class FakeExtension:
 def fake(monkeypatch, tmp_path):
     ext = FakeExtension([_plan(0, 1.0), _plan(1, 0.5), _plan(2, 0.7)])
     monkeypatch.setattr(extension, "module", lambda: ext)
-    monkeypatch.setattr(cudnn, "_device_ordinal", lambda: 0)
+    monkeypatch.setattr(graphs, "device_ordinal", lambda: 0)
     monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "autotune.json"))
     monkeypatch.setattr(autotune, "_chosen", {})
     return ext
@@ -114,7 +116,7 @@ def test_the_report_without_a_gpu_says_why(capsys):
     reason = extension.cudnn_unavailable_reason()
     if reason is None:
         pytest.skip("cuDNN can run here: tests/test_cudnn.py runs the real measurement")
-    assert autotune.main(["--workloads", "tiny"]) == 0
+    assert autotune_cli.main(["--workloads", "tiny"]) == 0
     assert f"autotuning needs the cuDNN path: {reason}" in capsys.readouterr().out
 
 
@@ -127,7 +129,7 @@ def test_autotuned_plans_run_and_match_the_reference(monkeypatch, tmp_path):
     import numpy as np
 
     import jax_ragged_attn as jra
-    from jax_ragged_attn.reference import reference_attention
+    from jax_ragged_attn.testing.reference import reference_attention
     from jax_ragged_attn.testing import assert_close, packed_batch
 
     monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "autotune.json"))

@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_ragged_attn import bench, bench_report, bench_systems, bench_timing, workloads
-from jax_ragged_attn.bench_timing import Measurement
-from jax_ragged_attn.workloads import WORKLOADS
+from jax_ragged_attn.tools import workloads
+from jax_ragged_attn.tools.bench import cli as bench, report as bench_report, systems as bench_systems, timing as bench_timing
+from jax_ragged_attn.tools.bench.timing import Measurement
+from jax_ragged_attn.tools.workloads import WORKLOADS
 
 # The README's reference batch: numpy.random.default_rng(0).integers(128, 4096, size=16, endpoint=True),
 # the last sequence trimmed from 3023 to 1722 so the batch holds 32,768 tokens.
@@ -166,7 +167,7 @@ def test_cli_runs_end_to_end(tmp_path, capsys):
         assert sum(" all " in line and "skipped: " in line for line in lines[header + 1:]) == 3
 
 
-# ---- command buffers (jax_ragged_attn/command_buffers.py, bench_command_buffers.py) -------------------------
+# ---- command buffers (jax_ragged_attn/tools/bench/capture.py, bench_command_buffers.py) -------------------------
 # Synthetic XLA output, written after openxla/xla: CommandBufferScheduling's HLO (a `command_buffer`
 # computation called through `call(...), to_apply=%command_buffer`) and the thunk dumps of
 # CommandBufferConversionPass (`<indent><id>: <kind>`, a command buffer's thunks indented under it).
@@ -282,7 +283,7 @@ def _statuses(occurrences):
 
 
 def test_hlo_classifier_reads_command_buffer_computations():
-    from jax_ragged_attn import command_buffers as cb
+    from jax_ragged_attn.tools.bench import capture as cb
 
     (captured,) = cb.classify_hlo(HLO_CAPTURED)
     assert (captured.target, captured.instruction, captured.computation) == (
@@ -298,7 +299,7 @@ def test_hlo_classifier_reads_command_buffer_computations():
 
 
 def test_hlo_classifier_matches_targets_exactly():
-    from jax_ragged_attn import command_buffers as cb
+    from jax_ragged_attn.tools.bench import capture as cb
 
     guarded = HLO_CAPTURED.replace('"jax_ragged_attn_forward"', '"jax_ragged_attn_forward_guarded"')
     assert _statuses(cb.classify_hlo(guarded)) == [("jax_ragged_attn_forward_guarded", "custom-call.1", cb.CAPTURED)]
@@ -308,7 +309,7 @@ def test_hlo_classifier_matches_targets_exactly():
 
 
 def test_thunk_classifier_reads_nesting_and_metadata():
-    from jax_ragged_attn import command_buffers as cb
+    from jax_ragged_attn.tools.bench import capture as cb
 
     lines = {t.thunk_id: t for t in cb.parse_thunk_sequence(THUNKS_AFTER)}
     assert lines[5].kind == "kCustomCall" and lines[5].in_command_buffer
@@ -335,7 +336,7 @@ def test_thunk_classifier_reads_nesting_and_metadata():
 
 
 def test_thunk_classifier_says_unknown_rather_than_guess():
-    from jax_ragged_attn import command_buffers as cb
+    from jax_ragged_attn.tools.bench import capture as cb
 
     # No metadata and the custom-call thunks disagree: which one is ours cannot be told.
     unknown = cb.classify_thunks(HLO_PLAIN, THUNKS_AFTER, None)
@@ -353,7 +354,7 @@ def test_thunk_classifier_says_unknown_rather_than_guess():
 
 
 def test_dump_files_of_the_timed_module():
-    from jax_ragged_attn import command_buffers as cb
+    from jax_ragged_attn.tools.bench import capture as cb
 
     names = ["module_0040.jit__forward_loop.thunk_sequence.txt",
              "module_0042.jit__forward_loop.thunk_sequence_after_thunk_passes.txt",
@@ -368,7 +369,7 @@ def test_dump_files_of_the_timed_module():
 
 
 def test_command_buffer_modes_set_xla_flags_for_the_child():
-    from jax_ragged_attn import bench_command_buffers as bcb
+    from jax_ragged_attn.tools.bench import command_buffers as bcb
 
     inherited = "--xla_gpu_enable_command_buffer=CUBLAS --xla_dump_to=/old --xla_gpu_autotune_level=0"
     assert bcb.child_xla_flags(inherited, "off", "/d").split() == [
@@ -381,8 +382,8 @@ def test_command_buffer_modes_set_xla_flags_for_the_child():
 
 
 def test_command_buffer_report_table():
-    from jax_ragged_attn import bench_command_buffers as bcb
-    from jax_ragged_attn import command_buffers as cb
+    from jax_ragged_attn.tools.bench import command_buffers as bcb
+    from jax_ragged_attn.tools.bench import capture as cb
 
     def result(mode, fwd, both, status):
         rows = [_row("ours-hm", "forward", fwd), _row("ours-hm", "backward", both - fwd),
@@ -407,7 +408,7 @@ def test_command_buffer_report_table():
 def test_command_buffer_bench_without_a_gpu_exits_cleanly(tmp_path, capsys):
     if jax.default_backend() != "cpu":
         pytest.skip("this checks the path taken without a GPU")
-    from jax_ragged_attn import bench_command_buffers as bcb
+    from jax_ragged_attn.tools.bench import command_buffers as bcb
 
     assert bcb.main(["--out", str(tmp_path), "--modes", "off,on"]) == 0
     printed = capsys.readouterr().out
@@ -418,8 +419,8 @@ def test_command_buffer_bench_without_a_gpu_exits_cleanly(tmp_path, capsys):
 def test_command_buffer_bench_runs_end_to_end_on_the_xla_path(tmp_path, capsys):
     # --allow-cpu: the same subprocess, timing and dump plumbing, timing the xla path (no custom calls).
     if jax.default_backend() != "cpu":
-        pytest.skip("on a GPU the real run is `python -m jax_ragged_attn.bench_command_buffers`")
-    from jax_ragged_attn import bench_command_buffers as bcb
+        pytest.skip("on a GPU the real run is `python -m jax_ragged_attn.tools.bench.command_buffers`")
+    from jax_ragged_attn.tools.bench import command_buffers as bcb
 
     status = bcb.main(["--out", str(tmp_path), "--modes", "on", "--workload", "tiny", "--iterations", "1",
                        "--allow-cpu"])

@@ -11,7 +11,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from jax_ragged_attn import cudnn
+from jax_ragged_attn import _cudnn as cudnn
 from jax_ragged_attn.config import make_config
 
 FFI = pathlib.Path(__file__).resolve().parent.parent / "ffi"

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import jax_ragged_attn as jra
-from jax_ragged_attn import cudnn, extension
+from jax_ragged_attn import _cudnn as cudnn
+from jax_ragged_attn._cudnn import extension, launch
 from jax_ragged_attn.config import make_config
-from jax_ragged_attn.reference import reference_attention
+from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.testing import assert_close, packed_batch
 
 _REASON = extension.cudnn_unavailable_reason()

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn import checks, cudnn, extension
+from jax_ragged_attn import _cudnn as cudnn, checks
+from jax_ragged_attn._cudnn import extension, launch
 from jax_ragged_attn.config import make_config
 from jax_ragged_attn.packing import row_positions
 from jax_ragged_attn.testing import assert_close, packed_batch, stand_in_handler_args
@@ -101,7 +102,7 @@ def _install(monkeypatch, config, overrun=0, stray_row=None):
     kernel = StandInKernel(overrun, stray_row)
     kernel.config = config
     monkeypatch.setattr(jax.ffi, "ffi_call", kernel)
-    monkeypatch.setattr(cudnn, "graph_info", lambda direction, config: {"workspace_bytes": 64})
+    monkeypatch.setattr(launch, "graph_info", lambda direction, config: {"workspace_bytes": 64})
     return kernel
 
 
@@ -150,8 +151,8 @@ def test_stats_as_aux_take_the_plain_backward(monkeypatch, batch):
     config = _config(batch)
     _install(monkeypatch, config)
     shapes = []
-    backward = cudnn._backward
-    monkeypatch.setattr(cudnn, "_backward", lambda q, k, v, *rest: shapes.append(v.shape) or backward(q, k, v, *rest))
+    backward = launch._backward
+    monkeypatch.setattr(launch, "_backward", lambda q, k, v, *rest: shapes.append(v.shape) or backward(q, k, v, *rest))
 
     def loss_with_stats_aux(q):
         out, stats = cudnn.attention_cudnn(q, *batch.args[1:], config)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn import demo
+from jax_ragged_attn.tools import demo
 
 # A tiny model and short run: a few seconds of CPU, enough for the loss to fall clearly.
 TINY = ["--steps", "60", "--batch-tokens", "128", "--max-len", "6", "--vocab", "9", "--width", "32", "--heads", "2",

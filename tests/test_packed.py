@@ -15,10 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn import cudnn, extension, packed
+from jax_ragged_attn import _cudnn as cudnn, packed
+from jax_ragged_attn._cudnn import extension, launch
 from jax_ragged_attn.config import make_config
 from jax_ragged_attn.packing import cu_seqlens_from_lengths
-from jax_ragged_attn.reference import reference_attention
+from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.testing import assert_close
 
 OPTIONS = dict(is_causal=True, diagonal_alignment="bottom_right")
@@ -127,7 +128,7 @@ def test_malformed_packed_inputs_name_the_argument(call, message):
 
 def _lowered_cudnn_grad(monkeypatch, layout):
     """The StableHLO of jax.grad through the cuDNN path (lowering needs no GPU; graph_info is stubbed)."""
-    monkeypatch.setattr(cudnn, "graph_info", lambda direction, config: {"workspace_bytes": 64})
+    monkeypatch.setattr(launch, "graph_info", lambda direction, config: {"workspace_bytes": 64})
     t, h, d = 32, 4, 16
     cu = jnp.array([0, 10, 20, 25], jnp.int32)
     view = jax.ShapeDtypeStruct((t, h, d), jnp.bfloat16)
@@ -171,7 +172,7 @@ def test_ragged_offsets_step_over_every_part_of_a_packed_row(packing, parts):
     config = dataclasses.replace(make_config(view_q, view_kv, view_kv, cu, cu, max_seqlen_q=12, max_seqlen_kv=12,
                                              scale=None, is_causal=False, diagonal_alignment="top_left",
                                              local_window_size=None, stats_layout="token_major"), packing=packing)
-    _, _, offset_q, offset_k, offset_v, offset_o, offset_stats = cudnn._index_arrays(cu, cu, config)
+    _, _, offset_q, offset_k, offset_v, offset_o, offset_stats = launch._index_arrays(cu, cu, config)
     hkv = view_kv.shape[1]
     np.testing.assert_array_equal(offset_q, np.asarray(cu) * parts[0] * 4 * 16)
     np.testing.assert_array_equal(offset_k, np.asarray(cu) * parts[1] * hkv * 16)
@@ -209,7 +210,7 @@ def _fuzz_cases(count: int):
 def test_cudnn_packed_strides_match_the_reference(case, monkeypatch, tmp_path):
     if _REASON is not None:
         pytest.skip(f"cuDNN path unavailable: {_REASON}")
-    from jax_ragged_attn import autotune
+    from jax_ragged_attn._cudnn import autotune
 
     monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "autotune.json"))  # autotune measures packed graphs
     rng = np.random.default_rng([case["seed"], 1])

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn.reference import reference_attention
+from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.segments import ragged_attention_segments, segments_to_cu_seqlens
 from jax_ragged_attn.testing import assert_close
 

@@ -152,8 +152,8 @@ if __name__ == "__main__":
 def test_two_gpus_cudnn_head_sharded_matches_one_gpu_without_collectives():
     """On a host with 2+ GPUs: the cuDNN path split over heads equals the unsharded cuDNN call and the
     float64 reference, with no collective in the compiled program."""
-    from jax_ragged_attn import extension
-    from jax_ragged_attn.reference import reference_attention
+    from jax_ragged_attn._cudnn import extension
+    from jax_ragged_attn.testing.reference import reference_attention
 
     reason = extension.cudnn_unavailable_reason()
     if reason is not None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_ragged_attn as jra
-from jax_ragged_attn.reference import reference_attention
+from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.testing import assert_close, packed_batch
 
 

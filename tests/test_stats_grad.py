@@ -1,4 +1,4 @@
-"""The cuDNN path's stats gradient (jax_ragged_attn/stats_grad.py) on a CPU, against the float64 reference.
+"""The cuDNN path's stats gradient (jax_ragged_attn/_cudnn/stats_grad.py) on a CPU, against the float64 reference.
 
 The trick lives in what cuDNN's backward does with the buffers it is handed: it recomputes P from q, k and
 the stats, and shifts dP by D = rowsum(dO * O) taken from the O and dO it receives. The stand-in kernel of
@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn import cudnn, extension, stats_grad
+from jax_ragged_attn import _cudnn as cudnn
+from jax_ragged_attn._cudnn import extension, launch, stats_grad
 from jax_ragged_attn.config import make_config
-from jax_ragged_attn.reference import reference_attention
+from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.testing import assert_close, packed_batch, stand_in_handler_args
 
 # GQA, causal bottom-right, an empty query sequence (1), a sequence with queries but no keys (3) and one with
@@ -141,7 +142,7 @@ def _install(monkeypatch, batch, layout, **changes):
     config = dataclasses.replace(config, **changes)
     kernel = CudnnArithmetic(config)
     monkeypatch.setattr(jax.ffi, "ffi_call", kernel)
-    monkeypatch.setattr(cudnn, "graph_info", lambda direction, config: {"workspace_bytes": 64})
+    monkeypatch.setattr(launch, "graph_info", lambda direction, config: {"workspace_bytes": 64})
     return config, kernel
 
 

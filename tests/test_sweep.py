@@ -16,7 +16,9 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from jax_ragged_attn import api, cudnn, extension, stats_grad, sweep, xla
+from jax_ragged_attn import _cudnn as cudnn, api, xla
+from jax_ragged_attn._cudnn import extension, launch, stats_grad
+from jax_ragged_attn.tools import sweep
 
 CI_SEEDS = range(40)
 
@@ -111,7 +113,7 @@ def test_a_wrong_implementation_fails_with_a_repro(monkeypatch, case_passes, bug
     assert status == "failed", message
     assert expected in message, message
     command = shlex.split(message.split("repro: ")[1])
-    assert command[:4] == ["python", "-m", "jax_ragged_attn.sweep", "--repro"]
+    assert command[:4] == ["python", "-m", "jax_ragged_attn.tools.sweep", "--repro"]
     assert json.loads(command[4]) == CASE
 
 
@@ -144,8 +146,8 @@ def test_only_an_unsupported_cudnn_graph_is_a_skip(monkeypatch, message, status)
 def test_gpu_tier_without_a_gpu_reports_every_case_skipped():
     reason = extension.cudnn_unavailable_reason()
     if reason is None:
-        pytest.skip("cuDNN can run here, so the GPU tier runs for real (python -m jax_ragged_attn.sweep --tier gpu)")
-    result = subprocess.run([sys.executable, "-m", "jax_ragged_attn.sweep", "--tier", "gpu", "--num-tests", "3"],
+        pytest.skip("cuDNN can run here, so the GPU tier runs for real (python -m jax_ragged_attn.tools.sweep --tier gpu)")
+    result = subprocess.run([sys.executable, "-m", "jax_ragged_attn.tools.sweep", "--tier", "gpu", "--num-tests", "3"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "3 cases: 0 passed, 3 skipped, 0 failed" in result.stdout, result.stdout
@@ -153,7 +155,7 @@ def test_gpu_tier_without_a_gpu_reports_every_case_skipped():
 
 
 def test_jobs_report_the_same_cases_in_order_as_one_process():
-    command = [sys.executable, "-m", "jax_ragged_attn.sweep", "--tier", "cpu", "--num-tests", "3", "--seed", "5"]
+    command = [sys.executable, "-m", "jax_ragged_attn.tools.sweep", "--tier", "cpu", "--num-tests", "3", "--seed", "5"]
     serial = subprocess.run(command, capture_output=True, text=True, timeout=600)
     parallel = subprocess.run(command + ["--jobs", "2"], capture_output=True, text=True, timeout=600)
     assert serial.returncode == parallel.returncode == 0, serial.stdout + parallel.stdout + parallel.stderr

@@ -5,9 +5,9 @@ from __future__ import annotations
 import csv
 import os
 
-from jax_ragged_attn.bench_cudnn_raw import SYSTEM as RAW_SYSTEM
-from jax_ragged_attn.bench_timing import Measurement
-from jax_ragged_attn.workloads import DIRECTIONS
+from jax_ragged_attn.tools.bench.cudnn_raw import SYSTEM as RAW_SYSTEM
+from jax_ragged_attn.tools.bench.timing import Measurement
+from jax_ragged_attn.tools.workloads import DIRECTIONS
 
 _SHORT = {"forward": "fwd", "backward": "bwd", "forward+backward": "fwd+bwd"}
 

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from jax_ragged_attn import checks, extension, stats_grad
-from jax_ragged_attn.config import PACKINGS, AttentionConfig
+from jax_ragged_attn import checks
+from jax_ragged_attn._cudnn import extension, stats_grad
+from jax_ragged_attn._cudnn.graphs import MAX_HEAD_DIM, INT32_LIMIT, PARTS, ffi_kwargs, graph_info
+from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.packing import (
     query_rows_with_keys,
     row_positions,
@@ -24,128 +25,12 @@ from jax_ragged_attn.packing import (
     sequence_lengths,
 )
 
-CUDNN_DTYPES = ("bfloat16", "float16")
-MAX_HEAD_DIM = 256
-_INT32_LIMIT = 2**31 - 1
-
-
-def ffi_attributes(config: AttentionConfig, direction: str | None = None) -> dict:
-    """The configuration as the C++ side names it (ffi/attention_config.h), in plain Python values.
-
-    `direction` ("forward" / "backward") picks the autotuned plan for that graph when config.autotune.
-    """
-    attributes = dict(
-        num_seqs=config.num_seqs,
-        capacity_q=config.capacity_q,
-        capacity_kv=config.capacity_kv,
-        num_heads_q=config.num_heads_q,
-        num_heads_kv=config.num_heads_kv,
-        head_dim_qk=config.head_dim_qk,
-        head_dim_v=config.head_dim_v,
-        # At least 2: measured on the H200 (cuDNN 9.19), graphs built for s_q = 1 wrote wrong or NaN stats
-        # (sweep seeds 78 and 182) and the backward refuses s_q = s_kv = 1. The lengths are still capped at
-        # the caller's max_seqlen (packing.sequence_lengths), so a larger bound changes no result.
-        max_seqlen_q=max(config.max_seqlen_q, 2),
-        max_seqlen_kv=max(config.max_seqlen_kv, 2),
-        dtype=CUDNN_DTYPES.index(config.dtype),
-        scale=config.scale,
-        bottom_right=int(config.diagonal_alignment == "bottom_right"),
-        left_bound=-1 if config.left_bound is None else config.left_bound,
-        right_bound=-1 if config.right_bound is None else config.right_bound,
-        stats_token_major=int(config.stats_layout == "token_major"),
-        use_max_total_seq_len=1,
-        deterministic=int(config.deterministic),
-        plan_index=-1,  # cuDNN's heuristic choice
-        packing=PACKINGS.index(config.packing),
-    )
-    if config.autotune and direction is not None:
-        # Imported here: `python -m jax_ragged_attn.autotune` must not find its module imported already.
-        from jax_ragged_attn import autotune
-
-        attributes["plan_index"] = autotune.plan_index(direction, attributes, _device_ordinal())
-    return attributes
-
-
 # What each handler's results are called in errors, in order (the workspace comes last, unnamed).
 RESULT_NAMES = {extension.FORWARD_TARGET: ("out", "stats"), extension.BACKWARD_TARGET: ("dq", "dk", "dv"),
                 extension.BACKWARD_KVPACKED_TARGET: ("dq", "dkv"), extension.BACKWARD_QKVPACKED_TARGET: ("dqkv",)}
 # Per packing: the backward target, and how many parts a token's row holds on the q and the kv side.
 _BACKWARD_TARGETS = {"none": extension.BACKWARD_TARGET, "kv": extension.BACKWARD_KVPACKED_TARGET,
                      "qkv": extension.BACKWARD_QKVPACKED_TARGET}
-_PARTS = {"none": (1, 1), "kv": (1, 2), "qkv": (3, 3)}
-
-
-def _ffi_kwargs(config: AttentionConfig, direction: str) -> dict:
-    # FFI attributes are typed: every field is an int64 except the float32 scale.
-    attributes = ffi_attributes(config, direction)
-    return {k: (np.float32(v) if k == "scale" else np.int64(v)) for k, v in attributes.items()}
-
-
-def _device_ordinal() -> int:
-    # The device whose graph answers trace-time questions (workspace size, support): the first GPU.
-    return jax.devices("gpu")[0].local_hardware_id or 0
-
-
-def _other_local_ordinals() -> list[int]:
-    """The other GPUs of this process: their graphs are built at trace time too, so no handler ever builds
-    one while it runs (where XLA may be capturing it into a CUDA graph, which a build would break)."""
-    ordinals = [d.local_hardware_id or 0 for d in jax.local_devices(backend="gpu")]
-    return [o for o in ordinals if o != _device_ordinal()]
-
-
-def graph_info(direction: str, config: AttentionConfig) -> dict:
-    """Builds or finds the graph; raises NotImplementedError if cuDNN cannot run it."""
-    attributes = ffi_attributes(config, direction)
-    info = extension.module().graph_info(direction, _device_ordinal(), attributes)
-    if info["status"] == "unsupported":
-        raise NotImplementedError(f"cuDNN cannot run this {direction} configuration: {info['message']}")
-    if info["status"] != "ok":
-        raise RuntimeError(f"building the cuDNN {direction} graph failed: {info['message']}")
-    for ordinal in _other_local_ordinals():
-        other = extension.module().graph_info(direction, ordinal, attributes)
-        if other["status"] != "ok":
-            raise RuntimeError(f"building the cuDNN {direction} graph on GPU {ordinal} failed: {other['message']}")
-    if info.get("fell_back"):
-        warnings.warn(
-            "cudnn-frontend reserved "
-            f"{info['frontend_region_bytes']} bytes for the ragged backward intermediates, less than their full "
-            f"extent ({info['expected_intermediate_bytes']} bytes); using the dense layout without "
-            "max_total_seq_len instead (correct, larger workspace). Upgrade nvidia-cudnn-frontend to 1.28+.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return info
-
-
-def unsupported_reason(config: AttentionConfig) -> str | None:
-    """None when the cuDNN path can serve `config` here, else a sentence saying why not."""
-    if config.has_sinks:
-        # cuDNN has a sink-token input from 9.13, but cudnn-frontend refuses a ragged backward with one before
-        # cuDNN 9.26 ("SDPA backward with ragged offsets and a sink token requires cuDNN 9.26.0 or newer"):
-        # on the 9.19 we test with, the op could not be differentiated, so it is not wired up.
-        return ("learnable sinks run on the xla path only: cuDNN takes a sink token in a ragged backward only "
-                "from 9.26 (cudnn-frontend's check), and the cuDNN path does not wire it up")
-    if config.dtype not in CUDNN_DTYPES:
-        return f"the cuDNN path takes bfloat16 or float16 inputs, got {config.dtype}"
-    for name, dim in (("Dqk", config.head_dim_qk), ("Dv", config.head_dim_v)):
-        if dim % 8 or dim > MAX_HEAD_DIM:
-            return f"cuDNN needs head dims that are multiples of 8 up to {MAX_HEAD_DIM}, got {name}={dim}"
-    widest = max(config.head_dim_qk, config.head_dim_v)
-    # The backward's per-query-head dK/dV intermediates (GQA) scale the kv offsets by Hq / Hkv as well, and a
-    # packed row holds 2 or 3 parts.
-    parts = max(_PARTS[config.packing])
-    guard = 2 * checks.GUARD_ROWS if config.guard_workspace else 0  # check mode adds rows at both ends
-    if (max(config.capacity_q, config.capacity_kv) + guard) * config.num_heads_q * widest * parts > _INT32_LIMIT:
-        return "the ragged offsets are int32: T * Hq * D (times the parts of a packed row) must stay below 2**31"
-    reason = extension.cudnn_unavailable_reason()
-    if reason is not None:
-        return reason
-    for direction in ("forward", "backward"):
-        try:
-            graph_info(direction, config)
-        except NotImplementedError as error:
-            return str(error)
-    return None
 
 
 def _launch(direction: str, target: str, inputs, result_specs, cu_q, cu_kv, config: AttentionConfig):
@@ -169,7 +54,7 @@ def _launch(direction: str, target: str, inputs, result_specs, cu_q, cu_kv, conf
         types += (jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),)
         args = (*(x for x, _ in inputs), *_index_arrays(cu_q, cu_kv, config))
         call = jax.ffi.ffi_call(target, types, vmap_method="sequential")
-        *results, _ = call(*args, **_ffi_kwargs(config, direction))
+        *results, _ = call(*args, **ffi_kwargs(config, direction))
         return results, jnp.bool_(True)
 
     rows = checks.GUARD_ROWS
@@ -186,7 +71,7 @@ def _launch(direction: str, target: str, inputs, result_specs, cu_q, cu_kv, conf
     workspace_at = len(specs)
     aliases = {len(args): workspace_at, **{len(args) + 1 + i: i for i in range(len(specs))}}
     call = jax.ffi.ffi_call(target + "_guarded", types, vmap_method="sequential", input_output_aliases=aliases)
-    *results, workspace = call(*args, guarded[-1], *guarded[:-1], **_ffi_kwargs(padded, direction))
+    *results, workspace = call(*args, guarded[-1], *guarded[:-1], **ffi_kwargs(padded, direction))
     description = f"{target}: {config.describe()}"
     clobbered = checks.verified_guard_band(workspace[size:], description=description)
     names = RESULT_NAMES[target]
@@ -202,7 +87,7 @@ def _index_arrays(cu_q, cu_kv, config: AttentionConfig):
     starts at its first row times the tensor's token stride, which covers every part of a packed row."""
     hq, hkv = config.num_heads_q, config.num_heads_kv
     dqk, dv = config.head_dim_qk, config.head_dim_v
-    parts_q, parts_kv = _PARTS[config.packing]
+    parts_q, parts_kv = PARTS[config.packing]
     stats_offset = cu_q * hq if config.stats_layout == "token_major" else cu_q
     return (
         sequence_lengths(cu_q, config.max_seqlen_q),
@@ -297,7 +182,7 @@ def _stats_gradient_unsupported(config: AttentionConfig) -> str | None:
                 f"it carries the stats term on {stats_grad.EXTRA_COLUMNS} extra value columns, and Dv + "
                 f"{stats_grad.EXTRA_COLUMNS} = {widened} exceeds cuDNN's head dim limit of {MAX_HEAD_DIM} "
                 f"(Dv <= {MAX_HEAD_DIM - stats_grad.EXTRA_COLUMNS} works)")
-    if max(config.capacity_q, config.capacity_kv) * config.num_heads_q * widened > _INT32_LIMIT:
+    if max(config.capacity_q, config.capacity_kv) * config.num_heads_q * widened > INT32_LIMIT:
         return (f"the cuDNN path cannot differentiate through stats (the log-sum-exp) here: with Dv + "
                 f"{stats_grad.EXTRA_COLUMNS} value columns the int32 ragged offsets would pass 2**31 elements")
     return None

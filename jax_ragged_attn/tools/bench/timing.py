@@ -30,9 +30,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jax_ragged_attn import command_buffers
+from jax_ragged_attn.tools.bench import capture as command_buffers
 from jax_ragged_attn.api import ragged_attention
-from jax_ragged_attn.workloads import Workload
+from jax_ragged_attn.tools.workloads import Workload
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,10 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn import bench_cudnn_raw, cudnn, extension, ragged_attention
-from jax_ragged_attn.bench_timing import JaxCase, Measurement, Settings, measure_jax
+from jax_ragged_attn import _cudnn as cudnn, ragged_attention
+from jax_ragged_attn._cudnn import extension
+from jax_ragged_attn.tools.bench import cudnn_raw as bench_cudnn_raw
+from jax_ragged_attn.tools.bench.timing import JaxCase, Measurement, Settings, measure_jax
 from jax_ragged_attn.config import make_config
-from jax_ragged_attn.workloads import Workload
+from jax_ragged_attn.tools.workloads import Workload
 
 # The xla path holds several [B, H, S, S] float32 tensors at once in its backward; past this size per
 # tensor it is minutes per step or out of memory, and it is not the comparison anyone needs.

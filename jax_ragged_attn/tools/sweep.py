@@ -1,7 +1,7 @@
 """A seeded sweep over random configurations, in the spirit of cudnn-frontend's test_mhas_v2.py.
 
-    python -m jax_ragged_attn.sweep --tier cpu --seed 0 --num-tests 200
-    python -m jax_ragged_attn.sweep --repro '{"seed": 17, ...}'      # what a failing case prints
+    python -m jax_ragged_attn.tools.sweep --tier cpu --seed 0 --num-tests 200
+    python -m jax_ragged_attn.tools.sweep --repro '{"seed": 17, ...}'      # what a failing case prints
 
 `draw_case(seed, tier)` draws one configuration with weights towards the awkward corners (empty sequences,
 one long sequence among short ones, capacity slack, windows, GQA/MQA); the case is a plain JSON dict that
@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn import api, cudnn, extension, stats_grad
-from jax_ragged_attn.reference import reference_attention
+from jax_ragged_attn import _cudnn as cudnn, api
+from jax_ragged_attn._cudnn import extension, stats_grad
+from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.testing import assert_close, packed_batch
 
 # Per tier. tokens: the most tokens on each side (q, kv); longest: the longest sequence; work: the most
@@ -190,7 +191,7 @@ def describe(case: dict) -> str:
 
 
 def repro_command(case: dict) -> str:
-    return f"python -m jax_ragged_attn.sweep --repro {shlex.quote(json.dumps(case))}"
+    return f"python -m jax_ragged_attn.tools.sweep --repro {shlex.quote(json.dumps(case))}"
 
 
 def _owned_rows(cu: np.ndarray, capacity: int, max_seqlen: int) -> np.ndarray:
@@ -320,7 +321,7 @@ def _run_all(cases: list[dict], jobs: int):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jax_ragged_attn.sweep", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m jax_ragged_attn.tools.sweep", description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0, help="the first case's seed; case i uses seed + i")
     parser.add_argument("--num-tests", type=int, default=100)
     parser.add_argument("--tier", choices=tuple(TIERS), default="cpu")

@@ -1,4 +1,4 @@
-"""`python -m jax_ragged_attn.selfcheck`: what this machine can run, and one packed batch checked and timed.
+"""`python -m jax_ragged_attn.tools.selfcheck`: what this machine can run, and one packed batch checked and timed.
 
 Prints the environment (JAX backend, cuDNN and cudnn-frontend versions, whether the cuDNN path is usable),
 runs a packed causal batch forward and backward with the best implementation, compares it with the
@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn import api, cudnn, extension, testing
+from jax_ragged_attn import _cudnn as cudnn, api, testing
+from jax_ragged_attn._cudnn import extension
 from jax_ragged_attn.config import make_config
-from jax_ragged_attn.workloads import seeded_lengths
+from jax_ragged_attn.tools.workloads import seeded_lengths
 
 
 def _time(fn, *args, iterations: int) -> float:
@@ -37,7 +38,7 @@ def run(args) -> int:
     for key, value in extension.versions().items():
         print(f"  {key}: {value}")
 
-    # The same seeded draw as the benchmark's W1 (jax_ragged_attn/workloads.py) with the default flags.
+    # The same seeded draw as the benchmark's W1 (jax_ragged_attn/tools/workloads.py) with the default flags.
     lengths = np.asarray(seeded_lengths(args.num_seqs, args.min_len, args.max_len, total=args.total, seed=args.seed))
     rng = np.random.default_rng(args.seed + 1)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
@@ -67,7 +68,7 @@ def run(args) -> int:
         ref_value, ref_grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)(*f32, "xla")
         errors = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - r))) for g, r in zip(grads, ref_grads)]
         scale = max(float(jnp.max(jnp.abs(r))) for r in ref_grads)
-        # The tests' dtype-derived bound, relative to the largest gradient (jax_ragged_attn/testing.py).
+        # The tests' dtype-derived bound, relative to the largest gradient (jax_ragged_attn/testing/helpers.py).
         tolerance = testing.tolerance(args.dtype)[0]
         ok = all(e <= tolerance * scale for e in errors) and all(float(jnp.abs(g).max()) > 0 for g in grads)
         grads_by_layout[layout] = grads
@@ -89,7 +90,7 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     on_gpu = extension.cudnn_unavailable_reason() is None
-    parser = argparse.ArgumentParser(prog="python -m jax_ragged_attn.selfcheck", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m jax_ragged_attn.tools.selfcheck", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     # On a GPU the default batch is the project's reference workload; on a CPU a small one.
     parser.add_argument("--num-seqs", type=int, default=16 if on_gpu else 8)

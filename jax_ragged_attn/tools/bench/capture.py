@@ -50,7 +50,7 @@ import dataclasses
 import os
 import re
 
-from jax_ragged_attn.extension import BACKWARD_TARGET, FORWARD_TARGET
+from jax_ragged_attn._cudnn.extension import BACKWARD_TARGET, FORWARD_TARGET
 
 TARGETS = (FORWARD_TARGET, BACKWARD_TARGET, FORWARD_TARGET + "_guarded", BACKWARD_TARGET + "_guarded")
 CAPTURED, NOT_CAPTURED, UNKNOWN = "captured", "not captured", "unknown"

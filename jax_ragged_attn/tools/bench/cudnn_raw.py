@@ -27,8 +27,8 @@ import sys
 import time
 import traceback
 
-from jax_ragged_attn.bench_timing import Measurement, Settings, derive_backward, error_status
-from jax_ragged_attn.workloads import Workload
+from jax_ragged_attn.tools.bench.timing import Measurement, Settings, derive_backward, error_status
+from jax_ragged_attn.tools.workloads import Workload
 
 SYSTEM = "raw-cudnn"
 _INT32_MAX = 2**31 - 1

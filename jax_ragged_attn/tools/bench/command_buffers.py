@@ -1,4 +1,4 @@
-"""`python -m jax_ragged_attn.bench_command_buffers`: W3 timed with XLA's command buffers (CUDA graphs) off and on.
+"""`python -m jax_ragged_attn.tools.bench.command_buffers`: W3 timed with XLA's command buffers (CUDA graphs) off and on.
 
 XLA_FLAGS is read once, when JAX creates its backend, so each mode runs in a subprocess of its own:
 
@@ -11,11 +11,11 @@ XLA_FLAGS is read once, when JAX creates its backend, so each mode runs in a sub
 Each subprocess times ragged_attention(implementation="cudnn") (the ours-hm system of the benchmark) on the
 workload with bench_timing's device-side loop: forward and forward+backward, backward derived. It also
 compiles with --xla_dump_to and reports, from the very executables it timed, whether each of our custom
-calls ran inside a command buffer (jax_ragged_attn/command_buffers.py says how that is read). The table
+calls ran inside a command buffer (jax_ragged_attn/tools/bench/capture.py says how that is read). The table
 gives the times, the capture and each mode's time relative to "off". Without a GPU it says so and exits 0.
 
-    python -m jax_ragged_attn.bench_command_buffers                     # W3, modes off,default,on (~1 min)
-    python -m jax_ragged_attn.bench_command_buffers --modes off,on+while --out $OUT/cb
+    python -m jax_ragged_attn.tools.bench.command_buffers                     # W3, modes off,default,on (~1 min)
+    python -m jax_ragged_attn.tools.bench.command_buffers --modes off,on+while --out $OUT/cb
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ import tempfile
 import time
 import traceback
 
-from jax_ragged_attn import command_buffers, workloads
-from jax_ragged_attn.bench_timing import Measurement, Settings, error_status, measure_jax
-from jax_ragged_attn.extension import BACKWARD_TARGET, FORWARD_TARGET
+from jax_ragged_attn.tools import workloads
+from jax_ragged_attn.tools.bench import capture as command_buffers
+from jax_ragged_attn.tools.bench.timing import Measurement, Settings, error_status, measure_jax
+from jax_ragged_attn._cudnn.extension import BACKWARD_TARGET, FORWARD_TARGET
 
 MODES = {
     "off": ("--xla_gpu_enable_command_buffer=",),
@@ -54,7 +55,7 @@ _LOOPS = {"forward": "fwd loop", "forward+backward": "fwd+bwd loop"}
 
 
 def _parse(argv):
-    parser = argparse.ArgumentParser(prog="python -m jax_ragged_attn.bench_command_buffers", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m jax_ragged_attn.tools.bench.command_buffers", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="W3", help=f"one of {', '.join(workloads.WORKLOADS)} (default W3)")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
@@ -169,7 +170,8 @@ def _child(args) -> int:
         if backend != "gpu" and not args.allow_cpu:
             result["status"] = f"skipped: needs a CUDA GPU; JAX's backend is {backend!r}"
         else:
-            from jax_ragged_attn import bench_systems, extension
+            from jax_ragged_attn._cudnn import extension
+            from jax_ragged_attn.tools.bench import systems as bench_systems
 
             implementation = "cudnn" if backend == "gpu" else "xla"
             reason = extension.cudnn_unavailable_reason() if implementation == "cudnn" else None
@@ -204,7 +206,7 @@ def _run_mode(mode: str, args) -> dict:
     json_path = os.path.join(mode_dir, "result.json")
     if os.path.exists(json_path):
         os.remove(json_path)
-    command = [sys.executable, "-m", "jax_ragged_attn.bench_command_buffers", "--child", mode,
+    command = [sys.executable, "-m", "jax_ragged_attn.tools.bench.command_buffers", "--child", mode,
                "--workload", args.workload, "--iterations", str(args.iterations),
                "--dump-dir", dump_dir, "--json", json_path] + (["--allow-cpu"] if args.allow_cpu else [])
     started = time.perf_counter()

@@ -8,7 +8,7 @@ only spoil it: another sequence's tokens sit at the same positions. No padding i
 Prints the attention implementation (cuDNN on a GPU, the xla path elsewhere), a progress bar with loss and
 tokens/s, the accuracy on held-out packed batches, and writes the loss curve. Exits 1 if the accuracy is
 below --min-accuracy. On a GPU it also times the same model on the same batch padded to [B, S] with
-`jax.nn.dot_product_attention`. `python -m jax_ragged_attn.selfcheck` checks the op itself.
+`jax.nn.dot_product_attention`. `python -m jax_ragged_attn.tools.selfcheck` checks the op itself.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn import cudnn
+from jax_ragged_attn import _cudnn as cudnn
 from jax_ragged_attn.api import ragged_attention
 from jax_ragged_attn.config import make_config
-from jax_ragged_attn.extension import cudnn_unavailable_reason
+from jax_ragged_attn._cudnn.extension import cudnn_unavailable_reason
 from jax_ragged_attn.packing import row_positions
 
 SEP = 0  # also what padding rows hold; symbols are 1 .. vocab - 1

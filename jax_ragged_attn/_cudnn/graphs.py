@@ -1,0 +1,128 @@
+"""What the cuDNN path asks the extension at trace time: the FFI attributes of a configuration, its graphs'
+workspace sizes, and whether cuDNN can run it at all."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import numpy as np
+
+from jax_ragged_attn import checks
+from jax_ragged_attn._cudnn import autotune, extension
+from jax_ragged_attn.config import PACKINGS, AttentionConfig
+
+# How many parts a token's row holds on the q and the kv side, per packing.
+PARTS = {"none": (1, 1), "kv": (1, 2), "qkv": (3, 3)}
+CUDNN_DTYPES = ("bfloat16", "float16")
+MAX_HEAD_DIM = 256
+INT32_LIMIT = 2**31 - 1
+
+
+def ffi_attributes(config: AttentionConfig, direction: str | None = None) -> dict:
+    """The configuration as the C++ side names it (ffi/attention_config.h), in plain Python values.
+
+    `direction` ("forward" / "backward") picks the autotuned plan for that graph when config.autotune.
+    """
+    attributes = dict(
+        num_seqs=config.num_seqs,
+        capacity_q=config.capacity_q,
+        capacity_kv=config.capacity_kv,
+        num_heads_q=config.num_heads_q,
+        num_heads_kv=config.num_heads_kv,
+        head_dim_qk=config.head_dim_qk,
+        head_dim_v=config.head_dim_v,
+        # At least 2: measured on the H200 (cuDNN 9.19), graphs built for s_q = 1 wrote wrong or NaN stats
+        # (sweep seeds 78 and 182) and the backward refuses s_q = s_kv = 1. The lengths are still capped at
+        # the caller's max_seqlen (packing.sequence_lengths), so a larger bound changes no result.
+        max_seqlen_q=max(config.max_seqlen_q, 2),
+        max_seqlen_kv=max(config.max_seqlen_kv, 2),
+        dtype=CUDNN_DTYPES.index(config.dtype),
+        scale=config.scale,
+        bottom_right=int(config.diagonal_alignment == "bottom_right"),
+        left_bound=-1 if config.left_bound is None else config.left_bound,
+        right_bound=-1 if config.right_bound is None else config.right_bound,
+        stats_token_major=int(config.stats_layout == "token_major"),
+        use_max_total_seq_len=1,
+        deterministic=int(config.deterministic),
+        plan_index=-1,  # cuDNN's heuristic choice
+        packing=PACKINGS.index(config.packing),
+    )
+    if config.autotune and direction is not None:
+        attributes["plan_index"] = autotune.plan_index(direction, attributes, device_ordinal())
+    return attributes
+
+
+def ffi_kwargs(config: AttentionConfig, direction: str) -> dict:
+    # FFI attributes are typed: every field is an int64 except the float32 scale.
+    attributes = ffi_attributes(config, direction)
+    return {k: (np.float32(v) if k == "scale" else np.int64(v)) for k, v in attributes.items()}
+
+
+def device_ordinal() -> int:
+    # The device whose graph answers trace-time questions (workspace size, support): the first GPU.
+    return jax.devices("gpu")[0].local_hardware_id or 0
+
+
+def _other_local_ordinals() -> list[int]:
+    """The other GPUs of this process: their graphs are built at trace time too, so no handler ever builds
+    one while it runs (where XLA may be capturing it into a CUDA graph, which a build would break)."""
+    ordinals = [d.local_hardware_id or 0 for d in jax.local_devices(backend="gpu")]
+    return [o for o in ordinals if o != device_ordinal()]
+
+
+def graph_info(direction: str, config: AttentionConfig) -> dict:
+    """Builds or finds the graph; raises NotImplementedError if cuDNN cannot run it."""
+    attributes = ffi_attributes(config, direction)
+    info = extension.module().graph_info(direction, device_ordinal(), attributes)
+    if info["status"] == "unsupported":
+        raise NotImplementedError(f"cuDNN cannot run this {direction} configuration: {info['message']}")
+    if info["status"] != "ok":
+        raise RuntimeError(f"building the cuDNN {direction} graph failed: {info['message']}")
+    for ordinal in _other_local_ordinals():
+        other = extension.module().graph_info(direction, ordinal, attributes)
+        if other["status"] != "ok":
+            raise RuntimeError(f"building the cuDNN {direction} graph on GPU {ordinal} failed: {other['message']}")
+    if info.get("fell_back"):
+        warnings.warn(
+            "cudnn-frontend reserved "
+            f"{info['frontend_region_bytes']} bytes for the ragged backward intermediates, less than their full "
+            f"extent ({info['expected_intermediate_bytes']} bytes); using the dense layout without "
+            "max_total_seq_len instead (correct, larger workspace). Upgrade nvidia-cudnn-frontend to 1.28+.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return info
+
+
+def unsupported_reason(config: AttentionConfig) -> str | None:
+    """None when the cuDNN path can serve `config` here, else a sentence saying why not."""
+    if config.has_sinks:
+        # cuDNN has a sink-token input from 9.13, but cudnn-frontend refuses a ragged backward with one before
+        # cuDNN 9.26 ("SDPA backward with ragged offsets and a sink token requires cuDNN 9.26.0 or newer"):
+        # on the 9.19 we test with, the op could not be differentiated, so it is not wired up.
+        return ("learnable sinks run on the xla path only: cuDNN takes a sink token in a ragged backward only "
+                "from 9.26 (cudnn-frontend's check), and the cuDNN path does not wire it up")
+    if config.dtype not in CUDNN_DTYPES:
+        return f"the cuDNN path takes bfloat16 or float16 inputs, got {config.dtype}"
+    for name, dim in (("Dqk", config.head_dim_qk), ("Dv", config.head_dim_v)):
+        if dim % 8 or dim > MAX_HEAD_DIM:
+            return f"cuDNN needs head dims that are multiples of 8 up to {MAX_HEAD_DIM}, got {name}={dim}"
+    widest = max(config.head_dim_qk, config.head_dim_v)
+    # The backward's per-query-head dK/dV intermediates (GQA) scale the kv offsets by Hq / Hkv as well, and a
+    # packed row holds 2 or 3 parts.
+    parts = max(PARTS[config.packing])
+    guard = 2 * checks.GUARD_ROWS if config.guard_workspace else 0  # check mode adds rows at both ends
+    if (max(config.capacity_q, config.capacity_kv) + guard) * config.num_heads_q * widest * parts > INT32_LIMIT:
+        return "the ragged offsets are int32: T * Hq * D (times the parts of a packed row) must stay below 2**31"
+    reason = extension.cudnn_unavailable_reason()
+    if reason is not None:
+        return reason
+    for direction in ("forward", "backward"):
+        try:
+            graph_info(direction, config)
+        except NotImplementedError as error:
+            return str(error)
+    return None
+
+
