@@ -17,7 +17,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
   jax='jax'
 fi
-"$py" -m pip install -q "$jax" numpy scikit-build-core nanobind cmake ninja pytest pytest-xdist matplotlib tqdm
+"$py" -m pip install -q "$jax" numpy scikit-build-core nanobind cmake ninja pytest pytest-xdist absl-py hypothesis flax optax matplotlib tqdm
 # For their headers only: --no-deps keeps cuBLAS and the CUTLASS DSL (dependencies of these packages) off a
 # CPU machine; on a GPU machine jax[cuda13] has already installed the libraries they belong to. CUDA 13
 # headers (<14): CUDA 14 wheels install under nvidia/cu14, which ffi/find_headers.py does not search.
