@@ -1,0 +1,276 @@
+"""Documents packed into fixed-shape token buffers for ragged attention: NumPy, on the host, no JAX.
+
+    from jax_ragged_attn.data import pack_documents
+    batches = pack_documents(docs, capacity=4096, max_seqs=32, max_seqlen=1024)
+    for batch in batches:   # every batch has the same shapes: tokens [4096], cu_seqlens [33], ...
+        loss = train_step(batch.arrays())
+    print(f"fill rate {batches.fill_rate:.1%}")
+
+A batch lays its sequences back to back from row 0 (the THD layout); rows past cu_seqlens[-1] are padding.
+Three documents a = [7, 8, 9], b = [5], c = [4, 6] in capacity 8, max_seqs 4:
+
+    tokens      = [7, 8, 9, 5, 4, 6, 0, 0]     (pad_id 0 past the documents)
+    cu_seqlens  = [0, 3, 4, 6, 6]              (the unused fourth slot repeats the last offset)
+    positions   = [0, 1, 2, 0, 0, 1, 0, 0]     (restart at 0 in every sequence: RoPE / position tables)
+    segment_ids = [1, 1, 1, 2, 3, 3, 0, 0]     (sequences 1..B in row order, 0 = padding)
+    targets     = [8, 9, 0, 0, 6, 0, 0, 0]     (targets[t] = tokens[t + 1] within the same sequence)
+    loss_mask   = [T, T, F, F, T, F, F, F]     (row t predicts targets[t]; never across a boundary)
+
+The mask is for next-token targets: loss_mask[t] is True exactly when row t + 1 holds the next token of the
+same sequence, so the last token of every sequence, and every padding row, predicts nothing. Train with
+`cross_entropy(logits[t], targets[t])` weighted by loss_mask: no shift to get wrong at a boundary.
+
+Documents longer than max_seqlen are split into consecutive pieces of max_seqlen tokens (the last piece holds
+the remainder; a document of 2.5 * max_seqlen tokens gives pieces of max_seqlen, max_seqlen, max_seqlen / 2).
+Each piece is a sequence of its own: positions restart at 0, attention does not reach back into the previous
+piece, and the last token of a piece predicts nothing (the first token of the next piece is lost as a target:
+one label per piece). Pieces of one document may land in different batches, in any order;
+`document_index` and `document_offset` say where every sequence came from. Empty documents are skipped.
+
+Packing is greedy first-fit-decreasing over a buffer of `buffer_size` pieces: the buffer's pieces are sorted
+longest first and each goes into the first open batch with room for its tokens and a free sequence slot.
+While more input follows, the least-filled batch of a buffer is not emitted; its pieces join the next buffer,
+where they can fill gaps. Within a batch the sequences are ordered by (document, offset), so segment ids
+follow the input order.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import operator
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+_INT32 = np.iinfo(np.int32)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedDocuments:
+    """One packed batch. Every array has a fixed shape: T = capacity, B = max_seqs. Read fields as
+    attributes (batch.tokens) or keys (batch["tokens"]); `arrays()` gives the ones a model consumes."""
+
+    tokens: np.ndarray  # [T] int32, pad_id past cu_seqlens[-1]
+    targets: np.ndarray  # [T] int32: tokens[t + 1] where loss_mask[t], else pad_id
+    loss_mask: np.ndarray  # [T] bool: row t predicts targets[t], the next token of its own sequence
+    positions: np.ndarray  # [T] int32, 0 at every sequence's first token; 0 on padding rows
+    segment_ids: np.ndarray  # [T] int32, 1..num_seqs in row order, 0 on padding rows
+    cu_seqlens: np.ndarray  # [B + 1] int32; unused slots repeat the last offset (zero-length sequences)
+    document_index: np.ndarray  # [B] int64: the input document each sequence comes from (-1: unused slot)
+    document_offset: np.ndarray  # [B] int64: where in that document the sequence starts (-1: unused slot)
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences (document pieces) in this batch."""
+        return int(np.sum(self.document_index >= 0))
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) tokens in this batch."""
+        return int(self.cu_seqlens[-1])
+
+    @property
+    def fill_rate(self) -> float:
+        """Real tokens / capacity."""
+        return self.num_tokens / self.tokens.shape[0]
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key not in _FIELDS:
+            raise KeyError(f"{key!r}: a packed batch has {', '.join(_FIELDS)}")
+        return getattr(self, key)
+
+    def keys(self):
+        return _FIELDS
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The per-token arrays and cu_seqlens, as a dict ready for jax.device_put / a jitted step."""
+        return {key: getattr(self, key) for key in ("tokens", "targets", "loss_mask", "positions", "segment_ids",
+                                                    "cu_seqlens")}
+
+
+_FIELDS = tuple(field.name for field in dataclasses.fields(PackedDocuments))
+
+# A piece of a document: (document index, offset in the document, its tokens).
+_Piece = tuple[int, int, np.ndarray]
+
+
+class DocumentPacker(Iterator[PackedDocuments]):
+    """The iterator `pack_documents` returns; it also counts what it has emitted.
+
+    Attributes: batches, tokens (real tokens emitted), documents (non-empty documents read), pieces
+    (sequences emitted), and the property fill_rate = tokens / (batches * capacity).
+    """
+
+    def __init__(self, docs: Iterable, capacity: int, *, max_seqs: int, max_seqlen: int | None = None,
+                 buffer_size: int = 1024, pad_id: int = 0):
+        self.capacity = _positive_int(capacity, "capacity")
+        self.max_seqs = _positive_int(max_seqs, "max_seqs")
+        self.max_seqlen = self.capacity if max_seqlen is None else _positive_int(max_seqlen, "max_seqlen")
+        if self.max_seqlen > self.capacity:
+            raise ValueError(f"max_seqlen ({self.max_seqlen}) must be <= capacity ({self.capacity}): a sequence "
+                             "must fit in one batch")
+        if self.capacity > _INT32.max:
+            raise ValueError(f"capacity must fit int32 offsets (<= {_INT32.max}), got {self.capacity}")
+        self.buffer_size = _positive_int(buffer_size, "buffer_size")
+        self.pad_id = _int(pad_id, "pad_id")
+        if not _INT32.min <= self.pad_id <= _INT32.max:
+            raise ValueError(f"pad_id must fit int32, got {self.pad_id}")
+        if isinstance(docs, (str, bytes)) or not isinstance(docs, Iterable):
+            raise ValueError(f"docs must be an iterable of 1-D integer token arrays, got {type(docs).__name__}")
+        self._docs = iter(enumerate(docs))
+        self._current: collections.deque[_Piece] = collections.deque()  # pieces of the document being read
+        self._carried: list[_Piece] = []
+        self._ready: collections.deque[list[_Piece]] = collections.deque()
+        self._exhausted = False
+        self.batches = self.tokens = self.documents = self.pieces = 0
+
+    @property
+    def fill_rate(self) -> float:
+        """Real tokens / (batches * capacity) over every batch emitted so far (0.0 before the first)."""
+        return self.tokens / (self.batches * self.capacity) if self.batches else 0.0
+
+    def __iter__(self) -> DocumentPacker:
+        return self
+
+    def __next__(self) -> PackedDocuments:
+        while not self._ready:
+            pieces = self._carried + self._read(self.buffer_size - len(self._carried))
+            self._carried = []
+            if not pieces:
+                raise StopIteration
+            bins = self._first_fit_decreasing(pieces)
+            if not self._exhausted and len(bins) > 1:
+                # The least-filled batch waits for the next buffer (the last such batch: the smallest pieces).
+                fills = [sum(len(p[2]) for p in b) for b in bins]
+                self._carried = bins.pop(len(fills) - 1 - int(np.argmin(fills[::-1])))
+            self._ready.extend(bins)
+        batch = self._batch(self._ready.popleft())
+        self.batches += 1
+        self.tokens += batch.num_tokens
+        self.pieces += batch.num_seqs
+        return batch
+
+    def _read(self, wanted: int) -> list[_Piece]:
+        """Up to `wanted` (at least one, while input lasts) pieces, splitting documents as they are read."""
+        pieces = []
+        while len(pieces) < max(wanted, 1):
+            if not self._current:
+                if self._exhausted or not self._next_document():
+                    break
+                continue
+            pieces.append(self._current.popleft())
+        return pieces
+
+    def _next_document(self) -> bool:
+        """Queues the pieces of the next non-empty document; False at the end of the input."""
+        for index, doc in self._docs:
+            tokens = _tokens(doc, index)
+            if tokens.size == 0:
+                continue
+            self.documents += 1
+            self._current.extend((index, start, tokens[start:start + self.max_seqlen])
+                                 for start in range(0, tokens.size, self.max_seqlen))
+            return True
+        self._exhausted = True
+        return False
+
+    def _first_fit_decreasing(self, pieces: list[_Piece]) -> list[list[_Piece]]:
+        # Longest first; ties keep input order, so equal pieces of one document fill batches in order.
+        order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i][2]))
+        room = np.empty(0, np.int64)  # free tokens per open batch
+        slots = np.empty(0, np.int64)  # free sequence slots per open batch
+        bins: list[list[_Piece]] = []
+        for i in order:
+            length = len(pieces[i][2])
+            fits = np.flatnonzero((room >= length) & (slots > 0))
+            if fits.size:
+                b = int(fits[0])
+            else:
+                b = len(bins)
+                bins.append([])
+                room = np.append(room, self.capacity)
+                slots = np.append(slots, self.max_seqs)
+            bins[b].append(pieces[i])
+            room[b] -= length
+            slots[b] -= 1
+        return [sorted(b, key=lambda p: (p[0], p[1])) for b in bins]
+
+    def _batch(self, pieces: list[_Piece]) -> PackedDocuments:
+        t, b = self.capacity, self.max_seqs
+        tokens = np.full(t, self.pad_id, np.int32)
+        targets = np.full(t, self.pad_id, np.int32)
+        loss_mask = np.zeros(t, bool)
+        positions = np.zeros(t, np.int32)
+        segment_ids = np.zeros(t, np.int32)
+        document_index = np.full(b, -1, np.int64)
+        document_offset = np.full(b, -1, np.int64)
+        lengths = np.zeros(b, np.int64)
+        start = 0
+        for s, (index, offset, piece) in enumerate(pieces):
+            n = len(piece)
+            rows = slice(start, start + n)
+            tokens[rows] = piece
+            targets[start:start + n - 1] = piece[1:]
+            loss_mask[start:start + n - 1] = True
+            positions[rows] = np.arange(n)
+            segment_ids[rows] = s + 1
+            document_index[s], document_offset[s], lengths[s] = index, offset, n
+            start += n
+        cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        return PackedDocuments(tokens=tokens, targets=targets, loss_mask=loss_mask, positions=positions,
+                               segment_ids=segment_ids, cu_seqlens=cu_seqlens, document_index=document_index,
+                               document_offset=document_offset)
+
+
+def pack_documents(docs: Iterable, capacity: int, *, max_seqs: int, max_seqlen: int | None = None,
+                   buffer_size: int = 1024, pad_id: int = 0) -> DocumentPacker:
+    """Packs token documents into fixed-shape batches for `ragged_attention` (see the module docstring).
+
+    Args:
+      docs: a list or any iterable (read lazily) of 1-D integer token arrays (or lists); empty ones are skipped.
+      capacity: T, rows of every batch's token buffer.
+      max_seqs: B, sequence slots of every batch (cu_seqlens has B + 1 entries). A batch closes when its
+        slots run out even if it has room for tokens, so B bounds how many short documents share a batch;
+        the xla path's memory grows with B * max_seqlen**2, the cuDNN path's does not.
+      max_seqlen: the longest sequence; longer documents are split into pieces of this length. Default
+        capacity; at most capacity. Pass the same value as the attention's max_seqlen.
+      buffer_size: pieces read ahead and packed together (first-fit-decreasing); larger packs tighter.
+      pad_id: the token (and target) written to padding rows.
+
+    Returns:
+      A `DocumentPacker`: an iterator of `PackedDocuments` batches whose fill_rate attribute reports the
+      fraction of real tokens over all batches emitted so far. Arguments are checked here, documents as
+      they are read; a malformed one raises ValueError naming its index.
+    """
+    return DocumentPacker(docs, capacity, max_seqs=max_seqs, max_seqlen=max_seqlen, buffer_size=buffer_size,
+                          pad_id=pad_id)
+
+
+def _tokens(doc, index: int) -> np.ndarray:
+    array = np.asarray(doc)
+    if array.ndim != 1:
+        raise ValueError(f"docs[{index}] must be a 1-D array of token ids, got shape {array.shape}")
+    if array.size == 0:
+        return array.astype(np.int32)
+    if not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"docs[{index}] must hold integer token ids, got dtype {array.dtype}")
+    if array.min() < _INT32.min or array.max() > _INT32.max:
+        raise ValueError(f"docs[{index}] holds token ids outside int32: min {array.min()}, max {array.max()}")
+    return array.astype(np.int32)
+
+
+def _int(value, name: str) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be an int, got bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def _positive_int(value, name: str) -> int:
+    value = _int(value, name)
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value

@@ -1,0 +1,207 @@
+"""pack_documents: every token once and in order, no batch over capacity, no label across a boundary."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from jax_ragged_attn.data import pack_documents
+
+
+def _check_batch(batch, capacity: int, max_seqs: int, max_seqlen: int, pad_id: int = 0) -> None:
+    """Every invariant one batch must satisfy on its own."""
+    t = capacity
+    assert batch.tokens.shape == batch.targets.shape == batch.loss_mask.shape == (t,)
+    assert batch.positions.shape == batch.segment_ids.shape == (t,)
+    assert batch.cu_seqlens.shape == (max_seqs + 1,) and batch.cu_seqlens.dtype == np.int32
+    assert batch.tokens.dtype == batch.targets.dtype == batch.positions.dtype == np.int32
+    cu = batch.cu_seqlens
+    assert cu[0] == 0 and np.all(np.diff(cu) >= 0) and cu[-1] <= capacity
+    lengths = np.diff(cu)
+    b = batch.num_seqs
+    assert np.all(lengths[:b] >= 1) and np.all(lengths[:b] <= max_seqlen), lengths
+    assert np.all(lengths[b:] == 0), "unused slots must repeat the last offset"
+    assert np.all(batch.document_index[b:] == -1) and np.all(batch.document_index[:b] >= 0)
+    assert batch.num_tokens == cu[-1] and batch.fill_rate == cu[-1] / capacity
+    # Sequences follow input order within a batch.
+    keys = list(zip(batch.document_index[:b], batch.document_offset[:b]))
+    assert keys == sorted(keys)
+    for s in range(b):
+        rows = slice(cu[s], cu[s + 1])
+        n = cu[s + 1] - cu[s]
+        np.testing.assert_array_equal(batch.positions[rows], np.arange(n))
+        assert np.all(batch.segment_ids[rows] == s + 1)
+        # Next-token targets within the sequence; the last row predicts nothing.
+        np.testing.assert_array_equal(batch.targets[cu[s]:cu[s + 1] - 1], batch.tokens[cu[s] + 1:cu[s + 1]])
+        assert batch.loss_mask[cu[s]:cu[s + 1] - 1].all() and not batch.loss_mask[cu[s + 1] - 1]
+        assert batch.targets[cu[s + 1] - 1] == pad_id
+    pad = slice(cu[-1], t)
+    assert np.all(batch.tokens[pad] == pad_id) and np.all(batch.segment_ids[pad] == 0)
+    assert not batch.loss_mask[pad].any() and np.all(batch.positions[pad] == 0)
+    # No label crosses a boundary: a masked row and the row it predicts belong to the same segment.
+    masked = np.flatnonzero(batch.loss_mask)
+    assert np.all(batch.segment_ids[masked] == batch.segment_ids[masked + 1])
+    assert np.all(batch.segment_ids[masked] > 0)
+
+
+def _reassemble(docs, batches, max_seqlen):
+    """Puts every sequence back into its document; asserts each token is placed exactly once."""
+    rebuilt = [np.full(len(d), -1, np.int64) for d in docs]
+    for batch in batches:
+        cu = batch.cu_seqlens
+        for s in range(batch.num_seqs):
+            index, offset = int(batch.document_index[s]), int(batch.document_offset[s])
+            piece = batch.tokens[cu[s]:cu[s + 1]]
+            assert offset % max_seqlen == 0, "pieces start at multiples of max_seqlen"
+            target = rebuilt[index][offset:offset + len(piece)]
+            assert len(target) == len(piece) and np.all(target == -1), f"document {index} offset {offset} twice"
+            target[:] = piece
+    return rebuilt
+
+
+documents = st.lists(st.lists(st.integers(1, 1000), max_size=40), max_size=30)
+
+
+@settings(max_examples=150, deadline=None)
+@given(docs=documents, capacity=st.integers(1, 48), max_seqs=st.integers(1, 6), seqlen_fraction=st.floats(0.01, 1.0),
+       buffer_size=st.integers(1, 20), as_iterator=st.booleans())
+def test_every_token_once_in_order_within_capacity(docs, capacity, max_seqs, seqlen_fraction, buffer_size,
+                                                   as_iterator):
+    max_seqlen = max(1, int(capacity * seqlen_fraction))
+    source = iter(docs) if as_iterator else docs
+    packer = pack_documents(source, capacity, max_seqs=max_seqs, max_seqlen=max_seqlen, buffer_size=buffer_size)
+    batches = list(packer)
+    for batch in batches:
+        _check_batch(batch, capacity, max_seqs, max_seqlen)
+    rebuilt = _reassemble(docs, batches, max_seqlen)
+    for d, r in zip(docs, rebuilt):
+        np.testing.assert_array_equal(r, d)  # every token present (no -1 left), in order
+    total = sum(len(d) for d in docs)
+    assert packer.tokens == total and packer.batches == len(batches)
+    assert packer.documents == sum(1 for d in docs if d)
+    assert packer.pieces == sum(-(-len(d) // max_seqlen) for d in docs)
+    if batches:
+        assert packer.fill_rate == pytest.approx(total / (len(batches) * capacity))
+    assert all(b.num_tokens > 0 for b in batches), "no empty batch"
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 64), min_size=50, max_size=200), seed=st.integers(0, 2**16))
+def test_first_fit_decreasing_fills_batches(lengths, seed):
+    # Pieces of at most a quarter of the capacity: first-fit-decreasing leaves less than a quarter of any
+    # batch empty except in the last few (each buffer's tail, held back for the next buffer when it can).
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, 256, n) for n in lengths]
+    capacity = 256
+    batches = list(pack_documents(docs, capacity, max_seqs=256, max_seqlen=64, buffer_size=64))
+    fills = sorted(b.fill_rate for b in batches)
+    assert all(f > 0.75 for f in fills[1:]) or len(batches) <= 2, fills
+
+
+def test_example_from_the_docstring():
+    batch = next(pack_documents([[7, 8, 9], [5], [4, 6]], 8, max_seqs=4))
+    np.testing.assert_array_equal(batch.tokens, [7, 8, 9, 5, 4, 6, 0, 0])
+    np.testing.assert_array_equal(batch.cu_seqlens, [0, 3, 4, 6, 6])
+    np.testing.assert_array_equal(batch.positions, [0, 1, 2, 0, 0, 1, 0, 0])
+    np.testing.assert_array_equal(batch["segment_ids"], [1, 1, 1, 2, 3, 3, 0, 0])
+    np.testing.assert_array_equal(batch["targets"], [8, 9, 0, 0, 6, 0, 0, 0])
+    np.testing.assert_array_equal(batch.loss_mask, [1, 1, 0, 0, 1, 0, 0, 0])
+    assert set(batch.arrays()) == {"tokens", "targets", "loss_mask", "positions", "segment_ids", "cu_seqlens"}
+    with pytest.raises(KeyError, match="'tokenz'"):
+        batch["tokenz"]
+
+
+def test_long_document_is_split_into_max_seqlen_pieces():
+    doc = np.arange(1, 26)  # 25 tokens, max_seqlen 10 -> pieces of 10, 10, 5
+    batches = list(pack_documents([doc], 16, max_seqs=2, max_seqlen=10))
+    pieces = sorted((int(b.document_offset[s]), b.tokens[b.cu_seqlens[s]:b.cu_seqlens[s + 1]].tolist())
+                    for b in batches for s in range(b.num_seqs))
+    assert pieces == [(0, list(range(1, 11))), (10, list(range(11, 21))), (20, list(range(21, 26)))]
+    # The piece boundaries are not labels: 10 -> 11 and 20 -> 21 are never targets.
+    for b in batches:
+        assert not (b.loss_mask & (((b.tokens == 10) & (b.targets == 11)) | ((b.tokens == 20) & (b.targets == 21)))).any()
+
+
+def test_empty_documents_are_skipped_and_no_input_gives_no_batch():
+    assert list(pack_documents([], 8, max_seqs=2)) == []
+    assert list(pack_documents([[], np.array([], np.int64)], 8, max_seqs=2)) == []
+    packer = pack_documents([[], [1, 2], [], [3]], 8, max_seqs=4)
+    (batch,) = list(packer)
+    np.testing.assert_array_equal(batch.cu_seqlens, [0, 2, 3, 3, 3])
+    np.testing.assert_array_equal(batch.document_index, [1, 3, -1, -1])
+    assert packer.documents == 2 and packer.fill_rate == 3 / 8
+
+
+def test_document_exactly_capacity_long_fills_one_batch():
+    docs = [np.arange(8), np.arange(3), np.arange(8) + 100]
+    batches = list(pack_documents(docs, 8, max_seqs=3))
+    full = [b for b in batches if b.num_tokens == 8 and b.num_seqs == 1]
+    assert len(full) == 2 and len(batches) == 3
+    assert {int(b.document_index[0]) for b in full} == {0, 2}
+    assert not full[0].loss_mask[-1] and full[0].loss_mask[:7].all()
+
+
+def test_iterator_input_is_read_lazily():
+    read = []
+
+    def documents():
+        for i in range(1000):
+            read.append(i)
+            yield np.full(4, i)
+
+    packer = pack_documents(documents(), 16, max_seqs=4, buffer_size=8)
+    assert read == [], "nothing is read before the first batch is asked for"
+    next(packer)
+    assert len(read) < 20, f"read {len(read)} documents for the first batch"
+
+
+def test_generator_of_endless_documents_keeps_packing():
+    def endless():
+        rng = np.random.default_rng(0)
+        while True:
+            yield rng.integers(0, 9, rng.integers(1, 30))
+
+    packer = pack_documents(endless(), 64, max_seqs=8, max_seqlen=32, buffer_size=32)
+    for _, batch in zip(range(50), packer):
+        _check_batch(batch, 64, 8, 32)
+    assert packer.batches == 50 and packer.fill_rate > 0.8
+
+
+def test_pad_id_fills_padding():
+    batch = next(pack_documents([[1, 2]], 4, max_seqs=1, pad_id=-1))
+    np.testing.assert_array_equal(batch.tokens, [1, 2, -1, -1])
+    np.testing.assert_array_equal(batch.targets, [2, -1, -1, -1])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(capacity=0), r"capacity must be >= 1, got 0"),
+    (dict(capacity=8.0), r"capacity must be an int, got float 8.0"),
+    (dict(capacity=True), r"capacity must be an int, got bool"),
+    (dict(max_seqs=0), r"max_seqs must be >= 1, got 0"),
+    (dict(max_seqs=None), r"max_seqs must be an int, got NoneType"),
+    (dict(max_seqlen=0), r"max_seqlen must be >= 1, got 0"),
+    (dict(max_seqlen=9), r"max_seqlen \(9\) must be <= capacity \(8\)"),
+    (dict(buffer_size=0), r"buffer_size must be >= 1, got 0"),
+    (dict(pad_id=2**40), r"pad_id must fit int32"),
+    (dict(pad_id="0"), r"pad_id must be an int, got str"),
+    (dict(docs=5), r"docs must be an iterable of 1-D integer token arrays, got int"),
+    (dict(docs="abc"), r"docs must be an iterable of 1-D integer token arrays, got str"),
+])
+def test_bad_arguments_raise_naming_the_argument(kwargs, message):
+    arguments = dict(docs=[[1, 2]], capacity=8, max_seqs=2)
+    arguments.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        pack_documents(arguments.pop("docs"), arguments.pop("capacity"), **arguments)
+
+
+@pytest.mark.parametrize("docs, message", [
+    ([[1, 2], [[1, 2]]], r"docs\[1\] must be a 1-D array of token ids, got shape \(1, 2\)"),
+    ([[1.5, 2.0]], r"docs\[0\] must hold integer token ids, got dtype float64"),
+    ([3], r"docs\[0\] must be a 1-D array of token ids, got shape \(\)"),
+    ([np.array([1, 2**40])], r"docs\[0\] holds token ids outside int32"),
+])
+def test_bad_documents_raise_naming_the_document(docs, message):
+    packer = pack_documents(docs, 8, max_seqs=2)
+    with pytest.raises(ValueError, match=message):
+        list(packer)
