@@ -128,15 +128,38 @@ def test_backward_is_forward_and_backward_minus_forward():
 
 def test_report_ratios_table_and_csv(tmp_path):
     rows = [_row("raw-cudnn", "forward", 1.0), _row("ours-hm", "forward", 1.1, workspace_bytes=270_540_928),
-            Measurement("W1", "jax-packed", "forward", status="error: NotImplementedError: no")]
-    table = bench_report.table(rows).splitlines()
-    assert table[0].split()[:3] == ["workload", "system", "dir"]
+            Measurement("W1", "jax-packed", "forward", status="error: NotImplementedError: no"),
+            _row("raw-cudnn", "forward", 2.0, method="plain"), _row("ours-hm", "forward", 2.2, method="plain")]
+    limits = {"fori": 2e15, "plain": 1e15}  # dense matmul FLOP/s per method
+    table = bench_report.table(rows, limits).splitlines()
+    assert table[0].split()[:4] == ["workload", "system", "method", "dir"]
     assert "1.10x" in table[2] and "270.5 MB" in table[2] and "1000.0" in table[1]  # 1e12 FLOP in 1 ms
+    assert " 50% " in table[1] and " 45% " in table[2]  # 1000 TFLOP/s of 2000; 909 of 2000
     assert table[3].endswith("error: NotImplementedError: no")
-    bench_report.write_csv(tmp_path / "b.csv", rows)
+    # Ratios and fractions pair rows of the same method: plain over plain raw, over plain's limit.
+    assert table[4].split()[:3] == ["W1", "raw-cudnn", "plain"] and " 50% " in table[4] and "1.00x" in table[4]
+    assert "1.10x" in table[5] and " 45% " in table[5]
+    bench_report.write_csv(tmp_path / "b.csv", rows, limits)
     with open(tmp_path / "b.csv") as f:
         written = list(csv.DictReader(f))
-    assert [r["time_vs_raw"] for r in written] == ["1.0000", "1.1000", ""]
+    assert [r["time_vs_raw"] for r in written] == ["1.0000", "1.1000", "", "1.0000", "1.1000"]
+    assert [r["method"] for r in written] == ["fori", "fori", "fori", "plain", "plain"]
+    assert [r["fraction_of_limit"] for r in written] == ["0.5000", "0.4545", "", "0.5000", "0.4545"]
+    assert bench_report.table(rows[:1]).split("\n")[1].split()[6] == "-"  # no limit measured: no fraction
+
+
+def test_both_methods_time_the_same_function():
+    settings = bench_timing.Settings(iterations=2, target_call_s=0.001, max_steps=2, warmup_calls=1,
+                                     assumed_flops_per_s=2e10, methods=("fori", "plain"))
+    rows = bench_timing.measure_jax(bench_systems._ours_case(WORKLOADS["tiny"], implementation="xla"),
+                                    WORKLOADS["tiny"], "xla", settings)
+    assert [(m.method, m.direction) for m in rows] == [(m, d) for m in ("fori", "plain") for d in workloads.DIRECTIONS]
+    measured = [m for m in rows if m.direction != "backward"]
+    assert all(m.ok and m.median_s > 0 and m.peak_bytes for m in measured), measured
+    assert all((m.loop_copy_bytes is None) == (m.method == "plain") for m in measured)  # no loop to copy into
+    assert bench_timing.matmul_rate(64, settings, "plain") > 0 and bench_timing.matmul_rate(64, settings, "fori") > 0
+    with pytest.raises(ValueError, match="method"):
+        bench_timing.matmul_rate(64, settings, "sideways")
 
 
 def test_cli_runs_end_to_end(tmp_path, capsys):
@@ -146,10 +169,13 @@ def test_cli_runs_end_to_end(tmp_path, capsys):
     with open(tmp_path / "bench.csv") as f:
         rows = list(csv.DictReader(f))
     assert status == 0
-    assert len(rows) == 4 * 3  # every system, every direction
+    assert len(rows) == 4 * 3 * 2  # every system, every direction, both methods (the default)
+    assert {r["method"] for r in rows} == {"fori", "plain"}
     assert all(r["status"] == "ok" or r["status"].startswith("skipped: ") for r in rows), rows
     measured = [r for r in rows if r["system"] == "xla" and r["direction"] != "backward"]  # backward is derived
-    assert len(measured) == 2 and all(r["status"] == "ok" and float(r["median_ms"]) > 0 for r in measured)
+    assert len(measured) == 4 and all(r["status"] == "ok" and float(r["median_ms"]) > 0 for r in measured)
+    assert all(float(r["fraction_of_limit"]) > 0 for r in measured)
+    assert "dense limit (fori): jitted bf16 [512, 512]" in printed and "dense limit (plain)" in printed
     if jax.default_backend() == "cpu":
         assert all(r["status"].startswith("skipped: ") for r in rows if r["system"] != "xla")
     assert (tmp_path / "table.txt").exists()
@@ -163,8 +189,69 @@ def test_cli_runs_end_to_end(tmp_path, capsys):
     lines = printed.rstrip().splitlines()
     header = max(i for i, line in enumerate(lines) if line.startswith("workload  system"))
     assert len(lines) > header + 1 and all(line.startswith("tiny ") for line in lines[header + 1:])  # table last
-    if jax.default_backend() == "cpu":  # a system skipped for one reason reads as one line
-        assert sum(" all " in line and "skipped: " in line for line in lines[header + 1:]) == 3
+    if jax.default_backend() == "cpu":  # a system skipped for one reason reads as one line per method
+        assert sum(" all " in line and "skipped: " in line for line in lines[header + 1:]) == 3 * 2
+        assert "the fraction of this limit means nothing here" in printed
+
+
+def test_cli_method_flag(tmp_path):
+    with pytest.raises(SystemExit):
+        bench.main(["--method", "fori,sideways", "--out", str(tmp_path)])
+    assert bench.main(["--workloads", "tiny", "--systems", "raw-cudnn", "--method", "plain", "--quick",
+                       "--matmul-size", "64", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "bench.csv") as f:
+        assert {r["method"] for r in csv.DictReader(f)} == {"plain"}
+
+
+# ---- the training-step benchmark (jax_ragged_attn/tools/bench/model_step.py) ----------------------------------
+
+
+def test_model_step_systems_compute_the_same_loss_and_gradients():
+    # Every system must train the same block on the same real tokens: padding and pad/unpad only move them.
+    # The padded systems run jax.nn's xla attention here (cudnn needs a GPU); same layout code, same loss.
+    from jax_ragged_attn.tools.bench import model_step as ms
+
+    config, lengths = ms.TINY, ms.LENGTHS["tiny"]
+    params = ms.init_params(config)
+    results = {}
+    for name, system in ms.systems(config, padded_implementation="xla").items():
+        if name == "ours-cudnn":
+            continue
+        batch = ms.make_batch(system, lengths, config)
+        attention = functools.partial(system.attention(lengths), *batch.index)
+        loss = functools.partial(ms._loss, attention=attention, config=config)
+        results[name] = jax.jit(jax.value_and_grad(loss))(params, batch.x, batch.positions, batch.mask)
+    reference_loss, reference_grads = results.pop("ours-xla")
+    assert bool(jnp.isfinite(reference_loss)) and float(reference_loss) > 0
+    for name, (loss, grads) in results.items():
+        assert float(loss) == pytest.approx(float(reference_loss), rel=2e-2), name
+        for key, g in grads.items():
+            scale = float(jnp.abs(reference_grads[key]).max())
+            assert float(jnp.abs(g - reference_grads[key]).max()) <= 5e-2 * scale, (name, key)
+
+
+def test_model_step_bench_runs_on_cpu(tmp_path, capsys):
+    from jax_ragged_attn.tools.bench import model_step as ms
+
+    status = bench.main(["--model", "--quick", "--systems", "padded,ours-cudnn,ours-xla", "--matmul-size", "64",
+                         "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    with open(tmp_path / "model_step.csv") as f:
+        rows = {r["system"]: r for r in csv.DictReader(f)}
+    assert list(rows) == ["padded", "ours-cudnn", "ours-xla"]
+    xla = rows["ours-xla"]
+    assert xla["status"] == "ok" and int(xla["tokens"]) == sum(ms.LENGTHS["tiny"])
+    for field in ("step_ms", "tokens_per_s", "tflops", "fraction_of_limit", "attention_ms", "attention_share",
+                  "step_bytes", "loss"):
+        assert float(xla[field]) > 0, field  # printed, not judged: a CPU's timings mean nothing
+    if jax.default_backend() == "cpu":
+        assert rows["padded"]["status"].startswith("skipped: jax.nn's cudnn attention needs a CUDA GPU")
+        assert rows["ours-cudnn"]["status"].startswith("skipped: the cuDNN path cannot run here")
+        assert "the fraction means nothing" in printed
+    lines = printed.rstrip().splitlines()
+    assert lines[-4].startswith("lengths  system") and lines[-1].startswith("tiny     ours-xla")  # table last
+    assert (tmp_path / "model_step.txt").exists()
 
 
 # ---- command buffers (jax_ragged_attn/tools/bench/capture.py, bench_command_buffers.py) -------------------------

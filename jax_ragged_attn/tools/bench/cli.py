@@ -1,14 +1,17 @@
 """`python -m jax_ragged_attn.bench`: packed attention timed side by side with raw cuDNN and JAX's own paths.
 
 For each workload (jax_ragged_attn/tools/workloads.py) and system (jax_ragged_attn/tools/bench/systems.py) it measures
-forward and forward+backward on the device (a jitted loop of N steps per timed call, the median of
---iterations calls) and derives backward as their difference. It reports useful TFLOP/s over real tokens,
-the time relative to raw cuDNN, cuDNN's workspace and the step's device memory, then the host overhead of
-one cached call. A system that cannot run prints "skipped: <reason>", one that fails "error: <message>";
+forward and forward+backward by each --method ("fori": a jitted loop of N steps per timed call; "plain": a
+Python loop of N calls of the jitted op, then block_until_ready, as a training loop runs; the median of
+--iterations timed calls or loops) and derives backward as their difference. It reports useful TFLOP/s
+over real tokens, their fraction of a dense bf16 matmul's rate timed in the same run ("of limit"), the time
+relative to raw cuDNN (same method), cuDNN's workspace and the step's device memory, then the host overhead
+of one cached call. A system that cannot run prints "skipped: <reason>", one that fails "error: <message>";
 the others still run. Writes bench.csv, bench.png and table.txt into --out; the table is printed last.
 
   python -m jax_ragged_attn.bench                                   # every workload and system
   python -m jax_ragged_attn.bench --workloads W3 --systems xla --quick   # a CPU smoke run
+  python -m jax_ragged_attn.bench --model --quick                      # the training-step benchmark (model_step.py)
 
 XLA's command buffers (CUDA graphs) off and on, and whether our custom calls are captured:
 python -m jax_ragged_attn.tools.bench.command_buffers (jax_ragged_attn/tools/bench/capture.py explains how it is read).
@@ -27,7 +30,8 @@ import jax
 from jax_ragged_attn._cudnn import extension
 from jax_ragged_attn.tools import workloads
 from jax_ragged_attn.tools.bench import report as bench_report, systems as bench_systems
-from jax_ragged_attn.tools.bench.timing import Measurement, Settings, error_status, host_overhead, rows_with_status
+from jax_ragged_attn.tools.bench.timing import (METHODS, Measurement, Settings, error_status, host_overhead,
+                                                matmul_rate, rows_with_status)
 from jax_ragged_attn.tools.workloads import DIRECTIONS
 
 
@@ -47,10 +51,22 @@ def _parse(argv):
     parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                         help="skip measurements not started within this many seconds, so the run still ends "
                              "with its table and files")
+    parser.add_argument("--method", default=",".join(METHODS),
+                        help="comma-separated timing methods: fori (a device-side loop of N steps in one jitted "
+                             "call), plain (N jitted calls from Python, then block_until_ready); default both")
+    parser.add_argument("--matmul-size", type=int, default=None, metavar="N",
+                        help="size of the dense bf16 [N, N] @ [N, N] matmul whose rate is the limit (default 8192 "
+                             "on a GPU, 512 elsewhere, where the fraction means nothing)")
+    parser.add_argument("--model", action="store_true",
+                        help="run the training-step benchmark instead; the other arguments go to "
+                             "python -m jax_ragged_attn.tools.bench.model_step (see its --help)")
     parser.add_argument("--list", action="store_true", help="list workloads and systems, then exit")
     args = parser.parse_args(argv)
     if args.iterations is not None and args.iterations < 1:
         parser.error(f"--iterations must be >= 1, got {args.iterations}")
+    args.methods = tuple(dict.fromkeys(m.strip() for m in args.method.split(",") if m.strip()))
+    if not args.methods or any(m not in METHODS for m in args.methods):
+        parser.error(f"--method takes a comma-separated list of {', '.join(METHODS)}, got {args.method!r}")
     return args
 
 
@@ -59,8 +75,24 @@ def _settings(args) -> Settings:
     rate = 3e14 if jax.default_backend() == "gpu" else 2e10
     if args.quick:
         return Settings(iterations=args.iterations or 2, target_call_s=0.002, max_steps=5, warmup_calls=1,
-                        assumed_flops_per_s=rate)
-    return Settings(iterations=args.iterations or 20, assumed_flops_per_s=rate)
+                        assumed_flops_per_s=rate, methods=args.methods)
+    return Settings(iterations=args.iterations or 20, assumed_flops_per_s=rate, methods=args.methods)
+
+
+def limits(settings: Settings, size: int | None) -> tuple[dict[str, float], list[str]]:
+    """(method -> dense bf16 matmul FLOP/s, lines saying so): the denominator of the "of limit" column."""
+    on_gpu = jax.default_backend() == "gpu"
+    size = size or (8192 if on_gpu else 512)
+    rates, lines = {}, []
+    for method in settings.methods:
+        try:
+            rates[method] = matmul_rate(size, settings, method)
+            text = f"{rates[method] / 1e12:.1f} TFLOP/s"
+        except Exception as error:  # noqa: BLE001 - the table still prints, without the column
+            text = error_status(error)
+        lines.append(f"dense limit ({method}): jitted bf16 [{size}, {size}] @ [{size}, {size}]: {text}"
+                     + ("" if on_gpu else " (not a GPU: the fraction of this limit means nothing here)"))
+    return rates, lines
 
 
 def _environment() -> list[str]:
@@ -89,8 +121,8 @@ def _summary(rows: list[Measurement], seconds: float) -> str:
     if all(not m.ok and m.status == rows[0].status for m in rows):
         parts = [rows[0].status]
     else:
-        parts = [f"{m.direction} {m.median_s * 1e3:.3f} ms ({bench_report.format_tflops(m.tflops)} TFLOP/s)" if m.tflops is not None
-                 else f"{m.direction} {m.status}" for m in rows]
+        parts = [f"{m.method} {m.direction} {m.median_s * 1e3:.3f} ms ({bench_report.format_tflops(m.tflops)} TFLOP/s)"
+                 if m.tflops is not None else f"{m.method} {m.direction} {m.status}" for m in rows]
     text = f"{rows[0].workload} {rows[0].system} ({seconds:.1f} s): " + ", ".join(parts)
     return text if len(text) <= 400 else text[:397] + "..."
 
@@ -98,12 +130,12 @@ def _summary(rows: list[Measurement], seconds: float) -> str:
 def _measure(system, workload, settings) -> list[Measurement]:
     reason = system.unavailable() or system.unsupported(workload)
     if reason:
-        return rows_with_status(workload, system.name, f"skipped: {reason}", DIRECTIONS)
+        return rows_with_status(workload, system.name, f"skipped: {reason}", DIRECTIONS, settings.methods)
     try:
         return system.measure(workload, settings)
     except Exception as error:  # noqa: BLE001 - one failing system must not stop the others
         traceback.print_exc(file=sys.stderr)  # the rows keep the message; stderr keeps where it came from
-        return rows_with_status(workload, system.name, error_status(error), DIRECTIONS)
+        return rows_with_status(workload, system.name, error_status(error), DIRECTIONS, settings.methods)
 
 
 def _overhead_lines() -> list[str]:
@@ -125,6 +157,11 @@ def _overhead_lines() -> list[str]:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--model" in argv:  # the training-step benchmark has its own arguments
+        from jax_ragged_attn.tools.bench import model_step
+
+        return model_step.main([a for a in argv if a != "--model"])
     args = _parse(argv)
     if args.list:
         for w in workloads.WORKLOADS.values():
@@ -141,6 +178,9 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     header = _environment()
     print("\n".join(header), flush=True)
+    rates, limit_lines = limits(settings, args.matmul_size)
+    header += limit_lines
+    print("\n".join(limit_lines), flush=True)
 
     started = time.perf_counter()
     measurements: list[Measurement] = []
@@ -151,12 +191,13 @@ def main(argv=None) -> int:
         begun = time.perf_counter()
         if args.time_budget is not None and begun - started > args.time_budget:
             rows = rows_with_status(workload, system.name,
-                                    f"skipped: time budget of {args.time_budget:.0f} s spent", DIRECTIONS)
+                                    f"skipped: time budget of {args.time_budget:.0f} s spent", DIRECTIONS,
+                                    settings.methods)
         else:
             rows = _measure(system, workload, settings)
         measurements += rows
         say(_summary(rows, time.perf_counter() - begun))
-        bench_report.write_csv(os.path.join(args.out, "bench.csv"), measurements)  # partial results survive a kill
+        bench_report.write_csv(os.path.join(args.out, "bench.csv"), measurements, rates)  # survives a kill
     if hasattr(pairs, "close"):
         pairs.close()
 
@@ -166,7 +207,7 @@ def main(argv=None) -> int:
         plot_problem = bench_report.plot(plot_path, measurements)
     except Exception as error:  # noqa: BLE001 - the table and CSV matter more than the picture
         plot_problem = error_status(error)
-    text = bench_report.table(measurements)
+    text = bench_report.table(measurements, rates)
     footer = [f"wrote {os.path.join(args.out, 'bench.csv')}, "
               + (f"no plot ({plot_problem})" if plot_problem else plot_path)
               + f"; {time.perf_counter() - started:.0f} s"]

@@ -1,4 +1,8 @@
-"""The benchmark's outputs: a text table, a CSV with every field, and a bar plot of TFLOP/s."""
+"""The benchmark's outputs: a text table, a CSV with every field, and a bar plot of TFLOP/s.
+
+`limits` (method -> FLOP/s of a dense bf16 matmul timed in the same run by that method) gives the "of limit"
+column: useful TFLOP/s over what the device's matmul units reached, the fraction of the limit.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +17,20 @@ _SHORT = {"forward": "fwd", "backward": "bwd", "forward+backward": "fwd+bwd"}
 
 
 def ratios_to_raw(measurements: list[Measurement]) -> dict[int, float]:
-    """id(row) -> its time over raw cuDNN's on the same workload and direction (1.10 = 10% slower)."""
-    raw = {(m.workload, m.direction): m.median_s for m in measurements if m.system == RAW_SYSTEM and m.ok}
-    return {id(m): m.median_s / raw[(m.workload, m.direction)]
-            for m in measurements if m.ok and raw.get((m.workload, m.direction))}
+    """id(row) -> its time over raw cuDNN's on the same workload, direction and method (1.10 = 10% slower)."""
+    raw = {(m.workload, m.direction, m.method): m.median_s for m in measurements if m.system == RAW_SYSTEM and m.ok}
+    return {id(m): m.median_s / raw[(m.workload, m.direction, m.method)]
+            for m in measurements if m.ok and raw.get((m.workload, m.direction, m.method))}
+
+
+def fraction_of_limit(m: Measurement, limits: dict[str, float] | None) -> float | None:
+    """Useful FLOP/s over the dense matmul rate measured by the same method, or None."""
+    rate = (limits or {}).get(m.method)
+    return m.tflops * 1e12 / rate if m.tflops is not None and rate else None
+
+
+def format_fraction(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:.0%}" if fraction >= 0.01 else f"{fraction:.1g}"
 
 
 def format_tflops(tflops: float) -> str:
@@ -41,8 +55,9 @@ def _collapsed(measurements: list[Measurement]) -> list[tuple[Measurement, str]]
     """(row, direction label): a system's three rows sharing one skip or error reason become one "all" row."""
     rows, i = [], 0
     while i < len(measurements):
+        first = measurements[i]
         group = [m for m in measurements[i:i + len(DIRECTIONS)]
-                 if (m.workload, m.system) == (measurements[i].workload, measurements[i].system)]
+                 if (m.workload, m.system, m.method) == (first.workload, first.system, first.method)]
         if len(group) == len(DIRECTIONS) and not group[0].ok and len({m.status for m in group}) == 1:
             rows.append((group[0], "all"))
             i += len(group)
@@ -52,32 +67,35 @@ def _collapsed(measurements: list[Measurement]) -> list[tuple[Measurement, str]]
     return rows
 
 
-def table(measurements: list[Measurement]) -> str:
+def table(measurements: list[Measurement], limits: dict[str, float] | None = None) -> str:
     """One line per measurement in the order measured (one per system where all its rows share a reason)."""
     ratio = ratios_to_raw(measurements)
-    header = ("workload", "system", "dir", "ms", "TFLOP/s", "t/t_raw", "workspace", "device mem", "status")
+    header = ("workload", "system", "method", "dir", "ms", "TFLOP/s", "of limit", "t/t_raw", "workspace",
+              "device mem", "status")
     lines = [header]
     for m, direction in _collapsed(measurements):
         lines.append((
-            m.workload, m.system, direction,
+            m.workload, m.system, m.method, direction,
             "-" if m.median_s is None else f"{m.median_s * 1e3:.3f}",
             "-" if m.tflops is None else format_tflops(m.tflops),
+            format_fraction(fraction_of_limit(m, limits)),
             f"{ratio[id(m)]:.2f}x" if id(m) in ratio else "-",
             _megabytes(m.workspace_bytes), _megabytes(m.peak_bytes), _status(m),
         ))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
-    right = {3, 4, 5, 6, 7}
+    right = {4, 5, 6, 7, 8, 9}
     return "\n".join(
         "  ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths)))
         + "  " + line[-1]
         for line in lines)
 
 
-CSV_FIELDS = ("workload", "system", "direction", "status", "median_ms", "min_ms", "max_ms", "iterations", "steps",
-              "gflop", "tflops", "time_vs_raw", "workspace_bytes", "device_bytes", "loop_copy_bytes", "note")
+CSV_FIELDS = ("workload", "system", "method", "direction", "status", "median_ms", "min_ms", "max_ms", "iterations",
+              "steps", "gflop", "tflops", "fraction_of_limit", "time_vs_raw", "workspace_bytes", "device_bytes",
+              "loop_copy_bytes", "note")
 
 
-def write_csv(path: str, measurements: list[Measurement]) -> None:
+def write_csv(path: str, measurements: list[Measurement], limits: dict[str, float] | None = None) -> None:
     ratio = ratios_to_raw(measurements)
 
     def ms(seconds):
@@ -87,9 +105,11 @@ def write_csv(path: str, measurements: list[Measurement]) -> None:
         writer = csv.writer(f)
         writer.writerow(CSV_FIELDS)
         for m in measurements:
-            writer.writerow((m.workload, m.system, m.direction, m.status, ms(m.median_s), ms(m.min_s), ms(m.max_s),
-                             m.iterations, m.steps, f"{m.flops / 1e9:.3f}",
+            fraction = fraction_of_limit(m, limits)
+            writer.writerow((m.workload, m.system, m.method, m.direction, m.status, ms(m.median_s), ms(m.min_s),
+                             ms(m.max_s), m.iterations, m.steps, f"{m.flops / 1e9:.3f}",
                              "" if m.tflops is None else f"{m.tflops:.2f}",
+                             "" if fraction is None else f"{fraction:.4f}",
                              f"{ratio[id(m)]:.4f}" if id(m) in ratio else "",
                              "" if m.workspace_bytes is None else m.workspace_bytes,
                              "" if m.peak_bytes is None else m.peak_bytes,
@@ -106,8 +126,13 @@ def plot(path: str, measurements: list[Measurement]) -> str | None:
     except ImportError as error:
         return f"matplotlib is not importable ({error})"
     workloads = list(dict.fromkeys(m.workload for m in measurements))
-    systems = list(dict.fromkeys(m.system for m in measurements if m.tflops is not None))
-    found = {(m.workload, m.system, m.direction): m.tflops for m in measurements}
+    methods = {m.method for m in measurements}
+
+    def label(m: Measurement) -> str:
+        return m.system if len(methods) == 1 else f"{m.system} ({m.method})"
+
+    systems = list(dict.fromkeys(label(m) for m in measurements if m.tflops is not None))
+    found = {(m.workload, label(m), m.direction): m.tflops for m in measurements}
     width = 0.8 / max(len(systems), 1)
     figure, axes = plt.subplots(len(DIRECTIONS), 1, figsize=(max(7, 1.3 * len(workloads) * max(len(systems), 2) / 2),
                                                              3.2 * len(DIRECTIONS)), squeeze=False)

@@ -1,6 +1,13 @@
-"""Device-side timing of a JAX attention: one jitted loop of N steps per timed call, N chosen per workload.
+"""Timing of a JAX attention by two methods, reported side by side (the `method` column).
 
-Each timed call runs `jax.lax.fori_loop` over N steps and is divided by N, so Python dispatch never sits
+    fori   one jitted call runs `jax.lax.fori_loop` over N steps; the call's time divided by N
+    plain  what a training loop does: a Python loop of N calls of the jitted op, then block_until_ready;
+           the loop's time divided by N (asynchronous dispatch lets the host run ahead of the device)
+
+Both report the median of `iterations` timed calls (plain: timed loops). docs/PERFORMANCE.md ("Two timing
+methods") explains why they differ and which one a training step sees.
+
+fori: each timed call runs `jax.lax.fori_loop` over N steps and is divided by N, so Python dispatch never sits
 between two steps. Three things keep XLA from measuring less than a real training step would:
   - One element of q toggles in place every step, so no call can be hoisted out of the loop; the integer
     index arrays get an update that keeps their values but that XLA cannot prove keeps them, so the op's
@@ -42,6 +49,10 @@ class Settings:
     max_steps: int = 200
     warmup_calls: int = 2  # untimed calls first: the first may capture CUDA graphs or load kernels
     assumed_flops_per_s: float = 3e14  # only to pick the number of steps before the first call
+    methods: tuple[str, ...] = ("fori",)  # any of METHODS, each measured in turn
+
+
+METHODS = ("fori", "plain")
 
 
 @dataclasses.dataclass
@@ -62,6 +73,7 @@ class Measurement:
     peak_bytes: int | None = None
     loop_copy_bytes: int | None = None  # full-size copies per loop step XLA added (should be 0)
     note: str = ""
+    method: str = "fori"  # how it was timed: one of METHODS (last, so older JSON rows still load)
 
     @property
     def ok(self) -> bool:
@@ -77,8 +89,10 @@ def error_status(error: BaseException) -> str:
     return f"error: {type(error).__name__}: {message}"
 
 
-def rows_with_status(workload: Workload, system: str, status: str, directions) -> list[Measurement]:
-    return [Measurement(workload.name, system, d, status=status, flops=workload.flops(d)) for d in directions]
+def rows_with_status(workload: Workload, system: str, status: str, directions,
+                     methods=("fori",)) -> list[Measurement]:
+    return [Measurement(workload.name, system, d, status=status, flops=workload.flops(d), method=m)
+            for m in methods for d in directions]
 
 
 def steps_for(flops: float, settings: Settings) -> int:
@@ -90,7 +104,7 @@ def steps_for(flops: float, settings: Settings) -> int:
 def derive_backward(forward: Measurement, both: Measurement, workspace_bytes: int | None) -> Measurement:
     """The backward row: forward+backward minus forward, from the same steps-per-call timing method."""
     row = Measurement(forward.workload, forward.system, "backward", flops=both.flops - forward.flops,
-                      workspace_bytes=workspace_bytes, note="forward+backward minus forward")
+                      workspace_bytes=workspace_bytes, note="forward+backward minus forward", method=both.method)
     if forward.ok and both.ok:
         row.median_s = both.median_s - forward.median_s
         row.iterations, row.steps = both.iterations, both.steps
@@ -154,6 +168,23 @@ def _forward_backward_loop(attention, steps, q, k, v, index, d_out):
 
     zeros = tuple(jnp.zeros(x.shape, x.dtype) for x in (d_out, q, k, v))
     return jax.lax.fori_loop(0, steps, step, (q, index, zeros))
+
+
+def plain_loop_seconds(call: Callable[[], object], calls: int, repetitions: int) -> list[float]:
+    """Seconds per call of `repetitions` timed loops, each `calls` calls of `call()` then one block_until_ready.
+
+    What a training loop does: JAX dispatches asynchronously, so the host enqueues call n+1 while the
+    device runs call n, and only the last result is waited for. `call` may thread state between calls
+    (the model step feeds its donated parameters back in).
+    """
+    times = []
+    for _ in range(repetitions):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = call()
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls)
+    return times
 
 
 def _call_seconds(compiled, args) -> float:
@@ -220,15 +251,44 @@ def _workspace_bytes(case: JaxCase, direction: str) -> int | None:
         return None
 
 
+def _single_forward(attention, q, k, v, index):
+    return attention(q, k, v, *index)
+
+
+def _single_forward_backward(attention, q, k, v, index, d_out):
+    out, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, *index), q, k, v)
+    return (out, *pullback(d_out))
+
+
+def _time_plain(function, args, flops: float, settings: Settings):
+    """(per-call seconds, calls per timed loop, the compiled executable) of the plain method."""
+    jitted = jax.jit(function)  # called as users call it: jax.jit's C++ dispatch path, not Compiled.__call__
+    compiled = jitted.lower(*args).compile()
+    calls = steps_for(flops, settings)
+    warm = min(_call_seconds(jitted, args) for _ in range(settings.warmup_calls))
+    if warm > 3 * settings.target_call_s and calls > 1:
+        calls = max(1, int(calls * settings.target_call_s / warm))
+    times = plain_loop_seconds(lambda: jitted(*args), calls, settings.iterations)
+    return times, calls, compiled
+
+
 def _measure_direction(case: JaxCase, workload: Workload, system: str, direction: str, settings: Settings,
-                       on_compiled: Callable | None = None):
+                       on_compiled: Callable | None = None, method: str = "fori"):
     flops = workload.flops(direction)
     if direction == "forward":
-        loop, args = _forward_loop, (case.q, case.k, case.v, case.index)
+        loop, single, args = _forward_loop, _single_forward, (case.q, case.k, case.v, case.index)
     else:
         out = jax.eval_shape(case.attention, case.q, case.k, case.v, *case.index)
         d_out = jax.random.normal(jax.random.key(1), out.shape, out.dtype)
-        loop, args = _forward_backward_loop, (case.q, case.k, case.v, case.index, d_out)
+        loop, single = _forward_backward_loop, _single_forward_backward
+        args = (case.q, case.k, case.v, case.index, d_out)
+    if method == "plain":
+        times, steps, compiled = _time_plain(functools.partial(single, case.attention), args, flops, settings)
+        if on_compiled is not None:
+            on_compiled(direction, compiled)
+        return _row(case, workload, system, direction, method, times, steps, flops, compiled)
+    if method != "fori":
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
     def build(steps):
         compiled = jax.jit(functools.partial(loop, case.attention, steps)).lower(*args).compile()
@@ -244,28 +304,38 @@ def _measure_direction(case: JaxCase, workload: Workload, system: str, direction
         compiled = build(steps)
         _call_seconds(compiled, args)
     times = [_call_seconds(compiled, args) / steps for _ in range(settings.iterations)]
+    return _row(case, workload, system, direction, method, times, steps, flops, compiled)
+
+
+def _row(case, workload, system, direction, method, times, steps, flops, compiled) -> Measurement:
     hlo = compiled.as_text() or ""
     workspace = _workspace_bytes(case, direction) if case.workspace_bytes else cudnn_scratch_bytes(hlo)
     return Measurement(workload.name, system, direction, median_s=statistics.median(times), min_s=min(times),
                        max_s=max(times), iterations=len(times), steps=steps, flops=flops,
                        workspace_bytes=workspace, peak_bytes=_device_bytes(compiled),
-                       loop_copy_bytes=loop_copy_bytes(hlo))
+                       loop_copy_bytes=loop_copy_bytes(hlo) if method == "fori" else None, method=method)
 
 
 def measure_jax(case: JaxCase, workload: Workload, system: str, settings: Settings,
                 on_compiled: Callable | None = None) -> list[Measurement]:
-    """Forward and forward+backward measured, backward derived; a failing direction is reported, not raised.
+    """Per method of settings.methods: forward and forward+backward measured, backward derived.
 
-    on_compiled(direction, compiled), if given, is called after each compilation of a timing loop.
+    A failing direction is reported, not raised. on_compiled(direction, compiled), if given, is called
+    after each compilation of a timed executable.
     """
+    return [row for method in settings.methods
+            for row in _measure_method(case, workload, system, settings, on_compiled, method)]
+
+
+def _measure_method(case, workload, system, settings, on_compiled, method) -> list[Measurement]:
     rows = {}
     for direction in ("forward", "forward+backward"):
         try:
-            rows[direction] = _measure_direction(case, workload, system, direction, settings, on_compiled)
+            rows[direction] = _measure_direction(case, workload, system, direction, settings, on_compiled, method)
         except Exception as error:  # noqa: BLE001 - one failing direction must not hide the other
             traceback.print_exc(file=sys.stderr)  # the row keeps the message; stderr keeps where it came from
             rows[direction] = Measurement(workload.name, system, direction, status=error_status(error),
-                                          flops=workload.flops(direction))
+                                          flops=workload.flops(direction), method=method)
     backward_workspace = None
     if case.workspace_bytes:
         backward_workspace = _workspace_bytes(case, "backward")
@@ -304,3 +374,28 @@ def host_overhead(workload: Workload, implementation: str, calls: int = 300) -> 
             synced.append(time.perf_counter() - begin)
         results[name] = (back_to_back, statistics.median(synced))
     return results
+
+
+def matmul_rate(size: int, settings: Settings, method: str) -> float:
+    """FLOP/s of a jitted [size, size] @ [size, size] bfloat16 matmul, timed by `method` like attention.
+
+    The dense limit the "of limit" column divides by: what this device's matmul units reach in the same
+    process and with the same harness, not a datasheet figure.
+    """
+    a, b = (jax.random.normal(key, (size, size), jnp.bfloat16) for key in jax.random.split(jax.random.key(2)))
+    flops = 2.0 * size**3
+
+    def matmul(a, b, _):
+        return a @ b
+
+    if method == "plain":
+        times, _, _ = _time_plain(matmul, (a, b, b), flops, settings)
+    elif method == "fori":
+        steps = steps_for(flops, settings)
+        compiled = jax.jit(functools.partial(_forward_loop, matmul, steps)).lower(a, b, b, ()).compile()
+        for _ in range(settings.warmup_calls):
+            _call_seconds(compiled, (a, b, b, ()))
+        times = [_call_seconds(compiled, (a, b, b, ())) / steps for _ in range(settings.iterations)]
+    else:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return flops / statistics.median(times)
