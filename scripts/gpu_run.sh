@@ -67,6 +67,7 @@ for name in ${STEPS:-pytest bench demo sweep}; do
     bench) step bench "${BENCH_S:-150}" python3 -m jax_ragged_attn.bench ${BENCH_ARGS:---workloads W1,W2 --time-budget 100} \
              --out "$out" ;;
     demo) step demo "${DEMO_S:-45}" python3 -m jax_ragged_attn --plot "$out/demo_loss.png" ;;
+    model) step model "${MODEL_S:-120}" python3 -m jax_ragged_attn.bench --model ${MODEL_ARGS:---time-budget 80} --out "$out" ;;
     *) echo "unknown step $name"; failed+=("$name") ;;
   esac
 done
