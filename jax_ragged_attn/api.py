@@ -1,4 +1,8 @@
-"""The public entry point: validate, pick an implementation, call it."""
+"""The public entry point: validate, pick an implementation, call it.
+
+Every entry point (this one, packed.py, segments.py, sharding.py) builds an `AttentionOptions` from its
+keywords first thing and hands it to `attend`, which serves every packing of the inputs (packings.TABLE).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,10 @@ import dataclasses
 import jax
 
 from jax_ragged_attn import _cudnn as cudnn
+from jax_ragged_attn._cudnn import launch
+from jax_ragged_attn._cudnn.packings import TABLE
 from jax_ragged_attn.checks import check_enabled, checked_cu_seqlens
-from jax_ragged_attn.config import AttentionConfig, check_implementation, make_config
+from jax_ragged_attn.config import AttentionConfig, AttentionOptions, make_config
 from jax_ragged_attn.xla import attention_xla
 
 
@@ -72,32 +78,31 @@ def ragged_attention(
       out [Tq, Hq, Dv] in q's dtype, or (out, stats) with return_stats=True. Rows with no attended key and
       padding rows read out = 0 and stats = -inf, and their gradients are 0.
     """
-    check_implementation(implementation)
-    if not isinstance(return_stats, bool):
-        raise ValueError(f"return_stats must be a Python bool, got {type(return_stats).__name__} {return_stats!r}")
-    config = make_config(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_kv,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_kv=max_seqlen_kv,
-        scale=scale,
-        is_causal=is_causal,
-        diagonal_alignment=diagonal_alignment,
-        local_window_size=local_window_size,
-        stats_layout=stats_layout,
-        deterministic=deterministic,
-        autotune=autotune,
-        sinks=sinks,
-    )
-    config, cu_seqlens_q, cu_seqlens_kv = apply_check(check, config, cu_seqlens_q, cu_seqlens_kv)
-    if choose_implementation(implementation, config) == "cudnn":
-        out, stats = cudnn.attention_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_kv, config)
+    options = AttentionOptions(scale=scale, is_causal=is_causal, diagonal_alignment=diagonal_alignment,
+                               local_window_size=local_window_size, stats_layout=stats_layout,
+                               return_stats=return_stats, implementation=implementation,
+                               deterministic=deterministic, check=check, autotune=autotune)
+    return attend((q, k, v), cu_seqlens_q, cu_seqlens_kv, options, max_seqlen_q=max_seqlen_q,
+                  max_seqlen_kv=max_seqlen_kv, sinks=sinks)
+
+
+def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOptions, *, max_seqlen_q: int,
+           max_seqlen_kv: int, packing: str = "none", sinks=None):
+    """`ragged_attention` of the buffers laid out as TABLE[packing] says: (q, k, v), (q, kv) or (qkv,).
+
+    The cuDNN path reads packed buffers in place and returns their gradients in their own layout; the xla
+    path slices the parts out and lets autodiff assemble the gradients (correct everywhere, with copies).
+    """
+    layout = TABLE[packing]
+    q, k, v = layout.views(buffers)
+    config = make_config(q, k, v, cu_seqlens_q, cu_seqlens_kv, options, max_seqlen_q=max_seqlen_q,
+                         max_seqlen_kv=max_seqlen_kv, sinks=sinks, packing=packing)
+    config, cu_seqlens_q, cu_seqlens_kv = apply_check(options.check, config, cu_seqlens_q, cu_seqlens_kv)
+    if choose_implementation(options.implementation, config) == "cudnn":
+        out, stats = launch.attention(tuple(buffers), cu_seqlens_q, cu_seqlens_kv, config)
     else:
-        out, stats = attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config, sinks)
-    return (out, stats) if return_stats else out
+        out, stats = attention_xla(*layout.split(buffers), cu_seqlens_q, cu_seqlens_kv, config, sinks)
+    return (out, stats) if options.return_stats else out
 
 
 def apply_check(check: bool | None, config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv):

@@ -70,9 +70,72 @@ class AttentionConfig:
 
 
 def check_implementation(implementation) -> None:
-    """Every entry point checks this first, before any array is looked at."""
+    """Checked first of all (AttentionOptions does it first), before any array is looked at."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+    """The keyword options every entry point takes, validated once; see `ragged_attention` for their meaning.
+
+    The public functions keep their keywords, build one of these first thing and pass it on whole (to
+    make_config, to the implementations); segments and sharding read theirs from **kwargs with `split`.
+    Values are normalised: local_window_size becomes a (left, right) pair of ints (or None), scale a float
+    (or None: 1/sqrt(Dqk), resolved by make_config), flags Python bools. Shapes (max_seqlen) and arrays
+    (sinks) are arguments, not options.
+    """
+
+    scale: float | None = None
+    is_causal: bool = False
+    diagonal_alignment: str = "top_left"
+    local_window_size: int | tuple[int, int] | None = None
+    stats_layout: str = "head_major"
+    return_stats: bool = False
+    implementation: str | None = None
+    deterministic: bool = False
+    check: bool | None = None  # None reads JAX_RAGGED_ATTN_CHECK when the call is traced (checks.check_enabled)
+    autotune: bool = False
+
+    def __post_init__(self):
+        check_implementation(self.implementation)
+        if not isinstance(self.return_stats, bool):
+            raise ValueError(f"return_stats must be a Python bool, got {type(self.return_stats).__name__} "
+                             f"{self.return_stats!r}")
+        if self.diagonal_alignment not in DIAGONAL_ALIGNMENTS:
+            raise ValueError(f"diagonal_alignment must be one of {DIAGONAL_ALIGNMENTS}, got "
+                             f"{self.diagonal_alignment!r}")
+        if self.stats_layout not in STATS_LAYOUTS:
+            raise ValueError(f"stats_layout must be one of {STATS_LAYOUTS}, got {self.stats_layout!r}")
+        for name in ("is_causal", "deterministic", "autotune"):
+            flag = getattr(self, name)
+            if not isinstance(flag, (bool, np.bool_)):
+                raise ValueError(f"{name} must be a Python bool, got {type(flag).__name__}")
+            object.__setattr__(self, name, bool(flag))
+        if self.check is not None and not isinstance(self.check, (bool, np.bool_)):  # check="false" must not mean "on"
+            raise ValueError(f"check must be True, False or None, got {self.check!r}")
+        if self.scale is not None:
+            object.__setattr__(self, "scale", _static_scale(self.scale))
+        object.__setattr__(self, "local_window_size", _normalize_window(self.local_window_size))
+
+    @classmethod
+    def split(cls, kwargs: dict) -> tuple[AttentionOptions, dict]:
+        """(the options among `kwargs`, the other keywords): for entry points that forward **kwargs."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return (cls(**{k: v for k, v in kwargs.items() if k in names}),
+                {k: v for k, v in kwargs.items() if k not in names})
+
+
+def _static_scale(scale) -> float:
+    try:
+        scale = float(scale)
+    except (TypeError, ValueError):
+        # Also catches a traced scale (jax's ConcretizationTypeError is a TypeError): it is baked into the graph.
+        raise ValueError(f"scale must be a static Python float, got {type(scale).__name__} {scale!r}") from None
+    if not math.isfinite(scale) or abs(scale) > float(np.finfo(np.float32).max):
+        # The kernels take it as float32: a finite float64 beyond float32's range would become inf there.
+        raise ValueError(f"scale must be finite in float32, got {scale}")
+    return scale
 
 
 def _static_int(value, name: str, minimum: int) -> int:
@@ -90,10 +153,10 @@ def _static_int(value, name: str, minimum: int) -> int:
     return int(value)
 
 
-def _normalize_window(local_window_size) -> tuple[int | None, int | None]:
+def _normalize_window(local_window_size) -> tuple[int, int] | None:
     # jax.nn.dot_product_attention spells the window as an int or a (left, right) pair.
     if local_window_size is None:
-        return None, None
+        return None
     if isinstance(local_window_size, (tuple, list)):
         if len(local_window_size) != 2:
             raise ValueError(
@@ -122,19 +185,21 @@ def make_config(
     v,
     cu_seqlens_q,
     cu_seqlens_kv,
+    options: AttentionOptions = AttentionOptions(),
     *,
     max_seqlen_q,
     max_seqlen_kv,
-    scale,
-    is_causal,
-    diagonal_alignment,
-    local_window_size,
-    stats_layout,
-    deterministic=False,
-    autotune=False,
     sinks=None,
+    packing: str = "none",
 ) -> AttentionConfig:
-    """Checks every static property of the arguments; raises ValueError naming the argument."""
+    """Checks every static property of the arguments; raises ValueError naming the argument.
+
+    q, k, v: arrays or shapes (jax.ShapeDtypeStruct) [T, H, D]; for a packed layout, the parts' shapes.
+    """
+    if not isinstance(options, AttentionOptions):
+        raise ValueError(f"options must be an AttentionOptions, got {type(options).__name__}")
+    if packing not in PACKINGS:
+        raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}")
     _check_array(q, "q", 3, "[Tq, Hq, Dqk]")
     _check_array(k, "k", 3, "[Tkv, Hkv, Dqk]")
     _check_array(v, "v", 3, "[Tkv, Hkv, Dv]")
@@ -171,24 +236,7 @@ def make_config(
     if hq % hkv:
         raise ValueError(f"q's heads ({hq}) must be a multiple of k's heads ({hkv})")
 
-    if diagonal_alignment not in DIAGONAL_ALIGNMENTS:
-        raise ValueError(f"diagonal_alignment must be one of {DIAGONAL_ALIGNMENTS}, got {diagonal_alignment!r}")
-    if stats_layout not in STATS_LAYOUTS:
-        raise ValueError(f"stats_layout must be one of {STATS_LAYOUTS}, got {stats_layout!r}")
-    for name, flag in (("is_causal", is_causal), ("deterministic", deterministic), ("autotune", autotune)):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise ValueError(f"{name} must be a Python bool, got {type(flag).__name__}")
-
-    if scale is None:
-        scale = 1.0 / math.sqrt(dqk)
-    try:
-        scale = float(scale)
-    except (TypeError, ValueError):
-        # Also catches a traced scale (jax's ConcretizationTypeError is a TypeError): it is baked into the graph.
-        raise ValueError(f"scale must be a static Python float, got {type(scale).__name__} {scale!r}") from None
-    if not math.isfinite(scale) or abs(scale) > float(np.finfo(np.float32).max):
-        # The kernels take it as float32: a finite float64 beyond float32's range would become inf there.
-        raise ValueError(f"scale must be finite in float32, got {scale}")
+    scale = 1.0 / math.sqrt(dqk) if options.scale is None else options.scale
 
     if sinks is not None:
         _check_array(sinks, "sinks", 1, "[Hq]")
@@ -197,7 +245,7 @@ def make_config(
         if not jnp.issubdtype(sinks.dtype, jnp.floating):
             raise ValueError(f"sinks must be a floating array, got {sinks.dtype}")
 
-    window_left, window_right = _normalize_window(local_window_size)
+    window_left, window_right = options.local_window_size or (None, None)
     return AttentionConfig(
         num_seqs=int(cu_seqlens_q.shape[0]) - 1,
         capacity_q=int(tq),
@@ -210,12 +258,13 @@ def make_config(
         max_seqlen_kv=_static_int(max_seqlen_kv, "max_seqlen_kv", 1),
         dtype=np.dtype(q.dtype).name,
         scale=scale,
-        is_causal=bool(is_causal),
-        diagonal_alignment=diagonal_alignment,
+        is_causal=options.is_causal,
+        diagonal_alignment=options.diagonal_alignment,
         window_left=window_left,
         window_right=window_right,
-        stats_layout=stats_layout,
-        deterministic=bool(deterministic),
-        autotune=bool(autotune),
+        stats_layout=options.stats_layout,
+        deterministic=options.deterministic,
+        autotune=options.autotune,
+        packing=packing,
         has_sinks=sinks is not None,
     )

@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn.api import ragged_attention
+from jax_ragged_attn.api import attend
+from jax_ragged_attn.config import AttentionOptions
 
 
 class SegmentLayout(NamedTuple):
@@ -111,9 +112,9 @@ def ragged_attention_segments(
       max_seqlen: static bound on a segment's length, default S (always enough). A longer segment is cut
         to it; its tokens past the bound are treated as padding, as in `ragged_attention`.
       **kwargs: any other keyword of `ragged_attention` (scale, is_causal, diagonal_alignment,
-        local_window_size, stats_layout, return_stats, implementation, deterministic, check). Positions for
-        causal masks and windows count from each segment's first token; a segment's queries and keys are
-        the same tokens, so the two diagonal alignments coincide.
+        local_window_size, stats_layout, return_stats, implementation, deterministic, check, autotune,
+        sinks). Positions for causal masks and windows count from each segment's first token; a segment's
+        queries and keys are the same tokens, so the two diagonal alignments coincide.
 
     Returns:
       out [R, S, Hq, Dv] in q's dtype, or (out, stats) with return_stats=True: stats float32 [Hq, R, S] for
@@ -125,6 +126,10 @@ def ragged_attention_segments(
         if name in kwargs:
             raise ValueError(f"ragged_attention_segments derives {name} from segment_ids and max_seqlen; "
                              f"got {name}={kwargs[name]!r}")
+    options, rest = AttentionOptions.split(kwargs)
+    sinks = rest.pop("sinks", None)
+    if rest:
+        raise TypeError(f"ragged_attention_segments got unexpected keyword arguments {sorted(rest)}")
     _check_segment_ids(segment_ids)
     rows, seq = segment_ids.shape
     for name, x, layout in (("q", q, "[R, S, Hq, Dqk]"), ("k", k, "[R, S, Hkv, Dqk]"), ("v", v, "[R, S, Hkv, Dv]")):
@@ -139,13 +144,13 @@ def ragged_attention_segments(
     def compact(x):
         return x.reshape(rows * seq, *x.shape[2:])[layout.gather_index]
 
-    result = ragged_attention(compact(q), compact(k), compact(v), layout.cu_seqlens, layout.cu_seqlens,
-                              max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen, **kwargs)
-    out, stats = result if kwargs.get("return_stats", False) else (result, None)
+    result = attend((compact(q), compact(k), compact(v)), layout.cu_seqlens, layout.cu_seqlens, options,
+                    max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen, sinks=sinks)
+    out, stats = result if options.return_stats else (result, None)
     out = out[layout.scatter_index].reshape(rows, seq, *out.shape[1:])
     if stats is None:
         return out
-    if kwargs.get("stats_layout", "head_major") == "head_major":
+    if options.stats_layout == "head_major":
         stats = stats[:, layout.scatter_index].reshape(-1, rows, seq)  # [Hq, T] -> [Hq, R, S]
     else:
         stats = stats[layout.scatter_index].reshape(rows, seq, -1)  # [T, Hq] -> [R, S, Hq]

@@ -14,13 +14,13 @@ would need the keys on the other (a ring or all-gather scheme, not implemented).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jax_ragged_attn.api import ragged_attention
+from jax_ragged_attn.api import attend
+from jax_ragged_attn.config import AttentionOptions
 
 
 def sharded_ragged_attention(
@@ -49,7 +49,8 @@ def sharded_ragged_attention(
     stats sharded on its head axis (axis 0 for "head_major" [Hq, Tq], axis 1 for "token_major" [Tq, Hq]).
     Inputs laid out otherwise (replicated, heads split another way) are resharded to this layout first.
     """
-    if kwargs.get("sinks") is not None:
+    options, rest = AttentionOptions.split(kwargs)
+    if rest.get("sinks") is not None:
         raise NotImplementedError("sinks with sharded_ragged_attention: the per-head sink logits are not split over "
                                   "head_axis yet; call ragged_attention under jit with sharded inputs instead")
     if token_axis is not None:
@@ -83,15 +84,20 @@ def sharded_ragged_attention(
         # in_specs; with auto axes shard_map reshards by itself (and jax.reshard refuses them).
         q, k, v = jax.reshard((q, k, v), NamedSharding(mesh, heads))
         cu_seqlens_q, cu_seqlens_kv = jax.reshard((cu_seqlens_q, cu_seqlens_kv), NamedSharding(mesh, P()))
-    stats = P(head_axis, None) if kwargs.get("stats_layout", "head_major") == "head_major" else P(None, head_axis)
-    attend = jax.shard_map(
-        functools.partial(ragged_attention, **kwargs),
+    stats = P(head_axis, None) if options.stats_layout == "head_major" else P(None, head_axis)
+
+    def attend_shard(q, k, v, cu_seqlens_q, cu_seqlens_kv):
+        # rest: max_seqlen_q, max_seqlen_kv (and sinks=None); attend raises TypeError for anything else.
+        return attend((q, k, v), cu_seqlens_q, cu_seqlens_kv, options, **rest)
+
+    sharded = jax.shard_map(
+        attend_shard,
         mesh=mesh,
         in_specs=(heads, heads, heads, P(), P()),
-        out_specs=(heads, stats) if kwargs.get("return_stats") else heads,
+        out_specs=(heads, stats) if options.return_stats else heads,
         # The cuDNN path's ffi_call has JAX's standard rule for varying manual axes, which refuses to mix the
         # head-sharded q/k/v with the replicated cu_seqlens; every output here is sharded, so nothing relies
         # on the replication check.
         check_vma=False,
     )
-    return attend(q, k, v, cu_seqlens_q, cu_seqlens_kv)
+    return sharded(q, k, v, cu_seqlens_q, cu_seqlens_kv)

@@ -18,18 +18,21 @@ import pytest
 
 from jax_ragged_attn import _cudnn as cudnn, checks
 from jax_ragged_attn._cudnn import extension, launch
-from jax_ragged_attn.config import make_config
+from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.packing import row_positions
 from jax_ragged_attn.testing import assert_close, packed_batch, stand_in_handler_args
 from jax_ragged_attn.xla import attention_xla
 
-OPTIONS = dict(max_seqlen_q=24, max_seqlen_kv=20, is_causal=True, diagonal_alignment="bottom_right",
-               local_window_size=None)
+OPTIONS = dict(is_causal=True, diagonal_alignment="bottom_right")
+# The arguments a plain call passes (q, k, v [, out, d_out, stats], then 7 index arrays); a guarded call adds
+# the workspace and one buffer per result, aliased to the results.
+PLAIN_ARGS = {extension.FORWARD_TARGET: 3 + 7, extension.BACKWARD_TARGET: 6 + 7}
 
 
 class StandInKernel:
-    """Replaces jax.ffi.ffi_call for the handlers. `overrun` bytes are written past the workspace; with
-    `stray_row`, one row of `stray_row` (a result name) just before the first sequence is written too."""
+    """Replaces jax.ffi.ffi_call for the two handlers. `overrun` bytes are written past the workspace; with
+    `stray_row`, one row of `stray_row` (a result name) just before the first sequence is written too.
+    Records each call's target and whether it was guarded (check mode: the canary buffers come in aliased)."""
 
     def __init__(self, overrun: int = 0, stray_row: str | None = None):
         self.overrun = overrun
@@ -37,11 +40,13 @@ class StandInKernel:
         self.targets = []
 
     def __call__(self, target, result_types, *, vmap_method=None, input_output_aliases=None):
-        self.targets.append(target)
-        guarded = target.endswith("_guarded")
-        forward = target.startswith(extension.FORWARD_TARGET)
+        assert target in (extension.FORWARD_TARGET, extension.BACKWARD_TARGET), target
+        guarded = bool(input_output_aliases)
+        self.targets.append((target, guarded))
+        forward = target == extension.FORWARD_TARGET
 
         def call(*args, **attributes):
+            assert len(args) == PLAIN_ARGS[target] + (len(result_types) if guarded else 0), (target, len(args))
             args, workspace, initial = stand_in_handler_args(args, result_types, guarded)
             # The shapes say what the handler was configured for (guard mode adds rows).
             config = dataclasses.replace(self.config, capacity_q=args[0].shape[0], capacity_kv=args[1].shape[0])
@@ -107,7 +112,8 @@ def _install(monkeypatch, config, overrun=0, stray_row=None):
 
 
 def _config(batch, layout="head_major", **changes):
-    config = make_config(*batch.args, scale=None, stats_layout=layout, **OPTIONS)
+    config = make_config(*batch.args, AttentionOptions(stats_layout=layout, **OPTIONS), max_seqlen_q=24,
+                         max_seqlen_kv=20)
     return dataclasses.replace(config, **changes)
 
 
@@ -152,7 +158,8 @@ def test_stats_as_aux_take_the_plain_backward(monkeypatch, batch):
     _install(monkeypatch, config)
     shapes = []
     backward = launch._backward
-    monkeypatch.setattr(launch, "_backward", lambda q, k, v, *rest: shapes.append(v.shape) or backward(q, k, v, *rest))
+    monkeypatch.setattr(launch, "_backward",
+                        lambda buffers, *rest: shapes.append(buffers[2].shape) or backward(buffers, *rest))
 
     def loss_with_stats_aux(q):
         out, stats = cudnn.attention_cudnn(q, *batch.args[1:], config)
@@ -163,7 +170,7 @@ def test_stats_as_aux_take_the_plain_backward(monkeypatch, batch):
     assert shapes == [batch.v.shape]
 
 
-def test_check_mode_uses_the_guarded_targets_and_passes_an_intact_band(monkeypatch, batch):
+def test_check_mode_passes_the_guarded_buffers_to_the_same_handlers_and_an_intact_band(monkeypatch, batch):
     config = _config(batch, guard_workspace=True)
     kernel = _install(monkeypatch, config)
     plain = cudnn.attention_cudnn(*batch.args, dataclasses.replace(config, guard_workspace=False))
@@ -172,8 +179,8 @@ def test_check_mode_uses_the_guarded_targets_and_passes_an_intact_band(monkeypat
     guarded = cudnn.attention_cudnn(*batch.args, config)
     np.testing.assert_array_equal(np.asarray(guarded[0]), np.asarray(plain[0]))
     assert np.isfinite(np.asarray(grads, np.float32)).all()
-    assert extension.FORWARD_TARGET + "_guarded" in kernel.targets
-    assert extension.BACKWARD_TARGET + "_guarded" in kernel.targets
+    assert (extension.FORWARD_TARGET, True) in kernel.targets
+    assert (extension.BACKWARD_TARGET, True) in kernel.targets
 
 
 def test_a_write_past_the_workspace_stops_the_computation(monkeypatch, batch):

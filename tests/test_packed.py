@@ -7,7 +7,6 @@ the reference over a fuzz of packings, stats layouts, head counts and padding.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import jax
@@ -17,7 +16,7 @@ import pytest
 
 from jax_ragged_attn import _cudnn as cudnn, packed
 from jax_ragged_attn._cudnn import extension, launch
-from jax_ragged_attn.config import make_config
+from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.packing import cu_seqlens_from_lengths
 from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.testing import assert_close
@@ -132,18 +131,15 @@ def _lowered_cudnn_grad(monkeypatch, layout):
     t, h, d = 32, 4, 16
     cu = jnp.array([0, 10, 20, 25], jnp.int32)
     view = jax.ShapeDtypeStruct((t, h, d), jnp.bfloat16)
-    config = make_config(view, view, view, cu, cu, max_seqlen_q=16, max_seqlen_kv=16, scale=None, is_causal=True,
-                         diagonal_alignment="top_left", local_window_size=None, stats_layout="head_major")
-    config = dataclasses.replace(config, packing=layout)
+    config = make_config(view, view, view, cu, cu, AttentionOptions(is_causal=True), max_seqlen_q=16,
+                         max_seqlen_kv=16, packing=layout)
     if layout == "qkv":
         args = (jnp.zeros((t, 3, h, d), jnp.bfloat16),)
-        attend = lambda qkv: packed._cudnn_qkvpacked(qkv, cu, cu, config)  # noqa: E731
     else:
         args = (jnp.zeros((t, h, d), jnp.bfloat16), jnp.zeros((t, 2, h, d), jnp.bfloat16))
-        attend = lambda q, kv: packed._cudnn_kvpacked(q, kv, cu, cu, config)  # noqa: E731
 
     def loss(*args):
-        return jnp.sum(attend(*args)[0].astype(jnp.float32))
+        return jnp.sum(launch.attention(args, cu, cu, config)[0].astype(jnp.float32))
 
     return jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).lower(*args).as_text()
 
@@ -152,11 +148,18 @@ def _lowered_cudnn_grad(monkeypatch, layout):
 def test_cudnn_path_hands_the_packed_buffer_to_the_kernels_and_never_concatenates(monkeypatch, layout):
     text = _lowered_cudnn_grad(monkeypatch, layout)
     calls = {m.group(1): m.group(2) for m in re.finditer(r"custom_call @(jax_ragged_attn_\w+)\(([^)]*)\)", text)}
+    assert set(calls) == {extension.FORWARD_TARGET, extension.BACKWARD_TARGET}, calls
     packed_arg = "%arg0" if layout == "qkv" else "%arg1"
-    forward_operands = calls[extension.FORWARD_TARGET].split(", ")
-    assert forward_operands[1:3] == [packed_arg, packed_arg]  # k and v are the packed buffer itself
-    backward = extension.BACKWARD_QKVPACKED_TARGET if layout == "qkv" else extension.BACKWARD_KVPACKED_TARGET
-    assert backward in calls and calls[backward].split(", ")[1:3] == [packed_arg, packed_arg]
+    for target in (extension.FORWARD_TARGET, extension.BACKWARD_TARGET):
+        operands = calls[target].split(", ")
+        assert operands[1:3] == [packed_arg, packed_arg], (target, operands)  # k and v: the packed buffer itself
+        if layout == "qkv":
+            assert operands[0] == packed_arg, (target, operands)
+    # The backward writes one gradient per packed input, in its shape: (dq, dkv) or (dqkv,), then the workspace.
+    backward = re.search(r"custom_call @" + extension.BACKWARD_TARGET + r"\([^)]*\)[^\n]*-> \(([^)]*)\)", text)
+    results = re.findall(r"tensor<([^>]*)>", backward.group(1))
+    expected = ["32x3x4x16xbf16"] if layout == "qkv" else ["32x4x16xbf16", "32x2x4x16xbf16"]
+    assert results[:-1] == expected and results[-1].endswith("xui8"), results
     full = "32x3x4x16xbf16" if layout == "qkv" else "32x2x4x16xbf16"
     concatenates = [line for line in text.splitlines() if "concatenate" in line]
     assert not [line for line in concatenates if full in line], concatenates
@@ -169,9 +172,8 @@ def test_ragged_offsets_step_over_every_part_of_a_packed_row(packing, parts):
     view_q = jax.ShapeDtypeStruct((20, 4, 16), jnp.bfloat16)
     view_kv = jax.ShapeDtypeStruct((20, 4 if packing == "qkv" else 2, 16), jnp.bfloat16)
     cu = jnp.array([0, 7, 7, 19], jnp.int32)
-    config = dataclasses.replace(make_config(view_q, view_kv, view_kv, cu, cu, max_seqlen_q=12, max_seqlen_kv=12,
-                                             scale=None, is_causal=False, diagonal_alignment="top_left",
-                                             local_window_size=None, stats_layout="token_major"), packing=packing)
+    config = make_config(view_q, view_kv, view_kv, cu, cu, AttentionOptions(stats_layout="token_major"),
+                         max_seqlen_q=12, max_seqlen_kv=12, packing=packing)
     _, _, offset_q, offset_k, offset_v, offset_o, offset_stats = launch._index_arrays(cu, cu, config)
     hkv = view_kv.shape[1]
     np.testing.assert_array_equal(offset_q, np.asarray(cu) * parts[0] * 4 * 16)
@@ -259,8 +261,8 @@ def test_the_extension_refuses_packed_attributes_that_would_run_past_a_buffer(ch
         pytest.skip(f"cuDNN path unavailable: {_REASON}")
     view = jax.ShapeDtypeStruct((64, 4, 128), jnp.bfloat16)
     cu = jnp.array([0, 30, 64], jnp.int32)
-    config = make_config(view, view, view, cu, cu, max_seqlen_q=40, max_seqlen_kv=40, scale=None, is_causal=True,
-                         diagonal_alignment="top_left", local_window_size=None, stats_layout="head_major")
+    config = make_config(view, view, view, cu, cu, AttentionOptions(is_causal=True), max_seqlen_q=40,
+                         max_seqlen_kv=40)
     attributes = {**cudnn.ffi_attributes(config), **changes}
     ext = extension.module()
     for direction in ("forward", "backward"):

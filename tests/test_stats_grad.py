@@ -20,7 +20,7 @@ import pytest
 
 from jax_ragged_attn import _cudnn as cudnn
 from jax_ragged_attn._cudnn import extension, launch, stats_grad
-from jax_ragged_attn.config import make_config
+from jax_ragged_attn.config import PACKINGS, AttentionOptions, make_config
 from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.testing import assert_close, packed_batch, stand_in_handler_args
 
@@ -43,26 +43,56 @@ def _rows(offsets, per_row: int, lengths, capacity: int):
     return sequence, rows - starts[sequence], member.any(axis=0)
 
 
+# Where the handlers find q, k and v in their three buffer arguments, per `packing` attribute (0 none, 1 kv,
+# 2 qkv; ffi/layouts.h): the part of a packed [T, parts, H, D] row, or None for an unpacked [T, H, D] buffer.
+# Written out here rather than read from _cudnn/packings.py, so that a wrong table entry shows up.
+PARTS_OF = {0: (None, None, None), 1: (None, 0, 1), 2: (0, 1, 2)}
+# The backward's results per packing: (dq, dk, dv), (dq, dkv) or (dqkv,), each in its input's shape.
+PACK_GRADIENTS = {0: lambda g: g, 1: lambda g: (g[0], jnp.stack(g[1:], axis=1)), 2: lambda g: (jnp.stack(g, axis=1),)}
+
+
 class CudnnArithmetic:
-    """Replaces jax.ffi.ffi_call for both handlers; records the value head dim each backward received."""
+    """Replaces jax.ffi.ffi_call for both handlers; records the value head dim and the packing each backward
+    received, and each call's (target, guarded)."""
 
     def __init__(self, config):
         self.config = config  # the options (scale, masks, stats layout); shapes come from the buffers
         self.backward_head_dims_v = []
+        self.backward_packings = []
         self.targets = []
 
     def __call__(self, target, result_types, *, vmap_method=None, input_output_aliases=None):
-        self.targets.append(target)
-        guarded = target.endswith("_guarded")
-        forward = target.startswith(extension.FORWARD_TARGET)
+        assert target in (extension.FORWARD_TARGET, extension.BACKWARD_TARGET), target
+        guarded = bool(input_output_aliases)  # check mode: the canary buffers come in aliased to the results
+        self.targets.append((target, guarded))
+        forward = target == extension.FORWARD_TARGET
 
         def call(*args, **attributes):
             args, workspace, initial = stand_in_handler_args(args, result_types, guarded)
-            results, owned = (self._forward if forward else self._backward)(*args)
+            packing = int(attributes["packing"])
+            args = self._unpacked(args, packing, forward)
+            if forward:
+                results, owned = self._forward(*args)
+            else:
+                self.backward_packings.append(packing)
+                results, owned = self._backward(*args)
+                results, owned = PACK_GRADIENTS[packing](results), PACK_GRADIENTS[packing](owned)
             results = [jnp.where(mask, r.astype(init.dtype), init) for r, mask, init in zip(results, owned, initial)]
             return (*results, workspace)
 
         return call
+
+    @staticmethod
+    def _unpacked(args, packing: int, forward: bool):
+        """The handler's view of a packed call: q, k and v read out of their buffers, and their ragged offsets
+        (which step over whole packed rows) in units of one part's row."""
+        args = list(args)
+        first_offset = 5 if forward else 8  # after the inputs (q, k, v [, o, dO, stats]) and the two lengths
+        for i, part in enumerate(PARTS_OF[packing]):
+            if part is not None:
+                args[first_offset + i] = args[first_offset + i] // args[i].shape[1]
+                args[i] = args[i][:, part]
+        return args
 
     def _mask(self, q, k, seq_len_q, seq_len_kv, off_q, off_k):
         """[Tq, Tkv]: which key each query row attends to; and which rows of each side are owned."""
@@ -137,8 +167,8 @@ def _batch(rng, dtype, head_dim_v=8):
 
 
 def _install(monkeypatch, batch, layout, **changes):
-    config = make_config(*batch.args, max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv,
-                         scale=None, stats_layout=layout, **OPTIONS)
+    config = make_config(*batch.args, AttentionOptions(stats_layout=layout, **OPTIONS), max_seqlen_q=batch.max_seqlen_q,
+                         max_seqlen_kv=batch.max_seqlen_kv)
     config = dataclasses.replace(config, **changes)
     kernel = CudnnArithmetic(config)
     monkeypatch.setattr(jax.ffi, "ffi_call", kernel)
@@ -164,13 +194,14 @@ def _in_layout(stats_token_major, layout):
     return stats_token_major if layout == "token_major" else stats_token_major.T
 
 
-def _check_gradients(grads, expected, batch, dtype, what=""):
+def _check_gradients(grads, expected, batch, dtype, what="", rows_without_keys=True):
     for name, grad, like in zip(("dq", "dk", "dv"), grads, (batch.q, batch.k, batch.v)):
         assert grad.dtype == like.dtype, f"{what}{name} dtype {grad.dtype}, expected {like.dtype}"
         assert_close(np.asarray(grad, np.float64), expected[name], dtype, f"{what}{name}")
     dq, dk, dv = (np.asarray(g, np.float64) for g in grads)
     without_keys = np.isneginf(expected["stats"]).all(axis=1)  # padding rows and rows that attend nothing
-    assert without_keys.sum() > batch.padding_q.sum()  # the batch does have rows without keys
+    if rows_without_keys:
+        assert without_keys.sum() > batch.padding_q.sum()  # the batch does have rows without keys
     np.testing.assert_array_equal(dq[without_keys], 0.0, err_msg=f"{what}dq of rows without keys")
     np.testing.assert_array_equal(dk[batch.padding_kv], 0.0, err_msg=f"{what}dk of padding rows")
     np.testing.assert_array_equal(dv[batch.padding_kv], 0.0, err_msg=f"{what}dv of padding rows")
@@ -220,7 +251,7 @@ def test_stats_cotangent_of_rows_without_a_softmax_is_never_read(monkeypatch, rn
                           d_stats=np.where(np.isneginf(expected_stats), 0.0, d_stats.astype(np.float64)))
     _check_gradients(result, expected, batch, dtype)
     if guard:
-        assert extension.BACKWARD_TARGET + "_guarded" in kernel.targets
+        assert (extension.BACKWARD_TARGET, True) in kernel.targets
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -270,6 +301,71 @@ def test_an_explicit_zero_stats_cotangent_changes_nothing(monkeypatch, rng):
     _check_gradients(first, expected, batch, dtype, "explicit zero: ")
     for name, a, b in zip(("dq", "dk", "dv"), first, second):
         assert_close(np.asarray(a, np.float64), np.asarray(b, np.float64), dtype, f"{name}: widened vs plain")
+
+
+def _packed_batch(rng, packing: str):
+    """q, k, v with one head dim (packed k and v share a row), GQA for kv; self-attention (one capacity,
+    one set of lengths, Hq == Hkv) for qkv. Padding rows are NaN, in the packed buffers too."""
+    if packing == "kv":
+        return packed_batch(rng, SEQLENS_Q, SEQLENS_KV, num_heads_q=4, num_heads_kv=2, head_dim_qk=16,
+                            head_dim_v=16, dtype="bfloat16", slack_q=5, slack_kv=3)
+    return packed_batch(rng, SEQLENS_Q, SEQLENS_Q, num_heads_q=4, num_heads_kv=4, head_dim_qk=16, head_dim_v=16,
+                        dtype="bfloat16", slack_q=4, slack_kv=4)
+
+
+def _packed_buffers(batch, packing: str) -> tuple:
+    if packing == "kv":
+        return batch.q, jnp.stack([batch.k, batch.v], axis=1)
+    return (jnp.stack([batch.q, batch.k, batch.v], axis=1),)
+
+
+def _unpacked_gradients(grads, packing: str) -> tuple:
+    if packing == "kv":
+        d_q, d_kv = grads
+        return d_q, d_kv[:, 0], d_kv[:, 1]
+    (d_qkv,) = grads
+    return d_qkv[:, 0], d_qkv[:, 1], d_qkv[:, 2]
+
+
+@pytest.mark.parametrize("guard", [False, True], ids=["plain", "check_mode"])
+@pytest.mark.parametrize("stats_in_loss", [False, True], ids=["stats_as_aux", "stats_in_the_loss"])
+@pytest.mark.parametrize("packing", ["kv", "qkv"])
+def test_packed_buffers_get_gradients_in_their_own_layout(monkeypatch, rng, packing, stats_in_loss, guard):
+    """The one custom_vjp (launch.attention) with packed buffers: the handlers receive the packed buffers and
+    the backward writes one gradient per buffer, (dq, dkv) or (dqkv,), each part's rows masked by its side;
+    a stats cotangent takes the unpacked pass on widened value columns, its gradients stacked back."""
+    dtype = "bfloat16"
+    batch = _packed_batch(rng, packing)
+    config, kernel = _install(monkeypatch, batch, "head_major", guard_workspace=guard, packing=packing)
+    buffers = _packed_buffers(batch, packing)
+    d_out, d_stats = _cotangents(rng, batch, dtype)
+    weights = jnp.asarray(d_stats.T)
+
+    def terms(*buffers):
+        out, stats = launch.attention(buffers, *batch.args[3:], config)
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(d_out, jnp.float32)), stats
+
+    def loss(*buffers):
+        value, stats = terms(*buffers)
+        return value + jnp.sum(jnp.where(jnp.isfinite(stats), stats * weights, 0.0))
+
+    argnums = tuple(range(len(buffers)))
+    if stats_in_loss:
+        grads = jax.jit(jax.grad(loss, argnums=argnums))(*buffers)
+    else:
+        grads, _ = jax.jit(jax.grad(terms, argnums=argnums, has_aux=True))(*buffers)
+    for grad, buffer in zip(grads, buffers):
+        assert grad.shape == buffer.shape and grad.dtype == buffer.dtype, (grad.shape, buffer.shape)
+    expected = _reference(batch, d_out=d_out.astype(np.float64),
+                          **(dict(d_stats=d_stats.astype(np.float64)) if stats_in_loss else {}))
+    _check_gradients(_unpacked_gradients(grads, packing), expected, batch, dtype, f"{packing}: ",
+                     rows_without_keys=packing == "kv")
+    dv = batch.v.shape[2]
+    if stats_in_loss:  # the unpacked (packing 0) backward on widened value columns
+        assert (kernel.backward_packings, kernel.backward_head_dims_v) == ([0], [dv + stats_grad.EXTRA_COLUMNS])
+    else:  # the packed buffers themselves, in place
+        assert (kernel.backward_packings, kernel.backward_head_dims_v) == ([PACKINGS.index(packing)], [dv])
+    assert [guarded for _, guarded in kernel.targets] == [guard, guard]
 
 
 def test_dv_past_the_head_dim_limit_raises_naming_it(monkeypatch, rng):

@@ -1,7 +1,9 @@
-"""The cuDNN path: `jax.ffi.ffi_call` into the C++ handlers, wrapped in a `jax.custom_vjp`.
+"""The cuDNN path: `jax.ffi.ffi_call` into the C++ handlers, wrapped in one `jax.custom_vjp` for every packing.
 
 At trace time the extension builds (or finds) the exact cuDNN graph and tells us its workspace size, which
 becomes an extra uint8 output of the call: XLA allocates it like any buffer and the wrapper drops it.
+There are two handlers, extension.FORWARD_TARGET and extension.BACKWARD_TARGET; the packing (packings.py)
+is an attribute, and check mode passes the guarded buffers as extra trailing arguments of the same handler.
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from jax_ragged_attn import checks
 from jax_ragged_attn._cudnn import extension, stats_grad
-from jax_ragged_attn._cudnn.graphs import MAX_HEAD_DIM, INT32_LIMIT, PARTS, ffi_kwargs, graph_info
+from jax_ragged_attn._cudnn.graphs import MAX_HEAD_DIM, INT32_LIMIT, ffi_kwargs, graph_info
+from jax_ragged_attn._cudnn.packings import TABLE
 from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.packing import (
     query_rows_with_keys,
@@ -25,20 +27,18 @@ from jax_ragged_attn.packing import (
     sequence_lengths,
 )
 
-# What each handler's results are called in errors, in order (the workspace comes last, unnamed).
-RESULT_NAMES = {extension.FORWARD_TARGET: ("out", "stats"), extension.BACKWARD_TARGET: ("dq", "dk", "dv"),
-                extension.BACKWARD_KVPACKED_TARGET: ("dq", "dkv"), extension.BACKWARD_QKVPACKED_TARGET: ("dqkv",)}
-# Per packing: the backward target, and how many parts a token's row holds on the q and the kv side.
-_BACKWARD_TARGETS = {"none": extension.BACKWARD_TARGET, "kv": extension.BACKWARD_KVPACKED_TARGET,
-                     "qkv": extension.BACKWARD_QKVPACKED_TARGET}
+# Per direction: the handler, and what the forward's results are called in errors (the backward's are the
+# packing's gradients; the workspace comes last, unnamed).
+_TARGETS = {"forward": extension.FORWARD_TARGET, "backward": extension.BACKWARD_TARGET}
+FORWARD_RESULT_NAMES = ("out", "stats")
 
 
-def _launch(direction: str, target: str, inputs, result_specs, cu_q, cu_kv, config: AttentionConfig):
+def _launch(direction: str, inputs, result_specs, names, cu_q, cu_kv, config: AttentionConfig):
     """Runs one handler; returns (its results but the workspace, a boolean scalar the caller must fold into
     its masks).
 
     inputs: (array, row axis) pairs in the handler's argument order, before the index arrays.
-    result_specs(config): (shape, dtype, row axis) of each result but the workspace.
+    result_specs(config): (shape, dtype, row axis) of each result but the workspace; names: theirs, in errors.
 
     Guard mode (check=True) makes every buffer the kernel writes larger than the call needs and verifies
     the slack on the host after the call: the workspace gets GUARD_BYTES more, each output GUARD_ROWS more
@@ -46,8 +46,9 @@ def _launch(direction: str, target: str, inputs, result_specs, cu_q, cu_kv, conf
     ones), all filled with a canary and passed in aliased to the results. A write outside the region a
     tensor owns stops the computation with an error naming the tensor. The scalar depends on those
     verifications, and the caller's row masks depend on the scalar, so they can be neither pruned nor
-    overtaken.
+    overtaken. The guarded buffers follow the index arrays: the workspace, then one per result.
     """
+    target = _TARGETS[direction]
     if not config.guard_workspace:
         info = graph_info(direction, config)
         types = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in result_specs(config))
@@ -70,11 +71,10 @@ def _launch(direction: str, target: str, inputs, result_specs, cu_q, cu_kv, conf
     types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in guarded)
     workspace_at = len(specs)
     aliases = {len(args): workspace_at, **{len(args) + 1 + i: i for i in range(len(specs))}}
-    call = jax.ffi.ffi_call(target + "_guarded", types, vmap_method="sequential", input_output_aliases=aliases)
+    call = jax.ffi.ffi_call(target, types, vmap_method="sequential", input_output_aliases=aliases)
     *results, workspace = call(*args, guarded[-1], *guarded[:-1], **ffi_kwargs(padded, direction))
     description = f"{target}: {config.describe()}"
     clobbered = checks.verified_guard_band(workspace[size:], description=description)
-    names = RESULT_NAMES[target]
     for name, result, (_, _, axis) in zip(names, results, specs):
         clobbered = clobbered + checks.verified_output_band(result, axis, rows, name=name, description=description)
     inner = [jax.lax.slice_in_dim(result, rows, result.shape[axis] - rows, axis=axis)
@@ -87,14 +87,14 @@ def _index_arrays(cu_q, cu_kv, config: AttentionConfig):
     starts at its first row times the tensor's token stride, which covers every part of a packed row."""
     hq, hkv = config.num_heads_q, config.num_heads_kv
     dqk, dv = config.head_dim_qk, config.head_dim_v
-    parts_q, parts_kv = PARTS[config.packing]
+    packing = TABLE[config.packing]
     stats_offset = cu_q * hq if config.stats_layout == "token_major" else cu_q
     return (
         sequence_lengths(cu_q, config.max_seqlen_q),
         sequence_lengths(cu_kv, config.max_seqlen_kv),
-        cu_q * (parts_q * hq * dqk),  # q, dq
-        cu_kv * (parts_kv * hkv * dqk),  # k, dk
-        cu_kv * (parts_kv * hkv * dv),  # v, dv
+        cu_q * (packing.parts("q") * hq * dqk),  # q, dq
+        cu_kv * (packing.parts("k") * hkv * dqk),  # k, dk
+        cu_kv * (packing.parts("v") * hkv * dv),  # v, dv
         cu_q * (hq * dv),  # o, do
         stats_offset,
     )
@@ -115,22 +115,15 @@ def _forward_results(config: AttentionConfig):
     return ((out_shape, jnp.dtype(config.dtype), 0), (_stats_shape(config), jnp.float32, _stats_axis(config)))
 
 
-def _backward_results(config: AttentionConfig):
-    dtype = jnp.dtype(config.dtype)
-    hq, hkv, dqk, dv = config.num_heads_q, config.num_heads_kv, config.head_dim_qk, config.head_dim_v
-    dq = ((config.capacity_q, hq, dqk), dtype, 0)
-    if config.packing == "qkv":
-        return (((config.capacity_q, 3, hq, dqk), dtype, 0),)
-    if config.packing == "kv":
-        return dq, ((config.capacity_kv, 2, hkv, dqk), dtype, 0)
-    return dq, ((config.capacity_kv, hkv, dqk), dtype, 0), ((config.capacity_kv, hkv, dv), dtype, 0)
-
-
-def _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
+def _forward(buffers, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
     """Returns (out, stats for the caller, stats as cuDNN wrote them for the backward)."""
+    packing = TABLE[config.packing]
+    if len(buffers) != len(packing.buffers):
+        raise ValueError(f"packing {packing.name!r} takes the buffers {[b.name for b in packing.buffers]}, got "
+                         f"{len(buffers)} arrays")
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
-    inputs = ((q, 0), (k, 0), (v, 0))
-    (out, raw_stats), intact = _launch("forward", extension.FORWARD_TARGET, inputs, _forward_results, cu_q, cu_kv,
+    inputs = tuple((x, 0) for x in packing.kernel_inputs(buffers))
+    (out, raw_stats), intact = _launch("forward", inputs, _forward_results, FORWARD_RESULT_NAMES, cu_q, cu_kv,
                                        config)
     # cuDNN writes only the rows of real tokens, and rows without any key have no defined softmax: give
     # both the documented values. The backward gets the raw stats, the values cuDNN itself expects.
@@ -141,37 +134,39 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
     return out, stats, raw_stats
 
 
-def _backward(q, k, v, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config: AttentionConfig):
-    """The gradients in the inputs' own layout: (dq, dk, dv), (dq, dkv) or (dqkv,) per config.packing."""
+def _backward(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config: AttentionConfig):
+    """The gradients in the buffers' own layout, one per buffer: (dq, dk, dv), (dq, dkv) or (dqkv,)."""
+    packing = TABLE[config.packing]
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
-    inputs = ((q, 0), (k, 0), (v, 0), (out, 0), (d_out.astype(q.dtype), 0), (raw_stats, _stats_axis(config)))
-    grads, intact = _launch("backward", _BACKWARD_TARGETS[config.packing], inputs, _backward_results, cu_q, cu_kv,
-                            config)
+    inputs = (*((x, 0) for x in packing.kernel_inputs(buffers)), (out, 0), (d_out.astype(config.dtype), 0),
+              (raw_stats, _stats_axis(config)))
+    grads, intact = _launch("backward", inputs, packing.gradient_specs, packing.gradients, cu_q, cu_kv, config)
     valid_q = query_rows_with_keys(cu_q, cu_kv, config) & intact
     valid_kv = row_positions(cu_kv, config.capacity_kv, config.max_seqlen_kv)[2] & intact
     # Rows cuDNN does not own are garbage: zero them. In a packed gradient each part has its own rows.
-    if config.packing == "qkv":
-        masks = (jnp.stack([valid_q, valid_kv, valid_kv], axis=1),)
-    elif config.packing == "kv":
-        masks = (valid_q, jnp.stack([valid_kv, valid_kv], axis=1))
-    else:
-        masks = (valid_q, valid_kv, valid_kv)
-    zero = jnp.zeros((), q.dtype)
+    zero = jnp.zeros((), config.dtype)
     return tuple(jnp.where(mask.reshape(mask.shape + (1,) * (g.ndim - mask.ndim)), g, zero)
-                 for g, mask in zip(grads, masks))
+                 for g, mask in zip(grads, packing.gradient_masks(valid_q, valid_kv)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def attention(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
+    """Returns (out [Tq, Hq, Dv], stats float32 in the configured layout) of the buffers laid out as
+    packings.TABLE[config.packing] says: (q, k, v), (q, kv) or (qkv,). Differentiable in every buffer, the
+    gradients in the buffers' own layout; the kernels read and write packed buffers in place."""
+    return _forward(buffers, cu_seqlens_q, cu_seqlens_kv, config)[:2]
+
+
 def attention_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
-    """Returns (out [Tq, Hq, Dv], stats float32 in the configured layout), differentiable in q, k, v."""
-    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config)[:2]
+    """`attention` of separate q [Tq, Hq, Dqk], k [Tkv, Hkv, Dqk], v [Tkv, Hkv, Dv] (config.packing "none")."""
+    return attention((q, k, v), cu_seqlens_q, cu_seqlens_kv, config)
 
 
-def _attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, config):
+def _attention_fwd(buffers, cu_seqlens_q, cu_seqlens_kv, config):
     # symbolic_zeros=True wraps each primal input; unwrap them.
-    q, k, v, cu_seqlens_q, cu_seqlens_kv = (x.value for x in (q, k, v, cu_seqlens_q, cu_seqlens_kv))
-    out, stats, raw_stats = _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config)
-    return (out, stats), (q, k, v, cu_seqlens_q, cu_seqlens_kv, out, raw_stats)
+    buffers, cu_seqlens_q, cu_seqlens_kv = jax.tree.map(lambda x: x.value, (buffers, cu_seqlens_q, cu_seqlens_kv))
+    out, stats, raw_stats = _forward(buffers, cu_seqlens_q, cu_seqlens_kv, config)
+    return (out, stats), (buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats)
 
 
 def _stats_gradient_unsupported(config: AttentionConfig) -> str | None:
@@ -188,24 +183,35 @@ def _stats_gradient_unsupported(config: AttentionConfig) -> str | None:
     return None
 
 
+def _stats_cotangent_backward(buffers, cu_q, cu_kv, out, raw_stats, d_out, d_stats, config: AttentionConfig):
+    """The gradients with a stats cotangent, carried on widened value columns (stats_grad.py). A packed buffer
+    cannot hold the wider v, so its parts are copied out and the gradients stacked back: the one place the
+    packed path copies."""
+    reason = _stats_gradient_unsupported(config)
+    if reason is not None:
+        raise NotImplementedError(f"{reason}. Use implementation='xla' for this loss, or jax.lax.stop_gradient "
+                                  "the stats, or return them as has_aux.")
+    packing = TABLE[config.packing]
+    q, k, v = packing.split(buffers)
+    separate = dataclasses.replace(config, packing="none")
+    widened, v_wide, out_wide, d_out_wide = stats_grad.widened_backward_inputs(v, out, d_out, d_stats, cu_q, cu_kv,
+                                                                               separate)
+    d_q, d_k, d_v_wide = _backward((q, k, v_wide), cu_q, cu_kv, out_wide, raw_stats, d_out_wide, widened)
+    return packing.join(d_q, d_k, d_v_wide[:, :, :config.head_dim_v])
+
+
 def _attention_bwd(config, residuals, cotangents):
-    q, k, v, cu_seqlens_q, cu_seqlens_kv, out, raw_stats = residuals
+    buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats = residuals
     d_out, d_stats = cotangents
     if not isinstance(d_stats, SymbolicZero):
         # Under jit an explicit zero array lands here too: correct, only a little slower than the plain pass.
-        reason = _stats_gradient_unsupported(config)
-        if reason is not None:
-            raise NotImplementedError(f"{reason}. Use implementation='xla' for this loss, or jax.lax.stop_gradient "
-                                      "the stats, or return them as has_aux.")
-        widened, v_wide, out_wide, d_out_wide = stats_grad.widened_backward_inputs(
-            v, out, d_out, d_stats, cu_seqlens_q, cu_seqlens_kv, config)
-        d_q, d_k, d_v_wide = _backward(q, k, v_wide, cu_seqlens_q, cu_seqlens_kv, out_wide, raw_stats, d_out_wide,
-                                       widened)
-        return d_q, d_k, d_v_wide[:, :, :config.head_dim_v], None, None
-    if isinstance(d_out, SymbolicZero):
-        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), None, None
-    d_q, d_k, d_v = _backward(q, k, v, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config)
-    return d_q, d_k, d_v, None, None
+        grads = _stats_cotangent_backward(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, d_stats,
+                                          config)
+    elif isinstance(d_out, SymbolicZero):
+        grads = tuple(jnp.zeros_like(x) for x in buffers)
+    else:
+        grads = _backward(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config)
+    return grads, None, None
 
 
-attention_cudnn.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
