@@ -1,85 +1,347 @@
-"""The portable implementation: plain jnp, differentiable by JAX itself, runs on any backend.
+"""The portable implementation: blocked attention in plain jnp with an online softmax, on any backend.
 
-The packed rows are gathered into a padded [B, S, H, D] batch, attended with an explicit mask in float32,
-and gathered back. Memory is O(B * H * max_seqlen_q * max_seqlen_kv), like padded attention; it is the
-reference semantics and the fallback, not the fast path.
+Memory-efficient attention (Rabe & Staats, "Self-attention does not need O(n^2) memory"; FlashAttention's
+recurrence) over the packed token axis. Query rows are cut into blocks of block_q rows; every block walks
+through the key rows it may attend, block_kv at a time, keeping a running max, sum and weighted value sum
+per row in float32. The backward is FlashAttention's: the forward saves each row's log-sum-exp, and two
+passes recompute each tile's probabilities from it, one accumulating dQ (query blocks walking key blocks),
+one dK and dV (key blocks walking query blocks). Nothing is scattered, so the result is deterministic.
+
+The keys a query row attends are one interval [first, last] of the packed key rows: its own sequence's
+keys, cut by the causal / window band. A tile's mask is therefore two comparisons, whatever the sequences,
+and a query block needs only the key rows from its rows' smallest `first` to their largest `last`. All
+query blocks advance together, one key tile per step, for as many steps as the widest range needs (a
+while loop whose trip count is computed on the device):
+
+    cu_seqlens = [0, 3, 5], causal, block_q = block_kv = 2     query rows  0 1 | 2 3 | 4 .
+    first = [0, 0, 0, 3, 3, .], last = [0, 1, 2, 3, 4, .]     key range   0:2 | 0:4 | 3:5
+    steps = max(ceil(2/2), ceil(4/2), ceil(2/2)) = 2           tiles       [0:2, 2:4] | [0:2, 2:4] | [3:5, 5:7]
+
+Memory: a step holds Tq * Hq * block_kv float32 scores (two such tensors forward, four backward) plus
+O(T * H * D) float32 accumulators and the inputs: independent of max_seqlen and of the number of
+sequences (xla_memory.estimate_bytes, checked against a bound before anything is compiled). Compute:
+every query block pays for the widest block's range, about Tq * (longest sequence + block_kv) per head for
+self-attention, at most Tq * Tkv.
+
+Masked logits are a finite large negative (as in jax.nn), never -inf, and every exp is of a value that
+cannot overflow, so jax.debug_infs / jax.debug_nans stay quiet unless the inputs hold inf or NaN; the only
+-inf ever produced is the documented stats of rows without keys, and only when stats are returned.
+
+NaN or Inf in a row that is not a real token of some sequence (capacity padding, rows cut by max_seqlen)
+is never read. A non-finite value in a real token reaches its own sequence, and may also reach sequences
+that share a block with it (0 * inf in a tile's matmul); a fused kernel's blocks stay within one sequence.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from jax_ragged_attn import xla_memory
 from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.packing import row_positions, sanitize_both, sequence_lengths
+from jax_ragged_attn.xla_memory import WorkingSetTooLargeError, warn_cudnn_fallback
+
+__all__ = ["attention_xla", "warn_cudnn_fallback", "WorkingSetTooLargeError"]
+
+# jax.nn's choice: exp() of it is exactly 0, and a running max that starts from it stays finite.
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+_HIGHEST = lax.Precision.HIGHEST  # float32 matmuls stay float32 (no TF32 on a GPU)
 
 
-def _to_padded(x: jax.Array, starts: jax.Array, lengths: jax.Array, max_seqlen: int) -> jax.Array:
-    """[T, H, D] packed rows -> [B, S, H, D], zero past each sequence's end (never reading padding rows)."""
-    positions = jnp.arange(max_seqlen, dtype=jnp.int32)
-    index = jnp.clip(starts[:, None] + positions[None, :], 0, x.shape[0] - 1)
-    inside = positions[None, :] < lengths[:, None]
-    # `where`, not a multiply: NaN in a padding row must not survive as NaN * 0, in values or in gradients.
-    return jnp.where(inside[:, :, None, None], x[index], 0)
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """The static part of one call: the `nondiff_argnums` of the custom_vjp."""
+
+    config: AttentionConfig
+    block_q: int
+    block_kv: int
+    memory_limit: int | None
 
 
-def _mask(config: AttentionConfig, lengths_q: jax.Array, lengths_kv: jax.Array) -> jax.Array:
-    """[B, Sq, Skv] boolean: which key each query row attends to."""
-    i = jnp.arange(config.max_seqlen_q, dtype=jnp.int32)[None, :, None]
-    j = jnp.arange(config.max_seqlen_kv, dtype=jnp.int32)[None, None, :]
-    sq = lengths_q[:, None, None]
-    skv = lengths_kv[:, None, None]
-    mask = (i < sq) & (j < skv)
-    diagonal = i if config.diagonal_alignment == "top_left" else i + skv - sq
-    if config.right_bound is not None:
-        mask &= j <= diagonal + config.right_bound
-    if config.left_bound is not None:
-        mask &= j >= diagonal - config.left_bound
-    return mask
+class _Bands(NamedTuple):
+    """Who attends whom, as intervals of absolute rows (int32; empty when first > last)."""
+
+    first: jax.Array  # [Tq] the first key row a query row attends, Tkv when none
+    last: jax.Array  # [Tq] the last one, -1 when none
+    key_first: jax.Array  # [Tkv] the first query row that attends a key row, Tq when none
+    key_last: jax.Array  # [Tkv] the last one, -1 when none
+    key_valid: jax.Array  # [Tkv] bool: a real key within max_seqlen_kv (only those rows are ever read)
 
 
-def attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, sinks=None):
-    """Returns (out [Tq, Hq, Dv] in q's dtype, stats float32 in the configured layout).
-
-    sinks: None or [Hq], one logit per query head that joins each row's softmax without a value.
-    """
-    cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
+def _bands(cu_q, cu_kv, config: AttentionConfig) -> _Bands:
+    """Bands of every row, from sanitised cu_seqlens. With d = i (top_left) or i + skv - sq (bottom_right),
+    query i of a sequence attends keys max(0, d - left) .. min(skv - 1, d + right), key j is attended by
+    queries max(0, j - (d - i) - right) .. min(sq - 1, j - (d - i) + left)."""
+    tq, tkv, last_seq = config.capacity_q, config.capacity_kv, config.num_seqs - 1
+    left, right = config.left_bound, config.right_bound
     lengths_q = sequence_lengths(cu_q, config.max_seqlen_q)
     lengths_kv = sequence_lengths(cu_kv, config.max_seqlen_kv)
 
-    b, sq, skv = config.num_seqs, config.max_seqlen_q, config.max_seqlen_kv
-    hkv, g = config.num_heads_kv, config.group_size
-    q_pad = _to_padded(q, cu_q[:-1], lengths_q, sq).astype(jnp.float32).reshape(b, sq, hkv, g, -1)
-    k_pad = _to_padded(k, cu_kv[:-1], lengths_kv, skv).astype(jnp.float32)
-    v_pad = _to_padded(v, cu_kv[:-1], lengths_kv, skv).astype(jnp.float32)
+    def offset(seq):  # d - i
+        return 0 if config.diagonal_alignment == "top_left" else lengths_kv[seq] - lengths_q[seq]
 
-    logits = jnp.einsum("bqhgd,bkhd->bhgqk", q_pad, k_pad, precision="highest") * config.scale
-    mask = _mask(config, lengths_q, lengths_kv)[:, None, None]
-    logits = jnp.where(mask, logits, -jnp.inf)
-    has_keys = jnp.any(mask, axis=-1, keepdims=True)  # from the mask: a large sink may underflow every weight
-    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    seq, pos, valid = row_positions(cu_q, tq, config.max_seqlen_q)
+    seq = jnp.minimum(seq, last_seq)
+    first, last = jnp.zeros_like(pos), lengths_kv[seq] - 1
+    if left is not None:
+        first = jnp.maximum(first, pos + offset(seq) - left)
+    if right is not None:
+        last = jnp.minimum(last, pos + offset(seq) + right)
+    attends = valid & (first <= last)
+    first = jnp.where(attends, cu_kv[seq] + first, tkv)
+    last = jnp.where(attends, cu_kv[seq] + last, -1)
+
+    seq, pos, key_valid = row_positions(cu_kv, tkv, config.max_seqlen_kv)
+    seq = jnp.minimum(seq, last_seq)
+    key_first, key_last = jnp.zeros_like(pos), lengths_q[seq] - 1
+    if right is not None:
+        key_first = jnp.maximum(key_first, pos - offset(seq) - right)
+    if left is not None:
+        key_last = jnp.minimum(key_last, pos - offset(seq) + left)
+    attended = key_valid & (key_first <= key_last)
+    key_first = jnp.where(attended, cu_q[seq] + key_first, tq)
+    key_last = jnp.where(attended, cu_q[seq] + key_last, -1)
+    return _Bands(first, last, key_first, key_last, key_valid)
+
+
+def attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, sinks=None, *,
+                  return_stats: bool = True, block_q: int | None = None, block_kv: int | None = None,
+                  memory_limit=None):
+    """Returns (out [Tq, Hq, Dv] in q's dtype, stats float32 in the configured layout, or None).
+
+    sinks: None or [Hq], one logit per query head that joins each row's softmax without a value.
+    return_stats=False returns stats None, and then no -inf is computed anywhere.
+    block_q, block_kv, memory_limit: override JAX_RAGGED_ATTN_XLA_BLOCK / JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT
+    (xla_memory.py). Raises WorkingSetTooLargeError (a MemoryError) at trace time when the estimated
+    working set of the forward, or of the backward when it is traced, exceeds the bound.
+    """
+    block_q, block_kv = xla_memory.block_sizes(config, block_q, block_kv)
+    plan = _Plan(config, block_q, block_kv, xla_memory.memory_limit_bytes(memory_limit))
+    xla_memory.check_working_set(config, block_q, block_kv, "forward", plan.memory_limit)
+    cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
+    bands = _bands(cu_q, cu_kv, config)
+    out, lse = _attention(plan, q, k, v, sinks, bands)
+    if not return_stats:
+        return out, None
+    # The documented -inf of rows without keys: the one place it exists (lse holds 0 there).
+    stats = jnp.where((bands.first <= bands.last)[:, None], lse, -jnp.inf)
+    return out, stats.T if config.stats_layout == "head_major" else stats
+
+
+def _pad(x, rows: int, value=0):
+    return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=value)
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def _steps(first, last, block: int, step: int):
+    """Per block of `block` rows: (the first row of its range, how many `step`-row tiles cover the range)."""
+    low = first.reshape(-1, block).min(axis=1)
+    high = last.reshape(-1, block).max(axis=1) + 1
+    return low, _ceil_div(jnp.maximum(high - low, 0), step)
+
+
+def _clean_f32(x, rows_ok):
+    """x in float32 with rows that are never attended set to 0: NaN there must not meet a 0 weight."""
+    return jnp.where(rows_ok[:, None, None], x, 0).astype(jnp.float32)
+
+
+def _tile_mask(first, last, cols):
+    """[n, 1, 1, rows, cols]: row r (band first[n, r]..last[n, r]) attends key row cols[n, c]."""
+    inside = (cols[:, None, :] >= first[:, :, None]) & (cols[:, None, :] <= last[:, :, None])
+    return inside[:, None, None]
+
+
+def _logits(plan, q_tile, k_tile):
+    """[n, Hkv, G, rows, cols] float32 scale * q.k of query tiles [n, rows, Hkv, G, D] and key tiles [n, cols, Hkv, D]."""
+    s = jnp.einsum("nqhgd,nkhd->nhgqk", q_tile, k_tile, precision=_HIGHEST, preferred_element_type=jnp.float32)
+    return s * plan.config.scale
+
+
+def _query_blocks(plan, x):
+    """[Tq, ...] -> [n_q, block_q, ...], padded."""
+    n = _ceil_div(plan.config.capacity_q, plan.block_q)
+    return _pad(x, n * plan.block_q).reshape(n, plan.block_q, *x.shape[1:])
+
+
+def _key_tiles(plan, k, v, low, r):
+    """The r-th tile of every query block's key range: (rows [n, bk], k and v rows [n, bk, Hkv, D] f32)."""
+    cols = low[:, None] + r * plan.block_kv + jnp.arange(plan.block_kv, dtype=jnp.int32)
+    # Clipped rows past the buffer are duplicates, but no band reaches past Tkv - 1, so they are masked.
+    index = jnp.clip(cols, 0, plan.config.capacity_kv - 1)
+    return cols, k[index].astype(jnp.float32), v[index].astype(jnp.float32)
+
+
+def _heads_last(x):
+    """[n, Hkv, G, bq, ...] -> [n * bq, Hq, ...] (the packed row order)."""
+    n, hkv, g, bq = x.shape[:4]
+    x = jnp.moveaxis(x, 3, 1)
+    return x.reshape(n * bq, hkv * g, *x.shape[4:])
+
+
+def _heads_first(x, plan):
+    """[Tq, Hq, ...] -> [n, Hkv, G, bq, ...], padded: the inverse of _heads_last."""
+    c = plan.config
+    x = _query_blocks(plan, x)  # [n, bq, Hq, ...]
+    x = x.reshape(*x.shape[:2], c.num_heads_kv, c.group_size, *x.shape[3:])
+    return jnp.moveaxis(x, 1, 3)
+
+
+def _query_bands(plan: _Plan, bands: _Bands):
+    """Per query block: the bands of its rows [n, bq] (padding rows empty), its range's first key row and
+    how many key tiles cover the range."""
+    c = plan.config
+    rows = _ceil_div(c.capacity_q, plan.block_q) * plan.block_q
+    first = _pad(bands.first, rows, c.capacity_kv).reshape(-1, plan.block_q)
+    last = _pad(bands.last, rows, -1).reshape(-1, plan.block_q)
+    low, steps = _steps(first, last, plan.block_q, plan.block_kv)
+    return first, last, low, steps
+
+
+def _forward(plan: _Plan, q, k, v, sinks, bands: _Bands):
+    """(out [Tq, Hq, Dv] float32, lse [Tq, Hq] float32 with 0 on rows without keys)."""
+    c = plan.config
+    first, last, low, steps = _query_bands(plan, bands)
+    n = first.shape[0]
+    shape = (n, c.num_heads_kv, c.group_size, plan.block_q)
+    q_tiles = _query_blocks(plan, _clean_f32(q, bands.first <= bands.last))
+    q_tiles = q_tiles.reshape(n, plan.block_q, c.num_heads_kv, c.group_size, c.head_dim_qk)
+    k = jnp.where(bands.key_valid[:, None, None], k, 0)
+    v = jnp.where(bands.key_valid[:, None, None], v, 0)
+
+    if sinks is None:
+        row_max, row_sum = jnp.full(shape, _MASKED), jnp.zeros(shape)
+    else:  # the sink is one more logit, with weight exp(sink - max) and no value: each row starts with it
+        row_max = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, c.num_heads_kv, c.group_size, 1), shape)
+        row_sum = jnp.ones(shape)
+    acc = jnp.zeros(shape + (c.head_dim_v,))
+
+    def step(r, carry):
+        row_max, row_sum, acc = carry
+        cols, k_tile, v_tile = _key_tiles(plan, k, v, low, r)
+        mask = _tile_mask(first, last, cols)
+        s = jnp.where(mask, _logits(plan, q_tiles, k_tile), _MASKED)
+        new_max = jnp.maximum(row_max, s.max(axis=-1))
+        # The where inside the exp: in a row that has seen no key yet, masked entries would give exp(0) = 1.
+        p = jnp.exp(jnp.where(mask, s - new_max[..., None], _MASKED))
+        correction = jnp.exp(row_max - new_max)
+        row_sum = correction * row_sum + p.sum(axis=-1)
+        acc = correction[..., None] * acc + jnp.einsum("nhgqk,nkhd->nhgqd", p, v_tile, precision=_HIGHEST)
+        return new_max, row_sum, acc
+
+    row_max, row_sum, acc = lax.fori_loop(0, steps.max(initial=0), step, (row_max, row_sum, acc))
+    attends = jnp.broadcast_to((first <= last)[:, None, None, :], shape)
+    # A row with a key has row_sum >= 1 (its largest logit contributes exp(0)); the others divide by 1.
+    safe_sum = jnp.where(attends, row_sum, 1.0)
+    out = jnp.where(attends[..., None], acc / safe_sum[..., None], 0.0)
+    lse = jnp.where(attends, row_max + jnp.log(safe_sum), 0.0)
+    return _heads_last(out)[:c.capacity_q], _heads_last(lse)[:c.capacity_q]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(plan: _Plan, q, k, v, sinks, bands: _Bands):
+    out, lse = _forward(plan, q, k, v, sinks, bands)
+    return out.astype(q.dtype), lse
+
+
+def _attention_fwd(plan, q, k, v, sinks, bands):
+    out, lse = _forward(plan, q, k, v, sinks, bands)
+    return (out.astype(q.dtype), lse), (q, k, v, sinks, bands, out, lse)
+
+
+def _attention_bwd(plan: _Plan, residuals, cotangents):
+    c = plan.config
+    xla_memory.check_working_set(c, plan.block_q, plan.block_kv, "backward", plan.memory_limit)
+    q, k, v, sinks, bands, out, lse = residuals
+    d_out, d_lse = cotangents
+    attends = bands.first <= bands.last
+    # Cotangents of rows without keys are ignored (they may hold anything, NaN included).
+    d_out = _clean_f32(d_out, attends)
+    d_lse = jnp.where(attends[:, None], d_lse, 0.0)
+    # dS = P * (dP - delta) with delta = rowsum(dO * O) - d_lse: the stats cotangent enters here only,
+    # since d lse_i / d s_ij = p_ij.
+    delta = jnp.sum(d_out * out, axis=-1) - d_lse  # [Tq, Hq]
+    q32 = _clean_f32(q, attends)
+    k32 = _clean_f32(k, bands.key_valid)
+    v32 = _clean_f32(v, bands.key_valid)
+
+    d_q = _dq_pass(plan, q32, k32, v32, d_out, lse, delta, bands)
+    d_k, d_v = _dkv_pass(plan, q32, k32, v32, d_out, lse, delta, bands)
+    d_sinks = None
     if sinks is not None:
-        sink = sinks.astype(jnp.float32).reshape(1, hkv, g, 1, 1)
-        row_max = jnp.maximum(row_max, sink)
-    # Rows with no attended key have max -inf; shift them by 0 so exp gives exact zeros, not NaN.
-    row_max = jax.lax.stop_gradient(jnp.where(has_keys, row_max, 0.0))
-    weights = jnp.exp(logits - row_max)
-    row_sum = jnp.sum(weights, axis=-1, keepdims=True)
-    if sinks is not None:  # the sink's share of the softmax, which multiplies no value
-        # -inf inside the exp, not a where around it: exp(sink) overflows in rows without keys (shift 0),
-        # and a where would send 0 * inf = NaN back to the sinks.
-        row_sum = row_sum + jnp.exp(jnp.where(has_keys, sink - row_max, -jnp.inf))
-    safe_sum = jnp.where(has_keys, row_sum, 1.0)
-    out_pad = jnp.einsum("bhgqk,bkhd->bqhgd", weights / safe_sum, v_pad, precision="highest")
-    lse_pad = jnp.where(has_keys, jnp.log(safe_sum) + row_max, -jnp.inf)[..., 0]  # [B, Hkv, G, Sq]
+        # The sink is a logit without a value: d sink = sum_i p_sink,i * (d_lse_i - rowsum(dO * O)_i).
+        logit = jnp.where(attends[:, None], sinks.astype(jnp.float32)[None, :] - lse, _MASKED)
+        d_sinks = -jnp.sum(jnp.exp(logit) * delta, axis=0).astype(sinks.dtype)
+    return (d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_sinks,
+            jax.tree.map(lambda _: None, bands))
 
-    seq, pos, valid = row_positions(cu_q, config.capacity_q, sq)
-    seq = jnp.minimum(seq, b - 1)
-    pos = jnp.clip(pos, 0, sq - 1)
-    out = out_pad.reshape(b, sq, config.num_heads_q, -1)[seq, pos]
-    out = jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
-    stats = lse_pad.reshape(b, config.num_heads_q, sq).transpose(0, 2, 1)[seq, pos]  # [Tq, Hq]
-    stats = jnp.where(valid[:, None], stats, -jnp.inf)
-    if config.stats_layout == "head_major":
-        stats = stats.T
-    return out, stats
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _dq_pass(plan, q32, k32, v32, d_out, lse, delta, bands):
+    """dQ: query blocks walk their key ranges as in the forward, recomputing P from lse."""
+    c = plan.config
+    n = _ceil_div(c.capacity_q, plan.block_q)
+    split = (n, plan.block_q, c.num_heads_kv, c.group_size)
+    q_tiles = _query_blocks(plan, q32).reshape(*split, c.head_dim_qk)
+    do_tiles = _query_blocks(plan, d_out).reshape(*split, c.head_dim_v)
+    lse_tiles, delta_tiles = _heads_first(lse, plan), _heads_first(delta, plan)  # [n, Hkv, G, bq]
+    first, last, low, steps = _query_bands(plan, bands)
+
+    def step(r, d_q):
+        cols, k_tile, v_tile = _key_tiles(plan, k32, v32, low, r)
+        mask = _tile_mask(first, last, cols)
+        p = jnp.exp(jnp.where(mask, _logits(plan, q_tiles, k_tile) - lse_tiles[..., None], _MASKED))
+        dp = jnp.einsum("nqhgd,nkhd->nhgqk", do_tiles, v_tile, precision=_HIGHEST)
+        ds = p * (dp - delta_tiles[..., None])
+        return d_q + jnp.einsum("nhgqk,nkhd->nqhgd", ds, k_tile, precision=_HIGHEST)
+
+    d_q = lax.fori_loop(0, steps.max(initial=0), step, jnp.zeros_like(q_tiles))
+    return (d_q * c.scale).reshape(n * plan.block_q, c.num_heads_q, c.head_dim_qk)[:c.capacity_q]
+
+
+def _dkv_pass(plan, q32, k32, v32, d_out, lse, delta, bands):
+    """dK, dV: key blocks walk the query rows that attend them, block_q rows a step."""
+    c = plan.config
+    bq, bk, tq = plan.block_q, plan.block_kv, c.capacity_q
+    n = _ceil_div(c.capacity_kv, bk)
+    k_tiles = _pad(k32, n * bk).reshape(n, bk, c.num_heads_kv, c.head_dim_qk)
+    v_tiles = _pad(v32, n * bk).reshape(n, bk, c.num_heads_kv, c.head_dim_v)
+    cols = jnp.arange(n * bk, dtype=jnp.int32).reshape(n, bk)  # these keys' own rows
+    key_first = _pad(bands.key_first, n * bk, tq).reshape(n, bk)
+    key_last = _pad(bands.key_last, n * bk, -1).reshape(n, bk)
+    low, steps = _steps(key_first, key_last, bk, bq)
+    split = (tq, c.num_heads_kv, c.group_size)
+    q_rows, do_rows = q32.reshape(*split, -1), d_out.reshape(*split, -1)
+    lse_rows, delta_rows = lse.reshape(split), delta.reshape(split)
+
+    def step(r, carry):
+        d_k, d_v = carry
+        rows = low[:, None] + r * bq + jnp.arange(bq, dtype=jnp.int32)  # [n, bq]
+        index = jnp.clip(rows, 0, tq - 1)
+        inside = rows < tq  # clipped duplicates of row tq - 1 must not count twice
+        first = jnp.where(inside, bands.first[index], c.capacity_kv)
+        last = jnp.where(inside, bands.last[index], -1)
+        mask = _tile_mask(first, last, cols)
+        q_tile, do_tile = q_rows[index], do_rows[index]  # [n, bq, Hkv, G, D]
+        lse_tile = jnp.moveaxis(lse_rows[index], 1, 3)  # [n, Hkv, G, bq]
+        delta_tile = jnp.moveaxis(delta_rows[index], 1, 3)
+        p = jnp.exp(jnp.where(mask, _logits(plan, q_tile, k_tiles) - lse_tile[..., None], _MASKED))
+        dp = jnp.einsum("nqhgd,nkhd->nhgqk", do_tile, v_tiles, precision=_HIGHEST)
+        ds = p * (dp - delta_tile[..., None])
+        d_v = d_v + jnp.einsum("nhgqk,nqhgd->nkhd", p, do_tile, precision=_HIGHEST)
+        d_k = d_k + jnp.einsum("nhgqk,nqhgd->nkhd", ds, q_tile, precision=_HIGHEST)
+        return d_k, d_v
+
+    d_k, d_v = lax.fori_loop(0, steps.max(initial=0), step, (jnp.zeros_like(k_tiles), jnp.zeros_like(v_tiles)))
+    return (d_k * c.scale).reshape(n * bk, c.num_heads_kv, -1)[:c.capacity_kv], d_v.reshape(n * bk, c.num_heads_kv,
+                                                                                              -1)[:c.capacity_kv]

@@ -1,0 +1,193 @@
+"""How big the xla path's blocks are, what working set they need, and the bound it must stay under.
+
+The xla path (xla.py) never materialises a [B, H, S, S] score tensor: it walks blocks of the packed token
+axis, so its working set is set by the block sizes and the capacities Tq, Tkv, never by max_seqlen or the
+number of sequences. `estimate_bytes` says how much, before anything is compiled; `check_working_set`
+raises `WorkingSetTooLargeError` when that passes the bound, instead of letting the process die.
+
+Settings, read when a call is traced (so a jitted function keeps the values it was traced with):
+
+  JAX_RAGGED_ATTN_XLA_BLOCK          "128" (default): query and key block rows; "64,256" sets block_q, block_kv
+  JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT   the bound on the estimate: "50%" (default: half the device's memory;
+                                     on a CPU, of physical RAM), a size ("8GiB", "512MB", "3e9" bytes),
+                                     or "off"
+
+A step's scores are Tq * Hq * block_kv float32 (the backward keeps four such tensors, the forward two),
+so block_kv is the knob that trades memory for fewer, larger steps; block_q sets how finely the key range
+each query block walks is cut (rows of one block share one range).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import warnings
+
+import jax
+import numpy as np
+
+from jax_ragged_attn.config import AttentionConfig
+
+BLOCK_ENV = "JAX_RAGGED_ATTN_XLA_BLOCK"
+MEMORY_LIMIT_ENV = "JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT"
+# 128 x 128 blocks: a step of W1 (32k tokens, 16 heads) holds 256 MiB of float32 scores, small beside an
+# H200, and large enough that a step's matmuls keep the device busy; the CPU is as fast with 128 as with 64.
+DEFAULT_BLOCK = 128
+DEFAULT_MEMORY_FRACTION = 0.5
+_F32 = 4
+
+
+class WorkingSetTooLargeError(MemoryError):
+    """The xla path's estimated working set for a call exceeds the bound (see the module docstring)."""
+
+
+class CudnnFallbackWarning(UserWarning):
+    """implementation=None runs the xla path on a GPU because cuDNN declined the call."""
+
+
+def block_sizes(config: AttentionConfig, block_q: int | None = None, block_kv: int | None = None) -> tuple[int, int]:
+    """(block_q, block_kv) for this call: the arguments, else JAX_RAGGED_ATTN_XLA_BLOCK, else 128 each, each
+    capped at its capacity (a block never needs more rows than the buffer has)."""
+    if block_q is None or block_kv is None:
+        env_q, env_kv = _env_blocks()
+        block_q = env_q if block_q is None else block_q
+        block_kv = env_kv if block_kv is None else block_kv
+    for name, value in (("block_q", block_q), ("block_kv", block_kv)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return min(int(block_q), config.capacity_q), min(int(block_kv), config.capacity_kv)
+
+
+def _env_blocks() -> tuple[int, int]:
+    value = os.environ.get(BLOCK_ENV, "").strip()
+    if not value:
+        return DEFAULT_BLOCK, DEFAULT_BLOCK
+    parts = [p.strip() for p in value.split(",")]
+    if len(parts) in (1, 2) and all(p.isdigit() and int(p) > 0 for p in parts):
+        return int(parts[0]), int(parts[-1])
+    raise ValueError(f"{BLOCK_ENV} must be a positive int or 'block_q,block_kv' (e.g. '64,256'), got {value!r}")
+
+
+def estimate_bytes(config: AttentionConfig, block_q: int, block_kv: int, direction: str) -> int:
+    """Peak bytes the xla path allocates for one call besides its inputs, counted generously from the
+    buffers xla.py creates ("forward": the forward; "backward": the backward, with the forward's residuals).
+
+    Compared with XLA's own accounting (compiled memory_analysis() temp + output bytes) in
+    tests/test_xla_memory.py: an upper bound within a small factor.
+    """
+    if direction not in ("forward", "backward"):
+        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    hq, hkv, dqk, dv = config.num_heads_q, config.num_heads_kv, config.head_dim_qk, config.head_dim_v
+    item = np.dtype(config.dtype).itemsize
+    tq, tkv = config.capacity_q, config.capacity_kv
+    tq_pad = -(-tq // block_q) * block_q
+    tkv_pad = -(-tkv // block_kv) * block_kv
+    n_q, n_kv = tq_pad // block_q, tkv_pad // block_kv
+    rows = 16 * (tq_pad + tkv_pad)  # band bookkeeping: a few int32 per row
+
+    scores = n_q * block_q * block_kv * hq * _F32  # one float32 [block_q, block_kv] tile per head and query block
+    key_tiles = n_q * block_kv * hkv * (dqk + dv) * (_F32 + item)  # the key/value rows a step gathers
+    inputs_clean = tq * hq * dqk * (_F32 + item) + tkv * hkv * (dqk + dv) * item  # q in float32, masked k, v
+    residuals = tq * hq * (dv * (_F32 + item) + 2 * _F32)  # out (float32 and q's dtype), lse, row sums
+    carry = tq_pad * hq * (dv + 2) * _F32  # running acc, max, sum
+    forward = rows + inputs_clean + key_tiles + 3 * scores + 2 * carry + residuals
+    if direction == "forward":
+        return int(forward)
+
+    live = rows + inputs_clean + residuals + tq * hq * (dv + 2) * _F32  # + d_out in float32, delta
+    dq_pass = key_tiles + 5 * scores + 2 * tq_pad * hq * dqk * _F32
+    query_tiles = n_kv * block_q * hq * (dqk + dv + 2) * (_F32 + item)  # the query rows a step of pass 2 gathers
+    dkv_pass = (query_tiles + 5 * n_kv * block_q * block_kv * hq * _F32
+                + 3 * tkv_pad * hkv * (dqk + dv) * _F32)  # k, v in float32 and the dk, dv accumulators
+    grads = (tq * hq * dqk + tkv * hkv * (dqk + dv)) * (_F32 + item)
+    return int(live + max(dq_pass, dkv_pass) + grads)
+
+
+def device_memory_bytes() -> int:
+    """The default device's memory: the allocator's limit on a GPU, physical RAM on a CPU."""
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # a backend without memory_stats
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def memory_limit_bytes(limit=None) -> int | None:
+    """The bound for `check_working_set`: `limit` (bytes, or a string as for the environment variable),
+    else JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT, else half the device's memory; None means no bound."""
+    if limit is None:
+        limit = os.environ.get(MEMORY_LIMIT_ENV, "").strip() or f"{DEFAULT_MEMORY_FRACTION * 100:g}%"
+    if isinstance(limit, (int, float)) and not isinstance(limit, bool):
+        if limit <= 0:
+            raise ValueError(f"memory_limit must be positive, got {limit}")
+        return int(limit)
+    text = str(limit).strip().lower()
+    if text in ("off", "none", "inf"):
+        return None
+    match = re.fullmatch(r"([0-9.]+(?:e[0-9]+)?)\s*(%|[kmgt]i?b|b|)", text)
+    value = float(match.group(1)) if match else None
+    if value is None or value <= 0 or not math.isfinite(value):
+        raise ValueError(f"{MEMORY_LIMIT_ENV} must be a percentage of the device's memory ('50%'), a size "
+                         f"('8GiB', '512MB', '3e9') or 'off', got {limit!r}")
+    if match.group(2) == "%":
+        return int(device_memory_bytes() * value / 100)
+    return int(value * _UNITS[match.group(2)])
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
+def check_working_set(config: AttentionConfig, block_q: int, block_kv: int, direction: str, limit=None) -> int:
+    """The estimate for `direction`; raises WorkingSetTooLargeError naming the sizes and the ways out when it
+    exceeds the bound. Called while tracing, so nothing has been compiled or allocated yet."""
+    need = estimate_bytes(config, block_q, block_kv, direction)
+    bound = memory_limit_bytes(limit)
+    if bound is None or need <= bound:
+        return need
+    smallest = estimate_bytes(config, min(16, block_q), min(16, block_kv), direction)
+    smaller = (f"smaller blocks ({BLOCK_ENV}=16 brings it to {_gib(smallest)})" if smallest < need else
+               "smaller blocks cannot help: the float32 accumulators alone are that large")
+    raise WorkingSetTooLargeError(
+        f"the xla attention {direction} would need about {_gib(need)} of working memory (Tq={config.capacity_q}, "
+        f"Tkv={config.capacity_kv}, Hq={config.num_heads_q}, Hkv={config.num_heads_kv}, Dqk={config.head_dim_qk}, "
+        f"Dv={config.head_dim_v}, {config.dtype}, blocks {block_q}x{block_kv}), more than its bound of "
+        f"{_gib(bound)} ({MEMORY_LIMIT_ENV}, default {DEFAULT_MEMORY_FRACTION:.0%} of the device's memory). "
+        f"Ways out: {smaller}; implementation='cudnn' where it can serve the call (bfloat16/float16 on a GPU); "
+        f"fewer tokens per call (split the batch); or raise the bound ({MEMORY_LIMIT_ENV}=80% or a size, "
+        f"'off' to disable)."
+    )
+
+
+_warned: set[str] = set()
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def warn_cudnn_fallback(reason: str, config: AttentionConfig) -> None:
+    """implementation=None is about to run the xla path although a GPU is here: warn once per reason, naming
+    why cuDNN declined and the xla path's estimated working set. Silent on other backends, where the xla
+    path is the expected one."""
+    if not _on_gpu() or reason in _warned:
+        return
+    _warned.add(reason)
+    block_q, block_kv = block_sizes(config)
+    forward = estimate_bytes(config, block_q, block_kv, "forward")
+    backward = estimate_bytes(config, block_q, block_kv, "backward")
+    warnings.warn(
+        f"ragged_attention(implementation=None) runs the portable xla path on this GPU, not cuDNN: {reason}. "
+        f"It is several times slower; its working set here is about {_gib(forward)} forward and {_gib(backward)} "
+        f"backward (blocks {block_q}x{block_kv}, {BLOCK_ENV}). Pass implementation='xla' to choose it "
+        f"explicitly (and silence this), or remove the reason to run cuDNN. Shown once per reason.",
+        CudnnFallbackWarning,
+        stacklevel=4,
+    )
