@@ -479,7 +479,7 @@ def main(argv=None) -> int:
     rate = 3e14 if on_gpu else 2e10
     settings = (Settings(iterations=args.iterations or 2, target_call_s=0.01, max_steps=3, warmup_calls=1,
                          assumed_flops_per_s=rate) if args.quick
-                else Settings(iterations=args.iterations or 7, target_call_s=0.05, max_steps=20, warmup_calls=2,
+                else Settings(iterations=args.iterations or 7, target_call_s=0.1, max_steps=20, warmup_calls=2,
                               assumed_flops_per_s=rate))
     os.makedirs(args.out, exist_ok=True)
     size = args.matmul_size or (8192 if on_gpu else 512)
