@@ -120,7 +120,8 @@ def test_long_document_is_split_into_max_seqlen_pieces():
     assert pieces == [(0, list(range(1, 11))), (10, list(range(11, 21))), (20, list(range(21, 26)))]
     # The piece boundaries are not labels: 10 -> 11 and 20 -> 21 are never targets.
     for b in batches:
-        assert not (b.loss_mask & (((b.tokens == 10) & (b.targets == 11)) | ((b.tokens == 20) & (b.targets == 21)))).any()
+        across = ((b.tokens == 10) & (b.targets == 11)) | ((b.tokens == 20) & (b.targets == 21))
+        assert not (b.loss_mask & across).any()
 
 
 def test_empty_documents_are_skipped_and_no_input_gives_no_batch():
