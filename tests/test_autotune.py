@@ -14,7 +14,7 @@ import pytest
 from jax_ragged_attn import _cudnn as cudnn
 from jax_ragged_attn._cudnn import autotune, extension, graphs
 from jax_ragged_attn.tools import autotune as autotune_cli
-from jax_ragged_attn.config import make_config
+from jax_ragged_attn.config import AttentionOptions, make_config
 
 
 def _plan(index, ms, ok=True, message=""):
@@ -69,9 +69,8 @@ def _config(**changes):
     q = jax.ShapeDtypeStruct((64, 4, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((48, 2, 64), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((4,), jnp.int32)
-    options = dict(max_seqlen_q=32, max_seqlen_kv=32, scale=None, is_causal=True,
-                   diagonal_alignment="bottom_right", local_window_size=None, stats_layout="head_major")
-    return make_config(q, kv, kv, cu, cu, **{**options, **changes})
+    options = AttentionOptions(**{**dict(is_causal=True, diagonal_alignment="bottom_right"), **changes})
+    return make_config(q, kv, kv, cu, cu, options, max_seqlen_q=32, max_seqlen_kv=32)
 
 
 def test_the_choice_is_measured_once_then_read_from_disk(fake, monkeypatch, tmp_path):

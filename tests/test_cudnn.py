@@ -18,7 +18,7 @@ import pytest
 import jax_ragged_attn as jra
 from jax_ragged_attn import _cudnn as cudnn
 from jax_ragged_attn._cudnn import extension, launch
-from jax_ragged_attn.config import make_config
+from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.testing import assert_close, packed_batch
 
@@ -87,6 +87,12 @@ def _options(case: Case) -> dict:
                 diagonal_alignment=case.alignment, local_window_size=case.window)
 
 
+def _config(case: Case, batch, layout: str):
+    options = AttentionOptions(is_causal=case.is_causal, diagonal_alignment=case.alignment,
+                               local_window_size=case.window, stats_layout=layout)
+    return make_config(*batch.args, options, max_seqlen_q=MAX_SEQLEN_Q, max_seqlen_kv=MAX_SEQLEN_KV)
+
+
 def _run(case: Case, batch, d_out, layout: str | None = None, implementation: str = "cudnn"):
     options = _options(case)
 
@@ -135,7 +141,7 @@ def test_head_major_and_token_major_stats_give_the_same_gradients(heads):
     backward overwrite its own tile counter, and dQ/dK/dV came back all zero with no error."""
     case = Case(heads=heads, is_causal=True)
     batch, d_out = _batch(case, 1234)
-    config = make_config(*batch.args, scale=None, stats_layout="head_major", **_options(case))
+    config = _config(case, batch, "head_major")
     info = cudnn.graph_info("backward", config)
     assert info["max_total_seq_len_applied"] and not info["fell_back"], info
     assert info["frontend_region_bytes"] >= info["expected_intermediate_bytes"] > 0, info
@@ -180,7 +186,7 @@ def test_float32_falls_back_to_xla_and_cudnn_refuses_it():
 def test_workspace_is_an_xla_buffer_of_the_reported_size():
     case = Case(is_causal=True)
     batch, _ = _batch(case, 9)
-    config = make_config(*batch.args, scale=None, stats_layout=case.layout, **_options(case))
+    config = _config(case, batch, case.layout)
     workspace = cudnn.graph_info("forward", config)["workspace_bytes"]
     hlo = jax.jit(lambda *a: jra.ragged_attention(*a, implementation="cudnn", **_options(case))).lower(
         *batch.args).as_text()
@@ -260,7 +266,10 @@ def test_check_mode_guard_bands_stay_intact_and_change_nothing(layout):
         return out, vjp(d_out)
 
     hlo = checked.lower(*batch.args[:3], jnp.asarray(d_out)).as_text()
-    assert extension.FORWARD_TARGET + "_guarded" in hlo and extension.BACKWARD_TARGET + "_guarded" in hlo
+    # Check mode calls the same two handlers, with the guarded buffers passed in aliased to the results.
+    calls = [line for line in hlo.splitlines() if "custom_call @" in line]
+    for target in (extension.FORWARD_TARGET, extension.BACKWARD_TARGET):
+        assert any(f"@{target}(" in line and "output_operand_aliases" in line for line in calls), calls
     out, grads = checked(*batch.args[:3], jnp.asarray(d_out))
     assert_close(np.asarray(out, np.float64), plain[0], case.dtype, "check mode out")
     for a, b in zip(grads, plain[2]):
@@ -272,8 +281,7 @@ def test_garbage_cu_seqlens_stay_inside_the_buffers():
     every result is finite (NaN padding would show any read outside the real rows)."""
     case = Case(heads=(8, 2), is_causal=True)
     batch, d_out = _batch(case, 41)
-    config = dataclasses.replace(make_config(*batch.args, scale=None, stats_layout=case.layout, **_options(case)),
-                                 guard_workspace=True)
+    config = dataclasses.replace(_config(case, batch, case.layout), guard_workspace=True)
     garbage = [jnp.array([5, -7, 2000, 3, 900, 10**9, -1], jnp.int32), jnp.array([0, 10**6, 4, 4, 1173, 0, 2**31 - 1],
                                                                                 jnp.int32)]
 

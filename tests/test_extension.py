@@ -12,7 +12,7 @@ import pytest
 
 from jax_ragged_attn import _cudnn as cudnn
 from jax_ragged_attn._cudnn import extension, launch
-from jax_ragged_attn.config import make_config
+from jax_ragged_attn.config import AttentionOptions, make_config
 
 @pytest.fixture(scope="module")
 def ext():
@@ -27,8 +27,8 @@ def _config(**overrides):
     k = jax.ShapeDtypeStruct((shapes["tkv"], shapes["hkv"], shapes["dqk"]), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((shapes["tkv"], shapes["hkv"], shapes["dv"]), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((shapes["b"] + 1,), jnp.int32)
-    return make_config(q, k, v, cu, cu, max_seqlen_q=300, max_seqlen_kv=400, scale=None, is_causal=True,
-                       diagonal_alignment="top_left", local_window_size=None, stats_layout=shapes["layout"])
+    return make_config(q, k, v, cu, cu, AttentionOptions(is_causal=True, stats_layout=shapes["layout"]),
+                       max_seqlen_q=300, max_seqlen_kv=400)
 
 
 def test_extension_registers_every_handler_and_its_guarded_variant(ext):

@@ -7,6 +7,7 @@ the reference over a fuzz of packings, stats layouts, head counts and padding.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn import _cudnn as cudnn, packed
+from jax_ragged_attn import _cudnn as cudnn, checks, packed
 from jax_ragged_attn._cudnn import extension, launch
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.packing import cu_seqlens_from_lengths
@@ -125,7 +126,7 @@ def test_malformed_packed_inputs_name_the_argument(call, message):
         call()
 
 
-def _lowered_cudnn_grad(monkeypatch, layout):
+def _lowered_cudnn_grad(monkeypatch, layout, guard=False):
     """The StableHLO of jax.grad through the cuDNN path (lowering needs no GPU; graph_info is stubbed)."""
     monkeypatch.setattr(launch, "graph_info", lambda direction, config: {"workspace_bytes": 64})
     t, h, d = 32, 4, 16
@@ -133,10 +134,13 @@ def _lowered_cudnn_grad(monkeypatch, layout):
     view = jax.ShapeDtypeStruct((t, h, d), jnp.bfloat16)
     config = make_config(view, view, view, cu, cu, AttentionOptions(is_causal=True), max_seqlen_q=16,
                          max_seqlen_kv=16, packing=layout)
+    config = dataclasses.replace(config, guard_workspace=guard)
     if layout == "qkv":
         args = (jnp.zeros((t, 3, h, d), jnp.bfloat16),)
-    else:
+    elif layout == "kv":
         args = (jnp.zeros((t, h, d), jnp.bfloat16), jnp.zeros((t, 2, h, d), jnp.bfloat16))
+    else:
+        args = tuple(jnp.zeros((t, h, d), jnp.bfloat16) for _ in range(3))
 
     def loss(*args):
         return jnp.sum(launch.attention(args, cu, cu, config)[0].astype(jnp.float32))
@@ -165,6 +169,32 @@ def test_cudnn_path_hands_the_packed_buffer_to_the_kernels_and_never_concatenate
     assert not [line for line in concatenates if full in line], concatenates
     slices = [line for line in text.splitlines() if "slice" in line and full in line]
     assert not slices, slices  # nor does it split the packed buffer
+
+
+@pytest.mark.parametrize("guard", [False, True], ids=["plain", "check_mode"])
+@pytest.mark.parametrize("layout", ["none", "kv", "qkv"])
+def test_every_packing_calls_the_two_handlers_with_one_gradient_per_input(monkeypatch, layout, guard):
+    """The handlers' contract (ffi/handlers.cc): one forward and one backward target for every packing and
+    mode. Their arguments are q, k, v (the buffer holding each) [, out, d_out, stats], 7 index arrays, and in
+    check mode the guarded workspace then one guarded buffer per result, each aliased to its result; the
+    backward's results are one gradient per input buffer in its shape, then the workspace."""
+    text = _lowered_cudnn_grad(monkeypatch, layout, guard)
+    calls = re.findall(r"custom_call @(jax_ragged_attn_\w+)\(([^)]*)\)(.*)", text)
+    assert sorted(target for target, _, _ in calls) == sorted([extension.FORWARD_TARGET, extension.BACKWARD_TARGET])
+    gradients = {"none": ["32x4x16xbf16"] * 3, "kv": ["32x4x16xbf16", "32x2x4x16xbf16"],
+                 "qkv": ["32x3x4x16xbf16"]}[layout]
+    for target, operands, rest in calls:
+        results = re.findall(r"tensor<([^>]*)>", rest.rsplit("-> ", 1)[1])
+        rows = 32 + 2 * checks.GUARD_ROWS if guard else 32  # check mode adds canary rows to every output
+        if target == extension.BACKWARD_TARGET:
+            expected = [g.replace("32x", f"{rows}x", 1) for g in gradients]
+            assert results[:-1] == expected and results[-1].endswith("xui8"), results
+        plain = (3 if target == extension.FORWARD_TARGET else 6) + 7
+        assert len(operands.split(", ")) == plain + (len(results) if guard else 0), (target, operands)
+        aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", rest)
+        # The workspace (the last result) is the first guarded argument, then one per result in order.
+        expected_aliases = {(len(results) - 1, plain)} | {(i, plain + 1 + i) for i in range(len(results) - 1)}
+        assert {(int(r), int(o)) for r, o in aliases} == (expected_aliases if guard else set()), (target, aliases)
 
 
 @pytest.mark.parametrize("packing, parts", [("none", (1, 1)), ("kv", (1, 2)), ("qkv", (3, 3))])

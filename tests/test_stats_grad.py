@@ -167,8 +167,8 @@ def _batch(rng, dtype, head_dim_v=8):
 
 
 def _install(monkeypatch, batch, layout, **changes):
-    config = make_config(*batch.args, AttentionOptions(stats_layout=layout, **OPTIONS), max_seqlen_q=batch.max_seqlen_q,
-                         max_seqlen_kv=batch.max_seqlen_kv)
+    config = make_config(*batch.args, AttentionOptions(stats_layout=layout, **OPTIONS),
+                         max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv)
     config = dataclasses.replace(config, **changes)
     kernel = CudnnArithmetic(config)
     monkeypatch.setattr(jax.ffi, "ffi_call", kernel)

@@ -18,7 +18,7 @@ def _report(names: str) -> int:
 
     from jax_ragged_attn import _cudnn as cudnn
     from jax_ragged_attn.tools import workloads
-    from jax_ragged_attn.config import make_config
+    from jax_ragged_attn.config import AttentionOptions, make_config
 
     reason = extension.cudnn_unavailable_reason()
     if reason is not None:
@@ -30,9 +30,8 @@ def _report(names: str) -> int:
         shape = lambda h: jax.ShapeDtypeStruct((t, h, w.head_dim), jnp.dtype(w.dtype))  # noqa: E731
         cu = jax.ShapeDtypeStruct((b + 1,), jnp.int32)
         config = make_config(shape(w.num_heads_q), shape(w.num_heads_kv), shape(w.num_heads_kv), cu, cu,
-                             max_seqlen_q=w.max_seqlen, max_seqlen_kv=w.max_seqlen, scale=None,
-                             is_causal=w.causal, diagonal_alignment="bottom_right", local_window_size=None,
-                             stats_layout="head_major")
+                             AttentionOptions(is_causal=w.causal, diagonal_alignment="bottom_right"),
+                             max_seqlen_q=w.max_seqlen, max_seqlen_kv=w.max_seqlen)
         for direction in ("forward", "backward"):
             entry = tune(direction, cudnn.ffi_attributes(config), cudnn.device_ordinal())
             ran = sum(p["ok"] for p in entry["plans"])

@@ -26,7 +26,7 @@ import numpy as np
 
 from jax_ragged_attn import _cudnn as cudnn
 from jax_ragged_attn.api import ragged_attention
-from jax_ragged_attn.config import make_config
+from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn._cudnn.extension import cudnn_unavailable_reason
 from jax_ragged_attn.packing import row_positions
 
@@ -262,8 +262,8 @@ def attention_implementation(setup: Setup) -> str:
                                      setup.attention_dtype)
         cu = jax.ShapeDtypeStruct((setup.max_seqs + 1,), jnp.int32)
         reason = cudnn.unsupported_reason(make_config(
-            shape, shape, shape, cu, cu, max_seqlen_q=setup.max_seqlen, max_seqlen_kv=setup.max_seqlen, scale=None,
-            is_causal=True, diagonal_alignment="top_left", local_window_size=None, stats_layout="head_major"))
+            shape, shape, shape, cu, cu, AttentionOptions(is_causal=True), max_seqlen_q=setup.max_seqlen,
+            max_seqlen_kv=setup.max_seqlen))
     return "cudnn" if reason is None else f"xla ({reason})"
 
 

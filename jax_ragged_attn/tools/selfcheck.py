@@ -18,7 +18,7 @@ import numpy as np
 
 from jax_ragged_attn import _cudnn as cudnn, api, testing
 from jax_ragged_attn._cudnn import extension
-from jax_ragged_attn.config import make_config
+from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.tools.workloads import seeded_lengths
 
 
@@ -75,8 +75,8 @@ def run(args) -> int:
         status |= not ok
         extra = ""
         if best == "cudnn":
-            config = make_config(q, k, v, cu, cu, scale=None, diagonal_alignment="top_left", local_window_size=None,
-                                 stats_layout=layout, **kwargs)
+            config = make_config(q, k, v, cu, cu, AttentionOptions(is_causal=True, stats_layout=layout),
+                                 max_seqlen_q=max_len, max_seqlen_kv=max_len)
             extra = f", backward workspace {cudnn.graph_info('backward', config)['workspace_bytes']:,} bytes"
         print(f"[{layout}] {best}: forward {forward_s * 1e3:.3f} ms, forward+backward {step_s * 1e3:.3f} ms{extra}")
         print(f"[{layout}] max |grad - float32 xla| (dq, dk, dv) = {', '.join(f'{e:.3g}' for e in errors)} "

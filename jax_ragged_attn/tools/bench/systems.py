@@ -31,7 +31,7 @@ from jax_ragged_attn import _cudnn as cudnn, ragged_attention
 from jax_ragged_attn._cudnn import extension
 from jax_ragged_attn.tools.bench import cudnn_raw as bench_cudnn_raw
 from jax_ragged_attn.tools.bench.timing import JaxCase, Measurement, Settings, measure_jax
-from jax_ragged_attn.config import make_config
+from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.tools.workloads import Workload
 
 # The xla path holds several [B, H, S, S] float32 tensors at once in its backward; past this size per
@@ -77,8 +77,8 @@ def _ours_case(workload: Workload, *, implementation: str, stats_layout: str = "
                                 **options)
 
     def workspace_bytes(direction: str) -> int:
-        config = make_config(q, k, v, cu, cu, scale=None, diagonal_alignment="top_left", local_window_size=None,
-                             stats_layout=stats_layout, **options)
+        config = make_config(q, k, v, cu, cu, AttentionOptions(is_causal=workload.causal, stats_layout=stats_layout),
+                             max_seqlen_q=workload.max_seqlen, max_seqlen_kv=workload.max_seqlen)
         graphs = {"forward": ("forward",), "backward": ("backward",), "forward+backward": ("forward", "backward")}
         return sum(cudnn.graph_info(g, config)["workspace_bytes"] for g in graphs[direction])
 
