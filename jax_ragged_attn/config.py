@@ -3,6 +3,9 @@
 Every backend receives an `AttentionConfig`: a frozen, hashable dataclass that holds everything that is
 known at trace time. It is the graph-cache key on the cuDNN side and a `nondiff_argnums` entry in the
 `custom_vjp`, so it must hold plain Python values only.
+
+The entry points' keyword options travel as one `AttentionOptions` (frozen, with the public defaults,
+validated when built); `make_config` combines it with the arrays' shapes into the `AttentionConfig`.
 """
 
 from __future__ import annotations
