@@ -31,7 +31,7 @@ Packing is greedy first-fit-decreasing over a buffer of `buffer_size` pieces: th
 longest first and each goes into the first open batch with room for its tokens and a free sequence slot.
 While more input follows, the least-filled batch of a buffer is not emitted; its pieces join the next buffer,
 where they can fill gaps. Within a batch the sequences are ordered by (document, offset), so segment ids
-follow the input order.
+follow the input order. With rng, equal-length pieces are placed and batches emitted in a random order.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class DocumentPacker(Iterator[PackedDocuments]):
     """
 
     def __init__(self, docs: Iterable, capacity: int, *, max_seqs: int, max_seqlen: int | None = None,
-                 buffer_size: int = 1024, pad_id: int = 0):
+                 buffer_size: int = 1024, pad_id: int = 0, rng: np.random.Generator | None = None):
         self.capacity = _positive_int(capacity, "capacity")
         self.max_seqs = _positive_int(max_seqs, "max_seqs")
         self.max_seqlen = self.capacity if max_seqlen is None else _positive_int(max_seqlen, "max_seqlen")
@@ -116,6 +116,9 @@ class DocumentPacker(Iterator[PackedDocuments]):
         self.pad_id = _int(pad_id, "pad_id")
         if not _INT32.min <= self.pad_id <= _INT32.max:
             raise ValueError(f"pad_id must fit int32, got {self.pad_id}")
+        if rng is not None and not isinstance(rng, np.random.Generator):
+            raise ValueError(f"rng must be a numpy.random.Generator or None, got {type(rng).__name__}")
+        self.rng = rng
         if isinstance(docs, (str, bytes)) or not isinstance(docs, Iterable):
             raise ValueError(f"docs must be an iterable of 1-D integer token arrays, got {type(docs).__name__}")
         self._docs = iter(enumerate(docs))
@@ -144,6 +147,8 @@ class DocumentPacker(Iterator[PackedDocuments]):
                 # The least-filled batch waits for the next buffer (the last such batch: the smallest pieces).
                 fills = [sum(len(p[2]) for p in b) for b in bins]
                 self._carried = bins.pop(len(fills) - 1 - int(np.argmin(fills[::-1])))
+            if self.rng is not None:
+                bins = [bins[i] for i in self.rng.permutation(len(bins))]
             self._ready.extend(bins)
         batch = self._batch(self._ready.popleft())
         self.batches += 1
@@ -176,8 +181,10 @@ class DocumentPacker(Iterator[PackedDocuments]):
         return False
 
     def _first_fit_decreasing(self, pieces: list[_Piece]) -> list[list[_Piece]]:
-        # Longest first; ties keep input order, so equal pieces of one document fill batches in order.
-        order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i][2]))
+        # Longest first; ties keep input order (so equal pieces of one document fill batches in order), or a
+        # random order with rng (so the many equal pieces of long documents mix across batches).
+        order = range(len(pieces)) if self.rng is None else self.rng.permutation(len(pieces)).tolist()
+        order = sorted(order, key=lambda i: -len(pieces[i][2]))
         room = np.empty(0, np.int64)  # free tokens per open batch
         slots = np.empty(0, np.int64)  # free sequence slots per open batch
         bins: list[list[_Piece]] = []
@@ -224,7 +231,7 @@ class DocumentPacker(Iterator[PackedDocuments]):
 
 
 def pack_documents(docs: Iterable, capacity: int, *, max_seqs: int, max_seqlen: int | None = None,
-                   buffer_size: int = 1024, pad_id: int = 0) -> DocumentPacker:
+                   buffer_size: int = 1024, pad_id: int = 0, rng: np.random.Generator | None = None) -> DocumentPacker:
     """Packs token documents into fixed-shape batches for `ragged_attention` (see the module docstring).
 
     Args:
@@ -237,6 +244,9 @@ def pack_documents(docs: Iterable, capacity: int, *, max_seqs: int, max_seqlen: 
         capacity; at most capacity. Pass the same value as the attention's max_seqlen.
       buffer_size: pieces read ahead and packed together (first-fit-decreasing); larger packs tighter.
       pad_id: the token (and target) written to padding rows.
+      rng: None packs deterministically, in input order. A numpy Generator shuffles each buffer's pieces
+        before the (stable) longest-first sort and the order its batches are emitted in: a long document
+        splits into many pieces of equal length, which would otherwise fill whole batches one after another.
 
     Returns:
       A `DocumentPacker`: an iterator of `PackedDocuments` batches whose fill_rate attribute reports the
@@ -244,7 +254,7 @@ def pack_documents(docs: Iterable, capacity: int, *, max_seqs: int, max_seqlen: 
       they are read; a malformed one raises ValueError naming its index.
     """
     return DocumentPacker(docs, capacity, max_seqs=max_seqs, max_seqlen=max_seqlen, buffer_size=buffer_size,
-                          pad_id=pad_id)
+                          pad_id=pad_id, rng=rng)
 
 
 def _tokens(doc, index: int) -> np.ndarray:

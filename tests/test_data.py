@@ -65,12 +65,14 @@ documents = st.lists(st.lists(st.integers(1, 1000), max_size=40), max_size=30)
 
 @settings(max_examples=150, deadline=None)
 @given(docs=documents, capacity=st.integers(1, 48), max_seqs=st.integers(1, 6), seqlen_fraction=st.floats(0.01, 1.0),
-       buffer_size=st.integers(1, 20), as_iterator=st.booleans())
+       buffer_size=st.integers(1, 20), as_iterator=st.booleans(), shuffle_seed=st.none() | st.integers(0, 99))
 def test_every_token_once_in_order_within_capacity(docs, capacity, max_seqs, seqlen_fraction, buffer_size,
-                                                   as_iterator):
+                                                   as_iterator, shuffle_seed):
     max_seqlen = max(1, int(capacity * seqlen_fraction))
     source = iter(docs) if as_iterator else docs
-    packer = pack_documents(source, capacity, max_seqs=max_seqs, max_seqlen=max_seqlen, buffer_size=buffer_size)
+    rng = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)
+    packer = pack_documents(source, capacity, max_seqs=max_seqs, max_seqlen=max_seqlen, buffer_size=buffer_size,
+                            rng=rng)
     batches = list(packer)
     for batch in batches:
         _check_batch(batch, capacity, max_seqs, max_seqlen)
@@ -169,6 +171,21 @@ def test_generator_of_endless_documents_keeps_packing():
     assert packer.batches == 50 and packer.fill_rate > 0.8
 
 
+def test_rng_mixes_the_pieces_of_long_documents():
+    # Two documents of 8 equal pieces each: in order, each batch of 4 pieces holds one document; shuffled,
+    # batches mix them (and the whole run is reproducible from the seed).
+    docs = [np.full(32, 1), np.full(32, 2)]
+    in_order = list(pack_documents(docs, 16, max_seqs=4, max_seqlen=4))
+    assert all(len(set(b.document_index[:b.num_seqs])) == 1 for b in in_order)
+
+    def shuffled(seed):
+        return [b.document_index.tolist() for b in pack_documents(docs, 16, max_seqs=4, max_seqlen=4,
+                                                                  rng=np.random.default_rng(seed))]
+
+    assert any(len(set(index) - {-1}) == 2 for index in shuffled(0))
+    assert shuffled(0) == shuffled(0)
+
+
 def test_pad_id_fills_padding():
     batch = next(pack_documents([[1, 2]], 4, max_seqs=1, pad_id=-1))
     np.testing.assert_array_equal(batch.tokens, [1, 2, -1, -1])
@@ -186,6 +203,7 @@ def test_pad_id_fills_padding():
     (dict(buffer_size=0), r"buffer_size must be >= 1, got 0"),
     (dict(pad_id=2**40), r"pad_id must fit int32"),
     (dict(pad_id="0"), r"pad_id must be an int, got str"),
+    (dict(rng=0), r"rng must be a numpy.random.Generator or None, got int"),
     (dict(docs=5), r"docs must be an iterable of 1-D integer token arrays, got int"),
     (dict(docs="abc"), r"docs must be an iterable of 1-D integer token arrays, got str"),
 ])
