@@ -11,6 +11,7 @@ NaN). The real kernels are held to the same reference in tests/test_cudnn.py on 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 
 import jax
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn import _cudnn as cudnn
+from jax_ragged_attn import _cudnn as cudnn, packed
 from jax_ragged_attn._cudnn import extension, launch, stats_grad
 from jax_ragged_attn.config import PACKINGS, AttentionOptions, make_config
 from jax_ragged_attn.testing.reference import reference_attention
@@ -366,6 +367,43 @@ def test_packed_buffers_get_gradients_in_their_own_layout(monkeypatch, rng, pack
     else:  # the packed buffers themselves, in place
         assert (kernel.backward_packings, kernel.backward_head_dims_v) == ([PACKINGS.index(packing)], [dv])
     assert [guarded for _, guarded in kernel.targets] == [guard, guard]
+
+
+@pytest.mark.parametrize("packing", ["kv", "qkv"])
+def test_the_public_packed_wrappers_reach_the_packed_cudnn_launch(monkeypatch, rng, packing):
+    """ragged_attention_kvpacked / _qkvpacked with implementation="cudnn" (cuDNN declared able here) and
+    "xla": their options reach both paths (each held to the reference), and the cuDNN launch hands the
+    packed buffers to the handlers."""
+    batch = _packed_batch(rng, packing)
+    config, kernel = _install(monkeypatch, batch, "token_major")
+    monkeypatch.setattr(cudnn, "unsupported_reason", lambda config: None)
+    buffers = _packed_buffers(batch, packing)
+    d_out, _ = _cotangents(rng, batch, "bfloat16")
+    options = dict(stats_layout="token_major", return_stats=True, **OPTIONS)
+
+    def attend(*buffers, implementation):
+        if packing == "qkv":
+            return packed.ragged_attention_qkvpacked(*buffers, batch.cu_seqlens_q, max_seqlen=batch.max_seqlen_q,
+                                                     implementation=implementation, **options)
+        return packed.ragged_attention_kvpacked(*buffers, batch.cu_seqlens_q, batch.cu_seqlens_kv,
+                                                max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv,
+                                                implementation=implementation, **options)
+
+    def run(implementation):  # stats as aux: the plain backward, on the packed buffers in place
+        out, vjp, stats = jax.vjp(functools.partial(attend, implementation=implementation), *buffers, has_aux=True)
+        return out, stats, vjp(jnp.asarray(d_out))
+
+    expected = _reference(batch, d_out=d_out.astype(np.float64))
+    for implementation in ("cudnn", "xla"):
+        out, stats, grads = jax.jit(functools.partial(run, implementation))()
+        assert_close(np.asarray(out, np.float64), expected["out"], "bfloat16", f"{implementation}: out")
+        assert_close(np.asarray(stats, np.float64), expected["stats"], "float32", f"{implementation}: stats")
+        for grad, buffer in zip(grads, buffers):
+            assert grad.shape == buffer.shape and grad.dtype == buffer.dtype, (grad.shape, buffer.shape)
+        _check_gradients(_unpacked_gradients(grads, packing), expected, batch, "bfloat16", f"{implementation}: ",
+                         rows_without_keys=packing == "kv")
+    # The cuDNN run (first) took the plain backward on the packed buffers in place; the xla run no handler.
+    assert kernel.backward_packings == [PACKINGS.index(packing)], kernel.backward_packings
 
 
 def test_dv_past_the_head_dim_limit_raises_naming_it(monkeypatch, rng):
