@@ -1,7 +1,13 @@
 // The static configuration of one ragged attention call. It arrives as the FFI call's attributes (decoded
 // by name into this struct) and, at trace time, from Python; it is the graph-cache key.
+//
+// The fields are declared once, in JAX_RAGGED_ATTN_CONFIG_FIELDS; the struct, its key, describe(), the
+// FFI attribute decoding (handlers.cc), the Python-dict decoding and the exported field list (module.cc)
+// are all generated from it. A new field is one line here, its value in Python's ffi_attributes
+// (jax_ragged_attn/_cudnn/graphs.py), and its use.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -19,45 +25,95 @@ enum class Packing : int64_t {
   kQKV = 2,       // qkv [T, 3, H, D] (Tq = Tkv, Hq = Hkv)
 };
 
-struct AttentionConfig {
-  int64_t num_seqs = 0;     // B
-  int64_t capacity_q = 0;   // Tq: rows of q, padding included
-  int64_t capacity_kv = 0;  // Tkv
-  int64_t num_heads_q = 0;
-  int64_t num_heads_kv = 0;
-  int64_t head_dim_qk = 0;
-  int64_t head_dim_v = 0;
-  int64_t max_seqlen_q = 0;
-  int64_t max_seqlen_kv = 0;
-  int64_t dtype = 0;  // DType
-  float scale = 1.0f;
-  int64_t bottom_right = 0;        // diagonal alignment: 0 top-left, 1 bottom-right
-  int64_t left_bound = -1;         // keys at most this far left of the diagonal; -1 unbounded
-  int64_t right_bound = -1;        // keys at most this far right of the diagonal; -1 unbounded
-  int64_t stats_token_major = 0;   // 0: stats [H, T]; 1: stats [T, H]
-  int64_t use_max_total_seq_len = 1;  // backward: bound the ragged intermediates by the capacities
-  int64_t deterministic = 0;          // backward: cuDNN's deterministic algorithm (bit-identical dQ/dK/dV)
-  int64_t plan_index = -1;            // which of cuDNN's candidate plans runs; -1: the heuristic's first choice
-  int64_t packing = 0;                // Packing
+// X(type, name, default, label in describe(), value names in describe(): "a|b|c" for 0, 1, 2; "" prints
+// the number). The order is the attribute order Python builds and the order of the struct's members.
+#define JAX_RAGGED_ATTN_CONFIG_FIELDS(X)                                                                       \
+  X(int64_t, num_seqs, 0, "B", "")                                                                             \
+  X(int64_t, capacity_q, 0, "Tq", "")  /* rows of q, padding included */                                       \
+  X(int64_t, capacity_kv, 0, "Tkv", "")                                                                        \
+  X(int64_t, num_heads_q, 0, "Hq", "")                                                                         \
+  X(int64_t, num_heads_kv, 0, "Hkv", "")                                                                       \
+  X(int64_t, head_dim_qk, 0, "Dqk", "")                                                                        \
+  X(int64_t, head_dim_v, 0, "Dv", "")                                                                          \
+  X(int64_t, max_seqlen_q, 0, "max_seqlen_q", "")                                                              \
+  X(int64_t, max_seqlen_kv, 0, "max_seqlen_kv", "")                                                            \
+  X(int64_t, dtype, 0, "dtype", "bfloat16|float16") /* DType */                                                \
+  X(float, scale, 1.0f, "scale", "")                                                                           \
+  X(int64_t, bottom_right, 0, "alignment", "top_left|bottom_right") /* the diagonal's alignment */             \
+  X(int64_t, left_bound, -1, "left_bound", "")   /* keys at most this far left of the diagonal; -1 unbounded */ \
+  X(int64_t, right_bound, -1, "right_bound", "") /* keys at most this far right of the diagonal; -1 unbounded */ \
+  X(int64_t, stats_token_major, 0, "stats", "head_major|token_major") /* stats [H, T] or [T, H] */             \
+  /* backward: bound the ragged intermediates by the capacities */                                             \
+  X(int64_t, use_max_total_seq_len, 1, "max_total_seq_len", "unset|capacity")                                  \
+  X(int64_t, deterministic, 0, "deterministic", "") /* backward: cuDNN's deterministic algorithm */            \
+  X(int64_t, plan_index, -1, "plan", "") /* which of cuDNN's candidate plans runs; -1: the heuristic's first */ \
+  X(int64_t, packing, 0, "packing", "none|kv|qkv") /* Packing */
 
+// The attribute type Python must pass for a field's C++ type (jax.ffi attributes are typed); a field of
+// any other type does not compile until it is added here and in Python's ffi_kwargs.
+template <typename T>
+constexpr const char* attribute_type();
+template <>
+constexpr const char* attribute_type<int64_t>() { return "int64"; }
+template <>
+constexpr const char* attribute_type<float>() { return "float32"; }
+
+struct ConfigField {
+  const char* name;
+  const char* type;  // attribute_type()
+};
+
+#define JAX_RAGGED_ATTN_FIELD_ENTRY(type, name, default_value, label, names) {#name, attribute_type<type>()},
+inline constexpr ConfigField kConfigFields[] = {JAX_RAGGED_ATTN_CONFIG_FIELDS(JAX_RAGGED_ATTN_FIELD_ENTRY)};
+#undef JAX_RAGGED_ATTN_FIELD_ENTRY
+inline constexpr size_t kNumConfigFields = sizeof(kConfigFields) / sizeof(kConfigFields[0]);
+
+namespace internal {
+
+// The `value`-th of the '|'-separated `names`, or the number itself when there is no such name.
+template <typename T>
+void describe_value(std::ostringstream& s, T value, const char* names) {
+  std::string all(names);
+  if (!all.empty() && value >= 0) {
+    size_t start = 0;
+    for (T i = 0; i < value && start != std::string::npos; ++i) {
+      start = all.find('|', start);
+      if (start != std::string::npos) ++start;
+    }
+    if (start != std::string::npos) {
+      s << all.substr(start, all.find('|', start) - start);
+      return;
+    }
+  }
+  s << value;
+}
+
+}  // namespace internal
+
+struct AttentionConfig {
+#define JAX_RAGGED_ATTN_FIELD_MEMBER(type, name, default_value, label, names) type name = default_value;
+  JAX_RAGGED_ATTN_CONFIG_FIELDS(JAX_RAGGED_ATTN_FIELD_MEMBER)
+#undef JAX_RAGGED_ATTN_FIELD_MEMBER
+
+  // Every field, in order: a graph is reused only for a configuration equal in all of them.
   auto key() const {
-    return std::make_tuple(num_seqs, capacity_q, capacity_kv, num_heads_q, num_heads_kv, head_dim_qk, head_dim_v,
-                           max_seqlen_q, max_seqlen_kv, dtype, scale, bottom_right, left_bound, right_bound,
-                           stats_token_major, use_max_total_seq_len, deterministic, plan_index, packing);
+#define JAX_RAGGED_ATTN_FIELD_KEY(type, name, default_value, label, names) std::make_tuple(name),
+    return std::tuple_cat(JAX_RAGGED_ATTN_CONFIG_FIELDS(JAX_RAGGED_ATTN_FIELD_KEY) std::tuple<>());
+#undef JAX_RAGGED_ATTN_FIELD_KEY
   }
   bool operator==(const AttentionConfig& other) const { return key() == other.key(); }
   bool operator<(const AttentionConfig& other) const { return key() < other.key(); }
 
+  // "B=2 Tq=128 ... packing=none": every field, for error messages.
   std::string describe() const {
     std::ostringstream s;
-    s << "B=" << num_seqs << " Tq=" << capacity_q << " Tkv=" << capacity_kv << " Hq=" << num_heads_q
-      << " Hkv=" << num_heads_kv << " Dqk=" << head_dim_qk << " Dv=" << head_dim_v << " max_seqlen_q=" << max_seqlen_q
-      << " max_seqlen_kv=" << max_seqlen_kv << " dtype=" << (dtype == 0 ? "bfloat16" : "float16") << " scale=" << scale
-      << " alignment=" << (bottom_right ? "bottom_right" : "top_left") << " left_bound=" << left_bound
-      << " right_bound=" << right_bound << " stats=" << (stats_token_major ? "token_major" : "head_major")
-      << " max_total_seq_len=" << (use_max_total_seq_len ? "capacity" : "unset")
-      << " deterministic=" << deterministic << " plan=" << plan_index
-      << " packing=" << (packing == 2 ? "qkv" : packing == 1 ? "kv" : "none");
+    const char* separator = "";
+#define JAX_RAGGED_ATTN_FIELD_DESCRIBE(type, name, default_value, label, names) \
+  s << separator << label << "=";                                              \
+  internal::describe_value(s, name, names);                                    \
+  separator = " ";
+    JAX_RAGGED_ATTN_CONFIG_FIELDS(JAX_RAGGED_ATTN_FIELD_DESCRIBE)
+#undef JAX_RAGGED_ATTN_FIELD_DESCRIBE
     return s.str();
   }
 };

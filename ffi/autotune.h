@@ -1,12 +1,24 @@
 // Times every candidate plan of a graph on scratch buffers (autotune=True's measurement).
 #pragma once
 
+#include <cstdint>
+#include <string>
 #include <vector>
 
 #include "attention_config.h"
-#include "graphs.h"
+#include "graph_build.h"
 
 namespace jax_ragged_attn {
+
+// One candidate plan of a graph, as tune_plans measured it.
+struct PlanTiming {
+  int64_t index = 0;
+  std::string name;
+  bool ok = false;  // built and ran; otherwise `message` says why not
+  std::string message;
+  int64_t workspace_bytes = 0;
+  double median_ms = 0.0;
+};
 
 // Builds each of `graph`'s candidate plans and times the ones that build, on device buffers it allocates
 // for `config` (sequences of equal length filling the capacity) and frees again. The caller holds the

@@ -1,29 +1,44 @@
 // The XLA FFI handlers. They check every buffer against the configuration, fetch the cached graph and
 // launch it. They allocate nothing and synchronise nothing: the workspace is an ordinary XLA output whose
 // size Python asked for at trace time, so the handlers are safe inside XLA's command buffers (CUDA graphs).
+//
+// The contract (jax_ragged_attn/_cudnn/launch.py builds the calls):
+//
+//   forward:  args    q, k, v, seq_len_q, seq_len_kv, offset_q, offset_k, offset_v, offset_o, offset_stats
+//             [check mode: workspace, o, stats]
+//             results o [Tq, Hq, Dv], stats f32 [Hq, Tq] or [Tq, Hq], workspace u8
+//   backward: args    q, k, v, o, d_o, stats f32, the same seven index arrays
+//             [check mode: workspace, then each gradient result in order]
+//             results d_q, d_k, d_v (packing none) | d_q, d_kv (kv) | d_qkv (qkv); then workspace u8 last
+//   both:     attributes: the configuration's fields (attention_config.h), decoded by name
+//
+// q, k and v are the three parts even when packed (XLA passes the one packed array three times). In check
+// mode (Python's check=True) the workspace and every output arrive once more as trailing arguments, aliased
+// to the results: Python made them larger than the call needs, filled the slack with a canary and verifies
+// it afterwards. Being the results' own memory, those arguments are checked against their results and
+// never read.
 #include "handlers.h"
 
 #include <algorithm>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "check.h"
-#include "graphs.h"
+#include "graph_cache.h"
 #include "layouts.h"
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    jax_ragged_attn::AttentionConfig, ::xla::ffi::StructMember<int64_t>("num_seqs"),
-    ::xla::ffi::StructMember<int64_t>("capacity_q"), ::xla::ffi::StructMember<int64_t>("capacity_kv"),
-    ::xla::ffi::StructMember<int64_t>("num_heads_q"), ::xla::ffi::StructMember<int64_t>("num_heads_kv"),
-    ::xla::ffi::StructMember<int64_t>("head_dim_qk"), ::xla::ffi::StructMember<int64_t>("head_dim_v"),
-    ::xla::ffi::StructMember<int64_t>("max_seqlen_q"), ::xla::ffi::StructMember<int64_t>("max_seqlen_kv"),
-    ::xla::ffi::StructMember<int64_t>("dtype"), ::xla::ffi::StructMember<float>("scale"),
-    ::xla::ffi::StructMember<int64_t>("bottom_right"), ::xla::ffi::StructMember<int64_t>("left_bound"),
-    ::xla::ffi::StructMember<int64_t>("right_bound"), ::xla::ffi::StructMember<int64_t>("stats_token_major"),
-    ::xla::ffi::StructMember<int64_t>("use_max_total_seq_len"), ::xla::ffi::StructMember<int64_t>("deterministic"),
-    ::xla::ffi::StructMember<int64_t>("plan_index"), ::xla::ffi::StructMember<int64_t>("packing"));
+// The attribute decoding, generated from the one field list: the members in the struct's order, by name.
+#define JAX_RAGGED_ATTN_STRUCT_MEMBER(type, name, default_value, label, names) \
+  , ::xla::ffi::StructMember<type>(#name)
+// Expands the field list into the macro's argument list before the macro splits it at the commas.
+#define JAX_RAGGED_ATTN_REGISTER_STRUCT(...) XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(__VA_ARGS__)
+JAX_RAGGED_ATTN_REGISTER_STRUCT(jax_ragged_attn::AttentionConfig
+                                    JAX_RAGGED_ATTN_CONFIG_FIELDS(JAX_RAGGED_ATTN_STRUCT_MEMBER));
+#undef JAX_RAGGED_ATTN_REGISTER_STRUCT
+#undef JAX_RAGGED_ATTN_STRUCT_MEMBER
 
 namespace jax_ragged_attn {
 namespace {
@@ -42,8 +57,8 @@ std::string shape_string(ffi::Span<const int64_t> dims) {
 
 // A buffer of the configured dtype and exactly the expected shape; anything else could let cuDNN address
 // memory outside it.
-ffi::Error check_buffer(const char* name, ffi::DataType type, ffi::Span<const int64_t> dims, ffi::DataType expected_type,
-                        std::vector<int64_t> expected_dims, const AttentionConfig& c) {
+ffi::Error check_buffer(const std::string& name, ffi::DataType type, ffi::Span<const int64_t> dims,
+                        ffi::DataType expected_type, std::vector<int64_t> expected_dims, const AttentionConfig& c) {
   const bool same_shape = dims.size() == expected_dims.size() &&
                           std::equal(dims.begin(), dims.end(), expected_dims.begin());
   FFI_CHECK(type == expected_type && same_shape)
@@ -127,15 +142,9 @@ struct Parts {
   void* v = nullptr;
 };
 
-ffi::Error check_packing_invariants(const AttentionConfig& c) {
-  const char* violation = packing_violation(c);
-  FFI_CHECK(violation == nullptr) << violation << " [" << c.describe() << "]";
-  return ffi::Error::Success();
-}
-
 ffi::Error qkv_parts(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                      const AttentionConfig& c, Parts* parts) {
-  FFI_RETURN_IF_ERROR(check_packing_invariants(c));
+  FFI_RETURN_IF_ERROR(check_packing(c));
   const ffi::DataType t = element_type(c);
   FFI_RETURN_IF_ERROR(check_buffer("q", q.element_type(), q.dimensions(), t, q_shape(c), c));
   FFI_RETURN_IF_ERROR(check_buffer("k", k.element_type(), k.dimensions(), t, k_shape(c), c));
@@ -144,18 +153,46 @@ ffi::Error qkv_parts(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi
   return ffi::Error::Success();
 }
 
-ffi::Error check_packing(const AttentionConfig& c, Packing expected, const char* target) {
-  FFI_CHECK(c.packing == static_cast<int64_t>(expected))
-      << target << " was called with packing " << c.packing << " [" << c.describe() << "]";
+// A result as the check-mode arguments are compared with it.
+struct ResultView {
+  const char* name;
+  ffi::DataType type;
+  ffi::Span<const int64_t> dims;
+};
+
+// Check mode's trailing arguments: none, or the workspace and then each result but the workspace, in
+// order (`results` ends with the workspace), each of its result's type and shape since it is aliased to
+// it. A different count or order means Python and this handler disagree on the contract.
+ffi::Error check_guarded_args(const ffi::RemainingArgs& guarded, const std::vector<ResultView>& results,
+                              const AttentionConfig& c) {
+  if (guarded.empty()) return ffi::Error::Success();
+  FFI_CHECK(guarded.size() == results.size())
+      << "check mode passes the workspace and then each of the " << results.size() - 1
+      << " other results as arguments after the index arrays (" << results.size() << " in all), got "
+      << guarded.size() << " [" << c.describe() << "]";
+  for (size_t i = 0; i < guarded.size(); ++i) {
+    const ResultView& result = i == 0 ? results.back() : results[i - 1];
+    ffi::ErrorOr<ffi::AnyBuffer> arg = guarded.get<ffi::AnyBuffer>(i);
+    if (arg.has_error()) return arg.error();
+    FFI_RETURN_IF_ERROR(check_buffer(std::string("the check-mode argument aliased to ") + result.name, arg->element_type(),
+                                     arg->dimensions(), result.type,
+                                     std::vector<int64_t>(result.dims.begin(), result.dims.end()), c));
+  }
   return ffi::Error::Success();
 }
 
 ffi::Error forward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         Int32Buffer seq_len_q, Int32Buffer seq_len_kv, Int32Buffer offset_q, Int32Buffer offset_k,
                         Int32Buffer offset_v, Int32Buffer offset_o, Int32Buffer offset_stats,
-                        ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> stats,
-                        ffi::Result<ffi::Buffer<ffi::U8>> workspace, AttentionConfig c) {
+                        ffi::RemainingArgs guarded, ffi::Result<ffi::AnyBuffer> o,
+                        ffi::Result<ffi::Buffer<ffi::F32>> stats, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
+                        AttentionConfig c) {
   const IndexArgs idx{seq_len_q, seq_len_kv, offset_q, offset_k, offset_v, offset_o, offset_stats};
+  FFI_RETURN_IF_ERROR(check_guarded_args(guarded,
+                                         {{"o", o->element_type(), o->dimensions()},
+                                          {"stats", stats->element_type(), stats->dimensions()},
+                                          {"workspace", workspace->element_type(), workspace->dimensions()}},
+                                         c));
   Parts in;
   FFI_RETURN_IF_ERROR(qkv_parts(q, k, v, c, &in));
   FFI_RETURN_IF_ERROR(check_indices(idx, c));
@@ -178,142 +215,87 @@ ffi::Error forward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
   return execute_graph(device, *graph, stream, pack, workspace->untyped_data());
 }
 
-// What every backward needs but its gradient results, which differ per packing.
-struct BackwardArgs {
-  cudaStream_t stream;
-  int32_t device;
-  ffi::AnyBuffer q, k, v, o, d_o;
-  ffi::Buffer<ffi::F32> stats;
-  IndexArgs idx;
+// The backward's results per packing: one gradient buffer per input buffer, of that input's shape, then
+// the workspace. `part` says which gradient buffer holds dQ, dK and dV: a packed one holds several, each
+// at its part's offset in a token's row.
+struct GradientLayout {
+  std::vector<std::pair<const char*, std::vector<int64_t>>> buffers;  // name, shape
+  int part[3];
 };
 
-ffi::Error backward_common(const BackwardArgs& a, const Parts& grads, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
-                           const AttentionConfig& c) {
+GradientLayout gradient_layout(const AttentionConfig& c) {
+  if (packed_qkv(c)) return {{{"d_qkv", qkv_shape(c)}}, {0, 0, 0}};
+  if (packed_kv(c)) return {{{"d_q", q_shape(c)}, {"d_kv", kv_shape(c)}}, {0, 1, 1}};
+  return {{{"d_q", q_shape(c)}, {"d_k", k_shape(c)}, {"d_v", v_shape(c)}}, {0, 1, 2}};
+}
+
+ffi::Error backward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                         ffi::AnyBuffer o, ffi::AnyBuffer d_o, ffi::Buffer<ffi::F32> stats, Int32Buffer seq_len_q,
+                         Int32Buffer seq_len_kv, Int32Buffer offset_q, Int32Buffer offset_k, Int32Buffer offset_v,
+                         Int32Buffer offset_o, Int32Buffer offset_stats, ffi::RemainingArgs guarded,
+                         ffi::RemainingRets rets, AttentionConfig c) {
+  const IndexArgs idx{seq_len_q, seq_len_kv, offset_q, offset_k, offset_v, offset_o, offset_stats};
+  // The packing decides the result list, so it must be a valid one before the results are read.
+  FFI_RETURN_IF_ERROR(check_packing(c));
+  const GradientLayout layout = gradient_layout(c);
+  const size_t num_gradients = layout.buffers.size();
+  FFI_CHECK(rets.size() == num_gradients + 1)
+      << "the backward with packing " << c.packing << " returns " << num_gradients
+      << " gradient buffer(s) and then the workspace (" << num_gradients + 1 << " results), got " << rets.size()
+      << " [" << c.describe() << "]";
+  std::vector<ffi::AnyBuffer> results;
+  std::vector<ResultView> views;
+  for (size_t i = 0; i < rets.size(); ++i) {
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
+    if (ret.has_error()) return ret.error();
+    results.push_back(**ret);
+    views.push_back({i < num_gradients ? layout.buffers[i].first : "workspace", results.back().element_type(),
+                     results.back().dimensions()});
+  }
+  const ffi::AnyBuffer& workspace = results.back();
+  FFI_CHECK(workspace.element_type() == ffi::DataType::U8)
+      << "the backward's last result is the workspace, uint8; got type " << static_cast<int>(workspace.element_type())
+      << " [" << c.describe() << "]";
+  FFI_RETURN_IF_ERROR(check_guarded_args(guarded, views, c));
+
   const ffi::DataType t = element_type(c);
+  for (size_t i = 0; i < num_gradients; ++i) {
+    const auto& [name, shape] = layout.buffers[i];
+    FFI_RETURN_IF_ERROR(check_buffer(name, results[i].element_type(), results[i].dimensions(), t, shape, c));
+  }
+  const Parts grads{at(results[layout.part[0]].untyped_data(), 0),
+                    at(results[layout.part[1]].untyped_data(), k_part_offset(c)),
+                    at(results[layout.part[2]].untyped_data(), v_part_offset(c))};
+
   Parts in;
-  FFI_RETURN_IF_ERROR(qkv_parts(a.q, a.k, a.v, c, &in));
-  FFI_RETURN_IF_ERROR(check_indices(a.idx, c));
-  FFI_RETURN_IF_ERROR(check_buffer("o", a.o.element_type(), a.o.dimensions(), t, o_shape(c), c));
-  FFI_RETURN_IF_ERROR(check_buffer("d_o", a.d_o.element_type(), a.d_o.dimensions(), t, o_shape(c), c));
+  FFI_RETURN_IF_ERROR(qkv_parts(q, k, v, c, &in));
+  FFI_RETURN_IF_ERROR(check_indices(idx, c));
+  FFI_RETURN_IF_ERROR(check_buffer("o", o.element_type(), o.dimensions(), t, o_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("d_o", d_o.element_type(), d_o.dimensions(), t, o_shape(c), c));
   FFI_RETURN_IF_ERROR(
-      check_buffer("stats", ffi::DataType::F32, a.stats.dimensions(), ffi::DataType::F32, stats_shape(c), c));
+      check_buffer("stats", ffi::DataType::F32, stats.dimensions(), ffi::DataType::F32, stats_shape(c), c));
 
   std::shared_ptr<const CachedGraph> graph;
-  FFI_RETURN_IF_ERROR(backward_graph(a.device, c, &graph));
-  FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace->element_count()), *graph, c));
+  FFI_RETURN_IF_ERROR(backward_graph(device, c, &graph));
+  FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace.element_count()), *graph, c));
 
   std::unordered_map<int64_t, void*> pack = {
       {static_cast<int64_t>(TensorUid::kQ), in.q},
       {static_cast<int64_t>(TensorUid::kK), in.k},
       {static_cast<int64_t>(TensorUid::kV), in.v},
-      {static_cast<int64_t>(TensorUid::kO), a.o.untyped_data()},
-      {static_cast<int64_t>(TensorUid::kDO), a.d_o.untyped_data()},
-      {static_cast<int64_t>(TensorUid::kStats), a.stats.untyped_data()},
+      {static_cast<int64_t>(TensorUid::kO), o.untyped_data()},
+      {static_cast<int64_t>(TensorUid::kDO), d_o.untyped_data()},
+      {static_cast<int64_t>(TensorUid::kStats), stats.untyped_data()},
       {static_cast<int64_t>(TensorUid::kDQ), grads.q},
       {static_cast<int64_t>(TensorUid::kDK), grads.k},
       {static_cast<int64_t>(TensorUid::kDV), grads.v},
   };
-  add_indices(pack, a.idx);
-  return execute_graph(a.device, *graph, a.stream, pack, workspace->untyped_data());
-}
-
-#define JAX_RAGGED_ATTN_BACKWARD_PARAMS                                                                          \
-  cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o, \
-      ffi::AnyBuffer d_o, ffi::Buffer<ffi::F32> stats, Int32Buffer seq_len_q, Int32Buffer seq_len_kv,          \
-      Int32Buffer offset_q, Int32Buffer offset_k, Int32Buffer offset_v, Int32Buffer offset_o,                  \
-      Int32Buffer offset_stats
-#define JAX_RAGGED_ATTN_BACKWARD_ARGS_STRUCT \
-  BackwardArgs{stream, device, q, k, v, o, d_o, stats,                                                  \
-               IndexArgs{seq_len_q, seq_len_kv, offset_q, offset_k, offset_v, offset_o, offset_stats}}
-
-// Separate q, k, v: dQ, dK, dV are three results.
-ffi::Error backward_impl(JAX_RAGGED_ATTN_BACKWARD_PARAMS, ffi::Result<ffi::AnyBuffer> d_q,
-                         ffi::Result<ffi::AnyBuffer> d_k, ffi::Result<ffi::AnyBuffer> d_v,
-                         ffi::Result<ffi::Buffer<ffi::U8>> workspace, AttentionConfig c) {
-  const ffi::DataType t = element_type(c);
-  FFI_RETURN_IF_ERROR(check_packing(c, Packing::kSeparate, "the backward handler"));
-  FFI_RETURN_IF_ERROR(check_buffer("d_q", d_q->element_type(), d_q->dimensions(), t, q_shape(c), c));
-  FFI_RETURN_IF_ERROR(check_buffer("d_k", d_k->element_type(), d_k->dimensions(), t, k_shape(c), c));
-  FFI_RETURN_IF_ERROR(check_buffer("d_v", d_v->element_type(), d_v->dimensions(), t, v_shape(c), c));
-  const Parts grads{d_q->untyped_data(), d_k->untyped_data(), d_v->untyped_data()};
-  return backward_common(JAX_RAGGED_ATTN_BACKWARD_ARGS_STRUCT, grads, workspace, c);
-}
-
-// Packed kv: dQ and one dKV [Tkv, 2, Hkv, D] that cuDNN writes dK and dV into, in place.
-ffi::Error backward_kvpacked_impl(JAX_RAGGED_ATTN_BACKWARD_PARAMS, ffi::Result<ffi::AnyBuffer> d_q,
-                                  ffi::Result<ffi::AnyBuffer> d_kv, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
-                                  AttentionConfig c) {
-  const ffi::DataType t = element_type(c);
-  FFI_RETURN_IF_ERROR(check_packing(c, Packing::kKV, "the kv-packed backward handler"));
-  FFI_RETURN_IF_ERROR(check_buffer("d_q", d_q->element_type(), d_q->dimensions(), t, q_shape(c), c));
-  FFI_RETURN_IF_ERROR(check_buffer("d_kv", d_kv->element_type(), d_kv->dimensions(), t, kv_shape(c), c));
-  void* base = d_kv->untyped_data();
-  const Parts grads{d_q->untyped_data(), at(base, k_part_offset(c)), at(base, v_part_offset(c))};
-  return backward_common(JAX_RAGGED_ATTN_BACKWARD_ARGS_STRUCT, grads, workspace, c);
-}
-
-// Packed qkv: one dQKV [T, 3, H, D] that cuDNN writes dQ, dK and dV into, in place.
-ffi::Error backward_qkvpacked_impl(JAX_RAGGED_ATTN_BACKWARD_PARAMS, ffi::Result<ffi::AnyBuffer> d_qkv,
-                                   ffi::Result<ffi::Buffer<ffi::U8>> workspace, AttentionConfig c) {
-  const ffi::DataType t = element_type(c);
-  FFI_RETURN_IF_ERROR(check_packing(c, Packing::kQKV, "the qkv-packed backward handler"));
-  FFI_RETURN_IF_ERROR(check_buffer("d_qkv", d_qkv->element_type(), d_qkv->dimensions(), t, qkv_shape(c), c));
-  void* base = d_qkv->untyped_data();
-  const Parts grads{base, at(base, k_part_offset(c)), at(base, v_part_offset(c))};
-  return backward_common(JAX_RAGGED_ATTN_BACKWARD_ARGS_STRUCT, grads, workspace, c);
-}
-
-// Guard mode: the workspace and every output arrive as extra inputs aliased to the results. Python made
-// the workspace longer than the graph asked for and the outputs longer by guard rows on both sides (the
-// ragged offsets skip the leading ones), filled the slack with a canary and verifies it after the call.
-// Each argument is the same memory as its result, so the arguments themselves are not read here.
-ffi::Error forward_guarded_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                                ffi::AnyBuffer v, Int32Buffer seq_len_q, Int32Buffer seq_len_kv, Int32Buffer offset_q,
-                                Int32Buffer offset_k, Int32Buffer offset_v, Int32Buffer offset_o,
-                                Int32Buffer offset_stats, ffi::Buffer<ffi::U8> /*guarded_workspace*/,
-                                ffi::AnyBuffer /*guarded_o*/, ffi::Buffer<ffi::F32> /*guarded_stats*/,
-                                ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> stats,
-                                ffi::Result<ffi::Buffer<ffi::U8>> workspace, AttentionConfig c) {
-  return forward_impl(stream, device, q, k, v, seq_len_q, seq_len_kv, offset_q, offset_k, offset_v, offset_o,
-                      offset_stats, o, stats, workspace, c);
-}
-
-ffi::Error backward_guarded_impl(JAX_RAGGED_ATTN_BACKWARD_PARAMS, ffi::Buffer<ffi::U8> /*guarded_workspace*/,
-                                 ffi::AnyBuffer /*guarded_d_q*/, ffi::AnyBuffer /*guarded_d_k*/,
-                                 ffi::AnyBuffer /*guarded_d_v*/, ffi::Result<ffi::AnyBuffer> d_q,
-                                 ffi::Result<ffi::AnyBuffer> d_k, ffi::Result<ffi::AnyBuffer> d_v,
-                                 ffi::Result<ffi::Buffer<ffi::U8>> workspace, AttentionConfig c) {
-  return backward_impl(stream, device, q, k, v, o, d_o, stats, seq_len_q, seq_len_kv, offset_q, offset_k, offset_v,
-                       offset_o, offset_stats, d_q, d_k, d_v, workspace, c);
-}
-
-ffi::Error backward_kvpacked_guarded_impl(JAX_RAGGED_ATTN_BACKWARD_PARAMS, ffi::Buffer<ffi::U8> /*guarded_workspace*/,
-                                          ffi::AnyBuffer /*guarded_d_q*/, ffi::AnyBuffer /*guarded_d_kv*/,
-                                          ffi::Result<ffi::AnyBuffer> d_q, ffi::Result<ffi::AnyBuffer> d_kv,
-                                          ffi::Result<ffi::Buffer<ffi::U8>> workspace, AttentionConfig c) {
-  return backward_kvpacked_impl(stream, device, q, k, v, o, d_o, stats, seq_len_q, seq_len_kv, offset_q, offset_k,
-                                offset_v, offset_o, offset_stats, d_q, d_kv, workspace, c);
-}
-
-ffi::Error backward_qkvpacked_guarded_impl(JAX_RAGGED_ATTN_BACKWARD_PARAMS,
-                                           ffi::Buffer<ffi::U8> /*guarded_workspace*/,
-                                           ffi::AnyBuffer /*guarded_d_qkv*/, ffi::Result<ffi::AnyBuffer> d_qkv,
-                                           ffi::Result<ffi::Buffer<ffi::U8>> workspace, AttentionConfig c) {
-  return backward_qkvpacked_impl(stream, device, q, k, v, o, d_o, stats, seq_len_q, seq_len_kv, offset_q, offset_k,
-                                 offset_v, offset_o, offset_stats, d_qkv, workspace, c);
+  add_indices(pack, idx);
+  return execute_graph(device, *graph, stream, pack, workspace.untyped_data());
 }
 
 }  // namespace
 }  // namespace jax_ragged_attn
-
-// The argument lists, once: the guarded variants append the aliased workspace and output arguments.
-#define JAX_RAGGED_ATTN_QKV_ARGS                       \
-  ffi::Ffi::Bind()                                     \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()        \
-      .Ctx<ffi::DeviceOrdinal>()                       \
-      .Arg<ffi::AnyBuffer>() /* q */                   \
-      .Arg<ffi::AnyBuffer>() /* k */                   \
-      .Arg<ffi::AnyBuffer>() /* v */
 
 #define JAX_RAGGED_ATTN_INDEX_ARGS                     \
   .Arg<ffi::Buffer<ffi::S32>>()     /* seq_len_q */    \
@@ -324,59 +306,33 @@ ffi::Error backward_qkvpacked_guarded_impl(JAX_RAGGED_ATTN_BACKWARD_PARAMS,
       .Arg<ffi::Buffer<ffi::S32>>() /* offset_o */     \
       .Arg<ffi::Buffer<ffi::S32>>() /* offset_stats */
 
-#define JAX_RAGGED_ATTN_FORWARD_ARGS JAX_RAGGED_ATTN_QKV_ARGS JAX_RAGGED_ATTN_INDEX_ARGS
-
-#define JAX_RAGGED_ATTN_FORWARD_RETS                   \
-  .Ret<ffi::AnyBuffer>()            /* o */            \
-      .Ret<ffi::Buffer<ffi::F32>>() /* stats */        \
-      .Ret<ffi::Buffer<ffi::U8>>()  /* workspace */    \
-      .Attrs<jax_ragged_attn::AttentionConfig>()
-
-#define JAX_RAGGED_ATTN_BACKWARD_ARGS                  \
-  JAX_RAGGED_ATTN_QKV_ARGS                             \
-      .Arg<ffi::AnyBuffer>()        /* o */            \
-      .Arg<ffi::AnyBuffer>()        /* d_o */          \
-      .Arg<ffi::Buffer<ffi::F32>>() /* stats */        \
-      JAX_RAGGED_ATTN_INDEX_ARGS
-
-// The gradient results, then the workspace: d_q, d_k, d_v (separate); d_q, d_kv (kv packed); d_qkv.
-#define JAX_RAGGED_ATTN_BACKWARD_RETS(grads)           \
-  grads.Ret<ffi::Buffer<ffi::U8>>() /* workspace */    \
-      .Attrs<jax_ragged_attn::AttentionConfig>()
-#define JAX_RAGGED_ATTN_THREE .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-#define JAX_RAGGED_ATTN_TWO .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-#define JAX_RAGGED_ATTN_ONE .Ret<ffi::AnyBuffer>()
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnForward, jax_ragged_attn::forward_impl,
-                              JAX_RAGGED_ATTN_FORWARD_ARGS JAX_RAGGED_ATTN_FORWARD_RETS,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  JAX_RAGGED_ATTN_INDEX_ARGS
+                                  .RemainingArgs()                // check mode: workspace, o, stats
+                                  .Ret<ffi::AnyBuffer>()          // o
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // stats
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // workspace
+                                  .Attrs<jax_ragged_attn::AttentionConfig>(),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnForwardGuarded, jax_ragged_attn::forward_guarded_impl,
-                              JAX_RAGGED_ATTN_FORWARD_ARGS.Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>() JAX_RAGGED_ATTN_FORWARD_RETS,
-                              {ffi::Traits::kCmdBufferCompatible});
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnBackward, jax_ragged_attn::backward_impl,
-                              JAX_RAGGED_ATTN_BACKWARD_ARGS JAX_RAGGED_ATTN_BACKWARD_RETS(JAX_RAGGED_ATTN_THREE),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnBackwardGuarded, jax_ragged_attn::backward_guarded_impl,
-                              JAX_RAGGED_ATTN_BACKWARD_ARGS.Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>() JAX_RAGGED_ATTN_BACKWARD_RETS(JAX_RAGGED_ATTN_THREE),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnBackwardKVPacked, jax_ragged_attn::backward_kvpacked_impl,
-                              JAX_RAGGED_ATTN_BACKWARD_ARGS JAX_RAGGED_ATTN_BACKWARD_RETS(JAX_RAGGED_ATTN_TWO),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnBackwardKVPackedGuarded, jax_ragged_attn::backward_kvpacked_guarded_impl,
-                              JAX_RAGGED_ATTN_BACKWARD_ARGS.Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>() JAX_RAGGED_ATTN_BACKWARD_RETS(JAX_RAGGED_ATTN_TWO),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnBackwardQKVPacked, jax_ragged_attn::backward_qkvpacked_impl,
-                              JAX_RAGGED_ATTN_BACKWARD_ARGS JAX_RAGGED_ATTN_BACKWARD_RETS(JAX_RAGGED_ATTN_ONE),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnBackwardQKVPackedGuarded,
-                              jax_ragged_attn::backward_qkvpacked_guarded_impl,
-                              JAX_RAGGED_ATTN_BACKWARD_ARGS.Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::AnyBuffer>() JAX_RAGGED_ATTN_BACKWARD_RETS(JAX_RAGGED_ATTN_ONE),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // k
+                                  .Arg<ffi::AnyBuffer>()         // v
+                                  .Arg<ffi::AnyBuffer>()         // o
+                                  .Arg<ffi::AnyBuffer>()         // d_o
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // stats
+                                  JAX_RAGGED_ATTN_INDEX_ARGS
+                                  .RemainingArgs()   // check mode: workspace, then each gradient
+                                  .RemainingRets()   // the gradients per packing, then the workspace
+                                  .Attrs<jax_ragged_attn::AttentionConfig>(),
                               {ffi::Traits::kCmdBufferCompatible});

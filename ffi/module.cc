@@ -3,13 +3,14 @@
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/string.h>
 
+#include <set>
 #include <string>
 #include <vector>
 
 #include "attention_config.h"
 #include "cudnn_frontend_version.h"
 #include "cudnn_library.h"
-#include "graphs.h"
+#include "graph_cache.h"
 #include "handlers.h"
 #include "sizing.h"
 
@@ -18,35 +19,41 @@ namespace nb = nanobind;
 namespace jax_ragged_attn {
 namespace {
 
+// The FFI target names the two handlers are registered under.
+constexpr const char* kForwardTarget = "jax_ragged_attn_forward";
+constexpr const char* kBackwardTarget = "jax_ragged_attn_backward";
+
 template <typename T>
 T get(const nb::dict& d, const char* name) {
   if (!d.contains(name)) throw nb::key_error(name);
   return nb::cast<T>(d[name]);
 }
 
-// The same names as the FFI call's attributes, so Python builds one dict for both.
+// The same names as the FFI call's attributes, so Python builds one dict for both; every field is required
+// and no other key is accepted (a misspelt or stale key would otherwise be ignored silently).
 AttentionConfig config_from_dict(const nb::dict& d) {
+  std::set<std::string> known;
+  for (const ConfigField& field : kConfigFields) known.insert(field.name);
+  std::string unknown;
+  for (auto [key, value] : d) {
+    const std::string name = nb::cast<std::string>(key);
+    if (!known.count(name)) unknown += (unknown.empty() ? "" : ", ") + name;
+  }
+  if (!unknown.empty()) throw nb::value_error(("unknown configuration field(s): " + unknown).c_str());
   AttentionConfig c;
-  c.num_seqs = get<int64_t>(d, "num_seqs");
-  c.capacity_q = get<int64_t>(d, "capacity_q");
-  c.capacity_kv = get<int64_t>(d, "capacity_kv");
-  c.num_heads_q = get<int64_t>(d, "num_heads_q");
-  c.num_heads_kv = get<int64_t>(d, "num_heads_kv");
-  c.head_dim_qk = get<int64_t>(d, "head_dim_qk");
-  c.head_dim_v = get<int64_t>(d, "head_dim_v");
-  c.max_seqlen_q = get<int64_t>(d, "max_seqlen_q");
-  c.max_seqlen_kv = get<int64_t>(d, "max_seqlen_kv");
-  c.dtype = get<int64_t>(d, "dtype");
-  c.scale = get<float>(d, "scale");
-  c.bottom_right = get<int64_t>(d, "bottom_right");
-  c.left_bound = get<int64_t>(d, "left_bound");
-  c.right_bound = get<int64_t>(d, "right_bound");
-  c.stats_token_major = get<int64_t>(d, "stats_token_major");
-  c.use_max_total_seq_len = get<int64_t>(d, "use_max_total_seq_len");
-  c.deterministic = get<int64_t>(d, "deterministic");
-  c.plan_index = get<int64_t>(d, "plan_index");
-  c.packing = get<int64_t>(d, "packing");
+#define JAX_RAGGED_ATTN_FIELD_FROM_DICT(type, name, default_value, label, names) c.name = get<type>(d, #name);
+  JAX_RAGGED_ATTN_CONFIG_FIELDS(JAX_RAGGED_ATTN_FIELD_FROM_DICT)
+#undef JAX_RAGGED_ATTN_FIELD_FROM_DICT
   return c;
+}
+
+// The decoded configuration back as a dict: what the handlers and the graph cache see.
+nb::dict config_to_dict(const AttentionConfig& c) {
+  nb::dict d;
+#define JAX_RAGGED_ATTN_FIELD_TO_DICT(type, name, default_value, label, names) d[#name] = c.name;
+  JAX_RAGGED_ATTN_CONFIG_FIELDS(JAX_RAGGED_ATTN_FIELD_TO_DICT)
+#undef JAX_RAGGED_ATTN_FIELD_TO_DICT
+  return d;
 }
 
 const char* error_kind(const xla::ffi::Error& e) {
@@ -130,18 +137,25 @@ NB_MODULE(_ext, m) {
 
   m.def("registrations", []() {
     nb::dict d;
-    d["jax_ragged_attn_forward"] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnForward));
-    d["jax_ragged_attn_backward"] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnBackward));
-    d["jax_ragged_attn_forward_guarded"] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnForwardGuarded));
-    d["jax_ragged_attn_backward_guarded"] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnBackwardGuarded));
-    d["jax_ragged_attn_backward_kvpacked"] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnBackwardKVPacked));
-    d["jax_ragged_attn_backward_kvpacked_guarded"] =
-        nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnBackwardKVPackedGuarded));
-    d["jax_ragged_attn_backward_qkvpacked"] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnBackwardQKVPacked));
-    d["jax_ragged_attn_backward_qkvpacked_guarded"] =
-        nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnBackwardQKVPackedGuarded));
+    d[kForwardTarget] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnForward));
+    d[kBackwardTarget] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnBackward));
     return d;
   });
+  m.def("targets", []() {
+    nb::dict d;
+    d["forward"] = kForwardTarget;
+    d["backward"] = kBackwardTarget;
+    return d;
+  });
+  m.def("config_fields", []() {
+    nb::list fields;
+    for (const ConfigField& field : kConfigFields) fields.append(nb::make_tuple(field.name, field.type));
+    return fields;
+  }, "The configuration's fields in order, as (name, attribute type: \"int64\" or \"float32\").");
+  m.def("decode_config", [](const nb::dict& config) { return config_to_dict(config_from_dict(config)); },
+        nb::arg("config"), "The configuration as the extension decodes it (raises on a missing or unknown field).");
+  m.def("describe_config", [](const nb::dict& config) { return config_from_dict(config).describe(); },
+        nb::arg("config"));
   m.def("load_cudnn", [](const std::string& fallback_path) {
     xla::ffi::Error status = load_cudnn(fallback_path);
     if (status.failure()) throw std::runtime_error(status.message());

@@ -1,46 +1,94 @@
-"""The configuration's field list is written in five places (the C++ struct and its cache key, the FFI
-attribute decoding, the Python-dict decoding, and Python's ffi_attributes). A field missing from the cache
-key would let a call reuse a graph built for another configuration; missing anywhere else, a call fails or
-decodes a default. This test reads the sources and holds all five to one list."""
+"""The configuration's fields are declared once, in ffi/attention_config.h (JAX_RAGGED_ATTN_CONFIG_FIELDS); the
+struct, its cache key, describe(), both decoders and the exported list are generated from that one list. These
+tests hold Python to the export and the trace-time dict decoder to it; tests/test_handler_contract.py does the
+same for the FFI attribute decoding the handlers use."""
 
 from __future__ import annotations
 
-import pathlib
-import re
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
-from jax_ragged_attn import _cudnn as cudnn
-from jax_ragged_attn.config import make_config
-
-FFI = pathlib.Path(__file__).resolve().parent.parent / "ffi"
-
-
-def _struct_fields() -> list[str]:
-    text = (FFI / "attention_config.h").read_text()
-    body = text[text.index("struct AttentionConfig {"):text.index("auto key() const")]
-    return re.findall(r"^\s+(?:int64_t|float)\s+(\w+)\s*=", body, flags=re.M)
+from jax_ragged_attn._cudnn import extension, graphs
+from jax_ragged_attn.config import AttentionOptions, make_config
 
 
-def test_every_field_is_in_the_key_the_decoders_and_python():
-    fields = _struct_fields()
-    assert len(fields) >= 15, fields  # the parse found the struct
-    header = (FFI / "attention_config.h").read_text()
-    key = header[header.index("auto key() const"):header.index("bool operator==")]
-    key_fields = re.findall(r"\b(\w+)\b", key[key.index("make_tuple(") + len("make_tuple("):])
-    handlers = (FFI / "handlers.cc").read_text()
-    decoded = re.findall(r'StructMember<(?:int64_t|float)>\("(\w+)"\)', handlers)
-    module = (FFI / "module.cc").read_text()
-    from_dict = re.findall(r'c\.(\w+) = get<(?:int64_t|float)>\(d, "(\w+)"\)', module)
+@pytest.fixture(scope="module")
+def ext():
+    return extension.module()
 
+
+def _config():
     view = jax.ShapeDtypeStruct((8, 2, 16), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((3,), jnp.int32)
-    config = make_config(view, view, view, cu, cu, max_seqlen_q=4, max_seqlen_kv=4)
-    python = list(cudnn.ffi_attributes(config))
+    return make_config(view, view, view, cu, cu, AttentionOptions(), max_seqlen_q=4, max_seqlen_kv=4)
 
-    assert set(fields) <= set(key_fields), f"missing from key(): {set(fields) - set(key_fields)}"
-    assert decoded == fields, "XLA_FFI_REGISTER_STRUCT_ATTR_DECODING must list the struct's fields in order"
-    assert all(member == name for member, name in from_dict), from_dict
-    assert [name for _, name in from_dict] == fields, "config_from_dict must read every field"
-    assert python == fields, "cudnn.ffi_attributes must produce every field, in the struct's order"
+
+def _distinct_values(ext) -> dict:
+    """A value per field that no other field has, so a field decoded into another's slot shows."""
+    return {name: (0.375 + i if kind == "float32" else 3 + i) for i, (name, kind) in enumerate(ext.config_fields())}
+
+
+def test_python_builds_exactly_the_exported_fields_in_order(ext):
+    fields = [name for name, _ in ext.config_fields()]
+    assert len(fields) >= 15, fields
+    assert len(set(fields)) == len(fields), fields
+    assert list(graphs.ffi_attributes(_config())) == fields
+
+
+def test_ffi_kwargs_types_each_attribute_as_the_extension_declares_it(ext):
+    kinds = dict(ext.config_fields())
+    assert set(kinds.values()) <= {"int64", "float32"}, kinds
+    assert kinds["scale"] == "float32"
+    kwargs = graphs.ffi_kwargs(_config(), "forward")
+    assert list(kwargs) == list(kinds)
+    for name, value in kwargs.items():
+        assert type(value) is {"int64": np.int64, "float32": np.float32}[kinds[name]], (name, type(value))
+
+
+@pytest.mark.parametrize("change", ["drop", "add", "reorder"])
+def test_ffi_kwargs_refuses_attributes_that_differ_from_the_export(monkeypatch, change):
+    build = graphs.ffi_attributes
+
+    def changed(config, direction=None):
+        attributes = build(config, direction)
+        if change == "drop":
+            attributes.pop("deterministic")
+        elif change == "add":
+            attributes["new_field"] = 1
+        else:
+            attributes = dict(reversed(list(attributes.items())))
+        return attributes
+
+    monkeypatch.setattr(graphs, "ffi_attributes", changed)
+    with pytest.raises(RuntimeError, match="the two lists must match"):
+        graphs.ffi_kwargs(_config(), "forward")
+
+
+def test_the_dict_decoder_round_trips_every_field(ext):
+    values = _distinct_values(ext)
+    assert ext.decode_config(values) == values
+    # Python's own attributes survive the trip unchanged too.
+    attributes = graphs.ffi_attributes(_config())
+    assert ext.decode_config(attributes) == attributes
+
+
+def test_describe_shows_every_field(ext):
+    described = ext.describe_config(_distinct_values(ext)).split(" ")
+    assert len(described) == len(ext.config_fields()), described
+    assert [item.split("=")[1] for item in described] == [str(v) for v in _distinct_values(ext).values()]
+    named = ext.describe_config(graphs.ffi_attributes(_config()))
+    assert "dtype=bfloat16" in named and "alignment=top_left" in named and "packing=none" in named, named
+
+
+def test_a_missing_field_is_rejected(ext):
+    values = _distinct_values(ext)
+    del values["plan_index"]
+    with pytest.raises(KeyError, match="plan_index"):
+        ext.decode_config(values)
+
+
+def test_an_unknown_field_is_rejected(ext):
+    with pytest.raises(ValueError, match="unknown configuration field.*new_field"):
+        ext.decode_config({**_distinct_values(ext), "new_field": 1})

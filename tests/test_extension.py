@@ -31,11 +31,11 @@ def _config(**overrides):
                        max_seqlen_q=300, max_seqlen_kv=400)
 
 
-def test_extension_registers_every_handler_and_its_guarded_variant(ext):
+def test_extension_registers_one_forward_and_one_backward_handler(ext):
+    """Check mode and the packed layouts are the same two handlers (tests/test_handler_contract.py)."""
     capsules = ext.registrations()
-    targets = {extension.FORWARD_TARGET, extension.BACKWARD_TARGET, extension.BACKWARD_KVPACKED_TARGET,
-               extension.BACKWARD_QKVPACKED_TARGET}
-    assert set(capsules) == targets | {t + "_guarded" for t in targets}
+    assert extension.targets() == {"forward": extension.FORWARD_TARGET, "backward": extension.BACKWARD_TARGET}
+    assert set(capsules) == {extension.FORWARD_TARGET, extension.BACKWARD_TARGET}
     assert all(type(c).__name__ == "PyCapsule" for c in capsules.values())
 
 

@@ -13,12 +13,6 @@ import os
 
 import jax
 
-FORWARD_TARGET = "jax_ragged_attn_forward"
-BACKWARD_TARGET = "jax_ragged_attn_backward"
-# The backward of packed inputs: one gradient buffer per packed input, written in place.
-BACKWARD_KVPACKED_TARGET = "jax_ragged_attn_backward_kvpacked"
-BACKWARD_QKVPACKED_TARGET = "jax_ragged_attn_backward_qkvpacked"
-
 
 @functools.cache
 def _module():
@@ -36,6 +30,28 @@ def module():
     if isinstance(ext, ImportError):
         raise NotImplementedError(f"the jax_ragged_attn C++ extension is not built or not importable: {ext}")
     return ext
+
+
+def targets() -> dict[str, str]:
+    """{"forward": name, "backward": name}: the two FFI targets the extension registers (ffi/module.cc).
+    Check mode and the packed layouts are the same two handlers (see ffi/handlers.cc for their contract)."""
+    ext = _module()
+    if isinstance(ext, ImportError):
+        # Without the extension nothing can call a target, but HLO tools still look for their names.
+        return {"forward": "jax_ragged_attn_forward", "backward": "jax_ragged_attn_backward"}
+    return dict(ext.targets())
+
+
+# The target names, for callers that want constants.
+FORWARD_TARGET = targets()["forward"]
+BACKWARD_TARGET = targets()["backward"]
+
+
+@functools.cache
+def config_fields() -> tuple[tuple[str, str], ...]:
+    """The configuration's fields as the extension declares them (ffi/attention_config.h), in order:
+    (name, attribute type "int64" or "float32")."""
+    return tuple((name, kind) for name, kind in module().config_fields())
 
 
 def _wheel_cudnn_path() -> str:

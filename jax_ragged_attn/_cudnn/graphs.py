@@ -9,18 +9,17 @@ import jax
 import numpy as np
 
 from jax_ragged_attn import checks
-from jax_ragged_attn._cudnn import autotune, extension
+from jax_ragged_attn._cudnn import autotune, extension, packings
 from jax_ragged_attn.config import PACKINGS, AttentionConfig
 
-# How many parts a token's row holds on the q and the kv side, per packing.
-PARTS = {"none": (1, 1), "kv": (1, 2), "qkv": (3, 3)}
 CUDNN_DTYPES = ("bfloat16", "float16")
 MAX_HEAD_DIM = 256
 INT32_LIMIT = 2**31 - 1
 
 
 def ffi_attributes(config: AttentionConfig, direction: str | None = None) -> dict:
-    """The configuration as the C++ side names it (ffi/attention_config.h), in plain Python values.
+    """The configuration as the C++ side names it (ffi/attention_config.h), in plain Python values, in the
+    order of the extension's field list (ffi_kwargs holds the two to each other).
 
     `direction` ("forward" / "backward") picks the autotuned plan for that graph when config.autotune.
     """
@@ -53,10 +52,18 @@ def ffi_attributes(config: AttentionConfig, direction: str | None = None) -> dic
     return attributes
 
 
+# FFI attributes are typed: each field's type as the extension declares it (extension.config_fields()).
+_ATTRIBUTE_TYPES = {"int64": np.int64, "float32": np.float32}
+
+
 def ffi_kwargs(config: AttentionConfig, direction: str) -> dict:
-    # FFI attributes are typed: every field is an int64 except the float32 scale.
+    """The FFI call's attributes: ffi_attributes, each typed as the extension declares its field."""
     attributes = ffi_attributes(config, direction)
-    return {k: (np.float32(v) if k == "scale" else np.int64(v)) for k, v in attributes.items()}
+    fields = extension.config_fields()
+    if list(attributes) != [name for name, _ in fields]:
+        raise RuntimeError(f"ffi_attributes builds the fields {list(attributes)}, but the extension declares "
+                           f"{[name for name, _ in fields]} (ffi/attention_config.h): the two lists must match")
+    return {name: _ATTRIBUTE_TYPES[kind](attributes[name]) for name, kind in fields}
 
 
 def device_ordinal() -> int:
@@ -111,7 +118,7 @@ def unsupported_reason(config: AttentionConfig) -> str | None:
     widest = max(config.head_dim_qk, config.head_dim_v)
     # The backward's per-query-head dK/dV intermediates (GQA) scale the kv offsets by Hq / Hkv as well, and a
     # packed row holds 2 or 3 parts.
-    parts = max(PARTS[config.packing])
+    parts = packings.TABLE[config.packing].max_parts
     guard = 2 * checks.GUARD_ROWS if config.guard_workspace else 0  # check mode adds rows at both ends
     if (max(config.capacity_q, config.capacity_kv) + guard) * config.num_heads_q * widest * parts > INT32_LIMIT:
         return "the ragged offsets are int32: T * Hq * D (times the parts of a packed row) must stay below 2**31"

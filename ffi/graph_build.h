@@ -1,0 +1,73 @@
+// Builds one cuDNN ragged SDPA graph, forward or backward, for a configuration: declares its tensors,
+// validates it and builds its plan, and for the backward checks the frontend's ragged intermediates
+// against their full extent (falling back to the dense layout when the region is short). No caching and
+// no locking here: graph_cache.h owns the handles and the built graphs.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "attention_config.h"
+#include "cudnn_frontend.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ragged_attn {
+
+// Tensor UIDs of the variant pack; the same values in the forward and the backward graph.
+enum class TensorUid : int64_t {
+  kQ = 1,
+  kK,
+  kV,
+  kO,
+  kStats,
+  kDO,
+  kDQ,
+  kDK,
+  kDV,
+  kSeqLenQ,
+  kSeqLenKV,
+  kOffsetQ,   // ragged offsets of Q, dQ: cu_q * Hq * Dqk
+  kOffsetK,   // K, dK: cu_kv * Hkv * Dqk
+  kOffsetV,   // V, dV: cu_kv * Hkv * Dv
+  kOffsetO,   // O, dO: cu_q * Hq * Dv
+  kOffsetStats,  // cu_q (head-major) or cu_q * Hq (token-major)
+};
+
+enum class Direction { kForward, kBackward };
+
+// Exposes the size of the workspace region the frontend itself carves out for the backward's ragged
+// intermediates (it sits before the engine's own workspace).
+class InspectableGraph : public cudnn_frontend::graph::Graph {
+ public:
+  int64_t frontend_region_bytes() const { return get_fe_workspace_size_subtree(); }
+};
+
+// A built graph and what was learnt building it.
+struct CachedGraph {
+  std::shared_ptr<InspectableGraph> graph;
+  int64_t workspace_bytes = 0;
+  // Backward only: the full-extent check of the ragged intermediates.
+  bool max_total_seq_len_applied = false;
+  int64_t frontend_region_bytes = 0;
+  int64_t expected_intermediate_bytes = 0;
+  bool fell_back = false;  // the region was short, so the graph was rebuilt without max_total_seq_len
+  int64_t plan_index = -1;  // the candidate that runs; -1: the heuristic's first choice (graph.execute)
+  std::string plan_name;    // cuDNN's engine tag of that plan
+};
+
+// kInvalidArgument when the packed layout's parts do not fit one row (layouts.h's packing_violation): no
+// graph is built and no handler runs with such a configuration.
+xla::ffi::Error check_packing(const AttentionConfig& config);
+
+// Builds the graph of `direction` for `config` with `handle` (the caller holds the handle's lock) on
+// `device`. Not-supported configurations come back as ErrorCode::kUnimplemented. `tuning`: stop after the
+// candidate plans are known, building none (tune_plans builds and times each); otherwise build the plan
+// config.plan_index names, or the heuristic's first choice. May throw (cudnn-frontend does): callers catch.
+xla::ffi::Error build_graph(int device, cudnnHandle_t handle, Direction direction, const AttentionConfig& config,
+                            bool tuning, CachedGraph* out);
+
+// Test-only (documented in the README): skip the full-extent fallback so a short region is used as built.
+void set_full_extent_fallback_enabled(bool enabled);
+
+}  // namespace jax_ragged_attn

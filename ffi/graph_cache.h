@@ -1,0 +1,47 @@
+// The built graphs, cached per (device, direction, configuration) in a bounded LRU cache, and the one
+// cuDNN handle per device that builds and runs them.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "attention_config.h"
+#include "autotune.h"
+#include "graph_build.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ragged_attn {
+
+// Both return the cached graph, building it first on a miss. Not-supported configurations come back as
+// ErrorCode::kUnimplemented. `in_handler`: the caller is a handler running on the device's stream (counted,
+// and built with the thread in relaxed stream-capture mode; see graph_cache.cc).
+xla::ffi::Error forward_graph(int device, const AttentionConfig& config, std::shared_ptr<const CachedGraph>* out,
+                              bool in_handler = true);
+xla::ffi::Error backward_graph(int device, const AttentionConfig& config, std::shared_ptr<const CachedGraph>* out,
+                               bool in_handler = true);
+
+// Runs `graph` on `stream`; the variant pack maps TensorUid values to device pointers.
+xla::ffi::Error execute_graph(int device, const CachedGraph& graph, cudaStream_t stream,
+                              std::unordered_map<int64_t, void*>& variant_pack, void* workspace);
+
+// Builds a fresh graph for `config` (never cached), then builds and times every candidate plan cuDNN
+// offers on scratch buffers it allocates and frees itself. Trace time only: it synchronises the device.
+xla::ffi::Error tune_plans(int device, bool forward, const AttentionConfig& config, std::vector<PlanTiming>* out);
+
+struct GraphCacheStats {
+  int64_t hits = 0;
+  int64_t misses = 0;
+  int64_t handler_builds = 0;  // misses inside a handler: the graph was evicted, or never traced on that device
+  int64_t evictions = 0;
+  int64_t size = 0;
+  int64_t capacity = 0;
+};
+GraphCacheStats graph_cache_stats();
+
+// Bounds the number of cached graphs (least recently used go first); JAX_RAGGED_ATTN_GRAPH_CACHE_SIZE sets
+// the initial bound, 256 by default.
+void set_graph_cache_capacity(int64_t capacity);
+
+}  // namespace jax_ragged_attn
