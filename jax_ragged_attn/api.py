@@ -15,7 +15,7 @@ from jax_ragged_attn._cudnn import launch
 from jax_ragged_attn._cudnn.packings import TABLE
 from jax_ragged_attn.checks import check_enabled, checked_cu_seqlens
 from jax_ragged_attn.config import AttentionConfig, AttentionOptions, make_config
-from jax_ragged_attn.xla import attention_xla
+from jax_ragged_attn.xla import attention_xla, warn_cudnn_fallback
 
 
 def ragged_attention(
@@ -101,7 +101,8 @@ def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOption
     if choose_implementation(options.implementation, config) == "cudnn":
         out, stats = launch.attention(tuple(buffers), cu_seqlens_q, cu_seqlens_kv, config)
     else:
-        out, stats = attention_xla(*layout.split(buffers), cu_seqlens_q, cu_seqlens_kv, config, sinks)
+        out, stats = attention_xla(*layout.split(buffers), cu_seqlens_q, cu_seqlens_kv, config, sinks,
+                                   return_stats=options.return_stats)  # False: no -inf computed (debug_infs)
     return (out, stats) if options.return_stats else out
 
 
@@ -125,4 +126,7 @@ def choose_implementation(implementation: str | None, config: AttentionConfig) -
     reason = cudnn.unsupported_reason(config)
     if implementation == "cudnn" and reason is not None:
         raise NotImplementedError(f"implementation='cudnn' cannot serve this call: {reason}")
-    return "xla" if reason is not None else "cudnn"
+    if reason is not None:
+        warn_cudnn_fallback(reason, config)  # on a GPU only, once per reason
+        return "xla"
+    return "cudnn"

@@ -257,8 +257,10 @@ def make_config(
         num_heads_kv=int(hkv),
         head_dim_qk=int(dqk),
         head_dim_v=int(v.shape[2]),
-        max_seqlen_q=_static_int(max_seqlen_q, "max_seqlen_q", 1),
-        max_seqlen_kv=_static_int(max_seqlen_kv, "max_seqlen_kv", 1),
+        # Clamped to the capacities: no sequence can be longer than its buffer, so results are unchanged,
+        # and a bound passed "to be safe" (10**9) sizes nothing on any path.
+        max_seqlen_q=min(_static_int(max_seqlen_q, "max_seqlen_q", 1), int(tq)),
+        max_seqlen_kv=min(_static_int(max_seqlen_kv, "max_seqlen_kv", 1), int(tkv)),
         dtype=np.dtype(q.dtype).name,
         scale=scale,
         is_causal=options.is_causal,

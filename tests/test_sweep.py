@@ -81,8 +81,8 @@ def test_draw_case_is_deterministic_json_and_varied(tier):
 def _broken(change=None, after=None):
     """The xla path with a deliberate bug: `change` edits the static config, `after` edits (out, stats)."""
 
-    def attention(q, k, v, cu_q, cu_kv, config, sinks=None):
-        out, stats = xla.attention_xla(q, k, v, cu_q, cu_kv, change(config) if change else config, sinks)
+    def attention(q, k, v, cu_q, cu_kv, config, sinks=None, **kwargs):
+        out, stats = xla.attention_xla(q, k, v, cu_q, cu_kv, change(config) if change else config, sinks, **kwargs)
         return after(out, stats) if after else (out, stats)
 
     return attention
@@ -134,7 +134,7 @@ def test_repro_reruns_the_printed_case(monkeypatch, capsys, case_passes):
     ("the cuDNN path cannot differentiate through stats", "failed"),
 ])
 def test_only_an_unsupported_cudnn_graph_is_a_skip(monkeypatch, message, status):
-    def refuse(*args):
+    def refuse(*args, **kwargs):
         raise NotImplementedError(message)
 
     monkeypatch.setattr(api, "attention_xla", refuse)
