@@ -1,7 +1,8 @@
-"""`python -m jax_ragged_attn` runs the main job, the training demo (jax_ragged_attn/tools/demo.py)."""
+"""`python -m jax_ragged_attn` runs the main job: a byte-level language model trained on the Python standard
+library's source (jax_ragged_attn/tools/lm.py). The reversal demo: `python -m jax_ragged_attn.tools.demo`."""
 
 import sys
 
-from jax_ragged_attn.tools.demo import main
+from jax_ragged_attn.tools.lm import main
 
 sys.exit(main())

@@ -42,7 +42,7 @@ def test_main_exits_nonzero_and_says_so_below_the_threshold(tmp_path, capsys):
 
 
 def test_module_entry_point_runs_the_demo():
-    run = subprocess.run([sys.executable, "-m", "jax_ragged_attn", "--help"], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "jax_ragged_attn.tools.demo", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr
     assert "reverse" in run.stdout and "--batch-tokens" in run.stdout

@@ -1,4 +1,4 @@
-"""`python -m jax_ragged_attn`: a small transformer learns to reverse sequences packed back to back.
+"""`python -m jax_ragged_attn.tools.demo`: a small transformer learns to reverse sequences packed back to back.
 
 Every batch is one token buffer holding a few dozen sequences of different lengths (the THD layout), each
 `x1 .. xn SEP xn .. x1`, attended with `ragged_attention(..., is_causal=True)`. Emitting the reversal
@@ -321,7 +321,7 @@ def plot_losses(losses, path: str) -> bool:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jax_ragged_attn", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m jax_ragged_attn.tools.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--seed", type=int, default=0)
