@@ -13,8 +13,9 @@ import jax
 from jax_ragged_attn import _cudnn as cudnn
 from jax_ragged_attn._cudnn import launch
 from jax_ragged_attn._cudnn.packings import TABLE
-from jax_ragged_attn.checks import check_enabled, checked_cu_seqlens
+from jax_ragged_attn.checks import check_enabled, checked_cu_seqlens, warn_cu_seqlens_on_host
 from jax_ragged_attn.config import AttentionConfig, AttentionOptions, make_config
+from jax_ragged_attn.overflow import cu_seqlens_overflow
 from jax_ragged_attn.xla import attention_xla, warn_cudnn_fallback
 
 
@@ -38,6 +39,7 @@ def ragged_attention(
     check: bool | None = None,
     autotune: bool = False,
     sinks: jax.Array | None = None,
+    return_overflow: bool = False,
 ):
     """Scaled dot-product attention over sequences packed into one token buffer (the THD / varlen layout).
 
@@ -47,9 +49,10 @@ def ragged_attention(
       cu_seqlens_q, cu_seqlens_kv: int32 [B + 1]. Sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
         and key rows cu_seqlens_kv[b]:cu_seqlens_kv[b+1]. Zero-length sequences are fine. Tq and Tkv are
         static capacities; rows past cu_seqlens[-1] are padding. Values are clamped monotone into [0, T]
-        before use, so no value can make a kernel address outside the buffers.
+        before use, so no value can make a kernel address outside the buffers (return_overflow counts the
+        entries clamped; check=True raises instead).
       max_seqlen_q, max_seqlen_kv: static upper bounds of the sequence lengths (rows of a longer sequence
-        past the bound are treated as padding).
+        past the bound are treated as padding; return_overflow counts them, check=True raises).
       scale: multiplies q.k; default 1/sqrt(Dqk).
       is_causal: query i sees key j only if j <= diagonal.
       diagonal_alignment: "top_left" (diagonal d = i) or "bottom_right" (d = i + skv - sq), per sequence.
@@ -63,8 +66,11 @@ def ragged_attention(
         dP in a dense workspace: slower and much more memory). The xla path is deterministic anyway.
       check: validate cu_seqlens at run time (start at 0, never decrease, stay within the capacity, no
         sequence longer than max_seqlen) and, on cuDNN, surround the workspace with a verified canary band;
-        a violation stops the computation with an error. None reads JAX_RAGGED_ATTN_CHECK. Off, cu_seqlens
-        are clamped into the buffers instead (see above). Costs a device-to-host round trip per call.
+        a violation stops the computation with checks.RaggedAttentionInputError naming the argument, index
+        and values (under jit XLA delivers it wrapped: see checks.input_errors). None reads
+        JAX_RAGGED_ATTN_CHECK. Off, cu_seqlens are clamped into the buffers instead (see above), and NumPy
+        cu_seqlens that will be clamped or cut raise a RaggedAttentionInputWarning when traced. Costs a
+        device-to-host round trip per call (none when the values are concrete: an eager call).
       autotune: on cuDNN, time every candidate plan cuDNN offers for this configuration once (at trace
         time, on scratch buffers) and run the fastest; the heuristic's choice is kept unless another plan
         is measurably faster. Choices persist on disk per (GPU, cuDNN version, configuration); see
@@ -73,21 +79,25 @@ def ragged_attention(
         softmax without a value, so a row can put weight on "nothing"; differentiable. stats then include
         the sink term. The xla path only, for now: the cuDNN path reports it cannot serve the call, so
         implementation=None falls back to xla.
+      return_overflow: also return an overflow.Overflow of int32 scalars counting what this call dropped
+        (truncated_rows_q, truncated_rows_kv, invalid_cu_seqlens; dropped_segments is 0 here), computed on
+        the device with no host round trip; all zero when nothing was lost. They carry no gradient.
 
     Returns:
-      out [Tq, Hq, Dv] in q's dtype, or (out, stats) with return_stats=True. Rows with no attended key and
-      padding rows read out = 0 and stats = -inf, and their gradients are 0.
+      out [Tq, Hq, Dv] in q's dtype, or (out, stats) with return_stats=True, with the Overflow appended
+      last when return_overflow=True: (out, overflow) or (out, stats, overflow). Rows with no attended key
+      and padding rows read out = 0 and stats = -inf, and their gradients are 0.
     """
     options = AttentionOptions(scale=scale, is_causal=is_causal, diagonal_alignment=diagonal_alignment,
                                local_window_size=local_window_size, stats_layout=stats_layout,
                                return_stats=return_stats, implementation=implementation,
                                deterministic=deterministic, check=check, autotune=autotune)
     return attend((q, k, v), cu_seqlens_q, cu_seqlens_kv, options, max_seqlen_q=max_seqlen_q,
-                  max_seqlen_kv=max_seqlen_kv, sinks=sinks)
+                  max_seqlen_kv=max_seqlen_kv, sinks=sinks, return_overflow=return_overflow)
 
 
 def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOptions, *, max_seqlen_q: int,
-           max_seqlen_kv: int, packing: str = "none", sinks=None):
+           max_seqlen_kv: int, packing: str = "none", sinks=None, return_overflow: bool = False):
     """`ragged_attention` of the buffers laid out as TABLE[packing] says: (q, k, v), (q, kv) or (qkv,).
 
     The cuDNN path reads packed buffers in place and returns their gradients in their own layout; the xla
@@ -97,25 +107,38 @@ def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOption
     q, k, v = layout.views(buffers)
     config = make_config(q, k, v, cu_seqlens_q, cu_seqlens_kv, options, max_seqlen_q=max_seqlen_q,
                          max_seqlen_kv=max_seqlen_kv, sinks=sinks, packing=packing)
+    if not isinstance(return_overflow, bool):
+        raise ValueError(f"return_overflow must be a Python bool, got {type(return_overflow).__name__}")
     config, cu_seqlens_q, cu_seqlens_kv = apply_check(options.check, config, cu_seqlens_q, cu_seqlens_kv)
     if choose_implementation(options.implementation, config) == "cudnn":
         out, stats = launch.attention(tuple(buffers), cu_seqlens_q, cu_seqlens_kv, config)
     else:
         out, stats = attention_xla(*layout.split(buffers), cu_seqlens_q, cu_seqlens_kv, config, sinks,
                                    return_stats=options.return_stats)  # False: no -inf computed (debug_infs)
-    return (out, stats) if options.return_stats else out
+    result = (out, stats) if options.return_stats else (out,)
+    if return_overflow:  # from the cu_seqlens as the caller passed them (checked ones are the same values)
+        result += (cu_seqlens_overflow(cu_seqlens_q, cu_seqlens_kv, config, same=cu_seqlens_q is cu_seqlens_kv),)
+    return result if len(result) > 1 else out
 
 
 def apply_check(check: bool | None, config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv):
-    """With check on: guard mode in the config, and cu_seqlens that are validated on the host at run time."""
+    """With check on: guard mode in the config, and cu_seqlens that are validated on the host at run time
+    (checks.py). Off: NumPy cu_seqlens, free to read, warn if they will be clamped or cut."""
+    # One array for q and kv (qkv-packed, segments): checked once, under the name the caller passed.
+    same = cu_seqlens_q is cu_seqlens_kv and (config.capacity_q, config.max_seqlen_q) == (config.capacity_kv,
+                                                                                           config.max_seqlen_kv)
+    name_q = "cu_seqlens" if same and config.packing == "qkv" else "cu_seqlens_q"
+    sides = [(name_q, cu_seqlens_q, config.capacity_q, config.max_seqlen_q)]
+    if not same:
+        sides.append(("cu_seqlens_kv", cu_seqlens_kv, config.capacity_kv, config.max_seqlen_kv))
     if not check_enabled(check):
+        for name, cu, capacity, max_seqlen in sides:
+            warn_cu_seqlens_on_host(cu, name=name, capacity=capacity, max_seqlen=max_seqlen)
         return config, cu_seqlens_q, cu_seqlens_kv
     config = dataclasses.replace(config, guard_workspace=True)
-    cu_seqlens_q = checked_cu_seqlens(cu_seqlens_q, name="cu_seqlens_q", capacity=config.capacity_q,
-                                      max_seqlen=config.max_seqlen_q)
-    cu_seqlens_kv = checked_cu_seqlens(cu_seqlens_kv, name="cu_seqlens_kv", capacity=config.capacity_kv,
-                                       max_seqlen=config.max_seqlen_kv)
-    return config, cu_seqlens_q, cu_seqlens_kv
+    checked = [checked_cu_seqlens(cu, name=name, capacity=capacity, max_seqlen=max_seqlen)
+               for name, cu, capacity, max_seqlen in sides]
+    return config, checked[0], checked[-1]
 
 
 def choose_implementation(implementation: str | None, config: AttentionConfig) -> str:

@@ -1,35 +1,49 @@
-"""Run-time validation of cu_seqlens for check=True (or JAX_RAGGED_ATTN_CHECK=1).
+"""Check mode (check=True or JAX_RAGGED_ATTN_CHECK=1): input data the op would drop or clamp is an error.
 
-Without it, cu_seqlens are clamped monotone into the buffers (packing.sanitize_cu_seqlens): no kernel
-addresses outside them, but a malformed batch silently becomes a different, valid one. With it, a
-malformed batch stops the computation with an error naming the argument, the index and the values.
+Without it, cu_seqlens are clamped monotone into the buffers (packing.sanitize_cu_seqlens), sequences longer
+than max_seqlen are cut and segments past max_segments are treated as padding: no kernel addresses outside
+its buffers, and `return_overflow=True` counts what was dropped (overflow.py), but a malformed batch
+silently becomes a different, valid one. With check mode, it stops the computation with a
+`RaggedAttentionInputError` (a ValueError) naming the argument, the index and the values.
 
-Mechanism: `jax.pure_callback` whose result *is* the checked cu_seqlens, copied back unchanged by a NumPy
-function that raises ValueError on bad values. Why this one, measured on jax 0.10.2 (CPU):
+Mechanism: where the values are concrete (an eager call), they are checked on the host right here and the
+error is raised from this module, as a plain Python exception. Under a trace (jit, vmap, grad), the check
+is a `jax.pure_callback` whose result *is* the checked array, copied back unchanged by a NumPy function
+that raises on bad values. Why this one, measured on jax 0.10.2 (CPU):
 
 - The attention consumes the callback's result, so it cannot start before the check has passed, and a
   raising callback aborts the XLA program (a later op that depends on it never runs). `jax.debug.callback`
   returns nothing to depend on: the kernels could run on the bad values while the check is still pending.
 - It composes with jit, vmap (the check receives the batched [..., B + 1] array once), grad, custom_vjp,
   lax.scan and jax.checkpoint. `io_callback` carries an effect, which `jax.checkpoint` rejects ("Effects
-  not supported in partial-eval of `checkpoint`/`remat`").
-- `jax.experimental.checkify` (and jax's error_check) make the caller wrap the function and raise the
-  error themselves; forgetting that would silently drop the check, the failure we are here to prevent.
+  not supported in partial-eval of `checkpoint`/`remat`"); `jax.experimental.buffer_callback` wraps an
+  error exactly as pure_callback does.
+- `jax.experimental.checkify` (and jax's error_check, not public in jax 0.10) make the caller wrap the
+  function and raise the error themselves; forgetting that would silently drop the check, the failure we
+  are here to prevent.
 
-What the user sees: an exception whose message is "INTERNAL: CpuCallback error calling callback:
-Traceback ..." ending in "ValueError: cu_seqlens_q is invalid: ...", raised when the jitted call runs
-(CPU) or, with asynchronous dispatch, at the latest when a result that depends on it is read. Its type
-depends on jax's dispatch path: `jax.errors.JaxRuntimeError` (a RuntimeError) on a first call or eagerly,
-ValueError when a compiled function is called again through jit's C++ fast path; catch both. jax also
-logs the callback's traceback at ERROR level. A pure_callback whose result is unused is dead code and
-is removed with it, so only cu_seqlens that reach a kernel are checked. On a GPU each check is one small
-device-to-host round trip and a stream sync.
+What the user sees under a trace: XLA carries the callback's exception as text, so the exception raised
+where the jitted call runs (or, with asynchronous dispatch, where a result is read) is jaxlib's:
+`JaxRuntimeError` eagerly, `ValueError` through jit, whose message starts "INTERNAL: CpuCallback error
+calling callback: Traceback ..." and ends "RaggedAttentionInputError: <the message>". JAX also logs the
+callback's traceback at ERROR level before that; a filter on JAX's callback logger (below) turns that
+record into one line naming the problem, so the first line on stderr says what is wrong. Code that wants
+the dedicated type wraps the call (and the read of its result) in `input_errors()`, which re-raises such a
+failure as `RaggedAttentionInputError` with only the message. A pure_callback whose result is unused is
+dead code and is removed with it, so only values that reach a kernel are checked. On a GPU each check is
+one small device-to-host round trip and a stream sync.
+
+Host-resident inputs (NumPy arrays) cost nothing to read, so they are checked when the call is traced
+whatever the mode: check mode raises, otherwise a `RaggedAttentionInputWarning` says what will be dropped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +52,60 @@ import numpy as np
 ENV_VAR = "JAX_RAGGED_ATTN_CHECK"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
+
+
+class RaggedAttentionInputError(ValueError):
+    """Input data that the op would drop, cut or clamp, found in check mode (see the module docstring)."""
+
+
+class RaggedAttentionInputWarning(UserWarning):
+    """Host-resident (NumPy) input data that the op will drop, cut or clamp, found outside check mode."""
+
+
+class _OneLineForInputErrors(logging.Filter):
+    """JAX logs a failed callback's whole traceback before raising its own exception; for our input errors
+    that record becomes one line with the message, so it is not a second traceback in front of the error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, RaggedAttentionInputError):
+            record.msg, record.args = f"{type(error).__name__}: {error}", ()
+            record.exc_info = record.exc_text = None
+        return True
+
+
+logging.getLogger("jax._src.callback").addFilter(_OneLineForInputErrors())
+
+
+@contextlib.contextmanager
+def input_errors():
+    """Re-raises a check-mode failure that XLA delivered wrapped (see the module docstring) as
+    `RaggedAttentionInputError` carrying only its message; every other exception passes unchanged.
+
+        with input_errors():
+            loss = jax.block_until_ready(train_step(params, batch))   # read the result inside
+
+    Also a decorator (`@input_errors()`). Results are computed asynchronously: read them inside the block.
+    """
+    try:
+        yield
+    except RaggedAttentionInputError:
+        raise
+    except (ValueError, RuntimeError) as error:
+        message = input_error_message(error)
+        if message is None:
+            raise
+        raise RaggedAttentionInputError(message) from None
+
+
+def input_error_message(error: BaseException) -> str | None:
+    """The message of a RaggedAttentionInputError carried inside `error` (as XLA's text), or None."""
+    if isinstance(error, RaggedAttentionInputError):
+        return str(error)
+    marker = f"{RaggedAttentionInputError.__name__}: "
+    text = str(error)
+    at = text.rfind(marker)
+    return None if at < 0 else text[at + len(marker):].strip()
 
 
 def check_enabled(check: bool | None) -> bool:
@@ -57,8 +125,9 @@ def check_enabled(check: bool | None) -> bool:
     raise ValueError(f"{ENV_VAR} must be one of {_TRUE + _FALSE[1:]} (or unset), got {os.environ[ENV_VAR]!r}")
 
 
-def _problems(cu: np.ndarray, name: str, capacity: int, max_seqlen: int, bound: str) -> list[str]:
+def cu_seqlens_problems(cu: np.ndarray, name: str, capacity: int, max_seqlen: int, bound: str) -> list[str]:
     """What is wrong with one [B + 1] cu_seqlens, first offending index of each kind."""
+    cu = cu.astype(np.int64)
     problems = []
     if cu[0] != 0:
         problems.append(f"{name}[0] = {cu[0]}, must be 0")
@@ -76,28 +145,98 @@ def _problems(cu: np.ndarray, name: str, capacity: int, max_seqlen: int, bound: 
     return problems
 
 
-def _check_on_host(cu_seqlens, *, name: str, capacity: int, max_seqlen: int) -> np.ndarray:
-    values = np.asarray(cu_seqlens)
-    # Under vmap the callback receives [..., B + 1] at once; name the mapped element that is wrong.
-    bound = name.replace("cu_seqlens", "max_seqlen") if "cu_seqlens" in name else "max_seqlen"
-    for index in np.ndindex(values.shape[:-1]):
-        problems = _problems(values[index].astype(np.int64), name, capacity, max_seqlen, bound)
+def segment_problems(ids: np.ndarray, max_segments: int, max_seqlen: int) -> list[str]:
+    """What segments.ragged_attention_segments would drop or cut from one [R, S] segment_ids."""
+    seq = ids.shape[1]
+    real = ids > 0
+    previous = np.concatenate([ids[:, :1], ids[:, :-1]], axis=1)
+    starts = (real & ((np.arange(seq) == 0) | (ids != previous))).reshape(-1)
+    first = np.flatnonzero(starts)  # flat index of each segment's first token, row-major
+    segment = np.cumsum(starts) - 1
+    lengths = np.bincount(segment[real.reshape(-1)], minlength=first.size)
+    problems = []
+    if first.size > max_segments:
+        r, t = divmod(int(first[max_segments]), seq)
+        problems.append(f"segment_ids hold {first.size} segments, more than max_segments = {max_segments}: segments "
+                        f"{max_segments} to {first.size - 1} (row-major) would be dropped, the first of them "
+                        f"at segment_ids[{r}, {t}] = {ids[r, t]}")
+    if (lengths > max_seqlen).any():
+        i = int(np.argmax(lengths > max_seqlen))
+        r, t = divmod(int(first[i]), seq)
+        problems.append(f"segment {i} (segment_ids[{r}, {t}:{t + lengths[i]}] = {ids[r, t]}) has {lengths[i]} "
+                        f"tokens, more than max_seqlen = {max_seqlen}")
+    return problems
+
+
+def _report(values: np.ndarray, name: str, problems_of, *, warn: bool = False) -> None:
+    """Raises (or warns) naming `name` if `problems_of` finds anything in `values`; under vmap `values` has
+    leading mapped axes, and the message names the mapped element that is wrong."""
+    element_rank = 2 if name == "segment_ids" else 1
+    for index in np.ndindex(values.shape[:values.ndim - element_rank]):
+        problems = problems_of(values[index])
         if problems:
             where = f" (vmapped element {index})" if index else ""
-            got = np.array2string(values[index], threshold=32, max_line_width=10**6)
-            raise ValueError(f"{name} is invalid{where}: " + "; ".join(problems) + f". Got {got}")
-    return values
+            got = np.array2string(values[index], threshold=32, max_line_width=10**6).replace("\n", "")
+            message = f"{name} is invalid{where}: " + "; ".join(problems) + f". Got {got}"
+            if warn:
+                warnings.warn(message + ". The op drops or clamps this data (check=True raises instead; "
+                              "return_overflow=True counts it)", RaggedAttentionInputWarning, stacklevel=4)
+                return
+            raise RaggedAttentionInputError(message)
+
+
+def _checked(value: jax.Array, name: str, problems_of):
+    """`value`, unchanged, once the host found it valid; otherwise the computation stops (see the module
+    docstring). Concrete values are checked here and now, traced ones by a pure_callback."""
+    def check_on_host(values):
+        values = np.asarray(values)
+        _report(values, name, problems_of)
+        return values
+
+    if not isinstance(value, jax.core.Tracer):
+        check_on_host(value)
+        return value
+    result = jax.ShapeDtypeStruct(value.shape, value.dtype)
+    return jax.pure_callback(check_on_host, result, value, vmap_method="expand_dims")
+
+
+def _bound_name(name: str) -> str:
+    return name.replace("cu_seqlens", "max_seqlen") if "cu_seqlens" in name else "max_seqlen"
 
 
 def checked_cu_seqlens(cu_seqlens: jax.Array, *, name: str, capacity: int, max_seqlen: int) -> jax.Array:
-    """cu_seqlens, unchanged, once a host check has found it valid; otherwise the computation stops.
+    """cu_seqlens, unchanged, once a host check has found it valid; otherwise the computation stops with a
+    RaggedAttentionInputError.
 
     Valid means: starts at 0, never decreases, never exceeds `capacity` (the packed buffer's rows) and no
     sequence is longer than `max_seqlen`. Works eagerly and under jit, vmap, grad and checkpoint.
     """
-    check = functools.partial(_check_on_host, name=name, capacity=int(capacity), max_seqlen=int(max_seqlen))
-    result = jax.ShapeDtypeStruct(cu_seqlens.shape, cu_seqlens.dtype)
-    return jax.pure_callback(check, result, cu_seqlens, vmap_method="expand_dims")
+    problems_of = functools.partial(cu_seqlens_problems, name=name, capacity=int(capacity),
+                                    max_seqlen=int(max_seqlen), bound=_bound_name(name))
+    return _checked(cu_seqlens, name, problems_of)
+
+
+def checked_segment_ids(segment_ids: jax.Array, *, max_segments: int, max_seqlen: int) -> jax.Array:
+    """segment_ids [R, S], unchanged, once a host check has found no more than `max_segments` segments and
+    none longer than `max_seqlen`; otherwise the computation stops with a RaggedAttentionInputError."""
+    problems_of = functools.partial(segment_problems, max_segments=int(max_segments), max_seqlen=int(max_seqlen))
+    return _checked(segment_ids, "segment_ids", problems_of)
+
+
+def warn_cu_seqlens_on_host(cu_seqlens, *, name: str, capacity: int, max_seqlen: int) -> None:
+    """Outside check mode: a RaggedAttentionInputWarning if host-resident (NumPy) cu_seqlens will be clamped
+    or cut. Device arrays and traced values are left alone: reading them would cost a round trip."""
+    if isinstance(cu_seqlens, np.ndarray):
+        _report(cu_seqlens, name, functools.partial(cu_seqlens_problems, name=name, capacity=int(capacity),
+                                                    max_seqlen=int(max_seqlen), bound=_bound_name(name)), warn=True)
+
+
+def warn_segment_ids_on_host(segment_ids, *, max_segments: int, max_seqlen: int) -> None:
+    """Outside check mode: a RaggedAttentionInputWarning if host-resident (NumPy) segment_ids will lose
+    segments or tokens."""
+    if isinstance(segment_ids, np.ndarray):
+        _report(segment_ids, "segment_ids", functools.partial(segment_problems, max_segments=int(max_segments),
+                                                              max_seqlen=int(max_seqlen)), warn=True)
 
 
 # Guard mode of the cuDNN path (on with check=True): GUARD_BYTES past the end of the workspace the graph

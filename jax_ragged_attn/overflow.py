@@ -1,0 +1,65 @@
+"""How much input data a call dropped, cut or clamped: device-side counts, no host round trip.
+
+Outside check mode the op never fails on data: cu_seqlens are clamped into the buffers, sequences longer
+than max_seqlen are cut, segments past max_segments are treated as padding (README, "What can be dropped").
+`return_overflow=True` on every entry point returns an `Overflow` of int32 scalars that say how much, so a
+training loop can log them (or sum them over steps) with the loss, at the cost of a few O(B) integer ops:
+
+    out, overflow = ragged_attention(q, k, v, cu_q, cu_kv, max_seqlen_q=512, max_seqlen_kv=512,
+                                     return_overflow=True)
+    metrics["truncated_rows"] = overflow.truncated_rows_q + overflow.truncated_rows_kv
+
+All zeros means nothing was lost. The counts are integers computed from cu_seqlens / segment_ids alone, so
+they carry no gradient and leave jax.grad of a loss over `out` unchanged (take them as has_aux). Under vmap
+each field gains the mapped axes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_ragged_attn.packing import sanitize_cu_seqlens
+
+
+class Overflow(NamedTuple):
+    """int32 scalars; all zero when the call used every input token it was given."""
+
+    truncated_rows_q: jax.Array  # query rows past max_seqlen_q in their sequence: they read out = 0
+    truncated_rows_kv: jax.Array  # key rows past max_seqlen_kv in their sequence: no query attends to them
+    invalid_cu_seqlens: jax.Array  # entries of cu_seqlens_q and cu_seqlens_kv that broke the contract (entry 0
+    #                               not 0, below an earlier entry, outside [0, capacity]) and were clamped
+    dropped_segments: jax.Array  # ragged_attention_segments: segments past max_segments, read as padding
+
+
+def invalid_entries(cu_seqlens: jax.Array, capacity: int) -> jax.Array:
+    """Entries that start elsewhere than 0, fall below an earlier entry, or leave [0, capacity]:
+    [2, 5, 3, 12] with capacity 10 -> 3 (entry 0 is not 0, 3 < 5, 12 > 10)."""
+    earlier_max = jax.lax.cummax(cu_seqlens, axis=0)[:-1]
+    out_of_order = jnp.concatenate([cu_seqlens[:1] != 0, cu_seqlens[1:] < earlier_max])
+    outside = (cu_seqlens < 0) | (cu_seqlens > capacity)
+    return jnp.sum(out_of_order | outside, dtype=jnp.int32)
+
+
+def truncated_rows(cu_seqlens: jax.Array, capacity: int, max_seqlen: int) -> jax.Array:
+    """Rows past max_seqlen in their sequence, after the clamping the op applies: [0, 7, 9] with
+    max_seqlen 4 -> 3."""
+    lengths = jnp.diff(sanitize_cu_seqlens(cu_seqlens, capacity))
+    return jnp.sum(jnp.maximum(lengths - max_seqlen, 0), dtype=jnp.int32)
+
+
+def cu_seqlens_overflow(cu_seqlens_q, cu_seqlens_kv, config, *, same: bool = False) -> Overflow:
+    """The Overflow of one call (dropped_segments 0); `same`: one cu_seqlens serves q and kv (qkv-packed,
+    segments), so its invalid entries count once."""
+    invalid = invalid_entries(cu_seqlens_q, config.capacity_q)
+    if not same:
+        invalid = invalid + invalid_entries(cu_seqlens_kv, config.capacity_kv)
+    counts = Overflow(
+        truncated_rows_q=truncated_rows(cu_seqlens_q, config.capacity_q, config.max_seqlen_q),
+        truncated_rows_kv=truncated_rows(cu_seqlens_kv, config.capacity_kv, config.max_seqlen_kv),
+        invalid_cu_seqlens=invalid,
+        dropped_segments=jnp.zeros((), jnp.int32),
+    )
+    return jax.tree.map(jax.lax.stop_gradient, counts)
