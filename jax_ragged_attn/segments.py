@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ragged_attn import checks
 from jax_ragged_attn.api import attend
 from jax_ragged_attn.config import AttentionOptions
 
@@ -99,6 +100,8 @@ def ragged_attention_segments(
     *,
     max_segments: int,
     max_seqlen: int | None = None,
+    check: bool | None = None,
+    return_overflow: bool = False,
     **kwargs,
 ):
     """Attention within each segment of segment-id rows, through `ragged_attention` on the compacted tokens.
@@ -108,25 +111,33 @@ def ragged_attention_segments(
       segment_ids: integer [R, S]; a segment is a maximal run of one positive id within a row; ids <= 0
         are padding. Queries of a segment attend to the keys of the same segment only.
       max_segments: static bound on the number of segments in the whole batch (real segments only; padding
-        needs no slot). Segments past it, counted in row-major order, are treated as padding.
+        needs no slot). Segments past it, counted in row-major order, are treated as padding (counted in
+        the overflow's dropped_segments; check=True raises instead).
       max_seqlen: static bound on a segment's length, default S (always enough). A longer segment is cut
-        to it; its tokens past the bound are treated as padding, as in `ragged_attention`.
+        to it; its tokens past the bound are treated as padding, as in `ragged_attention` (counted in
+        truncated_rows_q/kv; check=True raises instead).
+      check: as in `ragged_attention`, plus: more segments than max_segments, or a segment longer than
+        max_seqlen, raises checks.RaggedAttentionInputError naming segment_ids' row and token, the count
+        and the bound. None reads JAX_RAGGED_ATTN_CHECK. Off, NumPy segment_ids that will lose segments or
+        tokens raise a RaggedAttentionInputWarning when traced (device arrays cost nothing: not read).
+      return_overflow: also return an overflow.Overflow of int32 scalars: dropped_segments, and
+        truncated_rows_q = truncated_rows_kv (tokens cut by max_seqlen); invalid_cu_seqlens is always 0.
       **kwargs: any other keyword of `ragged_attention` (scale, is_causal, diagonal_alignment,
-        local_window_size, stats_layout, return_stats, implementation, deterministic, check, autotune,
-        sinks). Positions for causal masks and windows count from each segment's first token; a segment's
+        local_window_size, stats_layout, return_stats, implementation, deterministic, autotune, sinks). Positions for causal masks and windows count from each segment's first token; a segment's
         queries and keys are the same tokens, so the two diagonal alignments coincide.
 
     Returns:
       out [R, S, Hq, Dv] in q's dtype, or (out, stats) with return_stats=True: stats float32 [Hq, R, S] for
       stats_layout="head_major" (the default), [R, S, Hq] for "token_major". Padding tokens and tokens of
       dropped segments read out = 0 and stats = -inf, their gradients are exactly 0, and NaN or Inf in
-      them never reaches any other result.
+      them never reaches any other result. With return_overflow=True the Overflow comes last: (out,
+      overflow) or (out, stats, overflow).
     """
     for name in ("cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv"):
         if name in kwargs:
             raise ValueError(f"ragged_attention_segments derives {name} from segment_ids and max_seqlen; "
                              f"got {name}={kwargs[name]!r}")
-    options, rest = AttentionOptions.split(kwargs)
+    options, rest = AttentionOptions.split({**kwargs, "check": check})
     sinks = rest.pop("sinks", None)
     if rest:
         raise TypeError(f"ragged_attention_segments got unexpected keyword arguments {sorted(rest)}")
@@ -138,23 +149,34 @@ def ragged_attention_segments(
             raise ValueError(f"{name} must be {layout} with [R, S] = segment_ids.shape {(rows, seq)}, "
                              f"got shape {shape}")
     max_seqlen = seq if max_seqlen is None else _static_int(max_seqlen, "max_seqlen")
+    max_segments = _static_int(max_segments, "max_segments")
+    if not isinstance(return_overflow, bool):
+        raise ValueError(f"return_overflow must be a Python bool, got {type(return_overflow).__name__}")
+    if checks.check_enabled(options.check):
+        # The layout is computed from the checked ids, so nothing downstream runs on ids that fail.
+        segment_ids = checks.checked_segment_ids(segment_ids, max_segments=max_segments, max_seqlen=max_seqlen)
+    else:
+        checks.warn_segment_ids_on_host(segment_ids, max_segments=max_segments, max_seqlen=max_seqlen)
 
     layout = segments_to_cu_seqlens(segment_ids, max_segments=max_segments)
 
     def compact(x):
         return x.reshape(rows * seq, *x.shape[2:])[layout.gather_index]
 
-    result = attend((compact(q), compact(k), compact(v)), layout.cu_seqlens, layout.cu_seqlens, options,
-                    max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen, sinks=sinks)
-    out, stats = result if options.return_stats else (result, None)
-    out = out[layout.scatter_index].reshape(rows, seq, *out.shape[1:])
-    if stats is None:
-        return out
-    if options.stats_layout == "head_major":
-        stats = stats[:, layout.scatter_index].reshape(-1, rows, seq)  # [Hq, T] -> [Hq, R, S]
-    else:
-        stats = stats[layout.scatter_index].reshape(rows, seq, -1)  # [T, Hq] -> [R, S, Hq]
-    return out, stats
+    out, *rest = attend((compact(q), compact(k), compact(v)), layout.cu_seqlens, layout.cu_seqlens, options,
+                        max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen, sinks=sinks, return_overflow=True)
+    result = (out[layout.scatter_index].reshape(rows, seq, *out.shape[1:]),)
+    if options.return_stats:
+        stats = rest[0]
+        if options.stats_layout == "head_major":
+            stats = stats[:, layout.scatter_index].reshape(-1, rows, seq)  # [Hq, T] -> [Hq, R, S]
+        else:
+            stats = stats[layout.scatter_index].reshape(rows, seq, -1)  # [T, Hq] -> [R, S, Hq]
+        result += (stats,)
+    if return_overflow:
+        dropped = jnp.maximum(layout.num_segments - max_segments, 0).astype(jnp.int32)
+        result += (rest[-1]._replace(dropped_segments=jax.lax.stop_gradient(dropped)),)
+    return result if len(result) > 1 else result[0]
 
 
 def _check_segment_ids(segment_ids) -> None:
