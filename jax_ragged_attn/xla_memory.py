@@ -141,8 +141,8 @@ def memory_limit_bytes(limit=None) -> int | None:
     return int(value * _UNITS[match.group(2)])
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.3g} GiB"
+def _size(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB" if n >= 2**30 else f"{n / 2**20:.3g} MiB"
 
 
 def check_working_set(config: AttentionConfig, block_q: int, block_kv: int, direction: str, limit=None) -> int:
@@ -153,13 +153,13 @@ def check_working_set(config: AttentionConfig, block_q: int, block_kv: int, dire
     if bound is None or need <= bound:
         return need
     smallest = estimate_bytes(config, min(16, block_q), min(16, block_kv), direction)
-    smaller = (f"smaller blocks ({BLOCK_ENV}=16 brings it to {_gib(smallest)})" if smallest < need else
+    smaller = (f"smaller blocks ({BLOCK_ENV}=16 brings it to {_size(smallest)})" if smallest < need else
                "smaller blocks cannot help: the float32 accumulators alone are that large")
     raise WorkingSetTooLargeError(
-        f"the xla attention {direction} would need about {_gib(need)} of working memory (Tq={config.capacity_q}, "
+        f"the xla attention {direction} would need about {_size(need)} of working memory (Tq={config.capacity_q}, "
         f"Tkv={config.capacity_kv}, Hq={config.num_heads_q}, Hkv={config.num_heads_kv}, Dqk={config.head_dim_qk}, "
         f"Dv={config.head_dim_v}, {config.dtype}, blocks {block_q}x{block_kv}), more than its bound of "
-        f"{_gib(bound)} ({MEMORY_LIMIT_ENV}, default {DEFAULT_MEMORY_FRACTION:.0%} of the device's memory). "
+        f"{_size(bound)} ({MEMORY_LIMIT_ENV}, default {DEFAULT_MEMORY_FRACTION:.0%} of the device's memory). "
         f"Ways out: {smaller}; implementation='cudnn' where it can serve the call (bfloat16/float16 on a GPU); "
         f"fewer tokens per call (split the batch); or raise the bound ({MEMORY_LIMIT_ENV}=80% or a size, "
         f"'off' to disable)."
@@ -185,9 +185,9 @@ def warn_cudnn_fallback(reason: str, config: AttentionConfig) -> None:
     backward = estimate_bytes(config, block_q, block_kv, "backward")
     warnings.warn(
         f"ragged_attention(implementation=None) runs the portable xla path on this GPU, not cuDNN: {reason}. "
-        f"It is several times slower; its working set here is about {_gib(forward)} forward and {_gib(backward)} "
+        f"It is several times slower; its working set here is about {_size(forward)} forward and {_size(backward)} "
         f"backward (blocks {block_q}x{block_kv}, {BLOCK_ENV}). Pass implementation='xla' to choose it "
         f"explicitly (and silence this), or remove the reason to run cuDNN. Shown once per reason.",
         CudnnFallbackWarning,
-        stacklevel=4,
+        stacklevel=5,  # warn <- choose_implementation <- attend <- entry point <- the caller
     )
