@@ -1,0 +1,211 @@
+"""Context parallelism: the packed token axis of self-attention split over the devices of a mesh axis.
+
+The all-gather strategy (Llama 3, TransformerEngine): inside shard_map each device gathers every device's
+K and V (a checkpointed all-gather, whose transpose, a reduce-scatter, returns dK and dV to their owners)
+and attends its own queries to the gathered rows with one call of the ragged op per contiguous chunk of
+its rows. Nothing else crosses devices: out, stats and dQ stay where the queries are.
+
+A contiguous chunk of rows [s, s + C) of the natural packed order cuts each sequence into at most one
+contiguous run of its queries, a *piece*: positions [a, c) of its sequence. Causal attention of those
+queries needs the sequence's keys [0, c) (a left window l trims them to [max(0, a - l), c)), and the
+diagonal of the piece's query i is its position a + i: bottom-right alignment of a piece with c - a queries
+and c keys (sq = c - a, skv = c - lo, d = i + skv - sq). Without a mask a piece's keys are the whole sequence.
+
+    cu_seqlens = [0, 5, 14, 16], capacity 16, 2 devices (C = 8), device 1 holds rows 8..15, causal:
+      piece 0: none (q_len 0)
+      piece 1: queries rows 8..13 (local 0..5) at positions 3..8 of sequence 1, keys rows 5..13 (c = 9)
+      piece 2: queries rows 14..15 (local 6..7) at positions 0..1 of sequence 2, keys rows 14..15
+
+Pieces' key ranges leave gaps (rows 0..4 above), so they are not a prefix sum. Rather than teaching every
+backend explicit offsets, the pieces are spelled as ordinary cu_seqlens with sequences that hold only a gap
+(`pieces_cu_seqlens`): per piece three sequences, (queries of the gap before it, no keys), (no queries,
+keys of the gap before it), (the piece). A sequence without keys reads out 0 / stats -inf / gradient 0
+and one without queries contributes nothing and gets dK = dV = 0, which is the op's documented semantics
+on every implementation, so the existing op, its cuDNN graphs and its tests serve pieces unchanged.
+
+Within one call no two pieces share key rows (they belong to different sequences), so the cuDNN backward,
+which writes dK/dV per sequence, never overwrites one piece's gradient with another's. With
+load_balance=True a device holds two chunks (r and 2n-1-r of 2n), each its own call; their dK/dV add.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_ragged_attn.packing import sanitize_cu_seqlens
+
+
+class Pieces(NamedTuple):
+    """Per sequence b of the packing (int32 [B] each): the run of its queries in one chunk, and its keys.
+
+    Queries: local rows q_start[b] .. q_start[b] + q_len[b] - 1 of the chunk (q_len 0: none in it). Keys:
+    rows kv_start[b] .. kv_start[b] + kv_len[b] - 1 of the gathered, natural-order K/V. Both ranges ascend
+    with b and never overlap (FlashAttention's cu_seqlens + seqused, with gaps).
+    """
+
+    q_start: jax.Array
+    q_len: jax.Array
+    kv_start: jax.Array
+    kv_len: jax.Array
+
+
+def chunk_pieces(cu_seqlens, chunk_start, chunk_rows: int, *, max_seqlen: int, is_causal: bool,
+                 window_left: int | None = None) -> Pieces:
+    """The pieces of the chunk of rows [chunk_start, chunk_start + chunk_rows) (chunk_start may be traced).
+
+    cu_seqlens: int32 [B + 1] in the natural order, already sanitised into the buffer. A sequence longer
+    than max_seqlen keeps its first max_seqlen rows (the rest are padding, as in ragged_attention).
+    is_causal: keys up to each piece's last query (bottom-right aligned); window_left (causal only) also
+    drops keys more than window_left left of the diagonal. Otherwise every key of the sequence.
+    """
+    start = cu_seqlens[:-1]
+    length = jnp.minimum(cu_seqlens[1:] - start, max_seqlen)
+    first = jnp.clip(start - chunk_start, 0, chunk_rows)
+    end = jnp.clip(start + length - chunk_start, 0, chunk_rows)
+    q_len = end - first
+    a = first + chunk_start - start  # the piece's first query's position in its sequence (if it has one)
+    if is_causal:
+        low = jnp.zeros_like(a) if window_left is None else jnp.maximum(a - window_left, 0)
+        high = a + q_len
+    else:
+        low, high = jnp.zeros_like(a), length
+    has = q_len > 0
+    # A sequence without queries here gets an empty key range at its own start: ranges stay ascending.
+    kv_start = start + jnp.where(has, low, 0)
+    kv_len = jnp.where(has, high - low, 0)
+    return Pieces(*(x.astype(jnp.int32) for x in (first, q_len, kv_start, kv_len)))
+
+
+def pieces_cu_seqlens(pieces: Pieces) -> tuple[jax.Array, jax.Array]:
+    """(cu_seqlens_q, cu_seqlens_kv), int32 [3B + 1]: the pieces as a prefix sum, each gap a sequence of its own.
+
+    Sequence 3b holds the query rows between piece b - 1 and piece b and no keys (they read out 0), 3b + 1
+    the key rows between them and no queries (they get dK = dV = 0), 3b + 2 the piece. With the pieces of
+    the module docstring ((q_start, q_len, kv_start, kv_len) = (0, 0, 0, 0), (0, 6, 5, 9), (6, 2, 14, 2)):
+      lengths_q  = [0, 0, 0,  0, 0, 6,  0, 0, 2]    -> cu_q  = [0, 0, 0, 0, 0, 0, 6, 6, 6, 8]
+      lengths_kv = [0, 0, 0,  0, 5, 9,  0, 0, 2]    -> cu_kv = [0, 0, 0, 0, 0, 5, 14, 14, 14, 16]
+    """
+    def gaps(start, length):
+        end = start + length
+        return start - jnp.concatenate([jnp.zeros((1,), end.dtype), end[:-1]])
+
+    zeros = jnp.zeros_like(pieces.q_len)
+    lengths_q = jnp.stack([gaps(pieces.q_start, pieces.q_len), zeros, pieces.q_len], axis=1).reshape(-1)
+    lengths_kv = jnp.stack([zeros, gaps(pieces.kv_start, pieces.kv_len), pieces.kv_len], axis=1).reshape(-1)
+
+    def cumulative(lengths):
+        return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths).astype(jnp.int32)])
+
+    return cumulative(lengths_q), cumulative(lengths_kv)
+
+
+def _chunk_order(n: int) -> list[int]:
+    """The natural chunks (of 2n) in load-balanced order: device r holds chunks r and 2n-1-r.
+    n = 2 -> [0, 3, 1, 2]."""
+    return [c for r in range(n) for c in (r, 2 * n - 1 - r)]
+
+
+def _split_chunks(x, n: int, axis: int, name: str):
+    size = x.shape[axis]
+    if size % (2 * n):
+        raise ValueError(f"{name}: the token axis (axis {axis}, {size} rows) must be a multiple of 2n = {2 * n} "
+                         f"(2 chunks for each of the {n} devices)")
+    return jnp.split(x, 2 * n, axis=axis)
+
+
+def reorder_for_load_balance(x, n: int, axis: int = 0):
+    """The dual-chunk order: the token axis cut into 2n chunks, device r's shard = chunks r and 2n-1-r.
+
+    With causal attention the cost of a row grows with its position in its sequence; pairing an early
+    chunk with a late one evens the devices' work. Apply it to q, k and v (and positions, targets, ...)
+    before sharded_ragged_attention(..., load_balance=True); cu_seqlens keep describing the natural order.
+    axis: the token axis (0 for q, k, v, out and token-major stats; 1 for head-major stats).
+    """
+    chunks = _split_chunks(x, n, axis, "reorder_for_load_balance")
+    return jnp.concatenate([chunks[c] for c in _chunk_order(n)], axis=axis)
+
+
+def restore_order(x, n: int, axis: int = 0):
+    """The inverse of reorder_for_load_balance: the natural packed order back."""
+    chunks = _split_chunks(x, n, axis, "restore_order")
+    order = _chunk_order(n)
+    return jnp.concatenate([chunks[order.index(c)] for c in range(2 * n)], axis=axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The static part of one context-parallel call."""
+
+    token_axis: str | tuple[str, ...]
+    devices: int  # n: the token axis's size
+    load_balance: bool
+    max_seqlen: int
+    is_causal: bool  # after folding a (l, 0) window without is_causal into causal
+    window_left: int | None
+    stats_axis: int  # the token axis of stats: 0 token-major [T, H], 1 head-major [H, T]
+
+    @property
+    def chunks_per_device(self) -> int:
+        return 2 if self.load_balance else 1
+
+
+def device_attention(plan: Plan, attend, q, k, v, cu_seqlens):
+    """The per-device body under shard_map: q, k, v are this device's rows; returns (out, stats or None).
+
+    attend(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv) -> (out, stats or None) runs the op on one
+    chunk (stats token-major [rows, H] or head-major [H, rows] as configured, or None).
+    """
+    n, per_device = plan.devices, plan.chunks_per_device
+    rows = q.shape[0] // per_device
+    total = q.shape[0] * n
+    cu = sanitize_cu_seqlens(cu_seqlens, total)
+
+    # Not kept for the backward: recomputed there (one more all-gather) instead of holding T rows of K and V.
+    @jax.checkpoint
+    def gather(k, v):
+        def one(x):
+            x = lax.all_gather(x, plan.token_axis, axis=0, tiled=True)
+            return restore_order(x, n) if plan.load_balance else x
+        return one(k), one(v)
+
+    k_all, v_all = gather(k, v)
+    r = lax.axis_index(plan.token_axis)
+    chunk_ids = [r] if not plan.load_balance else [r, 2 * n - 1 - r]
+    outs, stats = [], []
+    for j, chunk in enumerate(chunk_ids):
+        pieces = chunk_pieces(cu, chunk * rows, rows, max_seqlen=plan.max_seqlen, is_causal=plan.is_causal,
+                              window_left=plan.window_left)
+        cu_q, cu_kv = pieces_cu_seqlens(pieces)
+        out, s = attend(q[j * rows:(j + 1) * rows], k_all, v_all, cu_q, cu_kv, min(plan.max_seqlen, rows),
+                        plan.max_seqlen)
+        outs.append(out)
+        stats.append(s)
+    out = jnp.concatenate(outs, axis=0)
+    return out, None if stats[0] is None else jnp.concatenate(stats, axis=plan.stats_axis)
+
+
+def effective_mask(is_causal: bool, window: tuple[int, int] | None) -> tuple[bool, int | None]:
+    """(causal, left window) of a supported mask; NotImplementedError naming the reason otherwise.
+
+    A window (l, 0) without is_causal is causal with a left window; causal ignores a window's right side.
+    """
+    if window is None:
+        return is_causal, None
+    left, right = window
+    if is_causal or right == 0:
+        return True, left
+    raise NotImplementedError(
+        f"local_window_size={window} without is_causal: context parallelism serves no mask, causal, or causal "
+        "with a left window (l, 0). A window reaching right of the diagonal needs, for a run of queries that "
+        "starts inside a sequence, keys on both sides of it, which a bottom-right aligned piece cannot express")
+
+
+def token_axis_size(mesh, token_axis) -> int:
+    axes = (token_axis,) if isinstance(token_axis, str) else tuple(token_axis)
+    return math.prod(mesh.shape[a] for a in axes)
