@@ -96,6 +96,21 @@ def test_padded_run_computes_the_packed_logits(kv_heads):
     assert compared == real > 0
 
 
+def test_padded_comparison_trains_and_reports(capsys):
+    # The GPU-only report, run here on a CPU: the cuDNN padded run is reported unavailable, the xla one trains.
+    args, _ = lm.parse_args(TINY + ["--compare-steps", "3"])
+    setup = _setup(capacity=512, max_seqlen=128)
+    train, _, _ = lm.stdlib_files()
+    packed = dict(tokens_per_s=1000.0, fill_rate=0.99)
+    lm.compare_padded(setup, train[:40], args, packed)
+    out = capsys.readouterr().out
+    assert "packed vs padded, 3 training steps each" in out
+    line = next(line for line in out.splitlines() if "dot_product_attention('xla')" in line)
+    assert re.search(r"padded \[4, 128\], dot_product_attention\('xla'\): [0-9,]+ tokens/s \(packed: [0-9.]+x that\), "
+                     r"fill [0-9.]+%, last loss [0-9.]+$", line), line
+    assert "dot_product_attention('cudnn')" in out
+
+
 def test_bad_flags_exit_with_the_flag_named(capsys):
     with pytest.raises(SystemExit):
         lm.parse_args(["--width", "30", "--heads", "4"])
