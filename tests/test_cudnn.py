@@ -1,6 +1,10 @@
-"""The cuDNN path against the float64 reference, on a CUDA GPU (skipped elsewhere, with the reason).
+"""What only the cuDNN path does, on a CUDA GPU (skipped elsewhere, with the reason): its graphs and their
+cache, the workspace, check mode's guard bands, clamping of garbage cu_seqlens, its limits and fallbacks.
 
-Every case uses the same number of sequences, max_seqlen and capacities, so cases that differ only in
+The op's semantics (masks, empty sequences, padding, gradients, stats, determinism, jit / vmap / checkpoint)
+are tested once for every implementation in test_semantics.py; its CudnnTest runs them on cuDNN.
+
+Every test uses the same number of sequences, max_seqlen and capacities, so tests that differ only in
 their lengths share one cuDNN graph: a graph build costs seconds, a cached call microseconds. Padding rows
 of q, k, v and of the output cotangent are NaN, so any read of them shows up as NaN in a result.
 """
@@ -8,7 +12,6 @@ of q, k, v and of the output cotangent are NaN, so any read of them shows up as 
 from __future__ import annotations
 
 import dataclasses
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +20,8 @@ import pytest
 
 import jax_ragged_attn as jra
 from jax_ragged_attn import _cudnn as cudnn
-from jax_ragged_attn._cudnn import extension, launch
+from jax_ragged_attn._cudnn import extension
 from jax_ragged_attn.config import AttentionOptions, make_config
-from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.testing import assert_close, packed_batch
 
 _REASON = extension.cudnn_unavailable_reason()
@@ -45,26 +47,6 @@ class Case:
 
     def __str__(self):
         return "-".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items() if v != getattr(Case, k))
-
-
-CASES = [
-    Case(),
-    Case(dtype="float16"),
-    Case(is_causal=True),
-    Case(is_causal=True, layout="token_major"),
-    Case(is_causal=True, alignment="bottom_right"),
-    Case(is_causal=True, alignment="bottom_right", dtype="float16", layout="token_major"),
-    Case(heads=(8, 2), is_causal=True),
-    Case(heads=(8, 1), layout="token_major"),
-    Case(heads=(8, 2), dims=(64, 128), is_causal=True, layout="token_major"),
-    Case(dims=(128, 64)),
-    Case(dims=(128, 128), is_causal=True, dtype="float16"),
-    Case(window=(16, 4)),
-    Case(window=8, is_causal=True, alignment="bottom_right", layout="token_major"),
-    Case(window=(32, 0), alignment="bottom_right", heads=(8, 2)),
-    Case(empty=(0, 3, 5), is_causal=True),
-    Case(empty=(0, 3, 5), heads=(8, 2), layout="token_major", alignment="bottom_right", is_causal=True),
-]
 
 
 def _batch(case: Case, seed: int):
@@ -111,30 +93,6 @@ def _run(case: Case, batch, d_out, layout: str | None = None, implementation: st
     return np.asarray(out, np.float64), np.asarray(stats, np.float64), [np.asarray(g, np.float64) for g in grads]
 
 
-def _seed(case: Case) -> int:
-    return zlib.crc32(str(case).encode())
-
-
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_matches_reference(case: Case):
-    batch, d_out = _batch(case, _seed(case))
-    out, stats, (dq, dk, dv) = _run(case, batch, d_out)
-    ref = reference_attention(*batch.reference_args, d_out=d_out.astype(np.float64), **_options(case))
-
-    token_major_stats = stats if case.layout == "token_major" else stats.T
-    assert_close(out, ref["out"], case.dtype, "out")
-    assert_close(token_major_stats, ref["stats"], "float32", "stats")
-    assert_close(dq, ref["dq"], case.dtype, "dq")
-    assert_close(dk, ref["dk"], case.dtype, "dk")
-    assert_close(dv, ref["dv"], case.dtype, "dv")
-    # Padding rows: exactly zero and -inf, whatever was in the buffers.
-    assert np.all(out[batch.padding_q] == 0) and np.all(token_major_stats[batch.padding_q] == -np.inf)
-    assert np.all(dq[batch.padding_q] == 0)
-    assert np.all(dk[batch.padding_kv] == 0) and np.all(dv[batch.padding_kv] == 0)
-    # The reference is not all zeros, so agreeing with it means the kernel wrote its gradients.
-    assert np.abs(ref["dq"]).max() > 0 and np.abs(ref["dk"]).max() > 0 and np.abs(ref["dv"]).max() > 0
-
-
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
 def test_head_major_and_token_major_stats_give_the_same_gradients(heads):
     """The regression test for cudnn-frontend <= 1.27: head-major stats with max_total_seq_len set made the
@@ -151,17 +109,6 @@ def test_head_major_and_token_major_stats_give_the_same_gradients(heads):
     for name, a, b in zip(("dq", "dk", "dv"), head_major, token_major):
         assert np.abs(a).max() > 0, f"{name} is all zero with head-major stats"
         assert_close(a, b, case.dtype, f"{name}: head-major vs token-major")
-
-
-def test_same_jitted_step_twice_gives_identical_outputs():
-    case = Case(heads=(8, 2), is_causal=True)
-    batch, d_out = _batch(case, 7)
-    first = _run(case, batch, d_out)
-    second = _run(case, batch, d_out)
-    np.testing.assert_array_equal(first[0], second[0])
-    np.testing.assert_array_equal(first[1], second[1])
-    for a, b in zip(first[2], second[2]):  # dQ is accumulated with atomics: equal up to summation order
-        assert_close(a, b, case.dtype, "gradient rerun")
 
 
 def test_default_implementation_on_gpu_is_cudnn():
@@ -191,48 +138,6 @@ def test_workspace_is_an_xla_buffer_of_the_reported_size():
     hlo = jax.jit(lambda *a: jra.ragged_attention(*a, implementation="cudnn", **_options(case))).lower(
         *batch.args).as_text()
     assert f"tensor<{workspace}xui8>" in hlo
-
-
-def test_vmap_and_checkpoint():
-    case = Case(heads=(8, 2), is_causal=True)
-    (b1, _), (b2, _) = _batch(case, 21), _batch(case, 22)
-    stack = lambda *xs: jnp.stack(xs)  # noqa: E731
-
-    def attend(q, k, v, cu_q, cu_kv):
-        return jra.ragged_attention(q, k, v, cu_q, cu_kv, implementation="cudnn", **_options(case))
-
-    batched = jax.jit(jax.vmap(attend))(*[stack(x, y) for x, y in zip(b1.args, b2.args)])
-    for i, b in enumerate((b1, b2)):
-        np.testing.assert_array_equal(np.asarray(batched[i]), np.asarray(jax.jit(attend)(*b.args)))
-
-    def loss(q, k, v, remat):
-        f = jax.checkpoint(attend) if remat else attend
-        return jnp.sum(f(q, k, v, *b1.args[3:]).astype(jnp.float32) ** 2)
-
-    plain = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(*b1.args[:3], False)
-    remat = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(*b1.args[:3], True)
-    for a, b in zip(plain, remat):
-        assert_close(np.asarray(a, np.float64), np.asarray(b, np.float64), case.dtype, "checkpoint")
-
-
-def test_deterministic_backward_is_bit_identical():
-    case = Case(heads=(8, 2), is_causal=True)
-    batch, d_out = _batch(case, 13)
-
-    @jax.jit
-    def grads(q, k, v, d_out):
-        def attend(q, k, v):
-            return jra.ragged_attention(q, k, v, *batch.args[3:], implementation="cudnn", deterministic=True,
-                                        **_options(case))
-
-        return jax.vjp(attend, q, k, v)[1](d_out)
-
-    first = grads(*batch.args[:3], jnp.asarray(d_out))
-    second = grads(*batch.args[:3], jnp.asarray(d_out))
-    ref = reference_attention(*batch.reference_args, d_out=d_out.astype(np.float64), **_options(case))
-    for name, a, b in zip(("dq", "dk", "dv"), first, second):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
-        assert_close(np.asarray(a, np.float64), ref[name], case.dtype, f"deterministic {name}")
 
 
 def test_graph_cache_hits_after_first_call_and_stays_bounded():
@@ -313,39 +218,6 @@ def _grads_through_stats(case: Case, batch, d_out, d_stats):
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     return [np.asarray(g, np.float64) for g in grads(*batch.args[:3])]
-
-
-def _check_stats_gradients(case: Case, batch, grads, ref):
-    for name, grad in zip(("dq", "dk", "dv"), grads):
-        assert_close(grad, ref[name], case.dtype, name)
-    dq, dk, dv = grads
-    assert np.all(dq[batch.padding_q] == 0)
-    assert np.all(dk[batch.padding_kv] == 0) and np.all(dv[batch.padding_kv] == 0)
-    assert np.abs(ref["dq"]).max() > 0 and np.abs(ref["dk"]).max() > 0
-
-
-@pytest.mark.parametrize("layout", ["head_major", "token_major"])
-def test_grad_through_out_and_stats_matches_reference(layout):
-    """The stats cotangent rides in the one backward pass on Dv + 16 value columns (stats_grad.py)."""
-    case = Case(heads=(8, 2), is_causal=True, alignment="bottom_right", layout=layout, empty=(3,))
-    batch, d_out = _batch(case, _seed(case))
-    d_stats = np.random.default_rng(_seed(case) + 1).standard_normal((CAPACITY_Q, 8)).astype(np.float32)
-    grads = _grads_through_stats(case, batch, d_out, d_stats)
-    ref = reference_attention(*batch.reference_args, d_out=d_out.astype(np.float64),
-                              d_stats=d_stats.astype(np.float64), **_options(case))
-    _check_stats_gradients(case, batch, grads, ref)
-
-
-def test_grad_of_stats_alone_matches_reference():
-    """out unused (its cotangent is a symbolic zero); float16, whose narrow range the power-of-two split of
-    the stats cotangent is for."""
-    case = Case(dtype="float16", heads=(8, 2), dims=(128, 128), is_causal=True, layout="token_major")
-    batch, _ = _batch(case, _seed(case))
-    d_stats = 100 * np.random.default_rng(_seed(case) + 1).standard_normal((CAPACITY_Q, 8)).astype(np.float32)
-    grads = _grads_through_stats(case, batch, None, d_stats)
-    ref = reference_attention(*batch.reference_args, d_out=np.zeros((CAPACITY_Q, 8, 128)),
-                              d_stats=d_stats.astype(np.float64), **_options(case))
-    _check_stats_gradients(case, batch, grads, ref)
 
 
 def test_stats_cotangent_past_the_head_dim_limit_raises():
