@@ -43,6 +43,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 import warnings
 
 import jax
@@ -180,9 +181,19 @@ def _report(values: np.ndarray, name: str, problems_of, *, warn: bool = False) -
             message = f"{name} is invalid{where}: " + "; ".join(problems) + f". Got {got}"
             if warn:
                 warnings.warn(message + ". The op drops or clamps this data (check=True raises instead; "
-                              "return_overflow=True counts it)", RaggedAttentionInputWarning, stacklevel=4)
+                              "return_overflow=True counts it)", RaggedAttentionInputWarning,
+                              stacklevel=_first_frame_outside_the_package())
                 return
             raise RaggedAttentionInputError(message)
+
+
+def _first_frame_outside_the_package() -> int:
+    """The stacklevel, seen from our caller, of the first frame outside jax_ragged_attn: the user's call."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _checked(value: jax.Array, name: str, problems_of):
