@@ -1,7 +1,7 @@
 """Context parallelism: the packed token axis of self-attention split over the devices of a mesh axis.
 
 The all-gather strategy (Llama 3, TransformerEngine): inside shard_map each device gathers every device's
-K and V (a checkpointed all-gather, whose transpose, a reduce-scatter, returns dK and dV to their owners)
+K and V (an all-gather, whose transpose, a reduce-scatter, returns dK and dV to their owners)
 and attends its own queries to the gathered rows with one call of the ragged op per contiguous chunk of
 its rows. Nothing else crosses devices: out, stats and dQ stay where the queries are.
 
@@ -166,15 +166,14 @@ def device_attention(plan: Plan, attend, q, k, v, cu_seqlens):
     total = q.shape[0] * n
     cu = sanitize_cu_seqlens(cu_seqlens, total)
 
-    # Not kept for the backward: recomputed there (one more all-gather) instead of holding T rows of K and V.
-    @jax.checkpoint
-    def gather(k, v):
-        def one(x):
-            x = lax.all_gather(x, plan.token_axis, axis=0, tiled=True)
-            return restore_order(x, n) if plan.load_balance else x
-        return one(k), one(v)
+    # The gathered K and V are residuals of the op's backward, which reads them (as one device without context
+    # parallelism holds all T rows of K and V too). A jax.checkpoint around the gather alone would not drop
+    # them; one around the caller's whole layer re-gathers them in the backward instead.
+    def gather(x):
+        x = lax.all_gather(x, plan.token_axis, axis=0, tiled=True)
+        return restore_order(x, n) if plan.load_balance else x
 
-    k_all, v_all = gather(k, v)
+    k_all, v_all = gather(k), gather(v)
     r = lax.axis_index(plan.token_axis)
     chunk_ids = [r] if not plan.load_balance else [r, 2 * n - 1 - r]
     outs, stats = [], []

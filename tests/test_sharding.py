@@ -1,4 +1,5 @@
-"""Head-sharded attention against the unsharded call, on 4 virtual CPU devices.
+"""Head-sharded attention against the unsharded call, on 4 virtual CPU devices (token_axis, context
+parallelism: tests/test_context_parallel.py).
 
 The device count is fixed when JAX initialises its backend, which other test files in this process have
 already done, so the sharded checks run in a child interpreter (this file run as a script) with
@@ -113,19 +114,14 @@ def _args(hq=8, hkv=4):
     return batch.args, dict(max_seqlen_q=4, max_seqlen_kv=4)
 
 
-def test_token_axis_raises():
-    args, options = _args()
-    mesh = jax.make_mesh((1,), ("model",))
-    with pytest.raises(NotImplementedError, match=r"token_axis='model'.*packed token axis"):
-        sharded_ragged_attention(*args, mesh=mesh, head_axis="model", token_axis="model", **options)
-
-
-def test_token_split_input_raises():
-    # On a mesh of explicit axes an array's type carries its sharding: a q split along tokens is refused.
+def test_token_split_input_without_token_axis_raises():
+    # On a mesh of explicit axes an array's type carries its sharding: a q split along tokens is refused
+    # unless token_axis asks for context parallelism (tests/test_context_parallel.py).
     args, options = _args()
     mesh = jax.make_mesh((1,), ("model",), axis_types=(EXPLICIT,))
     q = jax.device_put(args[0], jax.NamedSharding(mesh, jax.P("model", None, None)))
-    with pytest.raises(NotImplementedError, match=r"q is split along its packed token axis over 'model'"):
+    with pytest.raises(NotImplementedError, match=r"q is split along its packed token axis over 'model', but "
+                                                  r"token_axis is None: pass token_axis='model'"):
         sharded_ragged_attention(q, *args[1:], mesh=mesh, head_axis="model", **options)
 
 

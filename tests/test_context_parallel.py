@@ -1,0 +1,336 @@
+"""Context parallelism: the packed token axis split over devices (sharded_ragged_attention(token_axis=...)).
+
+The piece metadata is checked on its own against a dense segment-causal mask; the sharded op runs on 4
+virtual CPU devices in a child interpreter (this file run as a script, as tests/test_sharding.py does: the
+device count is fixed when JAX initialises) against the unsharded op and the float64 reference, each check
+printing one JSON line. Reproduce by hand with
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu python tests/test_context_parallel.py
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ragged_attn import ragged_attention
+from jax_ragged_attn.context_parallel import chunk_pieces, pieces_cu_seqlens
+from jax_ragged_attn.packing import cu_seqlens_from_lengths
+from jax_ragged_attn.sharding import reorder_for_load_balance, restore_order, sharded_ragged_attention
+from jax_ragged_attn.testing import assert_close, packed_batch
+from jax_ragged_attn.testing.reference import reference_attention
+
+EXPLICIT, AUTO = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
+T = 64  # 4 devices: shards of 16 rows, balanced chunks of 8
+
+
+def random_lengths(rng, total: int, *, slack: int) -> list[int]:
+    """Documents filling total - slack rows: one longer than a shard, zero-length ones, the rest random (so
+    documents cross shard edges), the order shuffled."""
+    budget = total - slack
+    lengths = [int(rng.integers(20, 31)), 0, 0]
+    while sum(lengths) < budget:
+        lengths.append(int(min(rng.integers(1, 14), budget - sum(lengths))))
+    rng.shuffle(lengths)
+    return lengths
+
+
+def dense_mask(cu, total: int, max_seqlen: int, is_causal: bool, window_left) -> np.ndarray:
+    """[T, T] bool: the natural packing's segment-causal (windowed) mask."""
+    mask = np.zeros((total, total), bool)
+    for b in range(len(cu) - 1):
+        start, length = int(cu[b]), min(int(cu[b + 1] - cu[b]), max_seqlen)
+        i = np.arange(length)[:, None]
+        j = np.arange(length)[None, :]
+        keep = np.ones((length, length), bool)
+        if is_causal:
+            keep &= j <= i
+        if window_left is not None:
+            keep &= j >= i - window_left
+        mask[start:start + length, start:start + length] = keep
+    return mask
+
+
+def prefix_sum_mask(cu_q, cu_kv, rows: int, total: int, is_causal: bool, window_left) -> np.ndarray:
+    """[rows, T] bool: what the op attends for these cu_seqlens, bottom-right aligned (ragged_attention's
+    documented semantics, spelled out again)."""
+    mask = np.zeros((rows, total), bool)
+    for b in range(len(cu_q) - 1):
+        sq, skv = int(cu_q[b + 1] - cu_q[b]), int(cu_kv[b + 1] - cu_kv[b])
+        i = np.arange(sq)[:, None] + (skv - sq)  # the diagonal
+        j = np.arange(skv)[None, :]
+        keep = np.ones((sq, skv), bool)
+        if is_causal:
+            keep &= j <= i
+        if window_left is not None:
+            keep &= j >= i - window_left
+        mask[cu_q[b]:cu_q[b + 1], cu_kv[b]:cu_kv[b + 1]] = keep
+    return mask
+
+
+def chunks(n: int, load_balance: bool):
+    """(chunk index, rows) of every chunk, one call each."""
+    if load_balance:
+        return [(c, T // (2 * n)) for c in range(2 * n)]
+    return [(c, T // n) for c in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("n, load_balance", [(2, False), (4, False), (2, True), (4, True)])
+@pytest.mark.parametrize("is_causal, window_left", [(True, None), (False, None), (True, 5)])
+def test_pieces_give_the_dense_segment_mask(seed, n, load_balance, is_causal, window_left):
+    rng = np.random.default_rng(seed)
+    lengths = random_lengths(rng, T, slack=int(rng.integers(0, 7)))
+    max_seqlen = int(rng.choice([max(lengths), max(lengths) - 3]))  # sometimes cutting the longest document
+    cu = cu_seqlens_from_lengths(lengths)
+    want = dense_mask(cu, T, max_seqlen, is_causal, window_left)
+    for chunk, rows in chunks(n, load_balance):
+        start = chunk * rows
+        pieces = chunk_pieces(jnp.asarray(cu), start, rows, max_seqlen=max_seqlen, is_causal=is_causal,
+                              window_left=window_left)
+        q_start, q_len, kv_start, kv_len = (np.asarray(x) for x in pieces)
+        # The pieces themselves: each query row's piece holds exactly the keys the dense mask gives it.
+        got = np.zeros((rows, T), bool)
+        for b in range(len(lengths)):
+            for i in range(q_start[b], q_start[b] + q_len[b]):
+                position = start + i - cu[b]
+                j = np.arange(kv_start[b], kv_start[b] + kv_len[b])
+                keep = np.ones(j.shape, bool)
+                if is_causal:
+                    keep &= j - cu[b] <= position
+                if window_left is not None:
+                    keep &= j - cu[b] >= position - window_left
+                got[i, j] = keep
+        np.testing.assert_array_equal(got, want[start:start + rows], err_msg=f"pieces of chunk {chunk}")
+        if is_causal and window_left is None:  # a piece's keys are exactly those its last query needs
+            assert all(kv_start[b] == cu[b] for b in range(len(lengths)) if q_len[b])
+        # No two pieces share key rows: the cuDNN backward writes dK/dV per sequence.
+        ends = kv_start + kv_len
+        assert np.all(kv_start[1:] >= ends[:-1]) and np.all(q_start[1:] >= q_start[:-1] + q_len[:-1])
+        # The same pieces as the op reads them: a prefix sum with gap sequences, bottom-right aligned.
+        cu_q, cu_kv = (np.asarray(x) for x in pieces_cu_seqlens(pieces))
+        assert np.all(np.diff(cu_q) >= 0) and np.all(np.diff(cu_kv) >= 0) and cu_q[-1] <= rows and cu_kv[-1] <= T
+        np.testing.assert_array_equal(prefix_sum_mask(cu_q, cu_kv, rows, T, is_causal, window_left),
+                                      want[start:start + rows], err_msg=f"cu_seqlens of chunk {chunk}")
+
+
+def test_reorder_is_the_dual_chunk_order_and_restore_undoes_it():
+    x = jnp.arange(16 * 3).reshape(16, 3)
+    y = reorder_for_load_balance(x, 2)
+    np.testing.assert_array_equal(np.asarray(y[:, 0]) // 3 // 4, [0, 0, 0, 0, 3, 3, 3, 3, 1, 1, 1, 1, 2, 2, 2, 2])
+    np.testing.assert_array_equal(restore_order(y, 2), x)
+    np.testing.assert_array_equal(restore_order(reorder_for_load_balance(x.T, 4, axis=1), 4, axis=1), x.T)
+    with pytest.raises(ValueError, match=r"multiple of 2n = 6"):
+        reorder_for_load_balance(x, 3)
+
+
+# ---- The child: the sharded op on 4 devices, each check reported as a JSON line. ----
+
+# name: (mesh shape, mesh axes, axis type, token_axis, head_axis, (Hq, Hkv), load_balance, stats layout, mask)
+CASES = {
+    "natural_causal_gqa_head_major": ((4,), ("cp",), EXPLICIT, "cp", None, (4, 2), False, "head_major", "causal"),
+    "balanced_window_mqa_token_major": ((4,), ("cp",), EXPLICIT, "cp", None, (4, 1), True, "token_major", "window"),
+    "natural_no_mask_heads_and_tokens_auto": ((2, 2), ("heads", "cp"), AUTO, "cp", "heads", (4, 2), False,
+                                              "token_major", "none"),
+    "balanced_causal_heads_and_tokens": ((2, 2), ("heads", "cp"), EXPLICIT, "cp", "heads", (4, 2), True,
+                                         "head_major", "causal"),
+}
+MASKS = {"causal": dict(is_causal=True), "window": dict(is_causal=True, local_window_size=(6, 0)), "none": {}}
+
+
+def _check(seed, mesh_shape, mesh_axes, axis_type, token_axis, head_axis, heads, load_balance, layout, mask):
+    assert len(jax.devices()) == 4, f"expected 4 virtual devices, got {jax.devices()}"
+    mesh = jax.make_mesh(mesh_shape, mesh_axes, axis_types=(axis_type,) * len(mesh_axes))
+    n = mesh.shape[token_axis]
+    rng = np.random.default_rng(seed)
+    lengths = random_lengths(rng, T, slack=int(rng.integers(1, 7)))
+    hq, hkv = heads
+    batch = packed_batch(rng, lengths, lengths, num_heads_q=hq, num_heads_kv=hkv, head_dim_qk=8, head_dim_v=8,
+                         dtype=np.float32, slack_q=T - sum(lengths), slack_kv=T - sum(lengths))
+    options = dict(max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv, return_stats=True,
+                   stats_layout=layout, implementation="xla", **MASKS[mask])
+    stats_axis = 1 if layout == "head_major" else 0
+    d_out = jnp.asarray(rng.standard_normal((T, hq, 8)), jnp.float32)
+    d_stats = jnp.asarray(rng.standard_normal((T, hq)), jnp.float32)  # token-major; transposed below if need be
+    d_stats_layout = d_stats.T if layout == "head_major" else d_stats
+
+    def order(x, axis=0):
+        return reorder_for_load_balance(x, n, axis) if load_balance else x
+
+    def forward_and_backward(attention, q, k, v, cu, d_out, d_stats):
+        # A vjp rather than a loss: the cotangents reach out and stats as given.
+        outputs, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, cu, cu, **options), q, k, v)
+        return (*outputs, *pullback((d_out, d_stats)))
+
+    sharded = functools.partial(sharded_ragged_attention, mesh=mesh, token_axis=token_axis, head_axis=head_axis,
+                                load_balance=load_balance)
+    args = (*(order(x) for x in batch.args[:3]), batch.cu_seqlens_q, order(d_out), order(d_stats_layout, stats_axis))
+    compiled = jax.jit(functools.partial(forward_and_backward, sharded)).lower(*args).compile()
+    got = compiled(*args)
+    out, stats = got[:2]
+    got = [restore_order(x, n, stats_axis if i == 1 else 0) if load_balance else x for i, x in enumerate(got)]
+    unsharded = jax.jit(functools.partial(forward_and_backward, ragged_attention))(
+        *batch.args[:4], d_out, d_stats_layout)
+    reference = reference_attention(*batch.reference_args, d_out=np.asarray(d_out, np.float64),
+                                    d_stats=np.asarray(d_stats, np.float64), max_seqlen_q=batch.max_seqlen_q,
+                                    max_seqlen_kv=batch.max_seqlen_kv, **MASKS[mask])
+    for i, name in enumerate(("out", "stats", "dq", "dk", "dv")):
+        assert_close(got[i], unsharded[i], np.float32, f"{name} against the unsharded op")
+        want = reference[name].T if name == "stats" and layout == "head_major" else reference[name]
+        assert_close(got[i], want, np.float32, f"{name} against the float64 reference")
+        assert float(jnp.abs(jnp.where(jnp.isfinite(want), want, 0)).max()) > 0, f"{name} is all zero"
+    np.testing.assert_array_equal(np.asarray(got[0])[batch.padding_q], 0, err_msg="out of padding rows")
+
+    tokens = jax.NamedSharding(mesh, jax.P(token_axis, head_axis, None))
+    stats_split = jax.P(head_axis, token_axis) if layout == "head_major" else jax.P(token_axis, head_axis)
+    assert out.sharding.is_equivalent_to(tokens, 3), f"out sharding {out.sharding}"
+    assert stats.sharding.is_equivalent_to(jax.NamedSharding(mesh, stats_split), 2), f"stats {stats.sharding}"
+    hlo = compiled.as_text()
+    found = {c: len(re.findall(rf"\b{c}(-start)?\(", hlo)) for c in ("all-gather", "reduce-scatter", "all-to-all")}
+    # K and V gathered forward, dK and dV reduce-scattered back; q never moves.
+    assert found["all-gather"] >= 2 and found["reduce-scatter"] >= 2 and found["all-to-all"] == 0, found
+    return found
+
+
+def _child() -> None:
+    for seed, (name, case) in enumerate(CASES.items()):
+        try:
+            found = _check(seed, *case)
+            print(json.dumps({"check": name, "ok": True, "collectives": found}), flush=True)
+        except Exception:  # report every failure, keep checking the rest
+            print(json.dumps({"check": name, "ok": False, "detail": traceback.format_exc()}), flush=True)
+
+
+def test_sharded_tokens_match_the_unsharded_op_and_the_reference():
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())
+    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    results = {}
+    for line in run.stdout.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            results[record["check"]] = record
+    assert run.returncode == 0, f"child exited {run.returncode}:\n{run.stdout}\n{run.stderr[-4000:]}"
+    assert sorted(results) == sorted(CASES), f"the child reported {sorted(results)}, expected {sorted(CASES)}"
+    failed = [f"--- {name}:\n{record['detail']}" for name, record in results.items() if not record["ok"]]
+    assert not failed, "\n".join(failed)
+
+
+# ---- Bad input: validation needs only the axis sizes (an abstract mesh). ----
+
+def _args(total=T, lengths=(30, 20, 10)):
+    batch = packed_batch(np.random.default_rng(0), lengths, lengths, num_heads_q=4, num_heads_kv=2, head_dim_qk=8,
+                         head_dim_v=8, dtype=np.float32, slack_q=total - sum(lengths), slack_kv=total - sum(lengths))
+    return batch.args, dict(max_seqlen_q=30, max_seqlen_kv=30)
+
+
+MESH = jax.sharding.AbstractMesh((4,), ("cp",))
+
+
+@pytest.mark.parametrize("total, load_balance, need", [(66, False, "n = 4"), (68, True, r"2n = 8")])
+def test_token_axis_must_divide_the_capacity(total, load_balance, need):
+    args, options = _args(total)
+    with pytest.raises(ValueError, match=rf"T = {total} must be a multiple of {need}.*token_axis 'cp'"):
+        sharded_ragged_attention(*args, mesh=MESH, token_axis="cp", load_balance=load_balance, **options)
+
+
+def test_unknown_token_axis_raises():
+    args, options = _args()
+    with pytest.raises(ValueError, match=r"token_axis must name axes of the mesh \('cp',\), got 'tokens'"):
+        sharded_ragged_attention(*args, mesh=MESH, token_axis="tokens", **options)
+
+
+@pytest.mark.parametrize("mask", [dict(local_window_size=(3, 2)), dict(local_window_size=4)])
+def test_windows_reaching_right_of_the_diagonal_are_not_implemented(mask):
+    args, options = _args()
+    with pytest.raises(NotImplementedError, match=r"without is_causal: context parallelism serves no mask, causal"):
+        sharded_ragged_attention(*args, mesh=MESH, token_axis="cp", **options, **mask)
+
+
+def test_cross_attention_shapes_raise():
+    (q, k, v, cu, _), options = _args()
+    with pytest.raises(ValueError, match=r"self-attention: q, k and v must share the capacity T"):
+        sharded_ragged_attention(q, k[:32], v[:32], cu, cu, mesh=MESH, token_axis="cp", **options)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q and cu_seqlens_kv must be equal"):
+        sharded_ragged_attention(q, k, v, cu, cu.at[1].set(29), mesh=MESH, token_axis="cp", **options)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q and cu_seqlens_kv must be the same \[B \+ 1\] array"):
+        sharded_ragged_attention(q, k, v, cu, cu[:-1], mesh=MESH, token_axis="cp", **options)
+    with pytest.raises(NotImplementedError, match=r"max_seqlen_q=30 != max_seqlen_kv=31"):
+        sharded_ragged_attention(q, k, v, cu, cu, mesh=MESH, token_axis="cp", max_seqlen_q=30, max_seqlen_kv=31)
+
+
+def test_load_balance_needs_a_token_axis():
+    args, options = _args()
+    with pytest.raises(ValueError, match=r"load_balance=True balances the token axis: it needs token_axis"):
+        sharded_ragged_attention(*args, mesh=MESH, head_axis="cp", load_balance=True, **options)
+
+
+def test_same_axis_for_heads_and_tokens_raises():
+    args, options = _args()
+    with pytest.raises(ValueError, match=r"must name different mesh axes"):
+        sharded_ragged_attention(*args, mesh=MESH, head_axis="cp", token_axis="cp", **options)
+
+
+if __name__ == "__main__":
+    _child()
+
+
+# ---- On GPUs: CP=2 on the cuDNN path against one GPU. ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("load_balance", [False, True])
+def test_two_gpus_cudnn_context_parallel_matches_one_gpu(load_balance):
+    """bf16, causal GQA 16/4, d 128: CP=2 on the cuDNN path equals the unsharded cuDNN call (the same
+    arithmetic per row up to the order of a few reductions) and the float64 reference, gradients and a
+    stats cotangent included."""
+    from jax_ragged_attn._cudnn import extension
+
+    reason = extension.cudnn_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"cuDNN path unavailable: {reason}")
+    gpus = jax.devices("gpu")
+    if len(gpus) < 2:
+        pytest.skip(f"needs 2 GPUs, this host has {len(gpus)}")
+    mesh = jax.make_mesh((2,), ("cp",), axis_types=(EXPLICIT,), devices=gpus[:2])
+    rng = np.random.default_rng(12)
+    lengths = (300, 0, 1100, 64, 517, 9)  # 1100 crosses both balanced chunk edges; tail padding follows
+    total = 2048
+    batch = packed_batch(rng, lengths, lengths, num_heads_q=16, num_heads_kv=4, head_dim_qk=128, head_dim_v=128,
+                         dtype="bfloat16", slack_q=total - sum(lengths), slack_kv=total - sum(lengths))
+    options = dict(max_seqlen_q=1100, max_seqlen_kv=1100, is_causal=True, return_stats=True, implementation="cudnn")
+    d_out = rng.standard_normal((total, 16, 128)).astype("bfloat16")
+    d_out[sum(lengths):] = 0
+    d_stats = rng.standard_normal((16, total)).astype(np.float32)
+
+    def order(x, axis=0):
+        return reorder_for_load_balance(x, 2, axis) if load_balance else x
+
+    def forward_and_backward(attention, q, k, v, cu, d_out, d_stats):
+        outputs, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, cu, cu, **options), q, k, v)
+        return (*outputs, *pullback((d_out, d_stats)))
+
+    sharded = functools.partial(sharded_ragged_attention, mesh=mesh, token_axis="cp", load_balance=load_balance)
+    args = (*(order(x) for x in batch.args[:3]), batch.cu_seqlens_q, order(jnp.asarray(d_out)),
+            order(jnp.asarray(d_stats), 1))
+    got = jax.jit(functools.partial(forward_and_backward, sharded))(*args)
+    got = [restore_order(x, 2, 1 if i == 1 else 0) if load_balance else x for i, x in enumerate(got)]
+    one_gpu = jax.jit(functools.partial(forward_and_backward, ragged_attention))(
+        *batch.args[:4], jnp.asarray(d_out), jnp.asarray(d_stats))
+    expected = reference_attention(*batch.reference_args, d_out=d_out.astype(np.float64),
+                                   d_stats=d_stats.T.astype(np.float64), max_seqlen_q=1100, max_seqlen_kv=1100,
+                                   is_causal=True)
+    for i, name in enumerate(("out", "stats", "dq", "dk", "dv")):
+        # bf16 tolerances for stats too: they are float32 results of bf16 inputs and bf16 matmuls.
+        assert_close(np.asarray(got[i], np.float64), np.asarray(one_gpu[i], np.float64), "bfloat16",
+                     f"{name} against one GPU")
+        want = expected[name].T if name == "stats" else expected[name]
+        assert_close(np.asarray(got[i], np.float64), want, "bfloat16", f"{name} against the float64 reference")
