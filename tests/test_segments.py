@@ -10,6 +10,7 @@ NaN or as a non-zero where an exact zero is required. Inputs come from a seed de
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import zlib
 
 import jax
@@ -17,6 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_ragged_attn import _cudnn as cudnn
+from jax_ragged_attn._cudnn import launch
+from jax_ragged_attn.checks import RaggedAttentionInputError, RaggedAttentionInputWarning, input_errors
+from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.segments import ragged_attention_segments, segments_to_cu_seqlens
 from jax_ragged_attn.testing import assert_close
@@ -296,3 +301,106 @@ def test_valid_call_and_check_mode_pass():
     """The base of the malformed calls is itself valid, also with the run-time cu_seqlens check on."""
     out, stats = jax.jit(lambda: _valid_call(check=True, return_stats=True, stats_layout="token_major"))()
     assert out.shape == (2, 4, 4, 8) and stats.shape == (2, 4, 4)
+
+
+# What the segment-id wrapper drops (README, "What can be dropped"): segments past max_segments and tokens
+# past max_seqlen. Default mode counts them (return_overflow); check mode raises naming segment_ids' row and
+# token; NumPy ids warn. MIXED holds 5 segments; its longest (row 3) has 8 tokens, row 1's has 6.
+DROP_ROWS = {
+    # (max_segments, max_seqlen, dropped_segments, truncated tokens, check-mode message fragments)
+    "fits": (5, None, 0, 0, ()),
+    "two_segments_past_max_segments": (3, None, 2, 0, (
+        "segment_ids hold 5 segments, more than max_segments = 3", "segments 3 to 4 (row-major)",
+        "the first of them at segment_ids[1, 2] = 5")),
+    "segments_longer_than_max_seqlen": (5, 5, 0, 1 + 3, (
+        "segment 3 (segment_ids[1, 2:8] = 5) has 6 tokens, more than max_seqlen = 5",)),
+    "both": (4, 3, 1, 3, ("more than max_segments = 4", "segment 3 (segment_ids[1, 2:8] = 5) has 6 tokens")),
+}
+
+
+def _segments_call(rng, implementation="xla", **options):
+    dtype = np.float32 if implementation == "xla" else jnp.bfloat16
+    (q, k, v), _, _ = make_inputs(rng, Case(MIXED), dtype)
+    q, k, v = (jnp.nan_to_num(x) for x in (q, k, v))  # padding 0, every real token random
+
+    def f(segment_ids, max_segments, max_seqlen):
+        return ragged_attention_segments(q, k, v, segment_ids, max_segments=max_segments, max_seqlen=max_seqlen,
+                                         implementation=implementation, **options)
+
+    return f
+
+
+@pytest.mark.parametrize("row", DROP_ROWS)
+def test_default_mode_counts_dropped_segments_and_cut_tokens(rng, row):
+    max_segments, max_seqlen, dropped, cut, _ = DROP_ROWS[row]
+    f = _segments_call(rng, return_overflow=True)
+    ids = jnp.asarray(MIXED, jnp.int32)
+    for how, call in (("eager", f), ("jit", jax.jit(f, static_argnums=(1, 2)))):
+        out, overflow = call(ids, max_segments, max_seqlen)
+        counts = (int(overflow.dropped_segments), int(overflow.truncated_rows_q), int(overflow.truncated_rows_kv),
+                  int(overflow.invalid_cu_seqlens))
+        assert counts == (dropped, cut, cut, 0), f"{row} {how}: {overflow}"
+    # Independent of the counts: real tokens that read exactly 0 are the dropped and cut ones.
+    real = np.asarray(MIXED) > 0
+    zero = np.all(np.asarray(out) == 0, axis=(2, 3))
+    dropped_tokens = sum(b - a for _, a, b in segment_runs(MIXED)[max_segments:])
+    assert int(np.sum(zero & real)) == dropped_tokens + cut, (row, zero.astype(int).tolist())
+
+
+@pytest.mark.parametrize("row", [r for r in DROP_ROWS if DROP_ROWS[r][4]])
+@pytest.mark.parametrize("implementation", ["xla", "cudnn_stand_in"])
+def test_check_mode_names_segment_ids_row_and_token(rng, monkeypatch, row, implementation):
+    max_segments, max_seqlen, _, _, fragments = DROP_ROWS[row]
+    if implementation == "cudnn_stand_in":  # the cuDNN path's Python layer, test_cudnn_wrapper's CPU kernel
+        from test_cudnn_wrapper import StandInKernel  # tests/ is on sys.path under pytest
+
+        kernel = StandInKernel()
+        shapes = [jax.ShapeDtypeStruct((32, h, 8), jnp.bfloat16) for h in (4, 2, 2)]
+        cu = jax.ShapeDtypeStruct((max_segments + 1,), jnp.int32)
+        kernel.config = make_config(*shapes, cu, cu, AttentionOptions(), max_seqlen_q=8, max_seqlen_kv=8)
+        monkeypatch.setattr(jax.ffi, "ffi_call", kernel)
+        monkeypatch.setattr(launch, "graph_info", lambda direction, config: {"workspace_bytes": 64})
+        monkeypatch.setattr(cudnn, "unsupported_reason", lambda config: None)
+    f = _segments_call(rng, "cudnn" if implementation == "cudnn_stand_in" else "xla", check=True)
+    ids = jnp.asarray(MIXED, jnp.int32)
+    with pytest.raises(RaggedAttentionInputError) as raised:
+        f(ids, max_segments, max_seqlen)
+    for fragment in ("segment_ids is invalid", *fragments):
+        assert fragment in str(raised.value), f"{fragment!r} missing from: {raised.value}"
+    with pytest.raises(RaggedAttentionInputError) as raised, input_errors():
+        jax.block_until_ready(jax.jit(f, static_argnums=(1, 2))(ids, max_segments, max_seqlen))
+    for fragment in fragments:
+        assert fragment in str(raised.value), f"{fragment!r} missing from: {raised.value}"
+
+
+@pytest.mark.parametrize("row", DROP_ROWS)
+def test_numpy_segment_ids_warn_outside_check_mode(rng, row):
+    max_segments, max_seqlen, _, _, fragments = DROP_ROWS[row]
+    f = _segments_call(rng)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        f(np.asarray(MIXED, np.int32), max_segments, max_seqlen)
+    ours = [str(w.message) for w in caught if issubclass(w.category, RaggedAttentionInputWarning)]
+    assert len(ours) == (1 if fragments else 0), ours
+    for fragment in fragments:
+        assert fragment in ours[0], f"{fragment!r} missing from: {ours[0]}"
+    with warnings.catch_warnings():  # device arrays are not read outside check mode
+        warnings.simplefilter("error", RaggedAttentionInputWarning)
+        f(jnp.asarray(MIXED, jnp.int32), max_segments, max_seqlen)
+
+
+def test_overflow_is_aux_for_grad(rng):
+    (q, k, v), _, _ = make_inputs(rng, Case(MIXED), np.float32)
+    q, k, v = (jnp.nan_to_num(x) for x in (q, k, v))
+    ids = jnp.asarray(MIXED, jnp.int32)
+
+    def loss(q, return_overflow):
+        result = ragged_attention_segments(q, k, v, ids, max_segments=3,
+                                           implementation="xla", return_overflow=return_overflow)
+        out, overflow = result if return_overflow else (result, None)
+        return jnp.sum(out * out), overflow
+
+    grad, overflow = jax.jit(jax.grad(lambda q: loss(q, True), has_aux=True))(q)
+    plain, _ = jax.jit(jax.grad(lambda q: loss(q, False), has_aux=True))(q)
+    np.testing.assert_array_equal(np.asarray(grad), np.asarray(plain))
+    assert int(overflow.dropped_segments) == 2
