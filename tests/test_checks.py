@@ -158,3 +158,34 @@ def test_guard_band_intact_passes_and_clobbered_band_stops_the_computation():
     clobbered = intact.at[10:13].set(0)
     with pytest.raises((RuntimeError, ValueError), match="3 of the 4096 guard bytes"):
         jax.block_until_ready(verify(clobbered))
+
+
+def test_concrete_values_are_checked_on_the_host_without_a_callback(monkeypatch):
+    """Eagerly there is nothing to trace: the error is a plain RaggedAttentionInputError raised right here."""
+    def no_callback(*args, **kwargs):
+        raise AssertionError("concrete cu_seqlens went through a callback")
+
+    monkeypatch.setattr(jax, "pure_callback", no_callback)
+    np.testing.assert_array_equal(np.asarray(_check(_cu([0, 3, 7]))), [0, 3, 7])
+    with pytest.raises(checks.RaggedAttentionInputError, match=r"^cu_seqlens_q is invalid: cu_seqlens_q\[0\] = 2"):
+        _check(_cu([2, 3, 7]))
+
+
+def test_input_errors_unwraps_what_jit_delivers():
+    jitted = jax.jit(lambda cu: _check(cu) + 1)
+    with pytest.raises(checks.RaggedAttentionInputError) as raised, checks.input_errors():
+        jax.block_until_ready(jitted(_cu([0, 3, 2])))
+    assert str(raised.value).startswith("cu_seqlens_q is invalid: it decreases at index 2"), str(raised.value)
+    assert "\n" not in str(raised.value) and "Traceback" not in str(raised.value)
+
+
+@pytest.mark.parametrize("ids, max_segments, max_seqlen, expected", [
+    ([[1, 1, 0, 2], [2, 0, 0, 2]], 4, 4, []),
+    ([[1, 1, 0, 2], [2, 0, 0, 2]], 2, 4, ["segment_ids hold 4 segments, more than max_segments = 2: segments 2 to 3 "
+                                          "(row-major) would be dropped, the first of them at segment_ids[1, 0] = 2"]),
+    ([[3, 3, 3, 0], [4, 4, 0, 0]], 2, 2, ["segment 0 (segment_ids[0, 0:3] = 3) has 3 tokens, more than "
+                                          "max_seqlen = 2"]),
+    ([[0, 0], [0, 0]], 1, 1, []),
+])
+def test_segment_problems_name_row_token_count_and_bound(ids, max_segments, max_seqlen, expected):
+    assert checks.segment_problems(np.asarray(ids), max_segments, max_seqlen) == expected
