@@ -25,6 +25,7 @@ left window.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -34,8 +35,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jax_ragged_attn import context_parallel as cp
 from jax_ragged_attn.api import attend
 from jax_ragged_attn.checks import check_enabled, checked_cu_seqlens
-from jax_ragged_attn.config import AttentionOptions
+from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.context_parallel import reorder_for_load_balance, restore_order
+from jax_ragged_attn.overflow import cu_seqlens_overflow
 
 __all__ = ["sharded_ragged_attention", "reorder_for_load_balance", "restore_order"]
 
@@ -75,6 +77,9 @@ def sharded_ragged_attention(
     ("head_major" [Hq, Tq] or "token_major" [Tq, Hq]). Inputs laid out otherwise are resharded first.
     """
     options, rest = AttentionOptions.split(kwargs)
+    return_overflow = rest.pop("return_overflow", False)
+    if not isinstance(return_overflow, bool):
+        raise ValueError(f"return_overflow must be a Python bool, got {type(return_overflow).__name__}")
     if rest.get("sinks") is not None:
         raise NotImplementedError("sinks with sharded_ragged_attention: the per-head sink logits are not split over "
                                   "head_axis yet; call ragged_attention under jit with sharded inputs instead")
@@ -104,6 +109,9 @@ def sharded_ragged_attention(
                 f"token_axis={split!r} for context parallelism, or replicate the token axis and split heads"
             )
 
+    # Counted outside shard_map, from the caller's cu_seqlens and the whole buffers.
+    overflow = functools.partial(_overflow, q, k, v, cu_seqlens_q, cu_seqlens_kv, options, rest) if return_overflow \
+        else None
     tokens = P(token_axis, head_axis, None)
     axes = head_axes + token_axes
     if all(mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit for a in axes):
@@ -127,7 +135,8 @@ def sharded_ragged_attention(
             # rest: max_seqlen_q, max_seqlen_kv (and sinks=None); attend raises TypeError for anything else.
             return attend((q, k, v), cu_seqlens_q, cu_seqlens_kv, options, **rest)
 
-        return shard(attend_shard, (tokens, tokens, tokens, P(), P()))(q, k, v, cu_seqlens_q, cu_seqlens_kv)
+        result = shard(attend_shard, (tokens, tokens, tokens, P(), P()))(q, k, v, cu_seqlens_q, cu_seqlens_kv)
+        return _with_overflow(result, options, overflow)
 
     plan, inner, cu_seqlens = _context_parallel_plan(q, k, v, cu_seqlens_q, cu_seqlens_kv, mesh, token_axis,
                                                      load_balance, options, rest)
@@ -140,7 +149,20 @@ def sharded_ragged_attention(
         out, stats = cp.device_attention(plan, attend_chunk, q, k, v, cu_seqlens)
         return (out, stats) if inner.return_stats else out
 
-    return shard(attend_tokens, (tokens, tokens, tokens, P()))(q, k, v, cu_seqlens)
+    return _with_overflow(shard(attend_tokens, (tokens, tokens, tokens, P()))(q, k, v, cu_seqlens), options, overflow)
+
+
+def _overflow(q, k, v, cu_seqlens_q, cu_seqlens_kv, options, rest):
+    config = make_config(q, k, v, cu_seqlens_q, cu_seqlens_kv, options, max_seqlen_q=rest.get("max_seqlen_q"),
+                         max_seqlen_kv=rest.get("max_seqlen_kv"))
+    return cu_seqlens_overflow(cu_seqlens_q, cu_seqlens_kv, config, same=cu_seqlens_q is cu_seqlens_kv)
+
+
+def _with_overflow(result, options: AttentionOptions, overflow):
+    """ragged_attention's return_overflow=True shape: the Overflow last."""
+    if overflow is None:
+        return result
+    return (*result, overflow()) if options.return_stats else (result, overflow())
 
 
 def _axes(mesh, axis, name: str) -> tuple[str, ...]:

@@ -225,6 +225,24 @@ def test_sharded_tokens_match_the_unsharded_op_and_the_reference():
     assert not failed, "\n".join(failed)
 
 
+@pytest.mark.parametrize("load_balance", [False, True])
+def test_one_device_token_axis_equals_the_op_and_counts_overflow(load_balance):
+    """n = 1 in this process: the context-parallel path without collectives, and return_overflow counted
+    from the caller's cu_seqlens (the longest document is cut by max_seqlen)."""
+    lengths = (21, 0, 9, 30)
+    batch = packed_batch(np.random.default_rng(3), lengths, lengths, num_heads_q=4, num_heads_kv=2, head_dim_qk=8,
+                         head_dim_v=8, dtype=np.float32, slack_q=4, slack_kv=4)
+    options = dict(max_seqlen_q=25, max_seqlen_kv=25, is_causal=True, return_stats=True, return_overflow=True,
+                   implementation="xla")
+    mesh = jax.make_mesh((1,), ("cp",))
+    got = jax.jit(functools.partial(sharded_ragged_attention, mesh=mesh, token_axis="cp", load_balance=load_balance,
+                                    **options))(*batch.args)
+    want = jax.jit(functools.partial(ragged_attention, **options))(*batch.args)
+    for name, a, b in zip(("out", "stats"), got[:2], want[:2]):
+        assert_close(a, b, np.float32, name)
+    assert jax.tree.map(int, got[2]) == jax.tree.map(int, want[2]) and int(got[2].truncated_rows_q) == 5
+
+
 # ---- Bad input: validation needs only the axis sizes (an abstract mesh). ----
 
 def _args(total=T, lengths=(30, 20, 10)):
