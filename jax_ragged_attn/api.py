@@ -52,14 +52,17 @@ def ragged_attention(
         before use, so no value can make a kernel address outside the buffers (return_overflow counts the
         entries clamped; check=True raises instead).
       max_seqlen_q, max_seqlen_kv: static upper bounds of the sequence lengths (rows of a longer sequence
-        past the bound are treated as padding; return_overflow counts them, check=True raises).
+        past the bound are treated as padding; return_overflow counts them, check=True raises). Bounds
+        above the capacities are clamped to Tq / Tkv: a generous bound costs nothing.
       scale: multiplies q.k; default 1/sqrt(Dqk).
       is_causal: query i sees key j only if j <= diagonal.
       diagonal_alignment: "top_left" (diagonal d = i) or "bottom_right" (d = i + skv - sq), per sequence.
       local_window_size: (left, right) keeps d - left <= j <= d + right; an int w means (w, w).
       stats_layout: "head_major" returns stats [Hq, Tq] (FlashAttention's softmax_lse); "token_major"
         returns [Tq, Hq] (cuDNN's and TransformerEngine's).
-      return_stats: also return the float32 natural-log log-sum-exp of the attended logits.
+      return_stats: also return the float32 natural-log log-sum-exp of the attended logits. Its -inf rows
+        (below) are the only inf the op computes, so jax.debug_infs reports them; jax.debug_nans never
+        fires, and with return_stats=False neither does jax.debug_infs (unless the inputs hold inf/NaN).
       implementation: None picks cuDNN when it can serve the call here, else "xla"; "cudnn" raises
         NotImplementedError saying why when it cannot; "xla" is the portable jnp implementation.
       deterministic: run cuDNN's deterministic backward, so dQ/dK/dV are bit-identical run to run (it keeps
