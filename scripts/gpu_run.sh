@@ -21,7 +21,12 @@ if ls .prebuilt/_ext*.so >/dev/null 2>&1; then
 else
   # That host's default CXX (/opt/gcc/bin/g++, a wrapper) builds an extension that crashes inside
   # cudnn-frontend's string streams; the system compiler matches the libstdc++ the interpreter loads.
-  CXX=/usr/bin/g++ python3 -m pip install --no-build-isolation --no-deps -e . -q 2>&1 | grep -E "error|Error"
+  # A wheel whose extension is copied into the source tree, not an editable install: an editable install's
+  # import hook would serve its own build to the mutation step's copy of the package as well.
+  CXX=/usr/bin/g++ python3 -m pip wheel --no-build-isolation --no-deps -q . -w /tmp/jra_wheel -C build-dir=/tmp/jra_build \
+    2>&1 | grep -E "error|Error"
+  python3 -c "import glob, zipfile; z = zipfile.ZipFile(sorted(glob.glob('/tmp/jra_wheel/*.whl'))[-1]); \
+[open('jax_ragged_attn/' + n.split('/')[-1], 'wb').write(z.read(n)) for n in z.namelist() if n.startswith('jax_ragged_attn/_ext')]"
 fi
 echo "extension ready: $(( $(date +%s) - start )) s"
 failed=()
