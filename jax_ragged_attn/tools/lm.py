@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn._cudnn.extension import cudnn_unavailable_reason
+from jax_ragged_attn import cudnn_unavailable_reason
 from jax_ragged_attn.data import pack_documents
 
 try:
