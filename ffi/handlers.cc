@@ -174,8 +174,8 @@ ffi::Error check_guarded_args(const ffi::RemainingArgs& guarded, const std::vect
     const ResultView& result = i == 0 ? results.back() : results[i - 1];
     ffi::ErrorOr<ffi::AnyBuffer> arg = guarded.get<ffi::AnyBuffer>(i);
     if (arg.has_error()) return arg.error();
-    FFI_RETURN_IF_ERROR(check_buffer(std::string("the check-mode argument aliased to ") + result.name, arg->element_type(),
-                                     arg->dimensions(), result.type,
+    FFI_RETURN_IF_ERROR(check_buffer(std::string("the check-mode argument aliased to ") + result.name,
+                                     arg->element_type(), arg->dimensions(), result.type,
                                      std::vector<int64_t>(result.dims.begin(), result.dims.end()), c));
   }
   return ffi::Error::Success();
