@@ -2,7 +2,8 @@
 
 tests/native/ffi_call_frame.cc calls the real handler symbols with a hand-built XLA call frame, so their
 decoding and every check before the launch run here: a call that passes them all stops at "cuDNN is not
-loaded" (there is no GPU), every other call must stop with an error that names the problem. The contract,
+loaded" (in a process that loaded cuDNN, a GPU run, the tests skip), every other call must stop with an
+error that names the problem. The contract,
 as ffi/handlers.cc states it:
 
     forward:  q, k, v, 7 index arrays [, workspace, o, stats]      -> o, stats, workspace
@@ -70,6 +71,9 @@ def _array(ctype, values):
 
 def _call(harness, handlers, direction, args, results, attributes=None):
     """(error code, message) of one call: 0 and "" when the handler succeeded."""
+    if extension.module().cudnn_version():
+        # A call that passes every check would then build a graph and launch it on the fake pointers.
+        pytest.skip("cuDNN is loaded in this process (a GPU run): the contract is checked where it is not")
     kinds = dict(extension.config_fields())
     attributes = sorted((CONFIG if attributes is None else attributes).items())  # XLA passes them sorted by name
     code = harness.harness_call(
