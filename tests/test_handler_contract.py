@@ -3,8 +3,7 @@
 tests/native/ffi_call_frame.cc calls the real handler symbols with a hand-built XLA call frame, so their
 decoding and every check before the launch run here: a call that passes them all stops at "cuDNN is not
 loaded" (in a process that loaded cuDNN, a GPU run, the tests skip), every other call must stop with an
-error that names the problem. The contract,
-as ffi/handlers.cc states it:
+error that names the problem. The contract, as ffi/handlers.cc states it:
 
     forward:  q, k, v, 7 index arrays [, workspace, o, stats]      -> o, stats, workspace
     backward: q, k, v, o, d_o, stats, 7 index arrays [, workspace, one per gradient]
