@@ -110,6 +110,7 @@ def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOption
     q, k, v = layout.views(buffers)
     config = make_config(q, k, v, cu_seqlens_q, cu_seqlens_kv, options, max_seqlen_q=max_seqlen_q,
                          max_seqlen_kv=max_seqlen_kv, sinks=sinks, packing=packing)
+    config = dataclasses.replace(config, return_stats=options.return_stats)
     if not isinstance(return_overflow, bool):
         raise ValueError(f"return_overflow must be a Python bool, got {type(return_overflow).__name__}")
     config, cu_seqlens_q, cu_seqlens_kv = apply_check(options.check, config, cu_seqlens_q, cu_seqlens_kv)

@@ -282,7 +282,9 @@ def padded_rows(x: jax.Array, axis: int, rows: int) -> jax.Array:
     so the kernel's buffers agree in shape; a kernel reading one of them would spread NaN."""
     widths = [(0, 0)] * x.ndim
     widths[axis] = (rows, rows)
-    return jnp.pad(x, widths, constant_values=jnp.nan)
+    # Under jax.debug_nans the NaN itself would stop the program: pad with zeros there.
+    poison = 0 if (jax.config.jax_debug_nans or jax.config.jax_debug_infs) else jnp.nan
+    return jnp.pad(x, widths, constant_values=poison)
 
 
 def canary_array(shape, dtype) -> jax.Array:

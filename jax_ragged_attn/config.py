@@ -50,6 +50,9 @@ class AttentionConfig:
     autotune: bool = False  # cuDNN: run the fastest of cuDNN's candidate plans, measured once (autotune.py)
     packing: str = "none"  # cuDNN: "kv" / "qkv" read a fused projection in place (packed.py)
     has_sinks: bool = False  # a learnable sink logit per query head joins every softmax (xla path only)
+    # False: the caller drops the stats (api.attend sets it), so the cuDNN path never computes their -inf
+    # rows and jax.debug_infs stays quiet. Direct callers of the launch keep the documented stats.
+    return_stats: bool = True
 
     @property
     def group_size(self) -> int:

@@ -54,8 +54,18 @@ def _launch(direction: str, inputs, result_specs, names, cu_q, cu_kv, config: At
         types = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in result_specs(config))
         types += (jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),)
         args = (*(x for x, _ in inputs), *_index_arrays(cu_q, cu_kv, config))
-        call = jax.ffi.ffi_call(target, types, vmap_method="sequential")
-        *results, _ = call(*args, **ffi_kwargs(config, direction))
+        if not _debugging_floats():
+            call = jax.ffi.ffi_call(target, types, vmap_method="sequential")
+            *results, _ = call(*args, **ffi_kwargs(config, direction))
+            return results, jnp.bool_(True)
+        # Under jax.debug_nans / debug_infs an eager call checks the kernel's raw results, whose rows it does
+        # not own hold whatever the memory held: give the kernel zero-filled buffers (aliased, like check
+        # mode's guarded ones: the workspace, then one per result) so those rows read 0. Debugging only: it
+        # costs a memset of every output.
+        zeros = tuple(jnp.zeros(t.shape, t.dtype) for t in types)
+        aliases = {len(args): len(types) - 1, **{len(args) + 1 + i: i for i in range(len(types) - 1)}}
+        call = jax.ffi.ffi_call(target, types, vmap_method="sequential", input_output_aliases=aliases)
+        *results, _ = call(*args, zeros[-1], *zeros[:-1], **ffi_kwargs(config, direction))
         return results, jnp.bool_(True)
 
     rows = checks.GUARD_ROWS
@@ -82,6 +92,10 @@ def _launch(direction: str, inputs, result_specs, names, cu_q, cu_kv, config: At
     return inner, clobbered == 0
 
 
+def _debugging_floats() -> bool:
+    return bool(jax.config.jax_debug_nans or jax.config.jax_debug_infs)
+
+
 def _index_arrays(cu_q, cu_kv, config: AttentionConfig):
     """Sequence lengths and the ragged offsets of each tensor, in elements (see ffi/layouts.h): a sequence
     starts at its first row times the tensor's token stride, which covers every part of a packed row."""
@@ -89,9 +103,14 @@ def _index_arrays(cu_q, cu_kv, config: AttentionConfig):
     dqk, dv = config.head_dim_qk, config.head_dim_v
     packing = TABLE[config.packing]
     stats_offset = cu_q * hq if config.stats_layout == "token_major" else cu_q
+    seq_len_q = sequence_lengths(cu_q, config.max_seqlen_q)
+    seq_len_kv = sequence_lengths(cu_kv, config.max_seqlen_kv)
+    # A sequence without keys has no softmax (cuDNN would write 0/0 into its rows): hand cuDNN no queries for
+    # it. Its rows read out 0 and stats -inf through the wrapper's masks either way.
+    seq_len_q = jnp.where(seq_len_kv > 0, seq_len_q, 0)
     return (
-        sequence_lengths(cu_q, config.max_seqlen_q),
-        sequence_lengths(cu_kv, config.max_seqlen_kv),
+        seq_len_q,
+        seq_len_kv,
         cu_q * (packing.parts("q") * hq * dqk),  # q, dq
         cu_kv * (packing.parts("k") * hkv * dqk),  # k, dk
         cu_kv * (packing.parts("v") * hkv * dv),  # v, dv
@@ -130,7 +149,8 @@ def _forward(buffers, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
     rows = query_rows_with_keys(cu_q, cu_kv, config) & intact
     out = jnp.where(rows[:, None, None], out, jnp.zeros((), out.dtype))
     stats_rows = rows[:, None] if config.stats_layout == "token_major" else rows[None, :]
-    stats = jnp.where(stats_rows, raw_stats, -jnp.inf)
+    # Without return_stats nobody reads them: no -inf is made, so jax.debug_infs stays quiet.
+    stats = jnp.where(stats_rows, raw_stats, -jnp.inf) if config.return_stats else raw_stats
     return out, stats, raw_stats
 
 
