@@ -71,7 +71,8 @@ for name in ${STEPS:-pytest bench demo sweep}; do
              --seed "${SWEEP_SEED:-0}" --jobs "${JOBS:-1}" ;;
     bench) step bench "${BENCH_S:-150}" python3 -m jax_ragged_attn.bench ${BENCH_ARGS:---workloads W1,W2 --time-budget 100} \
              --out "$out" ;;
-    demo) step demo "${DEMO_S:-45}" python3 -m jax_ragged_attn --plot "$out/demo_loss.png" ;;
+    demo) step demo "${DEMO_S:-45}" python3 -m jax_ragged_attn.tools.demo --plot "$out/demo_loss.png" ;;
+    lm) step lm "${LM_S:-400}" python3 -m jax_ragged_attn ${LM_ARGS:-} --plot "$out/lm_loss.png" ;;  # the main job
     model) step model "${MODEL_S:-120}" python3 -m jax_ragged_attn.bench --model ${MODEL_ARGS:---time-budget 80} --out "$out" ;;
     *) echo "unknown step $name"; failed+=("$name") ;;
   esac
