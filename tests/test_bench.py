@@ -388,9 +388,11 @@ def test_hlo_classifier_reads_command_buffer_computations():
 def test_hlo_classifier_matches_targets_exactly():
     from jax_ragged_attn.tools.bench import capture as cb
 
-    guarded = HLO_CAPTURED.replace('"jax_ragged_attn_forward"', '"jax_ragged_attn_forward_guarded"')
-    assert _statuses(cb.classify_hlo(guarded)) == [("jax_ragged_attn_forward_guarded", "custom-call.1", cb.CAPTURED)]
-    assert cb.classify_hlo(guarded, targets=("jax_ragged_attn_forward",)) == []
+    # A name that only starts with ours is not ours, and is found once it is named.
+    renamed = HLO_CAPTURED.replace('"jax_ragged_attn_forward"', '"jax_ragged_attn_forward_other"')
+    assert cb.classify_hlo(renamed) == []
+    assert _statuses(cb.classify_hlo(renamed, targets=("jax_ragged_attn_forward_other",))) == [
+        ("jax_ragged_attn_forward_other", "custom-call.1", cb.CAPTURED)]
     other = HLO_CAPTURED.replace('"jax_ragged_attn_forward"', '"__cudnn$fmhaSoftmax"')
     assert cb.classify_hlo(other) == [] and cb.summary([]) == "none of our calls"
 

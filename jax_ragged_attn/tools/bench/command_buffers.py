@@ -49,8 +49,7 @@ SYSTEM = "ours-hm"
 # Flags this tool sets itself; an inherited value of any of them is dropped from the child's XLA_FLAGS.
 _OWN_FLAGS = ("--xla_gpu_enable_command_buffer", "--xla_gpu_graph_min_graph_size", "--xla_dump_to",
               "--xla_dump_hlo_as_text", "--xla_dump_hlo_module_re", "--xla_dump_include_timestamp")
-_SHORT = {FORWARD_TARGET: "forward", BACKWARD_TARGET: "backward",
-          FORWARD_TARGET + "_guarded": "forward (guarded)", BACKWARD_TARGET + "_guarded": "backward (guarded)"}
+_SHORT = {FORWARD_TARGET: "forward", BACKWARD_TARGET: "backward"}
 _LOOPS = {"forward": "fwd loop", "forward+backward": "fwd+bwd loop"}
 
 
