@@ -21,8 +21,10 @@ bazel build --repo_env=JAX_RAGGED_ATTN_PYTHON="$py" //:_ext
 
 stage=$PWD/build/bazel-pkg
 rm -rf "$stage"
-mkdir -p "$stage/jax_ragged_attn"
-cp jax_ragged_attn/*.py "$stage/jax_ragged_attn/"
+mkdir -p "$stage"
+# The whole package (its subpackages too), without the CMake build's module.
+cp -r jax_ragged_attn "$stage/"
+find "$stage" \( -name '_ext*.so' -o -name __pycache__ \) -prune -exec rm -rf {} +
 suffix=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 cp build/bazel-bin/jax_ragged_attn/_ext.so "$stage/jax_ragged_attn/_ext$suffix"
 chmod u+w "$stage/jax_ragged_attn/_ext$suffix"

@@ -1,26 +1,58 @@
 #!/usr/bin/env bash
-# Creates the virtual environment .venv (or $VENV) and installs jax_ragged_attn into it, editable, with
-# everything its build reads and its tests need. Safe to run again: it only adds what is missing.
+# The developer's install: creates the virtual environment .venv (or $VENV) and installs jax_ragged_attn into
+# it editable, with its [test,flax,tools] extras. Safe to run again: it only adds what is missing, and
+# rebuilds only the C++ files that changed. (A user's install is plain `pip install .`: README "Installing".)
 #
-# The extension builds from pip packages alone (no CUDA toolkit, no GPU): jax for the XLA FFI headers,
-# nvidia-cudnn-frontend for the graph API (header-only for us, hence --no-deps: its Python package pulls
-# a large CUTLASS DSL we do not use), nvidia-cudnn-cu13 for cudnn.h and the CUDA runtime/CRT/CCCL wheels.
-# With an NVIDIA driver present it installs jax[cuda13], which brings the cuDNN it loads at run time.
+# The build runs without build isolation, so that a rebuild reuses this environment's CMake tree
+# (build/env-<hash of the venv path>/, one per environment) instead of starting from scratch. Its build
+# requirements are therefore installed here, from pyproject.toml's [build-system] requires, the nvidia-*
+# header wheels with --no-deps (their headers are all the build reads; the libraries they would pull in, such
+# as cuBLAS, stay off a CPU machine). jaxlib is the one jax installs: its XLA FFI headers match it exactly.
+# With an NVIDIA driver present it installs jax[cuda13], which brings the cuDNN the extension loads at run time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${VENV:-.venv}
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+t0=$SECONDS
+say() { printf '==> %s\n' "$*"; }
+took() { printf '    done in %d s\n' $((SECONDS - $1)); }
+
+if [ ! -x "$venv/bin/python" ]; then
+  say "creating $venv with $(python3 --version)"
+  python3 -m venv "$venv"
+fi
 py="$venv/bin/python"
-"$py" -m pip install -q --upgrade pip
+venv_abs=$(cd "$venv" && pwd -P)
+
+t=$SECONDS
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   jax='jax[cuda13]'
 else
   jax='jax'
 fi
-"$py" -m pip install -q "$jax" numpy scikit-build-core nanobind cmake ninja pytest pytest-xdist absl-py hypothesis flax optax matplotlib tqdm
-# For their headers only: --no-deps keeps cuBLAS and the CUTLASS DSL (dependencies of these packages) off a
-# CPU machine; on a GPU machine jax[cuda13] has already installed the libraries they belong to. CUDA 13
-# headers (<14): CUDA 14 wheels install under nvidia/cu14, which ffi/find_headers.py does not search.
-"$py" -m pip install -q --no-deps 'nvidia-cudnn-frontend>=1.28' 'nvidia-cudnn-cu13<10' 'nvidia-cuda-runtime<14' \
-  'nvidia-cuda-crt<14' 'nvidia-cuda-cccl<14' 'nvidia-cuda-nvrtc<14'
-"$py" -m pip install -q --no-build-isolation --no-deps -e .
+say "installing $jax, pip and the build tools into $venv (about a minute the first time, seconds after)"
+"$py" -m pip install -q --upgrade pip
+# Every build requirement except jaxlib (the FFI headers come from the jaxlib that jax brings) and the header
+# wheels, which follow with --no-deps.
+mapfile -t build_requires < <("$py" -c '
+import tomllib
+for r in tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"]:
+    print(r)')
+tools=() headers=()
+for r in "${build_requires[@]}"; do
+  case $r in
+    jaxlib*) ;;
+    nvidia-*) headers+=("$r") ;;
+    *) tools+=("$r") ;;
+  esac
+done
+"$py" -m pip install -q "$jax" "${tools[@]}" cmake ninja
+"$py" -m pip install -q --no-deps "${headers[@]}"
+took $t
+
+t=$SECONDS
+build_dir="build/env-$(printf %s "$venv_abs" | sha1sum | cut -c1-8)/{wheel_tag}"
+say "building the C++ extension into $build_dir and installing jax_ragged_attn[test,flax,tools] editable"
+say "(a full build takes 2-3 minutes on 2 cores, about 1 minute on 16; a rebuild only recompiles what changed)"
+"$py" -m pip install -q --no-build-isolation -C build-dir="$build_dir" -e '.[test,flax,tools]'
+took $t
+say "ready in $((SECONDS - t0)) s: $("$py" -c 'import jax_ragged_attn._cudnn.extension as e; print(e.versions())')"
