@@ -111,12 +111,13 @@ def _bands(cu_q, cu_kv, config: AttentionConfig) -> _Bands:
 
 
 def attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, sinks=None, *,
-                  return_stats: bool = True, block_q: int | None = None, block_kv: int | None = None,
+                  return_stats: bool | None = None, block_q: int | None = None, block_kv: int | None = None,
                   memory_limit=None):
     """Returns (out [Tq, Hq, Dv] in q's dtype, stats float32 in the configured layout, or None).
 
     sinks: None or [Hq], one logit per query head that joins each row's softmax without a value.
-    return_stats=False returns stats None, and then no -inf is computed anywhere.
+    return_stats: None reads config.return_stats (api.attend sets it); False returns stats None, and then no
+    -inf is computed anywhere.
     block_q, block_kv, memory_limit: override JAX_RAGGED_ATTN_XLA_BLOCK / JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT
     (xla_memory.py). Raises WorkingSetTooLargeError (a MemoryError) at trace time when the estimated
     working set of the forward, or of the backward when it is traced, exceeds the bound.
@@ -127,7 +128,7 @@ def attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig,
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
     bands = _bands(cu_q, cu_kv, config)
     out, lse = _attention(plan, q, k, v, sinks, bands)
-    if not return_stats:
+    if not (config.return_stats if return_stats is None else return_stats):
         return out, None
     # The documented -inf of rows without keys: the one place it exists (lse holds 0 there).
     stats = jnp.where((bands.first <= bands.last)[:, None], lse, -jnp.inf)
