@@ -14,7 +14,9 @@ Settings, read when a call is traced (so a jitted function keeps the values it w
 
 A step's scores are Tq * Hq * block_kv float32 (the backward keeps four such tensors, the forward two),
 so block_kv is the knob that trades memory for fewer, larger steps; block_q sets how finely the key range
-each query block walks is cut (rows of one block share one range).
+each query block walks is cut (rows of one block share one range). Decode-like calls (one query row per
+sequence) gain from a small block_q: "8,128" ran 64 queries over 64 x 512 keys in 52 ms against 83 ms
+at "128" on the 2-core CPU, since a 128-row block walks every sequence's keys.
 """
 
 from __future__ import annotations
