@@ -126,11 +126,15 @@ CASES.update({f"random_{i}": _random_case(2024 + i) for i in range(6)})
 NAMED_CASES = [dict(testcase_name=name, case_name=name) for name in CASES]
 
 
-def _zero_at(lengths: np.ndarray, which) -> None:
-    if which == "all":
-        lengths[:] = 0
-    else:
-        lengths[list(which)] = 0
+def _lengths(rng, num_seqs: int, longest: int, empty) -> np.ndarray:
+    """Lengths in [1, longest], 0 at `empty` (indices, or "all"), and one of the others exactly `longest`:
+    the boundary, where a sequence fills its max_seqlen."""
+    lengths = rng.integers(1, longest, size=num_seqs, endpoint=True)
+    lengths[slice(None) if empty == "all" else list(empty)] = 0
+    nonempty = np.flatnonzero(lengths)
+    if nonempty.size:
+        lengths[rng.choice(nonempty)] = longest
+    return lengths
 
 
 def _owned(cu, capacity: int, max_seqlen: int) -> np.ndarray:
@@ -222,18 +226,15 @@ class SemanticsTest(parameterized.TestCase):
 
     def inputs(self, rng, case: Case, dtype: str, *, max_seqlen: tuple[int, int] | None = None) -> Inputs:
         """Lengths drawn up to the implementation's max_seqlen, one sequence of each side exactly that long
-        (the boundary); `max_seqlen` passes smaller bounds instead, cutting the rows past them."""
+        (self-attention: the kv lengths are the q lengths); `max_seqlen` passes smaller bounds instead,
+        cutting the rows past them."""
         sizes = self.sizes
         n, (max_q, max_kv) = sizes.num_seqs, sizes.max_seqlen
-        lengths_q = rng.integers(1, max_q, size=n, endpoint=True)
-        lengths_q[rng.integers(n)] = max_q
-        if case.self_attention:
-            lengths_kv = lengths_q.copy()
+        lengths_q = _lengths(rng, n, max_q, case.empty_q)
+        if case.self_attention:  # the same lengths, but for the sequences without keys
+            lengths_kv = np.where(_lengths(rng, n, max_kv, case.empty_kv) == 0, 0, lengths_q)
         else:
-            lengths_kv = rng.integers(1, max_kv, size=n, endpoint=True)
-            lengths_kv[rng.integers(n)] = max_kv
-        _zero_at(lengths_q, case.empty_q)
-        _zero_at(lengths_kv, case.empty_kv)
+            lengths_kv = _lengths(rng, n, max_kv, case.empty_kv)
         slack_q, slack_kv = (n * max_q + sizes.slack[0] - lengths_q.sum(), n * max_kv + sizes.slack[1] -
                              lengths_kv.sum()) if case.padding else (0, 0)
         (hq, hkv), (dqk, dv) = case.heads, (d * sizes.head_dim_unit for d in case.dims)
