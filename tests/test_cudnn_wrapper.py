@@ -79,7 +79,8 @@ class StandInKernel:
     def _forward(self, c, q, k, v, seq_len_q, seq_len_kv, off_q, off_k, *_):
         cu_q = self._cu(off_q, c.num_heads_q * c.head_dim_qk)
         cu_kv = self._cu(off_k, c.num_heads_kv * c.head_dim_qk)
-        out, stats = attention_xla(q, k, v, cu_q, cu_kv, dataclasses.replace(c, stats_layout="token_major"))
+        # The kernel always writes stats, whatever the caller keeps.
+        out, stats = attention_xla(q, k, v, cu_q, cu_kv, dataclasses.replace(c, stats_layout="token_major", return_stats=True))
         rows = self._owned_rows(cu_q, c.capacity_q, c.max_seqlen_q)
         if c.stats_layout == "head_major":
             return (out, stats.T), (rows[:, None, None], rows[None, :])
@@ -202,3 +203,28 @@ def test_a_write_outside_an_outputs_rows_stops_the_computation(monkeypatch, batc
 
     with pytest.raises((RuntimeError, ValueError), match=f"cuDNN wrote outside the rows of {result}: "):
         jax.block_until_ready(jax.jit(step)(*batch.args[:3]))
+
+
+@pytest.mark.parametrize("flag", ["debug_nans", "debug_infs"])
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+def test_quiet_under_jax_debug_flags_eagerly(monkeypatch, batch, flag, layout):
+    """Issue 16 on the cuDNN wrapper: like cuDNN, the stand-in writes -inf stats for rows whose band is empty
+    (bottom-right causal with more queries than keys) and leaves unowned rows as they were, and the inputs'
+    padding holds NaN; an eager call under jax.debug_nans / debug_infs must still not stop, and must give
+    what it gives without the flag."""
+    config = _config(batch, layout, return_stats=False)
+    _install(monkeypatch, config)
+    d_out = jnp.asarray(np.random.default_rng(3).standard_normal((batch.q.shape[0], 4, 8)), jnp.bfloat16)
+
+    def run():
+        out, vjp = jax.vjp(lambda q, k, v: cudnn.attention_cudnn(q, k, v, *batch.args[3:], config)[0],
+                           *batch.args[:3])
+        return out, vjp(d_out)
+
+    expected = run()
+    with getattr(jax, flag)(True):
+        got = run()
+    for name, g, e in zip(("out", "dq", "dk", "dv"), (got[0], *got[1]), (expected[0], *expected[1])):
+        assert np.isfinite(np.asarray(g, np.float32)).all(), name
+        # Equal up to rounding: under the flags the stand-in's arithmetic is compiled as one program.
+        assert_close(np.asarray(g, np.float64), np.asarray(e, np.float64), "bfloat16", name)

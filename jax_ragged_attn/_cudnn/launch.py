@@ -96,6 +96,16 @@ def _debugging_floats() -> bool:
     return bool(jax.config.jax_debug_nans or jax.config.jax_debug_infs)
 
 
+def _run(fn, config_argnum: int, *args):
+    """fn(*args). Under jax.debug_nans / debug_infs it runs inside jax.jit, so that an eager caller's checks
+    see only what the wrapper returns: the kernel's raw results (the -inf stats cuDNN writes for a row whose
+    band is empty, rows it does not own) are masked before they leave, and the caller's inputs are checked
+    where they were made. Debugging only: each call traces again."""
+    if _debugging_floats():
+        return jax.jit(fn, static_argnums=config_argnum)(*args)
+    return fn(*args)
+
+
 def _index_arrays(cu_q, cu_kv, config: AttentionConfig):
     """Sequence lengths and the ragged offsets of each tensor, in elements (see ffi/layouts.h): a sequence
     starts at its first row times the tensor's token stride, which covers every part of a packed row."""
@@ -149,6 +159,10 @@ def _forward(buffers, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
     rows = query_rows_with_keys(cu_q, cu_kv, config) & intact
     out = jnp.where(rows[:, None, None], out, jnp.zeros((), out.dtype))
     stats_rows = rows[:, None] if config.stats_layout == "token_major" else rows[None, :]
+    if _debugging_floats():
+        # The backward's inputs must be finite too: a row without keys has P = 0 in the backward whatever its
+        # stats say (every logit is masked), so 0 there is as good as cuDNN's -inf.
+        raw_stats = jnp.where(stats_rows, raw_stats, 0.0)
     # Without return_stats nobody reads them: no -inf is made, so jax.debug_infs stays quiet.
     stats = jnp.where(stats_rows, raw_stats, -jnp.inf) if config.return_stats else raw_stats
     return out, stats, raw_stats
@@ -174,7 +188,7 @@ def attention(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, config: AttentionConf
     """Returns (out [Tq, Hq, Dv], stats float32 in the configured layout) of the buffers laid out as
     packings.TABLE[config.packing] says: (q, k, v), (q, kv) or (qkv,). Differentiable in every buffer, the
     gradients in the buffers' own layout; the kernels read and write packed buffers in place."""
-    return _forward(buffers, cu_seqlens_q, cu_seqlens_kv, config)[:2]
+    return _run(_forward, 3, buffers, cu_seqlens_q, cu_seqlens_kv, config)[:2]
 
 
 def attention_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
@@ -185,7 +199,7 @@ def attention_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfi
 def _attention_fwd(buffers, cu_seqlens_q, cu_seqlens_kv, config):
     # symbolic_zeros=True wraps each primal input; unwrap them.
     buffers, cu_seqlens_q, cu_seqlens_kv = jax.tree.map(lambda x: x.value, (buffers, cu_seqlens_q, cu_seqlens_kv))
-    out, stats, raw_stats = _forward(buffers, cu_seqlens_q, cu_seqlens_kv, config)
+    out, stats, raw_stats = _run(_forward, 3, buffers, cu_seqlens_q, cu_seqlens_kv, config)
     return (out, stats), (buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats)
 
 
@@ -216,7 +230,7 @@ def _stats_cotangent_backward(buffers, cu_q, cu_kv, out, raw_stats, d_out, d_sta
     separate = dataclasses.replace(config, packing="none")
     widened, v_wide, out_wide, d_out_wide = stats_grad.widened_backward_inputs(v, out, d_out, d_stats, cu_q, cu_kv,
                                                                                separate)
-    d_q, d_k, d_v_wide = _backward((q, k, v_wide), cu_q, cu_kv, out_wide, raw_stats, d_out_wide, widened)
+    d_q, d_k, d_v_wide = _run(_backward, 6, (q, k, v_wide), cu_q, cu_kv, out_wide, raw_stats, d_out_wide, widened)
     return packing.join(d_q, d_k, d_v_wide[:, :, :config.head_dim_v])
 
 
@@ -230,7 +244,7 @@ def _attention_bwd(config, residuals, cotangents):
     elif isinstance(d_out, SymbolicZero):
         grads = tuple(jnp.zeros_like(x) for x in buffers)
     else:
-        grads = _backward(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config)
+        grads = _run(_backward, 6, buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config)
     return grads, None, None
 
 
