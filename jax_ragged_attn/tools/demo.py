@@ -29,6 +29,7 @@ from jax_ragged_attn.api import ragged_attention
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn._cudnn.extension import cudnn_unavailable_reason
 from jax_ragged_attn.packing import row_positions
+from jax_ragged_attn.tools.progress import progress_bar
 
 SEP = 0  # also what padding rows hold; symbols are 1 .. vocab - 1
 
@@ -196,37 +197,12 @@ def train_step(params, state, batch, setup: Setup, padded: str | None = None):
     return params, dict(step=step, m=m, v=v), loss
 
 
-def _progress(total: int):
-    """tqdm when it is installed, else a plain bar on stderr; both take update(postfix_text)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        tqdm = None
-    if tqdm is not None:
-        bar = tqdm(total=total, unit="step", dynamic_ncols=True)
-
-        def update(text):
-            bar.set_postfix_str(text, refresh=False)
-            bar.update()
-        return update, bar.close
-
-    done = [0]
-
-    def update(text):
-        done[0] += 1
-        if done[0] % max(1, total // 50) == 0 or done[0] == total:
-            filled = 30 * done[0] // total
-            print(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done[0]}/{total} {text}", end="", file=sys.stderr,
-                  flush=True)
-    return update, lambda: print(file=sys.stderr)
-
-
 def train(setup: Setup, seed: int, eval_batches: int, progress: bool = True) -> dict:
     """Trains, evaluates on held-out batches; returns losses, tokens/s, accuracy and the final params."""
     train_rng, eval_rng = np.random.default_rng([seed, 0]), np.random.default_rng([seed, 1])
     params = init(jax.random.key(seed), setup)
     state = adam_state(params)
-    update, close = _progress(setup.steps) if progress else (lambda text: None, lambda: None)
+    update, close = progress_bar(setup.steps) if progress else (lambda text: None, lambda: None)
     losses, tokens, start = [], 0, None
     for step in range(setup.steps):
         batch = pack(train_rng, setup)

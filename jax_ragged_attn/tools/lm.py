@@ -37,6 +37,7 @@ import numpy as np
 
 from jax_ragged_attn import cudnn_unavailable_reason
 from jax_ragged_attn.data import pack_documents
+from jax_ragged_attn.tools.progress import progress_bar
 
 try:
     import optax
@@ -250,7 +251,7 @@ def train(model, setup: Setup, files, seed: int, progress: bool = True, padded: 
     optimizer = make_optimizer(model, setup)
     document_lengths = []
     packer = packed_batches(files, setup, seed, document_lengths)
-    update, close = _progress(steps) if progress else (lambda text, done: None, lambda: None)
+    update, close = progress_bar(steps) if progress else (lambda text, done: None, lambda: None)
     losses, tokens, fed, slots, start, seconds = [], 0, 0, 0, None, 0.0
     for step in range(steps):
         batch = next(packer)
@@ -328,25 +329,6 @@ def sample(model, setup: Setup, prompt: bytes, length: int, seed: int, temperatu
 
 
 # ---- Reporting. ----
-
-def _progress(total: int):
-    """tqdm when it is installed, else a plain bar on stderr; update(text, done)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        tqdm = None
-    if tqdm is not None:
-        bar = tqdm(total=total, unit="step", dynamic_ncols=True)
-
-        def update(text, done):
-            bar.set_postfix_str(text, refresh=False)
-            bar.update(done - bar.n)
-        return update, bar.close
-
-    def update(text, done):
-        print(f"\r[{'#' * (30 * done // total):<30}] {done}/{total} {text}", end="", file=sys.stderr, flush=True)
-    return update, lambda: print(file=sys.stderr)
-
 
 def plot_losses(losses, held_out: float, path: str) -> bool:
     """Writes the training loss curve (bits per byte) and the held-out figure; False when matplotlib is missing."""
