@@ -3,11 +3,16 @@
 Prints the environment (JAX backend, cuDNN and cudnn-frontend versions, whether the cuDNN path is usable),
 runs a packed causal batch forward and backward with the best implementation, compares it with the
 float32 xla path and prints the errors and timings. Exits non-zero if the errors exceed the tolerance.
+Also prints which libcudnn and libcudart this process loaded (paths from /proc/self/maps, Linux only), and
+ends with one verdict line: "selfcheck: OK (...)" or "selfcheck: FAILED (...)".
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
+import re
 import statistics
 import sys
 import time
@@ -32,11 +37,78 @@ def _time(fn, *args, iterations: int) -> float:
     return statistics.median(times)
 
 
+# libcudnn.so.9, libcudnn_graph.so.9.8.0, libcudart.so.12.8.90: the stem, then the version after ".so.".
+_LIBRARY = re.compile(r"^(libcudnn[a-z_]*|libcudart)\.so(?:\.([0-9.]+))?$")
+
+
+def loaded_libraries(maps_text: str) -> dict[str, tuple[str, str]]:
+    """{stem: (path, version from the file name or "")} of the libcudnn*/libcudart libraries mapped in a
+    /proc/<pid>/maps text, first mapping of each stem; e.g. the line
+    "7f..-7f.. r-xp 00000000 fd:01 123 /x/nvidia/cudnn/lib/libcudnn.so.9" -> {"libcudnn": ("/x/.../libcudnn.so.9", "9")}."""
+    found = {}
+    for line in maps_text.splitlines():
+        fields = line.split(maxsplit=5)  # address perms offset dev inode [path, which may hold spaces]
+        if len(fields) < 6:
+            continue
+        path = fields[5].strip()
+        if path.endswith(" (deleted)"):
+            path = path[: -len(" (deleted)")]
+        match = _LIBRARY.match(os.path.basename(path))
+        if match and match.group(1) not in found:
+            found[match.group(1)] = (path, match.group(2) or "")
+    return found
+
+
+def _cudnn_version_text(version: int) -> str:
+    # cuDNN 9 encodes major * 10000 + minor * 100 + patch: 90800 -> 9.8.0.
+    return f"{version // 10000}.{version % 10000 // 100}.{version % 100}"
+
+
+def _cudart_version(path: str) -> str:
+    """cudaRuntimeGetVersion() of the already-loaded library (12080 -> 12.8), or "" if it cannot be asked."""
+    try:
+        value = ctypes.c_int()
+        if ctypes.CDLL(path).cudaRuntimeGetVersion(ctypes.byref(value)) != 0:
+            return ""
+    except (OSError, AttributeError):
+        return ""
+    return f"{value.value // 1000}.{value.value % 1000 // 10}"
+
+
+def library_lines(on_gpu: bool) -> list[str]:
+    """What the self-check prints about the cuDNN and CUDA runtime libraries this process loaded."""
+    if not on_gpu:
+        return [f"  {name}: not loaded (no CUDA device)" for name in ("libcudnn", "libcudart")]
+    try:
+        with open("/proc/self/maps") as maps:
+            found = loaded_libraries(maps.read())
+    except OSError:
+        return ["  libcudnn, libcudart: unknown (no /proc/self/maps: not Linux)"]
+    lines = []
+    for name in ("libcudnn", "libcudart"):
+        if name not in found:
+            lines.append(f"  {name}: not loaded in this process")
+            continue
+        path, file_version = found[name]
+        if name == "libcudnn":
+            version = extension.module().cudnn_version()
+            version = _cudnn_version_text(version) if version else file_version
+        else:
+            version = _cudart_version(path) or file_version
+        lines.append(f"  {name}: {version or 'version unknown'} at {path}")
+    others = sorted(stem for stem in found if stem not in ("libcudnn", "libcudart"))
+    if others:
+        lines.append(f"  also loaded: {', '.join(others)}")
+    return lines
+
+
 def run(args) -> int:
     on_gpu = extension.cudnn_unavailable_reason() is None
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
     for key, value in extension.versions().items():
         print(f"  {key}: {value}")
+    # After versions(): it initialised the extension, which is what loads cuDNN.
+    print("\n".join(library_lines(jax.default_backend() == "gpu")))
 
     # The same seeded draw as the benchmark's W1 (jax_ragged_attn/tools/workloads.py) with the default flags.
     lengths = np.asarray(seeded_lengths(args.num_seqs, args.min_len, args.max_len, total=args.total, seed=args.seed))
@@ -85,6 +157,10 @@ def run(args) -> int:
     differences = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
                    for a, b in zip(grads_by_layout["head_major"], grads_by_layout["token_major"])]
     print(f"max |grad(head_major) - grad(token_major)| (dq, dk, dv) = {', '.join(f'{d:.3g}' for d in differences)}")
+    verdict = "FAILED" if status else "OK"
+    gradients = "off the float32 xla path" if status else "within tolerance of the float32 xla path"
+    print(f"selfcheck: {verdict} ({best} path, {args.dtype}, {tokens} tokens, gradients {gradients} "
+          "in both stats layouts)")
     return status
 
 

@@ -38,9 +38,9 @@ from jax_ragged_attn.tools.workloads import DIRECTIONS
 def _parse(argv):
     parser = argparse.ArgumentParser(prog="python -m jax_ragged_attn.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="all",
+    parser.add_argument("--workloads", default=None,
                         help="comma-separated: W1, W2, W3, W4 (= W4-d64,W4-d256,W4-noncausal), tiny, or all "
-                             "(default: all but tiny)")
+                             "(default: all but tiny on a GPU, tiny elsewhere)")
     parser.add_argument("--systems", default="all", help=f"comma-separated of {', '.join(bench_systems.SYSTEMS)}, "
                                                          "or all (default)")
     parser.add_argument("--iterations", type=int, default=None,
@@ -172,6 +172,12 @@ def main(argv=None) -> int:
     # torch shares the GPU with JAX in this process (raw-cudnn): keep JAX from preallocating 75% of it.
     # Read when JAX creates its GPU client, which nothing has done yet.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    if args.workloads is None:
+        # W1..W4 are GPU-sized: on a CPU one of them takes minutes per measurement.
+        args.workloads = "all" if jax.default_backend() == "gpu" else "tiny"
+        if args.workloads == "tiny":
+            print(f"backend {jax.default_backend()}: benchmarking the tiny workload only "
+                  "(pass --workloads all for the GPU-sized W1..W4)", flush=True)
     chosen_workloads = workloads.select(args.workloads)
     systems = bench_systems.select(args.systems)
     settings = _settings(args)

@@ -1,0 +1,64 @@
+"""The self-check names the cuDNN and CUDA runtime libraries it loaded, and ends with a one-line verdict."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from jax_ragged_attn._cudnn import extension
+from jax_ragged_attn.tools import selfcheck
+
+# A fabricated /proc/self/maps: two mappings of one library, a sub-library, a deleted file, a path with a
+# space, anonymous mappings and look-alikes that are not the libraries asked for.
+MAPS = """\
+55d0c0000000-55d0c0001000 r--p 00000000 fd:01 1 /usr/bin/python3.11
+7f0000000000-7f0000100000 r-xp 00000000 fd:01 2 /venv/lib/nvidia/cudnn/lib/libcudnn.so.9
+7f0000100000-7f0000200000 r--p 00100000 fd:01 2 /venv/lib/nvidia/cudnn/lib/libcudnn.so.9
+7f0000200000-7f0000300000 r-xp 00000000 fd:01 3 /venv/lib/nvidia/cudnn/lib/libcudnn_graph.so.9.8.0
+7f0000300000-7f0000400000 r-xp 00000000 fd:01 4 /opt/my cuda/lib64/libcudart.so.12.8.90 (deleted)
+7f0000400000-7f0000500000 rw-p 00000000 00:00 0
+7f0000500000-7f0000600000 r-xp 00000000 fd:01 5 /usr/lib/libcudnn_fake.txt
+7f0000600000-7f0000700000 r-xp 00000000 fd:01 6 /usr/lib/libcudart_static.a
+7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0 [stack]
+"""
+
+
+def test_maps_parser_finds_the_libraries_and_their_file_versions():
+    assert selfcheck.loaded_libraries(MAPS) == {
+        "libcudnn": ("/venv/lib/nvidia/cudnn/lib/libcudnn.so.9", "9"),
+        "libcudnn_graph": ("/venv/lib/nvidia/cudnn/lib/libcudnn_graph.so.9.8.0", "9.8.0"),
+        "libcudart": ("/opt/my cuda/lib64/libcudart.so.12.8.90", "12.8.90"),
+    }
+    assert selfcheck.loaded_libraries("") == {}
+    unversioned = "7f00-7f01 r-xp 00000000 fd:01 7 /lib/libcudart.so\n"
+    assert selfcheck.loaded_libraries(unversioned) == {"libcudart": ("/lib/libcudart.so", "")}
+
+
+def test_cudnn_version_encoding():
+    assert selfcheck._cudnn_version_text(90800) == "9.8.0"
+    assert selfcheck._cudnn_version_text(91002) == "9.10.2"
+
+
+def test_cpu_run_reports_no_libraries_and_ends_with_the_verdict(capsys):
+    if jax.default_backend() == "gpu":
+        pytest.skip("this checks the CPU report; on a GPU the libraries are loaded")
+    status = selfcheck.main(["--num-seqs", "2", "--min-len", "4", "--max-len", "16", "--heads", "2",
+                             "--head-dim", "16", "--iterations", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "  libcudnn: not loaded (no CUDA device)" in lines
+    assert "  libcudart: not loaded (no CUDA device)" in lines
+    assert status == 0 and lines[-1].startswith("selfcheck: OK (xla path, bfloat16, "), lines[-1]
+
+
+@pytest.mark.gpu
+def test_gpu_run_names_the_loaded_cudnn():
+    reason = extension.cudnn_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"cuDNN path unavailable: {reason}")
+    lines = selfcheck.library_lines(on_gpu=True)
+    cudnn = next(line for line in lines if line.startswith("  libcudnn: "))
+    # The version comes from the loaded library itself, the path from this process's memory map.
+    major = extension.module().cudnn_version() // 10000
+    assert cudnn.startswith(f"  libcudnn: {major}.") and "/libcudnn.so" in cudnn, lines
+    cudart = next(line for line in lines if line.startswith("  libcudart: "))
+    assert " at /" in cudart or cudart == "  libcudart: not loaded in this process", lines
