@@ -10,12 +10,7 @@ printing one JSON line. Reproduce by hand with
 from __future__ import annotations
 
 import functools
-import json
-import os
 import re
-import subprocess
-import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +21,7 @@ from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.context_parallel import chunk_pieces, pieces_cu_seqlens
 from jax_ragged_attn.packing import cu_seqlens_from_lengths
 from jax_ragged_attn.sharding import reorder_for_load_balance, restore_order, sharded_ragged_attention
+from jax_ragged_attn.testing.multidevice import report_checks, run_checks_in_child
 from jax_ragged_attn.testing import assert_close, packed_batch
 from jax_ragged_attn.testing.reference import reference_attention
 
@@ -202,27 +198,11 @@ def _check(seed, mesh_shape, mesh_axes, axis_type, token_axis, head_axis, heads,
 
 
 def _child() -> None:
-    for seed, (name, case) in enumerate(CASES.items()):
-        try:
-            found = _check(seed, *case)
-            print(json.dumps({"check": name, "ok": True, "collectives": found}), flush=True)
-        except Exception:  # report every failure, keep checking the rest
-            print(json.dumps({"check": name, "ok": False, "detail": traceback.format_exc()}), flush=True)
+    report_checks(CASES, lambda seed, name, case: {"collectives": _check(seed, *case)})
 
 
 def test_sharded_tokens_match_the_unsharded_op_and_the_reference():
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())
-    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
-    results = {}
-    for line in run.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            results[record["check"]] = record
-    assert run.returncode == 0, f"child exited {run.returncode}:\n{run.stdout}\n{run.stderr[-4000:]}"
-    assert sorted(results) == sorted(CASES), f"the child reported {sorted(results)}, expected {sorted(CASES)}"
-    failed = [f"--- {name}:\n{record['detail']}" for name, record in results.items() if not record["ok"]]
-    assert not failed, "\n".join(failed)
+    run_checks_in_child(__file__, CASES, timeout=900)
 
 
 @pytest.mark.parametrize("load_balance", [False, True])

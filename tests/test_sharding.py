@@ -11,11 +11,6 @@ Reproduce by hand with
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +19,7 @@ import pytest
 
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.sharding import sharded_ragged_attention
+from jax_ragged_attn.testing.multidevice import report_checks, run_checks_in_child
 from jax_ragged_attn.testing import assert_close, packed_batch
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
@@ -82,30 +78,14 @@ def _check(mesh_shape, mesh_axes, axis_type, head_axis, heads, stats_layout) -> 
 
 
 def _child() -> None:
-    for name, case in CASES.items():
-        try:
-            _check(*case)
-            print(json.dumps({"check": name, "ok": True}), flush=True)
-        except Exception:  # report every failure, keep checking the rest
-            print(json.dumps({"check": name, "ok": False, "detail": traceback.format_exc()}), flush=True)
+    report_checks(CASES, lambda index, name, case: _check(*case))
 
 
 # ---- The tests. ----
 
 def test_sharded_matches_unsharded_without_collectives():
     # One test, one child: split into several, pytest -n would start a child per worker.
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())
-    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    results = {}
-    for line in run.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            results[record["check"]] = record
-    assert run.returncode == 0, f"child exited {run.returncode}:\n{run.stdout}\n{run.stderr[-4000:]}"
-    assert sorted(results) == sorted(CASES), f"the child reported {sorted(results)}, expected {sorted(CASES)}"
-    failed = [f"--- {name}:\n{record['detail']}" for name, record in results.items() if not record["ok"]]
-    assert not failed, "\n".join(failed)
+    run_checks_in_child(__file__, CASES)
 
 
 def _args(hq=8, hkv=4):
