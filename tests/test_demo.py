@@ -38,7 +38,9 @@ def test_main_exits_nonzero_and_says_so_below_the_threshold(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "DEMO FAILED" in captured.err and "below --min-accuracy" in captured.err
     assert "attention: ragged_attention -> " in captured.out and "held-out: token accuracy" in captured.out
+    assert captured.out.splitlines()[-1].startswith("demo: FAILED (held-out token accuracy ")
     assert demo.main(TINY + ["--plot", "", "--min-accuracy", "0"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("demo: OK (held-out token accuracy ")
 
 
 def test_module_entry_point_runs_the_demo():

@@ -124,9 +124,12 @@ def test_repro_reruns_the_printed_case(monkeypatch, capsys, case_passes):
     printed = capsys.readouterr().out
     assert f"seed={CASE['seed']} FAILED  {sweep.describe(CASE)}" in printed
     assert "1 cases: 0 passed, 0 skipped, 1 failed" in printed
+    assert printed.splitlines()[-1] == "sweep: 0 passed, 0 skipped, 1 failed - FAILED"
     monkeypatch.undo()  # the same command passes once the bug is gone
     assert sweep.main(argv) == 0
-    assert "1 cases: 1 passed, 0 skipped, 0 failed" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "1 cases: 1 passed, 0 skipped, 0 failed" in printed
+    assert printed.splitlines()[-1] == "sweep: 1 passed, 0 skipped, 0 failed - OK"
 
 
 @pytest.mark.parametrize("message, status", [

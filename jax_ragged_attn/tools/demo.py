@@ -347,7 +347,10 @@ def main(argv=None) -> int:
     if result["accuracy"] < args.min_accuracy:
         print(f"\n*** DEMO FAILED: held-out token accuracy {result['accuracy']:.1%} is below --min-accuracy "
               f"{args.min_accuracy:.1%}; the model did not learn to reverse packed sequences ***", file=sys.stderr)
+        print(f"demo: FAILED (held-out token accuracy {result['accuracy']:.1%} < {args.min_accuracy:.1%})")
         return 1
+    print(f"demo: OK (held-out token accuracy {result['accuracy']:.1%} >= {args.min_accuracy:.1%}, "
+          f"attention {implementation.split(' ')[0]})")
     return 0
 
 

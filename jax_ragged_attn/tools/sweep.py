@@ -354,6 +354,9 @@ def main(argv=None) -> int:
         print(f"  skipped {n}: {reason}")
     if failures:
         print(f"  failed seeds: {failures}")
+    # The verdict last, so the one line a log tail shows answers "did it pass?".
+    print(f"sweep: {counts['passed']} passed, {counts['skipped']} skipped, {counts['failed']} failed - "
+          + ("FAILED" if failures else "OK"))
     return 1 if failures else 0
 
 
