@@ -7,7 +7,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jax_ragged_attn"
 # Entry points run a tool by design; nothing imports them.
-ENTRY_POINTS = {"__main__.py", "bench.py"}
+ENTRY_POINTS = {"__main__.py", "bench.py", "selfcheck.py"}
 # The library modules that sit above the cuDNN backend: _cudnn must never import them (it may import the
 # leaf modules config, packing and checks).
 ABOVE_CUDNN = {"api", "packed", "segments", "sharding", "xla"}
