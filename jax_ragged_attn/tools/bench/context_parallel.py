@@ -22,12 +22,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.context_parallel import chunk_pieces, pieces_cu_seqlens
 from jax_ragged_attn.sharding import reorder_for_load_balance, sharded_ragged_attention
-from jax_ragged_attn.tools.bench.timing import plain_loop_seconds
+from jax_ragged_attn.tools.bench.timing import device_bytes, plain_loop_seconds
 from jax_ragged_attn.tools.workloads import WORKLOADS, Workload
 
 DEVICES = 2
@@ -51,14 +50,6 @@ def _step(attention):
     return step
 
 
-def _footprint(compiled) -> int | None:
-    try:
-        m = compiled.memory_analysis()
-        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
-    except Exception:  # noqa: BLE001 - not every backend reports it; the column then reads "-"
-        return None
-
-
 def _time(compiled, args, calls: int, repetitions: int) -> float:
     jax.block_until_ready(compiled(*args))  # warm
     return statistics.median(plain_loop_seconds(lambda: compiled(*args), calls, repetitions))
@@ -73,7 +64,7 @@ def one_device(w: Workload, implementation, calls, repetitions):
     d_out = jnp.ones_like(q)
     step = jax.jit(_step(functools.partial(ragged_attention, **_options(w, implementation))))
     compiled = step.lower(q, k, v, cu, d_out).compile()
-    return _time(compiled, (q, k, v, cu, d_out), calls, repetitions), _footprint(compiled)
+    return _time(compiled, (q, k, v, cu, d_out), calls, repetitions), device_bytes(compiled)
 
 
 def context_parallel(w: Workload, implementation, load_balance: bool, calls, repetitions):
@@ -89,7 +80,7 @@ def context_parallel(w: Workload, implementation, load_balance: bool, calls, rep
     attention = functools.partial(sharded_ragged_attention, mesh=mesh, token_axis="cp", load_balance=load_balance,
                                   **_options(w, implementation))
     compiled = jax.jit(_step(attention)).lower(q, k, v, cu, d_out).compile()
-    return _time(compiled, (q, k, v, cu, d_out), calls, repetitions), _footprint(compiled)
+    return _time(compiled, (q, k, v, cu, d_out), calls, repetitions), device_bytes(compiled)
 
 
 def per_device_seconds(w: Workload, implementation, load_balance: bool, calls, repetitions) -> list[float]:

@@ -193,7 +193,7 @@ def _call_seconds(compiled, args) -> float:
     return time.perf_counter() - start
 
 
-def _device_bytes(compiled) -> int | None:
+def device_bytes(compiled) -> int | None:
     """Arguments + outputs + temporaries of the compiled step (its peak device footprint)."""
     try:
         m = compiled.memory_analysis()
@@ -312,7 +312,7 @@ def _row(case, workload, system, direction, method, times, steps, flops, compile
     workspace = _workspace_bytes(case, direction) if case.workspace_bytes else cudnn_scratch_bytes(hlo)
     return Measurement(workload.name, system, direction, median_s=statistics.median(times), min_s=min(times),
                        max_s=max(times), iterations=len(times), steps=steps, flops=flops,
-                       workspace_bytes=workspace, peak_bytes=_device_bytes(compiled),
+                       workspace_bytes=workspace, peak_bytes=device_bytes(compiled),
                        loop_copy_bytes=loop_copy_bytes(hlo) if method == "fori" else None, method=method)
 
 
