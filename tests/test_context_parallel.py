@@ -21,7 +21,7 @@ from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.context_parallel import chunk_pieces, pieces_cu_seqlens
 from jax_ragged_attn.packing import cu_seqlens_from_lengths
 from jax_ragged_attn.sharding import reorder_for_load_balance, restore_order, sharded_ragged_attention
-from jax_ragged_attn.testing.multidevice import report_checks, run_checks_in_child
+from jax_ragged_attn.testing.multidevice import cudnn_gpus, report_checks, run_checks_in_child
 from jax_ragged_attn.testing import assert_close, packed_batch
 from jax_ragged_attn.testing.reference import reference_attention
 
@@ -290,14 +290,7 @@ def test_two_gpus_cudnn_context_parallel_matches_one_gpu(load_balance):
     """bf16, causal GQA 16/4, d 128: CP=2 on the cuDNN path equals the unsharded cuDNN call (the same
     arithmetic per row up to the order of a few reductions) and the float64 reference, gradients and a
     stats cotangent included."""
-    from jax_ragged_attn._cudnn import extension
-
-    reason = extension.cudnn_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"cuDNN path unavailable: {reason}")
-    gpus = jax.devices("gpu")
-    if len(gpus) < 2:
-        pytest.skip(f"needs 2 GPUs, this host has {len(gpus)}")
+    gpus = cudnn_gpus(2)
     mesh = jax.make_mesh((2,), ("cp",), axis_types=(EXPLICIT,), devices=gpus[:2])
     rng = np.random.default_rng(12)
     lengths = (300, 0, 1100, 64, 517, 9)  # 1100 crosses both balanced chunk edges; tail padding follows

@@ -19,7 +19,7 @@ import pytest
 
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.sharding import sharded_ragged_attention
-from jax_ragged_attn.testing.multidevice import report_checks, run_checks_in_child
+from jax_ragged_attn.testing.multidevice import cudnn_gpus, report_checks, run_checks_in_child
 from jax_ragged_attn.testing import assert_close, packed_batch
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
@@ -128,15 +128,9 @@ if __name__ == "__main__":
 def test_two_gpus_cudnn_head_sharded_matches_one_gpu_without_collectives():
     """On a host with 2+ GPUs: the cuDNN path split over heads equals the unsharded cuDNN call and the
     float64 reference, with no collective in the compiled program."""
-    from jax_ragged_attn._cudnn import extension
     from jax_ragged_attn.testing.reference import reference_attention
 
-    reason = extension.cudnn_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"cuDNN path unavailable: {reason}")
-    gpus = jax.devices("gpu")
-    if len(gpus) < 2:
-        pytest.skip(f"needs 2 GPUs, this host has {len(gpus)}")
+    gpus = cudnn_gpus(2)
     mesh = jax.make_mesh((2,), ("model",), axis_types=(EXPLICIT,), devices=gpus[:2])
     rng = np.random.default_rng(11)
     batch = packed_batch(rng, (300, 0, 517, 64), (280, 9, 517, 70), num_heads_q=16, num_heads_kv=4, head_dim_qk=128,

@@ -38,3 +38,20 @@ def run_checks_in_child(path: str, cases: dict, *, devices: int = 4, timeout: fl
     failed = [f"--- {name}:\n{record['detail']}" for name, record in results.items() if not record["ok"]]
     assert not failed, "\n".join(failed)
     return results
+
+
+def cudnn_gpus(count: int) -> list:
+    """The first `count` GPUs for a multi-GPU cuDNN test; skips (pytest.skip, with the reason) when the cuDNN
+    path cannot run here or the host has fewer GPUs."""
+    import jax
+    import pytest
+
+    from jax_ragged_attn._cudnn import extension
+
+    reason = extension.cudnn_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"cuDNN path unavailable: {reason}")
+    gpus = jax.devices("gpu")
+    if len(gpus) < count:
+        pytest.skip(f"needs {count} GPUs, this host has {len(gpus)}")
+    return gpus[:count]
