@@ -23,6 +23,10 @@ IMPLEMENTATIONS = (None, "cudnn", "xla")
 # How q, k, v lie in memory on the cuDNN path (ffi/attention_config.h's Packing, in this order).
 PACKINGS = ("none", "kv", "qkv")
 XLA_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# How the cuDNN backward lays out its fp32 intermediates (dQ accumulator, softmax sums); see
+# _cudnn/strategy.py. "fastest": the faster layout when its workspace stays within the documented bound;
+# "lean_memory": always the one sized by the token capacity.
+STRATEGIES = ("fastest", "lean_memory")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +54,7 @@ class AttentionConfig:
     autotune: bool = False  # cuDNN: run the fastest of cuDNN's candidate plans, measured once (autotune.py)
     packing: str = "none"  # cuDNN: "kv" / "qkv" read a fused projection in place (packed.py)
     has_sinks: bool = False  # a learnable sink logit per query head joins every softmax (xla path only)
+    strategy: str = "fastest"  # cuDNN backward: speed or workspace first (_cudnn/strategy.py)
     # False: the caller drops the stats (api.attend sets it), so the cuDNN path never computes their -inf
     # rows and jax.debug_infs stays quiet. Direct callers of the launch keep the documented stats.
     return_stats: bool = True
@@ -102,9 +107,12 @@ class AttentionOptions:
     deterministic: bool = False
     check: bool | None = None  # None reads JAX_RAGGED_ATTN_CHECK when the call is traced (checks.check_enabled)
     autotune: bool = False
+    strategy: str = "fastest"
 
     def __post_init__(self):
         check_implementation(self.implementation)
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if not isinstance(self.return_stats, bool):
             raise ValueError(f"return_stats must be a Python bool, got {type(self.return_stats).__name__} "
                              f"{self.return_stats!r}")
@@ -273,6 +281,7 @@ def make_config(
         stats_layout=options.stats_layout,
         deterministic=options.deterministic,
         autotune=options.autotune,
+        strategy=options.strategy,
         packing=packing,
         has_sinks=sinks is not None,
     )

@@ -5,6 +5,7 @@
 #
 #   bash scripts/gpu_wheel_check.sh                  # the newest dist/*-cp312-abi3-manylinux*.whl
 #   bash scripts/gpu_wheel_check.sh path/to/wheel.whl
+#   PYTEST_ARGS="-n 8" bash scripts/gpu_wheel_check.sh   # the GPU tests on 8 workers (pytest-xdist)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 wheel=${1:-$(ls -t dist/*-cp312-abi3-manylinux*.whl | head -n 1)}
@@ -24,5 +25,5 @@ for f in (jax_ragged_attn.__file__, ext.__file__):
     assert f.startswith('$site/'), f'{f} is not from the wheel'
     print('    imported', f)
 print('    jax', jax.__version__, 'on', jax.devices())"
-python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not soak" tests --ignore=tests/test_load.py
+python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not soak" ${PYTEST_ARGS:-} tests --ignore=tests/test_load.py
 python3 -m jax_ragged_attn.tools.selfcheck

@@ -69,14 +69,15 @@ def _options(case: Case) -> dict:
                 diagonal_alignment=case.alignment, local_window_size=case.window)
 
 
-def _config(case: Case, batch, layout: str):
+def _config(case: Case, batch, layout: str, strategy: str = "fastest"):
     options = AttentionOptions(is_causal=case.is_causal, diagonal_alignment=case.alignment,
-                               local_window_size=case.window, stats_layout=layout)
+                               local_window_size=case.window, stats_layout=layout, strategy=strategy)
     return make_config(*batch.args, options, max_seqlen_q=MAX_SEQLEN_Q, max_seqlen_kv=MAX_SEQLEN_KV)
 
 
-def _run(case: Case, batch, d_out, layout: str | None = None, implementation: str = "cudnn"):
-    options = _options(case)
+def _run(case: Case, batch, d_out, layout: str | None = None, implementation: str = "cudnn",
+         strategy: str = "fastest"):
+    options = dict(_options(case), strategy=strategy)
 
     @jax.jit
     def step(q, k, v, cu_q, cu_kv, d_out):
@@ -99,13 +100,13 @@ def test_head_major_and_token_major_stats_give_the_same_gradients(heads):
     backward overwrite its own tile counter, and dQ/dK/dV came back all zero with no error."""
     case = Case(heads=heads, is_causal=True)
     batch, d_out = _batch(case, 1234)
-    config = _config(case, batch, "head_major")
+    config = _config(case, batch, "head_major", strategy="lean_memory")  # the layout the bug was in
     info = cudnn.graph_info("backward", config)
     assert info["max_total_seq_len_applied"] and not info["fell_back"], info
     assert info["frontend_region_bytes"] >= info["expected_intermediate_bytes"] > 0, info
 
-    _, _, head_major = _run(case, batch, d_out, layout="head_major")
-    _, _, token_major = _run(case, batch, d_out, layout="token_major")
+    _, _, head_major = _run(case, batch, d_out, layout="head_major", strategy="lean_memory")
+    _, _, token_major = _run(case, batch, d_out, layout="token_major", strategy="lean_memory")
     for name, a, b in zip(("dq", "dk", "dv"), head_major, token_major):
         assert np.abs(a).max() > 0, f"{name} is all zero with head-major stats"
         assert_close(a, b, case.dtype, f"{name}: head-major vs token-major")
@@ -150,6 +151,34 @@ def test_graph_cache_hits_after_first_call_and_stays_bounded():
     after = ext.graph_cache_stats()
     assert after["misses"] == before["misses"] and after["hits"] > before["hits"]
     assert after["size"] <= after["capacity"]
+
+
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+def test_strategy_picks_the_backward_layout_and_changes_no_result(layout):
+    """strategy="fastest" runs the backward with intermediates padded to [B, max_seqlen] (here B * max_seqlen
+    < Tq, so no more workspace than the capacity-sized layout); "lean_memory" the capacity-sized one.
+    Forward results are the same graph's; gradients agree up to the atomics' summation order."""
+    case = Case(heads=(8, 2), is_causal=True, layout=layout)
+    batch, d_out = _batch(case, 77)
+    fastest = cudnn.graph_info("backward", _config(case, batch, layout))
+    lean = cudnn.graph_info("backward", _config(case, batch, layout, strategy="lean_memory"))
+    assert not fastest["max_total_seq_len_applied"] and lean["max_total_seq_len_applied"], (fastest, lean)
+    out_f, stats_f, grads_f = _run(case, batch, d_out, strategy="fastest")
+    out_l, stats_l, grads_l = _run(case, batch, d_out, strategy="lean_memory")
+    np.testing.assert_array_equal(out_f, out_l)
+    np.testing.assert_array_equal(stats_f, stats_l)
+    for name, a, b in zip(("dq", "dk", "dv"), grads_f, grads_l):
+        assert np.abs(a).max() > 0, f"{name} is all zero"
+        assert_close(a, b, case.dtype, f"{name}: fastest vs lean_memory")
+
+
+def test_fastest_keeps_the_lean_layout_when_the_padded_one_exceeds_its_bound():
+    """64 sequences bounded by 4096 in 8192 tokens: a padded layout would hold 32x the rows."""
+    q = jax.ShapeDtypeStruct((8192, 8, 64), jnp.bfloat16)
+    cu = jax.ShapeDtypeStruct((65,), jnp.int32)
+    config = make_config(q, q, q, cu, cu, AttentionOptions(is_causal=True), max_seqlen_q=4096, max_seqlen_kv=4096)
+    info = cudnn.graph_info("backward", config)
+    assert info["max_total_seq_len_applied"], info
 
 
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])

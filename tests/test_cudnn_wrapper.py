@@ -118,10 +118,14 @@ def _config(batch, layout="head_major", **changes):
     return dataclasses.replace(config, **changes)
 
 
+@pytest.mark.parametrize("row_masking", launch.ROW_MASKINGS)
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])
-def test_outputs_and_gradients_match_the_xla_path_with_padding_cleaned(monkeypatch, batch, layout):
+def test_outputs_and_gradients_match_the_xla_path_with_padding_cleaned(monkeypatch, batch, layout, row_masking):
+    """zero_fill: the kernel gets zero-filled buffers and leaves their unowned rows alone; where: it gets
+    fresh (NaN) buffers and the wrapper masks those rows after it."""
+    monkeypatch.setenv(launch.ROW_MASKING_ENV, row_masking)
     config = _config(batch, layout)
-    _install(monkeypatch, config)
+    kernel = _install(monkeypatch, config)
     d_out = jnp.asarray(np.random.default_rng(1).standard_normal((batch.q.shape[0], 4, 8)), jnp.bfloat16)
 
     out, stats = cudnn.attention_cudnn(*batch.args, config)
@@ -138,6 +142,15 @@ def test_outputs_and_gradients_match_the_xla_path_with_padding_cleaned(monkeypat
         assert_close(np.asarray(g, np.float64), np.asarray(r, np.float64), "bfloat16", name)
     assert np.all(np.asarray(grads[0])[batch.padding_q] == 0)
     assert np.all(np.asarray(grads[1])[batch.padding_kv] == 0)
+    assert {aliased for _, aliased in kernel.targets} == {row_masking == "zero_fill"}
+
+
+def test_an_unknown_row_masking_is_refused_naming_the_variable(monkeypatch, batch):
+    monkeypatch.setenv(launch.ROW_MASKING_ENV, "memset")
+    config = _config(batch)
+    _install(monkeypatch, config)
+    with pytest.raises(ValueError, match="JAX_RAGGED_ATTN_ROW_MASKING must be one of"):
+        cudnn.attention_cudnn(*batch.args, config)
 
 
 def test_rows_without_keys_read_zero_and_minus_inf(monkeypatch, batch):

@@ -216,6 +216,7 @@ class SemanticsTest(parameterized.TestCase):
     sizes: Sizes
     deterministic_by_default: bool  # reruns give bit-identical gradients without deterministic=True
     unsupported: str | None = None  # how this implementation's NotImplementedError says a graph is unsupported
+    strategy: str = "fastest"  # the cuDNN backward's intermediate layout (_cudnn/strategy.py); xla ignores it
 
     def rng(self) -> np.random.Generator:
         """A generator seeded by the test's own id: fresh inputs per test, the same ones on every rerun."""
@@ -263,7 +264,8 @@ class SemanticsTest(parameterized.TestCase):
         def attend(q, k, v):
             return ragged_attention(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_kv, **inputs.max_seqlen,
                                     stats_layout=stats_layout, return_stats=return_stats,
-                                    implementation=self.implementation, **case.options(self.sizes), **extra)
+                                    implementation=self.implementation, strategy=self.strategy,
+                                    **case.options(self.sizes), **extra)
 
         return attend
 
@@ -422,7 +424,7 @@ class SemanticsTest(parameterized.TestCase):
         def f(q, k, v, cu_q, cu_kv):
             return ragged_attention(q, k, v, cu_q, cu_kv, **both[0].max_seqlen, stats_layout="token_major",
                                     return_stats=True, implementation=self.implementation,
-                                    **case.options(self.sizes))
+                                    strategy=self.strategy, **case.options(self.sizes))
 
         def step(args, d_out, d_stats):
             outputs, vjp = jax.vjp(jax.vmap(f), *args)
@@ -475,3 +477,11 @@ class CudnnTest(SemanticsTest):
     sizes = Sizes(num_seqs=6, max_seqlen=(160, 192), slack=(37, 21), head_dim_unit=32, window_unit=4)
     deterministic_by_default = False  # dQ is accumulated with atomics unless deterministic=True
     unsupported = "cuDNN cannot run this"  # graphs.graph_info's wording: a graph cuDNN does not support
+
+
+class CudnnLeanMemoryTest(CudnnTest):
+    """cuDNN with strategy="lean_memory": the backward's intermediates sized by the token capacity
+    (max_total_seq_len set). CudnnTest's default "fastest" runs the layout padded to [B, max_seqlen] here
+    (B * max_seqlen <= Tq at these sizes): the two subclasses cover both layouts with every case."""
+
+    strategy = "lean_memory"

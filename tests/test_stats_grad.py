@@ -328,14 +328,17 @@ def _unpacked_gradients(grads, packing: str) -> tuple:
     return d_qkv[:, 0], d_qkv[:, 1], d_qkv[:, 2]
 
 
-@pytest.mark.parametrize("guard", [False, True], ids=["plain", "check_mode"])
+@pytest.mark.parametrize("mode", ["zero_fill", "where", "check_mode"])
 @pytest.mark.parametrize("stats_in_loss", [False, True], ids=["stats_as_aux", "stats_in_the_loss"])
 @pytest.mark.parametrize("packing", ["kv", "qkv"])
-def test_packed_buffers_get_gradients_in_their_own_layout(monkeypatch, rng, packing, stats_in_loss, guard):
+def test_packed_buffers_get_gradients_in_their_own_layout(monkeypatch, rng, packing, stats_in_loss, mode):
     """The one custom_vjp (launch.attention) with packed buffers: the handlers receive the packed buffers and
     the backward writes one gradient per buffer, (dq, dkv) or (dqkv,), each part's rows masked by its side;
     a stats cotangent takes the unpacked pass on widened value columns, its gradients stacked back."""
     dtype = "bfloat16"
+    guard = mode == "check_mode"
+    if mode == "where":  # rows the kernel does not own masked after the call, not zero-filled before it
+        monkeypatch.setenv(launch.ROW_MASKING_ENV, "where")
     batch = _packed_batch(rng, packing)
     config, kernel = _install(monkeypatch, batch, "head_major", guard_workspace=guard, packing=packing)
     buffers = _packed_buffers(batch, packing)
@@ -366,7 +369,8 @@ def test_packed_buffers_get_gradients_in_their_own_layout(monkeypatch, rng, pack
         assert (kernel.backward_packings, kernel.backward_head_dims_v) == ([0], [dv + stats_grad.EXTRA_COLUMNS])
     else:  # the packed buffers themselves, in place
         assert (kernel.backward_packings, kernel.backward_head_dims_v) == ([PACKINGS.index(packing)], [dv])
-    assert [guarded for _, guarded in kernel.targets] == [guard, guard]
+    # Initial buffers come in aliased to the results: zero-filled ones, or check mode's canaries.
+    assert [aliased for _, aliased in kernel.targets] == [mode != "where"] * 2
 
 
 @pytest.mark.parametrize("packing", ["kv", "qkv"])

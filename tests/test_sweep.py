@@ -47,7 +47,7 @@ def test_draw_case_is_deterministic_json_and_varied(tier):
     # Every weighted choice is actually drawn: a broken weight table would silently drop an axis.
     seen = collections.defaultdict(set)
     for case in cases:
-        for key in ("lengths", "dtype", "is_causal", "diagonal_alignment", "stats_layout", "head_dim_qk"):
+        for key in ("lengths", "dtype", "is_causal", "diagonal_alignment", "stats_layout", "head_dim_qk", "strategy"):
             seen[key].add(case[key])
         hq, hkv = case["num_heads_q"], case["num_heads_kv"]
         seen["heads"].add("mha" if hq == hkv else "mqa" if hkv == 1 else "gqa")
@@ -67,6 +67,7 @@ def test_draw_case_is_deterministic_json_and_varied(tier):
         assert seen[key] == {False, True}, key
     assert seen["diagonal_alignment"] == {"top_left", "bottom_right"}
     assert seen["stats_layout"] == {"head_major", "token_major"}
+    assert seen["strategy"] == {"fastest", "lean_memory"}
     assert {1, 64} <= seen["batch"]
     assert seen["check"] == ({False, True} if spec["implementation"] == "cudnn" else {False})
     assert seen["stats_cotangent"] == {False, True}

@@ -98,22 +98,32 @@ def tune(direction: str, attributes: dict, device: int) -> dict:
 
 def plan_index(direction: str, attributes: dict, device: int) -> int:
     """The plan index to run for this graph: from this process, else the disk cache, else measured now."""
+    return int(entry(direction, attributes, device)["plan_index"])
+
+
+def chosen_ms(direction: str, attributes: dict, device: int) -> float:
+    """The measured median of the plan autotune runs for this graph; inf where none could be measured."""
+    return float(entry(direction, attributes, device).get("chosen_ms", float("inf")))
+
+
+def entry(direction: str, attributes: dict, device: int) -> dict:
+    """The stored choice for this graph: from this process, else the disk cache, else measured now."""
     key = _key(direction, attributes, device)
     with _lock:
-        entry = _chosen.get(key)
-        if entry is None:
+        found = _chosen.get(key)
+        if found is None:
             path = cache_path()
-            entry = _load(path).get(key)
-            if entry is None:
+            found = _load(path).get(key)
+            if found is None:
                 try:
-                    entry = tune(direction, attributes, device)
+                    found = tune(direction, attributes, device)
                 except NotImplementedError:  # the graph itself is unsupported: graph_info says so itself
-                    entry = dict(plan_index=-1, unsupported=True)
+                    found = dict(plan_index=-1, unsupported=True)
                 except RuntimeError as error:  # e.g. no memory for the scratch buffers: keep the heuristic's
                     warnings.warn(f"autotuning the cuDNN {direction} graph failed, using cuDNN's heuristic "
                                   f"choice: {error}", RuntimeWarning, stacklevel=4)
-                    entry = dict(plan_index=-1, failed=str(error))
+                    found = dict(plan_index=-1, failed=str(error))
                 else:
-                    _store(path, key, entry)
-            _chosen[key] = entry
-    return int(entry["plan_index"])
+                    _store(path, key, found)
+            _chosen[key] = found
+    return found

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from jax_ragged_attn import checks
-from jax_ragged_attn._cudnn import autotune, extension, packings
+from jax_ragged_attn._cudnn import autotune, extension, packings, strategy
 from jax_ragged_attn.config import PACKINGS, AttentionConfig
 
 CUDNN_DTYPES = ("bfloat16", "float16")
@@ -21,7 +21,8 @@ def ffi_attributes(config: AttentionConfig, direction: str | None = None) -> dic
     """The configuration as the C++ side names it (ffi/attention_config.h), in plain Python values, in the
     order of the extension's field list (ffi_kwargs holds the two to each other).
 
-    `direction` ("forward" / "backward") picks the autotuned plan for that graph when config.autotune.
+    `direction` ("forward" / "backward") picks the autotuned plan for that graph when config.autotune, and
+    for the backward the intermediates' layout config.strategy asks for (strategy.py).
     """
     attributes = dict(
         num_seqs=config.num_seqs,
@@ -42,11 +43,14 @@ def ffi_attributes(config: AttentionConfig, direction: str | None = None) -> dic
         left_bound=-1 if config.left_bound is None else config.left_bound,
         right_bound=-1 if config.right_bound is None else config.right_bound,
         stats_token_major=int(config.stats_layout == "token_major"),
-        use_max_total_seq_len=1,
+        use_max_total_seq_len=1,  # the backward's layout: set below
         deterministic=int(config.deterministic),
         plan_index=-1,  # cuDNN's heuristic choice
         packing=PACKINGS.index(config.packing),
     )
+    if direction == "backward":
+        layout = strategy.backward_layout(config, attributes, device_ordinal())
+        attributes = strategy.with_layout(attributes, layout)
     if config.autotune and direction is not None:
         attributes["plan_index"] = autotune.plan_index(direction, attributes, device_ordinal())
     return attributes
@@ -67,8 +71,12 @@ def ffi_kwargs(config: AttentionConfig, direction: str) -> dict:
 
 
 def device_ordinal() -> int:
-    # The device whose graph answers trace-time questions (workspace size, support): the first GPU.
-    return jax.devices("gpu")[0].local_hardware_id or 0
+    # The device whose graph answers trace-time questions (workspace size, support): the first GPU. 0 where
+    # there is none: the extension then answers that it cannot build (unsupported_reason says why first).
+    try:
+        return jax.devices("gpu")[0].local_hardware_id or 0
+    except RuntimeError:
+        return 0
 
 
 def _other_local_ordinals() -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -54,14 +55,14 @@ def _launch(direction: str, inputs, result_specs, names, cu_q, cu_kv, config: At
         types = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in result_specs(config))
         types += (jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),)
         args = (*(x for x, _ in inputs), *_index_arrays(cu_q, cu_kv, config))
-        if not _debugging_floats():
+        if not _zero_filled(config):
             call = jax.ffi.ffi_call(target, types, vmap_method="sequential")
             *results, _ = call(*args, **ffi_kwargs(config, direction))
             return results, jnp.bool_(True)
-        # Under jax.debug_nans / debug_infs an eager call checks the kernel's raw results, whose rows it does
-        # not own hold whatever the memory held: give the kernel zero-filled buffers (aliased, like check
-        # mode's guarded ones: the workspace, then one per result) so those rows read 0. Debugging only: it
-        # costs a memset of every output.
+        # The kernel writes only the rows it owns: give it zero-filled buffers (aliased, like check mode's
+        # guarded ones: the workspace, then one per result), so every other row already reads 0 - a
+        # write-only memset before the call instead of a masked read-and-write pass after it. Under
+        # jax.debug_nans / debug_infs it is also what keeps an eager call's raw results finite.
         zeros = tuple(jnp.zeros(t.shape, t.dtype) for t in types)
         aliases = {len(args): len(types) - 1, **{len(args) + 1 + i: i for i in range(len(types) - 1)}}
         call = jax.ffi.ffi_call(target, types, vmap_method="sequential", input_output_aliases=aliases)
@@ -94,6 +95,26 @@ def _launch(direction: str, inputs, result_specs, names, cu_q, cu_kv, config: At
 
 def _debugging_floats() -> bool:
     return bool(jax.config.jax_debug_nans or jax.config.jax_debug_infs)
+
+
+ROW_MASKING_ENV = "JAX_RAGGED_ATTN_ROW_MASKING"
+ROW_MASKINGS = ("zero_fill", "where")
+
+
+def row_masking() -> str:
+    """How the rows cuDNN does not write (padding, rows past max_seqlen, sequences without keys) become 0:
+    "zero_fill" (the default) hands the kernel zero-filled output buffers, "where" masks each output after
+    the call. Read at trace time from JAX_RAGGED_ATTN_ROW_MASKING, so the benchmark can compare the two
+    (docs/PERFORMANCE.md); results are identical."""
+    value = os.environ.get(ROW_MASKING_ENV, "zero_fill")
+    if value not in ROW_MASKINGS:
+        raise ValueError(f"{ROW_MASKING_ENV} must be one of {ROW_MASKINGS}, got {value!r}")
+    return value
+
+
+def _zero_filled(config: AttentionConfig) -> bool:
+    """Whether the results of an unguarded launch are already 0 in every row the kernel does not own."""
+    return not config.guard_workspace and (row_masking() == "zero_fill" or _debugging_floats())
 
 
 def _run(fn, config_argnum: int, *args):
@@ -157,7 +178,8 @@ def _forward(buffers, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
     # cuDNN writes only the rows of real tokens, and rows without any key have no defined softmax: give
     # both the documented values. The backward gets the raw stats, the values cuDNN itself expects.
     rows = query_rows_with_keys(cu_q, cu_kv, config) & intact
-    out = jnp.where(rows[:, None, None], out, jnp.zeros((), out.dtype))
+    if not _zero_filled(config):
+        out = jnp.where(rows[:, None, None], out, jnp.zeros((), out.dtype))
     stats_rows = rows[:, None] if config.stats_layout == "token_major" else rows[None, :]
     if _debugging_floats():
         # The backward's inputs must be finite too: a row without keys has P = 0 in the backward whatever its
@@ -175,6 +197,8 @@ def _backward(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, confi
     inputs = (*((x, 0) for x in packing.kernel_inputs(buffers)), (out, 0), (d_out.astype(config.dtype), 0),
               (raw_stats, _stats_axis(config)))
     grads, intact = _launch("backward", inputs, packing.gradient_specs, packing.gradients, cu_q, cu_kv, config)
+    if _zero_filled(config):
+        return tuple(grads)
     valid_q = query_rows_with_keys(cu_q, cu_kv, config) & intact
     valid_kv = row_positions(cu_kv, config.capacity_kv, config.max_seqlen_kv)[2] & intact
     # Rows cuDNN does not own are garbage: zero them. In a packed gradient each part has its own rows.

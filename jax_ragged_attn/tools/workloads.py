@@ -10,6 +10,7 @@ the batch behind the figures in README.md: 16 sequences of 193..3980 tokens, 32,
     W3            512 sequences of 16..256, 8 heads, head dim 64, causal
     W4-d64/-d256  W1 with head dim 64 / 256
     W4-noncausal  W1 without the causal mask
+    W5            119 sequences of 64..1022 trimmed to 65,536 tokens, 16 heads, head dim 128, causal
     tiny          a few short sequences: CPU smoke tests and the host-overhead measurement
 """
 
@@ -130,6 +131,8 @@ def _build() -> dict[str, Workload]:
         dataclasses.replace(w1, name="W4-d64", description="W1 with head dim 64", head_dim=64),
         dataclasses.replace(w1, name="W4-d256", description="W1 with head dim 256", head_dim=256),
         dataclasses.replace(w1, name="W4-noncausal", description="W1 without the causal mask", causal=False),
+        Workload("W5", "119 medium sequences (issue 13's middle shape)", seeded_lengths(119, 64, 1022, total=65536),
+                 16, 16, 128),
         Workload("tiny", "a smoke test that runs anywhere", seeded_lengths(4, 8, 64), 4, 2, 32),
     ]
     return {w.name: w for w in workloads}
@@ -137,7 +140,7 @@ def _build() -> dict[str, Workload]:
 
 WORKLOADS: dict[str, Workload] = _build()
 # What `--workloads all` (the default) runs; "tiny" is for smoke tests.
-DEFAULT_WORKLOADS = ("W1", "W2", "W3", "W4-d64", "W4-d256", "W4-noncausal")
+DEFAULT_WORKLOADS = ("W1", "W2", "W3", "W4-d64", "W4-d256", "W4-noncausal", "W5")
 
 
 def select(spec: str) -> list[Workload]:

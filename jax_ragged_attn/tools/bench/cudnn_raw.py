@@ -32,6 +32,7 @@ from jax_ragged_attn.tools.bench.timing import Measurement, Settings, derive_bac
 from jax_ragged_attn.tools.workloads import Workload
 
 SYSTEM = "raw-cudnn"
+PADDED_SYSTEM = "raw-cudnn-padded"  # the backward without max_total_seq_len
 _INT32_MAX = 2**31 - 1
 
 
@@ -171,15 +172,16 @@ def _forward(cudnn, workload: Workload, problem: _Problem):
     return g, pack, workspace
 
 
-def _backward(cudnn, workload: Workload, problem: _Problem):
+def _backward(cudnn, workload: Workload, problem: _Problem, padded_intermediates: bool = False):
     g = _Graph(cudnn, workload)
     hq, hkv, t = workload.num_heads_q, workload.num_heads_kv, workload.total_tokens
     o, d_o, stats = g.packed_input("o", hq), g.packed_input("d_o", hq, offset="o"), g.stats_input()
-    # max_total_seq_len: the buffers' token capacity (= T here), as the package sets it.
+    # max_total_seq_len: the buffers' token capacity (= T here), as the package's "lean_memory" layout sets
+    # it; unset, the intermediates are laid out padded to [B, H, max_seqlen] (strategy.py's "padded").
+    bounds = {} if padded_intermediates else dict(max_total_seq_len_q=t, max_total_seq_len_kv=t)
     d_q, d_k, d_v = g.graph.sdpa_backward(name="ragged_sdpa_backward", q=g.declared["q"], k=g.declared["k"],
                                           v=g.declared["v"], o=o, dO=d_o, stats=stats,
-                                          attn_scale=1.0 / math.sqrt(workload.head_dim),
-                                          max_total_seq_len_q=t, max_total_seq_len_kv=t, **g.masking())
+                                          attn_scale=1.0 / math.sqrt(workload.head_dim), **bounds, **g.masking())
     d_q = g.packed_output(d_q, hq, "q")
     d_k = g.packed_output(d_k, hkv, "k")
     d_v = g.packed_output(d_v, hkv, "v")
@@ -240,20 +242,27 @@ def _row(workload: Workload, direction: str, times, steps: int, enqueue_s: float
                        method=method, **fields)
 
 
-def measure(workload: Workload, settings: Settings) -> list[Measurement]:
-    """Forward and forward+backward timed, backward derived as for the JAX systems."""
+def measure(workload: Workload, settings: Settings, system: str = SYSTEM,
+            padded_intermediates: bool = False) -> list[Measurement]:
+    """Forward and forward+backward timed, backward derived as for the JAX systems. `padded_intermediates`:
+    the backward without max_total_seq_len (reported as `system`)."""
     import cudnn
     import torch
 
     torch.cuda.synchronize()
     cudnn.set_stream(handle=_handle(), stream=torch.cuda.current_stream().cuda_stream)
     try:
-        return [row for method in settings.methods for row in _measure(cudnn, torch, workload, settings, method)]
+        rows = [row for method in settings.methods
+                for row in _measure(cudnn, torch, workload, settings, method, padded_intermediates)]
+        for row in rows:
+            row.system = system
+        return rows
     finally:  # _measure's buffers are unreferenced now: hand their memory back for the JAX systems
         torch.cuda.empty_cache()
 
 
-def _measure(cudnn, torch, workload: Workload, settings: Settings, method: str) -> list[Measurement]:
+def _measure(cudnn, torch, workload: Workload, settings: Settings, method: str,
+             padded_intermediates: bool) -> list[Measurement]:
     problem = _Problem(torch, workload)
     inputs = _bytes(problem.q, problem.k, problem.v, problem.seq_len, *problem.offsets.values())
     rows, workspaces, forward = {}, {}, None
@@ -275,7 +284,7 @@ def _measure(cudnn, torch, workload: Workload, settings: Settings, method: str) 
     try:
         if "forward" not in workspaces:
             raise RuntimeError("the forward graph could not be built")
-        backward, backward_pack, workspaces["backward"] = _backward(cudnn, workload, problem)
+        backward, backward_pack, workspaces["backward"] = _backward(cudnn, workload, problem, padded_intermediates)
         backward_ws = torch.empty(max(workspaces["backward"], 1), dtype=torch.uint8, device="cuda")
 
         def run_both():

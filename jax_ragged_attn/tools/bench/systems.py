@@ -2,8 +2,13 @@
 
     raw-cudnn   cudnn-frontend's Python module with torch tensors: the ragged graph this package builds,
                 with no JAX around it. The ceiling (bench_cudnn_raw.py).
+    raw-cudnn-padded  the same, its backward without max_total_seq_len (intermediates padded to
+                [B, H, max_seqlen]: strategy.py's faster layout)
     ours-hm     ragged_attention(implementation="cudnn"), stats head-major [H, T]
     ours-tm     the same with stats token-major [T, H]
+    ours-lean   ours-hm with strategy="lean_memory": the backward's intermediates sized by the token capacity
+    ours-where  ours-hm with the rows cuDNN does not write masked after the call (JAX_RAGGED_ATTN_ROW_MASKING=
+                where) instead of zero-filled buffers before it: the row-masking comparison
     jax-padded  jax.nn.dot_product_attention(implementation="cudnn") on the batch padded to
                 [B, max_len, H, D], with query/key_value_seq_lengths
     jax-packed  JAX's own packed cuDNN path (q_offsets / kv_offsets of
@@ -17,10 +22,12 @@ and measures one workload (`measure`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import math
+import os
 from typing import Callable
 
 import jax
@@ -28,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn import _cudnn as cudnn, ragged_attention
-from jax_ragged_attn._cudnn import extension
+from jax_ragged_attn._cudnn import extension, launch
 from jax_ragged_attn.tools.bench import cudnn_raw as bench_cudnn_raw
 from jax_ragged_attn.tools.bench.timing import JaxCase, Measurement, Settings, measure_jax
 from jax_ragged_attn.config import AttentionOptions, make_config
@@ -68,16 +75,36 @@ def _jax_system(name: str, description: str, case: Callable[[Workload], JaxCase]
 # ---- this package ----------------------------------------------------------------------------------------
 
 
-def _ours_case(workload: Workload, *, implementation: str, stats_layout: str = "head_major") -> JaxCase:
+@contextlib.contextmanager
+def _environment(name: str, value: str | None):
+    """os.environ[name] = value inside (unchanged for None); the op reads its switches when it is traced."""
+    if value is None:
+        yield
+        return
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
+def _ours_case(workload: Workload, *, implementation: str, stats_layout: str = "head_major",
+               strategy: str = "fastest", row_masking: str | None = None) -> JaxCase:
     q, k, v, cu = workload.packed_inputs()
     options = dict(max_seqlen_q=workload.max_seqlen, max_seqlen_kv=workload.max_seqlen, is_causal=workload.causal)
 
     def attention(q, k, v, cu):
-        return ragged_attention(q, k, v, cu, cu, stats_layout=stats_layout, implementation=implementation,
-                                **options)
+        with _environment(launch.ROW_MASKING_ENV, row_masking):  # traced here, inside the timed jit
+            return ragged_attention(q, k, v, cu, cu, stats_layout=stats_layout, implementation=implementation,
+                                    strategy=strategy, **options)
 
     def workspace_bytes(direction: str) -> int:
-        config = make_config(q, k, v, cu, cu, AttentionOptions(is_causal=workload.causal, stats_layout=stats_layout),
+        config = make_config(q, k, v, cu, cu, AttentionOptions(is_causal=workload.causal, stats_layout=stats_layout,
+                                                               strategy=strategy),
                              max_seqlen_q=workload.max_seqlen, max_seqlen_kv=workload.max_seqlen)
         graphs = {"forward": ("forward",), "backward": ("backward",), "forward+backward": ("forward", "backward")}
         return sum(cudnn.graph_info(g, config)["workspace_bytes"] for g in graphs[direction])
@@ -170,13 +197,25 @@ def _raw_measure(workload: Workload, settings: Settings) -> list[Measurement]:
     return bench_cudnn_raw.measure(workload, settings)
 
 
+def _raw_padded_measure(workload: Workload, settings: Settings) -> list[Measurement]:
+    return bench_cudnn_raw.measure(workload, settings, bench_cudnn_raw.PADDED_SYSTEM, padded_intermediates=True)
+
+
 SYSTEMS: dict[str, System] = {
     s.name: s
     for s in (
         System("raw-cudnn", "cudnn-frontend Python + torch, the same ragged graph: the ceiling",
                functools.cache(bench_cudnn_raw.unavailable_reason), _any_workload, _raw_measure),
+        System(bench_cudnn_raw.PADDED_SYSTEM, "the same without max_total_seq_len: backward intermediates padded",
+               functools.cache(bench_cudnn_raw.unavailable_reason), _any_workload, _raw_padded_measure),
         _jax_system("ours-hm", "ragged_attention(implementation='cudnn'), stats head-major",
                     functools.partial(_ours_case, implementation="cudnn", stats_layout="head_major"),
+                    extension.cudnn_unavailable_reason),
+        _jax_system("ours-lean", "the same with strategy='lean_memory' (backward sized by the token capacity)",
+                    functools.partial(_ours_case, implementation="cudnn", strategy="lean_memory"),
+                    extension.cudnn_unavailable_reason),
+        _jax_system("ours-where", "ours-hm with the unowned rows masked after the call (ROW_MASKING=where)",
+                    functools.partial(_ours_case, implementation="cudnn", row_masking="where"),
                     extension.cudnn_unavailable_reason),
         _jax_system("ours-tm", "ragged_attention(implementation='cudnn'), stats token-major",
                     functools.partial(_ours_case, implementation="cudnn", stats_layout="token_major"),
