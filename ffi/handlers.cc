@@ -153,28 +153,30 @@ ffi::Error qkv_parts(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi
   return ffi::Error::Success();
 }
 
-// A result as the check-mode arguments are compared with it.
+// A result as the initial buffers aliased to it are compared with it.
 struct ResultView {
   const char* name;
   ffi::DataType type;
   ffi::Span<const int64_t> dims;
 };
 
-// Check mode's trailing arguments: none, or the workspace and then each result but the workspace, in
-// order (`results` ends with the workspace), each of its result's type and shape since it is aliased to
-// it. A different count or order means Python and this handler disagree on the contract.
+// The initial buffers after the index arrays, each aliased to a result, so it has that result's type and
+// shape: none; or each result but the workspace, in order (zero-filled outputs: rows the kernel does not own
+// read 0 without a pass over them); or check mode's canary-filled workspace and then each other result
+// (`results` ends with the workspace). Any other count or order means Python and this handler disagree.
 ffi::Error check_guarded_args(const ffi::RemainingArgs& guarded, const std::vector<ResultView>& results,
                               const AttentionConfig& c) {
   if (guarded.empty()) return ffi::Error::Success();
-  FFI_CHECK(guarded.size() == results.size())
-      << "check mode passes the workspace and then each of the " << results.size() - 1
-      << " other results as arguments after the index arrays (" << results.size() << " in all), got "
-      << guarded.size() << " [" << c.describe() << "]";
+  const bool with_workspace = guarded.size() == results.size();
+  FFI_CHECK(with_workspace || guarded.size() == results.size() - 1)
+      << "after the index arrays come either the " << results.size() - 1
+      << " results but the workspace (zero-filled outputs) or the workspace and then those results (check "
+      << "mode), " << results.size() << " in all; got " << guarded.size() << " [" << c.describe() << "]";
   for (size_t i = 0; i < guarded.size(); ++i) {
-    const ResultView& result = i == 0 ? results.back() : results[i - 1];
+    const ResultView& result = !with_workspace ? results[i] : i == 0 ? results.back() : results[i - 1];
     ffi::ErrorOr<ffi::AnyBuffer> arg = guarded.get<ffi::AnyBuffer>(i);
     if (arg.has_error()) return arg.error();
-    FFI_RETURN_IF_ERROR(check_buffer(std::string("the check-mode argument aliased to ") + result.name,
+    FFI_RETURN_IF_ERROR(check_buffer(std::string("the initial buffer aliased to ") + result.name,
                                      arg->element_type(), arg->dimensions(), result.type,
                                      std::vector<int64_t>(result.dims.begin(), result.dims.end()), c));
   }

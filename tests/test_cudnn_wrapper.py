@@ -46,8 +46,8 @@ class StandInKernel:
         forward = target == extension.FORWARD_TARGET
 
         def call(*args, **attributes):
-            assert len(args) == PLAIN_ARGS[target] + (len(result_types) if guarded else 0), (target, len(args))
-            args, workspace, initial = stand_in_handler_args(args, result_types, guarded)
+            assert len(args) == PLAIN_ARGS[target] + len(input_output_aliases or {}), (target, len(args))
+            args, workspace, initial = stand_in_handler_args(args, result_types, input_output_aliases)
             # The shapes say what the handler was configured for (guard mode adds rows).
             config = dataclasses.replace(self.config, capacity_q=args[0].shape[0], capacity_kv=args[1].shape[0])
             results, owned = (self._forward if forward else self._backward)(config, *args)
@@ -62,7 +62,8 @@ class StandInKernel:
                 first = offsets[0] // (tensor.shape[1] * tensor.shape[2])  # the first sequence's first row
                 axis = 1 if forward and i == 1 and config.stats_layout == "head_major" else 0
                 results[i] = results[i].at[(slice(None),) * axis + (first - 1,)].set(0)
-            size = result_types[-1].shape[0] - (checks.GUARD_BYTES if guarded else 0)
+            workspace_guarded = len(result_types) - 1 in (input_output_aliases or {}).values()
+            size = result_types[-1].shape[0] - (checks.GUARD_BYTES if workspace_guarded else 0)
             if self.overrun:
                 workspace = workspace.at[size:size + self.overrun].set(0)
             return (*results, workspace)

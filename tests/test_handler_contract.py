@@ -140,13 +140,18 @@ def test_a_packed_gradient_of_the_wrong_shape_is_named(harness, handlers):
 
 
 @pytest.mark.parametrize("direction", ["forward", "backward"])
-def test_check_mode_arguments_must_be_the_workspace_then_each_result(harness, handlers, direction):
+def test_initial_buffers_must_be_each_result_or_the_workspace_then_each_result(harness, handlers, direction):
+    """Zero-filled outputs come as one buffer per result but the workspace; check mode's as the workspace,
+    then one per result. Any other count, or a buffer that is not its result's, is refused."""
     inputs = FORWARD_ARGS if direction == "forward" else [Q, Q, Q, O, O, STATS, *INDEX]
     results = FORWARD_RESULTS if direction == "forward" else BACKWARD_RESULTS[0]
+    _expect(_call(harness, handlers, direction, [*inputs, *results, results[-1]], results),
+            f"after the index arrays come either the {len(results) - 1} results but the workspace")
+    _expect(_call(harness, handlers, direction, [*inputs, *results[:-2]], results), "after the index arrays")
     _expect(_call(harness, handlers, direction, [*inputs, results[-1], *results[:-2]], results),
-            f"check mode passes the workspace and then each of the {len(results) - 1} other results")
+            f"the initial buffer aliased to {'o' if direction == 'forward' else 'd_q'} is")
     _expect(_call(harness, handlers, direction, [*inputs, *results], results),
-            "the check-mode argument aliased to workspace is")
+            "the initial buffer aliased to workspace is")
 
 
 @pytest.mark.parametrize("args, results, attributes, message", [
@@ -192,5 +197,5 @@ def test_the_ffi_decoder_reads_every_field_into_its_own_slot(harness, handlers):
     values = {name: (0.375 + i if kind == "float32" else 3 + i) for i, (name, kind) in
               enumerate(ext.config_fields())}
     code, message = _call(harness, handlers, "forward", [*FORWARD_ARGS, WORKSPACE], FORWARD_RESULTS, values)
-    assert code != 0 and "check mode passes" in message, message  # the first check, before any shape check
+    assert code != 0 and "after the index arrays come either" in message, message  # the first check, before any shape check
     assert message.endswith(f"[{ext.describe_config(values)}]"), message

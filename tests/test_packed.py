@@ -177,12 +177,12 @@ def test_cudnn_path_hands_the_packed_buffer_to_the_kernels_and_never_concatenate
 def test_every_packing_calls_the_two_handlers_with_one_gradient_per_input(monkeypatch, layout, mode):
     """The handlers' contract (ffi/handlers.cc): one forward and one backward target for every packing and
     mode. Their arguments are q, k, v (the buffer holding each) [, out, d_out, stats], 7 index arrays, then
-    (but with row masking "where") an initial workspace and one initial buffer per result, each aliased to
-    its result: zero-filled by default, canary-filled and larger in check mode; the backward's results are
-    one gradient per input buffer in its shape, then the workspace."""
+    initial buffers aliased to results: one zero-filled buffer per result but the workspace by default,
+    none with row masking "where", and in check mode a canary-filled workspace and one larger canary-filled
+    buffer per result; the backward's results are one gradient per input buffer in its shape, then the
+    workspace."""
     guard = mode == "check_mode"
     text = _lowered_cudnn_grad(monkeypatch, layout, guard, row_masking="where" if mode == "where" else "zero_fill")
-    aliased = mode != "where"
     calls = re.findall(r"custom_call @(jax_ragged_attn_\w+)\(([^)]*)\)(.*)", text)
     assert sorted(target for target, _, _ in calls) == sorted([extension.FORWARD_TARGET, extension.BACKWARD_TARGET])
     gradients = {"none": ["32x4x16xbf16"] * 3, "kv": ["32x4x16xbf16", "32x2x4x16xbf16"],
@@ -194,11 +194,17 @@ def test_every_packing_calls_the_two_handlers_with_one_gradient_per_input(monkey
             expected = [g.replace("32x", f"{rows}x", 1) for g in gradients]
             assert results[:-1] == expected and results[-1].endswith("xui8"), results
         plain = (3 if target == extension.FORWARD_TARGET else 6) + 7
-        assert len(operands.split(", ")) == plain + (len(results) if aliased else 0), (target, operands)
+        initial = {"zero_fill": len(results) - 1, "where": 0, "check_mode": len(results)}[mode]
+        assert len(operands.split(", ")) == plain + initial, (target, operands)
         aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", rest)
-        # The workspace (the last result) is the first guarded argument, then one per result in order.
-        expected_aliases = {(len(results) - 1, plain)} | {(i, plain + 1 + i) for i in range(len(results) - 1)}
-        assert {(int(r), int(o)) for r, o in aliases} == (expected_aliases if aliased else set()), (target, aliases)
+        # Check mode: the workspace (the last result) is the first guarded argument, then one per result in
+        # order. Zero-filled: one per result but the workspace, which is never filled.
+        expected_aliases = {
+            "zero_fill": {(i, plain + i) for i in range(len(results) - 1)},
+            "where": set(),
+            "check_mode": {(len(results) - 1, plain)} | {(i, plain + 1 + i) for i in range(len(results) - 1)},
+        }[mode]
+        assert {(int(r), int(o)) for r, o in aliases} == expected_aliases, (target, aliases)
 
 
 @pytest.mark.parametrize("packing, parts", [("none", (1, 1)), ("kv", (1, 2)), ("qkv", (3, 3))])

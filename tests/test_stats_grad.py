@@ -69,7 +69,7 @@ class CudnnArithmetic:
         forward = target == extension.FORWARD_TARGET
 
         def call(*args, **attributes):
-            args, workspace, initial = stand_in_handler_args(args, result_types, guarded)
+            args, workspace, initial = stand_in_handler_args(args, result_types, input_output_aliases)
             packing = int(attributes["packing"])
             args = self._unpacked(args, packing, forward)
             if forward:

@@ -3,7 +3,8 @@
 At trace time the extension builds (or finds) the exact cuDNN graph and tells us its workspace size, which
 becomes an extra uint8 output of the call: XLA allocates it like any buffer and the wrapper drops it.
 There are two handlers, extension.FORWARD_TARGET and extension.BACKWARD_TARGET; the packing (packings.py)
-is an attribute, and check mode passes the guarded buffers as extra trailing arguments of the same handler.
+is an attribute. Initial buffers aliased to the results follow the index arrays: zero-filled outputs by
+default (row_masking), check mode's guarded workspace and outputs; the handlers accept either.
 """
 
 from __future__ import annotations
@@ -59,14 +60,14 @@ def _launch(direction: str, inputs, result_specs, names, cu_q, cu_kv, config: At
             call = jax.ffi.ffi_call(target, types, vmap_method="sequential")
             *results, _ = call(*args, **ffi_kwargs(config, direction))
             return results, jnp.bool_(True)
-        # The kernel writes only the rows it owns: give it zero-filled buffers (aliased, like check mode's
-        # guarded ones: the workspace, then one per result), so every other row already reads 0 - a
+        # The kernel writes only the rows it owns: give it zero-filled outputs (aliased to the results; the
+        # workspace stays an ordinary result, never filled), so every other row already reads 0 - a
         # write-only memset before the call instead of a masked read-and-write pass after it. Under
         # jax.debug_nans / debug_infs it is also what keeps an eager call's raw results finite.
-        zeros = tuple(jnp.zeros(t.shape, t.dtype) for t in types)
-        aliases = {len(args): len(types) - 1, **{len(args) + 1 + i: i for i in range(len(types) - 1)}}
+        zeros = tuple(jnp.zeros(t.shape, t.dtype) for t in types[:-1])
+        aliases = {len(args) + i: i for i in range(len(zeros))}
         call = jax.ffi.ffi_call(target, types, vmap_method="sequential", input_output_aliases=aliases)
-        *results, _ = call(*args, zeros[-1], *zeros[:-1], **ffi_kwargs(config, direction))
+        *results, _ = call(*args, *zeros, **ffi_kwargs(config, direction))
         return results, jnp.bool_(True)
 
     rows = checks.GUARD_ROWS

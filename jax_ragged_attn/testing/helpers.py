@@ -169,12 +169,15 @@ def assert_close(actual, expected, dtype, what: str) -> None:
         )
 
 
-def stand_in_handler_args(args: tuple, result_types: tuple, guarded: bool):
+def stand_in_handler_args(args: tuple, result_types: tuple, aliases: dict | None):
     """(inputs + index arrays, workspace, initial results) of a call a CPU stand-in for the FFI handlers
-    receives: guarded calls append the workspace and one initial value per result, all aliased to the
-    results (cudnn._launch); plain ones get a fresh workspace and NaN results, like uninitialised memory."""
+    receives, from the call's input_output_aliases (cudnn._launch): none, and the stand-in gets a fresh
+    workspace and NaN results, like uninitialised memory; one initial buffer per result but the workspace
+    (zero-filled outputs), and a fresh workspace; or check mode's workspace then one per result."""
     num_results = len(result_types) - 1
-    if guarded:
+    if not aliases:
+        workspace = jnp.zeros(result_types[-1].shape, jnp.uint8)
+        return args, workspace, [jnp.full(t.shape, jnp.nan, t.dtype) for t in result_types[:-1]]
+    if num_results in aliases.values():  # the workspace (the last result) comes in too
         return args[:-num_results - 1], args[-num_results - 1], args[-num_results:]
-    workspace = jnp.zeros(result_types[-1].shape, jnp.uint8)
-    return args, workspace, [jnp.full(t.shape, jnp.nan, t.dtype) for t in result_types[:-1]]
+    return args[:-num_results], jnp.zeros(result_types[-1].shape, jnp.uint8), args[-num_results:]
