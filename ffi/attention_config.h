@@ -47,7 +47,10 @@ enum class Packing : int64_t {
   X(int64_t, use_max_total_seq_len, 1, "max_total_seq_len", "unset|capacity")                                  \
   X(int64_t, deterministic, 0, "deterministic", "") /* backward: cuDNN's deterministic algorithm */            \
   X(int64_t, plan_index, -1, "plan", "") /* which of cuDNN's candidate plans runs; -1: the heuristic's first */ \
-  X(int64_t, packing, 0, "packing", "none|kv|qkv") /* Packing */
+  X(int64_t, packing, 0, "packing", "none|kv|qkv") /* Packing */                                             \
+  /* zero every output (not the workspace) before the graph runs: rows it does not own read 0. Not part */   \
+  /* of the graph: one cached graph serves both values (handlers.cc's graph_config). */                      \
+  X(int64_t, zero_outputs, 0, "zero_outputs", "no|yes")
 
 // The attribute type Python must pass for a field's C++ type (jax.ffi attributes are typed); a field of
 // any other type does not compile until it is added here and in Python's ffi_kwargs.

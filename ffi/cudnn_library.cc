@@ -97,4 +97,18 @@ xla::ffi::Error compute_capability(int device, int* sm_version) {
   return xla::ffi::Error::Success();
 }
 
+xla::ffi::Error zero_async(void* ptr, size_t bytes, cudaStream_t stream) {
+  using MemsetAsync = cudaError_t (*)(void*, int, size_t, cudaStream_t);
+  if (bytes == 0) return xla::ffi::Error::Success();
+  try {
+    static const auto fn = reinterpret_cast<MemsetAsync>(
+        cudnn_frontend::detail::get_cuda_symbol(cudnn_frontend::detail::CudaLibrary::CUDART, "cudaMemsetAsync"));
+    const cudaError_t status = fn(ptr, 0, bytes, stream);
+    FFI_CHECK(status == cudaSuccess) << "cudaMemsetAsync of " << bytes << " bytes returned " << static_cast<int>(status);
+  } catch (const std::exception& e) {
+    return ErrorStream(xla::ffi::ErrorCode::kUnavailable) << "cannot reach the CUDA runtime: " << e.what();
+  }
+  return xla::ffi::Error::Success();
+}
+
 }  // namespace jax_ragged_attn

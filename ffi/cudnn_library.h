@@ -2,6 +2,9 @@
 // loader, so one build of this extension serves the CUDA 12 and CUDA 13 plugins alike.
 #pragma once
 
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -23,5 +26,9 @@ xla::ffi::Error set_current_device(int device);
 
 // Compute capability major*10+minor of `device`.
 xla::ffi::Error compute_capability(int device, int* sm_version);
+
+// cudaMemsetAsync(ptr, 0, bytes, stream) through the dlopen'ed CUDA runtime: a write-only pass at the
+// copy engines' rate, captured into a CUDA graph like any stream operation.
+xla::ffi::Error zero_async(void* ptr, size_t bytes, cudaStream_t stream);
 
 }  // namespace jax_ragged_attn

@@ -121,8 +121,11 @@ class RelaxedStreamCapture {
   cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
 };
 
-xla::ffi::Error cached_graph(int device, Direction direction, const AttentionConfig& c,
+xla::ffi::Error cached_graph(int device, Direction direction, AttentionConfig c,
                              std::shared_ptr<const CachedGraph>* out, bool in_handler) {
+  // zero_outputs is what the handler does around the graph, not part of it: one graph serves both, and
+  // the trace-time lookup (which never sets it) finds the graph the handler runs.
+  c.zero_outputs = 0;
   FFI_RETURN_IF_ERROR(check_packing(c));
   FFI_CHECK(cudnn_loaded()) << "cuDNN is not loaded; import jax_ragged_attn on a CUDA backend first";
   std::lock_guard<std::mutex> lock(cache_mutex);

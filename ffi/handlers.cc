@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "check.h"
+#include "cudnn_library.h"
 #include "graph_cache.h"
 #include "layouts.h"
 
@@ -205,6 +206,10 @@ ffi::Error forward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
   std::shared_ptr<const CachedGraph> graph;
   FFI_RETURN_IF_ERROR(forward_graph(device, c, &graph));
   FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace->element_count()), *graph, c));
+  if (c.zero_outputs) {  // rows the graph does not own (padding, rows past max_seqlen) must read 0
+    FFI_RETURN_IF_ERROR(zero_async(o->untyped_data(), o->size_bytes(), stream));
+    FFI_RETURN_IF_ERROR(zero_async(stats->untyped_data(), stats->size_bytes(), stream));
+  }
 
   std::unordered_map<int64_t, void*> pack = {
       {static_cast<int64_t>(TensorUid::kQ), in.q},
@@ -280,6 +285,11 @@ ffi::Error backward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, 
   std::shared_ptr<const CachedGraph> graph;
   FFI_RETURN_IF_ERROR(backward_graph(device, c, &graph));
   FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace.element_count()), *graph, c));
+  if (c.zero_outputs) {  // gradient rows the graph does not own must read 0
+    for (size_t i = 0; i < num_gradients; ++i) {
+      FFI_RETURN_IF_ERROR(zero_async(results[i].untyped_data(), results[i].size_bytes(), stream));
+    }
+  }
 
   std::unordered_map<int64_t, void*> pack = {
       {static_cast<int64_t>(TensorUid::kQ), in.q},

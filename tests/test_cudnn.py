@@ -20,7 +20,7 @@ import pytest
 
 import jax_ragged_attn as jra
 from jax_ragged_attn import _cudnn as cudnn
-from jax_ragged_attn._cudnn import extension
+from jax_ragged_attn._cudnn import extension, launch
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.testing import assert_close, packed_batch
 
@@ -170,6 +170,22 @@ def test_strategy_picks_the_backward_layout_and_changes_no_result(layout):
     for name, a, b in zip(("dq", "dk", "dv"), grads_f, grads_l):
         assert np.abs(a).max() > 0, f"{name} is all zero"
         assert_close(a, b, case.dtype, f"{name}: fastest vs lean_memory")
+
+
+@pytest.mark.parametrize("row_masking", ["zero_fill", "where"])
+def test_every_row_masking_gives_the_default_results(monkeypatch, row_masking):
+    """The rows cuDNN does not write read 0 whether the handler zeroes its outputs first (the default,
+    "memset"), XLA hands it zero-filled buffers, or the wrapper masks them after the call."""
+    case = Case(heads=(8, 2), is_causal=True, empty=(2,))
+    batch, d_out = _batch(case, 41)
+    default = _run(case, batch, d_out)
+    monkeypatch.setenv(launch.ROW_MASKING_ENV, row_masking)
+    other = _run(case, batch, d_out)
+    np.testing.assert_array_equal(other[0], default[0])
+    np.testing.assert_array_equal(other[1], default[1])
+    for name, a, b in zip(("dq", "dk", "dv"), other[2], default[2]):
+        assert_close(a, b, case.dtype, f"{name}: {row_masking} vs memset")
+        assert np.all(a[batch.padding_q if name == "dq" else batch.padding_kv] == 0), name
 
 
 def test_fastest_keeps_the_lean_layout_when_the_padded_one_exceeds_its_bound():

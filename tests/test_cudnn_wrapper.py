@@ -47,7 +47,7 @@ class StandInKernel:
 
         def call(*args, **attributes):
             assert len(args) == PLAIN_ARGS[target] + len(input_output_aliases or {}), (target, len(args))
-            args, workspace, initial = stand_in_handler_args(args, result_types, input_output_aliases)
+            args, workspace, initial = stand_in_handler_args(args, result_types, input_output_aliases, attributes)
             # The shapes say what the handler was configured for (guard mode adds rows).
             config = dataclasses.replace(self.config, capacity_q=args[0].shape[0], capacity_kv=args[1].shape[0])
             results, owned = (self._forward if forward else self._backward)(config, *args)
@@ -122,8 +122,9 @@ def _config(batch, layout="head_major", **changes):
 @pytest.mark.parametrize("row_masking", launch.ROW_MASKINGS)
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])
 def test_outputs_and_gradients_match_the_xla_path_with_padding_cleaned(monkeypatch, batch, layout, row_masking):
-    """zero_fill: the kernel gets zero-filled buffers and leaves their unowned rows alone; where: it gets
-    fresh (NaN) buffers and the wrapper masks those rows after it."""
+    """memset: the handler zeroes its outputs first (the stand-in starts from zeros when asked); zero_fill:
+    the kernel gets zero-filled buffers and leaves their unowned rows alone; where: it gets fresh (NaN)
+    buffers and the wrapper masks those rows after it."""
     monkeypatch.setenv(launch.ROW_MASKING_ENV, row_masking)
     config = _config(batch, layout)
     kernel = _install(monkeypatch, config)
@@ -147,7 +148,7 @@ def test_outputs_and_gradients_match_the_xla_path_with_padding_cleaned(monkeypat
 
 
 def test_an_unknown_row_masking_is_refused_naming_the_variable(monkeypatch, batch):
-    monkeypatch.setenv(launch.ROW_MASKING_ENV, "memset")
+    monkeypatch.setenv(launch.ROW_MASKING_ENV, "memcpy")
     config = _config(batch)
     _install(monkeypatch, config)
     with pytest.raises(ValueError, match="JAX_RAGGED_ATTN_ROW_MASKING must be one of"):

@@ -126,7 +126,7 @@ def test_malformed_packed_inputs_name_the_argument(call, message):
         call()
 
 
-def _lowered_cudnn_grad(monkeypatch, layout, guard=False, row_masking="zero_fill"):
+def _lowered_cudnn_grad(monkeypatch, layout, guard=False, row_masking="memset"):
     """The StableHLO of jax.grad through the cuDNN path (lowering needs no GPU; graph_info is stubbed)."""
     monkeypatch.setattr(launch, "graph_info", lambda direction, config: {"workspace_bytes": 64})
     monkeypatch.setenv(launch.ROW_MASKING_ENV, row_masking)
@@ -172,17 +172,18 @@ def test_cudnn_path_hands_the_packed_buffer_to_the_kernels_and_never_concatenate
     assert not slices, slices  # nor does it split the packed buffer
 
 
-@pytest.mark.parametrize("mode", ["zero_fill", "where", "check_mode"])
+@pytest.mark.parametrize("mode", ["memset", "zero_fill", "where", "check_mode"])
 @pytest.mark.parametrize("layout", ["none", "kv", "qkv"])
 def test_every_packing_calls_the_two_handlers_with_one_gradient_per_input(monkeypatch, layout, mode):
     """The handlers' contract (ffi/handlers.cc): one forward and one backward target for every packing and
     mode. Their arguments are q, k, v (the buffer holding each) [, out, d_out, stats], 7 index arrays, then
-    initial buffers aliased to results: one zero-filled buffer per result but the workspace by default,
-    none with row masking "where", and in check mode a canary-filled workspace and one larger canary-filled
+    initial buffers aliased to results: none by default (row masking "memset": the zero_outputs attribute
+    has the handler zero them) or with "where", one zero-filled buffer per result but the workspace with
+    "zero_fill", and in check mode a canary-filled workspace and one larger canary-filled
     buffer per result; the backward's results are one gradient per input buffer in its shape, then the
     workspace."""
     guard = mode == "check_mode"
-    text = _lowered_cudnn_grad(monkeypatch, layout, guard, row_masking="where" if mode == "where" else "zero_fill")
+    text = _lowered_cudnn_grad(monkeypatch, layout, guard, row_masking="memset" if guard else mode)
     calls = re.findall(r"custom_call @(jax_ragged_attn_\w+)\(([^)]*)\)(.*)", text)
     assert sorted(target for target, _, _ in calls) == sorted([extension.FORWARD_TARGET, extension.BACKWARD_TARGET])
     gradients = {"none": ["32x4x16xbf16"] * 3, "kv": ["32x4x16xbf16", "32x2x4x16xbf16"],
@@ -194,17 +195,20 @@ def test_every_packing_calls_the_two_handlers_with_one_gradient_per_input(monkey
             expected = [g.replace("32x", f"{rows}x", 1) for g in gradients]
             assert results[:-1] == expected and results[-1].endswith("xui8"), results
         plain = (3 if target == extension.FORWARD_TARGET else 6) + 7
-        initial = {"zero_fill": len(results) - 1, "where": 0, "check_mode": len(results)}[mode]
+        initial = {"memset": 0, "zero_fill": len(results) - 1, "where": 0, "check_mode": len(results)}[mode]
         assert len(operands.split(", ")) == plain + initial, (target, operands)
         aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", rest)
         # Check mode: the workspace (the last result) is the first guarded argument, then one per result in
         # order. Zero-filled: one per result but the workspace, which is never filled.
         expected_aliases = {
+            "memset": set(),
             "zero_fill": {(i, plain + i) for i in range(len(results) - 1)},
             "where": set(),
             "check_mode": {(len(results) - 1, plain)} | {(i, plain + 1 + i) for i in range(len(results) - 1)},
         }[mode]
         assert {(int(r), int(o)) for r, o in aliases} == expected_aliases, (target, aliases)
+        # memset: the handler zeroes its outputs itself (the zero_outputs attribute).
+        assert f"zero_outputs = {int(mode == 'memset')}" in rest, (target, rest)
 
 
 @pytest.mark.parametrize("packing, parts", [("none", (1, 1)), ("kv", (1, 2)), ("qkv", (3, 3))])

@@ -69,7 +69,7 @@ class CudnnArithmetic:
         forward = target == extension.FORWARD_TARGET
 
         def call(*args, **attributes):
-            args, workspace, initial = stand_in_handler_args(args, result_types, input_output_aliases)
+            args, workspace, initial = stand_in_handler_args(args, result_types, input_output_aliases, attributes)
             packing = int(attributes["packing"])
             args = self._unpacked(args, packing, forward)
             if forward:
@@ -328,7 +328,7 @@ def _unpacked_gradients(grads, packing: str) -> tuple:
     return d_qkv[:, 0], d_qkv[:, 1], d_qkv[:, 2]
 
 
-@pytest.mark.parametrize("mode", ["zero_fill", "where", "check_mode"])
+@pytest.mark.parametrize("mode", ["memset", "zero_fill", "where", "check_mode"])
 @pytest.mark.parametrize("stats_in_loss", [False, True], ids=["stats_as_aux", "stats_in_the_loss"])
 @pytest.mark.parametrize("packing", ["kv", "qkv"])
 def test_packed_buffers_get_gradients_in_their_own_layout(monkeypatch, rng, packing, stats_in_loss, mode):
@@ -337,8 +337,8 @@ def test_packed_buffers_get_gradients_in_their_own_layout(monkeypatch, rng, pack
     a stats cotangent takes the unpacked pass on widened value columns, its gradients stacked back."""
     dtype = "bfloat16"
     guard = mode == "check_mode"
-    if mode == "where":  # rows the kernel does not own masked after the call, not zero-filled before it
-        monkeypatch.setenv(launch.ROW_MASKING_ENV, "where")
+    if mode != "check_mode":  # how rows the kernel does not own become 0 (launch.row_masking)
+        monkeypatch.setenv(launch.ROW_MASKING_ENV, mode)
     batch = _packed_batch(rng, packing)
     config, kernel = _install(monkeypatch, batch, "head_major", guard_workspace=guard, packing=packing)
     buffers = _packed_buffers(batch, packing)
@@ -369,8 +369,8 @@ def test_packed_buffers_get_gradients_in_their_own_layout(monkeypatch, rng, pack
         assert (kernel.backward_packings, kernel.backward_head_dims_v) == ([0], [dv + stats_grad.EXTRA_COLUMNS])
     else:  # the packed buffers themselves, in place
         assert (kernel.backward_packings, kernel.backward_head_dims_v) == ([PACKINGS.index(packing)], [dv])
-    # Initial buffers come in aliased to the results: zero-filled ones, or check mode's canaries.
-    assert [aliased for _, aliased in kernel.targets] == [mode != "where"] * 2
+    # Initial buffers come in aliased to the results: XLA's zero-filled ones, or check mode's canaries.
+    assert [aliased for _, aliased in kernel.targets] == [mode in ("zero_fill", "check_mode")] * 2
 
 
 @pytest.mark.parametrize("packing", ["kv", "qkv"])

@@ -47,6 +47,7 @@ def ffi_attributes(config: AttentionConfig, direction: str | None = None) -> dic
         deterministic=int(config.deterministic),
         plan_index=-1,  # cuDNN's heuristic choice
         packing=PACKINGS.index(config.packing),
+        zero_outputs=0,  # a launch choice, not the graph's (ffi_kwargs)
     )
     if direction == "backward":
         layout = strategy.backward_layout(config, attributes, device_ordinal())
@@ -60,9 +61,10 @@ def ffi_attributes(config: AttentionConfig, direction: str | None = None) -> dic
 _ATTRIBUTE_TYPES = {"int64": np.int64, "float32": np.float32}
 
 
-def ffi_kwargs(config: AttentionConfig, direction: str) -> dict:
-    """The FFI call's attributes: ffi_attributes, each typed as the extension declares its field."""
-    attributes = ffi_attributes(config, direction)
+def ffi_kwargs(config: AttentionConfig, direction: str, zero_outputs: bool = False) -> dict:
+    """The FFI call's attributes: ffi_attributes, each typed as the extension declares its field.
+    `zero_outputs`: the handler zeroes every output before the graph runs (launch.row_masking "memset")."""
+    attributes = {**ffi_attributes(config, direction), "zero_outputs": int(zero_outputs)}
     fields = extension.config_fields()
     if list(attributes) != [name for name, _ in fields]:
         raise RuntimeError(f"ffi_attributes builds the fields {list(attributes)}, but the extension declares "

@@ -3,8 +3,9 @@
 At trace time the extension builds (or finds) the exact cuDNN graph and tells us its workspace size, which
 becomes an extra uint8 output of the call: XLA allocates it like any buffer and the wrapper drops it.
 There are two handlers, extension.FORWARD_TARGET and extension.BACKWARD_TARGET; the packing (packings.py)
-is an attribute. Initial buffers aliased to the results follow the index arrays: zero-filled outputs by
-default (row_masking), check mode's guarded workspace and outputs; the handlers accept either.
+is an attribute. By default the handler zeroes the outputs itself (row_masking "memset"); initial buffers
+aliased to the results may follow the index arrays instead: XLA's zero-filled outputs (row masking
+"zero_fill"), or check mode's guarded workspace and outputs; the handlers accept either.
 """
 
 from __future__ import annotations
@@ -56,14 +57,17 @@ def _launch(direction: str, inputs, result_specs, names, cu_q, cu_kv, config: At
         types = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in result_specs(config))
         types += (jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),)
         args = (*(x for x, _ in inputs), *_index_arrays(cu_q, cu_kv, config))
-        if not _zero_filled(config):
+        masking = row_masking()
+        if masking == "memset" or (masking == "where" and not _debugging_floats()):
+            # memset: the handler zeroes each output on the stream before the graph runs (a copy-engine
+            # write, ~2x XLA's zero-writing fusion); where: raw results, masked by the caller.
             call = jax.ffi.ffi_call(target, types, vmap_method="sequential")
-            *results, _ = call(*args, **ffi_kwargs(config, direction))
+            *results, _ = call(*args, **ffi_kwargs(config, direction, zero_outputs=masking == "memset"))
             return results, jnp.bool_(True)
-        # The kernel writes only the rows it owns: give it zero-filled outputs (aliased to the results; the
-        # workspace stays an ordinary result, never filled), so every other row already reads 0 - a
-        # write-only memset before the call instead of a masked read-and-write pass after it. Under
-        # jax.debug_nans / debug_infs it is also what keeps an eager call's raw results finite.
+        # zero_fill: the kernel writes only the rows it owns, so give it zero-filled outputs made by XLA
+        # (aliased to the results; the workspace stays an ordinary result, never filled). Under
+        # jax.debug_nans / debug_infs with row masking "where" too: it keeps an eager call's raw results
+        # finite.
         zeros = tuple(jnp.zeros(t.shape, t.dtype) for t in types[:-1])
         aliases = {len(args) + i: i for i in range(len(zeros))}
         call = jax.ffi.ffi_call(target, types, vmap_method="sequential", input_output_aliases=aliases)
@@ -99,15 +103,16 @@ def _debugging_floats() -> bool:
 
 
 ROW_MASKING_ENV = "JAX_RAGGED_ATTN_ROW_MASKING"
-ROW_MASKINGS = ("zero_fill", "where")
+ROW_MASKINGS = ("memset", "zero_fill", "where")
 
 
 def row_masking() -> str:
     """How the rows cuDNN does not write (padding, rows past max_seqlen, sequences without keys) become 0:
-    "zero_fill" (the default) hands the kernel zero-filled output buffers, "where" masks each output after
-    the call. Read at trace time from JAX_RAGGED_ATTN_ROW_MASKING, so the benchmark can compare the two
-    (docs/PERFORMANCE.md); results are identical."""
-    value = os.environ.get(ROW_MASKING_ENV, "zero_fill")
+    "memset" (the default) has the handler zero each output with cudaMemsetAsync before the graph runs,
+    "zero_fill" hands the kernel zero-filled buffers XLA writes, "where" masks each output after the call
+    (a read-and-write pass). Read at trace time from JAX_RAGGED_ATTN_ROW_MASKING, so the benchmark can
+    compare them (docs/PERFORMANCE.md: measured on the H200, memset is the fastest); results are identical."""
+    value = os.environ.get(ROW_MASKING_ENV, "memset")
     if value not in ROW_MASKINGS:
         raise ValueError(f"{ROW_MASKING_ENV} must be one of {ROW_MASKINGS}, got {value!r}")
     return value
@@ -115,7 +120,7 @@ def row_masking() -> str:
 
 def _zero_filled(config: AttentionConfig) -> bool:
     """Whether the results of an unguarded launch are already 0 in every row the kernel does not own."""
-    return not config.guard_workspace and (row_masking() == "zero_fill" or _debugging_floats())
+    return not config.guard_workspace and (row_masking() != "where" or _debugging_floats())
 
 
 def _run(fn, config_argnum: int, *args):

@@ -169,15 +169,17 @@ def assert_close(actual, expected, dtype, what: str) -> None:
         )
 
 
-def stand_in_handler_args(args: tuple, result_types: tuple, aliases: dict | None):
+def stand_in_handler_args(args: tuple, result_types: tuple, aliases: dict | None, attributes: dict):
     """(inputs + index arrays, workspace, initial results) of a call a CPU stand-in for the FFI handlers
-    receives, from the call's input_output_aliases (cudnn._launch): none, and the stand-in gets a fresh
-    workspace and NaN results, like uninitialised memory; one initial buffer per result but the workspace
-    (zero-filled outputs), and a fresh workspace; or check mode's workspace then one per result."""
+    receives, from the call's input_output_aliases and attributes (cudnn._launch): no aliases, and the
+    stand-in gets a fresh workspace and NaN results, like uninitialised memory, or zeros where the
+    zero_outputs attribute asks the handler to zero them; one initial buffer per result but the workspace
+    (XLA's zero-filled outputs), and a fresh workspace; or check mode's workspace then one per result."""
     num_results = len(result_types) - 1
     if not aliases:
         workspace = jnp.zeros(result_types[-1].shape, jnp.uint8)
-        return args, workspace, [jnp.full(t.shape, jnp.nan, t.dtype) for t in result_types[:-1]]
+        fill = 0 if int(attributes.get("zero_outputs", 0)) else jnp.nan
+        return args, workspace, [jnp.full(t.shape, fill, t.dtype) for t in result_types[:-1]]
     if num_results in aliases.values():  # the workspace (the last result) comes in too
         return args[:-num_results - 1], args[-num_results - 1], args[-num_results:]
     return args[:-num_results], jnp.zeros(result_types[-1].shape, jnp.uint8), args[-num_results:]
