@@ -49,7 +49,7 @@ enum class Packing : int64_t {
   X(int64_t, plan_index, -1, "plan", "") /* which of cuDNN's candidate plans runs; -1: the heuristic's first */ \
   X(int64_t, packing, 0, "packing", "none|kv|qkv") /* Packing */                                             \
   /* zero every output (not the workspace) before the graph runs: rows it does not own read 0. Not part */   \
-  /* of the graph: one cached graph serves both values (handlers.cc's graph_config). */                      \
+  /* of the graph: one cached graph serves both values (graph_cache.cc's cached_graph). */                     \
   X(int64_t, zero_outputs, 0, "zero_outputs", "no|yes")
 
 // The attribute type Python must pass for a field's C++ type (jax.ffi attributes are typed); a field of

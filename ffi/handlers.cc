@@ -5,18 +5,20 @@
 // The contract (jax_ragged_attn/_cudnn/launch.py builds the calls):
 //
 //   forward:  args    q, k, v, seq_len_q, seq_len_kv, offset_q, offset_k, offset_v, offset_o, offset_stats
-//             [check mode: workspace, o, stats]
+//             [zero-filled: o, stats | check mode: workspace, o, stats]
 //             results o [Tq, Hq, Dv], stats f32 [Hq, Tq] or [Tq, Hq], workspace u8
 //   backward: args    q, k, v, o, d_o, stats f32, the same seven index arrays
-//             [check mode: workspace, then each gradient result in order]
+//             [zero-filled: each gradient result in order | check mode: workspace, then those]
 //             results d_q, d_k, d_v (packing none) | d_q, d_kv (kv) | d_qkv (qkv); then workspace u8 last
 //   both:     attributes: the configuration's fields (attention_config.h), decoded by name
 //
-// q, k and v are the three parts even when packed (XLA passes the one packed array three times). In check
-// mode (Python's check=True) the workspace and every output arrive once more as trailing arguments, aliased
-// to the results: Python made them larger than the call needs, filled the slack with a canary and verifies
-// it afterwards. Being the results' own memory, those arguments are checked against their results and
-// never read.
+// q, k and v are the three parts even when packed (XLA passes the one packed array three times). Trailing
+// arguments, when present, are the results' own memory passed in aliased: in check mode (Python's
+// check=True) the workspace and every output, made larger than the call needs with a canary in the slack
+// that Python verifies afterwards; with row masking "zero_fill" every output but the workspace, zero-filled
+// by XLA. They are checked against their results and never read. By default (row masking "memset") there
+// are none, and the zero_outputs attribute has the handler zero every output on the stream before the graph
+// runs, so rows the graph does not own (padding, rows past max_seqlen) read 0.
 #include "handlers.h"
 
 #include <algorithm>
@@ -326,7 +328,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnForward, jax_ragged_attn::forward_imp
                                   .Arg<ffi::AnyBuffer>()  // k
                                   .Arg<ffi::AnyBuffer>()  // v
                                   JAX_RAGGED_ATTN_INDEX_ARGS
-                                  .RemainingArgs()                // check mode: workspace, o, stats
+                                  .RemainingArgs()                // [workspace,] o, stats: see above
                                   .Ret<ffi::AnyBuffer>()          // o
                                   .Ret<ffi::Buffer<ffi::F32>>()   // stats
                                   .Ret<ffi::Buffer<ffi::U8>>()    // workspace
@@ -344,7 +346,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnBackward, jax_ragged_attn::backward_i
                                   .Arg<ffi::AnyBuffer>()         // d_o
                                   .Arg<ffi::Buffer<ffi::F32>>()  // stats
                                   JAX_RAGGED_ATTN_INDEX_ARGS
-                                  .RemainingArgs()   // check mode: workspace, then each gradient
+                                  .RemainingArgs()   // [workspace,] each gradient: see above
                                   .RemainingRets()   // the gradients per packing, then the workspace
                                   .Attrs<jax_ragged_attn::AttentionConfig>(),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -79,12 +79,13 @@ def ragged_attention(
         time, on scratch buffers) and run the fastest; the heuristic's choice is kept unless another plan
         is measurably faster. Choices persist on disk per (GPU, cuDNN version, configuration); see
         jax_ragged_attn/_cudnn/autotune.py. The xla path ignores it. With strategy="fastest" it also times
-        the backward's two intermediate layouts and keeps the faster.
+        the backward's two intermediate layouts (where the padded one is within its workspace bound) and
+        keeps the lean one unless the padded one is more than 3 % faster.
       strategy: on cuDNN, speed or memory first for the backward's fp32 intermediates. "fastest" (default):
         a layout padded to [B, max_seqlen_q] when its workspace is at most twice the lean one's (or at most
-        256 MiB more), measured 5-19 % faster backward on the H200; else the lean one. "lean_memory": always
-        the layout sized by the token capacity Tq. Results are the same either way (see
-        jax_ragged_attn/_cudnn/strategy.py). The xla path ignores it.
+        256 MiB more), measured 0.6-18 % faster backward on the H200; else the lean one. "lean_memory":
+        always the layout sized by the token capacity Tq. The forward is the same either way and gradients
+        agree to rounding (see jax_ragged_attn/_cudnn/strategy.py). The xla path ignores it.
       sinks: None or [Hq] float, one learnable logit per query head (gpt-oss style) that joins every row's
         softmax without a value, so a row can put weight on "nothing"; differentiable. stats then include
         the sink term. The xla path only, for now: the cuDNN path reports it cannot serve the call, so

@@ -172,11 +172,15 @@ def test_strategy_picks_the_backward_layout_and_changes_no_result(layout):
         assert_close(a, b, case.dtype, f"{name}: fastest vs lean_memory")
 
 
+@pytest.mark.parametrize("case", [Case(heads=(8, 2), is_causal=True, empty=(2,)),
+                                  Case(is_causal=True, alignment="bottom_right", window=(16, 0))],
+                         ids=["causal-empty-sequence", "bottom-right-window"])
 @pytest.mark.parametrize("row_masking", ["zero_fill", "where"])
-def test_every_row_masking_gives_the_default_results(monkeypatch, row_masking):
+def test_every_row_masking_gives_the_default_results(monkeypatch, row_masking, case):
     """The rows cuDNN does not write read 0 whether the handler zeroes its outputs first (the default,
-    "memset"), XLA hands it zero-filled buffers, or the wrapper masks them after the call."""
-    case = Case(heads=(8, 2), is_causal=True, empty=(2,))
+    "memset"), XLA hands it zero-filled buffers, or the wrapper masks them after the call. Bottom-right
+    alignment leaves the first rows of a sequence with more queries than keys without a key: cuDNN writes
+    those rows itself, and only "where" masks them after the call, so the modes agree only if it writes 0."""
     batch, d_out = _batch(case, 41)
     default = _run(case, batch, d_out)
     monkeypatch.setenv(launch.ROW_MASKING_ENV, row_masking)

@@ -1,4 +1,5 @@
-"""Which layout the cuDNN backward gives its fp32 intermediates: a speed / memory choice, never a result.
+"""Which layout the cuDNN backward gives its fp32 intermediates: a speed / memory choice. The forward is the
+same graph either way; gradients agree to rounding (the order of cuDNN's atomic accumulation).
 
 The ragged backward keeps fp32 intermediates per query row and head (the dQ accumulator and the softmax
 sums). cudnn-frontend offers two layouts for them:
@@ -16,9 +17,14 @@ the sequence lengths the kernel sees are capped at max_seqlen (packing.sequence_
 
 strategy="lean_memory" always runs the bounded layout. strategy="fastest" (the default) runs the padded one
 when its workspace is at most FASTEST_WORKSPACE_RATIO times the bounded one's, or at most
-FASTEST_EXTRA_BYTES more: the speed is bought with at most twice the workspace, never with an unbounded
-amount on a skewed batch. With autotune=True both layouts that fit are timed once and the bounded one is
-kept unless the padded one is faster by more than autotune.MARGIN. The forward has no such choice.
+FASTEST_EXTRA_BYTES more (so a small workspace may grow by more than 2x, never by more than 256 MiB): never
+an unbounded amount on a skewed batch. With autotune=True both layouts that fit are timed once and the
+bounded one is kept unless the padded one is faster by more than autotune.MARGIN. The bound compares the
+heuristic plans' workspaces; a plan autotune picks for its speed may need a little more. The forward has no
+such choice.
+
+Check mode (config.guard_workspace) applies the rule to its enlarged buffers, so right at the threshold it
+may validate the other layout than the unguarded call runs; both are checked the same way.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@
     ours-tm     the same with stats token-major [T, H]
     ours-lean   ours-hm with strategy="lean_memory": the backward's intermediates sized by the token capacity
     ours-where  ours-hm with the rows cuDNN does not write masked after the call (JAX_RAGGED_ATTN_ROW_MASKING=
-                where) instead of zero-filled buffers before it: the row-masking comparison
+                where) instead of zeroed by the handler before it (memset, the default)
+    ours-zero-fill  the same with XLA's zero-filled output buffers (ROW_MASKING=zero_fill)
     jax-padded  jax.nn.dot_product_attention(implementation="cudnn") on the batch padded to
                 [B, max_len, H, D], with query/key_value_seq_lengths
     jax-packed  JAX's own packed cuDNN path (q_offsets / kv_offsets of
@@ -65,9 +66,12 @@ def _any_workload(_workload: Workload) -> None:
 
 
 def _jax_system(name: str, description: str, case: Callable[[Workload], JaxCase], unavailable,
-                unsupported=_any_workload) -> System:
+                unsupported=_any_workload, row_masking: str | None = None) -> System:
     def measure(workload: Workload, settings: Settings) -> list[Measurement]:
-        return measure_jax(case(workload), workload, name, settings)
+        # The op reads its row masking when traced, and the backward is traced after the forward returns
+        # (when timing takes the pullback): the switch must hold for the whole measurement.
+        with _environment(launch.ROW_MASKING_ENV, row_masking):
+            return measure_jax(case(workload), workload, name, settings)
 
     return System(name, description, functools.cache(unavailable), unsupported, measure)
 
@@ -93,14 +97,13 @@ def _environment(name: str, value: str | None):
 
 
 def _ours_case(workload: Workload, *, implementation: str, stats_layout: str = "head_major",
-               strategy: str = "fastest", row_masking: str | None = None) -> JaxCase:
+               strategy: str = "fastest") -> JaxCase:
     q, k, v, cu = workload.packed_inputs()
     options = dict(max_seqlen_q=workload.max_seqlen, max_seqlen_kv=workload.max_seqlen, is_causal=workload.causal)
 
     def attention(q, k, v, cu):
-        with _environment(launch.ROW_MASKING_ENV, row_masking):  # traced here, inside the timed jit
-            return ragged_attention(q, k, v, cu, cu, stats_layout=stats_layout, implementation=implementation,
-                                    strategy=strategy, **options)
+        return ragged_attention(q, k, v, cu, cu, stats_layout=stats_layout, implementation=implementation,
+                                strategy=strategy, **options)
 
     def workspace_bytes(direction: str) -> int:
         config = make_config(q, k, v, cu, cu, AttentionOptions(is_causal=workload.causal, stats_layout=stats_layout,
@@ -215,8 +218,11 @@ SYSTEMS: dict[str, System] = {
                     functools.partial(_ours_case, implementation="cudnn", strategy="lean_memory"),
                     extension.cudnn_unavailable_reason),
         _jax_system("ours-where", "ours-hm with the unowned rows masked after the call (ROW_MASKING=where)",
-                    functools.partial(_ours_case, implementation="cudnn", row_masking="where"),
-                    extension.cudnn_unavailable_reason),
+                    functools.partial(_ours_case, implementation="cudnn"), extension.cudnn_unavailable_reason,
+                    row_masking="where"),
+        _jax_system("ours-zero-fill", "ours-hm with XLA's zero-filled outputs (ROW_MASKING=zero_fill)",
+                    functools.partial(_ours_case, implementation="cudnn"), extension.cudnn_unavailable_reason,
+                    row_masking="zero_fill"),
         _jax_system("ours-tm", "ragged_attention(implementation='cudnn'), stats token-major",
                     functools.partial(_ours_case, implementation="cudnn", stats_layout="token_major"),
                     extension.cudnn_unavailable_reason),
