@@ -51,8 +51,8 @@ def test_ffi_kwargs_types_each_attribute_as_the_extension_declares_it(ext):
 def test_ffi_kwargs_refuses_attributes_that_differ_from_the_export(monkeypatch, change):
     build = graphs.ffi_attributes
 
-    def changed(config, direction=None):
-        attributes = build(config, direction)
+    def changed(config, direction=None, layout=None):
+        attributes = build(config, direction, layout)
         if change == "drop":
             attributes.pop("deterministic")
         elif change == "add":

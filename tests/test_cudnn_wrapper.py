@@ -109,7 +109,7 @@ def _install(monkeypatch, config, overrun=0, stray_row=None):
     kernel = StandInKernel(overrun, stray_row)
     kernel.config = config
     monkeypatch.setattr(jax.ffi, "ffi_call", kernel)
-    monkeypatch.setattr(launch, "graph_info", lambda direction, config: {"workspace_bytes": 64})
+    monkeypatch.setattr(launch, "graph_info", lambda direction, config, layout=None: {"workspace_bytes": 64})
     return kernel
 
 

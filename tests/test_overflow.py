@@ -86,7 +86,7 @@ def implementation(request, monkeypatch):
     kernel.config = make_config(*shapes, cu, cu, AttentionOptions(), max_seqlen_q=MAX_SEQLEN_Q,
                                 max_seqlen_kv=MAX_SEQLEN_KV)
     monkeypatch.setattr(jax.ffi, "ffi_call", kernel)
-    monkeypatch.setattr(launch, "graph_info", lambda direction, config: {"workspace_bytes": 64})
+    monkeypatch.setattr(launch, "graph_info", lambda direction, config, layout=None: {"workspace_bytes": 64})
     monkeypatch.setattr(cudnn, "unsupported_reason", lambda config: None)
     return "cudnn"
 

@@ -128,7 +128,7 @@ def test_malformed_packed_inputs_name_the_argument(call, message):
 
 def _lowered_cudnn_grad(monkeypatch, layout, guard=False, row_masking="memset"):
     """The StableHLO of jax.grad through the cuDNN path (lowering needs no GPU; graph_info is stubbed)."""
-    monkeypatch.setattr(launch, "graph_info", lambda direction, config: {"workspace_bytes": 64})
+    monkeypatch.setattr(launch, "graph_info", lambda direction, config, layout=None: {"workspace_bytes": 64})
     monkeypatch.setenv(launch.ROW_MASKING_ENV, row_masking)
     t, h, d = 32, 4, 16
     cu = jnp.array([0, 10, 20, 25], jnp.int32)

@@ -359,7 +359,7 @@ def test_check_mode_names_segment_ids_row_and_token(rng, monkeypatch, row, imple
         cu = jax.ShapeDtypeStruct((max_segments + 1,), jnp.int32)
         kernel.config = make_config(*shapes, cu, cu, AttentionOptions(), max_seqlen_q=8, max_seqlen_kv=8)
         monkeypatch.setattr(jax.ffi, "ffi_call", kernel)
-        monkeypatch.setattr(launch, "graph_info", lambda direction, config: {"workspace_bytes": 64})
+        monkeypatch.setattr(launch, "graph_info", lambda direction, config, layout=None: {"workspace_bytes": 64})
         monkeypatch.setattr(cudnn, "unsupported_reason", lambda config: None)
     f = _segments_call(rng, "cudnn" if implementation == "cudnn_stand_in" else "xla", check=True)
     ids = jnp.asarray(MIXED, jnp.int32)

@@ -173,7 +173,7 @@ def _install(monkeypatch, batch, layout, **changes):
     config = dataclasses.replace(config, **changes)
     kernel = CudnnArithmetic(config)
     monkeypatch.setattr(jax.ffi, "ffi_call", kernel)
-    monkeypatch.setattr(launch, "graph_info", lambda direction, config: {"workspace_bytes": 64})
+    monkeypatch.setattr(launch, "graph_info", lambda direction, config, layout=None: {"workspace_bytes": 64})
     return config, kernel
 
 

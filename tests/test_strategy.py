@@ -4,13 +4,16 @@ compares their gradients, and test_semantics.py's CudnnLeanMemoryTest runs every
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 from jax_ragged_attn import _cudnn as cudnn
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn._cudnn import autotune, extension, graphs
+from jax_ragged_attn._cudnn import autotune, extension, graphs, launch
 from jax_ragged_attn.config import AttentionOptions, make_config
 
 MiB = 1 << 20
@@ -127,3 +130,40 @@ def test_an_unknown_strategy_is_refused_naming_the_argument(strategy_name):
     with pytest.raises(ValueError, match=r"strategy must be one of \('fastest', 'lean_memory'\)"):
         ragged_attention(q, q, q, cu, cu, max_seqlen_q=8, max_seqlen_kv=8, strategy=strategy_name)
 
+
+
+def test_check_mode_checks_the_layout_the_unguarded_call_runs(monkeypatch, use):
+    """Check mode enlarges every buffer by its canary rows. Here the padded layout fits the caller's
+    buffers but not the enlarged ones (the fake's padded workspace grows with the capacity): the guarded
+    backward must still run - and so check - the padded graph the unguarded call runs."""
+    real = extension.module()
+    q = jax.ShapeDtypeStruct((64, 4, 16), jnp.bfloat16)
+    cu = jnp.array([0, 20, 40, 64], jnp.int32)
+
+    class CapacityDependent(FakeExtension):
+        def config_fields(self):
+            return real.config_fields()
+
+        def graph_info(self, direction, device, attributes):
+            guarded = attributes["capacity_q"] > 64
+            padded = 10 * MiB if not guarded else 10 * MiB + 300 * MiB
+            self.bytes = {1: 1 * MiB, 0: padded}
+            return super().graph_info(direction, device, attributes)
+
+    use(CapacityDependent(0, 0))
+    monkeypatch.setattr(launch, "graph_info", lambda direction, config, layout=None: {"workspace_bytes": 64})
+    options = AttentionOptions(is_causal=True)
+    config = make_config(q, q, q, cu, cu, options, max_seqlen_q=32, max_seqlen_kv=32)
+    assert not _bounded(config)  # the caller's buffers: padded
+
+    def lowered(config):
+        def loss(q, k, v):
+            return jnp.sum(launch.attention((q, k, v), cu, cu, config)[0].astype(jnp.float32))
+
+        zeros = jnp.zeros(q.shape, q.dtype)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(zeros, zeros, zeros).as_text()
+
+    guarded = dataclasses.replace(config, guard_workspace=True)
+    text = lowered(guarded)
+    (backward,) = [line for line in text.splitlines() if f"@{extension.BACKWARD_TARGET}(" in line]
+    assert re.search(r"use_max_total_seq_len = 0", backward), backward

@@ -17,14 +17,33 @@ MAX_HEAD_DIM = 256
 INT32_LIMIT = 2**31 - 1
 
 
-def ffi_attributes(config: AttentionConfig, direction: str | None = None) -> dict:
+def ffi_attributes(config: AttentionConfig, direction: str | None = None, layout: str | None = None) -> dict:
     """The configuration as the C++ side names it (ffi/attention_config.h), in plain Python values, in the
     order of the extension's field list (ffi_kwargs holds the two to each other).
 
     `direction` ("forward" / "backward") picks the autotuned plan for that graph when config.autotune, and
-    for the backward the intermediates' layout config.strategy asks for (strategy.py).
+    for the backward the intermediates' layout: `layout` ("bounded" / "padded") where given, else the one
+    config.strategy asks for (strategy.py).
     """
-    attributes = dict(
+    attributes = _plain_attributes(config)
+    if direction == "backward":
+        attributes = strategy.with_layout(attributes, layout or strategy.backward_layout(config, attributes,
+                                                                                           device_ordinal()))
+    if config.autotune and direction is not None:
+        attributes["plan_index"] = autotune.plan_index(direction, attributes, device_ordinal())
+    return attributes
+
+
+def backward_layout(config: AttentionConfig) -> str:
+    """The backward intermediates' layout config.strategy picks for these buffers (strategy.py). Check mode
+    asks it for the caller's buffers and passes it on for its enlarged ones, so it checks the graph the
+    unguarded call runs."""
+    return strategy.backward_layout(config, _plain_attributes(config), device_ordinal())
+
+
+def _plain_attributes(config: AttentionConfig) -> dict:
+    """Every field, the backward's layout at its lean default and the heuristic's plan."""
+    return dict(
         num_seqs=config.num_seqs,
         capacity_q=config.capacity_q,
         capacity_kv=config.capacity_kv,
@@ -43,28 +62,22 @@ def ffi_attributes(config: AttentionConfig, direction: str | None = None) -> dic
         left_bound=-1 if config.left_bound is None else config.left_bound,
         right_bound=-1 if config.right_bound is None else config.right_bound,
         stats_token_major=int(config.stats_layout == "token_major"),
-        use_max_total_seq_len=1,  # the backward's layout: set below
+        use_max_total_seq_len=1,  # the backward's layout: ffi_attributes sets it
         deterministic=int(config.deterministic),
         plan_index=-1,  # cuDNN's heuristic choice
         packing=PACKINGS.index(config.packing),
         zero_outputs=0,  # a launch choice, not the graph's (ffi_kwargs)
     )
-    if direction == "backward":
-        layout = strategy.backward_layout(config, attributes, device_ordinal())
-        attributes = strategy.with_layout(attributes, layout)
-    if config.autotune and direction is not None:
-        attributes["plan_index"] = autotune.plan_index(direction, attributes, device_ordinal())
-    return attributes
 
 
 # FFI attributes are typed: each field's type as the extension declares it (extension.config_fields()).
 _ATTRIBUTE_TYPES = {"int64": np.int64, "float32": np.float32}
 
 
-def ffi_kwargs(config: AttentionConfig, direction: str, zero_outputs: bool = False) -> dict:
+def ffi_kwargs(config: AttentionConfig, direction: str, zero_outputs: bool = False, layout: str | None = None) -> dict:
     """The FFI call's attributes: ffi_attributes, each typed as the extension declares its field.
     `zero_outputs`: the handler zeroes every output before the graph runs (launch.row_masking "memset")."""
-    attributes = {**ffi_attributes(config, direction), "zero_outputs": int(zero_outputs)}
+    attributes = {**ffi_attributes(config, direction, layout), "zero_outputs": int(zero_outputs)}
     fields = extension.config_fields()
     if list(attributes) != [name for name, _ in fields]:
         raise RuntimeError(f"ffi_attributes builds the fields {list(attributes)}, but the extension declares "
@@ -88,9 +101,10 @@ def _other_local_ordinals() -> list[int]:
     return [o for o in ordinals if o != device_ordinal()]
 
 
-def graph_info(direction: str, config: AttentionConfig) -> dict:
-    """Builds or finds the graph; raises NotImplementedError if cuDNN cannot run it."""
-    attributes = ffi_attributes(config, direction)
+def graph_info(direction: str, config: AttentionConfig, layout: str | None = None) -> dict:
+    """Builds or finds the graph (the backward in `layout`, else config.strategy's); raises
+    NotImplementedError if cuDNN cannot run it."""
+    attributes = ffi_attributes(config, direction, layout)
     info = extension.module().graph_info(direction, device_ordinal(), attributes)
     if info["status"] == "unsupported":
         raise NotImplementedError(f"cuDNN cannot run this {direction} configuration: {info['message']}")

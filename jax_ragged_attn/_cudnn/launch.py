@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from jax_ragged_attn import checks
-from jax_ragged_attn._cudnn import extension, stats_grad
+from jax_ragged_attn._cudnn import extension, graphs, stats_grad
 from jax_ragged_attn._cudnn.graphs import MAX_HEAD_DIM, INT32_LIMIT, ffi_kwargs, graph_info
 from jax_ragged_attn._cudnn.packings import TABLE
 from jax_ragged_attn.config import AttentionConfig
@@ -77,7 +77,9 @@ def _launch(direction: str, inputs, result_specs, names, cu_q, cu_kv, config: At
     rows = checks.GUARD_ROWS
     padded = dataclasses.replace(config, capacity_q=config.capacity_q + 2 * rows,
                                  capacity_kv=config.capacity_kv + 2 * rows)
-    size = graph_info(direction, padded)["workspace_bytes"]
+    # The backward layout the caller's buffers get unguarded: check mode checks the graph that runs.
+    layout = graphs.backward_layout(config) if direction == "backward" else None
+    size = graph_info(direction, padded, layout=layout)["workspace_bytes"]
     args = (*(checks.padded_rows(x, axis, rows) for x, axis in inputs),
             *_index_arrays(cu_q + rows, cu_kv + rows, padded))
     specs = result_specs(padded)
@@ -88,7 +90,7 @@ def _launch(direction: str, inputs, result_specs, names, cu_q, cu_kv, config: At
     workspace_at = len(specs)
     aliases = {len(args): workspace_at, **{len(args) + 1 + i: i for i in range(len(specs))}}
     call = jax.ffi.ffi_call(target, types, vmap_method="sequential", input_output_aliases=aliases)
-    *results, workspace = call(*args, guarded[-1], *guarded[:-1], **ffi_kwargs(padded, direction))
+    *results, workspace = call(*args, guarded[-1], *guarded[:-1], **ffi_kwargs(padded, direction, layout=layout))
     description = f"{target}: {config.describe()}"
     clobbered = checks.verified_guard_band(workspace[size:], description=description)
     for name, result, (_, _, axis) in zip(names, results, specs):

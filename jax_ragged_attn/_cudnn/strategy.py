@@ -23,8 +23,8 @@ bounded one is kept unless the padded one is faster by more than autotune.MARGIN
 heuristic plans' workspaces; a plan autotune picks for its speed may need a little more. The forward has no
 such choice.
 
-Check mode (config.guard_workspace) applies the rule to its enlarged buffers, so right at the threshold it
-may validate the other layout than the unguarded call runs; both are checked the same way.
+Check mode (config.guard_workspace) enlarges every buffer by its canary rows; it takes the layout the rule
+picks for the caller's buffers (graphs.backward_layout), so it checks the graph the unguarded call runs.
 """
 
 from __future__ import annotations
