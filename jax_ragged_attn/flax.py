@@ -43,6 +43,7 @@ except ImportError as error:  # the library itself needs no Flax; only this modu
                       f"(installs flax and optax); importing flax failed with: {error}") from error
 
 from jax_ragged_attn.api import ragged_attention
+from jax_ragged_attn.config import STRATEGIES
 from jax_ragged_attn.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 
 __all__ = ["RaggedSelfAttention", "apply_rope", "positions_from_cu_seqlens"]
@@ -62,6 +63,8 @@ class RaggedSelfAttention(nnx.Module):
       rope_base: RoPE's base; None turns RoPE off.
       scale: multiplies q.k; default 1 / sqrt(D).
       implementation: None (cuDNN where it can serve the call, else xla), "cudnn" or "xla".
+      strategy: "fastest" or "lean_memory", the cuDNN backward's workspace-for-speed trade, as in
+        `ragged_attention`.
       head_axis: a mesh axis name to split heads over (see the module docstring), or None.
       dtype: the dtype of the projections and the attention (bfloat16 for cuDNN); default x's dtype.
       param_dtype: the parameters' dtype.
@@ -73,8 +76,8 @@ class RaggedSelfAttention(nnx.Module):
     def __init__(self, features: int, num_heads: int, *, num_kv_heads: int | None = None, head_dim: int | None = None,
                  is_causal: bool = True, local_window_size=None, sinks: bool = False,
                  rope_base: float | None = 10_000.0, scale: float | None = None, implementation: str | None = None,
-                 head_axis: str | None = None, dtype=None, param_dtype=jnp.float32, kernel_init=None,
-                 rngs: nnx.Rngs):
+                 strategy: str = "fastest", head_axis: str | None = None, dtype=None, param_dtype=jnp.float32,
+                 kernel_init=None, rngs: nnx.Rngs):
         self.features = _positive_int(features, "features")
         self.num_heads = _positive_int(num_heads, "num_heads")
         self.num_kv_heads = self.num_heads if num_kv_heads is None else _positive_int(num_kv_heads, "num_kv_heads")
@@ -92,7 +95,10 @@ class RaggedSelfAttention(nnx.Module):
         if not isinstance(is_causal, bool) or not isinstance(sinks, bool):
             raise ValueError(f"is_causal and sinks must be Python bools, got {is_causal!r} and {sinks!r}")
         self.is_causal, self.local_window_size, self.rope_base = is_causal, local_window_size, rope_base
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.scale, self.implementation, self.head_axis = scale, implementation, head_axis
+        self.strategy = strategy
         self.dtype, self.param_dtype = dtype, param_dtype
 
         h, hkv, d, f = self.num_heads, self.num_kv_heads, self.head_dim, self.features
@@ -164,7 +170,7 @@ class RaggedSelfAttention(nnx.Module):
     def attend(self, qkv, q, kv, cu_seqlens, *, max_seqlen: int, return_stats: bool = False):
         """The ragged attention on `project`'s output: out [T, Hq, D] (and stats [Hq, T])."""
         options = dict(scale=self.scale, is_causal=self.is_causal, local_window_size=self.local_window_size,
-                       return_stats=return_stats, implementation=self.implementation)
+                       return_stats=return_stats, implementation=self.implementation, strategy=self.strategy)
         bounds = dict(max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
         axis = self.head_axis
         packed, heads = jax.P(None, None, axis, None), jax.P(None, axis, None)  # [T, parts, H, D], [T, H, D]

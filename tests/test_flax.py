@@ -244,6 +244,7 @@ def test_implementation_cudnn_without_gpu_says_why():
     (dict(num_heads=4, head_dim=5), r"RoPE needs an even head_dim"),
     (dict(num_heads=4, is_causal=1), r"is_causal and sinks must be Python bools"),
     (dict(num_heads=2.0), r"num_heads must be an int, got float"),
+    (dict(num_heads=4, strategy="fast"), r"strategy must be one of \('fastest', 'lean_memory'\), got 'fast'"),
 ])
 def test_bad_construction_raises_naming_the_argument(kwargs, message):
     with pytest.raises(ValueError, match=message):
