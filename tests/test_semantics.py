@@ -2,7 +2,8 @@
 
 `SemanticsTest` holds the named cases and the checks, through the public `ragged_attention` only; each
 subclass runs all of them on one implementation: `XlaTest` on the portable path (any backend; float32,
-bfloat16, float16), `CudnnTest` on cuDNN (bfloat16, float16; GPU only, skipped with the reason elsewhere).
+bfloat16, float16), `CudnnTest` on cuDNN (bfloat16, float16; GPU only, skipped with the reason elsewhere) and
+`CudnnLeanMemoryTest`, the same with strategy="lean_memory" (the backward's other intermediate layout).
 Tests of one backend's machinery (graph cache, check mode's guard bands, stand-in kernels, workspace,
 fallback rules) stay in test_xla_path.py, test_cudnn.py and test_cudnn_wrapper.py.
 
