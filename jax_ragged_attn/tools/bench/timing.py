@@ -345,35 +345,42 @@ def _measure_method(case, workload, system, settings, on_compiled, method) -> li
     return [rows["forward"], rows["backward"], rows["forward+backward"]]
 
 
-def host_overhead(workload: Workload, implementation: str, calls: int = 300) -> dict[str, tuple[float, float]]:
+def host_overhead(workload: Workload, implementation: str, calls: int = 100,
+                  rounds: int = 7) -> dict[str, tuple[float, float]]:
     """Host cost of a cached jitted ragged_attention call next to a jitted `q * 2` of the same shapes.
 
     On a workload this small the device finishes first, so back-to-back calls (no sync between them)
     measure what the host spends per call: JAX's dispatch, plus for the cuDNN path the FFI handler's
-    graph-cache lookup and cuDNN's launch. Returns name -> (seconds per back-to-back call, median seconds
-    of a call followed by a sync).
+    graph-cache lookup and cuDNN's launch. The two functions are timed in alternating rounds (`calls`
+    back-to-back calls, then `calls` calls each followed by a sync) and each figure is the median over the
+    rounds: on a shared host the per-call baseline drifts by tens of microseconds over seconds, and timing
+    one function fully before the other put that drift into their difference. Returns name -> (seconds
+    per back-to-back call, seconds per call followed by a sync).
     """
     q, k, v, cu = workload.packed_inputs()
     attention = jax.jit(lambda q, k, v, cu: ragged_attention(
         q, k, v, cu, cu, max_seqlen_q=workload.max_seqlen, max_seqlen_kv=workload.max_seqlen,
         is_causal=workload.causal, implementation=implementation))
     trivial = jax.jit(lambda q, k, v, cu: q * 2)
-    results = {}
-    for name, function in ((f"ragged_attention[{implementation}]", attention), ("q * 2", trivial)):
+    functions = {f"ragged_attention[{implementation}]": attention, "q * 2": trivial}
+    for function in functions.values():
         for _ in range(3):
             jax.block_until_ready(function(q, k, v, cu))
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = function(q, k, v, cu)
-        jax.block_until_ready(out)
-        back_to_back = (time.perf_counter() - start) / calls
-        synced = []
-        for _ in range(min(calls, 100)):
-            begin = time.perf_counter()
-            jax.block_until_ready(function(q, k, v, cu))
-            synced.append(time.perf_counter() - begin)
-        results[name] = (back_to_back, statistics.median(synced))
-    return results
+    samples = {name: ([], []) for name in functions}
+    for _ in range(rounds):
+        for name, function in functions.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                out = function(q, k, v, cu)
+            jax.block_until_ready(out)
+            samples[name][0].append((time.perf_counter() - start) / calls)
+            synced = []
+            for _ in range(calls):
+                begin = time.perf_counter()
+                jax.block_until_ready(function(q, k, v, cu))
+                synced.append(time.perf_counter() - begin)
+            samples[name][1].append(statistics.median(synced))
+    return {name: (statistics.median(a), statistics.median(b)) for name, (a, b) in samples.items()}
 
 
 def matmul_rate(size: int, settings: Settings, method: str) -> float:
