@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from jax_ragged_attn import _cudnn as cudnn
-from jax_ragged_attn._cudnn import autotune, extension, graphs
+from jax_ragged_attn._cudnn import autotune, extension
 from jax_ragged_attn.tools import autotune as autotune_cli
 from jax_ragged_attn.config import AttentionOptions, make_config
 
@@ -62,13 +62,8 @@ class FakeExtension:
 
 
 @pytest.fixture
-def fake(monkeypatch, tmp_path):
-    ext = FakeExtension([_plan(0, 1.0), _plan(1, 0.5), _plan(2, 0.7)])
-    monkeypatch.setattr(extension, "module", lambda: ext)
-    monkeypatch.setattr(graphs, "device_ordinal", lambda: 0)
-    monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "autotune.json"))
-    monkeypatch.setattr(autotune, "_chosen", {})
-    return ext
+def fake(install_extension):
+    return install_extension(FakeExtension([_plan(0, 1.0), _plan(1, 0.5), _plan(2, 0.7)]))
 
 
 def _config(**changes):

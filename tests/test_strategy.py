@@ -13,7 +13,7 @@ import pytest
 
 from jax_ragged_attn import _cudnn as cudnn
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn._cudnn import autotune, extension, graphs, launch
+from jax_ragged_attn._cudnn import extension, launch
 from jax_ragged_attn.config import AttentionOptions, make_config
 
 MiB = 1 << 20
@@ -46,18 +46,6 @@ class FakeExtension:
         return dict(status="ok", message="", plans=[plan])
 
 
-@pytest.fixture
-def use(monkeypatch, tmp_path):
-    def install(ext):
-        monkeypatch.setattr(extension, "module", lambda: ext)
-        return ext
-
-    monkeypatch.setattr(graphs, "device_ordinal", lambda: 0)
-    monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "autotune.json"))
-    monkeypatch.setattr(autotune, "_chosen", {})
-    return install
-
-
 def _config(**options):
     q = jax.ShapeDtypeStruct((4096, 8, 64), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((17,), jnp.int32)
@@ -69,32 +57,32 @@ def _bounded(config, direction="backward") -> bool:
     return bool(cudnn.ffi_attributes(config, direction)["use_max_total_seq_len"])
 
 
-def test_fastest_runs_the_padded_layout_within_twice_the_lean_workspace(use):
-    use(FakeExtension(100 * MiB, 200 * MiB))
+def test_fastest_runs_the_padded_layout_within_twice_the_lean_workspace(install_extension):
+    install_extension(FakeExtension(100 * MiB, 200 * MiB))
     assert not _bounded(_config())
     assert _bounded(_config(strategy="lean_memory"))
 
 
-def test_fastest_allows_256_mib_more_for_small_workspaces(use):
-    use(FakeExtension(10 * MiB, 10 * MiB + 256 * MiB))
+def test_fastest_allows_256_mib_more_for_small_workspaces(install_extension):
+    install_extension(FakeExtension(10 * MiB, 10 * MiB + 256 * MiB))
     assert not _bounded(_config())
-    use(FakeExtension(10 * MiB, 10 * MiB + 257 * MiB))
+    install_extension(FakeExtension(10 * MiB, 10 * MiB + 257 * MiB))
     assert _bounded(_config())
 
 
-def test_fastest_keeps_the_lean_layout_past_the_bound(use):
+def test_fastest_keeps_the_lean_layout_past_the_bound(install_extension):
     """Skewed lengths: B * max_seqlen rows far beyond the token buffer."""
-    use(FakeExtension(300 * MiB, 601 * MiB))
+    install_extension(FakeExtension(300 * MiB, 601 * MiB))
     assert _bounded(_config())
 
 
-def test_a_padded_layout_cudnn_cannot_build_keeps_the_lean_one(use):
-    use(FakeExtension(100 * MiB, 100 * MiB, padded_status="unsupported"))
+def test_a_padded_layout_cudnn_cannot_build_keeps_the_lean_one(install_extension):
+    install_extension(FakeExtension(100 * MiB, 100 * MiB, padded_status="unsupported"))
     assert _bounded(_config())
 
 
-def test_the_forward_has_no_layout_choice(use):
-    ext = use(FakeExtension(100 * MiB, 100 * MiB))
+def test_the_forward_has_no_layout_choice(install_extension):
+    ext = install_extension(FakeExtension(100 * MiB, 100 * MiB))
     assert _bounded(_config(), "forward")
     assert _bounded(_config(strategy="lean_memory"), "forward")
     assert ext.tuned == []
@@ -102,20 +90,20 @@ def test_the_forward_has_no_layout_choice(use):
 
 @pytest.mark.parametrize("padded_ms, bounded", [(1.5, False), (1.99, True), (2.5, True)],
                          ids=["padded-clearly-faster", "within-the-margin", "padded-slower"])
-def test_autotune_times_both_layouts_and_keeps_the_lean_one_unless_clearly_slower(use, padded_ms, bounded):
-    ext = use(FakeExtension(100 * MiB, 150 * MiB, bounded_ms=2.0, padded_ms=padded_ms))
+def test_autotune_times_both_layouts_and_keeps_the_lean_one_unless_clearly_slower(install_extension, padded_ms, bounded):
+    ext = install_extension(FakeExtension(100 * MiB, 150 * MiB, bounded_ms=2.0, padded_ms=padded_ms))
     assert _bounded(_config(autotune=True)) == bounded
     assert sorted(ext.tuned) == [("backward", 0), ("backward", 1)]
 
 
-def test_autotune_never_times_a_layout_past_the_bound(use):
-    ext = use(FakeExtension(100 * MiB, 1000 * MiB, padded_ms=0.1))
+def test_autotune_never_times_a_layout_past_the_bound(install_extension):
+    ext = install_extension(FakeExtension(100 * MiB, 1000 * MiB, padded_ms=0.1))
     assert _bounded(_config(autotune=True))
     assert ext.tuned == [("backward", 1)]  # the plan of the layout that runs
 
 
-def test_lean_memory_never_builds_the_padded_layout(use):
-    ext = use(FakeExtension(100 * MiB, 100 * MiB))
+def test_lean_memory_never_builds_the_padded_layout(install_extension):
+    ext = install_extension(FakeExtension(100 * MiB, 100 * MiB))
     asked = []
     graph_info = ext.graph_info
     ext.graph_info = lambda d, dev, a: asked.append(a["use_max_total_seq_len"]) or graph_info(d, dev, a)
@@ -132,7 +120,7 @@ def test_an_unknown_strategy_is_refused_naming_the_argument(strategy_name):
 
 
 
-def test_check_mode_checks_the_layout_the_unguarded_call_runs(monkeypatch, use):
+def test_check_mode_checks_the_layout_the_unguarded_call_runs(monkeypatch, install_extension):
     """Check mode enlarges every buffer by its canary rows. Here the padded layout fits the caller's
     buffers but not the enlarged ones (the fake's padded workspace grows with the capacity): the guarded
     backward must still run - and so check - the padded graph the unguarded call runs."""
@@ -150,7 +138,7 @@ def test_check_mode_checks_the_layout_the_unguarded_call_runs(monkeypatch, use):
             self.bytes = {1: 1 * MiB, 0: padded}
             return super().graph_info(direction, device, attributes)
 
-    use(CapacityDependent(0, 0))
+    install_extension(CapacityDependent(0, 0))
     monkeypatch.setattr(launch, "graph_info", lambda direction, config, layout=None: {"workspace_bytes": 64})
     options = AttentionOptions(is_causal=True)
     config = make_config(q, q, q, cu, cu, options, max_seqlen_q=32, max_seqlen_kv=32)
