@@ -27,8 +27,7 @@ def ffi_attributes(config: AttentionConfig, direction: str | None = None, layout
     """
     attributes = _plain_attributes(config)
     if direction == "backward":
-        attributes = strategy.with_layout(attributes, layout or strategy.backward_layout(config, attributes,
-                                                                                           device_ordinal()))
+        attributes = strategy.with_layout(attributes, layout or backward_layout(config))
     if config.autotune and direction is not None:
         attributes["plan_index"] = autotune.plan_index(direction, attributes, device_ordinal())
     return attributes

@@ -57,17 +57,15 @@ def _launch(direction: str, inputs, result_specs, names, cu_q, cu_kv, config: At
         types = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in result_specs(config))
         types += (jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),)
         args = (*(x for x, _ in inputs), *_index_arrays(cu_q, cu_kv, config))
-        masking = row_masking()
-        if masking == "memset" or (masking == "where" and not _debugging_floats()):
+        masking = _unguarded_row_masking()
+        if masking != "zero_fill":
             # memset: the handler zeroes each output on the stream before the graph runs (a copy-engine
             # write, ~2x XLA's zero-writing fusion); where: raw results, masked by the caller.
             call = jax.ffi.ffi_call(target, types, vmap_method="sequential")
             *results, _ = call(*args, **ffi_kwargs(config, direction, zero_outputs=masking == "memset"))
             return results, jnp.bool_(True)
         # zero_fill: the kernel writes only the rows it owns, so give it zero-filled outputs made by XLA
-        # (aliased to the results; the workspace stays an ordinary result, never filled). Under
-        # jax.debug_nans / debug_infs with row masking "where" too: it keeps an eager call's raw results
-        # finite.
+        # (aliased to the results; the workspace stays an ordinary result, never filled).
         zeros = tuple(jnp.zeros(t.shape, t.dtype) for t in types[:-1])
         aliases = {len(args) + i: i for i in range(len(zeros))}
         call = jax.ffi.ffi_call(target, types, vmap_method="sequential", input_output_aliases=aliases)
@@ -120,9 +118,17 @@ def row_masking() -> str:
     return value
 
 
+def _unguarded_row_masking() -> str:
+    """The row masking an unguarded launch uses: row_masking(), but "where" becomes "zero_fill" under
+    jax.debug_nans / debug_infs, where an eager call checks the kernel's raw results and rows it does not
+    own must already be finite."""
+    masking = row_masking()
+    return "zero_fill" if masking == "where" and _debugging_floats() else masking
+
+
 def _zero_filled(config: AttentionConfig) -> bool:
     """Whether the results of an unguarded launch are already 0 in every row the kernel does not own."""
-    return not config.guard_workspace and (row_masking() != "where" or _debugging_floats())
+    return not config.guard_workspace and _unguarded_row_masking() != "where"
 
 
 def _run(fn, config_argnum: int, *args):
