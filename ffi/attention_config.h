@@ -25,6 +25,16 @@ enum class Packing : int64_t {
   kQKV = 2,       // qkv [T, 3, H, D] (Tq = Tkv, Hq = Hkv)
 };
 
+// What the handler does, before the graph runs, so that rows the graph does not own (padding, rows past
+// max_seqlen, sequences without keys) read 0.
+enum class ZeroOutputs : int64_t {
+  kNo = 0,        // nothing: the outputs came in zero-filled, or Python masks them afterwards
+  kAll = 1,       // cudaMemsetAsync over every output
+  kUnowned = 2,   // the row-zeroing kernel over the rows no sequence owns (kAll where it cannot load)
+  kPoisoned = 3,  // testing: every output filled with NaN (0xFF bytes), then kUnowned: a row the graph should
+                  // own but leaves unwritten reads NaN
+};
+
 // X(type, name, default, label in describe(), value names in describe(): "a|b|c" for 0, 1, 2; "" prints
 // the number). The order is the attribute order Python builds and the order of the struct's members.
 #define JAX_RAGGED_ATTN_CONFIG_FIELDS(X)                                                                       \
@@ -48,9 +58,9 @@ enum class Packing : int64_t {
   X(int64_t, deterministic, 0, "deterministic", "") /* backward: cuDNN's deterministic algorithm */            \
   X(int64_t, plan_index, -1, "plan", "") /* which of cuDNN's candidate plans runs; -1: the heuristic's first */ \
   X(int64_t, packing, 0, "packing", "none|kv|qkv") /* Packing */                                             \
-  /* zero every output (not the workspace) before the graph runs: rows it does not own read 0. Not part */   \
-  /* of the graph: one cached graph serves both values (graph_cache.cc's cached_graph). */                     \
-  X(int64_t, zero_outputs, 0, "zero_outputs", "no|yes")
+  /* how rows the graph does not own come to read 0 (ZeroOutputs), done by the handler before the graph runs. */ \
+  /* Not part of the graph: one cached graph serves every value (graph_cache.cc's cached_graph). */             \
+  X(int64_t, zero_outputs, 0, "zero_outputs", "no|all|unowned|poisoned") /* ZeroOutputs */
 
 // The attribute type Python must pass for a field's C++ type (jax.ffi attributes are typed); a field of
 // any other type does not compile until it is added here and in Python's ffi_kwargs.

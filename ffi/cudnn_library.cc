@@ -97,18 +97,35 @@ xla::ffi::Error compute_capability(int device, int* sm_version) {
   return xla::ffi::Error::Success();
 }
 
-xla::ffi::Error zero_async(void* ptr, size_t bytes, cudaStream_t stream) {
+xla::ffi::Error fill_async(void* ptr, int value, size_t bytes, cudaStream_t stream) {
   using MemsetAsync = cudaError_t (*)(void*, int, size_t, cudaStream_t);
   if (bytes == 0) return xla::ffi::Error::Success();
   try {
     static const auto fn = reinterpret_cast<MemsetAsync>(
         cudnn_frontend::detail::get_cuda_symbol(cudnn_frontend::detail::CudaLibrary::CUDART, "cudaMemsetAsync"));
-    const cudaError_t status = fn(ptr, 0, bytes, stream);
+    const cudaError_t status = fn(ptr, value, bytes, stream);
     FFI_CHECK(status == cudaSuccess) << "cudaMemsetAsync of " << bytes << " bytes returned " << static_cast<int>(status);
   } catch (const std::exception& e) {
     return ErrorStream(xla::ffi::ErrorCode::kUnavailable) << "cannot reach the CUDA runtime: " << e.what();
   }
   return xla::ffi::Error::Success();
+}
+
+void* cuda_runtime_symbol(const char* name) {
+  try {
+    return cudnn_frontend::detail::get_cuda_symbol(cudnn_frontend::detail::CudaLibrary::CUDART, name);
+  } catch (const std::exception&) {
+    return nullptr;
+  }
+}
+
+RelaxedStreamCapture::RelaxedStreamCapture() {
+  exchange_ = reinterpret_cast<Exchange>(cuda_runtime_symbol("cudaThreadExchangeStreamCaptureMode"));
+  if (exchange_ && exchange_(&mode_) != cudaSuccess) exchange_ = nullptr;
+}
+
+RelaxedStreamCapture::~RelaxedStreamCapture() {
+  if (exchange_) exchange_(&mode_);
 }
 
 }  // namespace jax_ragged_attn

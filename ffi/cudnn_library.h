@@ -27,8 +27,33 @@ xla::ffi::Error set_current_device(int device);
 // Compute capability major*10+minor of `device`.
 xla::ffi::Error compute_capability(int device, int* sm_version);
 
-// cudaMemsetAsync(ptr, 0, bytes, stream) through the dlopen'ed CUDA runtime: a write-only pass at the
+// cudaMemsetAsync(ptr, value, bytes, stream) through the dlopen'ed CUDA runtime: a write-only pass at the
 // copy engines' rate, captured into a CUDA graph like any stream operation.
-xla::ffi::Error zero_async(void* ptr, size_t bytes, cudaStream_t stream);
+xla::ffi::Error fill_async(void* ptr, int value, size_t bytes, cudaStream_t stream);
+inline xla::ffi::Error zero_async(void* ptr, size_t bytes, cudaStream_t stream) {
+  return fill_async(ptr, 0, bytes, stream);
+}
+
+// A symbol of the CUDA runtime cudnn-frontend's loader opened (the one jaxlib loaded), or nullptr if that
+// runtime lacks it.
+void* cuda_runtime_symbol(const char* name);
+
+// Switches the calling thread to relaxed stream-capture mode for its lifetime. Work done inside a handler
+// that is not stream work (a graph missing from the cache is built right there; a kernel module is loaded)
+// may run while XLA captures that handler's stream into a CUDA graph (command buffers, on by default): in the
+// default global mode such allocations and module loads are forbidden calls that invalidate the capture;
+// relaxed mode allows them (they are not captured, and they enqueue no work on the stream).
+class RelaxedStreamCapture {
+ public:
+  RelaxedStreamCapture();
+  ~RelaxedStreamCapture();
+  RelaxedStreamCapture(const RelaxedStreamCapture&) = delete;
+  RelaxedStreamCapture& operator=(const RelaxedStreamCapture&) = delete;
+
+ private:
+  using Exchange = cudaError_t (*)(cudaStreamCaptureMode*);
+  Exchange exchange_ = nullptr;
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
 
 }  // namespace jax_ragged_attn

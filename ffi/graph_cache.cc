@@ -95,32 +95,6 @@ xla::ffi::Error device_state(int device, DeviceState** out) {
   return xla::ffi::Error::Success();
 }
 
-// Switches the calling thread to relaxed stream-capture mode for its lifetime. A graph missing when a handler
-// runs is built right there, and XLA may be capturing that handler's stream into a CUDA graph (command
-// buffers, on by default): in the default global mode the allocations and module loads of a cuDNN build are
-// forbidden calls that invalidate the capture; relaxed mode allows them (they are not captured, and the build
-// enqueues no work on the stream).
-class RelaxedStreamCapture {
- public:
-  RelaxedStreamCapture() {
-    try {
-      exchange_ = reinterpret_cast<Exchange>(
-          fe::detail::get_cuda_symbol(fe::detail::CudaLibrary::CUDART, "cudaThreadExchangeStreamCaptureMode"));
-      if (exchange_(&mode_) != cudaSuccess) exchange_ = nullptr;
-    } catch (const std::exception&) {
-      exchange_ = nullptr;
-    }
-  }
-  ~RelaxedStreamCapture() {
-    if (exchange_) exchange_(&mode_);
-  }
-
- private:
-  using Exchange = cudaError_t (*)(cudaStreamCaptureMode*);
-  Exchange exchange_ = nullptr;
-  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
-};
-
 xla::ffi::Error cached_graph(int device, Direction direction, AttentionConfig c,
                              std::shared_ptr<const CachedGraph>* out, bool in_handler) {
   // zero_outputs is what the handler does around the graph, not part of it: one graph serves both, and

@@ -16,9 +16,10 @@
 // arguments, when present, are the results' own memory passed in aliased: in check mode (Python's
 // check=True) the workspace and every output, made larger than the call needs with a canary in the slack
 // that Python verifies afterwards; with row masking "zero_fill" every output but the workspace, zero-filled
-// by XLA. They are checked against their results and never read. By default (row masking "memset") there
-// are none, and the zero_outputs attribute has the handler zero every output on the stream before the graph
-// runs, so rows the graph does not own (padding, rows past max_seqlen) read 0.
+// by XLA. They are checked against their results and never read. By default (row masking "unowned") there
+// are none, and the zero_outputs attribute has the handler zero, on the stream before the graph runs, the
+// rows the graph does not own (padding, rows past max_seqlen, sequences without keys) with the row-zeroing
+// kernel (row_zeroing.h), or whole outputs with cudaMemsetAsync ("memset", or where the kernel cannot load).
 #include "handlers.h"
 
 #include <algorithm>
@@ -30,6 +31,7 @@
 #include "cudnn_library.h"
 #include "graph_cache.h"
 #include "layouts.h"
+#include "row_zeroing.h"
 
 namespace ffi = xla::ffi;
 
@@ -186,6 +188,41 @@ ffi::Error check_guarded_args(const ffi::RemainingArgs& guarded, const std::vect
   return ffi::Error::Success();
 }
 
+// An output buffer and the rows in it that sequences may own (a packed gradient buffer has one region per part).
+struct OwnedRows {
+  RowRegion region;
+  RowOwnership owner;
+};
+struct OutputRows {
+  void* data;
+  size_t bytes;
+  std::vector<OwnedRows> parts;
+};
+
+// Before the graph runs, as the zero_outputs attribute asks (ZeroOutputs): rows the graph does not own
+// (padding, rows past max_seqlen, sequences without keys) must read 0.
+ffi::Error zero_unowned_outputs(int32_t device, const std::vector<OutputRows>& outputs, const AttentionConfig& c,
+                                cudaStream_t stream) {
+  const auto mode = static_cast<ZeroOutputs>(c.zero_outputs);
+  FFI_CHECK(c.zero_outputs >= 0 && c.zero_outputs <= static_cast<int64_t>(ZeroOutputs::kPoisoned))
+      << "zero_outputs must be 0 (no), 1 (all), 2 (unowned) or 3 (poisoned), got " << c.zero_outputs;
+  if (mode == ZeroOutputs::kNo) return ffi::Error::Success();
+  std::string unavailable = mode == ZeroOutputs::kAll ? "not asked for" : prepare_row_zeroing(device);
+  FFI_CHECK(mode != ZeroOutputs::kPoisoned || unavailable.empty())
+      << "row masking 'poisoned' needs the row-zeroing kernel: " << unavailable;
+  for (const OutputRows& output : outputs) {
+    if (!unavailable.empty()) {  // the whole output, at the copy engines' rate
+      FFI_RETURN_IF_ERROR(zero_async(output.data, output.bytes, stream));
+      continue;
+    }
+    if (mode == ZeroOutputs::kPoisoned) FFI_RETURN_IF_ERROR(fill_async(output.data, 0xFF, output.bytes, stream));
+    for (const OwnedRows& part : output.parts) {
+      FFI_RETURN_IF_ERROR(zero_unowned_rows(part.region, part.owner, stream));
+    }
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error forward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         Int32Buffer seq_len_q, Int32Buffer seq_len_kv, Int32Buffer offset_q, Int32Buffer offset_k,
                         Int32Buffer offset_v, Int32Buffer offset_o, Int32Buffer offset_stats,
@@ -208,10 +245,20 @@ ffi::Error forward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
   std::shared_ptr<const CachedGraph> graph;
   FFI_RETURN_IF_ERROR(forward_graph(device, c, &graph));
   FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace->element_count()), *graph, c));
-  if (c.zero_outputs) {  // rows the graph does not own (padding, rows past max_seqlen) must read 0
-    FFI_RETURN_IF_ERROR(zero_async(o->untyped_data(), o->size_bytes(), stream));
-    FFI_RETURN_IF_ERROR(zero_async(stats->untyped_data(), stats->size_bytes(), stream));
-  }
+  const int64_t o_row = c.num_heads_q * c.head_dim_v * 2;
+  const RowOwnership queries{offset_o.untyped_data(), c.num_heads_q * c.head_dim_v, seq_len_q.untyped_data(),
+                             nullptr, c.num_seqs};
+  const RowOwnership stats_owner{offset_stats.untyped_data(), c.stats_token_major ? c.num_heads_q : 1,
+                                 seq_len_q.untyped_data(), nullptr, c.num_seqs};
+  // Token-major stats: a row of Hq floats; head-major: one float in each of Hq slices of Tq.
+  const RowRegion stats_rows =
+      c.stats_token_major ? RowRegion{stats->untyped_data(), c.capacity_q, c.num_heads_q * 4, c.num_heads_q * 4}
+                          : RowRegion{stats->untyped_data(), c.capacity_q, 4, 4, c.num_heads_q, c.capacity_q * 4};
+  FFI_RETURN_IF_ERROR(zero_unowned_outputs(
+      device,
+      {{o->untyped_data(), o->size_bytes(), {{{o->untyped_data(), c.capacity_q, o_row, o_row}, queries}}},
+       {stats->untyped_data(), stats->size_bytes(), {{stats_rows, stats_owner}}}},
+      c, stream));
 
   std::unordered_map<int64_t, void*> pack = {
       {static_cast<int64_t>(TensorUid::kQ), in.q},
@@ -287,11 +334,26 @@ ffi::Error backward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, 
   std::shared_ptr<const CachedGraph> graph;
   FFI_RETURN_IF_ERROR(backward_graph(device, c, &graph));
   FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace.element_count()), *graph, c));
-  if (c.zero_outputs) {  // gradient rows the graph does not own must read 0
-    for (size_t i = 0; i < num_gradients; ++i) {
-      FFI_RETURN_IF_ERROR(zero_async(results[i].untyped_data(), results[i].size_bytes(), stream));
+  // Each part of a gradient buffer has its own rows: dQ's are the queries', dK's and dV's the keys' (and a
+  // sequence without queries gets its dK/dV rows zeroed too, whatever cuDNN does with them).
+  const RowOwnership queries{offset_q.untyped_data(), q_token_stride(c), seq_len_q.untyped_data(), nullptr,
+                             c.num_seqs};
+  const RowOwnership keys{offset_k.untyped_data(), k_token_stride(c), seq_len_kv.untyped_data(),
+                          seq_len_q.untyped_data(), c.num_seqs};
+  const RowOwnership values{offset_v.untyped_data(), v_token_stride(c), seq_len_kv.untyped_data(),
+                            seq_len_q.untyped_data(), c.num_seqs};
+  const OwnedRows part_rows[3] = {
+      {{grads.q, c.capacity_q, q_token_stride(c) * 2, c.num_heads_q * c.head_dim_qk * 2}, queries},
+      {{grads.k, c.capacity_kv, k_token_stride(c) * 2, c.num_heads_kv * c.head_dim_qk * 2}, keys},
+      {{grads.v, c.capacity_kv, v_token_stride(c) * 2, c.num_heads_kv * c.head_dim_v * 2}, values}};
+  std::vector<OutputRows> outputs;
+  for (size_t i = 0; i < num_gradients; ++i) {
+    outputs.push_back({results[i].untyped_data(), results[i].size_bytes(), {}});
+    for (int part = 0; part < 3; ++part) {
+      if (layout.part[part] == static_cast<int>(i)) outputs.back().parts.push_back(part_rows[part]);
     }
   }
+  FFI_RETURN_IF_ERROR(zero_unowned_outputs(device, outputs, c, stream));
 
   std::unordered_map<int64_t, void*> pack = {
       {static_cast<int64_t>(TensorUid::kQ), in.q},

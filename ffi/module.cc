@@ -12,6 +12,7 @@
 #include "cudnn_library.h"
 #include "graph_cache.h"
 #include "handlers.h"
+#include "row_zeroing.h"
 #include "sizing.h"
 
 namespace nb = nanobind;
@@ -81,6 +82,12 @@ nb::dict graph_info(const std::string& direction, int device, const nb::dict& co
   }
   info["status"] = error_kind(status);
   info["message"] = status.message();
+  // Readied with the graphs, at trace time, so no handler loads it while XLA may capture its stream; where
+  // it cannot run, the handlers zero whole outputs instead (row_zeroing.h).
+  if (status.success()) {
+    const std::string reason = prepare_row_zeroing(device);
+    info["row_zeroing"] = reason.empty() ? std::string("ready") : reason;
+  }
   if (graph) {
     info["workspace_bytes"] = graph->workspace_bytes;
     info["max_total_seq_len_applied"] = graph->max_total_seq_len_applied;
@@ -165,6 +172,8 @@ NB_MODULE(_ext, m) {
                                               CUDNN_FRONTEND_PATCH_VERSION);
   m.def("graph_info", &graph_info, nb::arg("direction"), nb::arg("device"), nb::arg("config"));
   m.def("tune_plans", &tune, nb::arg("direction"), nb::arg("device"), nb::arg("config"));
+  // "" when the row-zeroing kernel is loaded and readied on `device`, else why it cannot run there.
+  m.def("prepare_row_zeroing", &prepare_row_zeroing, nb::arg("device"));
   m.def("graph_cache_stats", []() {
     const GraphCacheStats s = graph_cache_stats();
     nb::dict d;

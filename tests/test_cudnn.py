@@ -141,6 +141,14 @@ def test_workspace_is_an_xla_buffer_of_the_reported_size():
     assert f"tensor<{workspace}xui8>" in hlo
 
 
+def test_the_row_zeroing_kernel_is_ready_so_the_default_zeroes_only_unowned_rows():
+    """The default row masking runs our PTX kernel (ffi/row_zeroing.cu); were it unable to load, the handlers
+    would quietly zero whole outputs instead (correct, slower): on a supported GPU that must not happen."""
+    case = Case(is_causal=True)
+    batch, _ = _batch(case, 10)
+    assert cudnn.graph_info("forward", _config(case, batch, case.layout))["row_zeroing"] == "ready"
+
+
 def test_graph_cache_hits_after_first_call_and_stays_bounded():
     ext = extension.module()
     case = Case(is_causal=True, layout="token_major")
@@ -175,10 +183,12 @@ def test_strategy_picks_the_backward_layout_and_changes_no_result(layout):
 @pytest.mark.parametrize("case", [Case(heads=(8, 2), is_causal=True, empty=(2,)),
                                   Case(is_causal=True, alignment="bottom_right", window=(16, 0))],
                          ids=["causal-empty-sequence", "bottom-right-window"])
-@pytest.mark.parametrize("row_masking", ["zero_fill", "where"])
+@pytest.mark.parametrize("row_masking", ["memset", "zero_fill", "where", "poisoned"])
 def test_every_row_masking_gives_the_default_results(monkeypatch, row_masking, case):
-    """The rows cuDNN does not write read 0 whether the handler zeroes its outputs first (the default,
-    "memset"), XLA hands it zero-filled buffers, or the wrapper masks them after the call. Bottom-right
+    """The rows cuDNN does not write read 0 whether the handler zeroes them first (the default, "unowned",
+    with its row-zeroing kernel), or whole outputs ("memset"), XLA hands it zero-filled buffers, or the
+    wrapper masks them after the call; "poisoned" (NaN first, then the unowned rows zeroed) shows that cuDNN
+    writes every row the default leaves to it. Bottom-right
     alignment leaves the first rows of a sequence with more queries than keys without a key: cuDNN writes
     those rows itself, and only "where" masks them after the call, so the modes agree only if it writes 0."""
     batch, d_out = _batch(case, 41)
@@ -188,7 +198,7 @@ def test_every_row_masking_gives_the_default_results(monkeypatch, row_masking, c
     np.testing.assert_array_equal(other[0], default[0])
     np.testing.assert_array_equal(other[1], default[1])
     for name, a, b in zip(("dq", "dk", "dv"), other[2], default[2]):
-        assert_close(a, b, case.dtype, f"{name}: {row_masking} vs memset")
+        assert_close(a, b, case.dtype, f"{name}: {row_masking} vs unowned")
         assert np.all(a[batch.padding_q if name == "dq" else batch.padding_kv] == 0), name
 
 

@@ -122,7 +122,8 @@ def _config(batch, layout="head_major", **changes):
 @pytest.mark.parametrize("row_masking", launch.ROW_MASKINGS)
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])
 def test_outputs_and_gradients_match_the_xla_path_with_padding_cleaned(monkeypatch, batch, layout, row_masking):
-    """memset: the handler zeroes its outputs first (the stand-in starts from zeros when asked); zero_fill:
+    """unowned, memset, poisoned: the handler zeroes the rows it does not own first (the stand-in starts
+    from zeros when asked); zero_fill:
     the kernel gets zero-filled buffers and leaves their unowned rows alone; where: it gets fresh (NaN)
     buffers and the wrapper masks those rows after it."""
     monkeypatch.setenv(launch.ROW_MASKING_ENV, row_masking)

@@ -3,7 +3,8 @@
 `SemanticsTest` holds the named cases and the checks, through the public `ragged_attention` only; each
 subclass runs all of them on one implementation: `XlaTest` on the portable path (any backend; float32,
 bfloat16, float16), `CudnnTest` on cuDNN (bfloat16, float16; GPU only, skipped with the reason elsewhere) and
-`CudnnLeanMemoryTest`, the same with strategy="lean_memory" (the backward's other intermediate layout).
+`CudnnLeanMemoryTest`, the same with strategy="lean_memory" (the backward's other intermediate layout), and
+`CudnnPoisonedOutputsTest`, with NaN in every output row cuDNN is trusted to write.
 Tests of one backend's machinery (graph cache, check mode's guard bands, stand-in kernels, workspace,
 fallback rules) stay in test_xla_path.py, test_cudnn.py and test_cudnn_wrapper.py.
 
@@ -36,6 +37,7 @@ from absl.testing import parameterized
 import jax_ragged_attn
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.testing import PackedBatch, assert_close, packed_batch, reference_attention
+from jax_ragged_attn._cudnn import launch
 
 LAYOUTS = ("head_major", "token_major")
 
@@ -478,6 +480,16 @@ class CudnnTest(SemanticsTest):
     sizes = Sizes(num_seqs=6, max_seqlen=(160, 192), slack=(37, 21), head_dim_unit=32, window_unit=4)
     deterministic_by_default = False  # dQ is accumulated with atomics unless deterministic=True
     unsupported = "cuDNN cannot run this"  # graphs.graph_info's wording: a graph cuDNN does not support
+
+
+class CudnnPoisonedOutputsTest(CudnnTest):
+    """cuDNN with every output filled with NaN before the graph runs and then only the rows no sequence owns
+    zeroed (row masking "poisoned"): the default ("unowned") leaves the owned rows to cuDNN, so a row cuDNN
+    should write but skips would hold stale memory there; here it reads NaN and every check fails on it."""
+
+    def setUp(self):
+        super().setUp()
+        self.enter_context(mock.patch.dict(os.environ, {launch.ROW_MASKING_ENV: "poisoned"}))
 
 
 class CudnnLeanMemoryTest(CudnnTest):

@@ -328,7 +328,7 @@ def _unpacked_gradients(grads, packing: str) -> tuple:
     return d_qkv[:, 0], d_qkv[:, 1], d_qkv[:, 2]
 
 
-@pytest.mark.parametrize("mode", ["memset", "zero_fill", "where", "check_mode"])
+@pytest.mark.parametrize("mode", ["unowned", "memset", "zero_fill", "where", "check_mode"])
 @pytest.mark.parametrize("stats_in_loss", [False, True], ids=["stats_as_aux", "stats_in_the_loss"])
 @pytest.mark.parametrize("packing", ["kv", "qkv"])
 def test_packed_buffers_get_gradients_in_their_own_layout(monkeypatch, rng, packing, stats_in_loss, mode):

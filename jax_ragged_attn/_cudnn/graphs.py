@@ -73,10 +73,16 @@ def _plain_attributes(config: AttentionConfig) -> dict:
 _ATTRIBUTE_TYPES = {"int64": np.int64, "float32": np.float32}
 
 
-def ffi_kwargs(config: AttentionConfig, direction: str, zero_outputs: bool = False, layout: str | None = None) -> dict:
+# What the handler does before the graph runs so that rows the graph does not own read 0 (the zero_outputs
+# attribute, ffi/attention_config.h's ZeroOutputs): nothing, cudaMemsetAsync over each whole output, the
+# row-zeroing kernel over the unowned rows only, or (testing) NaN everywhere first and then that kernel.
+ZERO_OUTPUTS = ("no", "all", "unowned", "poisoned")
+
+
+def ffi_kwargs(config: AttentionConfig, direction: str, zero_outputs: str = "no", layout: str | None = None) -> dict:
     """The FFI call's attributes: ffi_attributes, each typed as the extension declares its field.
-    `zero_outputs`: the handler zeroes every output before the graph runs (launch.row_masking "memset")."""
-    attributes = {**ffi_attributes(config, direction, layout), "zero_outputs": int(zero_outputs)}
+    `zero_outputs`: one of ZERO_OUTPUTS (launch.row_masking decides)."""
+    attributes = {**ffi_attributes(config, direction, layout), "zero_outputs": ZERO_OUTPUTS.index(zero_outputs)}
     fields = extension.config_fields()
     if list(attributes) != [name for name, _ in fields]:
         raise RuntimeError(f"ffi_attributes builds the fields {list(attributes)}, but the extension declares "

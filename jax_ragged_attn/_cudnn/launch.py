@@ -3,7 +3,7 @@
 At trace time the extension builds (or finds) the exact cuDNN graph and tells us its workspace size, which
 becomes an extra uint8 output of the call: XLA allocates it like any buffer and the wrapper drops it.
 There are two handlers, extension.FORWARD_TARGET and extension.BACKWARD_TARGET; the packing (packings.py)
-is an attribute. By default the handler zeroes the outputs itself (row_masking "memset"); initial buffers
+is an attribute. By default the handler zeroes the rows it does not own itself (row_masking "unowned"); initial buffers
 aliased to the results may follow the index arrays instead: XLA's zero-filled outputs (row masking
 "zero_fill"), or check mode's guarded workspace and outputs; the handlers accept either.
 """
@@ -59,10 +59,11 @@ def _launch(direction: str, inputs, result_specs, names, cu_q, cu_kv, config: At
         args = (*(x for x, _ in inputs), *_index_arrays(cu_q, cu_kv, config))
         masking = _unguarded_row_masking()
         if masking != "zero_fill":
-            # memset: the handler zeroes each output on the stream before the graph runs (a copy-engine
-            # write, ~2x XLA's zero-writing fusion); where: raw results, masked by the caller.
+            # unowned / memset / poisoned: the handler zeroes on the stream, before the graph runs, the rows
+            # no sequence owns (its own small kernel) or each whole output (a copy-engine write, ~2x XLA's
+            # zero-writing fusion); where: raw results, masked by the caller.
             call = jax.ffi.ffi_call(target, types, vmap_method="sequential")
-            *results, _ = call(*args, **ffi_kwargs(config, direction, zero_outputs=masking == "memset"))
+            *results, _ = call(*args, **ffi_kwargs(config, direction, zero_outputs=_zero_outputs(masking)))
             return results, jnp.bool_(True)
         # zero_fill: the kernel writes only the rows it owns, so give it zero-filled outputs made by XLA
         # (aliased to the results; the workspace stays an ordinary result, never filled).
@@ -103,19 +104,29 @@ def _debugging_floats() -> bool:
 
 
 ROW_MASKING_ENV = "JAX_RAGGED_ATTN_ROW_MASKING"
-ROW_MASKINGS = ("memset", "zero_fill", "where")
+ROW_MASKINGS = ("unowned", "memset", "zero_fill", "where", "poisoned")
 
 
 def row_masking() -> str:
     """How the rows cuDNN does not write (padding, rows past max_seqlen, sequences without keys) become 0:
-    "memset" (the default) has the handler zero each output with cudaMemsetAsync before the graph runs,
-    "zero_fill" hands the kernel zero-filled buffers XLA writes, "where" masks each output after the call
-    (a read-and-write pass). Read at trace time from JAX_RAGGED_ATTN_ROW_MASKING, so the benchmark can
-    compare them (docs/PERFORMANCE.md: measured on the H200, memset is the fastest); results are identical."""
-    value = os.environ.get(ROW_MASKING_ENV, "memset")
+    "unowned" (the default) has the handler zero just those rows with its own small kernel before the graph
+    runs (whole outputs with cudaMemsetAsync where that kernel cannot load), "memset" always zeroes whole
+    outputs that way, "zero_fill" hands the kernel zero-filled buffers XLA writes, "where" masks each output
+    after the call (a read-and-write pass). "poisoned" is for tests: the handler fills every output with NaN
+    and then zeroes the unowned rows, so a row cuDNN should write but does not reads NaN instead of 0 (it
+    checks the ownership rule the default relies on). Read at trace time from JAX_RAGGED_ATTN_ROW_MASKING, so
+    the benchmark can compare them (docs/PERFORMANCE.md); results are identical."""
+    value = os.environ.get(ROW_MASKING_ENV, "unowned")
     if value not in ROW_MASKINGS:
         raise ValueError(f"{ROW_MASKING_ENV} must be one of {ROW_MASKINGS}, got {value!r}")
     return value
+
+
+def _zero_outputs(masking: str) -> str:
+    """The handler's zero_outputs attribute (graphs.ZERO_OUTPUTS) for a row masking it carries out itself.
+    The row-zeroing kernel is readied on each GPU with the graphs at trace time (graph_info); where it cannot
+    run, "unowned" zeroes whole outputs and "poisoned" fails with the reason."""
+    return {"unowned": "unowned", "poisoned": "poisoned", "memset": "all", "where": "no"}[masking]
 
 
 def _unguarded_row_masking() -> str:

@@ -173,7 +173,9 @@ def stand_in_handler_args(args: tuple, result_types: tuple, aliases: dict | None
     """(inputs + index arrays, workspace, initial results) of a call a CPU stand-in for the FFI handlers
     receives, from the call's input_output_aliases and attributes (cudnn._launch): no aliases, and the
     stand-in gets a fresh workspace and NaN results, like uninitialised memory, or zeros where the
-    zero_outputs attribute asks the handler to zero them; one initial buffer per result but the workspace
+    zero_outputs attribute asks the handler to zero the rows it does not own (whole outputs, or the unowned
+    rows, which a stand-in that writes every row it owns cannot tell apart; "poisoned" NaN in owned rows
+    checks cuDNN's writes and is for the GPU); one initial buffer per result but the workspace
     (XLA's zero-filled outputs), and a fresh workspace; or check mode's workspace then one per result."""
     num_results = len(result_types) - 1
     if not aliases:

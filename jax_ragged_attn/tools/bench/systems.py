@@ -7,8 +7,9 @@
     ours-hm     ragged_attention(implementation="cudnn"), stats head-major [H, T]
     ours-tm     the same with stats token-major [T, H]
     ours-lean   ours-hm with strategy="lean_memory": the backward's intermediates sized by the token capacity
-    ours-where  ours-hm with the rows cuDNN does not write masked after the call (JAX_RAGGED_ATTN_ROW_MASKING=
-                where) instead of zeroed by the handler before it (memset, the default)
+    ours-memset ours-hm with whole outputs zeroed by the handler (JAX_RAGGED_ATTN_ROW_MASKING=memset) instead
+                of only the rows cuDNN does not write (unowned, the default: our row-zeroing kernel)
+    ours-where  ours-hm with those rows masked after the call (ROW_MASKING=where)
     ours-zero-fill  the same with XLA's zero-filled output buffers (ROW_MASKING=zero_fill)
     jax-padded  jax.nn.dot_product_attention(implementation="cudnn") on the batch padded to
                 [B, max_len, H, D], with query/key_value_seq_lengths
@@ -217,6 +218,9 @@ SYSTEMS: dict[str, System] = {
         _jax_system("ours-lean", "the same with strategy='lean_memory' (backward sized by the token capacity)",
                     functools.partial(_ours_case, implementation="cudnn", strategy="lean_memory"),
                     extension.cudnn_unavailable_reason),
+        _jax_system("ours-memset", "ours-hm with whole outputs zeroed first (ROW_MASKING=memset)",
+                    functools.partial(_ours_case, implementation="cudnn"), extension.cudnn_unavailable_reason,
+                    row_masking="memset"),
         _jax_system("ours-where", "ours-hm with the unowned rows masked after the call (ROW_MASKING=where)",
                     functools.partial(_ours_case, implementation="cudnn"), extension.cudnn_unavailable_reason,
                     row_masking="where"),

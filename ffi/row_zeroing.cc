@@ -1,0 +1,117 @@
+#include "row_zeroing.h"
+
+#include <algorithm>
+#include <mutex>
+#include <set>
+
+#include "check.h"
+#include "cudnn_library.h"
+
+namespace jax_ragged_attn {
+namespace {
+
+constexpr const char kPtx[] =
+#include "row_zeroing_ptx.inc"
+    ;
+constexpr const char kKernelName[] = "jax_ragged_attn_zero_unowned_rows";
+constexpr int kThreadsPerBlock = 256;
+// Enough blocks to fill an H200 several times over; the kernel strides over the rows beyond them.
+constexpr int64_t kMaxBlocks = 4096;
+
+using LibraryLoadData = cudaError_t (*)(cudaLibrary_t*, const void*, cudaJitOption*, void**, unsigned int,
+                                        cudaLibraryOption*, void**, unsigned int);
+using LibraryGetKernel = cudaError_t (*)(cudaKernel_t*, cudaLibrary_t, const char*);
+using FuncGetAttributes = cudaError_t (*)(cudaFuncAttributes*, const void*);
+using LaunchKernel = cudaError_t (*)(const void*, dim3, dim3, void**, size_t, cudaStream_t);
+using GetDevice = cudaError_t (*)(int*);
+using SetDevice = cudaError_t (*)(int);
+
+struct Kernel {
+  std::string error;  // why it cannot run, or empty
+  cudaKernel_t kernel = nullptr;
+  LaunchKernel launch = nullptr;
+};
+
+// The library, loaded on first use: the PTX is JIT-compiled for each device the first time it is readied there.
+const Kernel& kernel() {
+  static const Kernel loaded = [] {
+    Kernel k;
+    const auto load = reinterpret_cast<LibraryLoadData>(cuda_runtime_symbol("cudaLibraryLoadData"));
+    const auto get = reinterpret_cast<LibraryGetKernel>(cuda_runtime_symbol("cudaLibraryGetKernel"));
+    k.launch = reinterpret_cast<LaunchKernel>(cuda_runtime_symbol("cudaLaunchKernel"));
+    if (load == nullptr || get == nullptr || k.launch == nullptr) {
+      k.error = "the CUDA runtime has no cudaLibraryLoadData (it needs CUDA 12.0 or newer)";
+      return k;
+    }
+    cudaLibrary_t library = nullptr;
+    cudaError_t status = load(&library, kPtx, nullptr, nullptr, 0, nullptr, nullptr, 0);
+    if (status == cudaSuccess) status = get(&k.kernel, library, kKernelName);
+    if (status != cudaSuccess) {
+      k.error = "loading the row-zeroing PTX failed with CUDA error " + std::to_string(static_cast<int>(status));
+      k.kernel = nullptr;
+    }
+    return k;  // the library stays loaded for the life of the process
+  }();
+  return loaded;
+}
+
+std::mutex ready_mutex;
+std::set<int> ready_devices;
+
+}  // namespace
+
+std::string prepare_row_zeroing(int device) {
+  RelaxedStreamCapture relaxed;  // a module load is not stream work; see cudnn_library.h
+  std::lock_guard<std::mutex> lock(ready_mutex);
+  const Kernel& k = kernel();
+  if (!k.error.empty()) return k.error;
+  if (ready_devices.count(device)) return "";
+  // Loading the kernel into the device's context (the driver JIT-compiles the PTX here) before any stream
+  // may be captured; cudaFuncGetAttributes does that for the current device.
+  const auto get_device = reinterpret_cast<GetDevice>(cuda_runtime_symbol("cudaGetDevice"));
+  const auto set_device = reinterpret_cast<SetDevice>(cuda_runtime_symbol("cudaSetDevice"));
+  const auto attributes = reinterpret_cast<FuncGetAttributes>(cuda_runtime_symbol("cudaFuncGetAttributes"));
+  if (get_device == nullptr || set_device == nullptr || attributes == nullptr) return "the CUDA runtime lacks cudaFuncGetAttributes";
+  int previous = 0;
+  if (get_device(&previous) != cudaSuccess) return "cudaGetDevice failed";
+  cudaFuncAttributes attrs{};
+  cudaError_t status = set_device(device);
+  if (status == cudaSuccess) status = attributes(&attrs, reinterpret_cast<const void*>(k.kernel));
+  set_device(previous);
+  if (status != cudaSuccess) {
+    return "readying the row-zeroing kernel on device " + std::to_string(device) + " failed with CUDA error " +
+           std::to_string(static_cast<int>(status));
+  }
+  ready_devices.insert(device);
+  return "";
+}
+
+xla::ffi::Error zero_unowned_rows(const RowRegion& region, const RowOwnership& owner, cudaStream_t stream) {
+  const Kernel& k = kernel();
+  FFI_CHECK(k.error.empty()) << k.error;
+  FFI_CHECK(region.bytes_per_row % 4 == 0 && region.row_stride % 4 == 0 && region.slice_stride % 4 == 0 &&
+            reinterpret_cast<uintptr_t>(region.base) % 4 == 0)
+      << "row zeroing needs 4-byte aligned rows (" << region.bytes_per_row << " bytes every " << region.row_stride
+      << ")";
+  if (region.rows == 0 || region.bytes_per_row == 0) return xla::ffi::Error::Success();
+  char* base = static_cast<char*>(region.base);
+  long long slice_stride = region.slice_stride, row_stride = region.row_stride, scale = owner.scale;
+  int words = static_cast<int>(region.bytes_per_row / 4), slices = static_cast<int>(region.slices);
+  int rows = static_cast<int>(region.rows), num_seqs = static_cast<int>(owner.num_seqs);
+  // A warp per row when rows are wide (coalesced stores across the row), a thread per row when a row is a
+  // word or a few (head-major stats: consecutive threads take consecutive rows).
+  int lanes = words >= 16 ? 32 : 1;
+  const void* starts = owner.starts;
+  const void* lengths = owner.lengths;
+  const void* gate = owner.gate;
+  void* args[] = {&base, &slice_stride, &row_stride, &words, &slices, &rows, &starts, &scale, &lengths, &gate,
+                  &num_seqs, &lanes};
+  const int64_t blocks = std::min<int64_t>(kMaxBlocks, (region.rows * lanes + kThreadsPerBlock - 1) / kThreadsPerBlock);
+  const cudaError_t status = k.launch(reinterpret_cast<const void*>(k.kernel), dim3(static_cast<unsigned>(blocks)),
+                                      dim3(kThreadsPerBlock), args, 0, stream);
+  FFI_CHECK(status == cudaSuccess) << "launching the row-zeroing kernel failed with CUDA error "
+                                   << static_cast<int>(status);
+  return xla::ffi::Error::Success();
+}
+
+}  // namespace jax_ragged_attn

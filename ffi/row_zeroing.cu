@@ -1,0 +1,52 @@
+// The one kernel of our own: zero the rows of an output that the cuDNN graph will not write.
+//
+// Not compiled by the build. scripts/generate_row_zeroing_ptx.sh turns it into PTX (ffi/row_zeroing_ptx.inc),
+// which the extension hands to the CUDA runtime's JIT at run time (row_zeroing.cc): the build needs no CUDA
+// toolkit, and one wheel serves every GPU the driver knows. tests/test_row_zeroing.py checks that the
+// checked-in PTX is this file's.
+//
+// Why: an output row that no sequence owns (padding past the last sequence, rows past max_seqlen, sequences
+// without keys) must read 0, and zeroing whole outputs first costs a full write of each (W1's forward: 32 us of
+// 768). Usually almost every row is owned, so this kernel's cost is one binary search per row.
+//
+// Ownership comes from the index arrays the graph itself reads: sequence i owns the rows
+// [starts[i] / scale, starts[i] / scale + lengths[i]) (starts: a ragged offset array, non-decreasing because
+// Python sanitises cu_seqlens first; scale: the elements per row in that offset). With `gate`, sequence i owns
+// its rows only where gate[i] > 0 (dK/dV rows of a sequence with no queries). Zeroing more than cuDNN skips is
+// harmless: the kernel runs before the graph, which then writes every row it owns.
+
+extern "C" __global__ void jax_ragged_attn_zero_unowned_rows(
+    char* base,              // first byte of the output, or of its part within a packed row
+    long long slice_stride,  // bytes between the slices of a row (head-major stats: one slice per head)
+    long long row_stride,    // bytes from one row to the next
+    int words,               // 4-byte words to zero per row and slice
+    int slices,              // slices per row
+    int rows,                // rows of the output
+    const int* starts, long long scale, const int* lengths, const int* gate, int num_seqs,
+    int lanes)  // threads per row: 32 (one warp) for wide rows, 1 for a word or a few
+{
+  const long long thread = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const long long threads = static_cast<long long>(gridDim.x) * blockDim.x;
+  const int lane = static_cast<int>(thread % lanes);
+  for (long long row = thread / lanes; row < rows; row += threads / lanes) {
+    // The sequence the row would belong to: the last one starting at or before it.
+    const long long at = row * scale;
+    int lo = 0, hi = num_seqs;
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (static_cast<long long>(starts[mid]) <= at) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    const int seq = lo - 1;
+    const bool owned = seq >= 0 && (gate == nullptr || gate[seq] > 0) &&
+                       at < static_cast<long long>(starts[seq]) + static_cast<long long>(lengths[seq]) * scale;
+    if (owned) continue;
+    for (int slice = 0; slice < slices; ++slice) {
+      int* p = reinterpret_cast<int*>(base + slice * slice_stride + row * row_stride);
+      for (int w = lane; w < words; w += lanes) p[w] = 0;
+    }
+  }
+}

@@ -1,0 +1,44 @@
+// Zeroes only the rows of an output that the cuDNN graph will not write, with the one kernel of our own
+// (ffi/row_zeroing.cu, loaded from PTX at run time). See row_zeroing.cu for why and for the ownership rule.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ragged_attn {
+
+// Where an output's rows lie: row r, slice s starts at base + s * slice_stride + r * row_stride, and
+// `bytes_per_row` bytes from there (a multiple of 4) are the output's in that slice.
+struct RowRegion {
+  void* base;
+  int64_t rows;
+  int64_t row_stride;
+  int64_t bytes_per_row;
+  int64_t slices = 1;
+  int64_t slice_stride = 0;
+};
+
+// Which rows sequences own, from the graph's own index arrays on the device: sequence i owns rows
+// [starts[i] / scale, starts[i] / scale + lengths[i]), and only where gate[i] > 0 if gate is given.
+struct RowOwnership {
+  const void* starts;   // int32 [num_seqs + 1], non-decreasing
+  int64_t scale;        // elements per row in `starts`
+  const void* lengths;  // int32 [num_seqs]
+  const void* gate;     // int32 [num_seqs] or nullptr
+  int64_t num_seqs;
+};
+
+// Loads the kernel once per process and readies it on `device` (trace time; also called by handlers, in
+// relaxed stream-capture mode). Returns "" when it can run there, else why not (a CUDA runtime older than
+// 12.0, a driver that cannot JIT the PTX): the handlers then zero whole outputs instead.
+std::string prepare_row_zeroing(int device);
+
+// Enqueues the zeroing of every row of `region` that `owner` does not own on `stream`. Requires
+// prepare_row_zeroing() == "" for the stream's device.
+xla::ffi::Error zero_unowned_rows(const RowRegion& region, const RowOwnership& owner, cudaStream_t stream);
+
+}  // namespace jax_ragged_attn
