@@ -15,7 +15,7 @@ constexpr const char kPtx[] =
     ;
 constexpr const char kKernelName[] = "jax_ragged_attn_zero_unowned_rows";
 constexpr int kThreadsPerBlock = 256;
-// Enough blocks to fill an H200 several times over; the kernel strides over the rows beyond them.
+// Enough blocks for a million rows in one pass; the kernel strides over the rows beyond them.
 constexpr int64_t kMaxBlocks = 4096;
 
 using LibraryLoadData = cudaError_t (*)(cudaLibrary_t*, const void*, cudaJitOption*, void**, unsigned int,
@@ -98,15 +98,13 @@ xla::ffi::Error zero_unowned_rows(const RowRegion& region, const RowOwnership& o
   long long slice_stride = region.slice_stride, row_stride = region.row_stride, scale = owner.scale;
   int words = static_cast<int>(region.bytes_per_row / 4), slices = static_cast<int>(region.slices);
   int rows = static_cast<int>(region.rows), num_seqs = static_cast<int>(owner.num_seqs);
-  // A warp per row when rows are wide (coalesced stores across the row), a thread per row when a row is a
-  // word or a few (head-major stats: consecutive threads take consecutive rows).
-  int lanes = words >= 16 ? 32 : 1;
   const void* starts = owner.starts;
   const void* lengths = owner.lengths;
   const void* gate = owner.gate;
   void* args[] = {&base, &slice_stride, &row_stride, &words, &slices, &rows, &starts, &scale, &lengths, &gate,
-                  &num_seqs, &lanes};
-  const int64_t blocks = std::min<int64_t>(kMaxBlocks, (region.rows * lanes + kThreadsPerBlock - 1) / kThreadsPerBlock);
+                  &num_seqs};
+  // One thread per row for the ownership test (row_zeroing.cu): 32 rows to a warp.
+  const int64_t blocks = std::min<int64_t>(kMaxBlocks, (region.rows + kThreadsPerBlock - 1) / kThreadsPerBlock);
   const cudaError_t status = k.launch(reinterpret_cast<const void*>(k.kernel), dim3(static_cast<unsigned>(blocks)),
                                       dim3(kThreadsPerBlock), args, 0, stream);
   FFI_CHECK(status == cudaSuccess) << "launching the row-zeroing kernel failed with CUDA error "

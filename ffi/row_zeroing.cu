@@ -22,31 +22,37 @@ extern "C" __global__ void jax_ragged_attn_zero_unowned_rows(
     int words,               // 4-byte words to zero per row and slice
     int slices,              // slices per row
     int rows,                // rows of the output
-    const int* starts, long long scale, const int* lengths, const int* gate, int num_seqs,
-    int lanes)  // threads per row: 32 (one warp) for wide rows, 1 for a word or a few
-{
-  const long long thread = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const long long threads = static_cast<long long>(gridDim.x) * blockDim.x;
-  const int lane = static_cast<int>(thread % lanes);
-  for (long long row = thread / lanes; row < rows; row += threads / lanes) {
-    // The sequence the row would belong to: the last one starting at or before it.
-    const long long at = row * scale;
-    int lo = 0, hi = num_seqs;
-    while (lo < hi) {
-      const int mid = (lo + hi) >> 1;
-      if (static_cast<long long>(starts[mid]) <= at) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
+    const int* starts, long long scale, const int* lengths, const int* gate, int num_seqs) {
+  // Each warp takes 32 consecutive rows, one per lane, so the binary searches (a few dependent loads each:
+  // latency, not bandwidth) run 32 to a warp; then the whole warp zeroes each unowned row of the 32 in turn,
+  // its lanes over the row's words (coalesced) and slices.
+  const int lane = threadIdx.x & 31;
+  const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
+  for (long long first = warp * 32; first < rows; first += warps * 32) {
+    const long long row = first + lane;
+    bool unowned = false;
+    if (row < rows) {
+      // The sequence the row would belong to: the last one starting at or before it.
+      const long long at = row * scale;
+      int lo = 0, hi = num_seqs;
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (static_cast<long long>(starts[mid]) <= at) {
+          lo = mid + 1;
+        } else {
+          hi = mid;
+        }
       }
+      const int seq = lo - 1;
+      unowned = !(seq >= 0 && (gate == nullptr || gate[seq] > 0) &&
+                  at < static_cast<long long>(starts[seq]) + static_cast<long long>(lengths[seq]) * scale);
     }
-    const int seq = lo - 1;
-    const bool owned = seq >= 0 && (gate == nullptr || gate[seq] > 0) &&
-                       at < static_cast<long long>(starts[seq]) + static_cast<long long>(lengths[seq]) * scale;
-    if (owned) continue;
-    for (int slice = 0; slice < slices; ++slice) {
-      int* p = reinterpret_cast<int*>(base + slice * slice_stride + row * row_stride);
-      for (int w = lane; w < words; w += lanes) p[w] = 0;
+    for (unsigned pending = __ballot_sync(0xffffffffu, unowned); pending != 0; pending &= pending - 1) {
+      char* p = base + (first + __ffs(pending) - 1) * row_stride;
+      for (int i = lane; i < slices * words; i += 32) {
+        reinterpret_cast<int*>(p + (i / words) * slice_stride)[i % words] = 0;
+      }
     }
   }
 }

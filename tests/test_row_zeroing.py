@@ -87,7 +87,7 @@ def test_the_launch_passes_one_argument_per_kernel_parameter_in_order():
     launcher = LAUNCHER.read_text()
     args = [a.strip().lstrip("&") for a in re.search(r"void\* args\[\] = \{(.*?)\};", launcher, re.S).group(1).split(",")]
     declared = _declared_widths(launcher)
-    assert len(ptx_widths) == len(params) == len(args) == 12, (ptx_widths, params, args)
+    assert len(ptx_widths) == len(params) == len(args) == 11, (ptx_widths, params, args)
     assert args == [p[-1].lstrip("*") for p in params], "the launch's arguments are not the kernel's parameters"
     for arg, param, width in zip(args, params, ptx_widths):
         param = " ".join(param[:-1]) + ("*" if param[-1].startswith("*") else "")
