@@ -199,13 +199,17 @@ struct OutputRows {
   std::vector<OwnedRows> parts;
 };
 
-// Before the graph runs, as the zero_outputs attribute asks (ZeroOutputs): rows the graph does not own
+ffi::Error check_zero_outputs(const AttentionConfig& c) {
+  FFI_CHECK(c.zero_outputs >= 0 && c.zero_outputs <= static_cast<int64_t>(ZeroOutputs::kPoisoned))
+      << "zero_outputs must be 0 (no), 1 (all), 2 (unowned) or 3 (poisoned), got " << c.zero_outputs;
+  return ffi::Error::Success();
+}
+
+// Before the graph runs, as the zero_outputs attribute asks (ZeroOutputs, checked by check_zero_outputs): rows the graph does not own
 // (padding, rows past max_seqlen, sequences without keys) must read 0.
 ffi::Error zero_unowned_outputs(int32_t device, const std::vector<OutputRows>& outputs, const AttentionConfig& c,
                                 cudaStream_t stream) {
   const auto mode = static_cast<ZeroOutputs>(c.zero_outputs);
-  FFI_CHECK(c.zero_outputs >= 0 && c.zero_outputs <= static_cast<int64_t>(ZeroOutputs::kPoisoned))
-      << "zero_outputs must be 0 (no), 1 (all), 2 (unowned) or 3 (poisoned), got " << c.zero_outputs;
   if (mode == ZeroOutputs::kNo) return ffi::Error::Success();
   std::string unavailable = mode == ZeroOutputs::kAll ? "not asked for" : prepare_row_zeroing(device);
   FFI_CHECK(mode != ZeroOutputs::kPoisoned || unavailable.empty())
@@ -241,6 +245,7 @@ ffi::Error forward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
   FFI_RETURN_IF_ERROR(check_buffer("o", o->element_type(), o->dimensions(), element_type(c), o_shape(c), c));
   FFI_RETURN_IF_ERROR(check_buffer("stats", ffi::DataType::F32, stats->dimensions(), ffi::DataType::F32,
                                    stats_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_zero_outputs(c));
 
   std::shared_ptr<const CachedGraph> graph;
   FFI_RETURN_IF_ERROR(forward_graph(device, c, &graph));
@@ -330,6 +335,7 @@ ffi::Error backward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, 
   FFI_RETURN_IF_ERROR(check_buffer("d_o", d_o.element_type(), d_o.dimensions(), t, o_shape(c), c));
   FFI_RETURN_IF_ERROR(
       check_buffer("stats", ffi::DataType::F32, stats.dimensions(), ffi::DataType::F32, stats_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_zero_outputs(c));
 
   std::shared_ptr<const CachedGraph> graph;
   FFI_RETURN_IF_ERROR(backward_graph(device, c, &graph));

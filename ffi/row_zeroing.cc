@@ -2,7 +2,7 @@
 
 #include <algorithm>
 #include <mutex>
-#include <set>
+#include <map>
 
 #include "check.h"
 #include "cudnn_library.h"
@@ -56,22 +56,20 @@ const Kernel& kernel() {
 }
 
 std::mutex ready_mutex;
-std::set<int> ready_devices;
+std::map<int, std::string> readied;  // device -> "" or why the kernel cannot run there, decided once
 
-}  // namespace
-
-std::string prepare_row_zeroing(int device) {
-  RelaxedStreamCapture relaxed;  // a module load is not stream work; see cudnn_library.h
-  std::lock_guard<std::mutex> lock(ready_mutex);
+// Loads the kernel into the device's context (the driver JIT-compiles the PTX here) before any stream may be
+// captured; cudaFuncGetAttributes does that for the current device.
+std::string ready_on(int device) {
+  RelaxedStreamCapture relaxed;  // loading a module is not stream work; see cudnn_library.h
   const Kernel& k = kernel();
   if (!k.error.empty()) return k.error;
-  if (ready_devices.count(device)) return "";
-  // Loading the kernel into the device's context (the driver JIT-compiles the PTX here) before any stream
-  // may be captured; cudaFuncGetAttributes does that for the current device.
   const auto get_device = reinterpret_cast<GetDevice>(cuda_runtime_symbol("cudaGetDevice"));
   const auto set_device = reinterpret_cast<SetDevice>(cuda_runtime_symbol("cudaSetDevice"));
   const auto attributes = reinterpret_cast<FuncGetAttributes>(cuda_runtime_symbol("cudaFuncGetAttributes"));
-  if (get_device == nullptr || set_device == nullptr || attributes == nullptr) return "the CUDA runtime lacks cudaFuncGetAttributes";
+  if (get_device == nullptr || set_device == nullptr || attributes == nullptr) {
+    return "the CUDA runtime lacks cudaGetDevice, cudaSetDevice or cudaFuncGetAttributes";
+  }
   int previous = 0;
   if (get_device(&previous) != cudaSuccess) return "cudaGetDevice failed";
   cudaFuncAttributes attrs{};
@@ -82,8 +80,16 @@ std::string prepare_row_zeroing(int device) {
     return "readying the row-zeroing kernel on device " + std::to_string(device) + " failed with CUDA error " +
            std::to_string(static_cast<int>(status));
   }
-  ready_devices.insert(device);
   return "";
+}
+
+}  // namespace
+
+std::string prepare_row_zeroing(int device) {
+  std::lock_guard<std::mutex> lock(ready_mutex);
+  auto it = readied.find(device);  // every call after the first on this device: a lookup
+  if (it == readied.end()) it = readied.emplace(device, ready_on(device)).first;
+  return it->second;
 }
 
 xla::ffi::Error zero_unowned_rows(const RowRegion& region, const RowOwnership& owner, cudaStream_t stream) {

@@ -163,17 +163,20 @@ def test_initial_buffers_must_be_each_result_or_the_workspace_then_each_result(h
     (FORWARD_ARGS, FORWARD_RESULTS, {**CONFIG, "stats_token_major": 1}, "stats is [4, 64]"),
     (FORWARD_ARGS, [O, STATS, (S32, (16,))], CONFIG, "Wrong buffer dtype: expected U8"),
     (FORWARD_ARGS, FORWARD_RESULTS, {**CONFIG, "packing": 3}, "packing must be 0"),
+    (FORWARD_ARGS, FORWARD_RESULTS, {**CONFIG, "zero_outputs": 4}, "zero_outputs must be 0 (no), 1 (all)"),
     ([Q, KV, KV, *INDEX], [(BF16, (T, H, 64)), STATS, WORKSPACE], {**CONFIG, "packing": 1, "head_dim_v": 64},
      "packed k and v need Dqk == Dv"),
     ([QKV, QKV, QKV, *INDEX], FORWARD_RESULTS, {**CONFIG, "packing": 2, "num_heads_kv": 2},
      "packed qkv needs Hq == Hkv"),
 ], ids=["q-shape", "packing-vs-buffers", "seq_len_q", "offset_stats", "o-dtype", "stats-layout", "workspace-dtype",
-        "packing-range", "kv-head-dims", "qkv-heads"])
+        "packing-range", "zero-outputs-range", "kv-head-dims", "qkv-heads"])
 def test_the_forward_names_what_is_wrong(harness, handlers, args, results, attributes, message):
     _expect(_call(harness, handlers, "forward", args, results, attributes), message)
 
 
 def test_the_backward_checks_its_inputs(harness, handlers):
+    _expect(_call(harness, handlers, "backward", [Q, Q, Q, O, O, STATS, *INDEX], BACKWARD_RESULTS[0],
+                  {**CONFIG, "zero_outputs": -1}), "zero_outputs must be 0")
     _expect(_call(harness, handlers, "backward", [Q, Q, Q, O, (BF16, (T, H, 64)), STATS, *INDEX],
                   BACKWARD_RESULTS[0]), "d_o is")
     _expect(_call(harness, handlers, "backward", [Q, Q, Q, O, O, (BF16, (H, T)), *INDEX], BACKWARD_RESULTS[0]),
