@@ -15,6 +15,7 @@ from jax_ragged_attn._cudnn import launch
 from jax_ragged_attn._cudnn.packings import TABLE
 from jax_ragged_attn.checks import check_enabled, checked_cu_seqlens, warn_cu_seqlens_on_host
 from jax_ragged_attn.config import AttentionConfig, AttentionOptions, make_config
+from jax_ragged_attn.indices import as_int32
 from jax_ragged_attn.overflow import cu_seqlens_overflow
 from jax_ragged_attn.xla import attention_xla, warn_cudnn_fallback
 
@@ -47,7 +48,7 @@ def ragged_attention(
     Args:
       q: [Tq, Hq, Dqk]; k: [Tkv, Hkv, Dqk]; v: [Tkv, Hkv, Dv]. Hq must be a multiple of Hkv (MHA, GQA, MQA):
         query head h reads key/value head h // (Hq // Hkv).
-      cu_seqlens_q, cu_seqlens_kv: int32 [B + 1]. Sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
+      cu_seqlens_q, cu_seqlens_kv: integer [B + 1] (any integer dtype, NumPy or jax; used as int32). Sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
         and key rows cu_seqlens_kv[b]:cu_seqlens_kv[b+1]. Zero-length sequences are fine. Tq and Tkv are
         static capacities; rows past cu_seqlens[-1] are padding. Values are clamped monotone into [0, T]
         before use, so no value can make a kernel address outside the buffers (return_overflow counts the
@@ -117,6 +118,9 @@ def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOption
     """
     layout = TABLE[packing]
     q, k, v = layout.views(buffers)
+    same = cu_seqlens_q is cu_seqlens_kv  # one array for both (qkv-packed, segments): checked once
+    cu_seqlens_q = as_int32(cu_seqlens_q, "cu_seqlens" if same and packing == "qkv" else "cu_seqlens_q")
+    cu_seqlens_kv = cu_seqlens_q if same else as_int32(cu_seqlens_kv, "cu_seqlens_kv")
     config = make_config(q, k, v, cu_seqlens_q, cu_seqlens_kv, options, max_seqlen_q=max_seqlen_q,
                          max_seqlen_kv=max_seqlen_kv, sinks=sinks, packing=packing)
     config = dataclasses.replace(config, return_stats=options.return_stats)

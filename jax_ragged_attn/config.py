@@ -219,8 +219,8 @@ def make_config(
     _check_array(v, "v", 3, "[Tkv, Hkv, Dv]")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
         _check_array(cu, name, 1, "[B + 1]")
-        if cu.dtype != jnp.int32:
-            raise ValueError(f"{name} must be int32, got {cu.dtype}")
+        if not jnp.issubdtype(cu.dtype, jnp.integer):  # any width: entry points convert to int32 (indices.py)
+            raise ValueError(f"{name} must have an integer dtype, got {cu.dtype}")
         if cu.shape[0] < 2:
             raise ValueError(f"{name} must have B + 1 >= 2 entries, got shape {tuple(cu.shape)}")
     if cu_seqlens_q.shape != cu_seqlens_kv.shape:

@@ -44,6 +44,7 @@ except ImportError as error:  # the library itself needs no Flax; only this modu
 
 from jax_ragged_attn.api import ragged_attention
 from jax_ragged_attn.config import STRATEGIES
+from jax_ragged_attn.indices import as_int32
 from jax_ragged_attn.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 
 __all__ = ["RaggedSelfAttention", "apply_rope", "positions_from_cu_seqlens"]
@@ -134,10 +135,15 @@ class RaggedSelfAttention(nnx.Module):
         """
         if getattr(x, "ndim", None) != 2 or x.shape[1] != self.features:
             raise ValueError(f"x must be [T, features={self.features}], got shape {getattr(x, 'shape', None)}")
+        # NumPy (what PackedDocuments.arrays() gives) or jax, any integer dtype. NumPy stays NumPy: the op checks
+        # host values for free when traced.
+        cu_seqlens = as_int32(cu_seqlens, "cu_seqlens")
         if positions is None:
             positions = positions_from_cu_seqlens(cu_seqlens, x.shape[0])
         elif getattr(positions, "shape", None) != (x.shape[0],):
             raise ValueError(f"positions must be [T={x.shape[0]}], got shape {getattr(positions, 'shape', None)}")
+        else:
+            positions = jnp.asarray(as_int32(positions, "positions"))
         # Padding rows are zeroed first: NaN there would otherwise reach the kernels' gradients (x.T @ d_qkv
         # multiplies it by the exact zeros the attention gives padding rows). One select, fused into the matmul.
         rows = jnp.arange(x.shape[0], dtype=jnp.int32)
@@ -214,7 +220,7 @@ class RaggedSelfAttention(nnx.Module):
         if rotated_parts is None:
             return rotated
         # A packed buffer [..., parts, H, D]: rotate q and k, pass v through, in one elementwise pass.
-        part = jnp.arange(x.shape[-3]).reshape(-1, 1, 1)
+        part = jnp.arange(x.shape[-3], dtype=jnp.int32).reshape((1,) * (x.ndim - 3) + (-1, 1, 1))
         return jnp.where(part < rotated_parts, rotated, x)
 
 
@@ -225,8 +231,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float = 10_000.0) -> ja
     float32, returned in x's dtype.
     """
     half = x.shape[-1] // 2
+    positions = jnp.asarray(positions)
+    if positions.ndim > x.ndim - 1:
+        raise ValueError(f"positions must broadcast to x's shape without its last axis {x.shape[:-1]}, got shape "
+                         f"{positions.shape}")
+    # Leading axes made explicit, so that nothing relies on rank promotion (jax_numpy_rank_promotion="raise").
+    positions = positions.reshape((1,) * (x.ndim - 1 - positions.ndim) + positions.shape)
     frequencies = base ** (-jnp.arange(half, dtype=jnp.float32) * 2 / x.shape[-1])
-    angles = positions.astype(jnp.float32)[..., None] * frequencies
+    angles = positions.astype(jnp.float32)[..., None] * frequencies.reshape((1,) * positions.ndim + (half,))
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -239,9 +251,10 @@ def positions_from_cu_seqlens(cu_seqlens: jax.Array, capacity: int) -> jax.Array
     ends at or before it (one scatter-add and a cumsum: no binary-search loop, which costs a host round
     trip per step on a GPU).
     """
+    cu_seqlens = jnp.asarray(as_int32(cu_seqlens, "cu_seqlens"))  # NumPy cannot be indexed by a tracer below
     num_seqs = cu_seqlens.shape[0] - 1
     ends = jnp.clip(cu_seqlens[1:], 0, capacity)
-    sequence = jnp.cumsum(jnp.zeros(capacity + 1, jnp.int32).at[ends].add(1))[:capacity]
+    sequence = jnp.cumsum(jnp.zeros(capacity + 1, jnp.int32).at[ends].add(1), dtype=jnp.int32)[:capacity]
     rows = jnp.arange(capacity, dtype=jnp.int32)
     positions = rows - cu_seqlens[jnp.minimum(sequence, num_seqs - 1)]
     return jnp.where(sequence < num_seqs, positions, 0).astype(jnp.int32)

@@ -51,7 +51,7 @@ def row_positions(cu_seqlens: jax.Array, capacity: int, max_seqlen: int):
     # rather than jnp.searchsorted, whose binary search is a loop of log2(B) small steps: on a GPU a
     # while loop costs a host round trip per iteration.
     ends = jnp.clip(cu_seqlens[1:], 0, capacity)
-    sequence = jnp.cumsum(jnp.zeros(capacity + 1, jnp.int32).at[ends].add(1))[:capacity]
+    sequence = jnp.cumsum(jnp.zeros(capacity + 1, jnp.int32).at[ends].add(1), dtype=jnp.int32)[:capacity]
     clamped = jnp.minimum(sequence, num_seqs - 1)
     position = rows - cu_seqlens[clamped]
     lengths = sequence_lengths(cu_seqlens, max_seqlen)

@@ -175,7 +175,7 @@ def _query_blocks(plan, x):
 
 def _key_tiles(plan, k, v, low, r):
     """The r-th tile of every query block's key range: (rows [n, bk], k and v rows [n, bk, Hkv, D] f32)."""
-    cols = low[:, None] + r * plan.block_kv + jnp.arange(plan.block_kv, dtype=jnp.int32)
+    cols = low[:, None] + r * plan.block_kv + jnp.arange(plan.block_kv, dtype=jnp.int32)[None, :]
     # Clipped rows past the buffer are duplicates, but no band reaches past Tkv - 1, so they are masked.
     index = jnp.clip(cols, 0, plan.config.capacity_kv - 1)
     return cols, k[index].astype(jnp.float32), v[index].astype(jnp.float32)
@@ -219,11 +219,12 @@ def _forward(plan: _Plan, q, k, v, sinks, bands: _Bands):
     v = jnp.where(bands.key_valid[:, None, None], v, 0)
 
     if sinks is None:
-        row_max, row_sum = jnp.full(shape, _MASKED), jnp.zeros(shape)
+        row_max, row_sum = jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32)
     else:  # the sink is one more logit, with weight exp(sink - max) and no value: each row starts with it
         row_max = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, c.num_heads_kv, c.group_size, 1), shape)
-        row_sum = jnp.ones(shape)
-    acc = jnp.zeros(shape + (c.head_dim_v,))
+        row_sum = jnp.ones(shape, jnp.float32)
+    # float32 state whatever jax_enable_x64 says: jnp's default float would be float64 there.
+    acc = jnp.zeros(shape + (c.head_dim_v,), jnp.float32)
 
     def step(r, carry):
         row_max, row_sum, acc = carry
@@ -327,7 +328,7 @@ def _dkv_pass(plan, q32, k32, v32, d_out, lse, delta, bands):
 
     def step(r, carry):
         d_k, d_v = carry
-        rows = low[:, None] + r * bq + jnp.arange(bq, dtype=jnp.int32)  # [n, bq]
+        rows = low[:, None] + r * bq + jnp.arange(bq, dtype=jnp.int32)[None, :]  # [n, bq]
         index = jnp.clip(rows, 0, tq - 1)
         inside = rows < tq  # clipped duplicates of row tq - 1 must not count twice
         first = jnp.where(inside, bands.first[index], c.capacity_kv)

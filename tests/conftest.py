@@ -1,12 +1,70 @@
-"""Test-session settings, applied before any test module imports jax."""
+"""Test-session settings, applied before any test module imports jax.
+
+`--jax-config=NAME[,NAME...]` runs the whole session (and the child processes tests start, which inherit the
+environment) under the global JAX settings large codebases run with, so the library is tested the way it is
+adopted, not only under JAX's defaults:
+
+    pytest --jax-config=strict tests/test_semantics.py     # rank promotion "raise" + dtype promotion "strict"
+    pytest --jax-config=x64 tests/test_semantics.py        # jax_enable_x64: jnp.array([0, 3]) is int64
+
+The settings travel as JAX's own environment variables (read when jax is first imported, here and in every
+subprocess), and are applied with jax.config.update too in case a plugin imported jax first.
+"""
 
 import os
 
 # `pytest -n 2` starts two processes; on a GPU each would otherwise preallocate 75 % of its memory.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-
 import pytest  # noqa: E402 - after the environment above, which must be set before jax is imported
+
+# Each name: JAX's environment variables and the jax.config values they stand for.
+JAX_CONFIGS = {
+    "strict": {"JAX_NUMPY_RANK_PROMOTION": ("jax_numpy_rank_promotion", "raise"),
+               "JAX_NUMPY_DTYPE_PROMOTION": ("jax_numpy_dtype_promotion", "strict")},
+    "x64": {"JAX_ENABLE_X64": ("jax_enable_x64", True)},
+    "checks": {"JAX_ENABLE_CHECKS": ("jax_enable_checks", True)},
+    "matmul_bf16": {"JAX_DEFAULT_MATMUL_PRECISION": ("jax_default_matmul_precision", "bfloat16")},
+    "matmul_highest": {"JAX_DEFAULT_MATMUL_PRECISION": ("jax_default_matmul_precision", "highest")},
+}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--jax-config", default=os.environ.get("JAX_RAGGED_ATTN_TEST_CONFIG", ""),
+                     help="comma-separated global JAX settings for the whole session (and its subprocesses): "
+                          + ", ".join(JAX_CONFIGS))
+
+
+def _requested(config) -> list[str]:
+    names = [n.strip() for n in config.getoption("--jax-config").split(",") if n.strip()]
+    unknown = [n for n in names if n not in JAX_CONFIGS]
+    if unknown:
+        raise pytest.UsageError(f"--jax-config: unknown {unknown}, choose from {sorted(JAX_CONFIGS)}")
+    return names
+
+
+def pytest_configure(config):
+    names = _requested(config)
+    if not names:
+        return
+    os.environ["JAX_RAGGED_ATTN_TEST_CONFIG"] = ",".join(names)  # pytest-xdist workers read it back
+    settings = {}
+    for name in names:
+        for env, (option, value) in JAX_CONFIGS[name].items():
+            os.environ[env] = str(value).lower() if isinstance(value, bool) else value
+            settings[option] = value
+    import jax
+
+    for option, value in settings.items():
+        jax.config.update(option, value)
+
+
+def pytest_report_header(config):
+    names = _requested(config)
+    if names:
+        return "jax configuration: " + ", ".join(f"{n} ({', '.join(f'{o}={v}' for o, v in JAX_CONFIGS[n].values())})"
+                                                 for n in names)
+    return None
 
 
 @pytest.fixture
