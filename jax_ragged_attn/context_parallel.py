@@ -108,15 +108,9 @@ def pieces_cu_seqlens(pieces: Pieces) -> tuple[jax.Array, jax.Array]:
 def _chunk_order(n: int) -> list[int]:
     """The natural chunks (of 2n) in load-balanced order: device r holds chunks r and 2n-1-r.
     n = 2 -> [0, 3, 1, 2]."""
-    return [c for r in range(n) for c in (r, 2 * n - 1 - r)]
+    from jax_ragged_attn.load_balance import dual_chunk_order  # (here, not at the top: keeps edits local)
 
-
-def _split_chunks(x, n: int, axis: int, name: str):
-    size = x.shape[axis]
-    if size % (2 * n):
-        raise ValueError(f"{name}: the token axis (axis {axis}, {size} rows) must be a multiple of 2n = {2 * n} "
-                         f"(2 chunks for each of the {n} devices)")
-    return jnp.split(x, 2 * n, axis=axis)
+    return dual_chunk_order(n)
 
 
 def reorder_for_load_balance(x, n: int, axis: int = 0):
@@ -126,16 +120,26 @@ def reorder_for_load_balance(x, n: int, axis: int = 0):
     chunk with a late one evens the devices' work. Apply it to q, k and v (and positions, targets, ...)
     before sharded_ragged_attention(..., load_balance=True); cu_seqlens keep describing the natural order.
     axis: the token axis (0 for q, k, v, out and token-major stats; 1 for head-major stats).
+
+        n = 2, T = 8: rows [0 1 2 3 4 5 6 7] -> [0 1 6 7 2 3 4 5] (chunks 0, 3 | 1, 2)
+
+    Any T that is a multiple of 2n, eager or under jit, differentiable. On an array split along `axis`
+    over mesh axes of n devices (explicit axes, or a concrete array's NamedSharding) the devices swap
+    half-shards with collective permutes and the result keeps the sharding; otherwise a local permutation
+    of the chunks (load_balance.permute_chunks). jax_ragged_attn.data can emit batches already in this
+    order (pack_documents(context_parallel_devices=n)).
     """
-    chunks = _split_chunks(x, n, axis, "reorder_for_load_balance")
-    return jnp.concatenate([chunks[c] for c in _chunk_order(n)], axis=axis)
+    from jax_ragged_attn.load_balance import permute_chunks
+
+    return permute_chunks(x, n, axis, name="reorder_for_load_balance")
 
 
 def restore_order(x, n: int, axis: int = 0):
-    """The inverse of reorder_for_load_balance: the natural packed order back."""
-    chunks = _split_chunks(x, n, axis, "restore_order")
-    order = _chunk_order(n)
-    return jnp.concatenate([chunks[order.index(c)] for c in range(2 * n)], axis=axis)
+    """The inverse of reorder_for_load_balance: the natural packed order back (n = 2, T = 8:
+    [0 1 6 7 2 3 4 5] -> [0 1 2 3 4 5 6 7]), with the same sharding rules."""
+    from jax_ragged_attn.load_balance import permute_chunks
+
+    return permute_chunks(x, n, axis, inverse=True, name="restore_order")
 
 
 @dataclasses.dataclass(frozen=True)
