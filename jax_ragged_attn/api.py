@@ -13,7 +13,7 @@ import jax
 from jax_ragged_attn import _cudnn as cudnn
 from jax_ragged_attn._cudnn import launch
 from jax_ragged_attn._cudnn.packings import TABLE
-from jax_ragged_attn.checks import check_enabled, checked_cu_seqlens, warn_cu_seqlens_on_host
+from jax_ragged_attn.checks import check_enabled, checked_cu_seqlens, checked_seqused, warn_cu_seqlens_on_host
 from jax_ragged_attn.config import AttentionConfig, AttentionOptions, make_config
 from jax_ragged_attn.indices import as_int32
 from jax_ragged_attn.overflow import cu_seqlens_overflow
@@ -42,6 +42,8 @@ def ragged_attention(
     strategy: str = "fastest",
     sinks: jax.Array | None = None,
     return_overflow: bool = False,
+    seqused_q: jax.Array | None = None,
+    seqused_kv: jax.Array | None = None,
 ):
     """Scaled dot-product attention over sequences packed into one token buffer (the THD / varlen layout).
 
@@ -91,6 +93,12 @@ def ragged_attention(
         softmax without a value, so a row can put weight on "nothing"; differentiable. stats then include
         the sink term. The xla path only, for now: the cuDNN path reports it cannot serve the call, so
         implementation=None falls back to xla.
+      seqused_q, seqused_kv: None, or integer [B] (FlashAttention's seqused_q / seqused_k): sequence b uses
+        only the first seqused[b] rows of its slot cu_seqlens[b]:cu_seqlens[b+1]; the rest of the slot is
+        treated like capacity padding (never read, out 0 / stats -inf / gradients 0). Offsets then need not
+        be a tight prefix sum: fixed-size slots of a KV cache, or pieces with gaps. Values are clamped into
+        [0, slot length] (and max_seqlen); check=True raises for a value outside [0, slot length]. Bottom-right
+        alignment counts the used lengths.
       return_overflow: also return an overflow.Overflow of int32 scalars counting what this call dropped
         (truncated_rows_q, truncated_rows_kv, invalid_cu_seqlens; dropped_segments is 0 here), computed on
         the device with no host round trip; all zero when nothing was lost. They carry no gradient.
@@ -106,11 +114,13 @@ def ragged_attention(
                                deterministic=deterministic, check=check, autotune=autotune,
                                strategy=strategy)
     return attend((q, k, v), cu_seqlens_q, cu_seqlens_kv, options, max_seqlen_q=max_seqlen_q,
-                  max_seqlen_kv=max_seqlen_kv, sinks=sinks, return_overflow=return_overflow)
+                  max_seqlen_kv=max_seqlen_kv, sinks=sinks, return_overflow=return_overflow, seqused_q=seqused_q,
+                  seqused_kv=seqused_kv)
 
 
 def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOptions, *, max_seqlen_q: int,
-           max_seqlen_kv: int, packing: str = "none", sinks=None, return_overflow: bool = False):
+           max_seqlen_kv: int, packing: str = "none", sinks=None, return_overflow: bool = False,
+           seqused_q=None, seqused_kv=None):
     """`ragged_attention` of the buffers laid out as TABLE[packing] says: (q, k, v), (q, kv) or (qkv,).
 
     The cuDNN path reads packed buffers in place and returns their gradients in their own layout; the xla
@@ -126,21 +136,37 @@ def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOption
     config = dataclasses.replace(config, return_stats=options.return_stats)
     if not isinstance(return_overflow, bool):
         raise ValueError(f"return_overflow must be a Python bool, got {type(return_overflow).__name__}")
-    config, cu_seqlens_q, cu_seqlens_kv = apply_check(options.check, config, cu_seqlens_q, cu_seqlens_kv)
+    seqused = (_seqused(seqused_q, "seqused_q", config), _seqused(seqused_kv, "seqused_kv", config))
+    config, cu_seqlens_q, cu_seqlens_kv, seqused = apply_check(options.check, config, cu_seqlens_q, cu_seqlens_kv,
+                                                               seqused)
     if choose_implementation(options.implementation, config) == "cudnn":
-        out, stats = launch.attention(tuple(buffers), cu_seqlens_q, cu_seqlens_kv, config)
+        out, stats = launch.attention(tuple(buffers), cu_seqlens_q, cu_seqlens_kv, config, seqused)
     else:
         out, stats = attention_xla(*layout.split(buffers), cu_seqlens_q, cu_seqlens_kv, config, sinks,
-                                   return_stats=options.return_stats)  # False: no -inf computed (debug_infs)
+                                   return_stats=options.return_stats,  # False: no -inf computed (debug_infs)
+                                   seqused_q=seqused[0], seqused_kv=seqused[1])
     result = (out, stats) if options.return_stats else (out,)
     if return_overflow:  # from the cu_seqlens as the caller passed them (checked ones are the same values)
-        result += (cu_seqlens_overflow(cu_seqlens_q, cu_seqlens_kv, config, same=cu_seqlens_q is cu_seqlens_kv),)
+        result += (cu_seqlens_overflow(cu_seqlens_q, cu_seqlens_kv, config, same=cu_seqlens_q is cu_seqlens_kv,
+                                       seqused=seqused),)
     return result if len(result) > 1 else out
 
 
-def apply_check(check: bool | None, config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv):
-    """With check on: guard mode in the config, and cu_seqlens that are validated on the host at run time
-    (checks.py). Off: NumPy cu_seqlens, free to read, warn if they will be clamped or cut."""
+def _seqused(seqused, name: str, config: AttentionConfig):
+    """None, or seqused as int32 [B] (any integer dtype accepted)."""
+    if seqused is None:
+        return None
+    seqused = as_int32(seqused, name)
+    if tuple(seqused.shape) != (config.num_seqs,):
+        raise ValueError(f"{name} must be [B={config.num_seqs}] (one entry per sequence of cu_seqlens), got shape "
+                         f"{tuple(seqused.shape)}")
+    return seqused
+
+
+def apply_check(check: bool | None, config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv, seqused=(None, None)):
+    """With check on: guard mode in the config, and cu_seqlens (and seqused) that are validated on the host at
+    run time (checks.py). Off: NumPy cu_seqlens, free to read, warn if they will be clamped or cut.
+    Returns (config, cu_seqlens_q, cu_seqlens_kv, seqused)."""
     # One array for q and kv (qkv-packed, segments): checked once, under the name the caller passed.
     same = cu_seqlens_q is cu_seqlens_kv and (config.capacity_q, config.max_seqlen_q) == (config.capacity_kv,
                                                                                            config.max_seqlen_kv)
@@ -150,12 +176,25 @@ def apply_check(check: bool | None, config: AttentionConfig, cu_seqlens_q, cu_se
         sides.append(("cu_seqlens_kv", cu_seqlens_kv, config.capacity_kv, config.max_seqlen_kv))
     if not check_enabled(check):
         for name, cu, capacity, max_seqlen in sides:
-            warn_cu_seqlens_on_host(cu, name=name, capacity=capacity, max_seqlen=max_seqlen)
-        return config, cu_seqlens_q, cu_seqlens_kv
+            # With seqused the slot may be longer than max_seqlen: only the used rows count.
+            if seqused[0 if name != "cu_seqlens_kv" else 1] is None:
+                warn_cu_seqlens_on_host(cu, name=name, capacity=capacity, max_seqlen=max_seqlen)
+        return config, cu_seqlens_q, cu_seqlens_kv, seqused
     config = dataclasses.replace(config, guard_workspace=True)
-    checked = [checked_cu_seqlens(cu, name=name, capacity=capacity, max_seqlen=max_seqlen)
-               for name, cu, capacity, max_seqlen in sides]
-    return config, checked[0], checked[-1]
+    checked, used = [], list(seqused)
+    for name, cu, capacity, max_seqlen in sides:
+        side = 0 if name != "cu_seqlens_kv" else 1
+        if seqused[side] is None:
+            checked.append(checked_cu_seqlens(cu, name=name, capacity=capacity, max_seqlen=max_seqlen))
+        else:
+            seq_name = "seqused_q" if side == 0 else "seqused_kv"
+            cu, used[side] = checked_seqused(cu, seqused[side], name=name, seqused_name=seq_name, capacity=capacity,
+                                             max_seqlen=max_seqlen)
+            checked.append(cu)
+    if same and seqused[1] is not None and used[1] is seqused[1]:  # one cu for both sides: check kv's seqused too
+        _, used[1] = checked_seqused(checked[0], seqused[1], name=name_q, seqused_name="seqused_kv",
+                                     capacity=config.capacity_kv, max_seqlen=config.max_seqlen_kv)
+    return config, checked[0], checked[-1], tuple(used)
 
 
 def choose_implementation(implementation: str | None, config: AttentionConfig) -> str:

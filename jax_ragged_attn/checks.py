@@ -227,6 +227,49 @@ def checked_cu_seqlens(cu_seqlens: jax.Array, *, name: str, capacity: int, max_s
     return _checked(cu_seqlens, name, problems_of)
 
 
+def seqused_problems(cu: np.ndarray, seqused: np.ndarray, name: str, seqused_name: str, capacity: int,
+                     max_seqlen: int, bound: str) -> list[str]:
+    """What is wrong with one [B + 1] cu_seqlens (the slots' offsets) and its [B] seqused: the offsets as for
+    cu_seqlens but a slot may exceed max_seqlen; seqused within [0, slot length] and at most max_seqlen."""
+    problems = [p for p in cu_seqlens_problems(cu, name, capacity, np.iinfo(np.int64).max, bound)]
+    seqused = seqused.astype(np.int64)
+    slots = np.diff(cu.astype(np.int64))
+    if (seqused < 0).any():
+        i = int(np.argmax(seqused < 0))
+        problems.append(f"{seqused_name}[{i}] = {seqused[i]} is negative")
+    if (seqused > slots).any():
+        i = int(np.argmax(seqused > slots))
+        problems.append(f"{seqused_name}[{i}] = {seqused[i]} is more than the slot's {slots[i]} rows ({name}[{i + 1}] - "
+                        f"{name}[{i}] = {cu[i + 1]} - {cu[i]})")
+    if (seqused > max_seqlen).any():
+        i = int(np.argmax(seqused > max_seqlen))
+        problems.append(f"{seqused_name}[{i}] = {seqused[i]} is more than {bound} = {max_seqlen}")
+    return problems
+
+
+def checked_seqused(cu_seqlens: jax.Array, seqused: jax.Array, *, name: str, seqused_name: str, capacity: int,
+                    max_seqlen: int):
+    """(cu_seqlens, seqused), unchanged, once a host check has found them valid together (seqused_problems);
+    otherwise the computation stops with a RaggedAttentionInputError naming the argument."""
+    def check_on_host(cu, used):
+        cu, used = np.asarray(cu), np.asarray(used)
+        for index in np.ndindex(cu.shape[:-1]):  # leading axes: vmap
+            problems = seqused_problems(cu[index], used[index], name, seqused_name, int(capacity), int(max_seqlen),
+                                        _bound_name(name))
+            if problems:
+                where = f" (vmapped element {index})" if index else ""
+                raise RaggedAttentionInputError(
+                    f"{name} / {seqused_name} are invalid{where}: " + "; ".join(problems)
+                    + f". Got {name} = {cu[index].tolist()}, {seqused_name} = {used[index].tolist()}")
+        return cu, used
+
+    if not isinstance(cu_seqlens, jax.core.Tracer) and not isinstance(seqused, jax.core.Tracer):
+        check_on_host(cu_seqlens, seqused)
+        return cu_seqlens, seqused
+    result = (jax.ShapeDtypeStruct(cu_seqlens.shape, cu_seqlens.dtype), jax.ShapeDtypeStruct(seqused.shape, seqused.dtype))
+    return jax.pure_callback(check_on_host, result, cu_seqlens, seqused, vmap_method="expand_dims")
+
+
 def checked_segment_ids(segment_ids: jax.Array, *, max_segments: int, max_seqlen: int) -> jax.Array:
     """segment_ids [R, S], unchanged, once a host check has found no more than `max_segments` segments and
     none longer than `max_seqlen`; otherwise the computation stops with a RaggedAttentionInputError."""

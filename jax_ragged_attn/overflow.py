@@ -43,22 +43,24 @@ def invalid_entries(cu_seqlens: jax.Array, capacity: int) -> jax.Array:
     return jnp.sum(out_of_order | outside, dtype=jnp.int32)
 
 
-def truncated_rows(cu_seqlens: jax.Array, capacity: int, max_seqlen: int) -> jax.Array:
+def truncated_rows(cu_seqlens: jax.Array, capacity: int, max_seqlen: int, seqused=None) -> jax.Array:
     """Rows past max_seqlen in their sequence, after the clamping the op applies: [0, 7, 9] with
-    max_seqlen 4 -> 3."""
+    max_seqlen 4 -> 3. With seqused only the used rows of a slot count (the rest are not data)."""
     lengths = jnp.diff(sanitize_cu_seqlens(cu_seqlens, capacity))
+    if seqused is not None:
+        lengths = jnp.clip(seqused, 0, lengths)
     return jnp.sum(jnp.maximum(lengths - max_seqlen, 0), dtype=jnp.int32)
 
 
-def cu_seqlens_overflow(cu_seqlens_q, cu_seqlens_kv, config, *, same: bool = False) -> Overflow:
+def cu_seqlens_overflow(cu_seqlens_q, cu_seqlens_kv, config, *, same: bool = False, seqused=(None, None)) -> Overflow:
     """The Overflow of one call (dropped_segments 0); `same`: one cu_seqlens serves q and kv (qkv-packed,
     segments), so its invalid entries count once."""
     invalid = invalid_entries(cu_seqlens_q, config.capacity_q)
     if not same:
         invalid = invalid + invalid_entries(cu_seqlens_kv, config.capacity_kv)
     counts = Overflow(
-        truncated_rows_q=truncated_rows(cu_seqlens_q, config.capacity_q, config.max_seqlen_q),
-        truncated_rows_kv=truncated_rows(cu_seqlens_kv, config.capacity_kv, config.max_seqlen_kv),
+        truncated_rows_q=truncated_rows(cu_seqlens_q, config.capacity_q, config.max_seqlen_q, seqused[0]),
+        truncated_rows_kv=truncated_rows(cu_seqlens_kv, config.capacity_kv, config.max_seqlen_kv, seqused[1]),
         invalid_cu_seqlens=invalid,
         dropped_segments=jnp.zeros((), jnp.int32),
     )

@@ -31,12 +31,20 @@ def sanitize_both(cu_seqlens_q: jax.Array, cu_seqlens_kv: jax.Array, config) -> 
             sanitize_cu_seqlens(cu_seqlens_kv, config.capacity_kv))
 
 
-def sequence_lengths(cu_seqlens: jax.Array, max_seqlen: int) -> jax.Array:
-    """Rows of each sequence, capped at max_seqlen: the graph has room for no more."""
-    return jnp.minimum(jnp.diff(cu_seqlens), max_seqlen).astype(jnp.int32)
+def sequence_lengths(cu_seqlens: jax.Array, max_seqlen: int, seqused: jax.Array | None = None) -> jax.Array:
+    """Rows of each sequence, capped at max_seqlen (the graph has room for no more) and, when given, at
+    seqused (FlashAttention's: sequence b uses only the first seqused[b] rows of its slot
+    cu_seqlens[b]:cu_seqlens[b+1]); a negative seqused counts as 0.
+
+    cu_seqlens [0, 4, 4, 9], max_seqlen 8, seqused [2, 3, 9] -> [2, 0, 5]
+    """
+    lengths = jnp.minimum(jnp.diff(cu_seqlens), max_seqlen).astype(jnp.int32)
+    if seqused is None:
+        return lengths
+    return jnp.clip(seqused.astype(jnp.int32), 0, lengths)
 
 
-def row_positions(cu_seqlens: jax.Array, capacity: int, max_seqlen: int):
+def row_positions(cu_seqlens: jax.Array, capacity: int, max_seqlen: int, seqused: jax.Array | None = None):
     """For each of `capacity` rows: (sequence index, position within it, whether it is a real token).
 
     cu_seqlens = [0, 2, 2, 5], capacity 7, max_seqlen 8:
@@ -54,22 +62,22 @@ def row_positions(cu_seqlens: jax.Array, capacity: int, max_seqlen: int):
     sequence = jnp.cumsum(jnp.zeros(capacity + 1, jnp.int32).at[ends].add(1), dtype=jnp.int32)[:capacity]
     clamped = jnp.minimum(sequence, num_seqs - 1)
     position = rows - cu_seqlens[clamped]
-    lengths = sequence_lengths(cu_seqlens, max_seqlen)
+    lengths = sequence_lengths(cu_seqlens, max_seqlen, seqused)  # rows past seqused: in the slot, not real
     valid = (sequence < num_seqs) & (position >= 0) & (position < lengths[clamped])
     return sequence, position, valid
 
 
-def query_rows_with_keys(cu_seqlens_q, cu_seqlens_kv, config) -> jax.Array:
+def query_rows_with_keys(cu_seqlens_q, cu_seqlens_kv, config, seqused_q=None, seqused_kv=None) -> jax.Array:
     """[Tq] boolean: the row is a real token and attends to at least one key.
 
     Rows outside it must read out = 0 and stats = -inf whatever a kernel left there: padding rows are never
     written, and a row whose band is empty (causal bottom-right with sq > skv, a narrow window, skv = 0)
     has no softmax to take. Arguments are already sanitised cu_seqlens.
     """
-    seq, pos, valid = row_positions(cu_seqlens_q, config.capacity_q, config.max_seqlen_q)
+    seq, pos, valid = row_positions(cu_seqlens_q, config.capacity_q, config.max_seqlen_q, seqused_q)
     seq = jnp.minimum(seq, config.num_seqs - 1)
-    sq = sequence_lengths(cu_seqlens_q, config.max_seqlen_q)[seq]
-    skv = sequence_lengths(cu_seqlens_kv, config.max_seqlen_kv)[seq]
+    sq = sequence_lengths(cu_seqlens_q, config.max_seqlen_q, seqused_q)[seq]
+    skv = sequence_lengths(cu_seqlens_kv, config.max_seqlen_kv, seqused_kv)[seq]
     diagonal = pos if config.diagonal_alignment == "top_left" else pos + skv - sq
     first, last = jnp.zeros_like(pos), skv - 1
     if config.left_bound is not None:

@@ -74,19 +74,19 @@ class _Bands(NamedTuple):
     key_valid: jax.Array  # [Tkv] bool: a real key within max_seqlen_kv (only those rows are ever read)
 
 
-def _bands(cu_q, cu_kv, config: AttentionConfig) -> _Bands:
+def _bands(cu_q, cu_kv, config: AttentionConfig, used_q=None, used_kv=None) -> _Bands:
     """Bands of every row, from sanitised cu_seqlens. With d = i (top_left) or i + skv - sq (bottom_right),
     query i of a sequence attends keys max(0, d - left) .. min(skv - 1, d + right), key j is attended by
     queries max(0, j - (d - i) - right) .. min(sq - 1, j - (d - i) + left)."""
     tq, tkv, last_seq = config.capacity_q, config.capacity_kv, config.num_seqs - 1
     left, right = config.left_bound, config.right_bound
-    lengths_q = sequence_lengths(cu_q, config.max_seqlen_q)
-    lengths_kv = sequence_lengths(cu_kv, config.max_seqlen_kv)
+    lengths_q = sequence_lengths(cu_q, config.max_seqlen_q, used_q)
+    lengths_kv = sequence_lengths(cu_kv, config.max_seqlen_kv, used_kv)
 
     def offset(seq):  # d - i
         return 0 if config.diagonal_alignment == "top_left" else lengths_kv[seq] - lengths_q[seq]
 
-    seq, pos, valid = row_positions(cu_q, tq, config.max_seqlen_q)
+    seq, pos, valid = row_positions(cu_q, tq, config.max_seqlen_q, used_q)
     seq = jnp.minimum(seq, last_seq)
     first, last = jnp.zeros_like(pos), lengths_kv[seq] - 1
     if left is not None:
@@ -97,7 +97,7 @@ def _bands(cu_q, cu_kv, config: AttentionConfig) -> _Bands:
     first = jnp.where(attends, cu_kv[seq] + first, tkv)
     last = jnp.where(attends, cu_kv[seq] + last, -1)
 
-    seq, pos, key_valid = row_positions(cu_kv, tkv, config.max_seqlen_kv)
+    seq, pos, key_valid = row_positions(cu_kv, tkv, config.max_seqlen_kv, used_kv)
     seq = jnp.minimum(seq, last_seq)
     key_first, key_last = jnp.zeros_like(pos), lengths_q[seq] - 1
     if right is not None:
@@ -112,10 +112,11 @@ def _bands(cu_q, cu_kv, config: AttentionConfig) -> _Bands:
 
 def attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, sinks=None, *,
                   return_stats: bool | None = None, block_q: int | None = None, block_kv: int | None = None,
-                  memory_limit=None):
+                  memory_limit=None, seqused_q=None, seqused_kv=None):
     """Returns (out [Tq, Hq, Dv] in q's dtype, stats float32 in the configured layout, or None).
 
     sinks: None or [Hq], one logit per query head that joins each row's softmax without a value.
+    seqused_q, seqused_kv: None or int32 [B]: sequence b uses only the first seqused[b] rows of its slot.
     return_stats: None reads config.return_stats (api.attend sets it); False returns stats None, and then no
     -inf is computed anywhere.
     block_q, block_kv, memory_limit: override JAX_RAGGED_ATTN_XLA_BLOCK / JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT
@@ -126,7 +127,7 @@ def attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig,
     plan = _Plan(config, block_q, block_kv, xla_memory.memory_limit_bytes(memory_limit))
     xla_memory.check_working_set(config, block_q, block_kv, "forward", plan.memory_limit)
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
-    bands = _bands(cu_q, cu_kv, config)
+    bands = _bands(cu_q, cu_kv, config, seqused_q, seqused_kv)
     out, lse = _attention(plan, q, k, v, sinks, bands)
     if not (config.return_stats if return_stats is None else return_stats):
         return out, None

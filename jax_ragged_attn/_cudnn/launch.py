@@ -36,7 +36,7 @@ _TARGETS = {"forward": extension.FORWARD_TARGET, "backward": extension.BACKWARD_
 FORWARD_RESULT_NAMES = ("out", "stats")
 
 
-def _launch(direction: str, inputs, result_specs, names, cu_q, cu_kv, config: AttentionConfig):
+def _launch(direction: str, inputs, result_specs, names, cu_q, cu_kv, config: AttentionConfig, seqused=(None, None)):
     """Runs one handler; returns (its results but the workspace, a boolean scalar the caller must fold into
     its masks).
 
@@ -56,7 +56,7 @@ def _launch(direction: str, inputs, result_specs, names, cu_q, cu_kv, config: At
         info = graph_info(direction, config)
         types = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in result_specs(config))
         types += (jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),)
-        args = (*(x for x, _ in inputs), *_index_arrays(cu_q, cu_kv, config))
+        args = (*(x for x, _ in inputs), *_index_arrays(cu_q, cu_kv, config, seqused))
         masking = _unguarded_row_masking()
         if masking != "zero_fill":
             # unowned / memset / poisoned: the handler zeroes on the stream, before the graph runs, the rows
@@ -80,7 +80,7 @@ def _launch(direction: str, inputs, result_specs, names, cu_q, cu_kv, config: At
     layout = graphs.backward_layout(config) if direction == "backward" else None
     size = graph_info(direction, padded, layout=layout)["workspace_bytes"]
     args = (*(checks.padded_rows(x, axis, rows) for x, axis in inputs),
-            *_index_arrays(cu_q + rows, cu_kv + rows, padded))
+            *_index_arrays(cu_q + rows, cu_kv + rows, padded, seqused))
     specs = result_specs(padded)
     guarded = (*(checks.canary_array(shape, dtype) for shape, dtype, _ in specs),
                jnp.concatenate([jnp.zeros((size,), jnp.uint8),
@@ -152,15 +152,18 @@ def _run(fn, config_argnum: int, *args):
     return fn(*args)
 
 
-def _index_arrays(cu_q, cu_kv, config: AttentionConfig):
+def _index_arrays(cu_q, cu_kv, config: AttentionConfig, seqused=(None, None)):
     """Sequence lengths and the ragged offsets of each tensor, in elements (see ffi/layouts.h): a sequence
-    starts at its first row times the tensor's token stride, which covers every part of a packed row."""
+    starts at its first row times the tensor's token stride, which covers every part of a packed row. The
+    offsets come from cu_seqlens and the lengths from seqused where given, so cuDNN reads (and the row-zeroing
+    kernel treats as owned) only the first seqused[b] rows of each slot: the rest are never read or written
+    by the graph, and zeroed like capacity padding."""
     hq, hkv = config.num_heads_q, config.num_heads_kv
     dqk, dv = config.head_dim_qk, config.head_dim_v
     packing = TABLE[config.packing]
     stats_offset = cu_q * hq if config.stats_layout == "token_major" else cu_q
-    seq_len_q = sequence_lengths(cu_q, config.max_seqlen_q)
-    seq_len_kv = sequence_lengths(cu_kv, config.max_seqlen_kv)
+    seq_len_q = sequence_lengths(cu_q, config.max_seqlen_q, seqused[0])
+    seq_len_kv = sequence_lengths(cu_kv, config.max_seqlen_kv, seqused[1])
     # A sequence without keys has no softmax (cuDNN would write 0/0 into its rows): hand cuDNN no queries for
     # it. Its rows read out 0 and stats -inf through the wrapper's masks either way.
     seq_len_q = jnp.where(seq_len_kv > 0, seq_len_q, 0)
@@ -190,7 +193,7 @@ def _forward_results(config: AttentionConfig):
     return ((out_shape, jnp.dtype(config.dtype), 0), (_stats_shape(config), jnp.float32, _stats_axis(config)))
 
 
-def _forward(buffers, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
+def _forward(buffers, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused=(None, None)):
     """Returns (out, stats for the caller, stats as cuDNN wrote them for the backward)."""
     packing = TABLE[config.packing]
     if len(buffers) != len(packing.buffers):
@@ -199,10 +202,10 @@ def _forward(buffers, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
     inputs = tuple((x, 0) for x in packing.kernel_inputs(buffers))
     (out, raw_stats), intact = _launch("forward", inputs, _forward_results, FORWARD_RESULT_NAMES, cu_q, cu_kv,
-                                       config)
+                                       config, seqused)
     # cuDNN writes only the rows of real tokens, and rows without any key have no defined softmax: give
     # both the documented values. The backward gets the raw stats, the values cuDNN itself expects.
-    rows = query_rows_with_keys(cu_q, cu_kv, config) & intact
+    rows = query_rows_with_keys(cu_q, cu_kv, config, *seqused) & intact
     if not _zero_filled(config):
         out = jnp.where(rows[:, None, None], out, jnp.zeros((), out.dtype))
     stats_rows = rows[:, None] if config.stats_layout == "token_major" else rows[None, :]
@@ -215,17 +218,19 @@ def _forward(buffers, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
     return out, stats, raw_stats
 
 
-def _backward(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config: AttentionConfig):
+def _backward(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config: AttentionConfig,
+              seqused=(None, None)):
     """The gradients in the buffers' own layout, one per buffer: (dq, dk, dv), (dq, dkv) or (dqkv,)."""
     packing = TABLE[config.packing]
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
     inputs = (*((x, 0) for x in packing.kernel_inputs(buffers)), (out, 0), (d_out.astype(config.dtype), 0),
               (raw_stats, _stats_axis(config)))
-    grads, intact = _launch("backward", inputs, packing.gradient_specs, packing.gradients, cu_q, cu_kv, config)
+    grads, intact = _launch("backward", inputs, packing.gradient_specs, packing.gradients, cu_q, cu_kv, config,
+                            seqused)
     if _zero_filled(config):
         return tuple(grads)
-    valid_q = query_rows_with_keys(cu_q, cu_kv, config) & intact
-    valid_kv = row_positions(cu_kv, config.capacity_kv, config.max_seqlen_kv)[2] & intact
+    valid_q = query_rows_with_keys(cu_q, cu_kv, config, *seqused) & intact
+    valid_kv = row_positions(cu_kv, config.capacity_kv, config.max_seqlen_kv, seqused[1])[2] & intact
     # Rows cuDNN does not own are garbage: zero them. In a packed gradient each part has its own rows.
     zero = jnp.zeros((), config.dtype)
     return tuple(jnp.where(mask.reshape(mask.shape + (1,) * (g.ndim - mask.ndim)), g, zero)
@@ -233,11 +238,12 @@ def _backward(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, confi
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def attention(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
+def attention(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused=(None, None)):
     """Returns (out [Tq, Hq, Dv], stats float32 in the configured layout) of the buffers laid out as
     packings.TABLE[config.packing] says: (q, k, v), (q, kv) or (qkv,). Differentiable in every buffer, the
-    gradients in the buffers' own layout; the kernels read and write packed buffers in place."""
-    return _run(_forward, 3, buffers, cu_seqlens_q, cu_seqlens_kv, config)[:2]
+    gradients in the buffers' own layout; the kernels read and write packed buffers in place.
+    seqused: (seqused_q, seqused_kv), each None or int32 [B] (packing.sequence_lengths)."""
+    return _run(_forward, 3, buffers, cu_seqlens_q, cu_seqlens_kv, config, seqused)[:2]
 
 
 def attention_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
@@ -245,11 +251,12 @@ def attention_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfi
     return attention((q, k, v), cu_seqlens_q, cu_seqlens_kv, config)
 
 
-def _attention_fwd(buffers, cu_seqlens_q, cu_seqlens_kv, config):
+def _attention_fwd(buffers, cu_seqlens_q, cu_seqlens_kv, config, seqused=(None, None)):
     # symbolic_zeros=True wraps each primal input; unwrap them.
-    buffers, cu_seqlens_q, cu_seqlens_kv = jax.tree.map(lambda x: x.value, (buffers, cu_seqlens_q, cu_seqlens_kv))
-    out, stats, raw_stats = _run(_forward, 3, buffers, cu_seqlens_q, cu_seqlens_kv, config)
-    return (out, stats), (buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats)
+    buffers, cu_seqlens_q, cu_seqlens_kv, seqused = jax.tree.map(lambda x: x.value,
+                                                                 (buffers, cu_seqlens_q, cu_seqlens_kv, seqused))
+    out, stats, raw_stats = _run(_forward, 3, buffers, cu_seqlens_q, cu_seqlens_kv, config, seqused)
+    return (out, stats), (buffers, cu_seqlens_q, cu_seqlens_kv, seqused, out, raw_stats)
 
 
 def _stats_gradient_unsupported(config: AttentionConfig) -> str | None:
@@ -266,7 +273,8 @@ def _stats_gradient_unsupported(config: AttentionConfig) -> str | None:
     return None
 
 
-def _stats_cotangent_backward(buffers, cu_q, cu_kv, out, raw_stats, d_out, d_stats, config: AttentionConfig):
+def _stats_cotangent_backward(buffers, cu_q, cu_kv, out, raw_stats, d_out, d_stats, config: AttentionConfig,
+                              seqused=(None, None)):
     """The gradients with a stats cotangent, carried on widened value columns (stats_grad.py). A packed buffer
     cannot hold the wider v, so its parts are copied out and the gradients stacked back: the one place the
     packed path copies."""
@@ -278,23 +286,24 @@ def _stats_cotangent_backward(buffers, cu_q, cu_kv, out, raw_stats, d_out, d_sta
     q, k, v = packing.split(buffers)
     separate = dataclasses.replace(config, packing="none")
     widened, v_wide, out_wide, d_out_wide = stats_grad.widened_backward_inputs(v, out, d_out, d_stats, cu_q, cu_kv,
-                                                                               separate)
-    d_q, d_k, d_v_wide = _run(_backward, 6, (q, k, v_wide), cu_q, cu_kv, out_wide, raw_stats, d_out_wide, widened)
+                                                                               separate, seqused)
+    d_q, d_k, d_v_wide = _run(_backward, 6, (q, k, v_wide), cu_q, cu_kv, out_wide, raw_stats, d_out_wide, widened,
+                              seqused)
     return packing.join(d_q, d_k, d_v_wide[:, :, :config.head_dim_v])
 
 
 def _attention_bwd(config, residuals, cotangents):
-    buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats = residuals
+    buffers, cu_seqlens_q, cu_seqlens_kv, seqused, out, raw_stats = residuals
     d_out, d_stats = cotangents
     if not isinstance(d_stats, SymbolicZero):
         # Under jit an explicit zero array lands here too: correct, only a little slower than the plain pass.
         grads = _stats_cotangent_backward(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, d_stats,
-                                          config)
+                                          config, seqused)
     elif isinstance(d_out, SymbolicZero):
         grads = tuple(jnp.zeros_like(x) for x in buffers)
     else:
-        grads = _run(_backward, 6, buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config)
-    return grads, None, None
+        grads = _run(_backward, 6, buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config, seqused)
+    return grads, None, None, jax.tree.map(lambda _: None, seqused)
 
 
 attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)

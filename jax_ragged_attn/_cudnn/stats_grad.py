@@ -56,7 +56,8 @@ def stats_columns(g: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return c, e
 
 
-def widened_backward_inputs(v, out, d_out, d_stats, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig):
+def widened_backward_inputs(v, out, d_out, d_stats, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig,
+                            seqused=(None, None)):
     """(config, v'', out'', d_out'') for the cuDNN backward; its dV comes back [Tkv, Hkv, Dv + EXTRA_COLUMNS]
     and only the first Dv columns are the gradient.
 
@@ -70,7 +71,7 @@ def widened_backward_inputs(v, out, d_out, d_stats, cu_seqlens_q, cu_seqlens_kv,
     # Rows the op does not own (padding, rows without any key) have no softmax: their cotangent is not ours to
     # read, and a NaN there must not reach D, where P = 0 would turn it into 0 * NaN. `where`, not a multiply.
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
-    owned = query_rows_with_keys(cu_q, cu_kv, config)[:, None]
+    owned = query_rows_with_keys(cu_q, cu_kv, config, *seqused)[:, None]
     g = jnp.where(owned, g.astype(jnp.float32), 0.0)
     c, e = stats_columns(g, dtype)
     widened = dataclasses.replace(config, head_dim_v=config.head_dim_v + EXTRA_COLUMNS)
