@@ -162,8 +162,8 @@ class Plan:
 def device_attention(plan: Plan, attend, q, k, v, cu_seqlens):
     """The per-device body under shard_map: q, k, v are this device's rows; returns (out, stats or None).
 
-    attend(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv) -> (out, stats or None) runs the op on one
-    chunk (stats token-major [rows, H] or head-major [H, rows] as configured, or None).
+    attend(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, *, seqused, diagonal_alignment) -> (out, stats or
+    None) runs the op on one chunk (stats token-major [rows, H] or head-major [H, rows] as configured, or None).
     """
     n, per_device = plan.devices, plan.chunks_per_device
     rows = q.shape[0] // per_device
@@ -182,15 +182,56 @@ def device_attention(plan: Plan, attend, q, k, v, cu_seqlens):
     chunk_ids = [r] if not plan.load_balance else [r, 2 * n - 1 - r]
     outs, stats = [], []
     for j, chunk in enumerate(chunk_ids):
-        pieces = chunk_pieces(cu, chunk * rows, rows, max_seqlen=plan.max_seqlen, is_causal=plan.is_causal,
-                              window_left=plan.window_left)
-        cu_q, cu_kv = pieces_cu_seqlens(pieces)
-        out, s = attend(q[j * rows:(j + 1) * rows], k_all, v_all, cu_q, cu_kv, min(plan.max_seqlen, rows),
-                        plan.max_seqlen)
+        out, s = chunk_attention(plan, attend, q[j * rows:(j + 1) * rows], k_all, v_all, cu, chunk * rows)
         outs.append(out)
         stats.append(s)
     out = jnp.concatenate(outs, axis=0)
     return out, None if stats[0] is None else jnp.concatenate(stats, axis=plan.stats_axis)
+
+
+def chunk_attention(plan: Plan, attend, q_chunk, k_all, v_all, cu, chunk_start):
+    """One chunk's queries (rows [chunk_start, chunk_start + rows) of the natural order) against the gathered
+    K/V: the pieces as B sequences with explicit offsets (cu_seqlens the slots, seqused the pieces).
+
+    Causal masks: every piece but the chunk's first starts at its sequence's first token, so its keys are
+    exactly its queries' positions and top-left causal is its mask; only a first piece that starts inside its
+    sequence (positions [a, c) with a > 0, keys [lo, c)) needs bottom-right alignment. cuDNN's bottom-right
+    *backward* costs sq x skv whatever the mask (measured 1.2-1.7x top-left on identical masks), so the
+    pieces run as two calls: all top-left pieces in one, that one piece alone (a single sequence) in the other,
+    each call's results exactly 0 / -inf in the other's rows. Public so the one-GPU benchmark times exactly
+    what a device runs (tools/bench/context_parallel.py).
+    """
+    rows = q_chunk.shape[0]
+    total = k_all.shape[0]
+    pieces = chunk_pieces(cu, chunk_start, rows, max_seqlen=plan.max_seqlen, is_causal=plan.is_causal,
+                          window_left=plan.window_left)
+    cu_q = jnp.concatenate([pieces.q_start, jnp.full((1,), rows, jnp.int32)])
+    cu_kv = jnp.concatenate([pieces.kv_start, jnp.full((1,), total, jnp.int32)])
+    max_q = min(plan.max_seqlen, rows)
+    if not plan.is_causal:  # no mask: alignment means nothing, one call
+        return attend(q_chunk, k_all, v_all, cu_q, cu_kv, max_q, plan.max_seqlen,
+                      seqused=(pieces.q_len, pieces.kv_len), diagonal_alignment="top_left")
+    # A piece needs bottom-right alignment iff it has more keys than queries (a > 0 and keys before it).
+    offset = (pieces.q_len > 0) & (pieces.kv_len != pieces.q_len)
+    zero = jnp.zeros_like(pieces.q_len)
+    out, stats = attend(q_chunk, k_all, v_all, cu_q, cu_kv, max_q, plan.max_seqlen,
+                        seqused=(jnp.where(offset, zero, pieces.q_len), jnp.where(offset, zero, pieces.kv_len)),
+                        diagonal_alignment="top_left")
+    # The offset piece (at most one) as a single sequence: its slot from its first query / key to the end.
+    b = jnp.argmax(offset)
+    has = jnp.any(offset)
+    one = lambda x: jnp.where(has, x[b], 0)[None]
+    first_q, first_kv = jnp.where(has, pieces.q_start[b], 0), jnp.where(has, pieces.kv_start[b], 0)
+    out_b, stats_b = attend(q_chunk, k_all, v_all,
+                            jnp.stack([first_q, jnp.full((), rows, jnp.int32)]),
+                            jnp.stack([first_kv, jnp.full((), total, jnp.int32)]), max_q, plan.max_seqlen,
+                            seqused=(one(pieces.q_len), one(pieces.kv_len)), diagonal_alignment="bottom_right")
+    local = jnp.arange(rows, dtype=jnp.int32)
+    in_b = has & (local >= first_q) & (local < first_q + one(pieces.q_len)[0])
+    out = jnp.where(in_b[:, None, None], out_b, out)
+    if stats is not None:
+        stats = jnp.where(in_b[:, None] if plan.stats_axis == 0 else in_b[None, :], stats_b, stats)
+    return out, stats
 
 
 def effective_mask(is_causal: bool, window: tuple[int, int] | None) -> tuple[bool, int | None]:

@@ -61,7 +61,11 @@ mutation() {  # the sweep against the frontend-1.27 build: must fail without the
 for name in ${STEPS:-pytest bench demo sweep}; do
   case $name in
     pytest) step pytest "${PYTEST_S:-150}" python3 -m pytest -q -rs -p no:cacheprovider -m "gpu and not soak" tests/ \
-              --ignore=tests/test_load.py ;;
+              --ignore=tests/test_load.py ${PYTEST_ARGS:-} ;;
+    pytest_strict) step pytest_strict "${PYTEST_S:-150}" python3 -m pytest -q -rs -p no:cacheprovider \
+              -m "gpu and not soak" tests/ --ignore=tests/test_load.py --jax-config=strict,x64 ${PYTEST_ARGS:-} ;;
+    cpsim) step cpsim "${CPSIM_S:-300}" python3 -m jax_ragged_attn.tools.bench.context_parallel --implementation cudnn \
+             --simulate "${CPSIM_N:-2,4,8}" --workloads "${CPSIM_W:-CP-a,CP-b,CP-c}" --calls 3 --repetitions 3 ;;
     load) step load "${LOAD_S:-120}" python3 -m pytest -q -s -rs -p no:cacheprovider -m gpu tests/test_load.py ;;
     autotune) step autotune "${AUTOTUNE_S:-120}" python3 -m jax_ragged_attn.tools.autotune --workloads "${AUTOTUNE_W:-W1,W2,W3}" ;;
     cb) step cb "${CB_S:-240}" python3 -m jax_ragged_attn.tools.bench.command_buffers --out "$out/command_buffers" ;;

@@ -1,6 +1,7 @@
 """Context parallelism on 2 GPUs against one: fwd+bwd step time, per-device attention time, memory.
 
     python -m jax_ragged_attn.tools.bench.context_parallel [--workloads CP-a,W1] [--implementation cudnn]
+    python -m jax_ragged_attn.tools.bench.context_parallel --simulate 2,4,8 --workloads CP-a,CP-b,CP-c  # 1 GPU
 
 Systems, each one jitted forward + backward (a vjp with a fixed cotangent) per step:
   1 GPU            ragged_attention on the first device
@@ -16,6 +17,7 @@ accounting). On a host with fewer than 2 devices the CP rows are skipped with th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import statistics
 import sys
@@ -24,21 +26,37 @@ import jax
 import jax.numpy as jnp
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.context_parallel import chunk_pieces, pieces_cu_seqlens
+import numpy as np
+
+from jax_ragged_attn import context_parallel as cp
+from jax_ragged_attn.load_balance import balanced_document_order, causal_work_per_device
 from jax_ragged_attn.sharding import reorder_for_load_balance, sharded_ragged_attention
 from jax_ragged_attn.tools.bench.timing import device_bytes, plain_loop_seconds
 from jax_ragged_attn.tools.workloads import WORKLOADS, Workload
 
 DEVICES = 2
-# (a) of issue 12: 4 documents of 32,768 tokens, GQA 32/8, d 128, causal.
+# Issue 22's workloads, GQA 32/8, d 128, causal: (a) 4 documents of 32,768 tokens, (b) 10 documents of 4k..32k
+# (131,072 tokens), (c) W-like: 16 documents of 128..8192 (65,536 tokens).
+def _scaled_lengths(num: int, low: int, high: int, total: int, seed: int) -> tuple[int, ...]:
+    """num lengths drawn uniform in [low, high], scaled to sum to exactly `total` (the remainder on the last)."""
+    drawn = np.random.default_rng(seed).integers(low, high, size=num, endpoint=True).astype(np.float64)
+    lengths = np.floor(drawn * total / drawn.sum()).astype(np.int64)
+    lengths[-1] += total - lengths.sum()
+    return tuple(int(x) for x in lengths)
+
+
 CP_A = Workload("CP-a", "4 documents of 32,768 tokens, GQA", (32768,) * 4, 32, 8, 128)
-CP_WORKLOADS = {"CP-a": CP_A, **WORKLOADS}
+CP_B = Workload("CP-b", "10 documents of 4k..32k, GQA", _scaled_lengths(10, 4096, 32768, 131072, seed=1), 32, 8,
+                128)
+CP_C = Workload("CP-c", "16 documents of 128..8192 (W-like), GQA", _scaled_lengths(16, 128, 8192, 65536, seed=0),
+                32, 8, 128)
+CP_WORKLOADS = {"CP-a": CP_A, "CP-b": CP_B, "CP-c": CP_C, **WORKLOADS}
 
 
-def _inputs(w: Workload):
-    """The workload's q, k, v with tail padding up to a multiple of 2 * DEVICES rows (load_balance's chunks)."""
+def _inputs(w: Workload, devices: int = DEVICES):
+    """The workload's q, k, v with tail padding up to a multiple of 2 * devices rows (load_balance's chunks)."""
     q, k, v, cu = w.packed_inputs()
-    pad = -q.shape[0] % (2 * DEVICES)
+    pad = -q.shape[0] % (2 * devices)
     q, k, v = (jnp.pad(x, ((0, pad), (0, 0), (0, 0))) for x in (q, k, v))
     return q, k, v, cu
 
@@ -59,8 +77,8 @@ def _options(w: Workload, implementation):
     return dict(max_seqlen_q=w.max_seqlen, max_seqlen_kv=w.max_seqlen, is_causal=w.causal, implementation=implementation)
 
 
-def one_device(w: Workload, implementation, calls, repetitions):
-    q, k, v, cu = _inputs(w)
+def one_device(w: Workload, implementation, calls, repetitions, devices: int = DEVICES):
+    q, k, v, cu = _inputs(w, devices)
     d_out = jnp.ones_like(q)
     step = jax.jit(_step(functools.partial(ragged_attention, **_options(w, implementation))))
     compiled = step.lower(q, k, v, cu, d_out).compile()
@@ -83,34 +101,78 @@ def context_parallel(w: Workload, implementation, load_balance: bool, calls, rep
     return _time(compiled, (q, k, v, cu, d_out), calls, repetitions), device_bytes(compiled)
 
 
-def per_device_seconds(w: Workload, implementation, load_balance: bool, calls, repetitions) -> list[float]:
-    """Each device's attention calls (fwd+bwd) in the sharded step, timed alone on the first device."""
-    q, k, v, cu = _inputs(w)
-    total = q.shape[0]
-    chunks = 2 * DEVICES if load_balance else DEVICES
-    rows = total // chunks
-    options = dict(_options(w, implementation), is_causal=w.causal, diagonal_alignment="bottom_right")
-    seconds = []
-    for r in range(DEVICES):
-        ids = [r, 2 * DEVICES - 1 - r] if load_balance else [r]
-        calls_of_device = []
-        for chunk in ids:
-            pieces = chunk_pieces(cu, chunk * rows, rows, max_seqlen=w.max_seqlen, is_causal=w.causal)
-            cu_q, cu_kv = pieces_cu_seqlens(pieces)
-            calls_of_device.append((q[chunk * rows:(chunk + 1) * rows], cu_q, cu_kv))
+def _attend(options):
+    """context_parallel.chunk_attention's attend, as sharding.sharded_ragged_attention passes it."""
+    def attend(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, *, seqused, diagonal_alignment):
+        return ragged_attention(q, k, v, cu_q, cu_kv, **dict(options, max_seqlen_q=max_seqlen_q,
+                                                               max_seqlen_kv=max_seqlen_kv,
+                                                               diagonal_alignment=diagonal_alignment),
+                                seqused_q=seqused[0], seqused_kv=seqused[1], return_stats=True)
+    return attend
 
-        def device_step(k, v, *chunks):
+
+def per_device_seconds(w: Workload, implementation, load_balance: bool, calls, repetitions, *,
+                       devices: int = DEVICES) -> list[float]:
+    """Each of `devices` devices' attention calls (fwd+bwd) in the sharded step, timed alone on the first
+    device: the exact per-chunk function the sharded op runs (context_parallel.chunk_attention) on that
+    device's query chunks against all T keys, so no collective hides the imbalance."""
+    q, k, v, cu = _inputs(w, devices)
+    total = q.shape[0]
+    chunks = 2 * devices if load_balance else devices
+    rows = total // chunks
+    plan = cp.Plan(token_axis="cp", devices=devices, load_balance=load_balance, max_seqlen=min(w.max_seqlen, total),
+                   is_causal=w.causal, window_left=None, stats_axis=1)
+    attend = _attend(dict(is_causal=w.causal, implementation=implementation))
+    seconds = []
+    for r in range(devices):
+        ids = [r, 2 * devices - 1 - r] if load_balance else [r]
+
+        def device_step(k, v, *q_chunks, ids=ids):
             results = []
-            for q_chunk, cu_q, cu_kv in zip(chunks[0::3], chunks[1::3], chunks[2::3]):
-                attention = functools.partial(ragged_attention, **dict(options, max_seqlen_q=min(w.max_seqlen, rows)))
-                out, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, cu_q, cu_kv), q_chunk, k, v)
+            for chunk, q_chunk in zip(ids, q_chunks):
+                def f(q, k, v, chunk=chunk):
+                    return cp.chunk_attention(plan, attend, q, k, v, cu, chunk * rows)[0]
+                out, pullback = jax.vjp(f, q_chunk, k, v)
                 results.append(pullback(jnp.ones_like(out)))
             return results
 
-        args = (k, v, *[x for c in calls_of_device for x in c])
+        args = (k, v, *[q[c * rows:(c + 1) * rows] for c in ids])
         compiled = jax.jit(device_step).lower(*args).compile()
         seconds.append(_time(compiled, args, calls, repetitions))
     return seconds
+
+
+def simulate(names, implementation, calls, repetitions, device_counts=(2, 4, 8)) -> None:
+    """The one-GPU CP benchmark (issue 22): per device count and order, the slowest device's local call against
+    one GPU's whole call, the spread between devices, and each device's time against its share of the causal
+    work times one GPU's time ("waste": 1.00 = no more than its share)."""
+    print("| workload | n | order | one GPU ms | per-device ms | slowest / one GPU | target | spread | "
+          "work shares | time / (share x one GPU) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    targets = {2: 0.53, 4: 0.28, 8: 0.15}
+    for name in names:
+        w = CP_WORKLOADS[name]
+        print(f"<!-- {w.summary()} -->", file=sys.stderr)
+        for n in device_counts:
+            base, _ = one_device(w, implementation, calls, repetitions, devices=n)
+            total = _inputs(w, n)[0].shape[0]
+            # "packer": the documents in the order pack_documents(context_parallel_devices=n) would give them
+            # (load_balance.balanced_document_order), then the dual-chunk order: the best the library offers.
+            order = balanced_document_order(np.asarray(w.seqlens), n, total)
+            packed = dataclasses.replace(w, seqlens=tuple(int(w.seqlens[i]) for i in order))
+            for label, workload, balanced in (("natural", w, False), ("balanced", w, True),
+                                              ("packer+balanced", packed, True)):
+                each = per_device_seconds(workload, implementation, balanced, calls, repetitions, devices=n)
+                cu = _inputs(workload, n)[3]
+                shares = causal_work_per_device(np.asarray(cu), n, balanced, capacity=total)
+                shares = shares / shares.sum()
+                waste = [t / (sh * base) for t, sh in zip(each, shares)]
+                ratio = max(each) / base
+                print(f"| {name} | {n} | {label} | {base * 1e3:.2f} | "
+                      f"{' / '.join(f'{t * 1e3:.2f}' for t in each)} | {ratio:.3f} | "
+                      f"{'met' if ratio <= targets.get(n, 1) else 'missed'} (<= {targets.get(n, 1)}) | "
+                      f"{(max(each) / min(each) - 1) * 100:.1f} % | {' / '.join(f'{x:.2f}' for x in shares)} | "
+                      f"{' / '.join(f'{x:.2f}' for x in waste)} |", flush=True)
 
 
 def _mib(n):
@@ -123,11 +185,17 @@ def main(argv=None) -> int:
     parser.add_argument("--implementation", default=None, choices=(None, "cudnn", "xla"))
     parser.add_argument("--calls", type=int, default=5, help="steps per timed loop")
     parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--simulate", default=None, metavar="N,N,...",
+                        help="one GPU: time each of n devices' local calls for these n (e.g. 2,4,8) instead")
     args = parser.parse_args(argv)
     names = args.workloads.split(",")
     unknown = [n for n in names if n not in CP_WORKLOADS]
     if unknown:
         parser.error(f"unknown workloads {unknown}; choose from {sorted(CP_WORKLOADS)}")
+    if args.simulate:
+        simulate(names, args.implementation, args.calls, args.repetitions,
+                 tuple(int(n) for n in args.simulate.split(",")))
+        return 0
     skip = None if len(jax.devices()) >= DEVICES else (
         f"needs {DEVICES} devices, this host has {len(jax.devices())}: CP rows skipped")
     print("| workload | system | fwd+bwd ms/step | speedup vs 1 GPU | per-device attention ms | imbalance | "
