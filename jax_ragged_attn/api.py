@@ -17,6 +17,8 @@ from jax_ragged_attn.checks import check_enabled, checked_cu_seqlens, checked_se
 from jax_ragged_attn.config import AttentionConfig, AttentionOptions, make_config
 from jax_ragged_attn.indices import as_int32
 from jax_ragged_attn.overflow import cu_seqlens_overflow
+from jax_ragged_attn.packing import query_rows_with_keys, row_positions, sanitize_both
+from jax_ragged_attn.sinks import apply_sinks
 from jax_ragged_attn.xla import attention_xla, warn_cudnn_fallback
 
 
@@ -91,8 +93,10 @@ def ragged_attention(
         agree to rounding (see jax_ragged_attn/_cudnn/strategy.py). The xla path ignores it.
       sinks: None or [Hq] float, one learnable logit per query head (gpt-oss style) that joins every row's
         softmax without a value, so a row can put weight on "nothing"; differentiable. stats then include
-        the sink term. The xla path only, for now: the cuDNN path reports it cannot serve the call, so
-        implementation=None falls back to xla.
+        the sink term, and a real query row without keys has the sink as its whole softmax: out 0, stats
+        sinks[h], and the sink gets that row's stats gradient. Every implementation: an elementwise epilogue
+        of the sink-free op through its log-sum-exp (sinks.py), so cuDNN serves sinks where it can
+        differentiate its stats (Dv <= 240).
       seqused_q, seqused_kv: None, or integer [B] (FlashAttention's seqused_q / seqused_k): sequence b uses
         only the first seqused[b] rows of its slot cu_seqlens[b]:cu_seqlens[b+1]; the rest of the slot is
         treated like capacity padding (never read, out 0 / stats -inf / gradients 0). Offsets then need not
@@ -139,12 +143,22 @@ def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOption
     seqused = (_seqused(seqused_q, "seqused_q", config), _seqused(seqused_kv, "seqused_kv", config))
     config, cu_seqlens_q, cu_seqlens_kv, seqused = apply_check(options.check, config, cu_seqlens_q, cu_seqlens_kv,
                                                                seqused)
-    if choose_implementation(options.implementation, config) == "cudnn":
-        out, stats = launch.attention(tuple(buffers), cu_seqlens_q, cu_seqlens_kv, config, seqused)
+    # Sinks are an epilogue of the sink-free op on every implementation (sinks.py): the op itself runs without,
+    # and hands over its stats as computed (raw: never -inf made for the epilogue's sake, so debug_infs is quiet).
+    inner = dataclasses.replace(config, has_sinks=False)
+    if choose_implementation(options.implementation, inner, sinks=sinks is not None) == "cudnn":
+        out, stats = launch.attention(tuple(buffers), cu_seqlens_q, cu_seqlens_kv, inner, seqused)
     else:
-        out, stats = attention_xla(*layout.split(buffers), cu_seqlens_q, cu_seqlens_kv, config, sinks,
-                                   return_stats=options.return_stats,  # False: no -inf computed (debug_infs)
+        wanted = "raw" if sinks is not None and not options.return_stats else options.return_stats
+        out, stats = attention_xla(*layout.split(buffers), cu_seqlens_q, cu_seqlens_kv, inner,
+                                   return_stats=wanted,  # False: no -inf computed (debug_infs)
                                    seqused_q=seqused[0], seqused_kv=seqused[1])
+    if sinks is not None:
+        cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
+        real_rows = row_positions(cu_q, config.capacity_q, config.max_seqlen_q, seqused[0])[2]
+        rows_with_keys = query_rows_with_keys(cu_q, cu_kv, config, *seqused)
+        out, stats = apply_sinks(out, stats, sinks, real_rows, rows_with_keys, config.stats_layout,
+                                 options.return_stats)
     result = (out, stats) if options.return_stats else (out,)
     if return_overflow:  # from the cu_seqlens as the caller passed them (checked ones are the same values)
         result += (cu_seqlens_overflow(cu_seqlens_q, cu_seqlens_kv, config, same=cu_seqlens_q is cu_seqlens_kv,
@@ -197,12 +211,14 @@ def apply_check(check: bool | None, config: AttentionConfig, cu_seqlens_q, cu_se
     return config, checked[0], checked[-1], tuple(used)
 
 
-def choose_implementation(implementation: str | None, config: AttentionConfig) -> str:
+def choose_implementation(implementation: str | None, config: AttentionConfig, *, sinks: bool = False) -> str:
     """"cudnn" or "xla" for this call (implementation already checked); implementation="cudnn" that cannot be
-    served raises saying why."""
+    served raises saying why. sinks: the sink epilogue will differentiate through the stats."""
     if implementation == "xla":
         return "xla"
     reason = cudnn.unsupported_reason(config)
+    if reason is None and sinks:
+        reason = launch.stats_gradient_unsupported(config)
     if implementation == "cudnn" and reason is not None:
         raise NotImplementedError(f"implementation='cudnn' cannot serve this call: {reason}")
     if reason is not None:

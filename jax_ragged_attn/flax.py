@@ -17,9 +17,8 @@ out as the packed attention ops read it, so on the cuDNN path q, k and v are nev
 RoPE (rotate-half convention: a head's first D/2 features pair with its last D/2, frequencies
 rope_base ** (-2i / D)) reads the packed positions, which restart at 0 in every sequence.
 
-Learnable sinks (sinks=True, one logit per query head) go through `ragged_attention` on slices of the packed
-buffers: the packed wrappers take no sinks, and only the xla path serves sinks today (the cuDNN path declines
-them, so implementation=None picks xla for this layer).
+Learnable sinks (sinks=True, one logit per query head) go through the packed wrappers like everything else:
+an elementwise epilogue of the op through its log-sum-exp (sinks.py), on cuDNN where it serves the call.
 
 Parameters can be split over heads (head_axis="model"): the kernels carry partitioning metadata (Flax's
 with_partitioning), so under `jax.set_mesh(mesh)` they are created sharded, and the attention call runs
@@ -60,7 +59,7 @@ class RaggedSelfAttention(nnx.Module):
       head_dim: D, default features // num_heads; even when RoPE is on.
       is_causal: each token attends to itself and earlier tokens of its sequence only.
       local_window_size: None, w or (left, right): as in `ragged_attention`.
-      sinks: add one learnable sink logit per query head (initialised to 0); xla path only (see above).
+      sinks: add one learnable sink logit per query head (initialised to 0); see above.
       rope_base: RoPE's base; None turns RoPE off.
       scale: multiplies q.k; default 1 / sqrt(D).
       implementation: None (cuDNN where it can serve the call, else xla), "cudnn" or "xla".
@@ -182,15 +181,15 @@ class RaggedSelfAttention(nnx.Module):
         packed, heads = jax.P(None, None, axis, None), jax.P(None, axis, None)  # [T, parts, H, D], [T, H, D]
         out_specs = (heads, jax.P(axis, None)) if return_stats else heads
         if self.sinks is not None:
-            # The packed wrappers take no sinks: ragged_attention on slices (copies; xla path only today).
+            # The packed wrappers take sinks (the epilogue of sinks.py): the packed buffers stay in place.
             if self.packs_qkv:
                 def call(qkv, sinks, cu):
-                    return ragged_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu, sinks=sinks, **bounds, **options)
+                    return ragged_attention_qkvpacked(qkv, cu, max_seqlen=max_seqlen, sinks=sinks, **options)
                 return self._on_heads(call, (qkv, self.sinks[...], cu_seqlens), (packed, jax.P(axis), jax.P()),
                                       out_specs)
 
             def call(q, kv, sinks, cu):
-                return ragged_attention(q, kv[:, 0], kv[:, 1], cu, cu, sinks=sinks, **bounds, **options)
+                return ragged_attention_kvpacked(q, kv, cu, cu, sinks=sinks, **bounds, **options)
             return self._on_heads(call, (q, kv, self.sinks[...], cu_seqlens), (heads, packed, jax.P(axis), jax.P()),
                                   out_specs)
         if self.packs_qkv:

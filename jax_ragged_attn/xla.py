@@ -118,7 +118,7 @@ def attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig,
     sinks: None or [Hq], one logit per query head that joins each row's softmax without a value.
     seqused_q, seqused_kv: None or int32 [B]: sequence b uses only the first seqused[b] rows of its slot.
     return_stats: None reads config.return_stats (api.attend sets it); False returns stats None, and then no
-    -inf is computed anywhere.
+    -inf is computed anywhere; "raw" returns them with 0 instead of -inf on rows without keys.
     block_q, block_kv, memory_limit: override JAX_RAGGED_ATTN_XLA_BLOCK / JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT
     (xla_memory.py). Raises WorkingSetTooLargeError (a MemoryError) at trace time when the estimated
     working set of the forward, or of the backward when it is traced, exceeds the bound.
@@ -129,7 +129,10 @@ def attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig,
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
     bands = _bands(cu_q, cu_kv, config, seqused_q, seqused_kv)
     out, lse = _attention(plan, q, k, v, sinks, bands)
-    if not (config.return_stats if return_stats is None else return_stats):
+    wanted = config.return_stats if return_stats is None else return_stats
+    if wanted == "raw":  # for an epilogue that masks them itself (sinks.py): 0, not -inf, on rows without keys
+        return out, lse.T if config.stats_layout == "head_major" else lse
+    if not wanted:
         return out, None
     # The documented -inf of rows without keys: the one place it exists (lse holds 0 there).
     stats = jnp.where((bands.first <= bands.last)[:, None], lse, -jnp.inf)

@@ -213,7 +213,7 @@ def _forward(buffers, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, sequ
         # The backward's inputs must be finite too: a row without keys has P = 0 in the backward whatever its
         # stats say (every logit is masked), so 0 there is as good as cuDNN's -inf.
         raw_stats = jnp.where(stats_rows, raw_stats, 0.0)
-    # Without return_stats nobody reads them: no -inf is made, so jax.debug_infs stays quiet.
+    # Without return_stats the caller reads none (or, the sink epilogue, only rows with keys): no -inf is made.
     stats = jnp.where(stats_rows, raw_stats, -jnp.inf) if config.return_stats else raw_stats
     return out, stats, raw_stats
 
@@ -259,7 +259,7 @@ def _attention_fwd(buffers, cu_seqlens_q, cu_seqlens_kv, config, seqused=(None, 
     return (out, stats), (buffers, cu_seqlens_q, cu_seqlens_kv, seqused, out, raw_stats)
 
 
-def _stats_gradient_unsupported(config: AttentionConfig) -> str | None:
+def stats_gradient_unsupported(config: AttentionConfig) -> str | None:
     """Why the backward cannot take a stats cotangent here (stats_grad.py widens Dv), or None."""
     widened = config.head_dim_v + stats_grad.EXTRA_COLUMNS
     if widened > MAX_HEAD_DIM:
@@ -278,7 +278,7 @@ def _stats_cotangent_backward(buffers, cu_q, cu_kv, out, raw_stats, d_out, d_sta
     """The gradients with a stats cotangent, carried on widened value columns (stats_grad.py). A packed buffer
     cannot hold the wider v, so its parts are copied out and the gradients stacked back: the one place the
     packed path copies."""
-    reason = _stats_gradient_unsupported(config)
+    reason = stats_gradient_unsupported(config)
     if reason is not None:
         raise NotImplementedError(f"{reason}. Use implementation='xla' for this loss, or jax.lax.stop_gradient "
                                   "the stats, or return them as has_aux.")

@@ -86,8 +86,9 @@ def reference_attention(
     None means zero).
 
     sinks ([Hq] or None): one learnable logit per query head that joins every row's softmax without a
-    value (gpt-oss): p_ij = exp(s_ij) / (sum_j exp(s_ij) + exp(sink_h)). Rows with no attended key stay
-    out 0 / stats -inf. With d_out, the result also holds "dsinks" [Hq].
+    value (gpt-oss): p_ij = exp(s_ij) / (sum_j exp(s_ij) + exp(sink_h)). A real query row with no attended
+    key has the sink as its whole softmax: out 0, stats sink_h (padding rows stay -inf). With d_out, the
+    result also holds "dsinks" [Hq].
     """
     if diagonal_alignment not in DIAGONAL_ALIGNMENTS:
         raise ValueError(f"diagonal_alignment must be one of {DIAGONAL_ALIGNMENTS}, got {diagonal_alignment!r}")
@@ -128,7 +129,9 @@ def reference_attention(
         scores = np.where(keep, scores, -np.inf)
         row_max = np.where(attended, scores.max(axis=2, initial=-np.inf), 0.0)  # [Hq, sq]
         if sinks is not None:  # the sink joins the softmax: shift by the larger of the two
-            row_max = np.where(attended, np.maximum(row_max, sinks[:, None]), 0.0)
+            row_max = np.where(attended, np.maximum(row_max, sinks[:, None]), sinks[:, None])
+            # A real row without keys has the sink as its whole softmax: stats = sink, out 0.
+            attended = np.ones_like(attended)
         unnormalised = np.where(keep, np.exp(scores - row_max[:, :, None]), 0.0)
         row_sum = unnormalised.sum(axis=2)
         if sinks is not None:
