@@ -33,9 +33,11 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jax_ragged_attn import context_parallel as cp
+from jax_ragged_attn import ring
 from jax_ragged_attn.api import attend
 from jax_ragged_attn.checks import check_enabled, checked_cu_seqlens
 from jax_ragged_attn.config import AttentionOptions, make_config
+from jax_ragged_attn.indices import as_int32
 from jax_ragged_attn.context_parallel import reorder_for_load_balance, restore_order
 from jax_ragged_attn.overflow import cu_seqlens_overflow
 
@@ -53,6 +55,7 @@ def sharded_ragged_attention(
     head_axis: str | tuple[str, ...] | None = None,
     token_axis: str | tuple[str, ...] | None = None,
     load_balance: bool = False,
+    context_strategy: str = "all_gather",
     **kwargs,
 ):
     """`ragged_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, **kwargs)` split over heads and/or tokens.
@@ -71,6 +74,8 @@ def sharded_ragged_attention(
       load_balance: with token_axis: q, k, v are in the order reorder_for_load_balance(x, n) gives (device r
         holds chunks r and 2n-1-r of the natural order), and out, stats and the gradients come back in that
         order (restore_order undoes it). cu_seqlens always describe the natural order.
+      context_strategy: with token_axis, "all_gather" (each device gathers all of K/V: O(T) memory) or "ring"
+        (K/V blocks travel around the devices with ppermute, results merged by log-sum-exp: O(T/n); ring.py).
 
     Returns what `ragged_attention` returns: out [Tq, Hq, Dv] sharded on tokens over token_axis and on heads
     over head_axis; with return_stats=True also stats sharded the same way on their token and head axes
@@ -78,6 +83,9 @@ def sharded_ragged_attention(
     """
     options, rest = AttentionOptions.split(kwargs)
     return_overflow = rest.pop("return_overflow", False)
+    same = cu_seqlens_q is cu_seqlens_kv
+    cu_seqlens_q = as_int32(cu_seqlens_q, "cu_seqlens_q")  # any integer dtype (indices.py)
+    cu_seqlens_kv = cu_seqlens_q if same else as_int32(cu_seqlens_kv, "cu_seqlens_kv")
     if not isinstance(return_overflow, bool):
         raise ValueError(f"return_overflow must be a Python bool, got {type(return_overflow).__name__}")
     if rest.get("sinks") is not None:
@@ -93,6 +101,7 @@ def sharded_ragged_attention(
         raise ValueError(f"load_balance must be a Python bool, got {load_balance!r}")
     if load_balance and token_axis is None:
         raise ValueError("load_balance=True balances the token axis: it needs token_axis")
+    ring.check_strategy(context_strategy, token_axis)
     heads = math.prod(mesh.shape[a] for a in head_axes)
     for name, x, layout in (("q", q, "[Tq, Hq, Dqk]"), ("k", k, "[Tkv, Hkv, Dqk]"), ("v", v, "[Tkv, Hkv, Dv]")):
         if getattr(x, "ndim", None) != 3:
@@ -141,12 +150,17 @@ def sharded_ragged_attention(
     plan, inner, cu_seqlens = _context_parallel_plan(q, k, v, cu_seqlens_q, cu_seqlens_kv, mesh, token_axis,
                                                      load_balance, options, rest)
 
-    def attend_chunk(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv):
-        result = attend((q, k, v), cu_q, cu_kv, inner, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
+    def attend_chunk(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, *, seqused, diagonal_alignment):
+        options = dataclasses.replace(inner, diagonal_alignment=diagonal_alignment)
+        result = attend((q, k, v), cu_q, cu_kv, options, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+                        seqused_q=seqused[0], seqused_kv=seqused[1])
         return result if inner.return_stats else (result, None)
 
     def attend_tokens(q, k, v, cu_seqlens):
-        out, stats = cp.device_attention(plan, attend_chunk, q, k, v, cu_seqlens)
+        if context_strategy == "ring":
+            out, stats = ring.device_attention(plan, inner, q, k, v, cu_seqlens)
+        else:
+            out, stats = cp.device_attention(plan, attend_chunk, q, k, v, cu_seqlens)
         return (out, stats) if inner.return_stats else out
 
     return _with_overflow(shard(attend_tokens, (tokens, tokens, tokens, P()))(q, k, v, cu_seqlens), options, overflow)
