@@ -192,6 +192,10 @@ def _axes(mesh, axis, name: str) -> tuple[str, ...]:
 def _context_parallel_plan(q, k, v, cu_seqlens_q, cu_seqlens_kv, mesh, token_axis, load_balance: bool,
                            options: AttentionOptions, rest: dict):
     """Validates a context-parallel call; returns (cp.Plan, the options of each chunk's call, cu_seqlens)."""
+    if rest.get("seqused_q") is not None or rest.get("seqused_kv") is not None:
+        raise NotImplementedError("seqused_q / seqused_kv with token_axis: context parallelism splits the packed "
+                                  "rows of tight cu_seqlens; pass the used rows packed back to back instead")
+    rest = {key: value for key, value in rest.items() if key not in ("seqused_q", "seqused_kv")}
     extra = sorted(set(rest) - {"max_seqlen_q", "max_seqlen_kv", "sinks"})
     if extra:
         raise TypeError(f"sharded_ragged_attention got unexpected keyword arguments {extra}")

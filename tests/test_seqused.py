@@ -209,3 +209,14 @@ def test_check_mode_and_overflow_with_seqused():
         ragged_attention(q, k, v, cu, cu, seqused_q=jnp.array([1, 2, 3]), **kwargs)
     with pytest.raises(ValueError, match="seqused_kv must have an integer dtype"):
         ragged_attention(q, k, v, cu, cu, seqused_kv=jnp.array([1.0, 2.0]), **kwargs)
+
+
+def test_context_parallelism_refuses_seqused_by_name():
+    from jax_ragged_attn.sharding import sharded_ragged_attention
+
+    mesh = jax.make_mesh((1,), ("cp",))
+    q = jnp.zeros((8, 2, 8), jnp.float32)
+    cu = jnp.array([0, 4, 8], jnp.int32)
+    with pytest.raises(NotImplementedError, match="seqused_q / seqused_kv with token_axis"):
+        sharded_ragged_attention(q, q, q, cu, cu, mesh=mesh, token_axis="cp", max_seqlen_q=8, max_seqlen_kv=8,
+                                 seqused_q=jnp.array([2, 3]), implementation="xla")
