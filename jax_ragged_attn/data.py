@@ -55,12 +55,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import operator
 from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from jax_ragged_attn.load_balance import balanced_document_order, dual_chunk_rows
+from jax_ragged_attn.load_balance import _int, _positive_int, balanced_document_order, dual_chunk_rows
 
 _INT32 = np.iinfo(np.int32)
 
@@ -338,19 +337,3 @@ def _tokens(doc, index: int) -> np.ndarray:
     if array.min() < _INT32.min or array.max() > _INT32.max:
         raise ValueError(f"docs[{index}] holds token ids outside int32: min {array.min()}, max {array.max()}")
     return array.astype(np.int32)
-
-
-def _int(value, name: str) -> int:
-    if isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be an int, got bool {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
-
-
-def _positive_int(value, name: str) -> int:
-    value = _int(value, name)
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value

@@ -21,6 +21,7 @@ from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.context_parallel import chunk_pieces, pieces_cu_seqlens
 from jax_ragged_attn.packing import cu_seqlens_from_lengths
 from jax_ragged_attn.sharding import reorder_for_load_balance, restore_order, sharded_ragged_attention
+from jax_ragged_attn.testing.documents import dense_mask, random_document_lengths
 from jax_ragged_attn.testing.multidevice import cudnn_gpus, report_checks, run_checks_in_child
 from jax_ragged_attn.testing import assert_close, packed_batch
 from jax_ragged_attn.testing.reference import reference_attention
@@ -30,30 +31,7 @@ T = 64  # 4 devices: shards of 16 rows, balanced chunks of 8
 
 
 def random_lengths(rng, total: int, *, slack: int) -> list[int]:
-    """Documents filling total - slack rows: one longer than a shard, zero-length ones, the rest random (so
-    documents cross shard edges), the order shuffled."""
-    budget = total - slack
-    lengths = [int(rng.integers(20, 31)), 0, 0]
-    while sum(lengths) < budget:
-        lengths.append(int(min(rng.integers(1, 14), budget - sum(lengths))))
-    rng.shuffle(lengths)
-    return lengths
-
-
-def dense_mask(cu, total: int, max_seqlen: int, is_causal: bool, window_left) -> np.ndarray:
-    """[T, T] bool: the natural packing's segment-causal (windowed) mask."""
-    mask = np.zeros((total, total), bool)
-    for b in range(len(cu) - 1):
-        start, length = int(cu[b]), min(int(cu[b + 1] - cu[b]), max_seqlen)
-        i = np.arange(length)[:, None]
-        j = np.arange(length)[None, :]
-        keep = np.ones((length, length), bool)
-        if is_causal:
-            keep &= j <= i
-        if window_left is not None:
-            keep &= j >= i - window_left
-        mask[start:start + length, start:start + length] = keep
-    return mask
+    return random_document_lengths(rng, total, slack=slack, longest=(20, 31))
 
 
 def prefix_sum_mask(cu_q, cu_kv, rows: int, total: int, is_causal: bool, window_left) -> np.ndarray:
@@ -285,8 +263,9 @@ if __name__ == "__main__":
 # ---- On GPUs: CP=2 on the cuDNN path against one GPU. ----
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("context_strategy", ["all_gather", "ring"])
 @pytest.mark.parametrize("load_balance", [False, True])
-def test_two_gpus_cudnn_context_parallel_matches_one_gpu(load_balance):
+def test_two_gpus_cudnn_context_parallel_matches_one_gpu(load_balance, context_strategy):
     """bf16, causal GQA 16/4, d 128: CP=2 on the cuDNN path equals the unsharded cuDNN call (the same
     arithmetic per row up to the order of a few reductions) and the float64 reference, gradients and a
     stats cotangent included."""
@@ -309,7 +288,8 @@ def test_two_gpus_cudnn_context_parallel_matches_one_gpu(load_balance):
         outputs, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, cu, cu, **options), q, k, v)
         return (*outputs, *pullback((d_out, d_stats)))
 
-    sharded = functools.partial(sharded_ragged_attention, mesh=mesh, token_axis="cp", load_balance=load_balance)
+    sharded = functools.partial(sharded_ragged_attention, mesh=mesh, token_axis="cp", load_balance=load_balance,
+                                context_strategy=context_strategy)
     args = (*(order(x) for x in batch.args[:3]), batch.cu_seqlens_q, order(jnp.asarray(d_out)),
             order(jnp.asarray(d_stats), 1))
     got = jax.jit(functools.partial(forward_and_backward, sharded))(*args)

@@ -26,6 +26,7 @@ from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.context_parallel import Plan
 from jax_ragged_attn.packing import cu_seqlens_from_lengths
 from jax_ragged_attn.sharding import reorder_for_load_balance, restore_order, sharded_ragged_attention
+from jax_ragged_attn.testing.documents import dense_mask, random_document_lengths
 from jax_ragged_attn.testing import assert_close, packed_batch
 from jax_ragged_attn.testing.multidevice import cudnn_gpus, report_checks, run_checks_in_child
 from jax_ragged_attn.testing.reference import reference_attention
@@ -34,29 +35,7 @@ EXPLICIT, AUTO = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
 
 
 def random_lengths(rng, total: int, *, slack: int) -> list[int]:
-    """Documents filling total - slack rows: one longer than half the buffer's shard, two zero-length ones,
-    the rest short (so documents cross chunk edges), shuffled."""
-    budget = total - slack
-    lengths = [int(rng.integers(total // 3, total // 2)), 0, 0]
-    while sum(lengths) < budget:
-        lengths.append(int(min(rng.integers(1, 14), budget - sum(lengths))))
-    rng.shuffle(lengths)
-    return lengths
-
-
-def dense_mask(cu, total: int, max_seqlen: int, is_causal: bool, window_left) -> np.ndarray:
-    """[T, T] bool: the natural packing's segment-causal (windowed) mask."""
-    mask = np.zeros((total, total), bool)
-    for b in range(len(cu) - 1):
-        start, length = int(cu[b]), min(int(cu[b + 1] - cu[b]), max_seqlen)
-        i, j = np.arange(length)[:, None], np.arange(length)[None, :]
-        keep = np.ones((length, length), bool)
-        if is_causal:
-            keep &= j <= i
-        if window_left is not None:
-            keep &= j >= i - window_left
-        mask[start:start + length, start:start + length] = keep
-    return mask
+    return random_document_lengths(rng, total, slack=slack, longest=(total // 3, total // 2))
 
 
 def op_mask(cu_seqlens_q, cu_seqlens_kv, rows: int, cols: int, *, is_causal: bool, window=None,
@@ -457,47 +436,3 @@ def test_ring_blocks_on_cudnn_match_one_call(load_balance, mask):
     for i, name in enumerate(("out", "stats", "dq", "dk", "dv")):
         assert_close(np.asarray(got[i], np.float64), np.asarray(one[i], np.float64), "bfloat16", f"{name}, one call")
         assert_close(np.asarray(got[i], np.float64), expected[name], "bfloat16", f"{name}, reference")
-
-
-def _vjp(attention, q, k, v, cu, d_out, d_stats):
-    outputs, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, cu), q, k, v)
-    return (*outputs, *pullback((d_out, d_stats)))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("load_balance", [False, True])
-def test_two_gpus_cudnn_ring_matches_one_gpu(load_balance):
-    """bf16, causal GQA 16/4, d 128: the ring over 2 GPUs on the cuDNN path equals the unsharded cuDNN call and
-    the float64 reference, gradients and a stats cotangent included (test_context_parallel's all_gather
-    check, with context_strategy="ring"). Not yet run: no machine of two GPUs was lent for this change."""
-    gpus = cudnn_gpus(2)
-    mesh = jax.make_mesh((2,), ("cp",), axis_types=(EXPLICIT,), devices=gpus[:2])
-    rng = np.random.default_rng(12)
-    lengths = (300, 0, 1100, 64, 517, 9)
-    total = 2048
-    batch = packed_batch(rng, lengths, lengths, num_heads_q=16, num_heads_kv=4, head_dim_qk=128, head_dim_v=128,
-                         dtype="bfloat16", slack_q=total - sum(lengths), slack_kv=total - sum(lengths))
-    options = dict(max_seqlen_q=1100, max_seqlen_kv=1100, is_causal=True, return_stats=True, implementation="cudnn")
-    d_out = rng.standard_normal((total, 16, 128)).astype("bfloat16")
-    d_out[sum(lengths):] = 0
-    d_stats = rng.standard_normal((16, total)).astype(np.float32)
-
-    def order(x, axis=0):
-        return reorder_for_load_balance(x, 2, axis) if load_balance else x
-
-    sharded = functools.partial(sharded_ragged_attention, mesh=mesh, token_axis="cp", load_balance=load_balance,
-                                context_strategy="ring")
-    args = (*(order(x) for x in batch.args[:3]), batch.cu_seqlens_q, order(jnp.asarray(d_out)),
-            order(jnp.asarray(d_stats), 1))
-    got = jax.jit(functools.partial(_forward_and_backward, sharded, options))(*args)
-    got = [restore_order(x, 2, 1 if i == 1 else 0) if load_balance else x for i, x in enumerate(got)]
-    one_gpu = jax.jit(functools.partial(_forward_and_backward, ragged_attention, options))(
-        *batch.args[:4], jnp.asarray(d_out), jnp.asarray(d_stats))
-    expected = reference_attention(*batch.reference_args, d_out=d_out.astype(np.float64),
-                                   d_stats=d_stats.T.astype(np.float64), max_seqlen_q=1100, max_seqlen_kv=1100,
-                                   is_causal=True)
-    for i, name in enumerate(("out", "stats", "dq", "dk", "dv")):
-        assert_close(np.asarray(got[i], np.float64), np.asarray(one_gpu[i], np.float64), "bfloat16",
-                     f"{name} against one GPU")
-        want = expected[name].T if name == "stats" else expected[name]
-        assert_close(np.asarray(got[i], np.float64), want, "bfloat16", f"{name} against the float64 reference")
