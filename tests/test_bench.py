@@ -519,3 +519,21 @@ def test_command_buffer_bench_runs_end_to_end_on_the_xla_path(tmp_path, capsys):
     assert "none of our calls" in row and float(row.split()[1]) > 0  # fwd ms
     assert "implementation='xla'" in printed
     assert (tmp_path / "table.txt").exists() and (tmp_path / "results.json").exists()
+
+
+def test_context_parallel_simulation_prints_a_row_per_device_count_and_order(capsys, monkeypatch):
+    """bench/context_parallel --simulate on the xla path (CPU): the exact per-device function of the sharded
+    op (context_parallel.chunk_attention), timed per device, with its work shares."""
+    from jax_ragged_attn.tools.bench import context_parallel as bcp
+    from jax_ragged_attn.tools.workloads import Workload
+
+    tiny = Workload("tiny-cp", "tiny", (40, 23, 1, 60), 4, 2, 16, dtype="float32")
+    monkeypatch.setitem(bcp.CP_WORKLOADS, "tiny-cp", tiny)
+    assert bcp.main(["--workloads", "tiny-cp", "--simulate", "2", "--calls", "1", "--repetitions", "1",
+                     "--implementation", "xla"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny-cp")]
+    assert [row.split("|")[3].strip() for row in rows] == ["natural", "balanced", "packer+balanced"]
+    for row in rows:
+        per_device = row.split("|")[5].split("/")
+        shares = [float(x) for x in row.split("|")[9].split("/")]
+        assert len(per_device) == 2 and abs(sum(shares) - 1) < 0.02
