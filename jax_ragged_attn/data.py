@@ -298,8 +298,9 @@ def pack_documents(docs: Iterable, capacity: int, *, max_seqs: int, max_seqlen: 
       docs: a list or any iterable (read lazily) of 1-D integer token arrays (or lists); empty ones are skipped.
       capacity: T, rows of every batch's token buffer.
       max_seqs: B, sequence slots of every batch (cu_seqlens has B + 1 entries). A batch closes when its
-        slots run out even if it has room for tokens, so B bounds how many short documents share a batch;
-        the xla path's memory grows with B * max_seqlen**2, the cuDNN path's does not.
+        slots run out even if it has room for tokens, so B bounds how many short documents share a batch.
+        Neither implementation's memory depends on B or max_seqlen beyond the [B + 1] offsets (the xla
+        path's working set is O(T * H * block_kv), README "The xla path's memory").
       max_seqlen: the longest sequence; longer documents are split into pieces of this length. Default
         capacity; at most capacity. Pass the same value as the attention's max_seqlen.
       buffer_size: pieces read ahead and packed together (first-fit-decreasing); larger packs tighter.
