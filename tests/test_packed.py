@@ -117,7 +117,7 @@ def test_xla_path_matches_the_reference(layout, stats_layout):
     (lambda: packed.ragged_attention_kvpacked(jnp.zeros((8, 4, 16)), jnp.zeros((8, 3, 2, 16)),
                                               jnp.array([0, 8], jnp.int32), jnp.array([0, 8], jnp.int32),
                                               max_seqlen_q=8, max_seqlen_kv=8), r"kv must be \[Tkv, 2, Hkv, D\]"),
-    (lambda: packed.ragged_attention_kvpacked(jnp.zeros((8, 3, 16)), jnp.zeros((8, 2, 2, 16)),
+    (lambda: packed.ragged_attention_kvpacked(jnp.zeros((8, 3, 16), jnp.float32), jnp.zeros((8, 2, 2, 16), jnp.float32),
                                               jnp.array([0, 8], jnp.int32), jnp.array([0, 8], jnp.int32),
                                               max_seqlen_q=8, max_seqlen_kv=8), r"q's heads \(3\)"),
 ])

@@ -274,7 +274,9 @@ def test_grad_of_output_only_loss(rng):
 
 
 def _valid_call(**changes):
-    args = dict(q=jnp.zeros((2, 4, 4, 8)), k=jnp.zeros((2, 4, 2, 8)), v=jnp.zeros((2, 4, 2, 8)),
+    # float32 spelled out: under jax_enable_x64 (pytest --jax-config=x64) jnp.zeros would be float64.
+    args = dict(q=jnp.zeros((2, 4, 4, 8), jnp.float32), k=jnp.zeros((2, 4, 2, 8), jnp.float32),
+                v=jnp.zeros((2, 4, 2, 8), jnp.float32),
                 segment_ids=jnp.ones((2, 4), jnp.int32), max_segments=2, implementation="xla")
     args.update(changes)
     return ragged_attention_segments(**args)
