@@ -206,7 +206,8 @@ def apply_check(check: bool | None, config: AttentionConfig, cu_seqlens_q, cu_se
                                              max_seqlen=max_seqlen)
             checked.append(cu)
     if same and seqused[1] is not None and used[1] is seqused[1]:  # one cu for both sides: check kv's seqused too
-        _, used[1] = checked_seqused(checked[0], seqused[1], name=name_q, seqused_name="seqused_kv",
+        _, used[1] = checked_seqused(checked[0], seqused[1], name="cu_seqlens" if config.packing == "qkv" else
+                                     "cu_seqlens_kv", seqused_name="seqused_kv",
                                      capacity=config.capacity_kv, max_seqlen=config.max_seqlen_kv)
     return config, checked[0], checked[-1], tuple(used)
 

@@ -267,7 +267,9 @@ def checked_seqused(cu_seqlens: jax.Array, seqused: jax.Array, *, name: str, seq
         check_on_host(cu_seqlens, seqused)
         return cu_seqlens, seqused
     result = (jax.ShapeDtypeStruct(cu_seqlens.shape, cu_seqlens.dtype), jax.ShapeDtypeStruct(seqused.shape, seqused.dtype))
-    return jax.pure_callback(check_on_host, result, cu_seqlens, seqused, vmap_method="expand_dims")
+    # broadcast_all: under vmap one of the two may be unbatched (one set of slots, batched seqused); the check
+    # needs both with the same leading axes, and must return full-size results.
+    return jax.pure_callback(check_on_host, result, cu_seqlens, seqused, vmap_method="broadcast_all")
 
 
 def checked_segment_ids(segment_ids: jax.Array, *, max_segments: int, max_seqlen: int) -> jax.Array:

@@ -88,9 +88,12 @@ def sharded_ragged_attention(
     cu_seqlens_kv = cu_seqlens_q if same else as_int32(cu_seqlens_kv, "cu_seqlens_kv")
     if not isinstance(return_overflow, bool):
         raise ValueError(f"return_overflow must be a Python bool, got {type(return_overflow).__name__}")
-    if rest.get("sinks") is not None:
-        raise NotImplementedError("sinks with sharded_ragged_attention: the per-head sink logits are not split over "
-                                  "head_axis yet; call ragged_attention under jit with sharded inputs instead")
+    # The per-head sink logits travel with their heads: split over head_axis like q's heads.
+    sinks = rest.pop("sinks", None)
+    if sinks is not None and context_strategy == "ring":
+        raise NotImplementedError("sinks with context_strategy='ring': the sink joins each row's softmax once, "
+                                  "after the ring's partial results are merged, which the ring does not do yet; "
+                                  "use context_strategy='all_gather'")
     if head_axis is None and token_axis is None:
         raise ValueError("sharded_ragged_attention needs head_axis, token_axis or both, got neither")
     head_axes = _axes(mesh, head_axis, "head_axis")
@@ -128,6 +131,8 @@ def sharded_ragged_attention(
         # in_specs; with auto axes shard_map reshards by itself (and jax.reshard refuses them).
         q, k, v = jax.reshard((q, k, v), NamedSharding(mesh, tokens))
         cu_seqlens_q, cu_seqlens_kv = jax.reshard((cu_seqlens_q, cu_seqlens_kv), NamedSharding(mesh, P()))
+        if sinks is not None:
+            sinks = jax.reshard(sinks, NamedSharding(mesh, P(head_axis)))
     if options.stats_layout == "head_major":
         stats = P(head_axis, token_axis)
     else:
@@ -140,30 +145,33 @@ def sharded_ragged_attention(
                                                  check_vma=False)
 
     if token_axis is None:
-        def attend_shard(q, k, v, cu_seqlens_q, cu_seqlens_kv):
-            # rest: max_seqlen_q, max_seqlen_kv (and sinks=None); attend raises TypeError for anything else.
-            return attend((q, k, v), cu_seqlens_q, cu_seqlens_kv, options, **rest)
+        def attend_shard(q, k, v, cu_seqlens_q, cu_seqlens_kv, sinks):
+            # rest: max_seqlen_q, max_seqlen_kv; attend raises TypeError for anything else.
+            return attend((q, k, v), cu_seqlens_q, cu_seqlens_kv, options, sinks=sinks, **rest)
 
-        result = shard(attend_shard, (tokens, tokens, tokens, P(), P()))(q, k, v, cu_seqlens_q, cu_seqlens_kv)
+        result = shard(attend_shard, (tokens, tokens, tokens, P(), P(), P(head_axis)))(
+            q, k, v, cu_seqlens_q, cu_seqlens_kv, sinks)
         return _with_overflow(result, options, overflow)
 
     plan, inner, cu_seqlens = _context_parallel_plan(q, k, v, cu_seqlens_q, cu_seqlens_kv, mesh, token_axis,
                                                      load_balance, options, rest)
 
-    def attend_chunk(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, *, seqused, diagonal_alignment):
-        options = dataclasses.replace(inner, diagonal_alignment=diagonal_alignment)
-        result = attend((q, k, v), cu_q, cu_kv, options, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-                        seqused_q=seqused[0], seqused_kv=seqused[1])
-        return result if inner.return_stats else (result, None)
+    def attend_tokens(q, k, v, cu_seqlens, sinks):
+        # Each chunk's calls own disjoint rows, so each applies the sink epilogue (sinks.py) to its own rows.
+        def attend_chunk(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, *, seqused, diagonal_alignment):
+            options = dataclasses.replace(inner, diagonal_alignment=diagonal_alignment)
+            result = attend((q, k, v), cu_q, cu_kv, options, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+                            seqused_q=seqused[0], seqused_kv=seqused[1], sinks=sinks)
+            return result if inner.return_stats else (result, None)
 
-    def attend_tokens(q, k, v, cu_seqlens):
         if context_strategy == "ring":
             out, stats = ring.device_attention(plan, inner, q, k, v, cu_seqlens)
         else:
             out, stats = cp.device_attention(plan, attend_chunk, q, k, v, cu_seqlens)
         return (out, stats) if inner.return_stats else out
 
-    return _with_overflow(shard(attend_tokens, (tokens, tokens, tokens, P()))(q, k, v, cu_seqlens), options, overflow)
+    return _with_overflow(shard(attend_tokens, (tokens, tokens, tokens, P(), P(head_axis)))(q, k, v, cu_seqlens, sinks),
+                          options, overflow)
 
 
 def _overflow(q, k, v, cu_seqlens_q, cu_seqlens_kv, options, rest):
@@ -196,7 +204,7 @@ def _context_parallel_plan(q, k, v, cu_seqlens_q, cu_seqlens_kv, mesh, token_axi
         raise NotImplementedError("seqused_q / seqused_kv with token_axis: context parallelism splits the packed "
                                   "rows of tight cu_seqlens; pass the used rows packed back to back instead")
     rest = {key: value for key, value in rest.items() if key not in ("seqused_q", "seqused_kv")}
-    extra = sorted(set(rest) - {"max_seqlen_q", "max_seqlen_kv", "sinks"})
+    extra = sorted(set(rest) - {"max_seqlen_q", "max_seqlen_kv"})
     if extra:
         raise TypeError(f"sharded_ragged_attention got unexpected keyword arguments {extra}")
     for name in ("max_seqlen_q", "max_seqlen_kv"):

@@ -220,3 +220,23 @@ def test_context_parallelism_refuses_seqused_by_name():
     with pytest.raises(NotImplementedError, match="seqused_q / seqused_kv with token_axis"):
         sharded_ragged_attention(q, q, q, cu, cu, mesh=mesh, token_axis="cp", max_seqlen_q=8, max_seqlen_kv=8,
                                  seqused_q=jnp.array([2, 3]), implementation="xla")
+
+
+def test_check_mode_under_vmap_with_one_side_batched():
+    """One set of slots, a batch of seqused (a KV cache's fill levels), check mode under jit(vmap): valid
+    values pass, and a bad value in one element is named with that element."""
+    rng = np.random.default_rng(8)
+    q = k = v = jnp.asarray(rng.standard_normal((12, 2, 8)), jnp.float32)
+    cu = jnp.array([0, 4, 12], jnp.int32)
+    kwargs = dict(max_seqlen_q=8, max_seqlen_kv=8, implementation="xla", check=True)
+    f = jax.jit(jax.vmap(lambda used: ragged_attention(q, k, v, cu, cu, seqused_kv=used, **kwargs)))
+    good = jnp.array([[4, 8], [1, 2], [0, 5]], jnp.int32)
+    out = f(good)
+    for i in range(3):
+        expected = ragged_attention(q, k, v, cu, cu, seqused_kv=good[i], **kwargs)
+        np.testing.assert_allclose(np.asarray(out[i]), np.asarray(expected), rtol=1e-6, atol=1e-6)
+    bad = good.at[2, 0].set(5)
+    from jax_ragged_attn.checks import input_errors
+    with pytest.raises(RaggedAttentionInputError, match=r"vmapped element \(2,\).*seqused_kv\[0\] = 5 is more than"), \
+            input_errors():
+        jax.block_until_ready(f(bad))
