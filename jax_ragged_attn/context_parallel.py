@@ -16,12 +16,13 @@ and c keys (sq = c - a, skv = c - lo, d = i + skv - sq). Without a mask a piece'
       piece 1: queries rows 8..13 (local 0..5) at positions 3..8 of sequence 1, keys rows 5..13 (c = 9)
       piece 2: queries rows 14..15 (local 6..7) at positions 0..1 of sequence 2, keys rows 14..15
 
-Pieces' key ranges leave gaps (rows 0..4 above), so they are not a prefix sum. Rather than teaching every
-backend explicit offsets, the pieces are spelled as ordinary cu_seqlens with sequences that hold only a gap
-(`pieces_cu_seqlens`): per piece three sequences, (queries of the gap before it, no keys), (no queries,
-keys of the gap before it), (the piece). A sequence without keys reads out 0 / stats -inf / gradient 0
-and one without queries contributes nothing and gets dK = dV = 0, which is the op's documented semantics
-on every implementation, so the existing op, its cuDNN graphs and its tests serve pieces unchanged.
+Pieces' key ranges leave gaps (rows 0..4 above), so they are not a prefix sum: a chunk's call spells them
+as B sequences with explicit offsets, cu_seqlens the slots (each piece's first row up to the next piece's)
+and seqused the pieces' lengths (`chunk_attention`; FlashAttention's seqused semantics, on every
+implementation). Every piece but the chunk's first starts at its sequence's first token, so top-left causal
+is its mask; the first may start inside its sequence and is the one bottom-right call (see
+`chunk_attention`). (`pieces_cu_seqlens` spells pieces as a prefix sum with gap sequences instead: 3B + 1
+sequences, the earlier spelling, kept for tools that want plain cu_seqlens.)
 
 Within one call no two pieces share key rows (they belong to different sequences), so the cuDNN backward,
 which writes dK/dV per sequence, never overwrites one piece's gradient with another's. With
