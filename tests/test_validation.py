@@ -58,7 +58,8 @@ CASES = {
     "qkv_integer": Bad(dict(q=_zeros(6, 4, 8, dtype=jnp.int32), k=_zeros(5, 2, 8, dtype=jnp.int32),
                             v=_zeros(5, 2, 8, dtype=jnp.int32)), "q"),
     "qkv_float64": Bad(dict(q=np.zeros((6, 4, 8)), k=np.zeros((5, 2, 8)), v=np.zeros((5, 2, 8))), "q"),
-    "cu_seqlens_q_int64": Bad(dict(cu_seqlens_q=np.array([0, 2, 6], np.int64)), "cu_seqlens_q"),
+    # Any integer dtype is accepted (tests/test_jax_configs.py); a float one is refused by name.
+    "cu_seqlens_q_float": Bad(dict(cu_seqlens_q=np.array([0, 2, 6], np.float32)), "cu_seqlens_q"),
     "cu_seqlens_kv_float32": Bad(dict(cu_seqlens_kv=jnp.array([0, 3, 5], jnp.float32)), "cu_seqlens_kv"),
     # Shapes that disagree.
     "cu_seqlens_single_entry": Bad(dict(cu_seqlens_q=jnp.array([0], jnp.int32),
