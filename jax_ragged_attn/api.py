@@ -53,8 +53,8 @@ def ragged_attention(
       q: [Tq, Hq, Dqk]; k: [Tkv, Hkv, Dqk]; v: [Tkv, Hkv, Dv]. Hq must be a multiple of Hkv (MHA, GQA, MQA):
         query head h reads key/value head h // (Hq // Hkv).
       cu_seqlens_q, cu_seqlens_kv: integer [B + 1] (any integer dtype, NumPy or jax; used as int32). Sequence
-        b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1] and key rows cu_seqlens_kv[b]:cu_seqlens_kv[b+1]. Zero-length sequences are fine. Tq and Tkv are
-        static capacities; rows past cu_seqlens[-1] are padding. Values are clamped monotone into [0, T]
+        b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1] and key rows cu_seqlens_kv[b]:cu_seqlens_kv[b+1].
+        Zero-length sequences are fine. Tq and Tkv are static capacities; rows past cu_seqlens[-1] are padding. Values are clamped monotone into [0, T]
         before use, so no value can make a kernel address outside the buffers (return_overflow counts the
         entries clamped; check=True raises instead).
       max_seqlen_q, max_seqlen_kv: static upper bounds of the sequence lengths (rows of a longer sequence
