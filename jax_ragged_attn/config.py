@@ -53,7 +53,7 @@ class AttentionConfig:
     guard_workspace: bool = False  # cuDNN: canary bands around the workspace and outputs, verified after each call
     autotune: bool = False  # cuDNN: run the fastest of cuDNN's candidate plans, measured once (autotune.py)
     packing: str = "none"  # cuDNN: "kv" / "qkv" read a fused projection in place (packed.py)
-    has_sinks: bool = False  # a learnable sink logit per query head joins every softmax (xla path only)
+    has_sinks: bool = False  # sinks were passed; api.attend runs the op without them and applies sinks.py after
     strategy: str = "fastest"  # cuDNN backward: speed or workspace first (_cudnn/strategy.py)
     # False: the caller drops the stats (api.attend sets it), so the cuDNN path never computes their -inf
     # rows and jax.debug_infs stays quiet. Direct callers of the launch keep the documented stats.
