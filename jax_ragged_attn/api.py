@@ -10,7 +10,7 @@ import dataclasses
 
 import jax
 
-from jax_ragged_attn import _cudnn as cudnn
+from jax_ragged_attn import _cudnn as cudnn, _fa3 as fa3
 from jax_ragged_attn._cudnn import launch
 from jax_ragged_attn._cudnn.packings import TABLE
 from jax_ragged_attn.checks import check_enabled, checked_cu_seqlens, checked_seqused, warn_cu_seqlens_on_host
@@ -70,7 +70,9 @@ def ragged_attention(
         (below) are the only inf the op computes, so jax.debug_infs reports them; jax.debug_nans never
         fires, and with return_stats=False neither does jax.debug_infs (unless the inputs hold inf/NaN).
       implementation: None picks cuDNN when it can serve the call here, else "xla"; "cudnn" raises
-        NotImplementedError saying why when it cannot; "xla" is the portable jnp implementation.
+        NotImplementedError saying why when it cannot; "xla" is the portable jnp implementation; "fa3" is
+        FlashAttention-3 through the optional flash-attn3-jax wheel (Hopper, head dim 128; see _fa3.py for
+        what it serves), raising NotImplementedError with the reason where it cannot.
       deterministic: run cuDNN's deterministic backward, so dQ/dK/dV are bit-identical run to run (it keeps
         dP in a dense workspace: slower and much more memory). The xla path is deterministic anyway.
       check: validate cu_seqlens at run time (start at 0, never decrease, stay within the capacity, no
@@ -146,8 +148,12 @@ def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOption
     # Sinks are an epilogue of the sink-free op on every implementation (sinks.py): the op itself runs without,
     # and hands over its stats as computed (raw: never -inf made for the epilogue's sake, so debug_infs is quiet).
     inner = dataclasses.replace(config, has_sinks=False)
-    if choose_implementation(options.implementation, inner, sinks=sinks is not None) == "cudnn":
+    chosen = choose_implementation(options.implementation, inner, sinks=sinks is not None,
+                                   index=(cu_seqlens_q, cu_seqlens_kv, seqused))
+    if chosen == "cudnn":
         out, stats = launch.attention(tuple(buffers), cu_seqlens_q, cu_seqlens_kv, inner, seqused)
+    elif chosen == "fa3":  # packed parts are sliced out; autodiff assembles their gradients in the packed shape
+        out, stats = fa3.attention(*layout.split(buffers), cu_seqlens_q, cu_seqlens_kv, inner, seqused)
     else:
         wanted = "raw" if sinks is not None and not options.return_stats else options.return_stats
         out, stats = attention_xla(*layout.split(buffers), cu_seqlens_q, cu_seqlens_kv, inner,
@@ -212,11 +218,20 @@ def apply_check(check: bool | None, config: AttentionConfig, cu_seqlens_q, cu_se
     return config, checked[0], checked[-1], tuple(used)
 
 
-def choose_implementation(implementation: str | None, config: AttentionConfig, *, sinks: bool = False) -> str:
-    """"cudnn" or "xla" for this call (implementation already checked); implementation="cudnn" that cannot be
-    served raises saying why. sinks: the sink epilogue will differentiate through the stats."""
+def choose_implementation(implementation: str | None, config: AttentionConfig, *, sinks: bool = False,
+                          index=(None, None, (None, None))) -> str:
+    """"cudnn", "fa3" or "xla" for this call (implementation already checked); implementation="cudnn" or
+    "fa3" that cannot be served raises saying why. sinks: the sink epilogue will differentiate through the
+    stats. index: (cu_seqlens_q, cu_seqlens_kv, seqused), which FA3 reads to prove a top-left mask its own."""
     if implementation == "xla":
         return "xla"
+    if implementation == "fa3" or (implementation is None and fa3.preferred(config)):
+        # FA3 differentiates its stats with a second backward call (_fa3.py): sinks need nothing more.
+        reason = fa3.unsupported_reason(config, *index)
+        if reason is None:
+            return "fa3"
+        if implementation == "fa3":
+            raise NotImplementedError(f"implementation='fa3' cannot serve this call: {reason}")
     reason = cudnn.unsupported_reason(config)
     if reason is None and sinks:
         reason = launch.stats_gradient_unsupported(config)

@@ -19,7 +19,7 @@ import numpy as np
 
 DIAGONAL_ALIGNMENTS = ("top_left", "bottom_right")
 STATS_LAYOUTS = ("head_major", "token_major")
-IMPLEMENTATIONS = (None, "cudnn", "xla")
+IMPLEMENTATIONS = (None, "cudnn", "xla", "fa3")  # "fa3": FlashAttention-3 through an optional wheel (_fa3.py)
 # How q, k, v lie in memory on the cuDNN path (ffi/attention_config.h's Packing, in this order).
 PACKINGS = ("none", "kv", "qkv")
 XLA_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)

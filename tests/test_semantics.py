@@ -4,7 +4,9 @@
 subclass runs all of them on one implementation: `XlaTest` on the portable path (any backend; float32,
 bfloat16, float16), `CudnnTest` on cuDNN (bfloat16, float16; GPU only, skipped with the reason elsewhere) and
 `CudnnLeanMemoryTest`, the same with strategy="lean_memory" (the backward's other intermediate layout), and
-`CudnnPoisonedOutputsTest`, with NaN in every output row cuDNN is trusted to write.
+`CudnnPoisonedOutputsTest`, with NaN in every output row cuDNN is trusted to write; `Fa3Test` on
+FlashAttention-3 (the optional flash-attn3-jax wheel, Hopper only, head dim 128: every case at that head dim)
+and `Fa3EmulatedTest`, the FA3 wrapper (_fa3.py) around dense stand-ins of its two kernels, on any backend.
 Tests of one backend's machinery (graph cache, check mode's guard bands, stand-in kernels, workspace,
 fallback rules) stay in test_xla_path.py, test_cudnn.py and test_cudnn_wrapper.py.
 
@@ -37,7 +39,9 @@ from absl.testing import parameterized
 import jax_ragged_attn
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.testing import PackedBatch, assert_close, packed_batch, reference_attention
+from jax_ragged_attn import _fa3
 from jax_ragged_attn._cudnn import launch
+from jax_ragged_attn.testing import fa3_emulator
 
 LAYOUTS = ("head_major", "token_major")
 
@@ -51,6 +55,7 @@ class Sizes:
     slack: tuple[int, int]  # capacity padding rows past num_seqs * max_seqlen, of q and of k/v
     head_dim_unit: int  # a case's head dims are multiples of this
     window_unit: int  # and so are its window sizes
+    head_dim: int | None = None  # every case's Dqk and Dv instead (an implementation of one head dim: FA3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +246,7 @@ class SemanticsTest(parameterized.TestCase):
             lengths_kv = _lengths(rng, n, max_kv, case.empty_kv)
         slack_q, slack_kv = (n * max_q + sizes.slack[0] - lengths_q.sum(), n * max_kv + sizes.slack[1] -
                              lengths_kv.sum()) if case.padding else (0, 0)
-        (hq, hkv), (dqk, dv) = case.heads, (d * sizes.head_dim_unit for d in case.dims)
+        (hq, hkv), (dqk, dv) = case.heads, (sizes.head_dim or d * sizes.head_dim_unit for d in case.dims)
         batch = packed_batch(rng, lengths_q, lengths_kv, num_heads_q=hq, num_heads_kv=hkv, head_dim_qk=dqk,
                              head_dim_v=dv, dtype=dtype, slack_q=int(slack_q), slack_kv=int(slack_kv))
         max_q, max_kv = max_seqlen or (max_q, max_kv)
@@ -498,3 +503,54 @@ class CudnnLeanMemoryTest(CudnnTest):
     (B * max_seqlen <= Tq at these sizes): the two subclasses cover both layouts with every case."""
 
     strategy = "lean_memory"
+
+
+_FA3_REASON = _fa3.unavailable_reason()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_FA3_REASON is not None, reason=f"FlashAttention-3 unavailable: {_FA3_REASON}")
+class Fa3Test(SemanticsTest):
+    """FlashAttention-3's kernels through implementation="fa3": cuDNN's sizes, every case at head dim 128 (the
+    only one the wheel serves). Cases FA3 declines (a top-left mask it cannot prove equal to its
+    bottom-right one) are skips with the reason."""
+
+    __test__ = True
+    implementation = "fa3"
+    dtypes = ("bfloat16", "float16")
+    sizes = Sizes(num_seqs=6, max_seqlen=(160, 192), slack=(37, 21), head_dim_unit=32, window_unit=4,
+                  head_dim=_fa3.FA3_HEAD_DIM)
+    deterministic_by_default = False  # dQ is accumulated with atomics unless deterministic=True
+    unsupported = "implementation='fa3' cannot serve this call"
+
+
+EMULATED_CASES = ("mha", "causal", "causal_bottom_right", "mqa_causal_bottom_right", "window_causal_bottom_right",
+                  "window_right_zero_gqa_bottom_right", "empty_gqa_causal_bottom_right", "all_empty")
+
+
+class Fa3EmulatedTest(SemanticsTest):
+    """The FA3 wrapper (_fa3.py: lengths, masks and their alignment, stats layouts, the stats gradient's second
+    backward call, row masking) around dense jnp stand-ins of FA3's two kernels (testing/fa3_emulator.py),
+    which leave NaN wherever FA3 writes nothing: on the CPU in CI, where the wheel cannot run."""
+
+    __test__ = True
+    implementation = "fa3"
+    dtypes = ("bfloat16", "float16")
+    sizes = Sizes(num_seqs=5, max_seqlen=(7, 9), slack=(3, 2), head_dim_unit=8, window_unit=1,
+                  head_dim=_fa3.FA3_HEAD_DIM)
+    deterministic_by_default = True  # dense jnp stand-ins
+    unsupported = "implementation='fa3' cannot serve this call"
+
+    def setUp(self):
+        super().setUp()
+        self.enter_context(fa3_emulator.patched())
+
+    def compiler_options(self) -> dict:
+        return {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
+
+
+# Only a few of the named cases here (ones FA3 serves, across its masks, GQA and empty sequences), so that CI
+# stays quick; Fa3Test runs them all on the real kernels. None is not a test: neither runner collects it.
+for _name in [n for n in vars(SemanticsTest) if n.startswith(("test_forward_", "test_gradients_"))]:
+    if _name.split("_", 2)[2] not in EMULATED_CASES:
+        setattr(Fa3EmulatedTest, _name, None)

@@ -1,0 +1,302 @@
+"""implementation="fa3": FlashAttention-3's Hopper kernels through the flash-attn3-jax wheel's FFI targets.
+
+The wheel (`pip install jax_ragged_attn[fa3]`, an optional extra) ships FlashAttention-3 compiled as XLA FFI
+handlers. This module calls those handlers itself (the wheel's own Python wrapper hides the forward's
+log-sum-exp and cannot pass seqused to the backward), registered under names of its own so that importing the
+wheel as well registers nothing twice. It serves every semantic the op promises where FA3's kernels can:
+
+- Lengths. Each sequence's used rows go to both kernels as FA3's seqused_q / seqused_k: min(slot length,
+  max_seqlen, seqused), from sanitised (clamped) cu_seqlens, so rows cut by max_seqlen, rows past seqused and
+  capacity padding are never read. Rows FA3 does not own (and rows whose band is empty) are masked to out 0 /
+  stats -inf / gradient 0 afterwards, as on cuDNN; the cotangents of those rows are never read.
+- Masks. FA3's causal mask and windows are aligned bottom-right (diagonal i + skv - sq). diagonal_alignment=
+  "bottom_right" maps straight onto FA3's window (left, right); "top_left" is the same mask where every
+  sequence has as many keys as queries, which is proven at trace time (one array for both cu_seqlens, or
+  concrete cu_seqlens whose used lengths agree); a top-left causal or windowed call that cannot be proven so
+  is declined. Without causal mask and window the alignment does not matter.
+- Stats. FA3's softmax_lse (natural log, head-major [Hq, Tq] rows of its buffer) is masked and returned in
+  either layout; token-major is its transpose.
+- Gradient of the stats. A stats cotangent g_i adds g_i * p_ij to dS_ij (see _cudnn/stats_grad.py). FA3's
+  head dim is fixed at 128, so the value columns cannot be widened as on cuDNN. Instead a second backward
+  call carries the stats term alone, exactly: V := 0 (dP = dO.V^T = 0), and dO'', O'' built by
+  stats_grad.stats_columns so that rowsum(dO'' * O'') = -g_i (two dtype terms, about float32 precision). FA3
+  then computes dS = P * (0 - (-g)) = g * P, and its dQ, dK are the stats gradient (its dV, P^T.dO'', is
+  discarded: V does not enter the stats). The two calls' dQ and dK add in float32. The second call runs only
+  when the stats cotangent is not a symbolic zero (a loss that reads the stats).
+- Packed QKV / KV: the parts are sliced out (copies) and autodiff assembles the gradients in the packed shape.
+- deterministic=True: FA3's deterministic backward. strategy: FA3's backward has one intermediate layout,
+  sized by the token capacity (strategy="lean_memory"'s), and serves both values. autotune: ignored.
+- Check mode: cu_seqlens are validated by api.apply_check before they reach the kernels (FA3 has no workspace
+  to guard).
+
+Declined, with the reason (NotImplementedError for implementation="fa3", never chosen by None): head dims
+other than 128 or Dv != Dqk, float32, a top-left causal / windowed mask whose q and kv lengths may differ,
+no Hopper GPU, the wheel not installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
+
+from jax_ragged_attn._cudnn import stats_grad
+from jax_ragged_attn.config import AttentionConfig
+from jax_ragged_attn.packing import query_rows_with_keys, row_positions, sanitize_both, sequence_lengths
+
+WHEEL = "flash-attn3-jax"
+INSTALL = "pip install 'jax_ragged_attn[fa3]'"
+FA3_DTYPES = ("bfloat16", "float16")
+FA3_HEAD_DIM = 128  # the only head dim the wheel's kernels are compiled for (qk and v)
+TARGET_PREFIX = "jax_ragged_attn_fa3_"  # our registrations of the wheel's handlers
+# The backward's dQ accumulator rows: FA3 pads each sequence to its tile of 128 query rows (the wheel's own).
+BLOCK_M = 128
+
+# Whether implementation=None may pick FA3 where it can serve the call. Off until measured faster (issue 26's
+# benchmark: python -m jax_ragged_attn.bench --systems ours-hm,ours-fa3,flash-attn3-jax).
+AUTO_CHOOSES_FA3 = False
+
+
+# ---- availability ------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _registered() -> str | None:
+    """Registers the wheel's FFI handlers under our names once; None, or why they cannot be registered."""
+    try:
+        from flash_attn3_jax_lib import flash_api  # the compiled module; the wheel's Python is not needed
+    except Exception as error:  # noqa: BLE001 - any import failure is a reason to decline
+        return f"the {WHEEL} wheel's FFI module does not import: {type(error).__name__}: {error}"
+    try:
+        for name, capsule in flash_api.get_ffi_registrations().items():
+            jax.ffi.register_ffi_target(TARGET_PREFIX + name, capsule, platform="CUDA")
+    except Exception as error:  # noqa: BLE001
+        return f"registering the {WHEEL} wheel's FFI handlers failed: {type(error).__name__}: {error}"
+    return None
+
+
+def _installed() -> bool:
+    return importlib.util.find_spec("flash_attn3_jax_lib") is not None
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None when FA3 can run on this machine (the wheel installed, a Hopper GPU), else a sentence why not."""
+    if not _installed():
+        return f"the optional {WHEEL} wheel is not installed ({INSTALL})"
+    backend = jax.default_backend()
+    if backend != "gpu":
+        return f"FlashAttention-3 needs a CUDA GPU; JAX's backend is {backend!r}"
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if capability is None or str(capability).split(".")[0] != "9":
+        return (f"FlashAttention-3's kernels in the {WHEEL} wheel are built for Hopper (sm_90) only; this GPU "
+                f"({device.device_kind}) has compute capability {capability}")
+    return _registered()
+
+
+# ---- what FA3 serves --------------------------------------------------------------------------------------
+
+
+def _host_lengths(cu, capacity: int, max_seqlen: int, seqused) -> np.ndarray | None:
+    """The used lengths of each sequence as the op computes them (packing.sequence_lengths), on the host, or
+    None when the values are not known at trace time."""
+    if any(isinstance(x, jax.core.Tracer) for x in (cu, seqused) if x is not None):
+        return None
+    cu = np.clip(np.maximum.accumulate(np.asarray(cu, np.int64)), 0, capacity)
+    lengths = np.minimum(np.diff(cu), max_seqlen)
+    if seqused is not None:
+        lengths = np.clip(np.asarray(seqused, np.int64), 0, lengths)
+    return lengths
+
+
+def lengths_equal(config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv, seqused=(None, None)) -> bool:
+    """Whether every sequence provably has as many used keys as queries (so top-left = bottom-right)."""
+    if cu_seqlens_q is None or cu_seqlens_kv is None:
+        return False
+    if (cu_seqlens_q is cu_seqlens_kv and seqused[0] is seqused[1] and config.capacity_q == config.capacity_kv
+            and config.max_seqlen_q == config.max_seqlen_kv):
+        return True
+    lengths_q = _host_lengths(cu_seqlens_q, config.capacity_q, config.max_seqlen_q, seqused[0])
+    lengths_kv = _host_lengths(cu_seqlens_kv, config.capacity_kv, config.max_seqlen_kv, seqused[1])
+    return lengths_q is not None and lengths_kv is not None and np.array_equal(lengths_q, lengths_kv)
+
+
+def unsupported_reason(config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv=None,
+                       seqused=(None, None)) -> str | None:
+    """None when FA3 can serve this call here, else a sentence saying why not. The cu_seqlens (and seqused)
+    serve to prove a top-left mask equal to FA3's bottom-right one; without them such a mask is declined."""
+    if config.dtype not in FA3_DTYPES:
+        return f"FlashAttention-3 takes bfloat16 or float16 inputs, got {config.dtype}"
+    if config.head_dim_qk != FA3_HEAD_DIM or config.head_dim_v != FA3_HEAD_DIM:
+        return (f"the {WHEEL} wheel's kernels are built for head dim {FA3_HEAD_DIM} only (Dqk = Dv = "
+                f"{FA3_HEAD_DIM}), got Dqk={config.head_dim_qk}, Dv={config.head_dim_v}")
+    bounded = config.left_bound is not None or config.right_bound is not None
+    if (bounded and config.diagonal_alignment == "top_left"
+            and not lengths_equal(config, cu_seqlens_q, cu_seqlens_kv, seqused)):
+        return ("FlashAttention-3 aligns its causal mask and windows bottom-right; a top-left one is the same "
+                "mask only where every sequence has as many keys as queries, which this call does not prove "
+                "(pass one array as both cu_seqlens, or concrete cu_seqlens with equal lengths, or use "
+                "diagonal_alignment='bottom_right')")
+    return unavailable_reason()
+
+
+def preferred(config: AttentionConfig) -> bool:
+    """Whether implementation=None picks FA3 for a call it can serve: only where measured faster than cuDNN."""
+    return AUTO_CHOOSES_FA3
+
+
+# ---- the kernels ------------------------------------------------------------------------------------------
+
+
+def _window(config: AttentionConfig) -> tuple[bool, int, int]:
+    """(is_causal, window_left, window_right) in FA3's terms: bounds from the diagonal, -1 for none."""
+    left = -1 if config.left_bound is None else config.left_bound
+    right = -1 if config.right_bound is None else config.right_bound
+    return left < 0 and right == 0, left, right
+
+
+def _lse_shape(config: AttentionConfig) -> tuple[int, int, int]:
+    # The wheel's own declaration, [B, Hq, max_seqlen_q] with max_seqlen_q = Tq: FA3 writes the varlen
+    # log-sum-exp head-major, row cu_seqlens_q[b] + i of head h at h * Tq + cu_seqlens_q[b] + i.
+    return (config.num_seqs, config.num_heads_q, config.capacity_q)
+
+
+def _forward_call(q, k, v, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig):
+    """FA3's varlen forward: (out [Tq, Hq, D] with garbage in rows it does not own, lse buffer)."""
+    is_causal, left, right = _window(config)
+    dtype = q.dtype
+    empty_i32, empty_f32, empty_like_q = (jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32),
+                                          jnp.zeros((0,), dtype))
+    result_types = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct(_lse_shape(config), jnp.float32),
+                    jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32), jax.ShapeDtypeStruct((1, 1, 1), jnp.float32)]
+    out, lse, _, _ = jax.ffi.ffi_call(TARGET_PREFIX + "flash_mha_fwd", result_types, has_side_effect=False,
+                                      input_layouts=[None] * 21, output_layouts=[None] * 4)(
+        q, k, v,
+        empty_like_q, empty_like_q, empty_like_q,  # k_new, v_new, q_v
+        cu_q, cu_kv, empty_i32,  # cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new
+        used_q, used_kv,  # seqused_q, seqused_k
+        empty_i32, empty_i32, empty_i32,  # page_table, kv_batch_idx, leftpad_k
+        empty_like_q, empty_like_q, empty_i32,  # rotary_cos, rotary_sin, seqlens_rotary
+        empty_f32, empty_f32, empty_f32,  # q/k/v descale
+        empty_i32,  # scheduler_metadata
+        max_seqlen_q=config.capacity_q, max_seqlen_q_has_value=True,
+        max_seqlen_k=config.capacity_kv, max_seqlen_k_has_value=True,
+        softmax_scale_val=float(config.scale), softmax_scale_has_value=True,
+        pack_gqa_val=False, pack_gqa_has_value=False,
+        is_causal=is_causal, window_size_left=left, window_size_right=right,
+        attention_chunk=0, softcap=0.0, is_rotary_interleaved=False, num_splits=1, sm_margin=0,
+    )
+    return out, lse
+
+
+def _backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig):
+    """FA3's varlen backward: (dq, dk, dv), garbage in rows it does not own."""
+    is_causal, left, right = _window(config)
+    total_q, heads_q = q.shape[0], q.shape[1]
+    rounded = ((total_q + config.num_seqs * BLOCK_M + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    result_types = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                    jax.ShapeDtypeStruct(v.shape, v.dtype),
+                    jax.ShapeDtypeStruct((heads_q, rounded), jnp.float32),  # softmax_d
+                    jax.ShapeDtypeStruct((heads_q, rounded), jnp.float32)]  # softmax_lse_log2
+    dq, dk, dv, _, _ = jax.ffi.ffi_call(TARGET_PREFIX + "flash_mha_bwd", result_types, has_side_effect=False,
+                                        input_layouts=[None] * 10, output_layouts=[None] * 5)(
+        d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv,
+        max_seqlen_q_val=config.capacity_q, max_seqlen_q_has_value=True,
+        max_seqlen_k_val=config.capacity_kv, max_seqlen_k_has_value=True,
+        softmax_scale_val=float(config.scale), softmax_scale_has_value=True,
+        is_causal=is_causal, window_size_left=left, window_size_right=right,
+        softcap=0.0, deterministic=bool(config.deterministic), sm_margin=0,
+    )
+    return dq, dk, dv
+
+
+def lse_head_major(lse: jax.Array, config: AttentionConfig) -> jax.Array:
+    """FA3's log-sum-exp buffer as [Hq, Tq] (unmasked)."""
+    heads, rows = config.num_heads_q, config.capacity_q
+    return lse.reshape(-1)[:heads * rows].reshape(heads, rows)
+
+
+def _index(cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused):
+    """(sanitised cu_q, cu_kv, used rows per sequence q, kv): what both kernels read."""
+    cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
+    return (cu_q, cu_kv, sequence_lengths(cu_q, config.max_seqlen_q, seqused[0]),
+            sequence_lengths(cu_kv, config.max_seqlen_kv, seqused[1]))
+
+
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused):
+    cu_q, cu_kv, used_q, used_kv = _index(cu_seqlens_q, cu_seqlens_kv, config, seqused)
+    out, lse = _forward_call(q, k, v, cu_q, cu_kv, used_q, used_kv, config)
+    rows = query_rows_with_keys(cu_q, cu_kv, config, *seqused)
+    out = jnp.where(rows[:, None, None], out, jnp.zeros((), out.dtype))
+    raw = lse_head_major(lse, config)
+    # Without return_stats the caller reads none (or, the sink epilogue, only rows with keys): no -inf is made.
+    stats = jnp.where(rows[None, :], raw, -jnp.inf if config.return_stats else 0.0)
+    if config.stats_layout == "token_major":
+        stats = stats.T
+    return out, stats, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused=(None, None)):
+    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config, seqused)[:2]
+
+
+def _attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, config, seqused=(None, None)):
+    q, k, v, cu_seqlens_q, cu_seqlens_kv, seqused = jax.tree.map(
+        lambda x: x.value, (q, k, v, cu_seqlens_q, cu_seqlens_kv, seqused))
+    out, stats, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config, seqused)
+    return (out, stats), (q, k, v, cu_seqlens_q, cu_seqlens_kv, seqused, out, lse)
+
+
+def _attention_bwd(config, residuals, cotangents):
+    q, k, v, cu_seqlens_q, cu_seqlens_kv, seqused, out, lse = residuals
+    d_out, d_stats = cotangents
+    cu_q, cu_kv, used_q, used_kv = _index(cu_seqlens_q, cu_seqlens_kv, config, seqused)
+    rows = query_rows_with_keys(cu_q, cu_kv, config, *seqused)
+    dtype = q.dtype
+    parts = []  # (dq, dk, dv or None) of each backward call
+    if not isinstance(d_out, SymbolicZero):
+        # The cotangent of rows the op does not own is not ours to read (it may be NaN): `where`, not a multiply.
+        d_out = jnp.where(rows[:, None, None], d_out.astype(dtype), jnp.zeros((), dtype))
+        parts.append(_backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, config))
+    if not isinstance(d_stats, SymbolicZero):
+        g = d_stats.T if config.stats_layout == "head_major" else d_stats  # [Tq, Hq]
+        g = jnp.where(rows[:, None], g.astype(jnp.float32), 0.0)
+        c, e = stats_grad.stats_columns(g, dtype)  # [Tq, Hq, EXTRA_COLUMNS], sum(c * e) = -g
+        pad = [(0, 0), (0, 0), (0, config.head_dim_v - c.shape[-1])]
+        d_out_stats, out_stats = jnp.pad(c, pad), jnp.pad(e, pad)
+        dq, dk, _ = _backward_call(d_out_stats, q, k, jnp.zeros_like(v), out_stats, lse, cu_q, cu_kv, used_q,
+                                   used_kv, config)
+        parts.append((dq, dk, None))
+    if not parts:
+        grads = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
+    else:
+        grads = []
+        for i, like in enumerate((q, k, v)):
+            terms = [p[i] for p in parts if p[i] is not None]
+            if not terms:
+                grads.append(jnp.zeros_like(like))
+            elif len(terms) == 1:
+                grads.append(terms[0])
+            else:
+                grads.append(sum(t.astype(jnp.float32) for t in terms).astype(like.dtype))
+    valid_kv = row_positions(cu_kv, config.capacity_kv, config.max_seqlen_kv, seqused[1])[2]
+    zero = jnp.zeros((), dtype)
+    dq, dk, dv = (jnp.where(mask[:, None, None], g, zero) for g, mask in zip(grads, (rows, valid_kv, valid_kv)))
+    return dq, dk, dv, None, None, jax.tree.map(lambda _: None, seqused)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+
+
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused=(None, None)):
+    """(out [Tq, Hq, Dv], stats float32 in the configured layout) through FA3; differentiable in q, k, v and
+    (through the second backward call above) in the stats. The caller has checked unsupported_reason."""
+    config = dataclasses.replace(config, packing="none", guard_workspace=False, autotune=False)
+    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, config, tuple(seqused))

@@ -1,0 +1,104 @@
+"""A dense jnp stand-in for the two FlashAttention-3 kernels _fa3.py calls, for testing its wrapper on any
+backend (the CPU in CI): the semantics of FA3's varlen kernels as _fa3.py relies on them, nothing more.
+
+- Sequence b's queries are rows cu_q[b] + [0, seqused_q[b]), its keys rows cu_kv[b] + [0, seqused_k[b]).
+- Masks are aligned bottom-right: query i sees key j iff i + skv - sq - left <= j <= i + skv - sq + right
+  (-1: unbounded; is_causal: right = 0), skv / sq the used lengths.
+- The forward writes out and the log-sum-exp (head-major, row r of head h at h * Tq + r of its buffer) in the
+  rows it owns; everything else it leaves as it found it, here NaN, so a wrapper that reads them fails.
+- The backward recomputes P from the given lse, takes D = rowsum(dO * O) from the given dO and O (so a
+  wrapper may shift D through them, as _fa3.py's stats term does), and writes dq (rows it owns), dk, dv
+  (used key rows); elsewhere NaN.
+
+`patched()` swaps them in for _fa3's kernel calls and declares FA3 available.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+
+from jax_ragged_attn import _fa3
+from jax_ragged_attn.packing import row_positions
+
+
+def _rows(cu, used, capacity):
+    """(sequence, position, owned) of each row, from offsets and used lengths."""
+    seq, pos, _ = row_positions(cu, capacity, capacity)
+    num_seqs = cu.shape[0] - 1
+    clamped = jnp.minimum(seq, num_seqs - 1)
+    owned = (seq < num_seqs) & (pos >= 0) & (pos < used[clamped])
+    return clamped, pos, owned
+
+
+def _probabilities(q, k, cu_q, cu_kv, used_q, used_kv, config, lse=None):
+    """(P [Hq, Tq, Tkv] float32, lse [Hq, Tq], owned_q, owned_kv) with the bottom-right band mask."""
+    is_causal, left, right = _fa3._window(config)
+    right = 0 if is_causal else right
+    seq_q, pos_q, owned_q = _rows(cu_q, used_q, q.shape[0])
+    seq_kv, pos_kv, owned_kv = _rows(cu_kv, used_kv, k.shape[0])
+    diagonal = pos_q + used_kv[seq_q] - used_q[seq_q]
+    mask = (seq_q[:, None] == seq_kv[None, :]) & owned_q[:, None] & owned_kv[None, :]
+    if left >= 0:
+        mask &= pos_kv[None, :] >= (diagonal - left)[:, None]
+    if right >= 0:
+        mask &= pos_kv[None, :] <= (diagonal + right)[:, None]
+    group = q.shape[1] // k.shape[1]
+    qf = jnp.where(owned_q[:, None, None], q.astype(jnp.float32), 0.0)
+    kf = jnp.repeat(jnp.where(owned_kv[:, None, None], k.astype(jnp.float32), 0.0), group, axis=1)
+    s = config.scale * jnp.einsum("qhd,khd->hqk", qf, kf, precision="highest")
+    s = jnp.where(mask[None], s, -jnp.inf)
+    if lse is None:
+        lse = jax.nn.logsumexp(s, axis=-1)
+    finite = jnp.isfinite(lse)
+    p = jnp.where(mask[None] & finite[:, :, None], jnp.exp(s - jnp.where(finite, lse, 0.0)[:, :, None]), 0.0)
+    return p, lse, owned_q, owned_kv
+
+
+def forward_call(q, k, v, cu_q, cu_kv, used_q, used_kv, config):
+    p, lse, owned_q, _ = _probabilities(q, k, cu_q, cu_kv, used_q, used_kv, config)
+    group = q.shape[1] // k.shape[1]
+    vf = jnp.repeat(jnp.nan_to_num(v.astype(jnp.float32)), group, axis=1)
+    out = jnp.einsum("hqk,khd->qhd", p, vf, precision="highest")
+    out = jnp.where(owned_q[:, None, None], out, jnp.nan).astype(q.dtype)
+    lse_hm = jnp.where(owned_q[None, :], lse, jnp.nan)
+    buffer = jnp.full(_fa3._lse_shape(config), jnp.nan, jnp.float32).reshape(-1)
+    buffer = buffer.at[:lse_hm.size].set(lse_hm.reshape(-1)).reshape(_fa3._lse_shape(config))
+    return out, buffer
+
+
+def backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, config):
+    lse_hm = _fa3.lse_head_major(lse, config)
+    p, _, owned_q, owned_kv = _probabilities(q, k, cu_q, cu_kv, used_q, used_kv, config, lse=lse_hm)
+    hq, hkv = q.shape[1], k.shape[1]
+    group = hq // hkv
+    d_o = jnp.where(owned_q[:, None, None], d_out.astype(jnp.float32), 0.0)
+    o = jnp.where(owned_q[:, None, None], out.astype(jnp.float32), 0.0)
+    D = jnp.sum(d_o * o, axis=-1).T  # [Hq, Tq]
+    vf = jnp.repeat(jnp.where(owned_kv[:, None, None], v.astype(jnp.float32), 0.0), group, axis=1)
+    kf = jnp.repeat(jnp.where(owned_kv[:, None, None], k.astype(jnp.float32), 0.0), group, axis=1)
+    qf = jnp.where(owned_q[:, None, None], q.astype(jnp.float32), 0.0)
+    dp = jnp.einsum("qhd,khd->hqk", d_o, vf, precision="highest")
+    ds = p * (dp - D[:, :, None])
+    dq = config.scale * jnp.einsum("hqk,khd->qhd", ds, kf, precision="highest")
+    dk = config.scale * jnp.einsum("hqk,qhd->khd", ds, qf, precision="highest")
+    dv = jnp.einsum("hqk,qhd->khd", p, d_o, precision="highest")
+    fold = lambda x: x.reshape(x.shape[0], hkv, group, x.shape[-1]).sum(axis=2)  # noqa: E731
+    dk, dv = fold(dk), fold(dv)
+    dq = jnp.where(owned_q[:, None, None], dq, jnp.nan).astype(q.dtype)
+    dk = jnp.where(owned_kv[:, None, None], dk, jnp.nan).astype(k.dtype)
+    dv = jnp.where(owned_kv[:, None, None], dv, jnp.nan).astype(v.dtype)
+    return dq, dk, dv
+
+
+@contextlib.contextmanager
+def patched():
+    """_fa3 with these kernels in place of the wheel's, and FA3 declared available."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(_fa3, "_forward_call", forward_call))
+        stack.enter_context(mock.patch.object(_fa3, "_backward_call", backward_call))
+        stack.enter_context(mock.patch.object(_fa3, "unavailable_reason", lambda: None))
+        yield
