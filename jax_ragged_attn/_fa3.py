@@ -161,10 +161,23 @@ def _window(config: AttentionConfig) -> tuple[bool, int, int]:
     return left < 0 and right == 0, left, right
 
 
+# The log-sum-exp buffer the forward is handed: "wheel", the wheel's own declaration [B, Hq, max_seqlen_q]
+# with max_seqlen_q = Tq, or "flat", [1, Hq, Tq] (B times smaller). FA3 writes the varlen log-sum-exp
+# head-major, row cu_seqlens_q[b] + i of head h at h * Tq + cu_seqlens_q[b] + i, within either.
+LSE_BUFFER = "wheel"
+# The max_seqlen_q / max_seqlen_k attributes that size FA3's grids: "capacity" (Tq, Tkv: what the wheel's
+# wrapper passes by default) or "max_seqlen" (the caller's bounds, clamped to the capacities).
+GRID_SEQLEN = "capacity"
+
+
 def _lse_shape(config: AttentionConfig) -> tuple[int, int, int]:
-    # The wheel's own declaration, [B, Hq, max_seqlen_q] with max_seqlen_q = Tq: FA3 writes the varlen
-    # log-sum-exp head-major, row cu_seqlens_q[b] + i of head h at h * Tq + cu_seqlens_q[b] + i.
-    return (config.num_seqs, config.num_heads_q, config.capacity_q)
+    return (config.num_seqs if LSE_BUFFER == "wheel" else 1, config.num_heads_q, config.capacity_q)
+
+
+def _grid_seqlens(config: AttentionConfig) -> tuple[int, int]:
+    if GRID_SEQLEN == "capacity":
+        return config.capacity_q, config.capacity_kv
+    return config.max_seqlen_q, config.max_seqlen_kv
 
 
 def _forward_call(q, k, v, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig):
@@ -185,8 +198,8 @@ def _forward_call(q, k, v, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig
         empty_like_q, empty_like_q, empty_i32,  # rotary_cos, rotary_sin, seqlens_rotary
         empty_f32, empty_f32, empty_f32,  # q/k/v descale
         empty_i32,  # scheduler_metadata
-        max_seqlen_q=config.capacity_q, max_seqlen_q_has_value=True,
-        max_seqlen_k=config.capacity_kv, max_seqlen_k_has_value=True,
+        max_seqlen_q=_grid_seqlens(config)[0], max_seqlen_q_has_value=True,
+        max_seqlen_k=_grid_seqlens(config)[1], max_seqlen_k_has_value=True,
         softmax_scale_val=float(config.scale), softmax_scale_has_value=True,
         pack_gqa_val=False, pack_gqa_has_value=False,
         is_causal=is_causal, window_size_left=left, window_size_right=right,
@@ -207,8 +220,8 @@ def _backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, confi
     dq, dk, dv, _, _ = jax.ffi.ffi_call(TARGET_PREFIX + "flash_mha_bwd", result_types, has_side_effect=False,
                                         input_layouts=[None] * 10, output_layouts=[None] * 5)(
         d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv,
-        max_seqlen_q_val=config.capacity_q, max_seqlen_q_has_value=True,
-        max_seqlen_k_val=config.capacity_kv, max_seqlen_k_has_value=True,
+        max_seqlen_q_val=_grid_seqlens(config)[0], max_seqlen_q_has_value=True,
+        max_seqlen_k_val=_grid_seqlens(config)[1], max_seqlen_k_has_value=True,
         softmax_scale_val=float(config.scale), softmax_scale_has_value=True,
         is_causal=is_causal, window_size_left=left, window_size_right=right,
         softcap=0.0, deterministic=bool(config.deterministic), sm_margin=0,

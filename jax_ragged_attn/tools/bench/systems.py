@@ -17,6 +17,9 @@
                 jax._src.cudnn.fused_attention_stablehlo.dot_product_attention), one row of B segments
     xla         ragged_attention(implementation="xla"), the portable path; only where its padded
                 [B, H, S, S] float32 scores stay small (W3 and tiny)
+    ours-fa3    ragged_attention(implementation="fa3"): FlashAttention-3 behind this op (_fa3.py); the optional
+                flash-attn3-jax wheel, Hopper, head dim 128
+    flash-attn3-jax  the wheel's own flash_mha_varlen (FlashAttention-3 as XLA FFI targets), no wrapper of ours
 
 Each system answers why it cannot run here (`unavailable`), why it cannot run a workload (`unsupported`),
 and measures one workload (`measure`).
@@ -36,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn import _cudnn as cudnn, ragged_attention
+from jax_ragged_attn import _cudnn as cudnn, _fa3, ragged_attention
 from jax_ragged_attn._cudnn import extension, launch
 from jax_ragged_attn.tools.bench import cudnn_raw as bench_cudnn_raw
 from jax_ragged_attn.tools.bench.timing import JaxCase, Measurement, Settings, measure_jax
@@ -194,6 +197,39 @@ def _jax_packed_case(workload: Workload) -> JaxCase:
     return JaxCase(attention, q[None], k[None], v[None], (lengths, offsets))
 
 
+# ---- FlashAttention-3 (the optional flash-attn3-jax wheel) ----------------------------------------------
+
+
+def _fa3_unsupported(workload: Workload) -> str | None:
+    if workload.head_dim != _fa3.FA3_HEAD_DIM:
+        return (f"the {_fa3.WHEEL} wheel's kernels take head dim {_fa3.FA3_HEAD_DIM} only, this workload "
+                f"{workload.head_dim}")
+    return None
+
+
+def _fa3_raw_unavailable() -> str | None:
+    reason = _fa3.unavailable_reason()
+    if reason is not None:
+        return reason
+    try:
+        import flash_attn3_jax  # noqa: F401 - the wheel's own Python wrapper
+    except Exception as error:  # noqa: BLE001
+        return f"the {_fa3.WHEEL} wheel's Python wrapper does not import: {type(error).__name__}: {error}"
+    return None
+
+
+def _fa3_raw_case(workload: Workload) -> JaxCase:
+    from flash_attn3_jax import flash_mha_varlen
+
+    q, k, v, cu = workload.packed_inputs()
+
+    def attention(q, k, v, cu):
+        return flash_mha_varlen(q, k, v, cu, cu, max_seqlen_q=workload.max_seqlen, max_seqlen_k=workload.max_seqlen,
+                                is_causal=workload.causal)
+
+    return JaxCase(attention, q, k, v, (cu,))
+
+
 # ---- the registry ---------------------------------------------------------------------------------------
 
 
@@ -236,6 +272,10 @@ SYSTEMS: dict[str, System] = {
                     _jax_packed_unavailable),
         _jax_system("xla", "ragged_attention(implementation='xla'), the portable path",
                     functools.partial(_ours_case, implementation="xla"), lambda: None, _xla_unsupported),
+        _jax_system("ours-fa3", "ragged_attention(implementation='fa3'): FlashAttention-3 behind this op",
+                    functools.partial(_ours_case, implementation="fa3"), _fa3.unavailable_reason, _fa3_unsupported),
+        _jax_system("flash-attn3-jax", "the flash-attn3-jax wheel's flash_mha_varlen, FlashAttention-3 unwrapped",
+                    _fa3_raw_case, _fa3_raw_unavailable, _fa3_unsupported),
     )
 }
 
