@@ -189,7 +189,8 @@ def _forward_call(q, k, v, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig
     result_types = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct(_lse_shape(config), jnp.float32),
                     jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32), jax.ShapeDtypeStruct((1, 1, 1), jnp.float32)]
     out, lse, _, _ = jax.ffi.ffi_call(TARGET_PREFIX + "flash_mha_fwd", result_types, has_side_effect=False,
-                                      input_layouts=[None] * 21, output_layouts=[None] * 4)(
+                                      vmap_method="sequential", input_layouts=[None] * 21,
+                                      output_layouts=[None] * 4)(
         q, k, v,
         empty_like_q, empty_like_q, empty_like_q,  # k_new, v_new, q_v
         cu_q, cu_kv, empty_i32,  # cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new
@@ -218,7 +219,8 @@ def _backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, confi
                     jax.ShapeDtypeStruct((heads_q, rounded), jnp.float32),  # softmax_d
                     jax.ShapeDtypeStruct((heads_q, rounded), jnp.float32)]  # softmax_lse_log2
     dq, dk, dv, _, _ = jax.ffi.ffi_call(TARGET_PREFIX + "flash_mha_bwd", result_types, has_side_effect=False,
-                                        input_layouts=[None] * 10, output_layouts=[None] * 5)(
+                                        vmap_method="sequential", input_layouts=[None] * 10,
+                                        output_layouts=[None] * 5)(
         d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv,
         max_seqlen_q_val=_grid_seqlens(config)[0], max_seqlen_q_has_value=True,
         max_seqlen_k_val=_grid_seqlens(config)[1], max_seqlen_k_has_value=True,

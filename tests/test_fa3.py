@@ -1,0 +1,154 @@
+"""implementation="fa3" on any backend: what it declines and why, and the wrapper's contracts (packed
+gradients, check mode, sinks, the automatic choice) around dense stand-ins of FA3's kernels
+(jax_ragged_attn/testing/fa3_emulator.py). The semantic suite runs on it in test_semantics.py (Fa3Test on a
+Hopper GPU with the wheel, Fa3EmulatedTest anywhere)."""
+
+from __future__ import annotations
+
+import types
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ragged_attn import _fa3, api, ragged_attention
+from jax_ragged_attn.checks import RaggedAttentionInputError, input_errors
+from jax_ragged_attn.config import AttentionOptions, make_config
+from jax_ragged_attn.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
+from jax_ragged_attn.testing import fa3_emulator
+
+CU = np.array([0, 5, 5, 12], np.int32)
+T, H, D = 15, 4, 128
+
+
+def _qkv(dtype=jnp.bfloat16, heads_kv=2, dim=D, dim_v=None, seed=0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((T, H, dim)), dtype)
+    k = jnp.asarray(rng.standard_normal((T, heads_kv, dim)), dtype)
+    v = jnp.asarray(rng.standard_normal((T, heads_kv, dim_v or dim)), dtype)
+    return q, k, v
+
+
+def _fa3_call(q, k, v, cu_q=CU, cu_kv=None, **options):
+    cu_kv = cu_q if cu_kv is None else cu_kv
+    return ragged_attention(q, k, v, cu_q, cu_kv, max_seqlen_q=8, max_seqlen_kv=8, implementation="fa3", **options)
+
+
+@pytest.fixture
+def emulated():
+    with fa3_emulator.patched():
+        yield
+
+
+@pytest.mark.parametrize("inputs,options,words", [
+    (dict(dtype=jnp.float32), {}, "bfloat16 or float16"),
+    (dict(dim=64), {}, "head dim 128"),
+    (dict(dim_v=64), {}, "Dv=64"),
+    ({}, dict(is_causal=True, cu_kv=np.array([0, 6, 6, 12], np.int32)), "bottom-right"),
+    ({}, dict(local_window_size=3, cu_kv=np.array([0, 6, 6, 12], np.int32)), "bottom-right"),
+])
+def test_declines_with_the_reason(emulated, inputs, options, words):
+    with pytest.raises(NotImplementedError, match="implementation='fa3' cannot serve this call") as error:
+        _fa3_call(*_qkv(**inputs), **options)
+    assert words in str(error.value)
+
+
+def test_top_left_mask_is_served_where_the_lengths_are_provably_equal(emulated):
+    q, k, v = _qkv()
+    same = _fa3_call(q, k, v, is_causal=True)  # one array for both cu_seqlens
+    equal = _fa3_call(q, k, v, cu_kv=CU.copy(), is_causal=True)  # concrete and equal
+    np.testing.assert_array_equal(np.asarray(same, np.float32), np.asarray(equal, np.float32))
+    # Traced cu_seqlens of two arrays prove nothing: declined.
+    with pytest.raises(NotImplementedError, match="bottom-right"):
+        jax.jit(lambda a, b: _fa3_call(q, k, v, a, b, is_causal=True))(CU, CU.copy())
+    # Bottom-right, or no mask at all, needs no proof.
+    jax.jit(lambda a, b: _fa3_call(q, k, v, a, b, is_causal=True, diagonal_alignment="bottom_right"))(CU, CU.copy())
+    jax.jit(lambda a, b: _fa3_call(q, k, v, a, b))(CU, CU.copy())
+
+
+def test_unavailable_reasons():
+    _fa3.unavailable_reason.cache_clear()
+    try:
+        with mock.patch.object(_fa3, "_installed", lambda: False):
+            assert "not installed" in _fa3.unavailable_reason()
+            assert "pip install 'jax_ragged_attn[fa3]'" in _fa3.unavailable_reason()
+        _fa3.unavailable_reason.cache_clear()
+        ampere = types.SimpleNamespace(compute_capability="8.0", device_kind="NVIDIA A100")
+        with mock.patch.object(_fa3, "_installed", lambda: True), \
+                mock.patch.object(jax, "default_backend", lambda: "gpu"), \
+                mock.patch.object(jax, "devices", lambda *a: [ampere]):
+            assert "Hopper" in _fa3.unavailable_reason() and "8.0" in _fa3.unavailable_reason()
+        _fa3.unavailable_reason.cache_clear()
+        with mock.patch.object(_fa3, "_installed", lambda: True), \
+                mock.patch.object(jax, "default_backend", lambda: "cpu"):
+            assert "CUDA GPU" in _fa3.unavailable_reason()
+    finally:
+        _fa3.unavailable_reason.cache_clear()
+    if jax.default_backend() == "cpu":  # and through the op, unpatched: the call says why
+        with pytest.raises(NotImplementedError, match="implementation='fa3' cannot serve this call"):
+            _fa3_call(*_qkv())
+
+
+def test_automatic_choice_never_picks_fa3_until_measured_faster(emulated):
+    q, k, v = _qkv()
+    config = make_config(q, k, v, CU, CU, AttentionOptions(), max_seqlen_q=8, max_seqlen_kv=8)
+    assert _fa3.unsupported_reason(config) is None
+    assert api.choose_implementation(None, config) != "fa3"
+    assert api.choose_implementation("fa3", config) == "fa3"
+
+
+def _loss(f):
+    def loss(*args):
+        out, stats = f(*args)
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.where(jnp.isfinite(stats), stats, 0.0) ** 2)
+    return loss
+
+
+@pytest.mark.parametrize("packing", ["qkv", "kv"])
+def test_packed_gradients_in_the_packed_shape(emulated, packing):
+    q, k, v = _qkv(heads_kv=H)
+    options = dict(is_causal=True, return_stats=True, stats_layout="token_major")
+    if packing == "qkv":
+        packed = jnp.stack([q, k, v], axis=1)
+        f = lambda impl: _loss(lambda x: ragged_attention_qkvpacked(x, CU, max_seqlen=8, implementation=impl,
+                                                                    **options))  # noqa: E731
+        args = (packed,)
+    else:
+        packed = jnp.stack([k, v], axis=1)
+        f = lambda impl: _loss(lambda a, b: ragged_attention_kvpacked(a, b, CU, CU, max_seqlen_q=8, max_seqlen_kv=8,
+                                                                      implementation=impl, **options))  # noqa: E731
+        args = (q, packed)
+    got = jax.grad(f("fa3"), argnums=tuple(range(len(args))))(*args)
+    want = jax.grad(f("xla"), argnums=tuple(range(len(args))))(*args)
+    for g, w, x in zip(got, want, args):
+        assert g.shape == x.shape and g.dtype == x.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=0.05, rtol=0.05)
+
+
+def test_check_mode_raises_for_bad_cu_seqlens_and_passes_good_ones(emulated):
+    q, k, v = _qkv()
+    _fa3_call(q, k, v, check=True, is_causal=True, diagonal_alignment="bottom_right")
+    bad = np.array([0, 9, 5, 12], np.int32)
+    with pytest.raises(RaggedAttentionInputError, match="cu_seqlens"):
+        with input_errors():
+            jax.block_until_ready(_fa3_call(q, k, v, bad, bad.copy(), check=True, diagonal_alignment="bottom_right",
+                                            is_causal=True))
+
+
+def test_sinks_through_the_stats_gradient(emulated):
+    q, k, v = _qkv()
+    sinks = jnp.asarray([0.5, -1.0, 0.0, 2.0], jnp.float32)
+
+    def loss(impl):
+        def f(q, k, v, sinks):
+            out = ragged_attention(q, k, v, CU, CU, max_seqlen_q=8, max_seqlen_kv=8, implementation=impl,
+                                   is_causal=True, sinks=sinks)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+        return f
+
+    got = jax.grad(loss("fa3"), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    want = jax.grad(loss("xla"), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=0.05, rtol=0.05)
