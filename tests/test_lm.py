@@ -37,10 +37,15 @@ def test_main_learns_reports_plots_and_fails_above_the_bound(tmp_path, capsys):
     unigram = float(re.search(r"byte frequencies ([0-9.]+)\)", out).group(1))
     # Learned: far below uniform bytes (8 bits), and clearly below what byte frequencies alone give.
     assert held_out < 5.0 and held_out < unigram - 0.5, out
-    assert re.search(r"[0-9,]+ useful tokens/s", out) and "attention: RaggedSelfAttention -> " in out
+    assert re.search(r"[0-9,]+ useful tokens/s in the training loop", out)
+    assert "attention: RaggedSelfAttention -> " in out
     fills = re.search(r"packed ([0-9.]+)%; padded to the longest document \(4096 bytes\) ([0-9.]+)%", out)
     assert float(fills.group(1)) > 95 and float(fills.group(2)) < float(fills.group(1)), out
-    assert "sample (temperature 0.7):\n" + "-" * 60 + "\nimport os\n\n\ndef " in out
+    assert "sample (temperature 0.7, KV cache):\n" + "-" * 60 + "\nimport os\n\n\ndef " in out
+    assert re.search(r"generation, 40 bytes: KV cache \(ragged attention, bottom-right, seqused_kv\) [0-9,]+ bytes/s; "
+                     r"full forward over \[128\] per byte [0-9,]+ bytes/s", out), out
+    if jax.default_backend() == "cpu":
+        assert "side-by-side" not in out  # on a CPU only when asked for (--compare-steps)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -96,19 +101,119 @@ def test_padded_run_computes_the_packed_logits(kv_heads):
     assert compared == real > 0
 
 
-def test_padded_comparison_trains_and_reports(capsys):
-    # The GPU-only report, run here on a CPU: the cuDNN padded run is reported unavailable, the xla one trains.
-    args, _ = lm.parse_args(TINY + ["--compare-steps", "3"])
+def test_side_by_side_times_every_system_the_same_way(capsys):
+    # The side-by-side on a CPU: packed and padded xla train from the same initialisation on the same batches,
+    # timed by one method (printed); padded cuDNN is skipped with its reason.
     setup = _setup(capacity=512, max_seqlen=128)
     train, _, _ = lm.stdlib_files()
-    packed = dict(tokens_per_s=1000.0, fill_rate=0.99)
-    lm.compare_padded(setup, train[:40], args, packed)
+    timing = lm.Timing(warmup=1, steps=2, repeats=1)
+    results = lm.side_by_side(setup, train[:40], 0, timing, loop_steps=2)
     out = capsys.readouterr().out
-    assert "packed vs padded, 3 training steps each" in out
-    line = next(line for line in out.splitlines() if "dot_product_attention('xla')" in line)
-    assert re.search(r"padded \[4, 128\], dot_product_attention\('xla'\): [0-9,]+ tokens/s \(packed: [0-9.]+x that\), "
-                     r"fill [0-9.]+%, last loss [0-9.]+$", line), line
-    assert "dot_product_attention('cudnn')" in out
+    assert "method: every system the same jitted step" in out and timing.describe() in out
+    by = {r.system: r for r in results}
+    assert list(by) == list(lm.SYSTEMS)
+    packed, xla = by["packed"], by["padded-xla"]
+    assert packed.status == xla.status == "ok", results
+    assert packed.step_s > 0 and xla.step_s > 0 and packed.loop_tokens_per_s > 0 and xla.loop_tokens_per_s > 0
+    assert packed.slots == setup.capacity and xla.slots == 4 * 128 and 0 < xla.tokens <= packed.tokens
+    assert packed.fill > 0.9 and np.isfinite(packed.loss) and np.isfinite(xla.loss)
+    if jax.default_backend() == "cpu":
+        assert by["padded-cudnn"].status.startswith("skipped: jax.nn's cudnn attention needs a CUDA GPU")
+    assert re.search(r"\n  packed +[0-9.]+ +[0-9,]+ +1\.00x", out), out
+    assert re.search(r"packed is [0-9.]+x padded-xla in useful tokens/s", out), out
+
+
+def test_padded_xla_is_skipped_where_its_scores_would_not_fit():
+    _, long = lm.parse_args(["--preset", "long"])
+    assert long.max_seqlen == 16384 and long.window_bytes <= long.max_seqlen and lm.padded_rows(long) == 4
+    assert "materialises [rows, heads, S, S] float32 scores: 34 GB" in lm.system_unavailable("padded-xla", long)
+    _, gpu = lm.parse_args(["--preset", "gpu"])
+    assert lm.system_unavailable("padded-xla", gpu) is None
+
+
+def test_flat_jitted_step_trains_as_nnx_optimizer_does():
+    # The main job's step (one jax.jit over nnx.split state, parameters raveled into one vector, donated) must
+    # be the same AdamW as nnx.Optimizer's per-parameter one.
+    setup = _setup(capacity=256, max_seqlen=64)
+    train, _, _ = lm.stdlib_files()
+    packer = lm.packed_batches(train[:20], setup, seed=1)
+    batches = [lm.device_batch(next(packer).arrays()) for _ in range(3)]
+    tx = lm.make_tx(setup.lr, setup.steps)
+    model = lm.ByteLM(setup, rngs=nnx.Rngs(0))
+    trainer = lm.make_trainer(model, lm.packed_loss, tx)
+    flat, state = trainer.flat, trainer.opt_state
+    losses = []
+    for batch in batches:
+        flat, state, loss = trainer.step(flat, state, batch)
+        losses.append(float(loss))
+    trainer.update_model(model, flat)
+    reference = lm.ByteLM(setup, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(reference, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(lm.packed_loss)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+    expected = [float(step(reference, optimizer, batch)) for batch in batches]
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(reference, nnx.Param))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_one_hot_embedding_and_loss_are_the_gather_ones():
+    setup = _setup()
+    model = lm.ByteLM(setup, rngs=nnx.Rngs(0))
+    tokens = jnp.array([0, 7, 255, 7, 65], jnp.int32)
+    np.testing.assert_array_equal(model.embed_tokens(tokens), model.embed(tokens))
+    logits = jax.random.normal(jax.random.key(0), (5, 256)) * 3
+    mask = jnp.array([True, True, False, True, True])
+    total, count = lm._nll(logits, tokens, mask)
+    reference = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], axis=-1)[:, 0]
+    np.testing.assert_allclose(total, jnp.sum(jnp.where(mask, reference, 0)), rtol=1e-5)
+    assert int(count) == 4
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["mha", "gqa"])
+def test_kv_cache_gives_the_full_forward_next_byte_distribution(kv_heads):
+    # Generation runs ragged attention over a KV cache (one query row, bottom-right, seqused_kv); each byte's
+    # next-byte distribution must be the full forward's over the same prefix.
+    setup = _setup(kv_heads=kv_heads, capacity=256, max_seqlen=64)
+    model = lm.ByteLM(setup, rngs=nnx.Rngs(4))
+    text = np.frombuffer(b"def add(a, b):\n    return a + b\n", np.uint8).astype(np.int32)
+    s, n0 = setup.max_seqlen, 6
+    buffer = np.zeros(s, np.int32)
+    buffer[:len(text)] = text
+    graphdef, state = nnx.split(model)
+    full = jax.jit(lambda state, b: nnx.merge(graphdef, state)(b, np.array([0, len(text)], np.int32),
+                                                                np.arange(s, dtype=np.int32)))(state, buffer)
+    prompt = np.where(np.arange(s) < n0, buffer, 0)  # nothing past the prompt is visible to the prefill
+    logits, keys, values = jax.jit(lambda state, b: lm.prefill(nnx.merge(graphdef, state), b, n0))(state, prompt)
+    np.testing.assert_allclose(logits, full[n0 - 1], rtol=1e-4, atol=1e-4)
+    decode = jax.jit(lambda state, token, n, k, v: lm.decode(nnx.merge(graphdef, state), token, n, k, v))
+    for n in range(n0, len(text)):
+        logits, keys, values = decode(state, jnp.int32(text[n]), jnp.int32(n), keys, values)
+        np.testing.assert_allclose(jax.nn.softmax(logits), jax.nn.softmax(full[n]), rtol=1e-4, atol=1e-6,
+                                   err_msg=f"position {n}")
+    cached, cached_s = lm.generate(model, setup, b"import ", 20, seed=3)
+    forward, forward_s = lm.generate(model, setup, b"import ", 20, seed=3, cached=False)
+    assert cached == forward and len(cached) == 27 and cached.startswith(b"import ") and cached_s > 0
+    # Longer than the buffer: the prompt keeps its last max_seqlen - 1 bytes and the sample fills the rest.
+    assert len(lm.generate(model, setup, b"x" * 100, 20, seed=3)[0]) == s
+
+
+def test_profile_prints_where_the_step_goes(capsys):
+    setup = _setup(capacity=256, max_seqlen=64)
+    train, _, _ = lm.stdlib_files()
+    rows = lm.profile(setup, train[:20], 0, lm.Timing(warmup=1, steps=1, repeats=1), nnx_step=False)
+    out = capsys.readouterr().out
+    names = [name for name, _, _ in rows]
+    assert names[0].startswith("train step: jax.jit") and all(seconds > 0 for name, seconds, _ in rows
+                                                                 if not name.startswith("rest"))
+    for part in ("embedding (one-hot matmul)", "decoder block", "  attention alone (ragged op)", "  MLP alone",
+                 "head + loss", "optimizer (clip + AdamW on one flat vector", "rest of the step"):
+        assert any(name.startswith(part) for name in names), (part, names)
+    assert "step breakdown (" in out and re.search(r"step: [0-9.]+ ms = [0-9,]+ useful tokens/s; matmuls", out)
 
 
 def test_bad_flags_exit_with_the_flag_named(capsys):
@@ -118,3 +223,6 @@ def test_bad_flags_exit_with_the_flag_named(capsys):
     with pytest.raises(SystemExit):
         lm.parse_args(["--max-seqlen", "4096", "--capacity", "1024"])
     assert "--max-seqlen (4096) must be <= --capacity (1024)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        lm.parse_args(["--compare-systems", "packed,padded"])
+    assert "--compare-systems: choose from packed, padded-cudnn, padded-xla" in capsys.readouterr().err

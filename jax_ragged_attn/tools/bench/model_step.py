@@ -1,11 +1,13 @@
 """`python -m jax_ragged_attn.tools.bench.model_step` (or `python -m jax_ragged_attn.bench --model`): what a user
 buys, measured as one training step of a decoder block on packed variable-length batches.
 
-The block, in plain jax.numpy with a params pytree (no flax or optax on the GPU host): RMSNorm, q/k/v
-projections (16 query heads, 4 kv heads of 128: GQA), RoPE with positions restarting at each sequence,
-causal attention, output projection, RMSNorm, SwiGLU MLP (hidden 4 x model width), residuals. float32
-master parameters, bfloat16 compute, loss = mean over real tokens of mean(y^2), a hand-written AdamW;
-the step is one jitted call that donates parameters and optimizer state, as a training loop's does.
+The block is the main job's (jax_ragged_attn/tools/lm.py: one definition for both): `lm.Block`, a pre-norm
+decoder block of RMSNorm, RaggedSelfAttention's projections (16 query heads, 4 kv heads of 128: GQA) with RoPE
+from positions restarting at each sequence, causal attention, the output projection, RMSNorm, a GELU MLP
+(hidden 4 x model width) and residuals; float32 parameters, bfloat16 compute. The step is the main job's too:
+`lm.make_trainer` (one jax.jit over the block's nnx.split state, the parameters raveled into one float32
+vector, clip + AdamW on that vector, parameters and optimizer state donated), here with loss = mean over real
+tokens of mean(y^2) on random activations.
 
 Systems (the same block, the same loss; only how attention sees the batch differs):
 
@@ -51,6 +53,14 @@ from jax_ragged_attn.tools.bench.systems import XLA_SCORES_LIMIT_BYTES
 from jax_ragged_attn.tools.bench.timing import Settings, error_status, matmul_rate, plain_loop_seconds, steps_for
 from jax_ragged_attn.tools.workloads import WORKLOADS, attention_flops, direction_flops, seeded_lengths
 
+try:
+    from flax import nnx
+
+    from jax_ragged_attn.tools import lm
+except (ImportError, SystemExit) as error:  # lm exits with the install line when flax/optax are missing
+    raise SystemExit(f"the training-step benchmark runs the main job's model: pip install 'jax_ragged_attn[flax]' "
+                     f"({error})") from None
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -58,7 +68,7 @@ class ModelConfig:
     num_heads_q: int = 16
     num_heads_kv: int = 4
     head_dim: int = 128
-    mlp_ratio: int = 4  # SwiGLU hidden width = mlp_ratio * d_model
+    mlp_ratio: int = 4  # MLP hidden width = mlp_ratio * d_model
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-6
 
@@ -68,7 +78,7 @@ class ModelConfig:
 
     def matmul_parameters(self) -> int:
         d, hd = self.d_model, self.head_dim
-        return d * hd * (2 * self.num_heads_q + 2 * self.num_heads_kv) + 3 * d * self.d_mlp
+        return d * hd * (2 * self.num_heads_q + 2 * self.num_heads_kv) + 2 * d * self.d_mlp  # GELU MLP: up, down
 
     def useful_flops(self, seqlens) -> float:
         """Forward+backward FLOPs over real tokens: matmuls 6 per parameter per token, attention 3.5x forward."""
@@ -88,83 +98,63 @@ LENGTHS = {
 }
 
 
-# ---- the block --------------------------------------------------------------------------------------------
+# ---- the block: the main job's (lm.Block), its step the main job's (lm.make_trainer) -------------------------
+
+
+def make_block(config: ModelConfig, seed: int = 0):
+    """The main job's decoder block at this configuration: float32 parameters, bfloat16 compute."""
+    return lm.Block(config.d_model, config.num_heads_q, config.num_heads_kv, head_dim=config.head_dim,
+                    hidden=config.d_mlp, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
+
+
+@functools.lru_cache(maxsize=None)
+def _structure(config: ModelConfig):
+    """(graphdef, params treedef, parameter names, non-parameter state) of the block at this configuration."""
+    graphdef, params, rest = nnx.split(make_block(config), nnx.Param, ...)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    return graphdef, treedef, tuple(jax.tree_util.keystr(path) for path, _ in leaves), rest
 
 
 def init_params(config: ModelConfig, seed: int = 0) -> dict:
-    """float32 master weights; projections scaled 1/sqrt(fan_in)."""
-    d, hd, f = config.d_model, config.head_dim, config.d_mlp
-    shapes = {"wq": (d, config.num_heads_q * hd), "wk": (d, config.num_heads_kv * hd),
-              "wv": (d, config.num_heads_kv * hd), "wo": (config.num_heads_q * hd, d),
-              "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
-    keys = jax.random.split(jax.random.key(seed), len(shapes))
-    params = {name: jax.random.normal(key, shape, jnp.float32) / math.sqrt(shape[0])
-              for key, (name, shape) in zip(keys, shapes.items())}
-    params["attn_norm"] = jnp.ones((d,), jnp.float32)
-    params["mlp_norm"] = jnp.ones((d,), jnp.float32)
-    return params
+    """The block's parameters as {name: float32 array}."""
+    _, params, _ = nnx.split(make_block(config, seed), nnx.Param, ...)
+    return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
-def _rms_norm(x, scale, eps):
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * scale).astype(x.dtype)
+def _merge(params: dict, config: ModelConfig):
+    graphdef, treedef, names, rest = _structure(config)
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, [params[name] for name in names]), rest)
 
 
-def _rope(x, positions, theta):
-    """Rotary embedding of x [..., H, D] at integer positions [...] (rotate-half convention)."""
-    half = x.shape[-1] // 2
-    frequencies = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions.astype(jnp.float32)[..., None, None] * frequencies  # [..., 1, D/2]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+def _attend(attention: Callable, positions):
+    """lm.Block's attend callback around a system's attention(q, k, v) (q [..., Hq, D], k/v [..., Hkv, D])."""
+    def attend(module, h):
+        q, k, v = lm.split_heads(*module.project(h, positions))
+        return module.project_out(attention(q, k, v))
+    return attend
 
 
 def block(params: dict, x: jax.Array, positions: jax.Array, attention: Callable, config: ModelConfig):
-    """One pre-norm decoder block on x [..., d_model] (packed [T, d] or padded [B, S, d]), bf16 compute."""
-    w = {k: v.astype(jnp.bfloat16) for k, v in params.items() if k.startswith("w")}
-    lead, hd = x.shape[:-1], config.head_dim
-    h = _rms_norm(x, params["attn_norm"], config.norm_eps)
-    q = (h @ w["wq"]).reshape(*lead, config.num_heads_q, hd)
-    k = (h @ w["wk"]).reshape(*lead, config.num_heads_kv, hd)
-    v = (h @ w["wv"]).reshape(*lead, config.num_heads_kv, hd)
-    q, k = _rope(q, positions, config.rope_theta), _rope(k, positions, config.rope_theta)
-    o = attention(q, k, v)
-    x = x + o.reshape(*lead, config.num_heads_q * hd) @ w["wo"]
-    h = _rms_norm(x, params["mlp_norm"], config.norm_eps)
-    return x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+    """One decoder block on x [..., d_model] (packed [T, d] or padded [B, S, d]), bf16 compute."""
+    return _merge(params, config)(x, _attend(attention, positions))
 
 
-def _loss(params, x, positions, mask, *, attention, config):
-    y = block(params, x, positions, attention, config).astype(jnp.float32)
+def _block_loss(module, x, positions, mask, attention):
+    y = module(x, _attend(attention, positions)).astype(jnp.float32)
     # where, not a product: whatever a padded system leaves in padding rows must not reach the loss
     return jnp.sum(jnp.where(mask > 0, jnp.mean(y * y, axis=-1), 0.0)) / jnp.sum(mask)
 
 
-def adamw_init(params):
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    return {"step": jnp.zeros((), jnp.int32), "m": zeros, "v": jax.tree.map(jnp.zeros_like, params)}
+def _loss(params, x, positions, mask, *, attention, config):
+    return _block_loss(_merge(params, config), x, positions, mask, attention)
 
 
-def adamw(params, grads, state, lr=3e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1):
-    step = state["step"] + 1
-    m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state["m"], grads)
-    v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state["v"], grads)
-    m_scale = 1 / (1 - b1 ** step.astype(jnp.float32))
-    v_scale = 1 / (1 - b2 ** step.astype(jnp.float32))
-    params = jax.tree.map(lambda p, m, v: p - lr * (m * m_scale / (jnp.sqrt(v * v_scale) + eps) + weight_decay * p),
-                          params, m, v)
-    return params, {"step": step, "m": m, "v": v}
-
-
-def train_step(params, opt_state, x, positions, mask, index, *, attention, config):
-    """(params, opt_state, loss before the update): forward, backward and AdamW in one jitted call."""
-    bound = functools.partial(attention, *index) if index else attention
-    loss, grads = jax.value_and_grad(functools.partial(_loss, attention=bound, config=config))(params, x, positions,
-                                                                                               mask)
-    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-    params, opt_state = adamw(params, grads, opt_state)
-    return params, opt_state, loss
+def make_step(config: ModelConfig, attention: Callable, seed: int = 0) -> lm.Trainer:
+    """The main job's step (lm.make_trainer) over the block; batch = dict(x, positions, mask, index)."""
+    def loss(module, batch):
+        bound = functools.partial(attention, *batch["index"]) if batch["index"] else attention
+        return _block_loss(module, batch["x"], batch["positions"], batch["mask"], bound)
+    return lm.make_trainer(make_block(config, seed), loss, lm.make_tx(3e-4, 10_000))
 
 
 # ---- the systems: how attention and the batch are laid out ---------------------------------------------------
@@ -350,21 +340,21 @@ def measure(system: ModelSystem, name: str, seqlens, config: ModelConfig, settin
         return result
     batch = make_batch(system, seqlens, config)
     attention = system.attention(seqlens)
-    step = jax.jit(functools.partial(train_step, attention=attention, config=config), donate_argnums=(0, 1))
-    params = init_params(config)
-    state = [params, adamw_init(params)]
-    inputs = (batch.x, batch.positions, batch.mask, batch.index)
-    result.step_bytes = _memory(step.lower(*state, *inputs).compile())
+    trainer = make_step(config, attention)
+    inputs = dict(x=batch.x, positions=batch.positions, mask=batch.mask, index=batch.index)
+    compiled = trainer.step.lower(trainer.flat, trainer.opt_state, inputs).compile()
+    result.step_bytes = _memory(compiled)
+    state = [trainer.flat, trainer.opt_state]
 
     def call():
-        state[0], state[1], loss = step(*state, *inputs)
+        state[0], state[1], loss = compiled(state[0], state[1], inputs)
         return state[0], state[1], loss
 
     first = call()
     result.loss = float(first[2])  # at the initial parameters: the same for every system
     times, result.calls = _timed(call, result.useful_flops, settings)
     result.step_s, result.repetitions = statistics.median(times), len(times)
-    if not all(bool(jnp.isfinite(p).all()) for p in jax.tree.leaves(state[0])):
+    if not bool(jnp.isfinite(state[0]).all()):
         result.note = "WARNING: parameters not finite after the timed steps"
 
     # The attention call alone (with the pad/unpad of pad-unpad), forward+backward, timed the same way.
@@ -491,8 +481,8 @@ def main(argv=None) -> int:
         limit, limit_line = None, f"dense limit: {error_status(error)}"
     header = [f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}",
               f"block: d_model {config.d_model}, {config.num_heads_q}/{config.num_heads_kv} heads of "
-              f"{config.head_dim}, SwiGLU {config.d_mlp}, {config.matmul_parameters() / 1e6:.1f}M matmul parameters, "
-              "bf16 compute, f32 AdamW; plain timing: N jitted steps then block_until_ready, median of "
+              f"{config.head_dim}, GELU MLP {config.d_mlp}, {config.matmul_parameters() / 1e6:.1f}M matmul parameters, "
+              "bf16 compute, the main job's block and step (lm.Block, lm.make_trainer: flat f32 AdamW); plain timing: N jitted steps then block_until_ready, median of "
               f"{settings.iterations}", limit_line]
     header += [f"lengths {n}: {len(LENGTHS[n])} sequences of {min(LENGTHS[n])}..{max(LENGTHS[n])}, "
                f"{sum(LENGTHS[n]):,} tokens" for n in names]
