@@ -293,30 +293,113 @@ def _attention_bwd(plan: _Plan, residuals, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+class _Walk(NamedTuple):
+    """A balanced walk over blocks that need different numbers of tiles (steps [n] int32).
+
+    The blocks' tiles, listed block after block, are cut into `lanes` runs of `per_lane` consecutive tiles;
+    a loop step advances every lane by one tile. The work is the total number of tiles (+ at most `lanes`),
+    not blocks * the largest count: causal blocks need from one tile to a whole sequence's worth.
+    A lane's run of one block's tiles is a segment; segment (lane l, block b) is kept in slot l + b, which is
+    unique since along the list l and b never decrease and one of them grows at every new segment. Block b's
+    segments are slots base[b] .. base[b] + count[b] - 1, summed in order after the loop: a fixed order,
+    whatever the data, so the result is deterministic and nothing is scattered with an add.
+    """
+
+    steps: jax.Array  # [n] tiles per block
+    starts: jax.Array  # [n] where each block's tiles begin in the list
+    per_lane: jax.Array  # scalar: tiles per lane, ceil(total / lanes)
+    total: jax.Array  # scalar: tiles in all
+    base: jax.Array  # [n] block b's first slot
+    count: jax.Array  # [n] block b's slots
+
+
+def _walk(steps, lanes: int) -> _Walk:
+    ends = jnp.cumsum(steps)
+    starts, total = ends - steps, ends[-1]
+    per_lane = jnp.maximum(_ceil_div(total, lanes), 1)
+    first_lane, last_lane = starts // per_lane, (ends - 1) // per_lane
+    count = jnp.where(steps > 0, last_lane - first_lane + 1, 0)
+    return _Walk(steps, starts, per_lane, total, first_lane + jnp.arange(steps.shape[0], dtype=steps.dtype), count)
+
+
+def _walk_loop(walk: _Walk, lanes: int, tile_fn, acc_shapes):
+    """Runs tile_fn(block [lanes], tile r [lanes], valid [lanes]) -> per-lane contributions shaped like
+    acc_shapes ([lanes, ...] each) over the walk; returns per block the sum of its tiles' contributions
+    ([n, ...] each). Lanes past the total (valid False) must contribute zeros."""
+    n = walk.steps.shape[0]
+    lane = jnp.arange(lanes, dtype=jnp.int32)
+    # The next block with tiles after each block (n when none): a lane moving on skips empty blocks.
+    has = jnp.where(walk.steps > 0, jnp.arange(n, dtype=jnp.int32), n)
+    following = jnp.append(lax.cummin(has, reverse=True)[1:], n).astype(jnp.int32)
+    t0 = lane * walk.per_lane
+    block0 = jnp.minimum(jnp.searchsorted(walk.starts + walk.steps, t0, side="right"), n - 1).astype(jnp.int32)
+    r0 = t0 - walk.starts[block0]
+    zeros = tuple(jnp.zeros(s, jnp.float32) for s in acc_shapes)
+    slots = tuple(jnp.zeros((lanes + n,) + s[1:], jnp.float32) for s in acc_shapes)
+
+    def step(s, carry):
+        block, r, acc, slots = carry
+        valid = lane * walk.per_lane + s < walk.total
+        acc = tuple(a + c for a, c in zip(acc, tile_fn(jnp.minimum(block, n - 1), r, valid)))
+        ends_block = r == walk.steps[jnp.minimum(block, n - 1)] - 1
+        flush = valid & (ends_block | (s == walk.per_lane - 1))
+        index = jnp.where(flush, lane + block, lanes + n)  # out of range: dropped
+        slots = tuple(x.at[index].set(a, mode="drop") for x, a in zip(slots, acc))
+        keep = jnp.logical_not(flush).reshape((lanes,) + (1,) * (len(acc_shapes[0]) - 1))
+        acc = tuple(jnp.where(keep, a, 0.0) for a in acc)
+        block = jnp.where(ends_block, following[jnp.minimum(block, n - 1)], block)
+        return block, jnp.where(ends_block, 0, r + 1), acc, slots
+
+    _, _, _, slots = lax.fori_loop(0, jnp.where(walk.total > 0, walk.per_lane, 0), step, (block0, r0, zeros, slots))
+
+    def gather(j, out):
+        index = jnp.minimum(walk.base + j, lanes + n - 1)
+        taken = (j < walk.count).reshape((n,) + (1,) * (len(acc_shapes[0]) - 1))
+        return tuple(o + jnp.where(taken, x[index], 0.0) for o, x in zip(out, slots))
+
+    first = tuple(jnp.zeros((n,) + s[1:], jnp.float32) for s in acc_shapes)
+    return lax.fori_loop(0, walk.count.max(initial=0), gather, first)
+
+
+def _rows(x, start, size: int):
+    """[len(start), size, ...]: rows start[i] .. start[i] + size - 1 of x, contiguous slices (x is padded so
+    that none is clamped)."""
+    return jax.vmap(lambda s: lax.dynamic_slice_in_dim(x, s, size))(start)
+
+
 def _dq_pass(plan, q32, k32, v32, d_out, lse, delta, bands):
-    """dQ: query blocks walk their key ranges as in the forward, recomputing P from lse."""
+    """dQ: every query block's key range, tile by tile, recomputing P from lse; the tiles of all blocks are
+    shared out evenly among n lanes (_walk), so a block pays for its own range, not the widest one."""
     c = plan.config
-    n = _ceil_div(c.capacity_q, plan.block_q)
-    split = (n, plan.block_q, c.num_heads_kv, c.group_size)
+    bq, bk = plan.block_q, plan.block_kv
+    n = _ceil_div(c.capacity_q, bq)
+    split = (n, bq, c.num_heads_kv, c.group_size)
     q_tiles = _query_blocks(plan, q32).reshape(*split, c.head_dim_qk)
     do_tiles = _query_blocks(plan, d_out).reshape(*split, c.head_dim_v)
     lse_tiles, delta_tiles = _heads_first(lse, plan), _heads_first(delta, plan)  # [n, Hkv, G, bq]
     first, last, low, steps = _query_bands(plan, bands)
+    # bk rows of padding: a tile starts before the range's end (< Tkv), so a slice never needs clamping.
+    k_pad, v_pad = _pad(k32, c.capacity_kv + bk), _pad(v32, c.capacity_kv + bk)
+    walk = _walk(steps, n)
 
-    def step(r, d_q):
-        cols, k_tile, v_tile = _key_tiles(plan, k32, v32, low, r)
-        mask = _tile_mask(first, last, cols)
-        p = jnp.exp(jnp.where(mask, _logits(plan, q_tiles, k_tile) - lse_tiles[..., None], _MASKED))
-        dp = jnp.einsum("nqhgd,nkhd->nhgqk", do_tiles, v_tile, precision=_HIGHEST)
-        ds = p * (dp - delta_tiles[..., None])
-        return d_q + jnp.einsum("nhgqk,nkhd->nqhgd", ds, k_tile, precision=_HIGHEST)
+    def tile(block, r, valid):
+        start = low[block] + r * bk
+        cols = start[:, None] + jnp.arange(bk, dtype=jnp.int32)[None, :]
+        k_tile, v_tile = _rows(k_pad, start, bk), _rows(v_pad, start, bk)
+        mask = _tile_mask(jnp.where(valid[:, None], first[block], c.capacity_kv), last[block], cols)
+        q_tile = q_tiles[block]
+        p = jnp.exp(jnp.where(mask, _logits(plan, q_tile, k_tile) - lse_tiles[block][..., None], _MASKED))
+        dp = jnp.einsum("nqhgd,nkhd->nhgqk", do_tiles[block], v_tile, precision=_HIGHEST)
+        ds = p * (dp - delta_tiles[block][..., None])
+        return (jnp.einsum("nhgqk,nkhd->nqhgd", ds, k_tile, precision=_HIGHEST),)
 
-    d_q = lax.fori_loop(0, steps.max(initial=0), step, jnp.zeros_like(q_tiles))
-    return (d_q * c.scale).reshape(n * plan.block_q, c.num_heads_q, c.head_dim_qk)[:c.capacity_q]
+    (d_q,) = _walk_loop(walk, n, tile, [q_tiles.shape])
+    return (d_q * c.scale).reshape(n * bq, c.num_heads_q, c.head_dim_qk)[:c.capacity_q]
 
 
 def _dkv_pass(plan, q32, k32, v32, d_out, lse, delta, bands):
-    """dK, dV: key blocks walk the query rows that attend them, block_q rows a step."""
+    """dK, dV: every key block's query range (the rows that attend it), block_q rows a tile, balanced over
+    n lanes as the dQ pass. A tile's rows are contiguous: slices of q, dO, lse, delta and the bands."""
     c = plan.config
     bq, bk, tq = plan.block_q, plan.block_kv, c.capacity_q
     n = _ceil_div(c.capacity_kv, bk)
@@ -326,28 +409,30 @@ def _dkv_pass(plan, q32, k32, v32, d_out, lse, delta, bands):
     key_first = _pad(bands.key_first, n * bk, tq).reshape(n, bk)
     key_last = _pad(bands.key_last, n * bk, -1).reshape(n, bk)
     low, steps = _steps(key_first, key_last, bk, bq)
-    split = (tq, c.num_heads_kv, c.group_size)
-    q_rows, do_rows = q32.reshape(*split, -1), d_out.reshape(*split, -1)
-    lse_rows, delta_rows = lse.reshape(split), delta.reshape(split)
+    # bq rows of padding, as in the dQ pass; padded rows attend nothing (first > last), so they are masked.
+    rows = tq + bq
+    q_pad = _pad(q32, rows).reshape(rows, c.num_heads_kv, c.group_size, -1)
+    do_pad = _pad(d_out, rows).reshape(rows, c.num_heads_kv, c.group_size, -1)
+    # lse and delta with the rows last ([Hkv, G, rows]): a slice of them is already a tile's [.., bq] layout.
+    lse_pad = jnp.moveaxis(_pad(lse, rows).reshape(rows, c.num_heads_kv, c.group_size), 0, -1)
+    delta_pad = jnp.moveaxis(_pad(delta, rows).reshape(rows, c.num_heads_kv, c.group_size), 0, -1)
+    first_pad, last_pad = _pad(bands.first, rows, c.capacity_kv), _pad(bands.last, rows, -1)
+    walk = _walk(steps, n)
 
-    def step(r, carry):
-        d_k, d_v = carry
-        rows = low[:, None] + r * bq + jnp.arange(bq, dtype=jnp.int32)[None, :]  # [n, bq]
-        index = jnp.clip(rows, 0, tq - 1)
-        inside = rows < tq  # clipped duplicates of row tq - 1 must not count twice
-        first = jnp.where(inside, bands.first[index], c.capacity_kv)
-        last = jnp.where(inside, bands.last[index], -1)
-        mask = _tile_mask(first, last, cols)
-        q_tile, do_tile = q_rows[index], do_rows[index]  # [n, bq, Hkv, G, D]
-        lse_tile = jnp.moveaxis(lse_rows[index], 1, 3)  # [n, Hkv, G, bq]
-        delta_tile = jnp.moveaxis(delta_rows[index], 1, 3)
-        p = jnp.exp(jnp.where(mask, _logits(plan, q_tile, k_tiles) - lse_tile[..., None], _MASKED))
-        dp = jnp.einsum("nqhgd,nkhd->nhgqk", do_tile, v_tiles, precision=_HIGHEST)
+    def tile(block, r, valid):
+        start = low[block] + r * bq
+        q_tile, do_tile = _rows(q_pad, start, bq), _rows(do_pad, start, bq)  # [lanes, bq, Hkv, G, D]
+        lse_tile = jax.vmap(lambda s: lax.dynamic_slice_in_dim(lse_pad, s, bq, axis=2))(start)
+        delta_tile = jax.vmap(lambda s: lax.dynamic_slice_in_dim(delta_pad, s, bq, axis=2))(start)
+        first = jnp.where(valid[:, None], _rows(first_pad, start, bq), c.capacity_kv)
+        mask = _tile_mask(first, _rows(last_pad, start, bq), cols[block])
+        k_tile, v_tile = k_tiles[block], v_tiles[block]
+        p = jnp.exp(jnp.where(mask, _logits(plan, q_tile, k_tile) - lse_tile[..., None], _MASKED))
+        dp = jnp.einsum("nqhgd,nkhd->nhgqk", do_tile, v_tile, precision=_HIGHEST)
         ds = p * (dp - delta_tile[..., None])
-        d_v = d_v + jnp.einsum("nhgqk,nqhgd->nkhd", p, do_tile, precision=_HIGHEST)
-        d_k = d_k + jnp.einsum("nhgqk,nqhgd->nkhd", ds, q_tile, precision=_HIGHEST)
-        return d_k, d_v
+        return (jnp.einsum("nhgqk,nqhgd->nkhd", ds, q_tile, precision=_HIGHEST),
+                jnp.einsum("nhgqk,nqhgd->nkhd", p, do_tile, precision=_HIGHEST))
 
-    d_k, d_v = lax.fori_loop(0, steps.max(initial=0), step, (jnp.zeros_like(k_tiles), jnp.zeros_like(v_tiles)))
-    return (d_k * c.scale).reshape(n * bk, c.num_heads_kv, -1)[:c.capacity_kv], d_v.reshape(n * bk, c.num_heads_kv,
-                                                                                              -1)[:c.capacity_kv]
+    d_k, d_v = _walk_loop(walk, n, tile, [k_tiles.shape, v_tiles.shape])
+    return ((d_k * c.scale).reshape(n * bk, c.num_heads_kv, -1)[:c.capacity_kv],
+            d_v.reshape(n * bk, c.num_heads_kv, -1)[:c.capacity_kv])

@@ -98,10 +98,16 @@ def estimate_bytes(config: AttentionConfig, block_q: int, block_kv: int, directi
         return int(forward)
 
     live = rows + inputs_clean + residuals + tq * hq * (dv + 2) * _F32  # + d_out in float32, delta
-    dq_pass = key_tiles + 5 * scores + 2 * tq_pad * hq * dqk * _F32
-    query_tiles = n_kv * block_q * hq * (dqk + dv + 2) * (_F32 + item)  # the query rows a step of pass 2 gathers
+    # Both passes walk their blocks' tiles with one lane per block (xla._walk_loop): a lane's running sum, the
+    # slots its finished segments go to (lanes + blocks of them), the per-block sum gathered from the slots,
+    # and the rows a step gathers (the lane's own block's rows besides the tile it walks).
+    q_rows = tq_pad * hq * (dqk + dv + 2) * _F32  # the lanes' q, dO, lse, delta rows for one step
+    dq_pass = (key_tiles + 5 * scores + 4 * tq_pad * hq * dqk * _F32 + q_rows
+               + (tkv + block_kv) * hkv * (dqk + dv) * _F32)  # k, v padded for the tiles' slices
+    query_tiles = n_kv * block_q * hq * (dqk + dv + 2) * (_F32 + item)  # the query rows a step of pass 2 slices
     dkv_pass = (query_tiles + 5 * n_kv * block_q * block_kv * hq * _F32
-                + 3 * tkv_pad * hkv * (dqk + dv) * _F32)  # k, v in float32 and the dk, dv accumulators
+                + (tq + block_q) * hq * (dqk + dv + 2) * _F32  # q, dO, lse, delta padded for the slices
+                + 6 * tkv_pad * hkv * (dqk + dv) * _F32)  # k, v tiles, a step's copy, running sums, slots, sums
     grads = (tq * hq * dqk + tkv * hkv * (dqk + dv)) * (_F32 + item)
     return int(live + max(dq_pass, dkv_pass) + grads)
 

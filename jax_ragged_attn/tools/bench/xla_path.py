@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
+import sys
 import time
 
 import jax
@@ -50,6 +51,7 @@ def _load(path: str | None):
         return current_xla
     spec = importlib.util.spec_from_file_location("xla_before", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
     spec.loader.exec_module(module)
     return module
 
