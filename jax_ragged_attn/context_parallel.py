@@ -196,10 +196,12 @@ def chunk_attention(plan: Plan, attend, q_chunk, k_all, v_all, cu, chunk_start):
 
     Causal masks: every piece but the chunk's first starts at its sequence's first token, so its keys are
     exactly its queries' positions and top-left causal is its mask; only a first piece that starts inside its
-    sequence (positions [a, c) with a > 0, keys [lo, c)) needs bottom-right alignment. cuDNN's bottom-right
-    *backward* costs sq x skv whatever the mask (measured 1.2-1.7x top-left on identical masks), so the
-    pieces run as two calls: all top-left pieces in one, that one piece alone (a single sequence) in the other,
-    each call's results exactly 0 / -inf in the other's rows. Public so the one-GPU benchmark times exactly
+    sequence (positions [a, c) with a > 0, keys [lo, c)) needs bottom-right alignment, which is therefore the
+    alignment of the one call. cuDNN's bottom-right *backward* alone would cost sq x skv whatever the mask
+    (1.2-1.7x top-left on identical masks); the cuDNN path splits it into a rectangle and a top-left square
+    (_cudnn/launch.py _backward). With a left window that split does not apply, and the pieces run as two
+    calls: all top-left pieces in one, the offset piece alone (a single sequence) in the other, each call's
+    results exactly 0 / -inf in the other's rows. Public so the one-GPU benchmark times exactly
     what a device runs (tools/bench/context_parallel.py).
     """
     rows = q_chunk.shape[0]
@@ -212,7 +214,14 @@ def chunk_attention(plan: Plan, attend, q_chunk, k_all, v_all, cu, chunk_start):
     if not plan.is_causal:  # no mask: alignment means nothing, one call
         return attend(q_chunk, k_all, v_all, cu_q, cu_kv, max_q, plan.max_seqlen,
                       seqused=(pieces.q_len, pieces.kv_len), diagonal_alignment="top_left")
-    # A piece needs bottom-right alignment iff it has more keys than queries (a > 0 and keys before it).
+    if plan.window_left is None:
+        # One bottom-right call: every piece but the first has as many keys as queries (bottom-right is then
+        # top-left), and the cuDNN path runs a causal bottom-right backward as rectangle + square
+        # (_cudnn/launch.py _backward), so no piece pays for masked tiles.
+        return attend(q_chunk, k_all, v_all, cu_q, cu_kv, max_q, plan.max_seqlen,
+                      seqused=(pieces.q_len, pieces.kv_len), diagonal_alignment="bottom_right")
+    # With a left window the backward is not split: a piece needs bottom-right alignment iff it has more keys
+    # than queries (a > 0 and keys before it), so that one piece runs alone.
     offset = (pieces.q_len > 0) & (pieces.kv_len != pieces.q_len)
     zero = jnp.zeros_like(pieces.q_len)
     out, stats = attend(q_chunk, k_all, v_all, cu_q, cu_kv, max_q, plan.max_seqlen,

@@ -22,7 +22,7 @@ import jax_ragged_attn as jra
 from jax_ragged_attn import _cudnn as cudnn
 from jax_ragged_attn._cudnn import extension, launch
 from jax_ragged_attn.config import AttentionOptions, make_config
-from jax_ragged_attn.testing import assert_close, packed_batch
+from jax_ragged_attn.testing import assert_close, packed_batch, reference_attention
 
 _REASON = extension.cudnn_unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=f"cuDNN path unavailable: {_REASON}")]
@@ -284,3 +284,48 @@ def test_stats_cotangent_past_the_head_dim_limit_raises():
     batch, _ = _batch(case, 5)
     with pytest.raises(NotImplementedError, match=r"Dv \+ 16 = 272 exceeds cuDNN's head dim limit of 256"):
         _grads_through_stats(case, batch, None, np.ones((CAPACITY_Q, 8), np.float32))
+
+
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+@pytest.mark.parametrize("check", [False, True], ids=["plain", "check"])
+def test_split_bottom_right_backward_matches_the_reference_and_the_single_call(monkeypatch, layout, check):
+    """A causal bottom-right backward runs as rectangle + top-left square (launch._backward). Against the
+    float64 reference and the one-call backward: sequences with more keys than queries (a rectangle), fewer
+    (rows without keys), equal, and empty ones; a stats cotangent too (the widened backward splits as well)."""
+    case = Case(heads=(8, 2), is_causal=True, alignment="bottom_right", layout=layout, empty=(3,))
+    batch, d_out = _batch(case, 77)
+    rng = np.random.default_rng(78)
+    d_stats = rng.standard_normal((CAPACITY_Q, 8)).astype(np.float32)
+    options = dict(_options(case), stats_layout=layout, return_stats=True, implementation="cudnn", check=check)
+
+    def grads():
+        @jax.jit
+        def step(q, k, v, cu_q, cu_kv, d_out, d_stats):
+            attend = lambda q, k, v: jra.ragged_attention(q, k, v, cu_q, cu_kv, **options)
+            (out, stats), vjp = jax.vjp(attend, q, k, v)
+            g_stats = d_stats if layout == "token_major" else d_stats.T
+            return vjp((d_out, g_stats))
+
+        return [np.asarray(g, np.float64) for g in step(*batch.args, jnp.asarray(d_out), jnp.asarray(d_stats))]
+
+    split = grads()
+    monkeypatch.setenv(launch.BOTTOM_RIGHT_BACKWARD_ENV, "single")
+    single = grads()
+    reference = reference_attention(*batch.reference_args, max_seqlen_q=MAX_SEQLEN_Q,
+                                                max_seqlen_kv=MAX_SEQLEN_KV, is_causal=True,
+                                                diagonal_alignment="bottom_right",
+                                                d_out=np.nan_to_num(d_out.astype(np.float64)) * ~batch.padding_q[:, None, None],
+                                                d_stats=d_stats.astype(np.float64) * ~batch.padding_q[:, None])
+    lengths_q, lengths_kv = np.array(batch.seqlens_q), np.array(batch.seqlens_kv)
+    assert np.any(lengths_kv > lengths_q) and np.any((lengths_q > lengths_kv) & (lengths_kv > 0))
+    for name, a, b in zip(("dq", "dk", "dv"), split, single):
+        assert np.abs(a).max() > 0, name
+        assert_close(a, b, case.dtype, f"{name}: split vs single bottom-right backward")
+        assert_close(a, reference[name], case.dtype, f"{name}: split vs float64 reference")
+        assert np.all(a[batch.padding_q if name == "dq" else batch.padding_kv] == 0), name
+
+
+def test_bottom_right_backward_setting_is_validated(monkeypatch):
+    monkeypatch.setenv(launch.BOTTOM_RIGHT_BACKWARD_ENV, "fast")
+    with pytest.raises(ValueError, match=launch.BOTTOM_RIGHT_BACKWARD_ENV):
+        launch.bottom_right_backward()

@@ -98,6 +98,14 @@ class StandInKernel:
         return vjp(d_out), (rows_q, rows_kv, rows_kv)
 
 
+@pytest.fixture(autouse=True)
+def single_bottom_right_backward(monkeypatch):
+    """This stand-in recomputes the forward from the whole band instead of reading the passed out and stats,
+    so it cannot serve a split backward's two partial calls; test_stats_grad.py's stand-in, which does
+    cuDNN's arithmetic on the passed buffers, tests the split."""
+    monkeypatch.setenv(launch.BOTTOM_RIGHT_BACKWARD_ENV, "single")
+
+
 @pytest.fixture
 def batch():
     rng = np.random.default_rng(2024)

@@ -31,6 +31,8 @@ SEQLENS_Q = (9, 0, 14, 3, 6)
 SEQLENS_KV = (11, 4, 6, 0, 6)
 OPTIONS = dict(is_causal=True, diagonal_alignment="bottom_right", local_window_size=None)
 LAYOUTS = ("head_major", "token_major")
+# A causal bottom-right backward runs as two handler calls, rectangle + square (launch._backward).
+CALLS = 2
 DTYPES = ("bfloat16", "float16")
 
 
@@ -70,6 +72,7 @@ class CudnnArithmetic:
 
         def call(*args, **attributes):
             args, workspace, initial = stand_in_handler_args(args, result_types, input_output_aliases, attributes)
+            self.attributes = attributes  # the mask comes from the call (a split backward changes it)
             packing = int(attributes["packing"])
             args = self._unpacked(args, packing, forward)
             if forward:
@@ -97,15 +100,16 @@ class CudnnArithmetic:
 
     def _mask(self, q, k, seq_len_q, seq_len_kv, off_q, off_k):
         """[Tq, Tkv]: which key each query row attends to; and which rows of each side are owned."""
-        c = self.config
+        a = self.attributes
+        left, right = int(a["left_bound"]), int(a["right_bound"])  # -1: no bound
         seq_q, pos_q, own_q = _rows(off_q, q.shape[1] * q.shape[2], seq_len_q, q.shape[0])
         seq_k, pos_k, own_k = _rows(off_k, k.shape[1] * k.shape[2], seq_len_kv, k.shape[0])
-        diagonal = pos_q if c.diagonal_alignment == "top_left" else pos_q + seq_len_kv[seq_q] - seq_len_q[seq_q]
+        diagonal = pos_q if not int(a["bottom_right"]) else pos_q + seq_len_kv[seq_q] - seq_len_q[seq_q]
         mask = own_q[:, None] & own_k[None, :] & (seq_q[:, None] == seq_k[None, :])
-        if c.right_bound is not None:
-            mask &= pos_k[None, :] <= diagonal[:, None] + c.right_bound
-        if c.left_bound is not None:
-            mask &= pos_k[None, :] >= diagonal[:, None] - c.left_bound
+        if right >= 0:
+            mask &= pos_k[None, :] <= diagonal[:, None] + right
+        if left >= 0:
+            mask &= pos_k[None, :] >= diagonal[:, None] - left
         return mask, own_q, own_k
 
     @staticmethod
@@ -227,7 +231,7 @@ def test_grad_of_a_loss_of_out_and_stats_matches_the_reference(monkeypatch, rng,
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*batch.args[:3])
     expected = _reference(batch, d_out=d_out.astype(np.float64), d_stats=d_stats.astype(np.float64))
     _check_gradients(grads, expected, batch, dtype)
-    assert kernel.backward_head_dims_v == [batch.v.shape[2] + stats_grad.EXTRA_COLUMNS]
+    assert kernel.backward_head_dims_v == [batch.v.shape[2] + stats_grad.EXTRA_COLUMNS] * CALLS
 
 
 @pytest.mark.parametrize("guard", [False, True], ids=["plain", "check_mode"])
@@ -297,7 +301,7 @@ def test_an_explicit_zero_stats_cotangent_changes_nothing(monkeypatch, rng):
     first = widened(*batch.args[:3], jnp.asarray(d_out))
     second = plain(*batch.args[:3], jnp.asarray(d_out))
     dv = batch.v.shape[2]
-    assert kernel.backward_head_dims_v == [dv + stats_grad.EXTRA_COLUMNS, dv]
+    assert kernel.backward_head_dims_v == [dv + stats_grad.EXTRA_COLUMNS] * CALLS + [dv] * CALLS
     expected = _reference(batch, d_out=d_out.astype(np.float64))
     _check_gradients(first, expected, batch, dtype, "explicit zero: ")
     for name, a, b in zip(("dq", "dk", "dv"), first, second):
@@ -366,11 +370,11 @@ def test_packed_buffers_get_gradients_in_their_own_layout(monkeypatch, rng, pack
                      rows_without_keys=packing == "kv")
     dv = batch.v.shape[2]
     if stats_in_loss:  # the unpacked (packing 0) backward on widened value columns
-        assert (kernel.backward_packings, kernel.backward_head_dims_v) == ([0], [dv + stats_grad.EXTRA_COLUMNS])
+        assert (kernel.backward_packings, kernel.backward_head_dims_v) == ([0] * CALLS, [dv + stats_grad.EXTRA_COLUMNS] * CALLS)
     else:  # the packed buffers themselves, in place
-        assert (kernel.backward_packings, kernel.backward_head_dims_v) == ([PACKINGS.index(packing)], [dv])
+        assert (kernel.backward_packings, kernel.backward_head_dims_v) == ([PACKINGS.index(packing)] * CALLS, [dv] * CALLS)
     # Initial buffers come in aliased to the results: XLA's zero-filled ones, or check mode's canaries.
-    assert [aliased for _, aliased in kernel.targets] == [mode in ("zero_fill", "check_mode")] * 2
+    assert [aliased for _, aliased in kernel.targets] == [mode in ("zero_fill", "check_mode")] * (1 + CALLS)
 
 
 @pytest.mark.parametrize("packing", ["kv", "qkv"])
@@ -407,7 +411,7 @@ def test_the_public_packed_wrappers_reach_the_packed_cudnn_launch(monkeypatch, r
         _check_gradients(_unpacked_gradients(grads, packing), expected, batch, "bfloat16", f"{implementation}: ",
                          rows_without_keys=packing == "kv")
     # The cuDNN run (first) took the plain backward on the packed buffers in place; the xla run no handler.
-    assert kernel.backward_packings == [PACKINGS.index(packing)], kernel.backward_packings
+    assert kernel.backward_packings == [PACKINGS.index(packing)] * CALLS, kernel.backward_packings
 
 
 def test_dv_past_the_head_dim_limit_raises_naming_it(monkeypatch, rng):
@@ -441,7 +445,7 @@ def test_dv_at_the_limit_fills_the_widest_head_dim(monkeypatch, rng):
         return jnp.sum(jnp.where(jnp.isfinite(stats), stats, 0.0))
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*batch.args[:3])
-    assert kernel.backward_head_dims_v == [cudnn.MAX_HEAD_DIM]
+    assert kernel.backward_head_dims_v == [cudnn.MAX_HEAD_DIM] * CALLS
     ones = np.ones(batch.q.shape[:2])
     expected = _reference(batch, d_out=np.zeros(batch.q.shape[:2] + (limit,)), d_stats=ones)
     _check_gradients(grads, expected, batch, "bfloat16")
@@ -465,3 +469,32 @@ def test_the_two_columns_carry_g_to_near_float32(rng, dtype):
     relative = np.abs(carried + g) / np.maximum(np.abs(g), np.finfo(np.float32).tiny)
     assert carried[g == 0].tolist() == [0.0]
     assert relative.max() <= eps**2, f"worst relative error {relative.max():.3g} at g={g[np.argmax(relative)]}"
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_split_bottom_right_backward_equals_the_single_call(monkeypatch, rng, layout, packing):
+    """Rectangle + square (the default) against one bottom-right backward and the reference, for every
+    packing and a stats cotangent: sequences with more keys than queries, fewer, none, and empty ones."""
+    batch = _batch(rng, "bfloat16", head_dim_v=16) if packing == "none" else _packed_batch(rng, packing)
+    config, kernel = _install(monkeypatch, batch, layout, packing=packing)
+    buffers = (batch.q, batch.k, batch.v) if packing == "none" else _packed_buffers(batch, packing)
+    d_out, d_stats = _cotangents(rng, batch, "bfloat16")
+    expected_stats = _reference(batch)["stats"]
+    d_stats = np.where(np.isneginf(expected_stats), 0.0, d_stats).astype(np.float32)
+
+    def grads(buffers, d_out, d_stats):  # traced afresh per call: the setting is read at trace time
+        _, vjp = jax.vjp(lambda b: launch.attention(b, *batch.args[3:], config), buffers)
+        return vjp((d_out, d_stats))[0]
+
+    args = (buffers, jnp.asarray(d_out), jnp.asarray(_in_layout(d_stats, layout)))
+    split = jax.jit(lambda *a: grads(*a))(*args)
+    monkeypatch.setenv(launch.BOTTOM_RIGHT_BACKWARD_ENV, "single")
+    single = jax.jit(lambda *a: grads(*a))(*args)
+    assert len(kernel.backward_packings) == CALLS + 1
+    if packing != "none":
+        split, single = _unpacked_gradients(split, packing), _unpacked_gradients(single, packing)
+    expected = _reference(batch, d_out=d_out.astype(np.float64), d_stats=d_stats.astype(np.float64))
+    _check_gradients(split, expected, batch, "bfloat16", f"split {packing}: ", rows_without_keys=packing != "qkv")
+    for name, a, b in zip(("dq", "dk", "dv"), split, single):
+        assert_close(np.asarray(a, np.float64), np.asarray(b, np.float64), "bfloat16", f"{name}: split vs single")

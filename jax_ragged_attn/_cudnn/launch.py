@@ -218,9 +218,61 @@ def _forward(buffers, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, sequ
     return out, stats, raw_stats
 
 
+BOTTOM_RIGHT_BACKWARD_ENV = "JAX_RAGGED_ATTN_BOTTOM_RIGHT_BACKWARD"
+BOTTOM_RIGHT_BACKWARDS = ("split", "single")
+
+
+def bottom_right_backward() -> str:
+    """How the backward of a bottom-right causal call runs: "split" (the default) as two cuDNN backward calls
+    that together cost the causal area, "single" as one bottom-right call. Read at trace time from
+    JAX_RAGGED_ATTN_BOTTOM_RIGHT_BACKWARD so the benchmarks can compare them; results are identical up to the
+    order of a float32 sum (dQ and rows of dK/dV shared by no call are exact)."""
+    value = os.environ.get(BOTTOM_RIGHT_BACKWARD_ENV, "split")
+    if value not in BOTTOM_RIGHT_BACKWARDS:
+        raise ValueError(f"{BOTTOM_RIGHT_BACKWARD_ENV} must be one of {BOTTOM_RIGHT_BACKWARDS}, got {value!r}")
+    return value
+
+
+def _splits_bottom_right(config: AttentionConfig) -> bool:
+    """A causal bottom-right mask without a left window: the backward can run as rectangle + square."""
+    return (config.diagonal_alignment == "bottom_right" and config.right_bound == 0 and config.left_bound is None
+            and bottom_right_backward() == "split")
+
+
 def _backward(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config: AttentionConfig,
               seqused=(None, None)):
-    """The gradients in the buffers' own layout, one per buffer: (dq, dk, dv), (dq, dkv) or (dqkv,)."""
+    """The gradients in the buffers' own layout, one per buffer: (dq, dk, dv), (dq, dkv) or (dqkv,).
+
+    cuDNN's bottom-right causal backward does not skip masked tiles: it costs sq x skv per sequence, not the
+    causal area (measured 1.2-1.7x the top-left backward on identical masks, cuDNN 9.19). Such a call's
+    backward runs as two: with a = skv - sq, each sequence's queries against its first max(a, 0) keys
+    unmasked (a rectangle) and its last min(sq, skv) queries against its last min(sq, skv) keys, top-left
+    causal (a square: the same band). FlashAttention's backward is exact on any subset of a row's keys given
+    the row's *final* out and stats (P_ij = exp(s_ij - stats_i), D_i = rowsum(dO_i * O_i)), so both calls get
+    the forward's out and stats and their gradients add: the two key sets are disjoint, dQ sums the two parts.
+    """
+    if not _splits_bottom_right(config):
+        return _backward_call(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config, seqused)
+    cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
+    sq = sequence_lengths(cu_q, config.max_seqlen_q, seqused[0])
+    skv = sequence_lengths(cu_kv, config.max_seqlen_kv, seqused[1])
+    before = jnp.maximum(skv - sq, 0)  # keys left of every query's band start: the rectangle
+    band = jnp.minimum(sq, skv)  # the square's side
+    rectangle = dataclasses.replace(config, is_causal=False, window_left=None, window_right=None,
+                                    diagonal_alignment="top_left")
+    square = dataclasses.replace(config, diagonal_alignment="top_left")
+    # Slots start where each part's rows start and end where the sequence's slot ends; seqused says how many
+    # rows each part uses (the rest of a slot is never read, and its gradient rows are zero).
+    shifted = lambda cu, by: jnp.concatenate([cu[:-1] + by, cu[-1:]])
+    grads_rect = _backward_call(buffers, cu_q, cu_kv, out, raw_stats, d_out, rectangle, (sq, before))
+    grads_square = _backward_call(buffers, shifted(cu_q, sq - band), shifted(cu_kv, before), out, raw_stats, d_out,
+                                  square, (band, band))
+    return tuple(a + b for a, b in zip(grads_rect, grads_square))
+
+
+def _backward_call(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config: AttentionConfig,
+                   seqused=(None, None)):
+    """One cuDNN backward call: the gradients in the buffers' own layout."""
     packing = TABLE[config.packing]
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
     inputs = (*((x, 0) for x in packing.kernel_inputs(buffers)), (out, 0), (d_out.astype(config.dtype), 0),
