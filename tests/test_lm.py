@@ -226,3 +226,23 @@ def test_bad_flags_exit_with_the_flag_named(capsys):
     with pytest.raises(SystemExit):
         lm.parse_args(["--compare-systems", "packed,padded"])
     assert "--compare-systems: choose from packed, padded-cudnn, padded-xla" in capsys.readouterr().err
+
+
+def test_generation_report_survives_a_failing_cache_call(monkeypatch, capsys):
+    # On a GPU the cache's one-row attention call might be refused where it runs: the report says so, runs the
+    # xla path instead, and the full-forward figure and everything after still print.
+    calls = []
+
+    def fake_generate(model, setup, prompt, length, seed, temperature=0.7, cached=True, implementation=None):
+        calls.append((cached, implementation))
+        if cached and implementation is None:
+            raise NotImplementedError("cuDNN cannot serve this call\nsecond line")
+        return prompt + b"x" * length, 0.5 if cached else 2.0
+
+    monkeypatch.setattr(lm, "generate", fake_generate)
+    lm.sample_and_time(None, _setup(), b"import ", 10, 0)
+    out = capsys.readouterr().out
+    assert calls == [(True, None), (True, "xla"), (False, None)]
+    assert ("generation, 10 bytes: KV cache (ragged attention, bottom-right, seqused_kv) (the default implementation "
+            "failed: NotImplementedError: cuDNN cannot serve this call; xla instead) 20 bytes/s; full forward over "
+            "[128] per byte 5 bytes/s (4.0x slower); the same bytes") in out, out

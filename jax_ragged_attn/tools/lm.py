@@ -668,8 +668,9 @@ def side_by_side(setup: Setup, files, seed: int, timing: Timing, systems=SYSTEMS
           f"{loop_steps} more steps fed as the training loop feeds them (packed/padded on the host each step).")
     results = []
     for system in systems:
-        try:
-            results.append(measure_system(system, setup, host_batches, seed, timing, loop_steps, packer))
+        try:  # the loop column packs the same documents again, from the first batch
+            results.append(measure_system(system, setup, host_batches, seed, timing, loop_steps,
+                                          packed_batches(files, setup, seed)))
         except Exception as error:  # noqa: BLE001 - e.g. cuDNN refusing the padded shape: report it, keep the others
             message = str(error).splitlines()[0][:200] if str(error) else ""
             results.append(SystemResult(system, f"error: {type(error).__name__}: {message}"))
@@ -788,21 +789,31 @@ def generate(model: ByteLM, setup: Setup, prompt: bytes, length: int, seed: int,
 
 
 def sample_and_time(model: ByteLM, setup: Setup, prompt: bytes, length: int, seed: int) -> None:
-    """Prints the cached sample and bytes/s cached vs a full forward per byte."""
+    """Prints the cached sample and bytes/s cached vs a full forward per byte (a failure is printed, not
+    raised: the reports after it still run)."""
+    def attempt(**options):
+        try:
+            return generate(model, setup, prompt, length, seed, **options), None
+        except Exception as error:  # noqa: BLE001
+            return (None, None), f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+    (text, cached_s), error = attempt()
     note = ""
-    try:
-        text, cached_s = generate(model, setup, prompt, length, seed)
-    except Exception as error:  # noqa: BLE001 - the cache's attention call refused where it runs: say so, use xla
-        note = f" (the default implementation failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}; xla)"
-        text, cached_s = generate(model, setup, prompt, length, seed, implementation="xla")
-    full_text, full_s = generate(model, setup, prompt, length, seed, cached=False)
-    n = len(text) - len(prompt[-(setup.max_seqlen - 1):] or b"\n")
+    if error:  # the cache's attention call refused where it runs (e.g. cuDNN): say so, run the xla path
+        note = f" (the default implementation failed: {error}; xla instead)"
+        (text, cached_s), error = attempt(implementation="xla")
+    (full_text, full_s), full_error = attempt(cached=False)
     rule = "-" * 60
-    print(f"sample (temperature 0.7, KV cache):\n{rule}\n{text.decode('utf-8', errors='replace')}\n{rule}")
-    same = "the same bytes" if full_text == text else "different bytes (rounding tipped a draw)"
-    print(f"generation, {n} bytes: KV cache (ragged attention, bottom-right, seqused_kv){note} "
-          f"{n / max(cached_s, 1e-9):,.0f} bytes/s; full forward over [{setup.max_seqlen}] per byte "
-          f"{n / max(full_s, 1e-9):,.0f} bytes/s ({full_s / max(cached_s, 1e-9):.1f}x slower); {same}")
+    if text is not None:
+        print(f"sample (temperature 0.7, KV cache):\n{rule}\n{text.decode('utf-8', errors='replace')}\n{rule}")
+    n = len(text or full_text or b"") - len(prompt[-(setup.max_seqlen - 1):] or b"\n")
+    cached = f"{n / max(cached_s, 1e-9):,.0f} bytes/s" if text is not None else f"failed ({error})"
+    full = f"{n / max(full_s, 1e-9):,.0f} bytes/s" if full_text is not None else f"failed ({full_error})"
+    tail = ""
+    if text is not None and full_text is not None:
+        same = "the same bytes" if full_text == text else "different bytes (rounding tipped a draw)"
+        tail = f" ({full_s / max(cached_s, 1e-9):.1f}x slower); {same}"
+    print(f"generation, {n} bytes: KV cache (ragged attention, bottom-right, seqused_kv){note} {cached}; full "
+          f"forward over [{setup.max_seqlen}] per byte {full}{tail}")
 
 
 # ---- Reporting. ----
