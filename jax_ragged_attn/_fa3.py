@@ -6,9 +6,11 @@ log-sum-exp and cannot pass seqused to the backward), registered under names of 
 wheel as well registers nothing twice. It serves every semantic the op promises where FA3's kernels can:
 
 - Lengths. Each sequence's used rows go to both kernels as FA3's seqused_q / seqused_k: min(slot length,
-  max_seqlen, seqused), from sanitised (clamped) cu_seqlens, so rows cut by max_seqlen, rows past seqused and
-  capacity padding are never read. Rows FA3 does not own (and rows whose band is empty) are masked to out 0 /
-  stats -inf / gradient 0 afterwards, as on cuDNN; the cotangents of those rows are never read.
+  max_seqlen, seqused), from sanitised (clamped) cu_seqlens. FA3's tiles do load rows past a sequence's end
+  (masking only their scores), so the kernels get copies of q, k, v with every row outside the sequences set
+  to 0 (_cleared): rows cut by max_seqlen, rows past seqused and capacity padding are never read, and a NaN
+  there cannot leak. Rows FA3 does not own (and rows whose band is empty) are masked to out 0 / stats -inf /
+  gradient 0 afterwards, as on cuDNN; the cotangents of those rows are never read.
 - Masks. FA3's causal mask and windows are aligned bottom-right (diagonal i + skv - sq). diagonal_alignment=
   "bottom_right" maps straight onto FA3's window (left, right); "top_left" is the same mask where every
   sequence has as many keys as queries, which is proven at trace time (one array for both cu_seqlens, or
@@ -57,8 +59,10 @@ TARGET_PREFIX = "jax_ragged_attn_fa3_"  # our registrations of the wheel's handl
 # The backward's dQ accumulator rows: FA3 pads each sequence to its tile of 128 query rows (the wheel's own).
 BLOCK_M = 128
 
-# Whether implementation=None may pick FA3 where it can serve the call. Off until measured faster (issue 26's
-# benchmark: python -m jax_ragged_attn.bench --systems ours-hm,ours-fa3,flash-attn3-jax).
+# Whether implementation=None may pick FA3 where it can serve the call. Off: on the H200, W1 (16 sequences,
+# 16 heads) fwd+bwd ran 3.19 ms through FA3 against 3.17 ms on cuDNN; only W2 (4 long sequences, GQA 32/8)
+# was faster (35.3 against 38.9 ms), and that before the clearing pass of _cleared was added. Measure with
+# python -m jax_ragged_attn.tools.bench.fa3_compare (or the bench's ours-fa3 / flash-attn3-jax rows).
 AUTO_CHOOSES_FA3 = False
 
 
@@ -164,10 +168,13 @@ def _window(config: AttentionConfig) -> tuple[bool, int, int]:
 # The log-sum-exp buffer the forward is handed: "wheel", the wheel's own declaration [B, Hq, max_seqlen_q]
 # with max_seqlen_q = Tq, or "flat", [1, Hq, Tq] (B times smaller). FA3 writes the varlen log-sum-exp
 # head-major, row cu_seqlens_q[b] + i of head h at h * Tq + cu_seqlens_q[b] + i, within either.
-LSE_BUFFER = "wheel"
+# Measured on the H200 (tools/bench/fa3_compare.py's probe): FA3 writes the same values into either, also
+# with max_seqlen grids below the capacity, so "flat".
+LSE_BUFFER = "flat"
 # The max_seqlen_q / max_seqlen_k attributes that size FA3's grids: "capacity" (Tq, Tkv: what the wheel's
-# wrapper passes by default) or "max_seqlen" (the caller's bounds, clamped to the capacities).
-GRID_SEQLEN = "capacity"
+# wrapper passes by default) or "max_seqlen" (the caller's bounds, clamped to the capacities). Measured on the
+# H200, W1 fwd+bwd: 3.57 ms with "capacity", 3.19 ms with "max_seqlen" (results identical): "max_seqlen".
+GRID_SEQLEN = "max_seqlen"
 
 
 def _lse_shape(config: AttentionConfig) -> tuple[int, int, int]:
@@ -244,8 +251,24 @@ def _index(cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused):
             sequence_lengths(cu_kv, config.max_seqlen_kv, seqused[1]))
 
 
+def _cleared(q, k, v, cu_q, cu_kv, config: AttentionConfig, seqused):
+    """q, k, v with every row no sequence uses set to 0. FA3's tiles load rows past a sequence's used end
+    (the next sequence's, rows cut by max_seqlen or seqused, capacity padding) and mask only their scores:
+    P = 0 there, but 0 * NaN is NaN, so a non-finite value outside every sequence would reach the results
+    (measured on the H200: NaN padding gave NaN outputs). Cleared copies make those reads harmless, and the
+    caller's rows outside the sequences are never read by a kernel. One elementwise pass per input, in the
+    forward only: the backward reuses these copies."""
+    valid_q = row_positions(cu_q, config.capacity_q, config.max_seqlen_q, seqused[0])[2]
+    valid_kv = row_positions(cu_kv, config.capacity_kv, config.max_seqlen_kv, seqused[1])[2]
+    zero = jnp.zeros((), q.dtype)
+    return (jnp.where(valid_q[:, None, None], q, zero), jnp.where(valid_kv[:, None, None], k, zero),
+            jnp.where(valid_kv[:, None, None], v, zero))
+
+
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused):
+    """(out, stats, lse buffer, the cleared q, k, v the kernels read)."""
     cu_q, cu_kv, used_q, used_kv = _index(cu_seqlens_q, cu_seqlens_kv, config, seqused)
+    q, k, v = _cleared(q, k, v, cu_q, cu_kv, config, seqused)
     out, lse = _forward_call(q, k, v, cu_q, cu_kv, used_q, used_kv, config)
     rows = query_rows_with_keys(cu_q, cu_kv, config, *seqused)
     out = jnp.where(rows[:, None, None], out, jnp.zeros((), out.dtype))
@@ -254,7 +277,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, sequ
     stats = jnp.where(rows[None, :], raw, -jnp.inf if config.return_stats else 0.0)
     if config.stats_layout == "token_major":
         stats = stats.T
-    return out, stats, lse
+    return out, stats, lse, (q, k, v)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -265,7 +288,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, se
 def _attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, config, seqused=(None, None)):
     q, k, v, cu_seqlens_q, cu_seqlens_kv, seqused = jax.tree.map(
         lambda x: x.value, (q, k, v, cu_seqlens_q, cu_seqlens_kv, seqused))
-    out, stats, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config, seqused)
+    out, stats, lse, (q, k, v) = _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config, seqused)
     return (out, stats), (q, k, v, cu_seqlens_q, cu_seqlens_kv, seqused, out, lse)
 
 

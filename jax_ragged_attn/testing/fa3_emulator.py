@@ -4,6 +4,9 @@ backend (the CPU in CI): the semantics of FA3's varlen kernels as _fa3.py relies
 - Sequence b's queries are rows cu_q[b] + [0, seqused_q[b]), its keys rows cu_kv[b] + [0, seqused_k[b]).
 - Masks are aligned bottom-right: query i sees key j iff i + skv - sq - left <= j <= i + skv - sq + right
   (-1: unbounded; is_causal: right = 0), skv / sq the used lengths.
+- Like FA3, whose tiles load rows past a sequence's end (the next sequence's, padding) and mask only their
+  scores, the products read every row of the buffers: a NaN outside every sequence reaches the results
+  (0 * NaN) unless the wrapper has cleared it, as _fa3.py must.
 - The forward writes out and the log-sum-exp (head-major, row r of head h at h * Tq + r of its buffer) in the
   rows it owns; everything else it leaves as it found it, here NaN, so a wrapper that reads them fails.
 - The backward recomputes P from the given lse, takes D = rowsum(dO * O) from the given dO and O (so a
@@ -47,10 +50,9 @@ def _probabilities(q, k, cu_q, cu_kv, used_q, used_kv, config, lse=None):
     if right >= 0:
         mask &= pos_kv[None, :] <= (diagonal + right)[:, None]
     group = q.shape[1] // k.shape[1]
-    qf = jnp.where(owned_q[:, None, None], q.astype(jnp.float32), 0.0)
-    kf = jnp.repeat(jnp.where(owned_kv[:, None, None], k.astype(jnp.float32), 0.0), group, axis=1)
-    s = config.scale * jnp.einsum("qhd,khd->hqk", qf, kf, precision="highest")
-    s = jnp.where(mask[None], s, -jnp.inf)
+    kf = jnp.repeat(k.astype(jnp.float32), group, axis=1)
+    s = config.scale * jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), kf, precision="highest")
+    s = jnp.where(mask[None], s, -jnp.inf)  # FA3 overwrites masked scores
     if lse is None:
         lse = jax.nn.logsumexp(s, axis=-1)
     finite = jnp.isfinite(lse)
@@ -61,7 +63,7 @@ def _probabilities(q, k, cu_q, cu_kv, used_q, used_kv, config, lse=None):
 def forward_call(q, k, v, cu_q, cu_kv, used_q, used_kv, config):
     p, lse, owned_q, _ = _probabilities(q, k, cu_q, cu_kv, used_q, used_kv, config)
     group = q.shape[1] // k.shape[1]
-    vf = jnp.repeat(jnp.nan_to_num(v.astype(jnp.float32)), group, axis=1)
+    vf = jnp.repeat(v.astype(jnp.float32), group, axis=1)  # 0 * NaN where a row outside is NaN
     out = jnp.einsum("hqk,khd->qhd", p, vf, precision="highest")
     out = jnp.where(owned_q[:, None, None], out, jnp.nan).astype(q.dtype)
     lse_hm = jnp.where(owned_q[None, :], lse, jnp.nan)
@@ -75,12 +77,13 @@ def backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, config
     p, _, owned_q, owned_kv = _probabilities(q, k, cu_q, cu_kv, used_q, used_kv, config, lse=lse_hm)
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
+    # dO and O of rows FA3 owns only (its preprocessing reads those), everything else as it lies.
     d_o = jnp.where(owned_q[:, None, None], d_out.astype(jnp.float32), 0.0)
     o = jnp.where(owned_q[:, None, None], out.astype(jnp.float32), 0.0)
     D = jnp.sum(d_o * o, axis=-1).T  # [Hq, Tq]
-    vf = jnp.repeat(jnp.where(owned_kv[:, None, None], v.astype(jnp.float32), 0.0), group, axis=1)
-    kf = jnp.repeat(jnp.where(owned_kv[:, None, None], k.astype(jnp.float32), 0.0), group, axis=1)
-    qf = jnp.where(owned_q[:, None, None], q.astype(jnp.float32), 0.0)
+    vf = jnp.repeat(v.astype(jnp.float32), group, axis=1)
+    kf = jnp.repeat(k.astype(jnp.float32), group, axis=1)
+    qf = q.astype(jnp.float32)
     dp = jnp.einsum("qhd,khd->hqk", d_o, vf, precision="highest")
     ds = p * (dp - D[:, :, None])
     dq = config.scale * jnp.einsum("hqk,khd->qhd", ds, kf, precision="highest")
