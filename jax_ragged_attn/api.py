@@ -143,6 +143,11 @@ def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOption
     if not isinstance(return_overflow, bool):
         raise ValueError(f"return_overflow must be a Python bool, got {type(return_overflow).__name__}")
     seqused = (_seqused(seqused_q, "seqused_q", config), _seqused(seqused_kv, "seqused_kv", config))
+    if (same and seqused[0] is seqused[1] and config.diagonal_alignment == "bottom_right"
+            and (config.capacity_q, config.max_seqlen_q) == (config.capacity_kv, config.max_seqlen_kv)):
+        # Every sequence has as many keys as queries, so the bottom-right mask is the top-left one, whose
+        # backward is the cheaper (a bottom-right one runs as two calls: _cudnn/launch.py _backward).
+        config = dataclasses.replace(config, diagonal_alignment="top_left")
     config, cu_seqlens_q, cu_seqlens_kv, seqused = apply_check(options.check, config, cu_seqlens_q, cu_seqlens_kv,
                                                                seqused)
     # Sinks are an epilogue of the sink-free op on every implementation (sinks.py): the op itself runs without,

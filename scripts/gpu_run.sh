@@ -12,7 +12,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/jax_ragged_attn_gpu}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $(find .whl -name "*.whl") \
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $(find .whl -type f -name "*.whl") \
   || exit 1
 export PYTHONPATH=/tmp/site
 start=$(date +%s)

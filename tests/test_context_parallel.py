@@ -9,6 +9,7 @@ printing one JSON line. Reproduce by hand with
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -304,6 +305,64 @@ def test_two_gpus_cudnn_context_parallel_matches_one_gpu(load_balance, context_s
         assert_close(np.asarray(got[i], np.float64), np.asarray(one_gpu[i], np.float64), "bfloat16",
                      f"{name} against one GPU")
         want = expected[name].T if name == "stats" else expected[name]
+        assert_close(np.asarray(got[i], np.float64), want, "bfloat16", f"{name} against the float64 reference")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, load_balance", [(2, False), (4, True)])
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+def test_one_gpu_chunk_calls_match_the_op_on_cudnn(n, load_balance, layout):
+    """Every chunk's call as a device runs it (context_parallel.chunk_attention against all the keys), on one
+    GPU: offset pieces take the cuDNN path's split bottom-right backward (rectangle + square). Their rows
+    together equal the unsharded cuDNN call and the float64 reference, a stats cotangent included."""
+    from jax_ragged_attn import context_parallel as cp
+    from jax_ragged_attn.api import attend
+    from jax_ragged_attn.config import AttentionOptions
+
+    gpu = cudnn_gpus(1)[0]
+    rng = np.random.default_rng(21 + n)
+    lengths = (300, 0, 1100, 64, 517, 9)  # 1100 crosses chunk edges: offset pieces with keys before them
+    total, hq, stats_axis = 2048, 8, 1 if layout == "head_major" else 0
+    batch = packed_batch(rng, lengths, lengths, num_heads_q=hq, num_heads_kv=2, head_dim_qk=64, head_dim_v=64,
+                         dtype="bfloat16", slack_q=total - sum(lengths), slack_kv=total - sum(lengths))
+    plan = cp.Plan(token_axis="cp", devices=n, load_balance=load_balance, max_seqlen=1100, is_causal=True,
+                   window_left=None, stats_axis=stats_axis)
+    options = AttentionOptions(is_causal=True, stats_layout=layout, return_stats=True, implementation="cudnn")
+
+    def attend_chunk(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, *, seqused, diagonal_alignment):
+        chunk_options = dataclasses.replace(options, diagonal_alignment=diagonal_alignment)
+        return attend((q, k, v), cu_q, cu_kv, chunk_options, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+                      seqused_q=seqused[0], seqused_kv=seqused[1])
+
+    def chunked(q, k, v, cu):
+        rows = total // (n * plan.chunks_per_device)
+        parts = [cp.chunk_attention(plan, attend_chunk, q[c * rows:(c + 1) * rows], k, v, cu, c * rows)
+                 for c in range(total // rows)]
+        return (jnp.concatenate([o for o, _ in parts]), jnp.concatenate([s for _, s in parts], axis=stats_axis))
+
+    def unsharded(q, k, v, cu):
+        return ragged_attention(q, k, v, cu, cu, max_seqlen_q=1100, max_seqlen_kv=1100, is_causal=True,
+                                return_stats=True, stats_layout=layout, implementation="cudnn")
+
+    d_out = rng.standard_normal((total, hq, 64)).astype("bfloat16")
+    d_out[sum(lengths):] = 0
+    d_stats = rng.standard_normal((total, hq)).astype(np.float32)
+    d_stats_layout = jnp.asarray(d_stats.T if layout == "head_major" else d_stats)
+
+    def forward_and_backward(attention, q, k, v, cu):
+        outputs, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, cu), q, k, v)
+        return (*outputs, *pullback((jnp.asarray(d_out), d_stats_layout)))
+
+    args = jax.device_put(batch.args[:4], gpu)
+    got = jax.jit(functools.partial(forward_and_backward, chunked))(*args)
+    one_call = jax.jit(functools.partial(forward_and_backward, unsharded))(*args)
+    expected = reference_attention(*batch.reference_args, d_out=d_out.astype(np.float64),
+                                   d_stats=d_stats.astype(np.float64), max_seqlen_q=1100, max_seqlen_kv=1100,
+                                   is_causal=True)
+    for i, name in enumerate(("out", "stats", "dq", "dk", "dv")):
+        assert_close(np.asarray(got[i], np.float64), np.asarray(one_call[i], np.float64), "bfloat16",
+                     f"{name} against one call")
+        want = expected[name].T if name == "stats" and layout == "head_major" else expected[name]
         assert_close(np.asarray(got[i], np.float64), want, "bfloat16", f"{name} against the float64 reference")
 
 
