@@ -205,11 +205,13 @@ def chunk_attention(plan: Plan, attend, q_chunk, k_all, v_all, cu, chunk_start):
     what a device runs (tools/bench/context_parallel.py).
     """
     rows = q_chunk.shape[0]
-    total = k_all.shape[0]
     pieces = chunk_pieces(cu, chunk_start, rows, max_seqlen=plan.max_seqlen, is_causal=plan.is_causal,
                           window_left=plan.window_left)
+    k_all, v_all, kv_offset = key_window(plan, k_all, v_all, chunk_start, rows)
+    total = k_all.shape[0]
     cu_q = jnp.concatenate([pieces.q_start, jnp.full((1,), rows, jnp.int32)])
-    cu_kv = jnp.concatenate([pieces.kv_start, jnp.full((1,), total, jnp.int32)])
+    # Pieces without queries may start outside the window: clamped, they stay empty and ascending.
+    cu_kv = jnp.concatenate([jnp.clip(pieces.kv_start - kv_offset, 0, total), jnp.full((1,), total, jnp.int32)])
     max_q = min(plan.max_seqlen, rows)
     if not plan.is_causal:  # no mask: alignment means nothing, one call
         return attend(q_chunk, k_all, v_all, cu_q, cu_kv, max_q, plan.max_seqlen,
@@ -231,7 +233,7 @@ def chunk_attention(plan: Plan, attend, q_chunk, k_all, v_all, cu, chunk_start):
     b = jnp.argmax(offset)
     has = jnp.any(offset)
     one = lambda x: jnp.where(has, x[b], 0)[None]
-    first_q, first_kv = jnp.where(has, pieces.q_start[b], 0), jnp.where(has, pieces.kv_start[b], 0)
+    first_q, first_kv = jnp.where(has, pieces.q_start[b], 0), jnp.where(has, cu_kv[b], 0)  # in the window
     out_b, stats_b = attend(q_chunk, k_all, v_all,
                             jnp.stack([first_q, jnp.full((), rows, jnp.int32)]),
                             jnp.stack([first_kv, jnp.full((), total, jnp.int32)]), max_q, plan.max_seqlen,
@@ -242,6 +244,25 @@ def chunk_attention(plan: Plan, attend, q_chunk, k_all, v_all, cu, chunk_start):
     if stats is not None:
         stats = jnp.where(in_b[:, None] if plan.stats_axis == 0 else in_b[None, :], stats_b, stats)
     return out, stats
+
+
+def key_window(plan: Plan, k_all, v_all, chunk_start, rows: int):
+    """(k, v, first row): the rows of the gathered K/V a chunk's queries can reach, a static-size slice.
+
+    A query row in the chunk belongs to a sequence whose real rows (at most max_seqlen of them) reach into the
+    chunk, so the sequence starts after chunk_start - max_seqlen; causal keys end with the chunk, others at
+    most max_seqlen - 1 rows past it. The calls then read, zero and write dK/dV for that window, not for all
+    T rows (with short documents those per-row costs are most of a device's call); autodiff places the
+    window's dK/dV back into the T rows once.
+    """
+    total = k_all.shape[0]
+    reach = plan.max_seqlen - 1
+    size = min(total, rows + reach + (0 if plan.is_causal else reach))
+    if size == total:
+        return k_all, v_all, jnp.zeros((), jnp.int32)
+    first = jnp.clip(jnp.asarray(chunk_start, jnp.int32) - reach, 0, total - size)
+    window = lambda x: lax.dynamic_slice_in_dim(x, first, size, axis=0)
+    return window(k_all), window(v_all), first
 
 
 def effective_mask(is_causal: bool, window: tuple[int, int] | None) -> tuple[bool, int | None]:
