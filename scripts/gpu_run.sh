@@ -78,6 +78,8 @@ for name in ${STEPS:-pytest bench demo sweep}; do
     demo) step demo "${DEMO_S:-45}" python3 -m jax_ragged_attn.tools.demo --plot "$out/demo_loss.png" ;;
     lm) step lm "${LM_S:-400}" python3 -m jax_ragged_attn ${LM_ARGS:-} --plot "$out/lm_loss.png" ;;  # the main job
     model) step model "${MODEL_S:-120}" python3 -m jax_ragged_attn.bench --model ${MODEL_ARGS:---time-budget 80} --out "$out" ;;
+    bottom_right) step bottom_right "${BR_S:-90}" python3 -m jax_ragged_attn.tools.bench.bottom_right ;;
+    sinks) step sinks "${SINKS_S:-90}" env PYTHONPATH=".:$PYTHONPATH" python3 scripts/bench_sinks.py W1 ;;
     *) echo "unknown step $name"; failed+=("$name") ;;
   esac
 done
