@@ -4,24 +4,36 @@ Memory-efficient attention (Rabe & Staats, "Self-attention does not need O(n^2) 
 recurrence) over the packed token axis. Query rows are cut into blocks of block_q rows; every block walks
 through the key rows it may attend, block_kv at a time, keeping a running max, sum and weighted value sum
 per row in float32. The backward is FlashAttention's: the forward saves each row's log-sum-exp, and two
-passes recompute each tile's probabilities from it, one accumulating dQ (query blocks walking key blocks),
-one dK and dV (key blocks walking query blocks). Nothing is scattered, so the result is deterministic.
+passes recompute each tile's probabilities from it, one accumulating dQ (query blocks walking their key
+ranges), one dK and dV (key blocks walking the query rows that attend them, a contiguous range too, so a
+tile's rows are slices, not gathers). The backward's passes are balanced (_walk): every block's tiles,
+listed block after block, are shared out in equal runs among one lane per block, so the pass costs the
+total number of tiles a block really needs (a causal block needs from one tile to its whole sequence's
+worth), not blocks x the widest range. A lane's run of one block is a segment; its sum goes to a slot of
+its own and each block sums its slots in a fixed order after the loop. Nothing is scattered with an add,
+so the result is deterministic.
 
 The keys a query row attends are one interval [first, last] of the packed key rows: its own sequence's
 keys, cut by the causal / window band. A tile's mask is therefore two comparisons, whatever the sequences,
-and a query block needs only the key rows from its rows' smallest `first` to their largest `last`. All
-query blocks advance together, one key tile per step, for as many steps as the widest range needs (a
-while loop whose trip count is computed on the device):
+and a query block needs only the key rows from its rows' smallest `first` to their largest `last`. In the
+forward all query blocks advance together, one key tile per step, for as many steps as the widest range
+needs (a while loop whose trip count is computed on the device):
 
     cu_seqlens = [0, 3, 5], causal, block_q = block_kv = 2     query rows  0 1 | 2 3 | 4 .
     first = [0, 0, 0, 3, 3, .], last = [0, 1, 2, 3, 4, .]     key range   0:2 | 0:4 | 3:5
     steps = max(ceil(2/2), ceil(4/2), ceil(2/2)) = 2           tiles       [0:2, 2:4] | [0:2, 2:4] | [3:5, 5:7]
 
+The backward's dQ pass lists only the tiles each block needs, 1 + 2 + 1 = 4, and gives each of its 3
+lanes ceil(4/3) = 2 in a row: lane 0 does block 0's tile and block 1's first, lane 1 block 1's second and
+block 2's, lane 2 idles; block 1 then adds its two segments' slots, lane 0's before lane 1's.
+
 Memory: a step holds Tq * Hq * block_kv float32 scores (two such tensors forward, four backward) plus
-O(T * H * D) float32 accumulators and the inputs: independent of max_seqlen and of the number of
-sequences (xla_memory.estimate_bytes, checked against a bound before anything is compiled). Compute:
-every query block pays for the widest block's range, about Tq * (longest sequence + block_kv) per head for
-self-attention, at most Tq * Tkv.
+O(T * H * D) float32 accumulators (backward: a lane's sum, its slots, the rows it slices) and the inputs:
+independent of max_seqlen and of the number of sequences (xla_memory.estimate_bytes, checked against a
+bound before anything is compiled). Compute: in the forward every query block pays for the widest
+block's range, about Tq * (longest sequence + block_kv) per head for self-attention, at most Tq * Tkv; the
+backward pays for the tiles each block needs (causal: about sum of seqlen^2 / 2 plus a tile per block)
+plus one tile per lane.
 
 Masked logits are a finite large negative (as in jax.nn), never -inf, and every exp is of a value that
 cannot overflow, so jax.debug_infs / jax.debug_nans stay quiet unless the inputs hold inf or NaN; the only

@@ -16,9 +16,10 @@ is jax.nn.dot_product_attention(implementation="xla", is_causal=True) on the sam
 [B, S_max, H, D], with query_seq_lengths / key_value_seq_lengths masking the padding. The padding is done
 once, outside the timed call. forward+backward is jax.grad of the output's sum with respect to q, k and v.
 
-Timing: each function is jitted, compiled and called twice untimed; then --repeats timed loops, each a
-Python loop of N calls followed by block_until_ready (N chosen so a loop lasts about --target seconds);
-the median loop time / N is reported. On a shared CPU the figures are noisy: compare medians of one run.
+Timing: each function is jitted, compiled and called twice untimed; then --repeats rounds, each timing one
+plain loop of every (system, direction) in turn: a Python loop of N calls followed by block_until_ready (N
+chosen so a loop lasts about --target seconds). The median loop time / N is reported. Interleaving keeps a
+changing load on a shared machine from favouring one row; still, compare medians of one run only.
 """
 
 from __future__ import annotations
@@ -74,20 +75,33 @@ def padded(x, lengths):
     return jnp.where(jnp.asarray(keep)[..., None, None], x[jnp.asarray(rows)], 0)
 
 
-def _time(fn, args, repeats: int, target: float) -> float:
-    """Median seconds per call of a jitted fn over `repeats` plain loops (after compile + 2 warm-up calls)."""
+def _calls(fn, args, target: float) -> int:
+    """Compiles fn and calls it twice untimed; returns how many calls make a loop of about `target` seconds."""
     for _ in range(2):
         jax.block_until_ready(fn(*args))
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
-    calls = max(1, min(50, round(target / max(time.perf_counter() - start, 1e-6))))
-    times = []
+    return max(1, min(50, round(target / max(time.perf_counter() - start, 1e-6))))
+
+
+def _loop(fn, args, calls: int) -> float:
+    """Seconds per call of one plain loop: `calls` calls, then block_until_ready."""
+    start = time.perf_counter()
+    outs = [fn(*args) for _ in range(calls)]
+    jax.block_until_ready(outs)
+    return (time.perf_counter() - start) / calls
+
+
+def _time_all(entries: dict, repeats: int, target: float) -> dict:
+    """{key: median seconds per call} of jitted fns {key: (fn, args)}. The timed loops are interleaved (one
+    loop of every entry per repeat), so a load that changes during the run (a shared machine) shifts every
+    entry alike instead of whichever happened to run then."""
+    calls = {key: _calls(fn, args, target) for key, (fn, args) in entries.items()}
+    times = {key: [] for key in entries}
     for _ in range(repeats):
-        start = time.perf_counter()
-        outs = [fn(*args) for _ in range(calls)]
-        jax.block_until_ready(outs)
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
+        for key, (fn, args) in entries.items():
+            times[key].append(_loop(fn, args, calls[key]))
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def _with_grad(forward):
@@ -134,11 +148,14 @@ def main(argv=None) -> int:
         _, _, _, total, heads, dim = SHAPES[shape]
         print(f"\n{shape}: {len(lengths)} sequences of {min(lengths)}..{max(lengths)} ({total:,} tokens), "
               f"{heads} heads, head dim {dim}, causal")
-        times = {}
+        wanted = args.directions.split(",")
+        entries = {}
         for name, (fwd, both, fn_args) in table.items():
-            t_f = _time(fwd, fn_args, args.repeats, args.target) if "fwd" in args.directions.split(",") else float("nan")
-            t_b = _time(both, fn_args, args.repeats, args.target)
-            times[name] = (t_f, t_b)
+            if "fwd" in wanted:
+                entries[name, "fwd"] = (fwd, fn_args)
+            entries[name, "fwd+bwd"] = (both, fn_args)
+        measured = _time_all(entries, args.repeats, args.target)
+        times = {name: (measured.get((name, "fwd"), float("nan")), measured[name, "fwd+bwd"]) for name in table}
         ref = times["jax.nn padded"][1]
         print(f"{'system':<16}{'fwd ms':>10}{'fwd+bwd ms':>12}{'fwd+bwd/fwd':>13}{'vs jax.nn fwd+bwd':>19}")
         for name, (t_f, t_b) in times.items():
