@@ -123,6 +123,28 @@ def test_side_by_side_times_every_system_the_same_way(capsys):
     assert re.search(r"packed is [0-9.]+x padded-xla in useful tokens/s", out), out
 
 
+def test_padded_pipeline_feeds_the_packers_stream_in_order():
+    # The padded systems see the same windows as the packed one, split at max_seqlen as the packer splits
+    # them, `rows` pieces per batch in stream order (a padded data loader's way), one piece per row.
+    setup = _setup(capacity=512, max_seqlen=128, window_bytes=300)
+    files = [bytes(range(i % 7, i % 7 + 50 * (i % 9 + 1) % 256)) * 2 for i in range(30)]
+    files = [f for f in files if f]
+    expected = [doc[start:start + 128] for doc in lm.windows(files, np.random.default_rng([5, 0]), 300)
+                for start in range(0, len(doc), 128)]
+    pipeline = lm.padded_batches(files, setup, seed=5)
+    for b in range(3):
+        arrays, real = next(pipeline)
+        assert arrays["tokens"].shape == (4, 128)
+        pieces = expected[4 * b:4 * b + 4]
+        assert real == sum(map(len, pieces))
+        for r, piece in enumerate(pieces):
+            n = len(piece)
+            np.testing.assert_array_equal(arrays["tokens"][r, :n], piece)
+            np.testing.assert_array_equal(arrays["targets"][r, :n - 1], piece[1:])
+            assert arrays["loss_mask"][r].sum() == n - 1 and arrays["lengths"][r] == n
+            assert not arrays["tokens"][r, n:].any()
+
+
 def test_padded_xla_is_skipped_where_its_scores_would_not_fit():
     _, long = lm.parse_args(["--preset", "long"])
     assert long.max_seqlen == 16384 and long.window_bytes <= long.max_seqlen and lm.padded_rows(long) == 4

@@ -315,22 +315,40 @@ def padded_rows(setup: Setup) -> int:
     return max(1, setup.capacity // setup.max_seqlen)
 
 
-def padded_batch(batch, setup: Setup) -> tuple[dict, int]:
-    """The sequences of a packed batch as rows of [rows, max_seqlen] (rows = capacity // max_seqlen: the same
-    token buffer), one sequence per row, as a padded pipeline feeds them; (batch, rows' real tokens).
-    Sequences beyond the rows wait for no one: they are dropped (the padded run reports its own fill)."""
+def padded_pieces(pieces: list, setup: Setup) -> tuple[dict, int]:
+    """Pieces (1-D token arrays of at most max_seqlen) as rows of [rows, max_seqlen], one per row, the first
+    `rows` of them; (batch, the rows' real tokens). An empty row gets length 1 (a masked pad byte): a row with
+    no key at all is undefined for some backends."""
     rows, s = padded_rows(setup), setup.max_seqlen
     arrays = {key: np.zeros((rows, s), dtype) for key, dtype in
               (("tokens", np.int32), ("targets", np.int32), ("loss_mask", bool))}
     lengths = np.zeros(rows, np.int32)
-    cu = batch.cu_seqlens
-    for r in range(min(rows, batch.num_seqs)):
-        a, b = int(cu[r]), int(cu[r + 1])
-        for key in arrays:
-            arrays[key][r, :b - a] = batch[key][a:b]
-        lengths[r] = b - a
-    # An empty row gets length 1 (a masked pad byte): a row with no key at all is undefined for some backends.
+    for r, piece in enumerate(pieces[:rows]):
+        n = len(piece)
+        arrays["tokens"][r, :n] = piece
+        arrays["targets"][r, :n - 1] = piece[1:]
+        arrays["loss_mask"][r, :n - 1] = True
+        lengths[r] = n
     return dict(arrays, lengths=np.maximum(lengths, 1)), int(lengths.sum())
+
+
+def padded_batch(batch, setup: Setup) -> tuple[dict, int]:
+    """The first rows = capacity // max_seqlen sequences of a packed batch as rows of [rows, max_seqlen] (the
+    same token buffer), one per row; (batch, rows' real tokens). The rest of the batch is dropped."""
+    cu = batch.cu_seqlens
+    return padded_pieces([batch.tokens[int(cu[r]):int(cu[r + 1])] for r in range(batch.num_seqs)], setup)
+
+
+def padded_batches(files, setup: Setup, seed: int) -> Iterator[tuple[dict, int]]:
+    """The padded pipeline over the same windows as `packed_batches(files, setup, seed)`: each window split
+    at max_seqlen as the packer splits it, the pieces in stream order, `rows` of them per [rows, max_seqlen]
+    batch; yields (batch, real tokens)."""
+    s, rows = setup.max_seqlen, padded_rows(setup)
+    pieces = (doc[start:start + s].astype(np.int32)
+              for doc in windows(files, np.random.default_rng([seed, 0]), setup.window_bytes)
+              for start in range(0, len(doc), s))
+    while True:
+        yield padded_pieces([next(pieces) for _ in range(rows)], setup)
 
 
 def train(model, setup: Setup, files, seed: int, progress: bool = True, steps: int | None = None) -> dict:
@@ -478,7 +496,17 @@ def profile(setup: Setup, files, seed: int, timing: Timing, nnx_step: bool = Tru
     compile_s = time.perf_counter() - start
     step_state = [trainer.flat, trainer.opt_state]
     step_s = time_calls(feed_back(step, step_state, batch), timing)
-    rows.append(("train step: jax.jit, flat AdamW, donated (the main job's)", step_s, 1))
+    print(f"step breakdown ({timing.describe()}; compile {compile_s:.1f} s; one packed batch of "
+          f"{host.num_tokens:,} real bytes in {host.num_seqs} sequences):")
+    print(f"  {'part':<62} {'ms/call':>9} {'x':>3} {'ms/step':>9} {'share':>6}")
+
+    def emit(name, seconds, count):
+        rows.append((name, seconds, count))
+        per_step = seconds * max(count, 1)
+        share = "" if not count or name.startswith("train step") else f"{per_step / step_s:6.0%}"
+        print(f"  {name:<62} {seconds * 1e3:9.3f} {count if count else '-':>3} {per_step * 1e3:9.3f} {share:>6}",
+              flush=True)
+    emit("train step: jax.jit, flat AdamW, donated (the main job's)", step_s, 1)
 
     keys = iter(jax.random.split(jax.random.key(seed), 16))
 
@@ -488,7 +516,7 @@ def profile(setup: Setup, files, seed: int, timing: Timing, nnx_step: bool = Tru
             out, pull = jax.vjp(fn, *args)
             return pull(jnp.ones_like(out))
         compiled = jax.jit(fwd_bwd).lower(*args).compile()
-        rows.append((name, time_calls(lambda: compiled(*args), timing), count))
+        emit(name, time_calls(lambda: compiled(*args), timing), count)
 
     x = jax.random.normal(next(keys), (t, setup.width), dtype)
     table = model.embed.embedding[...]
@@ -520,12 +548,15 @@ def profile(setup: Setup, files, seed: int, timing: Timing, nnx_step: bool = Tru
 
     def update(flat, opt_state, grads):
         updates, opt_state = tx.update(grads, opt_state, flat)
-        return optax.apply_updates(flat, updates), opt_state, opt_state
+        flat = optax.apply_updates(flat, updates)
+        return flat, opt_state, flat[:1]
     flat2 = jnp.copy(step_state[0])  # the step donated trainer.flat
     opt2 = tx.init(flat2)
     optimizer = jax.jit(update, donate_argnums=(0, 1)).lower(flat2, opt2, grads).compile()
-    rows.append((f"optimizer (clip + AdamW on one flat vector of {trainer.flat.size:,})",
-                 time_calls(feed_back(optimizer, [flat2, opt2], grads), timing), 1))
+    emit(f"optimizer (clip + AdamW on one flat vector of {trainer.flat.size:,})",
+         time_calls(feed_back(optimizer, [flat2, opt2], grads), timing), 1)
+    parts = [r for r in rows[1:] if r[2] and not r[0].startswith("  ")]
+    emit("rest of the step (step - the parts above)", step_s - sum(seconds * count for _, seconds, count in parts), 1)
 
     if nnx_step:
         # The previous way, for reference: nnx.jit over the module and an nnx.Optimizer (per-parameter
@@ -539,22 +570,11 @@ def profile(setup: Setup, files, seed: int, timing: Timing, nnx_step: bool = Tru
             optimizer.update(model, grads)
             return loss
         jax.block_until_ready(nnx_train_step(other, optimizer_, batch))
-        rows.append(("for reference: the same step as nnx.jit + nnx.Optimizer",
-                     time_calls(lambda: nnx_train_step(other, optimizer_, batch), timing), 0))
+        emit("for reference: the same step as nnx.jit + nnx.Optimizer",
+             time_calls(lambda: nnx_train_step(other, optimizer_, batch), timing), 0)
 
-    parts = [r for r in rows[1:] if r[2] and not r[0].startswith("  ")]
-    accounted = sum(seconds * count for _, seconds, count in parts)
-    rows.insert(len(rows) - (1 if nnx_step else 0),
-                ("rest of the step (step - the parts above)", step_s - accounted, 1))
     seqlens = np.diff(host.cu_seqlens)
     matmuls, attention_flops = step_flops(setup, seqlens[seqlens > 0])
-    print(f"step breakdown ({timing.describe()}; compile {compile_s:.1f} s; one packed batch of "
-          f"{host.num_tokens:,} real bytes in {host.num_seqs} sequences):")
-    print(f"  {'part':<62} {'ms/call':>9} {'x':>3} {'ms/step':>9} {'share':>6}")
-    for name, seconds, count in rows:
-        per_step = seconds * max(count, 1)
-        share = "" if not count or name.startswith("train step") else f"{per_step / step_s:6.0%}"
-        print(f"  {name:<62} {seconds * 1e3:9.3f} {count if count else '-':>3} {per_step * 1e3:9.3f} {share:>6}")
     print(f"  step: {step_s * 1e3:.2f} ms = {host.num_tokens / step_s:,.0f} useful tokens/s; matmuls "
           f"{matmuls / 1e12:.2f} TFLOP + attention {attention_flops / 1e12:.2f} TFLOP per step = "
           f"{(matmuls + attention_flops) / step_s / 1e12:.1f} TFLOP/s")
@@ -599,27 +619,27 @@ def system_unavailable(system: str, setup: Setup) -> str | None:
     return None
 
 
-def measure_system(system: str, setup: Setup, host_batches: list, seed: int, timing: Timing,
-                   loop_steps: int = 0, loop_packer: Iterator | None = None) -> SystemResult:
-    """One system of the side-by-side: a fresh ByteLM from `seed`, the jitted donated step, the batches on
-    the device before timing (cycled through in order), timed by `time_calls`."""
+def system_batches(system: str, files, setup: Setup, seed: int) -> Iterator[tuple[dict, int, int]]:
+    """(host arrays, real tokens, token slots) per step, as the system's pipeline feeds it: packed batches,
+    or padded ones of the same stream of windows."""
+    if system == "packed":
+        return ((b.arrays(), b.num_tokens, setup.capacity) for b in packed_batches(files, setup, seed))
+    return ((arrays, real, arrays["tokens"].size) for arrays, real in padded_batches(files, setup, seed))
+
+
+def measure_system(system: str, setup: Setup, files, seed: int, timing: Timing, loop_steps: int = 0) -> SystemResult:
+    """One system of the side-by-side: a fresh ByteLM from `seed`, the jitted donated step, the first
+    warmup + steps batches of the system's pipeline on the device before timing (cycled through in order),
+    timed by `time_calls`; then `loop_steps` steps fed from the pipeline afresh, as the training loop does."""
     result = SystemResult(system)
     reason = system_unavailable(system, setup)
     if reason:
         result.status = f"skipped: {reason}"
         return result
-    if system == "packed":
-        loss_fn = packed_loss
-
-        def prepare(batch):
-            return batch.arrays(), batch.num_tokens, setup.capacity
-    else:
-        loss_fn = functools.partial(padded_loss, implementation=system.split("-", 1)[1])
-
-        def prepare(batch):
-            arrays, real = padded_batch(batch, setup)
-            return arrays, real, arrays["tokens"].size
-    prepared = [prepare(b) for b in host_batches]
+    loss_fn = (packed_loss if system == "packed"
+               else functools.partial(padded_loss, implementation=system.split("-", 1)[1]))
+    pipeline = system_batches(system, files, setup, seed)
+    prepared = [next(pipeline) for _ in range(timing.warmup + timing.steps)]
     batches = [device_batch(arrays) for arrays, _, _ in prepared]
     result.tokens = float(np.mean([real for _, real, _ in prepared]))
     result.slots = prepared[0][2]
@@ -638,12 +658,13 @@ def measure_system(system: str, setup: Setup, host_batches: list, seed: int, tim
 
     result.step_s = time_calls(call, timing)
     result.loss = float(state[2])
-    if loop_steps and loop_packer is not None:
-        # The training loop's way, for the diagnosis: each step's batch packed (and padded) on the host,
-        # transferred, then the step; one block at the end.
+    if loop_steps:
+        # The training loop's way: each step's batch made on the host (packed or padded), transferred, then
+        # the step; one block at the end. The same documents again, from the start of the stream.
+        pipeline = system_batches(system, files, setup, seed)
         start, tokens = time.perf_counter(), 0
         for _ in range(loop_steps):
-            arrays, real, _ = prepare(next(loop_packer))
+            arrays, real, _ = next(pipeline)
             state[0], state[1], state[2] = compiled(state[0], state[1], device_batch(arrays))
             tokens += real
         jax.block_until_ready(state[:3])
@@ -653,38 +674,36 @@ def measure_system(system: str, setup: Setup, host_batches: list, seed: int, tim
 
 def side_by_side(setup: Setup, files, seed: int, timing: Timing, systems=SYSTEMS, loop_steps: int = 20,
                  label: str = "") -> list[SystemResult]:
-    """Packed vs padded: the same model and initialisation, the same documents (the first warmup + steps
-    packed batches of `seed`; padded = each batch's sequences as rows of [rows, max_seqlen]), one timing
-    method. Prints the method and a table; returns the results."""
-    packer = packed_batches(files, setup, seed)
-    host_batches = [next(packer) for _ in range(timing.warmup + timing.steps)]
+    """Packed vs padded: the same model and initialisation, the same stream of documents (packed, or padded
+    to [rows, max_seqlen] in stream order), one timing method. Prints the method and a table; returns the
+    results."""
     rows = padded_rows(setup)
     print(f"side-by-side{label}: {setup.layers} layers, width {setup.width}, {setup.dtype}; batches of "
           f"{setup.capacity:,} bytes, sequences <= {setup.max_seqlen:,} (padded: [{rows}, {setup.max_seqlen}])")
     print(f"  method: every system the same jitted step (jax.jit over nnx.split state, flat AdamW, donated) from the "
-          f"same initialisation (seed {seed}) on the same {len(host_batches)} batches, put on the device before "
-          f"timing; {timing.describe()}. padded rows: each packed batch's first {rows} sequences, one per row "
-          "(sequences past the rows are dropped). tokens/s counts real (non-padding) tokens. 'loop' = "
-          f"{loop_steps} more steps fed as the training loop feeds them (packed/padded on the host each step).")
-    results = []
-    for system in systems:
-        try:  # the loop column packs the same documents again, from the first batch
-            results.append(measure_system(system, setup, host_batches, seed, timing, loop_steps,
-                                          packed_batches(files, setup, seed)))
+          f"same initialisation (seed {seed}), fed the same stream of documents (windows of <= {setup.window_bytes:,} "
+          f"bytes split at {setup.max_seqlen:,}): packed by pack_documents, or padded {rows} pieces per batch in "
+          f"stream order, one per row; the first {timing.warmup + timing.steps} batches put on the device before "
+          f"timing; {timing.describe()}. tokens/s counts real (non-padding) tokens. 'loop' = {loop_steps} more "
+          "steps fed as the training loop feeds them (batches made on the host each step).")
+    print(f"  {'system':<14} {'ms/step':>9} {'tok/s':>12} {'vs packed':>9} {'fill':>6} {'step memory':>11} "
+          f"{'compile':>8} {'loop tok/s':>11} {'loss':>6}", flush=True)
+    results, packed = [], None
+    for system in systems:  # each row printed as it is measured: a run cut short keeps the rows it has
+        try:
+            r = measure_system(system, setup, files, seed, timing, loop_steps)
         except Exception as error:  # noqa: BLE001 - e.g. cuDNN refusing the padded shape: report it, keep the others
             message = str(error).splitlines()[0][:200] if str(error) else ""
-            results.append(SystemResult(system, f"error: {type(error).__name__}: {message}"))
-    packed = next((r for r in results if r.system == "packed" and r.tokens_per_s), None)
-    print(f"  {'system':<14} {'ms/step':>9} {'tok/s':>12} {'vs packed':>9} {'fill':>6} {'step memory':>11} "
-          f"{'compile':>8} {'loop tok/s':>11} {'loss':>6}")
-    for r in results:
+            r = SystemResult(system, f"error: {type(error).__name__}: {message}")
+        results.append(r)
         if r.status != "ok":
-            print(f"  {r.system:<14} {r.status}")
+            print(f"  {r.system:<14} {r.status}", flush=True)
             continue
+        packed = r if r.system == "packed" else packed
         versus = f"{r.tokens_per_s / packed.tokens_per_s:.2f}x" if packed else "-"
         loop = f"{r.loop_tokens_per_s:,.0f}" if r.loop_tokens_per_s else "-"
         print(f"  {r.system:<14} {r.step_s * 1e3:9.2f} {r.tokens_per_s:12,.0f} {versus:>9} {r.fill:6.1%} "
-              f"{_gb(r.memory):>11} {r.compile_s:7.1f}s {loop:>11} {r.loss / math.log(2):6.2f}")
+              f"{_gb(r.memory):>11} {r.compile_s:7.1f}s {loop:>11} {r.loss / math.log(2):6.2f}", flush=True)
     for r in results:
         if r.status == "ok" and r.system != "packed" and packed:
             print(f"  packed is {packed.tokens_per_s / r.tokens_per_s:.2f}x {r.system} in useful tokens/s")
@@ -927,6 +946,9 @@ def main(argv=None) -> int:
     print(f"fill rate (real bytes / buffer): packed {result['fill_rate']:.1%}; padded to the longest document "
           f"({setup.window_bytes} bytes) {result['padded_document_fill']:.1%}; split at max_seqlen and padded to "
           f"{setup.max_seqlen}-byte rows {result['padded_rows_fill']:.1%}")
+    # Printed before the measurements that follow, so that a run cut short by a time limit still shows it.
+    print(f"held-out: {held['bits_per_byte']:.3f} bits per byte over {held['bytes']:,} bytes of "
+          f"{len(held_out_files)} unseen files (uniform 8.000, byte frequencies {unigram:.3f})")
     if args.plot and plot_losses(result["losses"], held["bits_per_byte"], args.plot):
         print(f"loss curve: {args.plot}")
     if args.sample_bytes > 0:
@@ -934,9 +956,7 @@ def main(argv=None) -> int:
     if args.compare_steps > 0:
         side_by_side(setup, train_files, args.seed, timing, args.compare_systems,
                      label=f" ({args.preset} preset)")
-    print(f"held-out: {held['bits_per_byte']:.3f} bits per byte over {held['bytes']:,} bytes of "
-          f"{len(held_out_files)} unseen files (uniform 8.000, byte frequencies {unigram:.3f}); "
-          f"total {time.perf_counter() - started:.0f} s")
+    print(f"total {time.perf_counter() - started:.0f} s")
     if not held["bits_per_byte"] <= setup.max_bits_per_byte:
         print(f"\n*** LM FAILED: held-out {held['bits_per_byte']:.3f} bits per byte is above --max-bits-per-byte "
               f"{setup.max_bits_per_byte}; the model did not learn ***", file=sys.stderr)
