@@ -394,6 +394,12 @@ def _simulated_ring(blocks: ring._Ring, n: int, q, k, v, cu):
     return jnp.concatenate(outs).astype(q.dtype), jnp.concatenate(lses)
 
 
+def _vjp(attention, q, k, v, cu, d_out, d_stats):
+    """(out, stats, dq, dk, dv) of attention(q, k, v, cu) -> (out, stats) for the cotangents (d_out, d_stats)."""
+    (out, stats), pullback = jax.vjp(lambda q, k, v: attention(q, k, v, cu), q, k, v)
+    return (out, stats, *pullback((d_out, d_stats)))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("load_balance, mask", [(False, "causal"), (True, "causal"), (False, "none"),
                                                 (False, "window100"), (True, "window300")])
