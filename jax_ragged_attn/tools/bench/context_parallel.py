@@ -142,6 +142,69 @@ def per_device_seconds(w: Workload, implementation, load_balance: bool, calls, r
     return seconds
 
 
+def _device_step(plan, attend, cu, rows, ids, backward: bool):
+    """Device r's chunk calls (ids) as one jitted function of (k, v, *q_chunks): forward only, or with the
+    backward of a fixed cotangent."""
+    def step(k, v, *q_chunks):
+        results = []
+        for chunk, q_chunk in zip(ids, q_chunks):
+            def f(q, k, v, chunk=chunk):
+                return cp.chunk_attention(plan, attend, q, k, v, cu, chunk * rows)[0]
+            if not backward:
+                results.append(f(q_chunk, k, v))
+                continue
+            out, pullback = jax.vjp(f, q_chunk, k, v)
+            results.append(pullback(jnp.ones_like(out)))
+        return results
+    return jax.jit(step)
+
+
+def breakdown(names, implementation, calls, repetitions, devices: int, order: str = "packer+balanced") -> None:
+    """Timed parts of each device's call (issue 22, item 3): its forward alone and its backward (fwd+bwd minus
+    fwd), each beside the device's share of one GPU's forward / backward, and the backward again with the
+    bottom-right backward as one call (JAX_RAGGED_ATTN_BOTTOM_RIGHT_BACKWARD=single)."""
+    import os
+
+    from jax_ragged_attn._cudnn import launch
+
+    print(f"| workload | n | order | device | fwd ms (share x 1 GPU) | bwd ms (share x 1 GPU) | bwd ms, one "
+          f"bottom-right call |")
+    print("|---|---|---|---|---|---|---|")
+    for name in names:
+        w = CP_WORKLOADS[name]
+        total = _inputs(w, devices)[0].shape[0]
+        balanced = order != "natural"
+        if order == "packer+balanced":
+            picked = balanced_document_order(np.asarray(w.seqlens), devices, total)
+            w = dataclasses.replace(w, seqlens=tuple(int(w.seqlens[i]) for i in picked))
+        q, k, v, cu = _inputs(w, devices)
+        one_fwd = _time(jax.jit(functools.partial(ragged_attention, **_options(w, implementation))).lower(
+            q, k, v, cu, cu).compile(), (q, k, v, cu, cu), calls, repetitions)
+        one_both, _ = one_device(w, implementation, calls, repetitions, devices=devices)
+        shares = causal_work_per_device(np.asarray(cu), devices, balanced, capacity=total)
+        shares = shares / shares.sum()
+        rows = total // (2 * devices if balanced else devices)
+        plan = cp.Plan(token_axis="cp", devices=devices, load_balance=balanced,
+                       max_seqlen=min(w.max_seqlen, total), is_causal=w.causal, window_left=None, stats_axis=1)
+        attend = _attend(dict(is_causal=w.causal, implementation=implementation))
+        for r in range(devices):
+            ids = [r, 2 * devices - 1 - r] if balanced else [r]
+            args = (k, v, *[q[c * rows:(c + 1) * rows] for c in ids])
+            fwd = _time(_device_step(plan, attend, cu, rows, ids, False).lower(*args).compile(), args, calls,
+                        repetitions)
+            both = _time(_device_step(plan, attend, cu, rows, ids, True).lower(*args).compile(), args, calls,
+                         repetitions)
+            os.environ[launch.BOTTOM_RIGHT_BACKWARD_ENV] = "single"  # read at trace time
+            try:
+                single = _time(_device_step(plan, attend, cu, rows, ids, True).lower(*args).compile(), args, calls,
+                               repetitions)
+            finally:
+                os.environ.pop(launch.BOTTOM_RIGHT_BACKWARD_ENV)
+            print(f"| {name} | {devices} | {order} | {r} | {fwd * 1e3:.2f} ({shares[r] * one_fwd * 1e3:.2f}) | "
+                  f"{(both - fwd) * 1e3:.2f} ({shares[r] * (one_both - one_fwd) * 1e3:.2f}) | "
+                  f"{(single - fwd) * 1e3:.2f} |", flush=True)
+
+
 def simulate(names, implementation, calls, repetitions, device_counts=(2, 4, 8)) -> None:
     """The one-GPU CP benchmark (issue 22): per device count and order, the slowest device's local call against
     one GPU's whole call, the spread between devices, and each device's time against its share of the causal
@@ -187,11 +250,16 @@ def main(argv=None) -> int:
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--simulate", default=None, metavar="N,N,...",
                         help="one GPU: time each of n devices' local calls for these n (e.g. 2,4,8) instead")
+    parser.add_argument("--breakdown", default=None, metavar="N",
+                        help="one GPU: timed parts (forward, backward) of each of N devices' calls instead")
     args = parser.parse_args(argv)
     names = args.workloads.split(",")
     unknown = [n for n in names if n not in CP_WORKLOADS]
     if unknown:
         parser.error(f"unknown workloads {unknown}; choose from {sorted(CP_WORKLOADS)}")
+    if args.breakdown:
+        breakdown(names, args.implementation, args.calls, args.repetitions, int(args.breakdown))
+        return 0
     if args.simulate:
         simulate(names, args.implementation, args.calls, args.repetitions,
                  tuple(int(n) for n in args.simulate.split(",")))
