@@ -12,6 +12,7 @@ import jax
 
 from jax_ragged_attn import _cudnn as cudnn, _fa3 as fa3
 from jax_ragged_attn._cudnn import launch
+from jax_ragged_attn._cudnn import sinks as cudnn_sinks
 from jax_ragged_attn._cudnn.packings import TABLE
 from jax_ragged_attn.checks import check_enabled, checked_cu_seqlens, checked_seqused, warn_cu_seqlens_on_host
 from jax_ragged_attn.config import AttentionConfig, AttentionOptions, make_config
@@ -155,7 +156,11 @@ def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOption
     inner = dataclasses.replace(config, has_sinks=False)
     chosen = choose_implementation(options.implementation, inner, sinks=sinks is not None,
                                    index=(cu_seqlens_q, cu_seqlens_kv, seqused))
-    if chosen == "cudnn":
+    if chosen == "cudnn" and sinks is not None and not options.return_stats:
+        # No stats leave the op, so no stats cotangent can come back: the sink folds into the plain backward.
+        out = cudnn_sinks.attention_with_sinks(tuple(buffers), cu_seqlens_q, cu_seqlens_kv, sinks, inner, seqused)
+        sinks, stats = None, None  # applied
+    elif chosen == "cudnn":
         out, stats = launch.attention(tuple(buffers), cu_seqlens_q, cu_seqlens_kv, inner, seqused)
     elif chosen == "fa3":  # packed parts are sliced out; autodiff assembles their gradients in the packed shape
         out, stats = fa3.attention(*layout.split(buffers), cu_seqlens_q, cu_seqlens_kv, inner, seqused)

@@ -498,3 +498,32 @@ def test_split_bottom_right_backward_equals_the_single_call(monkeypatch, rng, la
     _check_gradients(split, expected, batch, "bfloat16", f"split {packing}: ", rows_without_keys=packing != "qkv")
     for name, a, b in zip(("dq", "dk", "dv"), split, single):
         assert_close(np.asarray(a, np.float64), np.asarray(b, np.float64), "bfloat16", f"{name}: split vs single")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sinks_fold_into_the_plain_backward(monkeypatch, rng, layout, dtype):
+    """Sinks without returned stats (_cudnn/sinks.py): the backward gets O' = out and dO' = sigma * dOut and no
+    stats cotangent, so it runs at Dv (no widened columns); gradients of q, k, v and the sinks against the
+    float64 reference, on rows with keys, without keys (a keyless real row: out 0) and padding (NaN dOut)."""
+    from jax_ragged_attn._cudnn import sinks as cudnn_sinks
+
+    batch = _batch(rng, dtype)
+    config, kernel = _install(monkeypatch, batch, layout)
+    d_out, _ = _cotangents(rng, batch, dtype)
+    sinks = rng.standard_normal(4).astype(np.float32)
+
+    @jax.jit
+    def forward_and_grads(q, k, v, s, d_out):
+        attend = lambda q, k, v, s: cudnn_sinks.attention_with_sinks((q, k, v), *batch.args[3:], s, config,  # noqa: E731
+                                                                     (None, None))
+        out, vjp = jax.vjp(attend, q, k, v, s)
+        return out, vjp(d_out)
+
+    out, (dq, dk, dv, dsinks) = forward_and_grads(*batch.args[:3], jnp.asarray(sinks), jnp.asarray(d_out))
+    expected = _reference(batch, d_out=np.nan_to_num(d_out.astype(np.float64)), sinks=sinks.astype(np.float64))
+    assert_close(np.asarray(out, np.float64), expected["out"], dtype, "out")
+    _check_gradients((dq, dk, dv), expected, batch, dtype, "sinks: ", rows_without_keys=False)  # stats = s there
+    assert_close(np.asarray(dsinks, np.float64), expected["dsinks"], dtype, "dsinks")
+    assert np.abs(expected["dsinks"]).max() > 0
+    assert kernel.backward_head_dims_v == [batch.v.shape[2]] * CALLS  # the plain backward, not widened
