@@ -67,6 +67,27 @@ def test_values_and_every_gradient_match_the_reference(stats_layout, sink_scale,
     assert np.abs(expected["dsinks"]).max() > 1e-3  # the sinks really receive a gradient here
 
 
+@pytest.mark.parametrize("implementation,dtype", IMPLEMENTATIONS)
+@pytest.mark.parametrize("sink_scale", [0.5, 6.0])
+def test_without_returned_stats_every_gradient_matches_the_reference(sink_scale, implementation, dtype):
+    """return_stats=False: on cuDNN the sink folds into the plain backward (_cudnn/sinks.py), no stats cotangent."""
+    rng, batch = _batch(int(sink_scale * 10) + 3, dtype)
+    sinks = (sink_scale * rng.standard_normal(4)).astype(np.float32)
+    d_out = rng.standard_normal((batch.q.shape[0], 4, 8)).astype(np.float32)
+    d_out[sum(batch.seqlens_q):] = np.nan  # never read
+
+    def attend(q, k, v, sinks):
+        return jra.ragged_attention(q, k, v, *batch.args[3:], sinks=sinks, implementation=implementation, **OPTIONS)
+
+    out, vjp = jax.vjp(jax.jit(attend), *batch.args[:3], jnp.asarray(sinks))
+    expected = reference_attention(*batch.reference_args, sinks=sinks, d_out=np.nan_to_num(d_out), **OPTIONS)
+    grads = vjp(jnp.asarray(d_out, dtype))
+    assert_close(np.asarray(out, np.float64), expected["out"], dtype, "out")
+    for name, got in zip(("dq", "dk", "dv", "dsinks"), grads):
+        assert_close(np.asarray(got, np.float64), expected[name], dtype, name)
+    assert np.abs(expected["dsinks"]).max() > 1e-3
+
+
 def test_a_very_negative_sink_changes_nothing_and_a_large_one_takes_the_mass():
     rng, batch = _batch(1)
     plain = jra.ragged_attention(*batch.args, implementation="xla", **OPTIONS)
