@@ -94,8 +94,10 @@ def test_timing_loop_adds_no_copies_and_the_detector_sees_them():
     d_out = jnp.zeros(out.shape, out.dtype)
     for loop, args in ((bench_timing._forward_loop, (case.q, case.k, case.v, case.index)),
                        (bench_timing._forward_backward_loop, (case.q, case.k, case.v, case.index, d_out))):
-        hlo = jax.jit(functools.partial(loop, case.attention, 2)).lower(*args).compile().as_text()
-        assert bench_timing.loop_copy_bytes(hlo, at_least=64 << 10) == 0
+        copies = [bench_timing.loop_copy_bytes(jax.jit(functools.partial(loop, case.attention, steps)).lower(
+            *args).compile().as_text(), at_least=64 << 10) for steps in (1, 2)]
+        # The op's own loops (the xla path's tile walks) may copy their state; the timing loop adds none.
+        assert copies[1] == copies[0], copies
 
     def swap(x):  # each step reads both carried values after overwriting them: XLA must copy
         return jax.lax.fori_loop(0, 3, lambda i, c: (c[1] * 2, c[0]), (x, x + 1))

@@ -217,7 +217,9 @@ def loop_copy_bytes(hlo: str, at_least: int = 1 << 20) -> int:
     XLA inserts such copies when a value cannot be written in place into the loop's carried buffer, e.g.
     if carrying an output forced a copy of it. That is work the loop adds, which a training step would not
     do: it should be 0. Layout copies inside an op's own computation (the xla path's transposes) do not
-    read loop state directly and are not counted.
+    read loop state directly and are not counted, nor are copies of a broadcast: XLA hoists a constant
+    initial value (the xla path's zero accumulators) out of the loop and copies it in each step, in place
+    of the broadcast a step would run anyway.
     """
     computations = command_buffers.computations(hlo)
     total = 0
@@ -228,6 +230,8 @@ def loop_copy_bytes(hlo: str, at_least: int = 1 << 20) -> int:
         carried = set(re.findall(r"%([\w.\-]+)", root.split(" tuple(", 1)[1])) if root else set()
         for line in lines:
             result, source = _RESULT.match(line), re.search(r"\scopy\(%?([\w.\-]+)\)", line)
+            if source and re.match(r"(wrapped_)?broadcast", source.group(1)):
+                continue
             if result and source and (source.group(1) in state or result.group(1) in carried):
                 size = _array_bytes(result.group(2), result.group(3))
                 total += size if size >= at_least else 0
