@@ -20,6 +20,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
+def sink_terms(stats, s_rows, keys):
+    """(L' = logaddexp(L, s), the weight sigmoid(L - s) the keys keep), both broadcast like `stats`; rows
+    outside `keys` (stats may hold anything there) get L' = s and weight 0."""
+    lse = jnp.where(keys, stats, 0.0)  # finite everywhere; the where stops any gradient into other rows
+    with_sink = jnp.where(keys, jnp.logaddexp(lse, s_rows), s_rows)  # a keyless real row: the sink alone
+    weight = jnp.where(keys, jnp.exp(lse - with_sink), 0.0)  # = sigmoid(L - s): the mass the keys keep
+    return with_sink, weight
+
+
 def apply_sinks(out, stats, sinks, real_rows, rows_with_keys, stats_layout: str, return_stats: bool):
     """(out with the sinks, stats with the sinks or None) from the sink-free op's out [Tq, Hq, Dv] and float32
     stats in `stats_layout` (read only in rows_with_keys: elsewhere they may hold anything); sinks [Hq];
@@ -32,9 +41,7 @@ def apply_sinks(out, stats, sinks, real_rows, rows_with_keys, stats_layout: str,
         s_rows, keys, real = s[:, None], rows_with_keys[None, :], real_rows[None, :]
     else:  # [Tq, Hq]
         s_rows, keys, real = s[None, :], rows_with_keys[:, None], real_rows[:, None]
-    lse = jnp.where(keys, stats, 0.0)  # finite everywhere; the where stops any gradient into other rows
-    with_sink = jnp.where(keys, jnp.logaddexp(lse, s_rows), s_rows)  # a keyless real row: the sink alone
-    weight = jnp.where(keys, jnp.exp(lse - with_sink), 0.0)  # = sigmoid(L - s): the mass the keys keep
+    with_sink, weight = sink_terms(stats, s_rows, keys)
     weight = weight.T if stats_layout == "head_major" else weight  # [Tq, Hq]
     out = (out.astype(jnp.float32) * weight[:, :, None]).astype(out.dtype)
     if not return_stats:

@@ -20,19 +20,17 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import SymbolicZero
 
 from jax_ragged_attn._cudnn import launch
 from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.packing import query_rows_with_keys, sanitize_both
+from jax_ragged_attn.sinks import sink_terms
 
 
 def _sigma(raw_stats, sinks, rows_with_keys, config: AttentionConfig):
     """[Tq, Hq] float32: sigmoid(L - s_h) in rows with keys (the mass the keys keep), 0 elsewhere."""
     lse = raw_stats.T if config.stats_layout == "head_major" else raw_stats
-    keys = rows_with_keys[:, None]
-    lse = jnp.where(keys, lse, 0.0)  # raw stats of other rows may hold anything
-    return jnp.where(keys, jax.nn.sigmoid(lse - sinks.astype(jnp.float32)[None, :]), 0.0)
+    return sink_terms(lse, sinks.astype(jnp.float32)[None, :], rows_with_keys[:, None])[1]
 
 
 def _forward(buffers, cu_seqlens_q, cu_seqlens_kv, sinks, config, seqused):
