@@ -126,18 +126,8 @@ def per_device_seconds(w: Workload, implementation, load_balance: bool, calls, r
     seconds = []
     for r in range(devices):
         ids = [r, 2 * devices - 1 - r] if load_balance else [r]
-
-        def device_step(k, v, *q_chunks, ids=ids):
-            results = []
-            for chunk, q_chunk in zip(ids, q_chunks):
-                def f(q, k, v, chunk=chunk):
-                    return cp.chunk_attention(plan, attend, q, k, v, cu, chunk * rows)[0]
-                out, pullback = jax.vjp(f, q_chunk, k, v)
-                results.append(pullback(jnp.ones_like(out)))
-            return results
-
         args = (k, v, *[q[c * rows:(c + 1) * rows] for c in ids])
-        compiled = jax.jit(device_step).lower(*args).compile()
+        compiled = _device_step(plan, attend, cu, rows, ids, True).lower(*args).compile()
         seconds.append(_time(compiled, args, calls, repetitions))
     return seconds
 
