@@ -129,7 +129,7 @@ def test_padded_pipeline_feeds_the_packers_stream_in_order():
     setup = _setup(capacity=512, max_seqlen=128, window_bytes=300)
     files = [bytes(range(i % 7, i % 7 + 50 * (i % 9 + 1) % 256)) * 2 for i in range(30)]
     files = [f for f in files if f]
-    expected = [doc[start:start + 128] for doc in lm.windows(files, np.random.default_rng([5, 0]), 300)
+    expected = [doc[start:start + 128] for doc in lm.windows(files, np.random.default_rng([5, 0]), 300, epochs=1)
                 for start in range(0, len(doc), 128)]
     pipeline = lm.padded_batches(files, setup, seed=5)
     for b in range(3):
