@@ -11,7 +11,10 @@ The settings travel as JAX's own environment variables (read when jax is first i
 subprocess), and are applied with jax.config.update too in case a plugin imported jax first.
 """
 
+import faulthandler
 import os
+import signal
+import threading
 
 # `pytest -n 2` starts two processes; on a GPU each would otherwise preallocate 75 % of its memory.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -65,6 +68,32 @@ def pytest_report_header(config):
         return "jax configuration: " + ", ".join(f"{n} ({', '.join(f'{o}={v}' for o, v in JAX_CONFIGS[n].values())})"
                                                  for n in names)
     return None
+
+
+# A test that runs away (an endless generator, a wait on a collective that never comes) must fail with its
+# name and a traceback, not use up CI's time limit in silence. The longest tests (4-device children) take a
+# few minutes on 2 cores.
+TEST_TIME_LIMIT_ENV = "JAX_RAGGED_ATTN_TEST_TIME_LIMIT"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    limit = int(os.environ.get(TEST_TIME_LIMIT_ENV, "1200"))
+    if limit <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        faulthandler.dump_traceback(all_threads=True)
+        raise TimeoutError(f"{item.nodeid} ran past {limit} s ({TEST_TIME_LIMIT_ENV}); the stacks are above")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(limit)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture
