@@ -31,7 +31,9 @@ wheel as well registers nothing twice. It serves every semantic the op promises 
 - Check mode: cu_seqlens are validated by api.apply_check before they reach the kernels (FA3 has no workspace
   to guard).
 
-Declined, with the reason (NotImplementedError for implementation="fa3", never chosen by None): head dims
+implementation=None picks FA3 only with autotune=True, where a measurement found it faster than cuDNN for the
+configuration (implementation_tuning.py). Declined, with the reason (NotImplementedError for
+implementation="fa3"): head dims
 other than 128 or Dv != Dqk, float32, a top-left causal / windowed mask whose q and kv lengths may differ,
 no Hopper GPU, the wheel not installed.
 """
@@ -59,7 +61,8 @@ TARGET_PREFIX = "jax_ragged_attn_fa3_"  # our registrations of the wheel's handl
 # The backward's dQ accumulator rows: FA3 pads each sequence to its tile of 128 query rows (the wheel's own).
 BLOCK_M = 128
 
-# Whether implementation=None may pick FA3 where it can serve the call. Off: on the H200, W1 (16 sequences,
+# Whether implementation=None picks FA3 wherever it can serve the call, without measuring (autotune=True measures
+# per configuration instead: implementation_tuning.py). Off: on the H200, W1 (16 sequences,
 # 16 heads) fwd+bwd ran 3.19 ms through FA3 against 3.17 ms on cuDNN; only W2 (4 long sequences, GQA 32/8)
 # was faster (35.3 against 38.9 ms), and that before the clearing pass of _cleared was added. Measure with
 # python -m jax_ragged_attn.tools.bench.fa3_compare (or the bench's ours-fa3 / flash-attn3-jax rows).

@@ -10,7 +10,7 @@ import dataclasses
 
 import jax
 
-from jax_ragged_attn import _cudnn as cudnn, _fa3 as fa3
+from jax_ragged_attn import _cudnn as cudnn, _fa3 as fa3, implementation_tuning
 from jax_ragged_attn._cudnn import launch
 from jax_ragged_attn._cudnn import sinks as cudnn_sinks
 from jax_ragged_attn._cudnn.packings import TABLE
@@ -88,7 +88,9 @@ def ragged_attention(
         is measurably faster. Choices persist on disk per (GPU, cuDNN version, configuration); see
         jax_ragged_attn/_cudnn/autotune.py. The xla path ignores it. With strategy="fastest" it also times
         the backward's two intermediate layouts (where the padded one is within its workspace bound) and
-        keeps the lean one unless the padded one is more than 3 % faster.
+        keeps the lean one unless the padded one is more than 3 % faster. With implementation=None, where
+        FlashAttention-3 can serve the call too, it also times a forward + backward of each once per
+        configuration and runs FA3 only if it is more than 3 % faster (implementation_tuning.py).
       strategy: on cuDNN, speed or memory first for the backward's fp32 intermediates. "fastest" (default):
         a layout padded to [B, max_seqlen_q] when its workspace is at most twice the lean one's (or at most
         256 MiB more), measured 0.6-18 % faster backward on the H200; else the lean one. "lean_memory":
@@ -235,13 +237,14 @@ def choose_implementation(implementation: str | None, config: AttentionConfig, *
     stats. index: (cu_seqlens_q, cu_seqlens_kv, seqused), which FA3 reads to prove a top-left mask its own."""
     if implementation == "xla":
         return "xla"
-    if implementation == "fa3" or (implementation is None and fa3.preferred(config)):
+    fa3_reason = "not considered"
+    if implementation == "fa3" or (implementation is None and (fa3.preferred(config) or config.autotune)):
         # FA3 differentiates its stats with a second backward call (_fa3.py): sinks need nothing more.
-        reason = fa3.unsupported_reason(config, *index)
-        if reason is None:
+        fa3_reason = fa3.unsupported_reason(config, *index)
+        if implementation == "fa3" and fa3_reason is not None:
+            raise NotImplementedError(f"implementation='fa3' cannot serve this call: {fa3_reason}")
+        if implementation == "fa3" or (fa3_reason is None and fa3.preferred(config)):
             return "fa3"
-        if implementation == "fa3":
-            raise NotImplementedError(f"implementation='fa3' cannot serve this call: {reason}")
     reason = cudnn.unsupported_reason(config)
     if reason is None and sinks:
         reason = launch.stats_gradient_unsupported(config)
@@ -250,4 +253,6 @@ def choose_implementation(implementation: str | None, config: AttentionConfig, *
     if reason is not None:
         warn_cudnn_fallback(reason, config)  # on a GPU only, once per reason
         return "xla"
+    if fa3_reason is None:  # autotune=True and both kernels serve the call: the measured faster one
+        return implementation_tuning.faster(config, index[0], index[1])
     return "cudnn"

@@ -63,7 +63,7 @@ def _key(direction: str, attributes: dict, device: int) -> str:
     return json.dumps([gpu, ext.cudnn_version(), list(ext.frontend_version), direction, graph])
 
 
-def _load(path: Path) -> dict:
+def load(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
@@ -72,9 +72,9 @@ def _load(path: Path) -> dict:
         return {}  # unreadable or half-written by someone else: measure again rather than fail
 
 
-def _store(path: Path, key: str, entry: dict) -> None:
+def store(path: Path, key: str, entry: dict) -> None:
     # Merge with what other processes wrote, then replace atomically: a reader never sees half a file.
-    entries = _load(path)
+    entries = load(path)
     entries[key] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
@@ -113,7 +113,7 @@ def entry(direction: str, attributes: dict, device: int) -> dict:
         found = _chosen.get(key)
         if found is None:
             path = cache_path()
-            found = _load(path).get(key)
+            found = load(path).get(key)
             if found is None:
                 try:
                     found = tune(direction, attributes, device)
@@ -124,6 +124,6 @@ def entry(direction: str, attributes: dict, device: int) -> dict:
                                   f"choice: {error}", RuntimeWarning, stacklevel=4)
                     found = dict(plan_index=-1, failed=str(error))
                 else:
-                    _store(path, key, found)
+                    store(path, key, found)
             _chosen[key] = found
     return found

@@ -1,0 +1,175 @@
+"""autotune=True with implementation=None: run whichever of cuDNN and FlashAttention-3 is faster for this shape.
+
+Where both can serve a call (FA3: the optional wheel, a Hopper GPU, head dim 128, 16-bit inputs), neither is
+faster everywhere: on the H200 cuDNN led on many short sequences and FA3 on a few long GQA ones (docs/
+PERFORMANCE.md). So with autotune the choice is measured once per configuration: a jitted forward + backward
+of each, on scratch buffers shaped as the call (equal-length sequences filling the capacities, the way
+_cudnn/autotune.py times cuDNN's plans), timed as a user's loop meets it (CALLS calls, then one block; the
+median of SAMPLES such loops after a warm-up). cuDNN, which serves every semantic the op has, is kept unless
+FA3 is faster by more than autotune.MARGIN.
+
+The choice is stored beside cuDNN's plan choices (same file, see _cudnn/autotune.py), keyed by GPU model, cuDNN,
+cudnn-frontend and flash-attn3-jax versions and every field of the configuration that reaches a kernel, so
+a later process reuses it without measuring. Measuring happens at trace time, on a thread of its own (so no
+enclosing jit trace captures the scratch computation), and synchronises the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+from jax_ragged_attn.config import AttentionConfig
+
+CALLS = 5  # calls per timed loop (plain dispatch, one block at the end)
+SAMPLES = 7  # timed loops; their median is the figure
+DIRECTION = "implementation"  # the cache entries' kind, beside cuDNN's "forward" / "backward" plan choices
+
+_lock = threading.Lock()
+_chosen: dict[str, dict] = {}  # key -> entry, this process
+
+
+def _versions() -> tuple[list, str]:
+    """([GPU model, cuDNN version, cudnn-frontend version], flash-attn3-jax version or "none")."""
+    import importlib.metadata
+
+    import jax
+
+    from jax_ragged_attn._cudnn import extension
+
+    ext = extension.module()
+    try:
+        fa3_version = importlib.metadata.version("flash-attn3-jax")
+    except importlib.metadata.PackageNotFoundError:
+        fa3_version = "none"
+    gpu = jax.devices("gpu")[0].device_kind if jax.default_backend() == "gpu" else "none"
+    return [gpu, ext.cudnn_version(), list(ext.frontend_version)], fa3_version
+
+
+def timed_config(config: AttentionConfig) -> AttentionConfig:
+    """The configuration both candidates are timed with: separate q, k, v (packing only changes how the
+    gradients are assembled), no sinks (an epilogue the same on both), cuDNN's plans as the call tunes them."""
+    return dataclasses.replace(config, packing="none", has_sinks=False)
+
+
+def key(config: AttentionConfig, same_index: bool) -> str:
+    # Laid out as cuDNN's plan entries ([gpu, cudnn, frontend, kind, attributes]), the FA3 wheel's version
+    # among the attributes.
+    versions, fa3_version = _versions()
+    fields = dataclasses.asdict(timed_config(config))
+    return json.dumps([*versions, DIRECTION, dict(sorted(fields.items()), fa3_wheel=fa3_version,
+                                                  same_cu_seqlens=same_index)])
+
+
+def choose(cudnn_ms: float, fa3_ms: float) -> str:
+    """"fa3" only when it is faster than cuDNN by more than autotune.MARGIN (timing noise is about 1 %)."""
+    from jax_ragged_attn._cudnn import autotune
+
+    return "fa3" if fa3_ms < cudnn_ms * (1 - autotune.MARGIN) else "cudnn"
+
+
+def _scratch(config: AttentionConfig, same_index: bool):
+    """Random q, k, v, an output cotangent and cu_seqlens of equal-length sequences filling the capacities."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def cu(capacity, max_seqlen):
+        length = max(1, min(max_seqlen, capacity // config.num_seqs))
+        return jnp.asarray(np.arange(config.num_seqs + 1, dtype=np.int32) * length)
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    shapes = [(config.capacity_q, config.num_heads_q, config.head_dim_qk),
+              (config.capacity_kv, config.num_heads_kv, config.head_dim_qk),
+              (config.capacity_kv, config.num_heads_kv, config.head_dim_v),
+              (config.capacity_q, config.num_heads_q, config.head_dim_v)]
+    q, k, v, d_out = (jax.random.normal(key, shape, config.dtype) for key, shape in zip(keys, shapes))
+    cu_q = cu(config.capacity_q, config.max_seqlen_q)
+    cu_kv = cu_q if same_index else cu(config.capacity_kv, config.max_seqlen_kv)
+    return (q, k, v, d_out), cu_q, cu_kv
+
+
+def _step(implementation: str, config: AttentionConfig, cu_q, cu_kv):
+    """A jitted forward + backward (the output's cotangent given) through one implementation."""
+    import jax
+
+    from jax_ragged_attn import _fa3
+    from jax_ragged_attn._cudnn import launch
+
+    def attend(q, k, v):
+        if implementation == "fa3":
+            return _fa3.attention(q, k, v, cu_q, cu_kv, config)[0]
+        return launch.attention((q, k, v), cu_q, cu_kv, config)[0]
+
+    def step(q, k, v, d_out):
+        out, pullback = jax.vjp(attend, q, k, v)
+        return out, pullback(d_out)
+
+    return jax.jit(step)
+
+
+def _loop_ms(step, args) -> float:
+    import jax
+
+    jax.block_until_ready(step(*args))  # compile and warm up
+    samples = []
+    for _ in range(SAMPLES):
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            result = step(*args)
+        jax.block_until_ready(result)
+        samples.append((time.perf_counter() - start) * 1e3 / CALLS)
+    return statistics.median(samples)
+
+
+def measure(config: AttentionConfig, same_index: bool) -> dict:
+    """Times both implementations now (no cache) and returns the entry that would be stored."""
+    from jax_ragged_attn import _fa3
+
+    config = timed_config(config)
+    buffers, cu_q, cu_kv = _scratch(config, same_index)
+    reason = _fa3.unsupported_reason(config, cu_q, cu_kv)
+    if reason is not None:  # e.g. a top-left mask the scratch lengths cannot prove: nothing to compare
+        return dict(implementation="cudnn", fa3_declined=reason)
+    times = {name: _loop_ms(_step(name, config, cu_q, cu_kv), buffers) for name in ("cudnn", "fa3")}
+    return dict(implementation=choose(times["cudnn"], times["fa3"]), cudnn_ms=times["cudnn"], fa3_ms=times["fa3"])
+
+
+def _measure_outside_any_trace(config: AttentionConfig, same_index: bool) -> dict:
+    # JAX's current trace is thread-local: on a fresh thread the scratch computation runs eagerly even when
+    # the call being tuned is being traced under jit.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(measure, config, same_index).result()
+
+
+def entry(config: AttentionConfig, same_index: bool) -> dict:
+    """The stored choice for this configuration: from this process, else the disk cache, else measured now."""
+    from jax_ragged_attn._cudnn import autotune
+
+    found_key = key(config, same_index)
+    with _lock:
+        found = _chosen.get(found_key)
+        if found is None:
+            path = autotune.cache_path()
+            found = autotune.load(path).get(found_key)
+            if found is None:
+                try:
+                    found = _measure_outside_any_trace(config, same_index)
+                except Exception as error:  # noqa: BLE001 - e.g. no memory for scratch: keep cuDNN, say why
+                    warnings.warn(f"timing cuDNN against FlashAttention-3 failed, using cuDNN: "
+                                  f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=4)
+                    found = dict(implementation="cudnn", failed=f"{type(error).__name__}: {error}")
+                else:
+                    autotune.store(path, found_key, found)
+            _chosen[found_key] = found
+    return found
+
+
+def faster(config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv) -> str:
+    """"cudnn" or "fa3": the measured faster of the two for this call (both can serve it)."""
+    return entry(config, same_index=cu_seqlens_q is cu_seqlens_kv)["implementation"]
