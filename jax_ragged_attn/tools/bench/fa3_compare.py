@@ -128,7 +128,10 @@ def _systems(workload):
         return flash_mha_varlen(q, k, v, cu, cu, max_seqlen_q=workload.max_seqlen, max_seqlen_k=workload.max_seqlen,
                                 is_causal=workload.causal)
 
-    return {"ours cuDNN": ours("cudnn"), "ours fa3": ours("fa3"), "flash-attn3-jax": raw}
+    # "ours autotune": implementation=None with autotune=True, which times cuDNN against FA3 once (at trace) and
+    # runs the faster (implementation_tuning.py).
+    return {"ours cuDNN": ours("cudnn"), "ours fa3": ours("fa3"), "ours autotune": ours(None, autotune=True),
+            "flash-attn3-jax": raw}
 
 
 def timing(names) -> list[str]:
