@@ -3,15 +3,19 @@
 Memory-efficient attention (Rabe & Staats, "Self-attention does not need O(n^2) memory"; FlashAttention's
 recurrence) over the packed token axis. Query rows are cut into blocks of block_q rows; every block walks
 through the key rows it may attend, block_kv at a time, keeping a running max, sum and weighted value sum
-per row in float32. The backward is FlashAttention's: the forward saves each row's log-sum-exp, and two
-passes recompute each tile's probabilities from it, one accumulating dQ (query blocks walking their key
-ranges), one dK and dV (key blocks walking the query rows that attend them, a contiguous range too, so a
-tile's rows are slices, not gathers). The backward's passes are balanced (_walk): every block's tiles,
+per row in float32. The backward is FlashAttention's: the forward saves each row's log-sum-exp, and the
+backward recomputes each tile's probabilities from it. Key blocks walk the query rows that attend them (a
+contiguous range too, so a tile's rows are slices, not gathers), accumulating dK and dV; dQ comes either
+from the same tiles, each tile's dS.K added into its query rows with a scatter-add (the fused form, five
+matmuls a tile: the CPU's default, where XLA adds in order), or from a second pass in which query blocks
+walk their key ranges (seven matmuls a tile, no scatter-add: the default elsewhere, since a GPU's
+scatter-add of overlapping rows is atomic and its order varies; xla_memory.fused_backward). The backward's
+passes are balanced (_walk): every block's tiles,
 listed block after block, are shared out in equal runs among one lane per block, so the pass costs the
 total number of tiles a block really needs (a causal block needs from one tile to its whole sequence's
 worth), not blocks x the widest range. A lane's run of one block is a segment; its sum goes to a slot of
-its own and each block sums its slots in a fixed order after the loop. Nothing is scattered with an add,
-so the result is deterministic.
+its own and each block sums its slots in a fixed order after the loop, so dK and dV are deterministic
+everywhere, and dQ too wherever the two-pass form runs or the scatter-add is in order.
 
 The keys a query row attends are one interval [first, last] of the packed key rows: its own sequence's
 keys, cut by the causal / window band. A tile's mask is therefore two comparisons, whatever the sequences,
@@ -291,8 +295,11 @@ def _attention_bwd(plan: _Plan, residuals, cotangents):
     k32 = _clean_f32(k, bands.key_valid)
     v32 = _clean_f32(v, bands.key_valid)
 
-    d_q = _dq_pass(plan, q32, k32, v32, d_out, lse, delta, bands)
-    d_k, d_v = _dkv_pass(plan, q32, k32, v32, d_out, lse, delta, bands)
+    if xla_memory.fused_backward():
+        d_k, d_v, d_q = _dkv_pass(plan, q32, k32, v32, d_out, lse, delta, bands, with_dq=True)
+    else:
+        d_q = _dq_pass(plan, q32, k32, v32, d_out, lse, delta, bands)
+        d_k, d_v = _dkv_pass(plan, q32, k32, v32, d_out, lse, delta, bands)
     d_sinks = None
     if sinks is not None:
         # The sink is a logit without a value: d sink = sum_i p_sink,i * (d_lse_i - rowsum(dO * O)_i).
@@ -334,10 +341,11 @@ def _walk(steps, lanes: int) -> _Walk:
     return _Walk(steps, starts, per_lane, total, first_lane + jnp.arange(steps.shape[0], dtype=steps.dtype), count)
 
 
-def _walk_loop(walk: _Walk, lanes: int, tile_fn, acc_shapes):
+def _walk_loop(walk: _Walk, lanes: int, tile_fn, acc_shapes, side=None):
     """Runs tile_fn(block [lanes], tile r [lanes], valid [lanes]) -> per-lane contributions shaped like
     acc_shapes ([lanes, ...] each) over the walk; returns per block the sum of its tiles' contributions
-    ([n, ...] each). Lanes past the total (valid False) must contribute zeros."""
+    ([n, ...] each). Lanes past the total (valid False) must contribute zeros. With `side` (an array),
+    tile_fn(block, r, valid, side) returns (contributions, side) and the loop returns (sums, side)."""
     n = walk.steps.shape[0]
     lane = jnp.arange(lanes, dtype=jnp.int32)
     # The next block with tiles after each block (n when none): a lane moving on skips empty blocks.
@@ -350,9 +358,13 @@ def _walk_loop(walk: _Walk, lanes: int, tile_fn, acc_shapes):
     slots = tuple(jnp.zeros((lanes + n,) + s[1:], jnp.float32) for s in acc_shapes)
 
     def step(s, carry):
-        block, r, acc, slots = carry
+        block, r, acc, slots, side = carry
         valid = lane * walk.per_lane + s < walk.total
-        acc = tuple(a + c for a, c in zip(acc, tile_fn(jnp.minimum(block, n - 1), r, valid)))
+        if side is None:
+            contributions = tile_fn(jnp.minimum(block, n - 1), r, valid)
+        else:
+            contributions, side = tile_fn(jnp.minimum(block, n - 1), r, valid, side)
+        acc = tuple(a + c for a, c in zip(acc, contributions))
         ends_block = r == walk.steps[jnp.minimum(block, n - 1)] - 1
         flush = valid & (ends_block | (s == walk.per_lane - 1))
         index = jnp.where(flush, lane + block, lanes + n)  # out of range: dropped
@@ -360,9 +372,10 @@ def _walk_loop(walk: _Walk, lanes: int, tile_fn, acc_shapes):
         keep = jnp.logical_not(flush).reshape((lanes,) + (1,) * (len(acc_shapes[0]) - 1))
         acc = tuple(jnp.where(keep, a, 0.0) for a in acc)
         block = jnp.where(ends_block, following[jnp.minimum(block, n - 1)], block)
-        return block, jnp.where(ends_block, 0, r + 1), acc, slots
+        return block, jnp.where(ends_block, 0, r + 1), acc, slots, side
 
-    _, _, _, slots = lax.fori_loop(0, jnp.where(walk.total > 0, walk.per_lane, 0), step, (block0, r0, zeros, slots))
+    _, _, _, slots, side = lax.fori_loop(0, jnp.where(walk.total > 0, walk.per_lane, 0), step,
+                                         (block0, r0, zeros, slots, side))
 
     def gather(j, out):
         index = jnp.minimum(walk.base + j, lanes + n - 1)
@@ -370,7 +383,8 @@ def _walk_loop(walk: _Walk, lanes: int, tile_fn, acc_shapes):
         return tuple(o + jnp.where(taken, x[index], 0.0) for o, x in zip(out, slots))
 
     first = tuple(jnp.zeros((n,) + s[1:], jnp.float32) for s in acc_shapes)
-    return lax.fori_loop(0, walk.count.max(initial=0), gather, first)
+    sums = lax.fori_loop(0, walk.count.max(initial=0), gather, first)
+    return sums if side is None else (sums, side)
 
 
 def _rows(x, start, size: int):
@@ -409,9 +423,11 @@ def _dq_pass(plan, q32, k32, v32, d_out, lse, delta, bands):
     return (d_q * c.scale).reshape(n * bq, c.num_heads_q, c.head_dim_qk)[:c.capacity_q]
 
 
-def _dkv_pass(plan, q32, k32, v32, d_out, lse, delta, bands):
+def _dkv_pass(plan, q32, k32, v32, d_out, lse, delta, bands, with_dq: bool = False):
     """dK, dV: every key block's query range (the rows that attend it), block_q rows a tile, balanced over
-    n lanes as the dQ pass. A tile's rows are contiguous: slices of q, dO, lse, delta and the bands."""
+    n lanes as the dQ pass. A tile's rows are contiguous: slices of q, dO, lse, delta and the bands.
+    with_dq: also dQ, each tile's dS.K added into the rows it covers (the fused backward): returns
+    (dK, dV, dQ)."""
     c = plan.config
     bq, bk, tq = plan.block_q, plan.block_kv, c.capacity_q
     n = _ceil_div(c.capacity_kv, bk)
@@ -443,8 +459,24 @@ def _dkv_pass(plan, q32, k32, v32, d_out, lse, delta, bands):
         dp = jnp.einsum("nqhgd,nkhd->nhgqk", do_tile, v_tile, precision=_HIGHEST)
         ds = p * (dp - delta_tile[..., None])
         return (jnp.einsum("nhgqk,nqhgd->nkhd", ds, q_tile, precision=_HIGHEST),
-                jnp.einsum("nhgqk,nqhgd->nkhd", p, do_tile, precision=_HIGHEST))
+                jnp.einsum("nhgqk,nqhgd->nkhd", p, do_tile, precision=_HIGHEST)), ds, start, k_tile
 
-    d_k, d_v = _walk_loop(walk, n, tile, [k_tiles.shape, v_tiles.shape])
-    return ((d_k * c.scale).reshape(n * bk, c.num_heads_kv, -1)[:c.capacity_kv],
-            d_v.reshape(n * bk, c.num_heads_kv, -1)[:c.capacity_kv])
+    def fused_tile(block, r, valid, d_q):
+        sums, ds, start, k_tile = tile(block, r, valid)
+        # Lanes whose query tiles overlap add into the same rows: a scatter-add of one [bq, Hkv, G, D] window
+        # per lane (a lane past the total has ds = 0, as every masked entry).
+        part = jnp.einsum("nhgqk,nkhd->nqhgd", ds, k_tile, precision=_HIGHEST)
+        numbers = lax.ScatterDimensionNumbers(update_window_dims=(1, 2, 3, 4), inserted_window_dims=(),
+                                              scatter_dims_to_operand_dims=(0,))
+        return sums, lax.scatter_add(d_q, start[:, None], part, numbers, mode=lax.GatherScatterMode.CLIP)
+
+    if with_dq:
+        (d_k, d_v), d_q = _walk_loop(walk, n, fused_tile, [k_tiles.shape, v_tiles.shape],
+                                     side=jnp.zeros((rows, c.num_heads_kv, c.group_size, c.head_dim_qk), jnp.float32))
+    else:
+        d_k, d_v = _walk_loop(walk, n, lambda *args: tile(*args)[0], [k_tiles.shape, v_tiles.shape])
+    d_k = (d_k * c.scale).reshape(n * bk, c.num_heads_kv, -1)[:c.capacity_kv]
+    d_v = d_v.reshape(n * bk, c.num_heads_kv, -1)[:c.capacity_kv]
+    if not with_dq:
+        return d_k, d_v
+    return d_k, d_v, (d_q * c.scale).reshape(rows, c.num_heads_q, c.head_dim_qk)[:c.capacity_q]

@@ -8,6 +8,8 @@ raises `WorkingSetTooLargeError` when that passes the bound, instead of letting 
 Settings, read when a call is traced (so a jitted function keeps the values it was traced with):
 
   JAX_RAGGED_ATTN_XLA_BLOCK          "128" (default): query and key block rows; "64,256" sets block_q, block_kv
+  JAX_RAGGED_ATTN_XLA_BACKWARD       "fused" or "two_pass" (default: fused on a CPU, two passes elsewhere;
+                                     see fused_backward)
   JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT   the bound on the estimate: "50%" (default: half the device's memory;
                                      on a CPU, of physical RAM), a size ("8GiB", "512MB", "3e9" bytes),
                                      or "off"
@@ -33,11 +35,26 @@ from jax_ragged_attn.config import AttentionConfig
 
 BLOCK_ENV = "JAX_RAGGED_ATTN_XLA_BLOCK"
 MEMORY_LIMIT_ENV = "JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT"
+# "fused": one pass over the key blocks computes P and dP once per tile and yields dK, dV and dQ (five
+# matmuls a tile), adding each tile's dQ rows with a scatter-add. "two_pass": a dQ pass and a dK/dV pass
+# (seven matmuls a tile: P and dP twice) that add nothing with a scatter. Default: fused where XLA runs a
+# scatter-add in order (the CPU), so dQ stays deterministic; two passes elsewhere (a GPU's scatter-add
+# of overlapping rows uses atomics, whose order varies run to run).
+BACKWARD_ENV = "JAX_RAGGED_ATTN_XLA_BACKWARD"
+
 # 128 x 128 blocks: a step of W1 (32k tokens, 16 heads) holds 256 MiB of float32 scores, small beside an
 # H200, and large enough that a step's matmuls keep the device busy; the CPU is as fast with 128 as with 64.
 DEFAULT_BLOCK = 128
 DEFAULT_MEMORY_FRACTION = 0.5
 _F32 = 4
+
+
+def fused_backward() -> bool:
+    """Whether the backward being traced runs the fused pass (BACKWARD_ENV, else the backend decides)."""
+    choice = os.environ.get(BACKWARD_ENV, "").strip().lower()
+    if choice not in ("", "fused", "two_pass"):
+        raise ValueError(f"{BACKWARD_ENV} must be 'fused' or 'two_pass', got {choice!r}")
+    return choice == "fused" if choice else jax.default_backend() == "cpu"
 
 
 class WorkingSetTooLargeError(MemoryError):
@@ -98,7 +115,7 @@ def estimate_bytes(config: AttentionConfig, block_q: int, block_kv: int, directi
         return int(forward)
 
     live = rows + inputs_clean + residuals + tq * hq * (dv + 2) * _F32  # + d_out in float32, delta
-    # Both passes walk their blocks' tiles with one lane per block (xla._walk_loop): a lane's running sum, the
+    # The passes walk their blocks' tiles with one lane per block (xla._walk_loop): a lane's running sum, the
     # slots its finished segments go to (lanes + blocks of them), the per-block sum gathered from the slots,
     # and the rows a step gathers (the lane's own block's rows besides the tile it walks).
     q_rows = tq_pad * hq * (dqk + dv + 2) * _F32  # the lanes' q, dO, lse, delta rows for one step
@@ -109,6 +126,8 @@ def estimate_bytes(config: AttentionConfig, block_q: int, block_kv: int, directi
                 + (tq + block_q) * hq * (dqk + dv + 2) * _F32  # q, dO, lse, delta padded for the slices
                 + 6 * tkv_pad * hkv * (dqk + dv) * _F32)  # k, v tiles, a step's copy, running sums, slots, sums
     grads = (tq * hq * dqk + tkv * hkv * (dqk + dv)) * (_F32 + item)
+    if fused_backward():  # one pass over the key blocks, adding dQ into a float32 buffer it carries
+        return int(live + dkv_pass + 2 * (tq + block_q) * hq * dqk * _F32 + grads)
     return int(live + max(dq_pass, dkv_pass) + grads)
 
 

@@ -1,7 +1,8 @@
 """The blocked xla path against the float64 reference with blocks smaller than the sequences.
 
 At the default 128-row blocks every test batch fits in one tile, so the online softmax, the tile ranges and
-both backward passes would only ever see one step. Here blocks of 1 to 5 rows make every sequence span
+the backward (fused on the CPU; its two-pass form, a GPU's default, has a test of its own) would only ever
+see one step. Here blocks of 1 to 5 rows make every sequence span
 several tiles, tiles straddle sequence boundaries, and the last tile of a range is partial. Blocks are set
 through JAX_RAGGED_ATTN_XLA_BLOCK, the user's knob, read when the call is traced.
 
@@ -138,6 +139,26 @@ def test_small_blocks_match_the_reference(rng, monkeypatch, case_name, dtype, bl
     layout = ("token_major", "head_major")[zlib.crc32(case_name.encode()) % 2]
     batch, expected, out, stats, grads = _run_case(rng, monkeypatch, case, dtype, blocks, layout)
     _check(batch, expected, out, stats, grads, dtype, f"{layout} blocks {blocks}: ")
+
+
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_the_two_pass_backward_matches_the_reference(rng, monkeypatch, case_name):
+    """The backward a GPU runs by default (a dQ pass and a dK/dV pass, no scatter-add), here on the CPU, whose
+    default is the fused pass the other tests run."""
+    monkeypatch.setenv(xla_memory.BACKWARD_ENV, "two_pass")
+    blocks = BLOCKS[zlib.crc32(case_name.encode()) % len(BLOCKS)]
+    batch, expected, out, stats, grads = _run_case(rng, monkeypatch, CASES[case_name], "float32", blocks, "token_major")
+    _check(batch, expected, out, stats, grads, "float32", f"two passes, blocks {blocks}: ")
+
+
+def test_the_fused_backward_is_the_cpu_default_and_the_setting_is_validated(monkeypatch):
+    monkeypatch.delenv(xla_memory.BACKWARD_ENV, raising=False)
+    assert xla_memory.fused_backward() == (jax.default_backend() == "cpu")
+    monkeypatch.setenv(xla_memory.BACKWARD_ENV, "Fused")
+    assert xla_memory.fused_backward()
+    monkeypatch.setenv(xla_memory.BACKWARD_ENV, "fast")
+    with pytest.raises(ValueError, match=xla_memory.BACKWARD_ENV):
+        xla_memory.fused_backward()
 
 
 def _random_case(rng) -> Case:
