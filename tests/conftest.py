@@ -72,13 +72,13 @@ def pytest_report_header(config):
 
 # A test that runs away (an endless generator, a wait on a collective that never comes) must fail with its
 # name and a traceback, not use up CI's time limit in silence. The longest tests (4-device children) take a
-# few minutes on 2 cores.
+# couple of minutes on 2 cores (test_readme, test_multiprocess: about 100 s).
 TEST_TIME_LIMIT_ENV = "JAX_RAGGED_ATTN_TEST_TIME_LIMIT"
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    limit = int(os.environ.get(TEST_TIME_LIMIT_ENV, "1200"))
+    limit = int(os.environ.get(TEST_TIME_LIMIT_ENV, "600"))
     if limit <= 0 or threading.current_thread() is not threading.main_thread():
         yield
         return
