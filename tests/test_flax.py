@@ -212,7 +212,7 @@ def test_projection_is_laid_out_for_the_packed_ops(config, shapes):
     assert got == shapes
     # The packed buffer's v part is the projection itself (RoPE rotates q and k only).
     if qkv is not None:
-        v = jnp.einsum("tf,fhd->thd", jnp.ones((11, FEATURES)), model.qkv_kernel[...][:, 2])
+        v = jnp.einsum("tf,fhd->thd", jnp.ones((11, FEATURES), jnp.float32), model.qkv_kernel[...][:, 2])
         np.testing.assert_allclose(qkv[:, 2], v, rtol=1e-6)
 
 
