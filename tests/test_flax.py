@@ -207,12 +207,13 @@ def test_rope_scores_depend_on_relative_position_only():
 ])
 def test_projection_is_laid_out_for_the_packed_ops(config, shapes):
     model = _model(config)
-    qkv, q, kv = model.project(jnp.ones((11, FEATURES)), jnp.arange(11))
+    x = jnp.ones((11, FEATURES), jnp.float32)  # float32 under x64 too: the reference einsum below is float32
+    qkv, q, kv = model.project(x, jnp.arange(11))
     got = ("qkv", qkv.shape) if qkv is not None else ("q", q.shape, "kv", kv.shape)
     assert got == shapes
     # The packed buffer's v part is the projection itself (RoPE rotates q and k only).
     if qkv is not None:
-        v = jnp.einsum("tf,fhd->thd", jnp.ones((11, FEATURES), jnp.float32), model.qkv_kernel[...][:, 2])
+        v = jnp.einsum("tf,fhd->thd", x, model.qkv_kernel[...][:, 2])
         np.testing.assert_allclose(qkv[:, 2], v, rtol=1e-6)
 
 
