@@ -7,7 +7,8 @@ raises `WorkingSetTooLargeError` when that passes the bound, instead of letting 
 
 Settings, read when a call is traced (so a jitted function keeps the values it was traced with):
 
-  JAX_RAGGED_ATTN_XLA_BLOCK          "128" (default): query and key block rows; "64,256" sets block_q, block_kv
+  JAX_RAGGED_ATTN_XLA_BLOCK          query and key block rows (default "128" on a GPU, "64" on a CPU);
+                                     "64,256" sets block_q, block_kv
   JAX_RAGGED_ATTN_XLA_BACKWARD       "fused" or "two_pass" (default: fused on a CPU, two passes elsewhere;
                                      see fused_backward)
   JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT   the bound on the estimate: "50%" (default: half the device's memory;
@@ -42,9 +43,12 @@ MEMORY_LIMIT_ENV = "JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT"
 # of overlapping rows uses atomics, whose order varies run to run).
 BACKWARD_ENV = "JAX_RAGGED_ATTN_XLA_BACKWARD"
 
-# 128 x 128 blocks: a step of W1 (32k tokens, 16 heads) holds 256 MiB of float32 scores, small beside an
-# H200, and large enough that a step's matmuls keep the device busy; the CPU is as fast with 128 as with 64.
+# 128 x 128 blocks on a GPU: a step of W1 (32k tokens, 16 heads) holds 256 MiB of float32 scores, small
+# beside an H200, and large enough that a step's matmuls keep the device busy. 64 x 64 on the CPU: with the
+# fused backward, fwd+bwd measured 299 against 377 ms on cpu-4k (fewer half-masked diagonal tiles and
+# blocks straddling two sequences) and 3.52 against 3.76 s on cpu-8k (tools/bench/xla_path.py, 2 cores).
 DEFAULT_BLOCK = 128
+DEFAULT_CPU_BLOCK = 64
 DEFAULT_MEMORY_FRACTION = 0.5
 _F32 = 4
 
@@ -66,7 +70,8 @@ class CudnnFallbackWarning(UserWarning):
 
 
 def block_sizes(config: AttentionConfig, block_q: int | None = None, block_kv: int | None = None) -> tuple[int, int]:
-    """(block_q, block_kv) for this call: the arguments, else JAX_RAGGED_ATTN_XLA_BLOCK, else 128 each, each
+    """(block_q, block_kv) for this call: the arguments, else JAX_RAGGED_ATTN_XLA_BLOCK, else 128 each (64 on a
+    CPU), each
     capped at its capacity (a block never needs more rows than the buffer has)."""
     if block_q is None or block_kv is None:
         env_q, env_kv = _env_blocks()
@@ -81,7 +86,8 @@ def block_sizes(config: AttentionConfig, block_q: int | None = None, block_kv: i
 def _env_blocks() -> tuple[int, int]:
     value = os.environ.get(BLOCK_ENV, "").strip()
     if not value:
-        return DEFAULT_BLOCK, DEFAULT_BLOCK
+        block = DEFAULT_CPU_BLOCK if jax.default_backend() == "cpu" else DEFAULT_BLOCK
+        return block, block
     parts = [p.strip() for p in value.split(",")]
     if len(parts) in (1, 2) and all(p.isdigit() and int(p) > 0 for p in parts):
         return int(parts[0]), int(parts[-1])

@@ -147,6 +147,7 @@ def test_a_working_set_past_the_bound_raises_before_compiling(monkeypatch):
     def call(q):
         return ragged_attention(q, *batch.args[1:], max_seqlen_q=300, max_seqlen_kv=300, implementation="xla")
 
+    monkeypatch.setenv(xla_memory.BLOCK_ENV, "128")  # the estimates above (the CPU's default is 64)
     monkeypatch.setenv(xla_memory.MEMORY_LIMIT_ENV, "1MiB")
     with pytest.raises(WorkingSetTooLargeError) as error:
         jax.jit(call).lower(batch.q)  # tracing is enough: nothing is compiled or allocated
