@@ -113,18 +113,24 @@ def _step(implementation: str, config: AttentionConfig, cu_q, cu_kv):
     return jax.jit(step)
 
 
-def _loop_ms(step, args) -> float:
+def median_loop_seconds(fn, args, calls: int = CALLS, samples: int = SAMPLES) -> float:
+    """Seconds per call of fn(*args) as a user's loop meets it: after a compiling warm-up call, `samples` loops
+    of `calls` calls each followed by one block; the median loop's time / calls."""
     import jax
 
-    jax.block_until_ready(step(*args))  # compile and warm up
-    samples = []
-    for _ in range(SAMPLES):
+    jax.block_until_ready(fn(*args))
+    loops = []
+    for _ in range(samples):
         start = time.perf_counter()
-        for _ in range(CALLS):
-            result = step(*args)
+        for _ in range(calls):
+            result = fn(*args)
         jax.block_until_ready(result)
-        samples.append((time.perf_counter() - start) * 1e3 / CALLS)
-    return statistics.median(samples)
+        loops.append((time.perf_counter() - start) / calls)
+    return statistics.median(loops)
+
+
+def _loop_ms(step, args) -> float:
+    return median_loop_seconds(step, args) * 1e3
 
 
 def measure(config: AttentionConfig, same_index: bool) -> dict:

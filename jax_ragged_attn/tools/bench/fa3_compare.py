@@ -14,15 +14,13 @@ jitted calls, then block_until_ready; the median of 7 such loops, per call.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn import _fa3, ragged_attention
+from jax_ragged_attn import _fa3, implementation_tuning, ragged_attention
 from jax_ragged_attn.tools import workloads as workloads_module
 
 CALLS, LOOPS = 20, 7
@@ -100,16 +98,8 @@ def probe() -> bool:
 
 
 def _time(fn, *args) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    jax.block_until_ready(fn(*args))
-    loops = []
-    for _ in range(LOOPS):
-        start = time.perf_counter()
-        for _ in range(CALLS):
-            result = fn(*args)
-        jax.block_until_ready(result)
-        loops.append((time.perf_counter() - start) / CALLS)
-    return statistics.median(loops)
+    jax.block_until_ready(fn(*args))  # compile; median_loop_seconds warms up once more
+    return implementation_tuning.median_loop_seconds(fn, args, CALLS, LOOPS)
 
 
 def _systems(workload):
