@@ -157,23 +157,15 @@ def entry(config: AttentionConfig, same_index: bool) -> dict:
     """The stored choice for this configuration: from this process, else the disk cache, else measured now."""
     from jax_ragged_attn._cudnn import autotune
 
-    found_key = key(config, same_index)
-    with _lock:
-        found = _chosen.get(found_key)
-        if found is None:
-            path = autotune.cache_path()
-            found = autotune.load(path).get(found_key)
-            if found is None:
-                try:
-                    found = _measure_outside_any_trace(config, same_index)
-                except Exception as error:  # noqa: BLE001 - e.g. no memory for scratch: keep cuDNN, say why
-                    warnings.warn(f"timing cuDNN against FlashAttention-3 failed, using cuDNN: "
-                                  f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=4)
-                    found = dict(implementation="cudnn", failed=f"{type(error).__name__}: {error}")
-                else:
-                    autotune.store(path, found_key, found)
-            _chosen[found_key] = found
-    return found
+    def measure():
+        try:
+            return _measure_outside_any_trace(config, same_index), True
+        except Exception as error:  # noqa: BLE001 - e.g. no memory for scratch: keep cuDNN, say why
+            warnings.warn(f"timing cuDNN against FlashAttention-3 failed, using cuDNN: "
+                          f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=6)
+            return dict(implementation="cudnn", failed=f"{type(error).__name__}: {error}"), False
+
+    return autotune.remembered(key(config, same_index), _chosen, _lock, measure)
 
 
 def faster(config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv) -> str:

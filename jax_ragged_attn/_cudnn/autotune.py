@@ -108,22 +108,33 @@ def chosen_ms(direction: str, attributes: dict, device: int) -> float:
 
 def entry(direction: str, attributes: dict, device: int) -> dict:
     """The stored choice for this graph: from this process, else the disk cache, else measured now."""
-    key = _key(direction, attributes, device)
-    with _lock:
-        found = _chosen.get(key)
+
+    def measure():
+        try:
+            return tune(direction, attributes, device), True
+        except NotImplementedError:  # the graph itself is unsupported: graph_info says so itself
+            return dict(plan_index=-1, unsupported=True), False
+        except RuntimeError as error:  # e.g. no memory for the scratch buffers: keep the heuristic's
+            warnings.warn(f"autotuning the cuDNN {direction} graph failed, using cuDNN's heuristic "
+                          f"choice: {error}", RuntimeWarning, stacklevel=6)
+            return dict(plan_index=-1, failed=str(error)), False
+
+    return remembered(_key(direction, attributes, device), _chosen, _lock, measure)
+
+
+def remembered(key: str, chosen: dict, lock, measure) -> dict:
+    """The entry stored under `key`: from `chosen` (this process's entries), else the disk cache, else
+    measure() -> (entry, keep), whose entry this process remembers and, when `keep`, the disk cache too (a
+    failed measurement is not kept, so another process measures again). `lock` guards `chosen`; a caller
+    whose measurement itself tunes (implementation_tuning's, through cuDNN's plans) passes a lock of its own."""
+    with lock:
+        found = chosen.get(key)
         if found is None:
             path = cache_path()
             found = load(path).get(key)
             if found is None:
-                try:
-                    found = tune(direction, attributes, device)
-                except NotImplementedError:  # the graph itself is unsupported: graph_info says so itself
-                    found = dict(plan_index=-1, unsupported=True)
-                except RuntimeError as error:  # e.g. no memory for the scratch buffers: keep the heuristic's
-                    warnings.warn(f"autotuning the cuDNN {direction} graph failed, using cuDNN's heuristic "
-                                  f"choice: {error}", RuntimeWarning, stacklevel=4)
-                    found = dict(plan_index=-1, failed=str(error))
-                else:
+                found, keep = measure()
+                if keep:
                     store(path, key, found)
-            _chosen[key] = found
+            chosen[key] = found
     return found
