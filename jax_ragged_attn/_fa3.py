@@ -33,9 +33,8 @@ wheel as well registers nothing twice. It serves every semantic the op promises 
 
 implementation=None picks FA3 only with autotune=True, where a measurement found it faster than cuDNN for the
 configuration (implementation_tuning.py). Declined, with the reason (NotImplementedError for
-implementation="fa3"): head dims
-other than 128 or Dv != Dqk, float32, a top-left causal / windowed mask whose q and kv lengths may differ,
-no Hopper GPU, the wheel not installed.
+implementation="fa3"): head dims other than 128 or Dv != Dqk, float32, a top-left causal / windowed mask
+whose q and kv lengths may differ, no Hopper GPU, the wheel not installed.
 """
 
 from __future__ import annotations

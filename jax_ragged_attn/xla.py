@@ -10,9 +10,8 @@ from the same tiles, each tile's dS.K added into its query rows with a scatter-a
 matmuls a tile: the CPU's default, where XLA adds in order), or from a second pass in which query blocks
 walk their key ranges (seven matmuls a tile, no scatter-add: the default elsewhere, since a GPU's
 scatter-add of overlapping rows is atomic and its order varies; xla_memory.fused_backward). The backward's
-passes are balanced (_walk): every block's tiles,
-listed block after block, are shared out in equal runs among one lane per block, so the pass costs the
-total number of tiles a block really needs (a causal block needs from one tile to its whole sequence's
+passes are balanced (_walk): every block's tiles, listed block after block, are shared out in equal runs
+among one lane per block, so the pass costs the total number of tiles a block really needs (a causal block needs from one tile to its whole sequence's
 worth), not blocks x the widest range. A lane's run of one block is a segment; its sum goes to a slot of
 its own and each block sums its slots in a fixed order after the loop, so dK and dV are deterministic
 everywhere, and dQ too wherever the two-pass form runs or the scatter-add is in order.

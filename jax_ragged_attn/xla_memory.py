@@ -71,8 +71,7 @@ class CudnnFallbackWarning(UserWarning):
 
 def block_sizes(config: AttentionConfig, block_q: int | None = None, block_kv: int | None = None) -> tuple[int, int]:
     """(block_q, block_kv) for this call: the arguments, else JAX_RAGGED_ATTN_XLA_BLOCK, else 128 each (64 on a
-    CPU), each
-    capped at its capacity (a block never needs more rows than the buffer has)."""
+    CPU), each capped at its capacity (a block never needs more rows than the buffer has)."""
     if block_q is None or block_kv is None:
         env_q, env_kv = _env_blocks()
         block_q = env_q if block_q is None else block_q
