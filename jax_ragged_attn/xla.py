@@ -4,7 +4,9 @@ Memory-efficient attention (Rabe & Staats, "Self-attention does not need O(n^2) 
 recurrence) over the packed token axis. Query rows are cut into blocks of block_q rows; every block walks
 through the key rows it may attend, block_kv at a time, keeping a running max, sum and weighted value sum
 per row in float32. The backward is FlashAttention's: the forward saves each row's log-sum-exp, and the
-backward recomputes each tile's probabilities from it. Key blocks walk the query rows that attend them (a
+backward recomputes each tile's probabilities from it. The tiles' matmuls take bfloat16 / float16 inputs
+in their own dtype (probabilities and dS cast down, float32 accumulation: as jax.nn and the fused kernels)
+and float32 inputs at HIGHEST precision (xla_memory.matmul_dtype). Key blocks walk the query rows that attend them (a
 contiguous range too, so a tile's rows are slices, not gathers), accumulating dK and dV; dQ comes either
 from the same tiles, each tile's dS.K added into its query rows with a scatter-add (the fused form, five
 matmuls a tile: the CPU's default, where XLA adds in order), or from a second pass in which query blocks
@@ -66,7 +68,6 @@ __all__ = ["attention_xla", "warn_cudnn_fallback", "WorkingSetTooLargeError"]
 
 # jax.nn's choice: exp() of it is exactly 0, and a running max that starts from it stays finite.
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
-_HIGHEST = lax.Precision.HIGHEST  # float32 matmuls stay float32 (no TF32 on a GPU)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,7 @@ class _Plan:
     block_q: int
     block_kv: int
     memory_limit: int | None
+    operand: str  # the matmuls' operand dtype (xla_memory.matmul_dtype); they accumulate in float32
 
 
 class _Bands(NamedTuple):
@@ -139,7 +141,8 @@ def attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig,
     working set of the forward, or of the backward when it is traced, exceeds the bound.
     """
     block_q, block_kv = xla_memory.block_sizes(config, block_q, block_kv)
-    plan = _Plan(config, block_q, block_kv, xla_memory.memory_limit_bytes(memory_limit))
+    plan = _Plan(config, block_q, block_kv, xla_memory.memory_limit_bytes(memory_limit),
+                 xla_memory.matmul_dtype(config))
     xla_memory.check_working_set(config, block_q, block_kv, "forward", plan.memory_limit)
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
     bands = _bands(cu_q, cu_kv, config, seqused_q, seqused_kv)
@@ -169,9 +172,18 @@ def _steps(first, last, block: int, step: int):
     return low, _ceil_div(jnp.maximum(high - low, 0), step)
 
 
-def _clean_f32(x, rows_ok):
-    """x in float32 with rows that are never attended set to 0: NaN there must not meet a 0 weight."""
-    return jnp.where(rows_ok[:, None, None], x, 0).astype(jnp.float32)
+def _clean(x, rows_ok, dtype=jnp.float32):
+    """x in `dtype` with rows that are never attended set to 0: NaN there must not meet a 0 weight."""
+    return jnp.where(rows_ok[:, None, None], x, 0).astype(dtype)
+
+
+def _dot(plan, spec, a, b):
+    """einsum of two tiles in the plan's operand dtype (probabilities and dS are cast down, as in
+    FlashAttention), accumulated in float32; float32 operands at HIGHEST (no TF32 on a GPU)."""
+    dtype = jnp.dtype(plan.operand)
+    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), precision=precision,
+                      preferred_element_type=jnp.float32)
 
 
 def _tile_mask(first, last, cols):
@@ -182,8 +194,7 @@ def _tile_mask(first, last, cols):
 
 def _logits(plan, q_tile, k_tile):
     """[n, Hkv, G, rows, cols] float32 scale * q.k of query tiles [n, rows, Hkv, G, D] and key tiles [n, cols, Hkv, D]."""
-    s = jnp.einsum("nqhgd,nkhd->nhgqk", q_tile, k_tile, precision=_HIGHEST, preferred_element_type=jnp.float32)
-    return s * plan.config.scale
+    return _dot(plan, "nqhgd,nkhd->nhgqk", q_tile, k_tile) * plan.config.scale
 
 
 def _query_blocks(plan, x):
@@ -193,11 +204,11 @@ def _query_blocks(plan, x):
 
 
 def _key_tiles(plan, k, v, low, r):
-    """The r-th tile of every query block's key range: (rows [n, bk], k and v rows [n, bk, Hkv, D] f32)."""
+    """The r-th tile of every query block's key range: (rows [n, bk], k and v rows [n, bk, Hkv, D])."""
     cols = low[:, None] + r * plan.block_kv + jnp.arange(plan.block_kv, dtype=jnp.int32)[None, :]
     # Clipped rows past the buffer are duplicates, but no band reaches past Tkv - 1, so they are masked.
     index = jnp.clip(cols, 0, plan.config.capacity_kv - 1)
-    return cols, k[index].astype(jnp.float32), v[index].astype(jnp.float32)
+    return cols, k[index], v[index]
 
 
 def _heads_last(x):
@@ -232,10 +243,10 @@ def _forward(plan: _Plan, q, k, v, sinks, bands: _Bands):
     first, last, low, steps = _query_bands(plan, bands)
     n = first.shape[0]
     shape = (n, c.num_heads_kv, c.group_size, plan.block_q)
-    q_tiles = _query_blocks(plan, _clean_f32(q, bands.first <= bands.last))
+    q_tiles = _query_blocks(plan, _clean(q, bands.first <= bands.last, plan.operand))
     q_tiles = q_tiles.reshape(n, plan.block_q, c.num_heads_kv, c.group_size, c.head_dim_qk)
-    k = jnp.where(bands.key_valid[:, None, None], k, 0)
-    v = jnp.where(bands.key_valid[:, None, None], v, 0)
+    k = _clean(k, bands.key_valid, plan.operand)
+    v = _clean(v, bands.key_valid, plan.operand)
 
     if sinks is None:
         row_max, row_sum = jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32)
@@ -255,7 +266,7 @@ def _forward(plan: _Plan, q, k, v, sinks, bands: _Bands):
         p = jnp.exp(jnp.where(mask, s - new_max[..., None], _MASKED))
         correction = jnp.exp(row_max - new_max)
         row_sum = correction * row_sum + p.sum(axis=-1)
-        acc = correction[..., None] * acc + jnp.einsum("nhgqk,nkhd->nhgqd", p, v_tile, precision=_HIGHEST)
+        acc = correction[..., None] * acc + _dot(plan, "nhgqk,nkhd->nhgqd", p, v_tile)
         return new_max, row_sum, acc
 
     row_max, row_sum, acc = lax.fori_loop(0, steps.max(initial=0), step, (row_max, row_sum, acc))
@@ -285,20 +296,22 @@ def _attention_bwd(plan: _Plan, residuals, cotangents):
     d_out, d_lse = cotangents
     attends = bands.first <= bands.last
     # Cotangents of rows without keys are ignored (they may hold anything, NaN included).
-    d_out = _clean_f32(d_out, attends)
+    d_out = _clean(d_out, attends)
     d_lse = jnp.where(attends[:, None], d_lse, 0.0)
     # dS = P * (dP - delta) with delta = rowsum(dO * O) - d_lse: the stats cotangent enters here only,
     # since d lse_i / d s_ij = p_ij.
     delta = jnp.sum(d_out * out, axis=-1) - d_lse  # [Tq, Hq]
-    q32 = _clean_f32(q, attends)
-    k32 = _clean_f32(k, bands.key_valid)
-    v32 = _clean_f32(v, bands.key_valid)
+    # The tiles' operands in the matmul dtype (float32, or the bfloat16 / float16 inputs' own).
+    d_out = d_out.astype(plan.operand)
+    q_clean = _clean(q, attends, plan.operand)
+    k_clean = _clean(k, bands.key_valid, plan.operand)
+    v_clean = _clean(v, bands.key_valid, plan.operand)
 
     if xla_memory.fused_backward():
-        d_k, d_v, d_q = _dkv_pass(plan, q32, k32, v32, d_out, lse, delta, bands, with_dq=True)
+        d_k, d_v, d_q = _dkv_pass(plan, q_clean, k_clean, v_clean, d_out, lse, delta, bands, with_dq=True)
     else:
-        d_q = _dq_pass(plan, q32, k32, v32, d_out, lse, delta, bands)
-        d_k, d_v = _dkv_pass(plan, q32, k32, v32, d_out, lse, delta, bands)
+        d_q = _dq_pass(plan, q_clean, k_clean, v_clean, d_out, lse, delta, bands)
+        d_k, d_v = _dkv_pass(plan, q_clean, k_clean, v_clean, d_out, lse, delta, bands)
     d_sinks = None
     if sinks is not None:
         # The sink is a logit without a value: d sink = sum_i p_sink,i * (d_lse_i - rowsum(dO * O)_i).
@@ -392,19 +405,19 @@ def _rows(x, start, size: int):
     return jax.vmap(lambda s: lax.dynamic_slice_in_dim(x, s, size))(start)
 
 
-def _dq_pass(plan, q32, k32, v32, d_out, lse, delta, bands):
+def _dq_pass(plan, q_clean, k_clean, v_clean, d_out, lse, delta, bands):
     """dQ: every query block's key range, tile by tile, recomputing P from lse; the tiles of all blocks are
     shared out evenly among n lanes (_walk), so a block pays for its own range, not the widest one."""
     c = plan.config
     bq, bk = plan.block_q, plan.block_kv
     n = _ceil_div(c.capacity_q, bq)
     split = (n, bq, c.num_heads_kv, c.group_size)
-    q_tiles = _query_blocks(plan, q32).reshape(*split, c.head_dim_qk)
+    q_tiles = _query_blocks(plan, q_clean).reshape(*split, c.head_dim_qk)
     do_tiles = _query_blocks(plan, d_out).reshape(*split, c.head_dim_v)
     lse_tiles, delta_tiles = _heads_first(lse, plan), _heads_first(delta, plan)  # [n, Hkv, G, bq]
     first, last, low, steps = _query_bands(plan, bands)
     # bk rows of padding: a tile starts before the range's end (< Tkv), so a slice never needs clamping.
-    k_pad, v_pad = _pad(k32, c.capacity_kv + bk), _pad(v32, c.capacity_kv + bk)
+    k_pad, v_pad = _pad(k_clean, c.capacity_kv + bk), _pad(v_clean, c.capacity_kv + bk)
     walk = _walk(steps, n)
 
     def tile(block, r, valid):
@@ -414,15 +427,15 @@ def _dq_pass(plan, q32, k32, v32, d_out, lse, delta, bands):
         mask = _tile_mask(jnp.where(valid[:, None], first[block], c.capacity_kv), last[block], cols)
         q_tile = q_tiles[block]
         p = jnp.exp(jnp.where(mask, _logits(plan, q_tile, k_tile) - lse_tiles[block][..., None], _MASKED))
-        dp = jnp.einsum("nqhgd,nkhd->nhgqk", do_tiles[block], v_tile, precision=_HIGHEST)
+        dp = _dot(plan, "nqhgd,nkhd->nhgqk", do_tiles[block], v_tile)
         ds = p * (dp - delta_tiles[block][..., None])
-        return (jnp.einsum("nhgqk,nkhd->nqhgd", ds, k_tile, precision=_HIGHEST),)
+        return (_dot(plan, "nhgqk,nkhd->nqhgd", ds, k_tile),)
 
     (d_q,) = _walk_loop(walk, n, tile, [q_tiles.shape])
     return (d_q * c.scale).reshape(n * bq, c.num_heads_q, c.head_dim_qk)[:c.capacity_q]
 
 
-def _dkv_pass(plan, q32, k32, v32, d_out, lse, delta, bands, with_dq: bool = False):
+def _dkv_pass(plan, q_clean, k_clean, v_clean, d_out, lse, delta, bands, with_dq: bool = False):
     """dK, dV: every key block's query range (the rows that attend it), block_q rows a tile, balanced over
     n lanes as the dQ pass. A tile's rows are contiguous: slices of q, dO, lse, delta and the bands.
     with_dq: also dQ, each tile's dS.K added into the rows it covers (the fused backward): returns
@@ -430,15 +443,15 @@ def _dkv_pass(plan, q32, k32, v32, d_out, lse, delta, bands, with_dq: bool = Fal
     c = plan.config
     bq, bk, tq = plan.block_q, plan.block_kv, c.capacity_q
     n = _ceil_div(c.capacity_kv, bk)
-    k_tiles = _pad(k32, n * bk).reshape(n, bk, c.num_heads_kv, c.head_dim_qk)
-    v_tiles = _pad(v32, n * bk).reshape(n, bk, c.num_heads_kv, c.head_dim_v)
+    k_tiles = _pad(k_clean, n * bk).reshape(n, bk, c.num_heads_kv, c.head_dim_qk)
+    v_tiles = _pad(v_clean, n * bk).reshape(n, bk, c.num_heads_kv, c.head_dim_v)
     cols = jnp.arange(n * bk, dtype=jnp.int32).reshape(n, bk)  # these keys' own rows
     key_first = _pad(bands.key_first, n * bk, tq).reshape(n, bk)
     key_last = _pad(bands.key_last, n * bk, -1).reshape(n, bk)
     low, steps = _steps(key_first, key_last, bk, bq)
     # bq rows of padding, as in the dQ pass; padded rows attend nothing (first > last), so they are masked.
     rows = tq + bq
-    q_pad = _pad(q32, rows).reshape(rows, c.num_heads_kv, c.group_size, -1)
+    q_pad = _pad(q_clean, rows).reshape(rows, c.num_heads_kv, c.group_size, -1)
     do_pad = _pad(d_out, rows).reshape(rows, c.num_heads_kv, c.group_size, -1)
     # lse and delta with the rows last ([Hkv, G, rows]): a slice of them is already a tile's [.., bq] layout.
     lse_pad = jnp.moveaxis(_pad(lse, rows).reshape(rows, c.num_heads_kv, c.group_size), 0, -1)
@@ -455,16 +468,15 @@ def _dkv_pass(plan, q32, k32, v32, d_out, lse, delta, bands, with_dq: bool = Fal
         mask = _tile_mask(first, _rows(last_pad, start, bq), cols[block])
         k_tile, v_tile = k_tiles[block], v_tiles[block]
         p = jnp.exp(jnp.where(mask, _logits(plan, q_tile, k_tile) - lse_tile[..., None], _MASKED))
-        dp = jnp.einsum("nqhgd,nkhd->nhgqk", do_tile, v_tile, precision=_HIGHEST)
+        dp = _dot(plan, "nqhgd,nkhd->nhgqk", do_tile, v_tile)
         ds = p * (dp - delta_tile[..., None])
-        return (jnp.einsum("nhgqk,nqhgd->nkhd", ds, q_tile, precision=_HIGHEST),
-                jnp.einsum("nhgqk,nqhgd->nkhd", p, do_tile, precision=_HIGHEST)), ds, start, k_tile
+        return (_dot(plan, "nhgqk,nqhgd->nkhd", ds, q_tile), _dot(plan, "nhgqk,nqhgd->nkhd", p, do_tile)), ds, start, k_tile
 
     def fused_tile(block, r, valid, d_q):
         sums, ds, start, k_tile = tile(block, r, valid)
         # Lanes whose query tiles overlap add into the same rows: a scatter-add of one [bq, Hkv, G, D] window
         # per lane (a lane past the total has ds = 0, as every masked entry).
-        part = jnp.einsum("nhgqk,nkhd->nqhgd", ds, k_tile, precision=_HIGHEST)
+        part = _dot(plan, "nhgqk,nkhd->nqhgd", ds, k_tile)
         numbers = lax.ScatterDimensionNumbers(update_window_dims=(1, 2, 3, 4), inserted_window_dims=(),
                                               scatter_dims_to_operand_dims=(0,))
         return sums, lax.scatter_add(d_q, start[:, None], part, numbers, mode=lax.GatherScatterMode.CLIP)

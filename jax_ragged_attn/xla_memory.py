@@ -11,6 +11,8 @@ Settings, read when a call is traced (so a jitted function keeps the values it w
                                      "64,256" sets block_q, block_kv
   JAX_RAGGED_ATTN_XLA_BACKWARD       "fused" or "two_pass" (default: fused on a CPU, two passes elsewhere;
                                      see fused_backward)
+  JAX_RAGGED_ATTN_XLA_MATMUL         "input" or "float32": the dtype of the tiles' matmul operands for
+                                     bfloat16 / float16 inputs (default "input"; see matmul_dtype)
   JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT   the bound on the estimate: "50%" (default: half the device's memory;
                                      on a CPU, of physical RAM), a size ("8GiB", "512MB", "3e9" bytes),
                                      or "off"
@@ -47,6 +49,12 @@ BACKWARD_ENV = "JAX_RAGGED_ATTN_XLA_BACKWARD"
 # beside an H200, and large enough that a step's matmuls keep the device busy. 64 x 64 on the CPU: with the
 # fused backward, fwd+bwd measured 299 against 377 ms on cpu-4k (fewer half-masked diagonal tiles and
 # blocks straddling two sequences) and 3.52 against 3.76 s on cpu-8k (tools/bench/xla_path.py, 2 cores).
+# "input": bfloat16 / float16 inputs enter the tiles' matmuls in their own dtype, as do the probabilities
+# and dS (cast down), with float32 accumulation and a float32 softmax: what jax.nn's xla attention and the
+# fused kernels (cuDNN, FlashAttention) do, at the tensor cores' rate. "float32": every operand float32 at
+# precision HIGHEST (float32 FMA on a GPU: on the H200's W1, 47 ms forward against jax.nn's 25 ms).
+# float32 and float64 inputs always run float32 at HIGHEST (no TF32).
+MATMUL_ENV = "JAX_RAGGED_ATTN_XLA_MATMUL"
 DEFAULT_BLOCK = 128
 DEFAULT_CPU_BLOCK = 64
 DEFAULT_MEMORY_FRACTION = 0.5
@@ -59,6 +67,15 @@ def fused_backward() -> bool:
     if choice not in ("", "fused", "two_pass"):
         raise ValueError(f"{BACKWARD_ENV} must be 'fused' or 'two_pass', got {choice!r}")
     return choice == "fused" if choice else jax.default_backend() == "cpu"
+
+
+def matmul_dtype(config: AttentionConfig) -> str:
+    """The dtype of the xla path's matmul operands for this call (MATMUL_ENV; accumulation is float32)."""
+    choice = os.environ.get(MATMUL_ENV, "").strip().lower()
+    if choice not in ("", "input", "float32"):
+        raise ValueError(f"{MATMUL_ENV} must be 'input' or 'float32', got {choice!r}")
+    low_precision = config.dtype in ("bfloat16", "float16")
+    return config.dtype if low_precision and choice != "float32" else "float32"
 
 
 class WorkingSetTooLargeError(MemoryError):
