@@ -203,14 +203,6 @@ def _query_blocks(plan, x):
     return _pad(x, n * plan.block_q).reshape(n, plan.block_q, *x.shape[1:])
 
 
-def _key_tiles(plan, k, v, low, r):
-    """The r-th tile of every query block's key range: (rows [n, bk], k and v rows [n, bk, Hkv, D])."""
-    cols = low[:, None] + r * plan.block_kv + jnp.arange(plan.block_kv, dtype=jnp.int32)[None, :]
-    # Clipped rows past the buffer are duplicates, but no band reaches past Tkv - 1, so they are masked.
-    index = jnp.clip(cols, 0, plan.config.capacity_kv - 1)
-    return cols, k[index], v[index]
-
-
 def _heads_last(x):
     """[n, Hkv, G, bq, ...] -> [n * bq, Hq, ...] (the packed row order)."""
     n, hkv, g, bq = x.shape[:4]
@@ -237,39 +229,56 @@ def _query_bands(plan: _Plan, bands: _Bands):
     return first, last, low, steps
 
 
+def _merge_softmax(a, b):
+    """Two online-softmax states (row max, row sum, weighted value sum) of one row's disjoint key sets as
+    the state of their union; (_MASKED, 0, 0) is the neutral state."""
+    (max_a, sum_a, acc_a), (max_b, sum_b, acc_b) = a, b
+    new_max = jnp.maximum(max_a, max_b)
+    scale_a, scale_b = jnp.exp(max_a - new_max), jnp.exp(max_b - new_max)
+    return new_max, scale_a * sum_a + scale_b * sum_b, scale_a[..., None] * acc_a + scale_b[..., None] * acc_b
+
+
 def _forward(plan: _Plan, q, k, v, sinks, bands: _Bands):
-    """(out [Tq, Hq, Dv] float32, lse [Tq, Hq] float32 with 0 on rows without keys)."""
+    """(out [Tq, Hq, Dv] float32, lse [Tq, Hq] float32 with 0 on rows without keys).
+
+    The query blocks' key tiles are shared out among n lanes as the backward's (_walk): each lane keeps an
+    online softmax over its run of one block's tiles (a segment), and each block merges its segments'
+    states after the loop, so the forward costs the tiles each block needs, not blocks x the widest range."""
     c = plan.config
+    bq, bk = plan.block_q, plan.block_kv
     first, last, low, steps = _query_bands(plan, bands)
     n = first.shape[0]
-    shape = (n, c.num_heads_kv, c.group_size, plan.block_q)
+    row_shape = (c.num_heads_kv, c.group_size, bq)  # one block's state rows, as the tiles' matmuls lay them out
     q_tiles = _query_blocks(plan, _clean(q, bands.first <= bands.last, plan.operand))
-    q_tiles = q_tiles.reshape(n, plan.block_q, c.num_heads_kv, c.group_size, c.head_dim_qk)
-    k = _clean(k, bands.key_valid, plan.operand)
-    v = _clean(v, bands.key_valid, plan.operand)
+    q_tiles = q_tiles.reshape(n, bq, c.num_heads_kv, c.group_size, c.head_dim_qk)
+    # bk rows of padding: a tile starts before its range's end (< Tkv), so a slice never needs clamping.
+    k_pad = _pad(_clean(k, bands.key_valid, plan.operand), c.capacity_kv + bk)
+    v_pad = _pad(_clean(v, bands.key_valid, plan.operand), c.capacity_kv + bk)
 
-    if sinks is None:
-        row_max, row_sum = jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32)
-    else:  # the sink is one more logit, with weight exp(sink - max) and no value: each row starts with it
-        row_max = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, c.num_heads_kv, c.group_size, 1), shape)
-        row_sum = jnp.ones(shape, jnp.float32)
-    # float32 state whatever jax_enable_x64 says: jnp's default float would be float64 there.
-    acc = jnp.zeros(shape + (c.head_dim_v,), jnp.float32)
-
-    def step(r, carry):
-        row_max, row_sum, acc = carry
-        cols, k_tile, v_tile = _key_tiles(plan, k, v, low, r)
-        mask = _tile_mask(first, last, cols)
-        s = jnp.where(mask, _logits(plan, q_tiles, k_tile), _MASKED)
+    def tile(block, r, valid, state, side):
+        row_max, row_sum, acc = state
+        start = low[block] + r * bk
+        cols = start[:, None] + jnp.arange(bk, dtype=jnp.int32)[None, :]
+        k_tile, v_tile = _rows(k_pad, start, bk), _rows(v_pad, start, bk)
+        mask = _tile_mask(jnp.where(valid[:, None], first[block], c.capacity_kv), last[block], cols)
+        s = jnp.where(mask, _logits(plan, q_tiles[block], k_tile), _MASKED)
         new_max = jnp.maximum(row_max, s.max(axis=-1))
         # The where inside the exp: in a row that has seen no key yet, masked entries would give exp(0) = 1.
         p = jnp.exp(jnp.where(mask, s - new_max[..., None], _MASKED))
         correction = jnp.exp(row_max - new_max)
         row_sum = correction * row_sum + p.sum(axis=-1)
         acc = correction[..., None] * acc + _dot(plan, "nhgqk,nkhd->nhgqd", p, v_tile)
-        return new_max, row_sum, acc
+        return (new_max, row_sum, acc), side
 
-    row_max, row_sum, acc = lax.fori_loop(0, steps.max(initial=0), step, (row_max, row_sum, acc))
+    # float32 state whatever jax_enable_x64 says: jnp's default float would be float64 there.
+    neutral = (jnp.full(row_shape, _MASKED, jnp.float32), jnp.zeros(row_shape, jnp.float32),
+               jnp.zeros(row_shape + (c.head_dim_v,), jnp.float32))
+    (row_max, row_sum, acc), _ = _walk_fold(_walk(steps, n), n, tile, neutral, _merge_softmax)
+    if sinks is not None:  # the sink is one more logit of every row, with weight exp(sink - max) and no value
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, c.num_heads_kv, c.group_size, 1), row_max.shape)
+        row_max, row_sum, acc = _merge_softmax((row_max, row_sum, acc), (sink, jnp.ones_like(row_sum),
+                                                                           jnp.zeros_like(acc)))
+    shape = row_max.shape
     attends = jnp.broadcast_to((first <= last)[:, None, None, :], shape)
     # A row with a key has row_sum >= 1 (its largest logit contributes exp(0)); the others divide by 1.
     safe_sum = jnp.where(attends, row_sum, 1.0)
@@ -307,7 +316,7 @@ def _attention_bwd(plan: _Plan, residuals, cotangents):
     k_clean = _clean(k, bands.key_valid, plan.operand)
     v_clean = _clean(v, bands.key_valid, plan.operand)
 
-    if xla_memory.fused_backward():
+    if xla_memory.fused_backward(c):
         d_k, d_v, d_q = _dkv_pass(plan, q_clean, k_clean, v_clean, d_out, lse, delta, bands, with_dq=True)
     else:
         d_q = _dq_pass(plan, q_clean, k_clean, v_clean, d_out, lse, delta, bands)
@@ -358,6 +367,24 @@ def _walk_loop(walk: _Walk, lanes: int, tile_fn, acc_shapes, side=None):
     acc_shapes ([lanes, ...] each) over the walk; returns per block the sum of its tiles' contributions
     ([n, ...] each). Lanes past the total (valid False) must contribute zeros. With `side` (an array),
     tile_fn(block, r, valid, side) returns (contributions, side) and the loop returns (sums, side)."""
+
+    def add(block, r, valid, acc, side):
+        if side is None:
+            return tuple(a + x for a, x in zip(acc, tile_fn(block, r, valid))), None
+        contributions, side = tile_fn(block, r, valid, side)
+        return tuple(a + x for a, x in zip(acc, contributions)), side
+
+    neutral = tuple(jnp.zeros(s[1:], jnp.float32) for s in acc_shapes)
+    sums, side = _walk_fold(walk, lanes, add, neutral, lambda a, b: tuple(x + y for x, y in zip(a, b)), side)
+    return sums if side is None else (sums, side)
+
+
+def _walk_fold(walk: _Walk, lanes: int, update, neutral, merge, side=None):
+    """The walk's loop: update(block [lanes], tile r [lanes], valid [lanes], state, side) -> (state, side)
+    takes every lane's state (a tuple of [lanes, ...] arrays) over one more tile; `neutral` is the state
+    before any tile (one lane's: a tuple of [...] arrays), which a lane past the total (valid False) must
+    keep; merge(a, b) combines the states of two segments of one block (associative, `neutral` its neutral
+    element). Returns (per block the merge of its segments' states, [n, ...] each; side)."""
     n = walk.steps.shape[0]
     lane = jnp.arange(lanes, dtype=jnp.int32)
     # The next block with tiles after each block (n when none): a lane moving on skips empty blocks.
@@ -366,37 +393,34 @@ def _walk_loop(walk: _Walk, lanes: int, tile_fn, acc_shapes, side=None):
     t0 = lane * walk.per_lane
     block0 = jnp.minimum(jnp.searchsorted(walk.starts + walk.steps, t0, side="right"), n - 1).astype(jnp.int32)
     r0 = t0 - walk.starts[block0]
-    zeros = tuple(jnp.zeros(s, jnp.float32) for s in acc_shapes)
-    slots = tuple(jnp.zeros((lanes + n,) + s[1:], jnp.float32) for s in acc_shapes)
+    def spread(count):  # the neutral state for `count` lanes, slots or blocks
+        return tuple(jnp.broadcast_to(x, (count,) + x.shape) for x in neutral)
+
+    def per_lane(mask, x):  # [count] -> broadcastable against x
+        return mask.reshape(mask.shape + (1,) * (x.ndim - 1))
 
     def step(s, carry):
-        block, r, acc, slots, side = carry
+        block, r, state, slots, side = carry
         valid = lane * walk.per_lane + s < walk.total
-        if side is None:
-            contributions = tile_fn(jnp.minimum(block, n - 1), r, valid)
-        else:
-            contributions, side = tile_fn(jnp.minimum(block, n - 1), r, valid, side)
-        acc = tuple(a + c for a, c in zip(acc, contributions))
+        state, side = update(jnp.minimum(block, n - 1), r, valid, state, side)
         ends_block = r == walk.steps[jnp.minimum(block, n - 1)] - 1
         flush = valid & (ends_block | (s == walk.per_lane - 1))
         index = jnp.where(flush, lane + block, lanes + n)  # out of range: dropped
-        slots = tuple(x.at[index].set(a, mode="drop") for x, a in zip(slots, acc))
-        keep = jnp.logical_not(flush).reshape((lanes,) + (1,) * (len(acc_shapes[0]) - 1))
-        acc = tuple(jnp.where(keep, a, 0.0) for a in acc)
+        slots = tuple(x.at[index].set(a, mode="drop") for x, a in zip(slots, state))
+        state = tuple(jnp.where(per_lane(flush, a), e, a) for a, e in zip(state, neutral))
         block = jnp.where(ends_block, following[jnp.minimum(block, n - 1)], block)
-        return block, jnp.where(ends_block, 0, r + 1), acc, slots, side
+        return block, jnp.where(ends_block, 0, r + 1), state, slots, side
 
     _, _, _, slots, side = lax.fori_loop(0, jnp.where(walk.total > 0, walk.per_lane, 0), step,
-                                         (block0, r0, zeros, slots, side))
+                                         (block0, r0, spread(lanes), spread(lanes + n), side))
 
     def gather(j, out):
         index = jnp.minimum(walk.base + j, lanes + n - 1)
-        taken = (j < walk.count).reshape((n,) + (1,) * (len(acc_shapes[0]) - 1))
-        return tuple(o + jnp.where(taken, x[index], 0.0) for o, x in zip(out, slots))
+        taken = j < walk.count
+        return merge(out, tuple(jnp.where(per_lane(taken, x[index]), x[index], e) for x, e in zip(slots, neutral)))
 
-    first = tuple(jnp.zeros((n,) + s[1:], jnp.float32) for s in acc_shapes)
-    sums = lax.fori_loop(0, walk.count.max(initial=0), gather, first)
-    return sums if side is None else (sums, side)
+    merged = lax.fori_loop(0, walk.count.max(initial=0), gather, spread(n))
+    return merged, side
 
 
 def _rows(x, start, size: int):
