@@ -37,6 +37,7 @@ class Overflow(NamedTuple):
 def invalid_entries(cu_seqlens: jax.Array, capacity: int) -> jax.Array:
     """Entries that start elsewhere than 0, fall below an earlier entry, or leave [0, capacity]:
     [2, 5, 3, 12] with capacity 10 -> 3 (entry 0 is not 0, 3 < 5, 12 > 10)."""
+    cu_seqlens = jax.lax.optimization_barrier(cu_seqlens)  # not constant-folded (packing.sanitize_cu_seqlens)
     earlier_max = jax.lax.cummax(cu_seqlens, axis=0)[:-1]
     out_of_order = jnp.concatenate([cu_seqlens[:1] != 0, cu_seqlens[1:] < earlier_max])
     outside = (cu_seqlens < 0) | (cu_seqlens > capacity)

@@ -21,8 +21,13 @@ def sanitize_cu_seqlens(cu_seqlens: jax.Array, capacity: int) -> jax.Array:
 
     Valid input passes through unchanged: [0, 3, 3, 7] -> [0, 3, 3, 7]. Garbage is made harmless:
     [5, 2, 9, 4] with capacity 6 -> [5, 5, 6, 6].
+
+    The optimization barrier keeps XLA from constant-folding what derives from cu_seqlens a jitted function
+    closes over: on the GPU (jax 0.11.2), XLA folded row_positions of the constant [0, 1] (capacity 2)
+    through this cummax, a scatter-add and a cumsum to sequence [1, 1] instead of [0, 1], so the one real
+    row read as padding and the op returned out 0 for it, silently (tests/test_packing.py has the case).
     """
-    return jnp.clip(jax.lax.cummax(cu_seqlens, axis=0), 0, capacity)
+    return jnp.clip(jax.lax.cummax(jax.lax.optimization_barrier(cu_seqlens), axis=0), 0, capacity)
 
 
 def sanitize_both(cu_seqlens_q: jax.Array, cu_seqlens_kv: jax.Array, config) -> tuple[jax.Array, jax.Array]:
@@ -41,7 +46,8 @@ def sequence_lengths(cu_seqlens: jax.Array, max_seqlen: int, seqused: jax.Array 
     lengths = jnp.minimum(jnp.diff(cu_seqlens), max_seqlen).astype(jnp.int32)
     if seqused is None:
         return lengths
-    return jnp.clip(seqused.astype(jnp.int32), 0, lengths)
+    # Not folded as a constant either (see sanitize_cu_seqlens).
+    return jnp.clip(jax.lax.optimization_barrier(seqused).astype(jnp.int32), 0, lengths)
 
 
 def row_positions(cu_seqlens: jax.Array, capacity: int, max_seqlen: int, seqused: jax.Array | None = None):

@@ -79,11 +79,6 @@ def _batch(scenario: Scenario, implementation: str, seed: int = 0):
     return batch, sinks
 
 
-def _skip_unsupported(scenario: Scenario, implementation: str):
-    if implementation == "cudnn" and scenario.sinks:
-        pytest.skip("the cuDNN path declines sinks (implementation='cudnn' raises NotImplementedError)")
-
-
 def _attention(batch, sinks, scenario, implementation, **options):
     def attend(q, k, v, sinks):
         return ragged_attention(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_kv, max_seqlen_q=batch.max_seqlen_q,
@@ -108,7 +103,6 @@ def _forward_and_vjp(f, primals, cotangent, mode):
 def test_out_only_is_quiet_forward_and_backward(name, mode, implementation):
     """return_stats=False: nothing non-finite anywhere, values and gradients (sinks' included)."""
     scenario = SCENARIOS[name]
-    _skip_unsupported(scenario, implementation)
     batch, sinks = _batch(scenario, implementation)
     f = _attention(batch, sinks, scenario, implementation)
     d_out = jnp.asarray(np.random.default_rng(1).standard_normal(batch.q.shape[:2] + (16,)), batch.q.dtype)
@@ -145,7 +139,6 @@ def test_documented_minus_inf_stats_trip_debug_infs_only(name, layout, mode, imp
     """Rows without keys and padding rows read stats -inf, as documented: jax.debug_nans stays quiet
     (forward and backward, with a stats cotangent), jax.debug_infs reports that -inf."""
     scenario = SCENARIOS[name]
-    _skip_unsupported(scenario, implementation)
     batch, sinks = _batch(scenario, implementation)
     f = _attention(batch, sinks, scenario, implementation, return_stats=True, stats_layout=layout)
     rng = np.random.default_rng(3)

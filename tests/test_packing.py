@@ -42,3 +42,17 @@ def test_row_positions_of_sanitised_garbage_and_under_vmap():
     for i, cu in enumerate(np.asarray(clean)):
         for a, b in zip(got, _expected(cu, capacity, 4)):
             np.testing.assert_array_equal(np.asarray(a[i]), b)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_row_positions_of_constant_cu_seqlens_under_jit(seed):
+    """cu_seqlens a jitted function closes over are constants XLA may fold: on the GPU XLA folded
+    [0, 1] (capacity 2) through sanitize_cu_seqlens and row_positions to sequence [1, 1], making the real
+    row padding (sanitize_cu_seqlens' optimization barrier prevents it). Runs on every backend."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 4, int(rng.integers(1, 4))) if seed else np.asarray([1])
+    capacity, max_seqlen = int(lengths.sum()) + int(rng.integers(0, 3)) or 1, int(rng.integers(1, 5))
+    cu = jnp.asarray(cu_seqlens_from_lengths(lengths))
+    got = jax.jit(lambda: row_positions(sanitize_cu_seqlens(cu, capacity), capacity, max_seqlen))()
+    for name, a, b in zip(("sequence", "position", "valid"), got, _expected(np.asarray(cu), capacity, max_seqlen)):
+        np.testing.assert_array_equal(np.asarray(a), b, err_msg=f"{name}: cu={np.asarray(cu).tolist()} capacity={capacity}")
