@@ -4,41 +4,39 @@ Memory-efficient attention (Rabe & Staats, "Self-attention does not need O(n^2) 
 recurrence) over the packed token axis. Query rows are cut into blocks of block_q rows; every block walks
 through the key rows it may attend, block_kv at a time, keeping a running max, sum and weighted value sum
 per row in float32. The backward is FlashAttention's: the forward saves each row's log-sum-exp, and the
-backward recomputes each tile's probabilities from it. The tiles' matmuls take bfloat16 / float16 inputs
-in their own dtype (probabilities and dS cast down, float32 accumulation: as jax.nn and the fused kernels)
-and float32 inputs at HIGHEST precision (xla_memory.matmul_dtype). Key blocks walk the query rows that attend them (a
+backward recomputes each tile's probabilities from it. Key blocks walk the query rows that attend them (a
 contiguous range too, so a tile's rows are slices, not gathers), accumulating dK and dV; dQ comes either
 from the same tiles, each tile's dS.K added into its query rows with a scatter-add (the fused form, five
 matmuls a tile: the CPU's default, where XLA adds in order), or from a second pass in which query blocks
 walk their key ranges (seven matmuls a tile, no scatter-add: the default elsewhere, since a GPU's
-scatter-add of overlapping rows is atomic and its order varies; xla_memory.fused_backward). The backward's
-passes are balanced (_walk): every block's tiles, listed block after block, are shared out in equal runs
-among one lane per block, so the pass costs the total number of tiles a block really needs (a causal block needs from one tile to its whole sequence's
-worth), not blocks x the widest range. A lane's run of one block is a segment; its sum goes to a slot of
-its own and each block sums its slots in a fixed order after the loop, so dK and dV are deterministic
-everywhere, and dQ too wherever the two-pass form runs or the scatter-add is in order.
+scatter-add of overlapping rows is atomic and its order varies; xla_memory.fused_backward).
+
+The tiles' matmuls take bfloat16 / float16 inputs in their own dtype, the probabilities and dS cast down,
+with float32 accumulation (as jax.nn's xla attention and the fused kernels), and float32 inputs at HIGHEST
+precision (no TF32); xla_memory.matmul_dtype. The softmax state is float32 either way.
 
 The keys a query row attends are one interval [first, last] of the packed key rows: its own sequence's
 keys, cut by the causal / window band. A tile's mask is therefore two comparisons, whatever the sequences,
-and a query block needs only the key rows from its rows' smallest `first` to their largest `last`. In the
-forward all query blocks advance together, one key tile per step, for as many steps as the widest range
-needs (a while loop whose trip count is computed on the device):
+and a query block needs only the key rows from its rows' smallest `first` to their largest `last`:
 
     cu_seqlens = [0, 3, 5], causal, block_q = block_kv = 2     query rows  0 1 | 2 3 | 4 .
     first = [0, 0, 0, 3, 3, .], last = [0, 1, 2, 3, 4, .]     key range   0:2 | 0:4 | 3:5
-    steps = max(ceil(2/2), ceil(4/2), ceil(2/2)) = 2           tiles       [0:2, 2:4] | [0:2, 2:4] | [3:5, 5:7]
+    tiles per block: 1, 2, 1                                   tiles       [0:2] | [0:2, 2:4] | [3:5]
 
-The backward's dQ pass lists only the tiles each block needs, 1 + 2 + 1 = 4, and gives each of its 3
-lanes ceil(4/3) = 2 in a row: lane 0 does block 0's tile and block 1's first, lane 1 block 1's second and
-block 2's, lane 2 idles; block 1 then adds its two segments' slots, lane 0's before lane 1's.
+Every pass is balanced (_walk): the blocks' tiles, listed block after block (1 + 2 + 1 = 4 above), are
+shared out in equal runs among one lane per block, ceil(4/3) = 2 each: lane 0 does block 0's tile and
+block 1's first, lane 1 block 1's second and block 2's, lane 2 idles. A pass therefore costs the tiles the
+blocks really need (a causal block needs from one tile to its whole sequence's worth), not blocks x the
+widest range, in a while loop whose trip count is computed on the device. A lane's run of one block is a
+segment; its state goes to a slot of its own, and each block combines its slots in a fixed order after the
+loop (_walk_fold): sums in the backward, online-softmax states merged in the forward (block 1 above merges
+lane 0's segment with lane 1's). Everything is deterministic except dQ of the fused form on a GPU.
 
 Memory: a step holds Tq * Hq * block_kv float32 scores (two such tensors forward, four backward) plus
-O(T * H * D) float32 accumulators (backward: a lane's sum, its slots, the rows it slices) and the inputs:
-independent of max_seqlen and of the number of sequences (xla_memory.estimate_bytes, checked against a
-bound before anything is compiled). Compute: in the forward every query block pays for the widest
-block's range, about Tq * (longest sequence + block_kv) per head for self-attention, at most Tq * Tkv; the
-backward pays for the tiles each block needs (causal: about sum of seqlen^2 / 2 plus a tile per block)
-plus one tile per lane.
+O(T * H * D) float32 lane states, slots and merged states and the inputs: independent of max_seqlen and of
+the number of sequences (xla_memory.estimate_bytes, checked against a bound before anything is compiled).
+Compute: the tiles each block needs (causal self-attention: about sum of seqlen^2 / 2 per head plus a tile
+per block) plus one tile per lane, in each pass.
 
 Masked logits are a finite large negative (as in jax.nn), never -inf, and every exp is of a value that
 cannot overflow, so jax.debug_infs / jax.debug_nans stay quiet unless the inputs hold inf or NaN; the only
@@ -316,7 +314,7 @@ def _attention_bwd(plan: _Plan, residuals, cotangents):
     k_clean = _clean(k, bands.key_valid, plan.operand)
     v_clean = _clean(v, bands.key_valid, plan.operand)
 
-    if xla_memory.fused_backward(c):
+    if xla_memory.fused_backward():
         d_k, d_v, d_q = _dkv_pass(plan, q_clean, k_clean, v_clean, d_out, lse, delta, bands, with_dq=True)
     else:
         d_q = _dq_pass(plan, q_clean, k_clean, v_clean, d_out, lse, delta, bands)

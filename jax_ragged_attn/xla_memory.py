@@ -9,8 +9,8 @@ Settings, read when a call is traced (so a jitted function keeps the values it w
 
   JAX_RAGGED_ATTN_XLA_BLOCK          query and key block rows (default "128" on a GPU, "64" on a CPU);
                                      "64,256" sets block_q, block_kv
-  JAX_RAGGED_ATTN_XLA_BACKWARD       "fused" or "two_pass" (default: fused, except two passes on a GPU
-                                     when the call asks deterministic=True; see fused_backward)
+  JAX_RAGGED_ATTN_XLA_BACKWARD       "fused" or "two_pass" (default: fused on a CPU, two passes elsewhere;
+                                     see fused_backward)
   JAX_RAGGED_ATTN_XLA_MATMUL         "input" or "float32": the dtype of the tiles' matmul operands for
                                      bfloat16 / float16 inputs (default "input"; see matmul_dtype)
   JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT   the bound on the estimate: "50%" (default: half the device's memory;
@@ -40,10 +40,11 @@ BLOCK_ENV = "JAX_RAGGED_ATTN_XLA_BLOCK"
 MEMORY_LIMIT_ENV = "JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT"
 # "fused": one pass over the key blocks computes P and dP once per tile and yields dK, dV and dQ (five
 # matmuls a tile), adding each tile's dQ rows with a scatter-add. "two_pass": a dQ pass and a dK/dV pass
-# (seven matmuls a tile: P and dP twice) that add nothing with a scatter. Default: fused. On a CPU XLA
-# runs the scatter-add in order, so dQ is deterministic; a GPU's scatter-add of overlapping rows uses
-# atomics, whose order varies run to run, so there deterministic=True runs the two passes (as it runs
-# cuDNN's deterministic backward). On the H200's W1 (bf16) fwd+bwd measured 63.5 ms fused, 80.9 two-pass.
+# (seven matmuls a tile: P and dP twice) that add nothing with a scatter. Default: fused where XLA runs a
+# scatter-add in order (the CPU), so dQ stays deterministic; two passes elsewhere (a GPU's scatter-add
+# of overlapping rows uses atomics, whose order varies run to run, and the xla path promises bit-identical
+# gradients whatever `deterministic` says). What determinism costs on the H200's W1 (bf16, balanced
+# forward): fwd+bwd 70.5 ms two-pass against 54.6 ms fused ("fused" opts in).
 BACKWARD_ENV = "JAX_RAGGED_ATTN_XLA_BACKWARD"
 
 # 128 x 128 blocks on a GPU: a step of W1 (32k tokens, 16 heads) holds 256 MiB of float32 scores, small
@@ -62,16 +63,12 @@ DEFAULT_MEMORY_FRACTION = 0.5
 _F32 = 4
 
 
-def fused_backward(config: AttentionConfig | None = None) -> bool:
-    """Whether the backward being traced runs the fused pass: BACKWARD_ENV, else fused unless the call asks
-    deterministic=True on a backend whose scatter-add is atomic (not the CPU)."""
+def fused_backward() -> bool:
+    """Whether the backward being traced runs the fused pass (BACKWARD_ENV, else the backend decides)."""
     choice = os.environ.get(BACKWARD_ENV, "").strip().lower()
     if choice not in ("", "fused", "two_pass"):
         raise ValueError(f"{BACKWARD_ENV} must be 'fused' or 'two_pass', got {choice!r}")
-    if choice:
-        return choice == "fused"
-    deterministic = config is not None and config.deterministic
-    return not deterministic or jax.default_backend() == "cpu"
+    return choice == "fused" if choice else jax.default_backend() == "cpu"
 
 
 def matmul_dtype(config: AttentionConfig) -> str:
@@ -156,7 +153,7 @@ def estimate_bytes(config: AttentionConfig, block_q: int, block_kv: int, directi
                 + (tq + block_q) * hq * (dqk + dv + 2) * _F32  # q, dO, lse, delta padded for the slices
                 + 6 * tkv_pad * hkv * (dqk + dv) * _F32)  # k, v tiles, a step's copy, running sums, slots, sums
     grads = (tq * hq * dqk + tkv * hkv * (dqk + dv)) * (_F32 + item)
-    if fused_backward(config):  # one pass over the key blocks, adding dQ into a float32 buffer it carries
+    if fused_backward():  # one pass over the key blocks, adding dQ into a float32 buffer it carries
         return int(live + dkv_pass + 2 * (tq + block_q) * hq * dqk * _F32 + grads)
     return int(live + max(dq_pass, dkv_pass) + grads)
 

@@ -1,7 +1,7 @@
 """The blocked xla path against the float64 reference with blocks smaller than the sequences.
 
 At the default 128-row blocks every test batch fits in one tile, so the online softmax, the tile ranges and
-the backward (fused by default; its two-pass form, a GPU's deterministic=True, has a test of its own) would only ever
+the backward (fused on the CPU; its two-pass form, a GPU's default, has a test of its own) would only ever
 see one step. Here blocks of 1 to 5 rows make every sequence span
 several tiles, tiles straddle sequence boundaries, and the last tile of a range is partial. Blocks are set
 through JAX_RAGGED_ATTN_XLA_BLOCK, the user's knob, read when the call is traced.
@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 
 from jax_ragged_attn import ragged_attention, xla_memory
-from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.testing import assert_close, packed_batch, random_lengths
 from jax_ragged_attn.testing.reference import reference_attention
 
@@ -152,20 +151,11 @@ def test_the_two_pass_backward_matches_the_reference(rng, monkeypatch, case_name
     _check(batch, expected, out, stats, grads, "float32", f"two passes, blocks {blocks}: ")
 
 
-def _config(deterministic: bool):
-    x = jax.ShapeDtypeStruct((8, 2, 8), jnp.bfloat16)
-    cu = jax.ShapeDtypeStruct((3,), jnp.int32)
-    return make_config(x, x, x, cu, cu, AttentionOptions(deterministic=deterministic), max_seqlen_q=8,
-                       max_seqlen_kv=8)
-
-
-def test_the_backward_is_fused_unless_determinism_needs_two_passes_and_the_setting_is_validated(monkeypatch):
+def test_the_fused_backward_is_the_cpu_default_and_the_setting_is_validated(monkeypatch):
     monkeypatch.delenv(xla_memory.BACKWARD_ENV, raising=False)
-    assert xla_memory.fused_backward(_config(deterministic=False))
-    # deterministic=True: two passes where the scatter-add is atomic (a GPU); the CPU adds in order anyway.
-    assert xla_memory.fused_backward(_config(deterministic=True)) == (jax.default_backend() == "cpu")
+    assert xla_memory.fused_backward() == (jax.default_backend() == "cpu")
     monkeypatch.setenv(xla_memory.BACKWARD_ENV, "two_pass")
-    assert not xla_memory.fused_backward(_config(deterministic=False))
+    assert not xla_memory.fused_backward()
     monkeypatch.setenv(xla_memory.BACKWARD_ENV, "Fused")
     assert xla_memory.fused_backward()
     monkeypatch.setenv(xla_memory.BACKWARD_ENV, "fast")
@@ -173,10 +163,11 @@ def test_the_backward_is_fused_unless_determinism_needs_two_passes_and_the_setti
         xla_memory.fused_backward()
 
 
-def test_deterministic_gradients_are_bit_identical_run_to_run(monkeypatch):
-    """deterministic=True promises bit-identical dQ/dK/dV: on a GPU the xla path then runs its two passes
-    (no atomic scatter-add). Many sequences of several small tiles, so tiles of different lanes add into
-    the same query rows."""
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gradients_are_bit_identical_run_to_run(monkeypatch, deterministic):
+    """The xla path's gradients are bit-identical run to run whatever `deterministic` says (on a GPU by its
+    default two passes: no atomic scatter-add). Many sequences of several small tiles, so tiles of
+    different lanes add into the same query rows."""
     monkeypatch.delenv(xla_memory.BACKWARD_ENV, raising=False)
     monkeypatch.setenv(xla_memory.BLOCK_ENV, "4")
     rng = np.random.default_rng(zlib.crc32(b"deterministic"))
@@ -189,7 +180,7 @@ def test_deterministic_gradients_are_bit_identical_run_to_run(monkeypatch):
         def loss(q, k, v):
             out = ragged_attention(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_kv, max_seqlen_q=batch.max_seqlen_q,
                                    max_seqlen_kv=batch.max_seqlen_kv, is_causal=True, implementation="xla",
-                                   deterministic=True)
+                                   deterministic=deterministic)
             return jnp.sum(out.astype(jnp.float32) * cotangent)
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
