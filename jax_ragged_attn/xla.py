@@ -492,7 +492,8 @@ def _dkv_pass(plan, q_clean, k_clean, v_clean, d_out, lse, delta, bands, with_dq
         p = jnp.exp(jnp.where(mask, _logits(plan, q_tile, k_tile) - lse_tile[..., None], _MASKED))
         dp = _dot(plan, "nqhgd,nkhd->nhgqk", do_tile, v_tile)
         ds = p * (dp - delta_tile[..., None])
-        return (_dot(plan, "nhgqk,nqhgd->nkhd", ds, q_tile), _dot(plan, "nhgqk,nqhgd->nkhd", p, do_tile)), ds, start, k_tile
+        sums = (_dot(plan, "nhgqk,nqhgd->nkhd", ds, q_tile), _dot(plan, "nhgqk,nqhgd->nkhd", p, do_tile))
+        return sums, ds, start, k_tile
 
     def fused_tile(block, r, valid, d_q):
         sums, ds, start, k_tile = tile(block, r, valid)

@@ -55,4 +55,5 @@ def test_row_positions_of_constant_cu_seqlens_under_jit(seed):
     cu = jnp.asarray(cu_seqlens_from_lengths(lengths))
     got = jax.jit(lambda: row_positions(sanitize_cu_seqlens(cu, capacity), capacity, max_seqlen))()
     for name, a, b in zip(("sequence", "position", "valid"), got, _expected(np.asarray(cu), capacity, max_seqlen)):
-        np.testing.assert_array_equal(np.asarray(a), b, err_msg=f"{name}: cu={np.asarray(cu).tolist()} capacity={capacity}")
+        np.testing.assert_array_equal(np.asarray(a), b,
+                                      err_msg=f"{name}: cu={np.asarray(cu).tolist()} capacity={capacity}")
