@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import statistics
 import sys
 import time
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn import xla as current_xla
+from jax_ragged_attn import xla_memory
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.packing import cu_seqlens_from_lengths
 from jax_ragged_attn.tools.workloads import seeded_lengths
@@ -143,6 +145,11 @@ def main(argv=None) -> int:
     parser.add_argument("--directions", default="fwd,fwd+bwd")
     args = parser.parse_args(argv)
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}, {args.dtype}")
+    # The settings "xla" runs with (read at trace time; see jax_ragged_attn/xla_memory.py).
+    backward = "fused" if xla_memory.fused_backward() else "two_pass"
+    print(f"xla: backward {backward} ({xla_memory.BACKWARD_ENV}), matmul operands "
+          f"{os.environ.get(xla_memory.MATMUL_ENV) or 'input'} ({xla_memory.MATMUL_ENV}), blocks "
+          f"{os.environ.get(xla_memory.BLOCK_ENV) or 'default'} ({xla_memory.BLOCK_ENV})")
     for shape in args.shape.split(","):
         lengths, table = systems(shape, args.dtype, args.before)
         _, _, _, total, heads, dim = SHAPES[shape]
