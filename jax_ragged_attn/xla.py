@@ -227,6 +227,23 @@ def _query_bands(plan: _Plan, bands: _Bands):
     return first, last, low, steps
 
 
+def _key_tiles(plan, k_clean, v_clean, first, last, low):
+    """For the passes whose lanes walk query blocks (the forward, dQ): read(block [lanes], tile r [lanes],
+    valid [lanes]) -> (mask [lanes, 1, 1, bq, bk], k and v tiles [lanes, bk, Hkv, D]), the r-th key tile of
+    each lane's block's range; a lane past the walk's total (valid False) gets an empty mask."""
+    c, bk = plan.config, plan.block_kv
+    # bk rows of padding: a tile starts before its range's end (< Tkv), so a slice never needs clamping.
+    k_pad, v_pad = _pad(k_clean, c.capacity_kv + bk), _pad(v_clean, c.capacity_kv + bk)
+
+    def read(block, r, valid):
+        start = low[block] + r * bk
+        cols = start[:, None] + jnp.arange(bk, dtype=jnp.int32)[None, :]
+        mask = _tile_mask(jnp.where(valid[:, None], first[block], c.capacity_kv), last[block], cols)
+        return mask, _rows(k_pad, start, bk), _rows(v_pad, start, bk)
+
+    return read
+
+
 def _merge_softmax(a, b):
     """Two online-softmax states (row max, row sum, weighted value sum) of one row's disjoint key sets as
     the state of their union; (_MASKED, 0, 0) is the neutral state."""
@@ -242,23 +259,18 @@ def _forward(plan: _Plan, q, k, v, sinks, bands: _Bands):
     The query blocks' key tiles are shared out among n lanes as the backward's (_walk): each lane keeps an
     online softmax over its run of one block's tiles (a segment), and each block merges its segments'
     states after the loop, so the forward costs the tiles each block needs, not blocks x the widest range."""
-    c = plan.config
-    bq, bk = plan.block_q, plan.block_kv
+    c, bq = plan.config, plan.block_q
     first, last, low, steps = _query_bands(plan, bands)
     n = first.shape[0]
     row_shape = (c.num_heads_kv, c.group_size, bq)  # one block's state rows, as the tiles' matmuls lay them out
     q_tiles = _query_blocks(plan, _clean(q, bands.first <= bands.last, plan.operand))
     q_tiles = q_tiles.reshape(n, bq, c.num_heads_kv, c.group_size, c.head_dim_qk)
-    # bk rows of padding: a tile starts before its range's end (< Tkv), so a slice never needs clamping.
-    k_pad = _pad(_clean(k, bands.key_valid, plan.operand), c.capacity_kv + bk)
-    v_pad = _pad(_clean(v, bands.key_valid, plan.operand), c.capacity_kv + bk)
+    k_clean, v_clean = (_clean(x, bands.key_valid, plan.operand) for x in (k, v))
+    key_tile = _key_tiles(plan, k_clean, v_clean, first, last, low)
 
     def tile(block, r, valid, state, side):
         row_max, row_sum, acc = state
-        start = low[block] + r * bk
-        cols = start[:, None] + jnp.arange(bk, dtype=jnp.int32)[None, :]
-        k_tile, v_tile = _rows(k_pad, start, bk), _rows(v_pad, start, bk)
-        mask = _tile_mask(jnp.where(valid[:, None], first[block], c.capacity_kv), last[block], cols)
+        mask, k_tile, v_tile = key_tile(block, r, valid)
         s = jnp.where(mask, _logits(plan, q_tiles[block], k_tile), _MASKED)
         new_max = jnp.maximum(row_max, s.max(axis=-1))
         # The where inside the exp: in a row that has seen no key yet, masked entries would give exp(0) = 1.
@@ -273,7 +285,8 @@ def _forward(plan: _Plan, q, k, v, sinks, bands: _Bands):
                jnp.zeros(row_shape + (c.head_dim_v,), jnp.float32))
     (row_max, row_sum, acc), _ = _walk_fold(_walk(steps, n), n, tile, neutral, _merge_softmax)
     if sinks is not None:  # the sink is one more logit of every row, with weight exp(sink - max) and no value
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, c.num_heads_kv, c.group_size, 1), row_max.shape)
+        sink = sinks.astype(jnp.float32).reshape(1, c.num_heads_kv, c.group_size, 1)
+        sink = jnp.broadcast_to(sink, row_max.shape)
         row_max, row_sum, acc = _merge_softmax((row_max, row_sum, acc), (sink, jnp.ones_like(row_sum),
                                                                            jnp.zeros_like(acc)))
     shape = row_max.shape
@@ -415,7 +428,7 @@ def _walk_fold(walk: _Walk, lanes: int, update, neutral, merge, side=None):
     def gather(j, out):
         index = jnp.minimum(walk.base + j, lanes + n - 1)
         taken = j < walk.count
-        return merge(out, tuple(jnp.where(per_lane(taken, x[index]), x[index], e) for x, e in zip(slots, neutral)))
+        return merge(out, tuple(jnp.where(per_lane(taken, x), x[index], e) for x, e in zip(slots, neutral)))
 
     merged = lax.fori_loop(0, walk.count.max(initial=0), gather, spread(n))
     return merged, side
@@ -430,23 +443,18 @@ def _rows(x, start, size: int):
 def _dq_pass(plan, q_clean, k_clean, v_clean, d_out, lse, delta, bands):
     """dQ: every query block's key range, tile by tile, recomputing P from lse; the tiles of all blocks are
     shared out evenly among n lanes (_walk), so a block pays for its own range, not the widest one."""
-    c = plan.config
-    bq, bk = plan.block_q, plan.block_kv
+    c, bq = plan.config, plan.block_q
     n = _ceil_div(c.capacity_q, bq)
     split = (n, bq, c.num_heads_kv, c.group_size)
     q_tiles = _query_blocks(plan, q_clean).reshape(*split, c.head_dim_qk)
     do_tiles = _query_blocks(plan, d_out).reshape(*split, c.head_dim_v)
     lse_tiles, delta_tiles = _heads_first(lse, plan), _heads_first(delta, plan)  # [n, Hkv, G, bq]
     first, last, low, steps = _query_bands(plan, bands)
-    # bk rows of padding: a tile starts before the range's end (< Tkv), so a slice never needs clamping.
-    k_pad, v_pad = _pad(k_clean, c.capacity_kv + bk), _pad(v_clean, c.capacity_kv + bk)
+    key_tile = _key_tiles(plan, k_clean, v_clean, first, last, low)
     walk = _walk(steps, n)
 
     def tile(block, r, valid):
-        start = low[block] + r * bk
-        cols = start[:, None] + jnp.arange(bk, dtype=jnp.int32)[None, :]
-        k_tile, v_tile = _rows(k_pad, start, bk), _rows(v_pad, start, bk)
-        mask = _tile_mask(jnp.where(valid[:, None], first[block], c.capacity_kv), last[block], cols)
+        mask, k_tile, v_tile = key_tile(block, r, valid)
         q_tile = q_tiles[block]
         p = jnp.exp(jnp.where(mask, _logits(plan, q_tile, k_tile) - lse_tiles[block][..., None], _MASKED))
         dp = _dot(plan, "nqhgd,nkhd->nhgqk", do_tiles[block], v_tile)

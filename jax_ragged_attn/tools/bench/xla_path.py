@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import statistics
 import sys
 import time
@@ -113,7 +112,7 @@ def _with_grad(forward):
 
 
 def systems(shape: str, dtype: str, before: str | None):
-    """{name: (forward, forward+backward, args)} for this shape."""
+    """(lengths, the xla path's config, {name: (forward, forward+backward, args)}) for this shape."""
     lengths, q, k, v, cu = inputs(shape, dtype)
     max_seqlen = max(lengths)
     config = make_config(q, k, v, cu, cu, AttentionOptions(is_causal=True), max_seqlen_q=max_seqlen,
@@ -132,7 +131,7 @@ def systems(shape: str, dtype: str, before: str | None):
                                             key_value_seq_lengths=seq, implementation="xla")
 
     out["jax.nn padded"] = (*_with_grad(dense), tuple(padded(x, lengths) for x in (q, k, v)))
-    return lengths, out
+    return lengths, config, out
 
 
 def main(argv=None) -> int:
@@ -145,16 +144,14 @@ def main(argv=None) -> int:
     parser.add_argument("--directions", default="fwd,fwd+bwd")
     args = parser.parse_args(argv)
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}, {args.dtype}")
-    # The settings "xla" runs with (read at trace time; see jax_ragged_attn/xla_memory.py).
-    backward = "fused" if xla_memory.fused_backward() else "two_pass"
-    print(f"xla: backward {backward} ({xla_memory.BACKWARD_ENV}), matmul operands "
-          f"{os.environ.get(xla_memory.MATMUL_ENV) or 'input'} ({xla_memory.MATMUL_ENV}), blocks "
-          f"{os.environ.get(xla_memory.BLOCK_ENV) or 'default'} ({xla_memory.BLOCK_ENV})")
     for shape in args.shape.split(","):
-        lengths, table = systems(shape, args.dtype, args.before)
+        lengths, config, table = systems(shape, args.dtype, args.before)
         _, _, _, total, heads, dim = SHAPES[shape]
         print(f"\n{shape}: {len(lengths)} sequences of {min(lengths)}..{max(lengths)} ({total:,} tokens), "
               f"{heads} heads, head dim {dim}, causal")
+        # What "xla" runs with, as xla.py resolves it at trace time (settings: jax_ragged_attn/xla_memory.py).
+        print(f"xla: {'fused' if xla_memory.fused_backward() else 'two_pass'} backward, "
+              f"{xla_memory.matmul_dtype(config)} matmul operands, blocks {xla_memory.block_sizes(config)}")
         wanted = args.directions.split(",")
         entries = {}
         for name, (fwd, both, fn_args) in table.items():
