@@ -4,7 +4,7 @@
 // The fields are declared once, in JAX_RAGGED_ATTN_CONFIG_FIELDS; the struct, its key, describe(), the
 // FFI attribute decoding (handlers.cc), the Python-dict decoding and the exported field list (module.cc)
 // are all generated from it. A new field is one line here, its value in Python's ffi_attributes
-// (jax_ragged_attn/_cudnn/graphs.py), and its use.
+// (jax_ragged_attn/backends/cudnn/graphs.py), and its use.
 #pragma once
 
 #include <cstddef>

@@ -2,7 +2,7 @@
 // launch it. They allocate nothing and synchronise nothing: the workspace is an ordinary XLA output whose
 // size Python asked for at trace time, so the handlers are safe inside XLA's command buffers (CUDA graphs).
 //
-// The contract (jax_ragged_attn/_cudnn/launch.py builds the calls):
+// The contract (jax_ragged_attn/backends/cudnn/launch.py builds the calls):
 //
 //   forward:  args    q, k, v, seq_len_q, seq_len_kv, offset_q, offset_k, offset_v, offset_o, offset_stats
 //             [zero-filled: o, stats | check mode: workspace, o, stats]

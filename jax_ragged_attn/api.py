@@ -1,7 +1,15 @@
-"""The public entry point: validate, pick an implementation, call it.
+"""The public entry point: features composed around one backend call.
 
-Every entry point (this one, packed.py, segments.py, sharding.py) builds an `AttentionOptions` from its
-keywords first thing and hands it to `attend`, which serves every packing of the inputs (packings.TABLE).
+Every entry point (this one, inputs/packed.py, inputs/segments.py, parallel/sharding.py, ...) builds an
+`AttentionOptions` from its keywords first thing and hands the buffers to `attend`, which runs, in order:
+
+    index arrays made int32, one RaggedIndex     (index.py)
+    the static config, validated                  (config.py)
+    the bottom-right mask run as top-left         (features/bottom_right.py)
+    check mode, or host-side warnings             (features/checks.py)
+    the backend the registry picks                (backends/__init__.py: cuDNN, FlashAttention-3, xla)
+    sinks: folded into the backend or an epilogue (features/sinks.py)
+    overflow counts                               (features/overflow.py)
 """
 
 from __future__ import annotations
@@ -9,18 +17,17 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-from jax_ragged_attn import _cudnn as cudnn, _fa3 as fa3, implementation_tuning
-from jax_ragged_attn._cudnn import launch
-from jax_ragged_attn._cudnn import sinks as cudnn_sinks
-from jax_ragged_attn._cudnn.packings import TABLE
-from jax_ragged_attn.checks import check_enabled, checked_cu_seqlens, checked_seqused, warn_cu_seqlens_on_host
+from jax_ragged_attn import backends
+from jax_ragged_attn.backends.packings import TABLE
 from jax_ragged_attn.config import AttentionConfig, AttentionOptions, make_config
-from jax_ragged_attn.indices import as_int32
-from jax_ragged_attn.overflow import cu_seqlens_overflow
-from jax_ragged_attn.packing import query_rows_with_keys, row_positions, sanitize_both
-from jax_ragged_attn.sinks import apply_sinks
-from jax_ragged_attn.xla import attention_xla, warn_cudnn_fallback
+from jax_ragged_attn.features.bottom_right import as_top_left
+from jax_ragged_attn.features.checks import apply_check
+from jax_ragged_attn.features.overflow import cu_seqlens_overflow
+from jax_ragged_attn.features.sinks import apply_sinks
+from jax_ragged_attn.index import RaggedIndex, as_int32
 
 
 def ragged_attention(
@@ -86,7 +93,7 @@ def ragged_attention(
       autotune: on cuDNN, time every candidate plan cuDNN offers for this configuration once (at trace
         time, on scratch buffers) and run the fastest; the heuristic's choice is kept unless another plan
         is measurably faster. Choices persist on disk per (GPU, cuDNN version, configuration); see
-        jax_ragged_attn/_cudnn/autotune.py. The xla path ignores it. With strategy="fastest" it also times
+        jax_ragged_attn/backends/cudnn/autotune.py. The xla path ignores it. With strategy="fastest" it also times
         the backward's two intermediate layouts (where the padded one is within its workspace bound) and
         keeps the lean one unless the padded one is more than 3 % faster. With implementation=None, where
         FlashAttention-3 can serve the call too, it also times a forward + backward of each once per
@@ -95,7 +102,7 @@ def ragged_attention(
         a layout padded to [B, max_seqlen_q] when its workspace is at most twice the lean one's (or at most
         256 MiB more), measured 0.6-18 % faster backward on the H200; else the lean one. "lean_memory":
         always the layout sized by the token capacity Tq. The forward is the same either way and gradients
-        agree to rounding (see jax_ragged_attn/_cudnn/strategy.py). The xla path ignores it.
+        agree to rounding (see jax_ragged_attn/backends/cudnn/strategy.py). The xla path ignores it.
       sinks: None or [Hq] float, one learnable logit per query head (gpt-oss style) that joins every row's
         softmax without a value, so a row can put weight on "nothing"; differentiable. stats then include
         the sink term, and a real query row without keys has the sink as its whole softmax: out 0, stats
@@ -132,11 +139,11 @@ def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOption
            seqused_q=None, seqused_kv=None):
     """`ragged_attention` of the buffers laid out as TABLE[packing] says: (q, k, v), (q, kv) or (qkv,).
 
-    The cuDNN path reads packed buffers in place and returns their gradients in their own layout; the xla
-    path slices the parts out and lets autodiff assemble the gradients (correct everywhere, with copies).
+    A backend that reads packed buffers in place (cuDNN) returns their gradients in their own layout; the
+    others slice the parts out and let autodiff assemble the gradients (correct everywhere, with copies).
     """
-    layout = TABLE[packing]
-    q, k, v = layout.views(buffers)
+    buffers = tuple(_as_array(x, b.name) for x, b in zip(buffers, TABLE[packing].buffers))
+    q, k, v = TABLE[packing].views(buffers)
     same = cu_seqlens_q is cu_seqlens_kv  # one array for both (qkv-packed, segments): checked once
     cu_seqlens_q = as_int32(cu_seqlens_q, "cu_seqlens" if same and packing == "qkv" else "cu_seqlens_q")
     cu_seqlens_kv = cu_seqlens_q if same else as_int32(cu_seqlens_kv, "cu_seqlens_kv")
@@ -145,43 +152,35 @@ def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOption
     config = dataclasses.replace(config, return_stats=options.return_stats)
     if not isinstance(return_overflow, bool):
         raise ValueError(f"return_overflow must be a Python bool, got {type(return_overflow).__name__}")
-    seqused = (_seqused(seqused_q, "seqused_q", config), _seqused(seqused_kv, "seqused_kv", config))
-    if (same and seqused[0] is seqused[1] and config.diagonal_alignment == "bottom_right"
-            and (config.capacity_q, config.max_seqlen_q) == (config.capacity_kv, config.max_seqlen_kv)):
-        # Every sequence has as many keys as queries, so the bottom-right mask is the top-left one, whose
-        # backward is the cheaper (a bottom-right one runs as two calls: _cudnn/launch.py _backward).
-        config = dataclasses.replace(config, diagonal_alignment="top_left")
-    config, cu_seqlens_q, cu_seqlens_kv, seqused = apply_check(options.check, config, cu_seqlens_q, cu_seqlens_kv,
-                                                               seqused)
-    # Sinks are an epilogue of the sink-free op on every implementation (sinks.py): the op itself runs without,
-    # and hands over its stats as computed (raw: never -inf made for the epilogue's sake, so debug_infs is quiet).
+    index = RaggedIndex(cu_seqlens_q, cu_seqlens_kv, _seqused(seqused_q, "seqused_q", config),
+                        _seqused(seqused_kv, "seqused_kv", config), same=same)
+    config = as_top_left(config, index)
+    config, index = apply_check(options.check, config, index)
+    # The backend runs without sinks (inner); they fold into its backward where it can (no stats returned,
+    # so no stats cotangent), else they are an epilogue on its stats, handed over raw (never -inf made for
+    # the epilogue's sake, so debug_infs stays quiet).
     inner = dataclasses.replace(config, has_sinks=False)
-    chosen = choose_implementation(options.implementation, inner, sinks=sinks is not None,
-                                   index=(cu_seqlens_q, cu_seqlens_kv, seqused))
-    if chosen == "cudnn" and sinks is not None and not options.return_stats:
-        # No stats leave the op, so no stats cotangent can come back: the sink folds into the plain backward.
-        out = cudnn_sinks.attention_with_sinks(tuple(buffers), cu_seqlens_q, cu_seqlens_kv, sinks, inner, seqused)
-        sinks, stats = None, None  # applied
-    elif chosen == "cudnn":
-        out, stats = launch.attention(tuple(buffers), cu_seqlens_q, cu_seqlens_kv, inner, seqused)
-    elif chosen == "fa3":  # packed parts are sliced out; autodiff assembles their gradients in the packed shape
-        out, stats = fa3.attention(*layout.split(buffers), cu_seqlens_q, cu_seqlens_kv, inner, seqused)
+    backend = backends.choose(options.implementation, inner, index, stats_gradient=sinks is not None)
+    folds_sinks = sinks is not None and not options.return_stats and hasattr(backend, "attend_with_sinks")
+    if folds_sinks:
+        out, stats = backend.attend_with_sinks(buffers, index, sinks, inner), None
     else:
         wanted = "raw" if sinks is not None and not options.return_stats else options.return_stats
-        out, stats = attention_xla(*layout.split(buffers), cu_seqlens_q, cu_seqlens_kv, inner,
-                                   return_stats=wanted,  # False: no -inf computed (debug_infs)
-                                   seqused_q=seqused[0], seqused_kv=seqused[1])
-    if sinks is not None:
-        cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
-        real_rows = row_positions(cu_q, config.capacity_q, config.max_seqlen_q, seqused[0])[2]
-        rows_with_keys = query_rows_with_keys(cu_q, cu_kv, config, *seqused)
-        out, stats = apply_sinks(out, stats, sinks, real_rows, rows_with_keys, config.stats_layout,
-                                 options.return_stats)
+        out, stats = backend.attend(buffers, index, inner, stats=wanted)  # False: no -inf computed (debug_infs)
+    if sinks is not None and not folds_sinks:
+        out, stats = apply_sinks(out, stats, sinks, index.real_rows_q(config), index.rows_with_keys(config),
+                                 config.stats_layout, options.return_stats)
     result = (out, stats) if options.return_stats else (out,)
     if return_overflow:  # from the cu_seqlens as the caller passed them (checked ones are the same values)
-        result += (cu_seqlens_overflow(cu_seqlens_q, cu_seqlens_kv, config, same=cu_seqlens_q is cu_seqlens_kv,
-                                       seqused=seqused),)
+        result += (cu_seqlens_overflow(index.cu_seqlens_q, index.cu_seqlens_kv, config, same=index.same,
+                                       seqused=index.seqused),)
     return result if len(result) > 1 else out
+
+
+def _as_array(x, name: str):
+    """NumPy arrays as jnp.asarray makes them, the way jax.nn.dot_product_attention takes them: float64 becomes
+    float32 unless jax_enable_x64 is on. Anything else as it is (make_config names what it cannot take)."""
+    return jnp.asarray(x) if isinstance(x, np.ndarray) else x
 
 
 def _seqused(seqused, name: str, config: AttentionConfig):
@@ -193,66 +192,3 @@ def _seqused(seqused, name: str, config: AttentionConfig):
         raise ValueError(f"{name} must be [B={config.num_seqs}] (one entry per sequence of cu_seqlens), got shape "
                          f"{tuple(seqused.shape)}")
     return seqused
-
-
-def apply_check(check: bool | None, config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv, seqused=(None, None)):
-    """With check on: guard mode in the config, and cu_seqlens (and seqused) that are validated on the host at
-    run time (checks.py). Off: NumPy cu_seqlens, free to read, warn if they will be clamped or cut.
-    Returns (config, cu_seqlens_q, cu_seqlens_kv, seqused)."""
-    # One array for q and kv (qkv-packed, segments): checked once, under the name the caller passed.
-    same = cu_seqlens_q is cu_seqlens_kv and (config.capacity_q, config.max_seqlen_q) == (config.capacity_kv,
-                                                                                           config.max_seqlen_kv)
-    name_q = "cu_seqlens" if same and config.packing == "qkv" else "cu_seqlens_q"
-    sides = [(name_q, cu_seqlens_q, config.capacity_q, config.max_seqlen_q)]
-    if not same:
-        sides.append(("cu_seqlens_kv", cu_seqlens_kv, config.capacity_kv, config.max_seqlen_kv))
-    if not check_enabled(check):
-        for name, cu, capacity, max_seqlen in sides:
-            # With seqused the slot may be longer than max_seqlen: only the used rows count.
-            if seqused[0 if name != "cu_seqlens_kv" else 1] is None:
-                warn_cu_seqlens_on_host(cu, name=name, capacity=capacity, max_seqlen=max_seqlen)
-        return config, cu_seqlens_q, cu_seqlens_kv, seqused
-    config = dataclasses.replace(config, guard_workspace=True)
-    checked, used = [], list(seqused)
-    for name, cu, capacity, max_seqlen in sides:
-        side = 0 if name != "cu_seqlens_kv" else 1
-        if seqused[side] is None:
-            checked.append(checked_cu_seqlens(cu, name=name, capacity=capacity, max_seqlen=max_seqlen))
-        else:
-            seq_name = "seqused_q" if side == 0 else "seqused_kv"
-            cu, used[side] = checked_seqused(cu, seqused[side], name=name, seqused_name=seq_name, capacity=capacity,
-                                             max_seqlen=max_seqlen)
-            checked.append(cu)
-    if same and seqused[1] is not None and used[1] is seqused[1]:  # one cu for both sides: check kv's seqused too
-        _, used[1] = checked_seqused(checked[0], seqused[1], name="cu_seqlens" if config.packing == "qkv" else
-                                     "cu_seqlens_kv", seqused_name="seqused_kv",
-                                     capacity=config.capacity_kv, max_seqlen=config.max_seqlen_kv)
-    return config, checked[0], checked[-1], tuple(used)
-
-
-def choose_implementation(implementation: str | None, config: AttentionConfig, *, sinks: bool = False,
-                          index=(None, None, (None, None))) -> str:
-    """"cudnn", "fa3" or "xla" for this call (implementation already checked); implementation="cudnn" or
-    "fa3" that cannot be served raises saying why. sinks: the sink epilogue will differentiate through the
-    stats. index: (cu_seqlens_q, cu_seqlens_kv, seqused), which FA3 reads to prove a top-left mask its own."""
-    if implementation == "xla":
-        return "xla"
-    fa3_reason = "not considered"
-    if implementation == "fa3" or (implementation is None and (fa3.preferred(config) or config.autotune)):
-        # FA3 differentiates its stats with a second backward call (_fa3.py): sinks need nothing more.
-        fa3_reason = fa3.unsupported_reason(config, *index)
-        if implementation == "fa3" and fa3_reason is not None:
-            raise NotImplementedError(f"implementation='fa3' cannot serve this call: {fa3_reason}")
-        if implementation == "fa3" or (fa3_reason is None and fa3.preferred(config)):
-            return "fa3"
-    reason = cudnn.unsupported_reason(config)
-    if reason is None and sinks:
-        reason = launch.stats_gradient_unsupported(config)
-    if implementation == "cudnn" and reason is not None:
-        raise NotImplementedError(f"implementation='cudnn' cannot serve this call: {reason}")
-    if reason is not None:
-        warn_cudnn_fallback(reason, config)  # on a GPU only, once per reason
-        return "xla"
-    if fa3_reason is None:  # autotune=True and both kernels serve the call: the measured faster one
-        return implementation_tuning.faster(config, index[0], index[1])
-    return "cudnn"

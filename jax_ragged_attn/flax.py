@@ -5,7 +5,7 @@
     y = attention(x, batch["cu_seqlens"], batch["positions"], max_seqlen=1024)   # x, y [T, 512]
 
 x holds the tokens of many sequences back to back ([T, features], the THD layout, e.g. from
-`jax_ragged_attn.data.pack_documents`); every sequence attends only to itself. The projection's output is laid
+`jax_ragged_attn.inputs.data.pack_documents`); every sequence attends only to itself. The projection's output is laid
 out as the packed attention ops read it, so on the cuDNN path q, k and v are never split out or copied:
 
   MHA (num_kv_heads == num_heads): one kernel [features, 3, H, D] gives qkv [T, 3, H, D], rotated in place
@@ -43,8 +43,8 @@ except ImportError as error:  # the library itself needs no Flax; only this modu
 
 from jax_ragged_attn.api import ragged_attention
 from jax_ragged_attn.config import STRATEGIES
-from jax_ragged_attn.indices import as_int32
-from jax_ragged_attn.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
+from jax_ragged_attn.index import as_int32
+from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 
 __all__ = ["RaggedSelfAttention", "apply_rope", "positions_from_cu_seqlens"]
 

@@ -43,7 +43,7 @@ mutation() {  # the sweep against the frontend-1.27 build: must fail without the
   rm -rf "$tree" && mkdir -p "$tree" && cp -r jax_ragged_attn "$tree/" && rm -f "$tree"/jax_ragged_attn/_ext*.so
   cp .prebuilt127/_ext*.so "$tree/jax_ragged_attn/" || return 1
   local args=(--tier gpu --num-tests "${MUTATION_N:-40}" --seed 0 --jobs "${JOBS:-8}")
-  ( cd "$tree" && python3 -c "import jax_ragged_attn._cudnn.extension as e; print('cudnn-frontend headers of this build:', e.module().frontend_version)" )
+  ( cd "$tree" && python3 -c "import jax_ragged_attn.backends.cudnn.extension as e; print('cudnn-frontend headers of this build:', e.module().frontend_version)" )
   echo "--- fallback disabled (JAX_RAGGED_ATTN_DISABLE_FULL_EXTENT_FALLBACK=1): the sweep must fail"
   ( cd "$tree" && JAX_RAGGED_ATTN_DISABLE_FULL_EXTENT_FALLBACK=1 python3 -m jax_ragged_attn.tools.sweep "${args[@]}" ) \
     > "$out/mutation_disabled.log" 2>&1

@@ -55,4 +55,4 @@ say "building the C++ extension into $build_dir and installing jax_ragged_attn[t
 say "(a full build takes 2-3 minutes on 2 cores, about 1 minute on 16; a rebuild only recompiles what changed)"
 "$py" -m pip install -q --no-build-isolation -C build-dir="$build_dir" -e '.[test,flax,tools]'
 took $t
-say "ready in $((SECONDS - t0)) s: $("$py" -c 'import jax_ragged_attn._cudnn.extension as e; print(e.versions())')"
+say "ready in $((SECONDS - t0)) s: $("$py" -c 'import jax_ragged_attn.backends.cudnn.extension as e; print(e.versions())')"

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_ragged_attn import _cudnn as cudnn
-from jax_ragged_attn._cudnn import autotune, extension
+from jax_ragged_attn.backends import cudnn
+from jax_ragged_attn.backends.cudnn import autotune, extension
 from jax_ragged_attn.tools import autotune as autotune_cli
 from jax_ragged_attn.config import AttentionOptions, make_config
 

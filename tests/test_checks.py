@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn import checks, ragged_attention
-from jax_ragged_attn.checks import ENV_VAR, check_enabled, checked_cu_seqlens
+from jax_ragged_attn import ragged_attention
+from jax_ragged_attn.features import checks
+from jax_ragged_attn.features.checks import ENV_VAR, check_enabled, checked_cu_seqlens
 
 RAISED = (ValueError, jax.errors.JaxRuntimeError)
 CAPACITY, MAX_SEQLEN = 10, 4

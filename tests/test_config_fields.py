@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn._cudnn import extension, graphs
+from jax_ragged_attn.backends.cudnn import extension, graphs
 from jax_ragged_attn.config import AttentionOptions, make_config
 
 

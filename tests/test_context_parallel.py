@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.context_parallel import chunk_pieces, pieces_cu_seqlens
-from jax_ragged_attn.packing import cu_seqlens_from_lengths
-from jax_ragged_attn.sharding import reorder_for_load_balance, restore_order, sharded_ragged_attention
+from jax_ragged_attn.parallel.context_parallel import chunk_pieces, pieces_cu_seqlens
+from jax_ragged_attn.index import cu_seqlens_from_lengths
+from jax_ragged_attn.parallel.sharding import reorder_for_load_balance, restore_order, sharded_ragged_attention
 from jax_ragged_attn.testing.documents import dense_mask, random_document_lengths
 from jax_ragged_attn.testing.multidevice import cudnn_gpus, report_checks, run_checks_in_child
 from jax_ragged_attn.testing import assert_close, packed_batch
@@ -315,7 +315,7 @@ def test_one_gpu_chunk_calls_match_the_op_on_cudnn(n, load_balance, layout):
     """Every chunk's call as a device runs it (context_parallel.chunk_attention against all the keys), on one
     GPU: offset pieces take the cuDNN path's split bottom-right backward (rectangle + square). Their rows
     together equal the unsharded cuDNN call and the float64 reference, a stats cotangent included."""
-    from jax_ragged_attn import context_parallel as cp
+    from jax_ragged_attn.parallel import context_parallel as cp
     from jax_ragged_attn.api import attend
     from jax_ragged_attn.config import AttentionOptions
 

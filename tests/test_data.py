@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jax_ragged_attn.data import pack_documents
-from jax_ragged_attn.load_balance import causal_work_per_device
-from jax_ragged_attn.sharding import reorder_for_load_balance
+from jax_ragged_attn.inputs.data import pack_documents
+from jax_ragged_attn.parallel.load_balance import causal_work_per_device
+from jax_ragged_attn.parallel.sharding import reorder_for_load_balance
 
 
 def _check_batch(batch, capacity: int, max_seqs: int, max_seqlen: int, pad_id: int = 0, *,

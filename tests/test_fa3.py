@@ -13,10 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn import _fa3, api, ragged_attention
-from jax_ragged_attn.checks import RaggedAttentionInputError, input_errors
+from jax_ragged_attn import backends, ragged_attention
+from jax_ragged_attn.index import RaggedIndex
+from jax_ragged_attn.backends import fa3 as _fa3
+from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
 from jax_ragged_attn.config import AttentionOptions, make_config
-from jax_ragged_attn.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
+from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 from jax_ragged_attn.testing import assert_close, fa3_emulator, reference_attention
 
 CU = np.array([0, 5, 5, 12], np.int32)
@@ -96,8 +98,8 @@ def test_automatic_choice_never_picks_fa3_until_measured_faster(emulated):
     q, k, v = _qkv()
     config = make_config(q, k, v, CU, CU, AttentionOptions(), max_seqlen_q=8, max_seqlen_kv=8)
     assert _fa3.unsupported_reason(config) is None
-    assert api.choose_implementation(None, config) != "fa3"
-    assert api.choose_implementation("fa3", config) == "fa3"
+    assert backends.choose(None, config, RaggedIndex(CU, CU)).NAME != "fa3"
+    assert backends.choose("fa3", config, RaggedIndex(CU, CU)).NAME == "fa3"
 
 
 def _loss(f):

@@ -16,8 +16,12 @@ import numpy as np
 import pytest
 
 import jax_ragged_attn
-from jax_ragged_attn import _cudnn as cudnn, _fa3, api, implementation_tuning
-from jax_ragged_attn._cudnn import autotune
+from jax_ragged_attn import backends
+from jax_ragged_attn.index import RaggedIndex
+from jax_ragged_attn.backends import cudnn
+from jax_ragged_attn.backends import fa3 as _fa3
+from jax_ragged_attn.backends import tuning as implementation_tuning
+from jax_ragged_attn.backends.cudnn import autotune
 from jax_ragged_attn.config import AttentionOptions, make_config
 
 
@@ -46,8 +50,8 @@ class Timings:
 def both_serve(monkeypatch, tmp_path):
     """Both kernels serve every call; a cache file and process memory of this test's own. Returns install(
     timings), which makes `timings` the measurement."""
-    monkeypatch.setattr(_fa3, "unsupported_reason", lambda config, *index: None)
-    monkeypatch.setattr(cudnn, "unsupported_reason", lambda config: None)
+    monkeypatch.setattr(_fa3, "unsupported_reason", lambda config, *index, **kwargs: None)
+    monkeypatch.setattr(cudnn, "unsupported_reason", lambda config, *index, **kwargs: None)
     monkeypatch.setattr(implementation_tuning, "_versions", lambda: (["NVIDIA H200", 91900, [1, 32, 0]], "0.2.3"))
     monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "autotune.json"))
     monkeypatch.setattr(implementation_tuning, "_chosen", {})
@@ -61,8 +65,8 @@ def both_serve(monkeypatch, tmp_path):
 
 def _choose(config, implementation=None, same=False):
     cu_q = jnp.zeros(4, jnp.int32)
-    return api.choose_implementation(implementation, config, index=(cu_q, cu_q if same else jnp.ones(4, jnp.int32),
-                                                                    (None, None)))
+    index = RaggedIndex(cu_q, cu_q if same else jnp.ones(4, jnp.int32), same=same)
+    return backends.choose(implementation, config, index).NAME
 
 
 @pytest.mark.parametrize("cudnn_ms, fa3_ms, chosen", [
@@ -151,7 +155,7 @@ def test_the_measurement_runs_outside_an_enclosing_jit_trace(monkeypatch):
 
 def test_measure_times_both_on_scratch_shaped_as_the_call(monkeypatch):
     config = _config(autotune=True)
-    monkeypatch.setattr(_fa3, "unsupported_reason", lambda config, *index: None)
+    monkeypatch.setattr(_fa3, "unsupported_reason", lambda config, *index, **kwargs: None)
     calls = []
 
     def loop_ms(step, args):

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.checks import RaggedAttentionInputError, RaggedAttentionInputWarning, input_errors
-from jax_ragged_attn.indices import as_int32
-from jax_ragged_attn.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
-from jax_ragged_attn.segments import ragged_attention_segments
+from jax_ragged_attn.features.checks import RaggedAttentionInputError, RaggedAttentionInputWarning, input_errors
+from jax_ragged_attn.index import as_int32
+from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
+from jax_ragged_attn.inputs.segments import ragged_attention_segments
 from jax_ragged_attn.testing import assert_close, packed_batch, reference_attention
 
 INT_DTYPES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn import context_parallel, sharding
-from jax_ragged_attn.load_balance import (balanced_document_order, causal_work_per_device, device_of_chunk,
+from jax_ragged_attn.parallel import context_parallel
+from jax_ragged_attn.parallel import sharding
+from jax_ragged_attn.parallel.load_balance import (balanced_document_order, causal_work_per_device, device_of_chunk,
                                           dual_chunk_order, dual_chunk_rows, permute_chunks)
 from jax_ragged_attn.testing.multidevice import report_checks, run_checks_in_child
 from jax_ragged_attn.tools.workloads import seeded_lengths

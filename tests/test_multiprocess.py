@@ -57,7 +57,7 @@ def _child(process_id: int, port: int) -> None:
     from jax.experimental import multihost_utils
 
     from jax_ragged_attn import ragged_attention
-    from jax_ragged_attn.sharding import reorder_for_load_balance, restore_order, sharded_ragged_attention
+    from jax_ragged_attn.parallel.sharding import reorder_for_load_balance, restore_order, sharded_ragged_attention
     from jax_ragged_attn.testing import assert_close
 
     assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2

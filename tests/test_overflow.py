@@ -19,14 +19,15 @@ import numpy as np
 import pytest
 
 import jax_ragged_attn
-from jax_ragged_attn import _cudnn as cudnn, ragged_attention
-from jax_ragged_attn._cudnn import launch
-from jax_ragged_attn.checks import RaggedAttentionInputError, RaggedAttentionInputWarning, input_errors
+from jax_ragged_attn import ragged_attention
+from jax_ragged_attn.backends import cudnn
+from jax_ragged_attn.backends.cudnn import launch
+from jax_ragged_attn.features.checks import RaggedAttentionInputError, RaggedAttentionInputWarning, input_errors
 from jax_ragged_attn.config import AttentionOptions, make_config
-from jax_ragged_attn.data import pack_documents
-from jax_ragged_attn.overflow import Overflow
-from jax_ragged_attn.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
-from jax_ragged_attn.packing import sanitize_cu_seqlens
+from jax_ragged_attn.inputs.data import pack_documents
+from jax_ragged_attn.features.overflow import Overflow
+from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
+from jax_ragged_attn.index import sanitize_cu_seqlens
 
 CAPACITY_Q, CAPACITY_KV = 12, 10
 MAX_SEQLEN_Q, MAX_SEQLEN_KV = 4, 5

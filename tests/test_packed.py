@@ -15,10 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn import _cudnn as cudnn, checks, packed
-from jax_ragged_attn._cudnn import extension, graphs, launch
+from jax_ragged_attn.backends import cudnn
+from jax_ragged_attn.features import checks
+from jax_ragged_attn.inputs import packed
+from jax_ragged_attn.backends.cudnn import extension, graphs, launch
 from jax_ragged_attn.config import AttentionOptions, make_config
-from jax_ragged_attn.packing import cu_seqlens_from_lengths
+from jax_ragged_attn.index import cu_seqlens_from_lengths
 from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.testing import assert_close
 
@@ -262,7 +264,7 @@ def _fuzz_cases(count: int):
 def test_cudnn_packed_strides_match_the_reference(case, monkeypatch, tmp_path):
     if _REASON is not None:
         pytest.skip(f"cuDNN path unavailable: {_REASON}")
-    from jax_ragged_attn._cudnn import autotune
+    from jax_ragged_attn.backends.cudnn import autotune
 
     monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "autotune.json"))  # autotune measures packed graphs
     monkeypatch.setenv(launch.ROW_MASKING_ENV, case["row_masking"])

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn.packing import cu_seqlens_from_lengths, row_positions, sanitize_cu_seqlens
+from jax_ragged_attn.index import cu_seqlens_from_lengths, row_positions, sanitize_cu_seqlens
 
 
 def _expected(cu: np.ndarray, capacity: int, max_seqlen: int):

@@ -21,11 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn import ragged_attention, ring
+from jax_ragged_attn import ragged_attention
+from jax_ragged_attn.parallel import ring
 from jax_ragged_attn.config import AttentionOptions
-from jax_ragged_attn.context_parallel import Plan
-from jax_ragged_attn.packing import cu_seqlens_from_lengths
-from jax_ragged_attn.sharding import reorder_for_load_balance, restore_order, sharded_ragged_attention
+from jax_ragged_attn.parallel.context_parallel import Plan
+from jax_ragged_attn.index import cu_seqlens_from_lengths
+from jax_ragged_attn.parallel.sharding import reorder_for_load_balance, restore_order, sharded_ragged_attention
 from jax_ragged_attn.testing.documents import dense_mask, random_document_lengths
 from jax_ragged_attn.testing import assert_close, packed_batch
 from jax_ragged_attn.testing.multidevice import cudnn_gpus, report_checks, run_checks_in_child

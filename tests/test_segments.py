@@ -18,12 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn import _cudnn as cudnn
-from jax_ragged_attn._cudnn import launch
-from jax_ragged_attn.checks import RaggedAttentionInputError, RaggedAttentionInputWarning, input_errors
+from jax_ragged_attn.backends import cudnn
+from jax_ragged_attn.backends.cudnn import launch
+from jax_ragged_attn.features.checks import RaggedAttentionInputError, RaggedAttentionInputWarning, input_errors
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.testing.reference import reference_attention
-from jax_ragged_attn.segments import ragged_attention_segments, segments_to_cu_seqlens
+from jax_ragged_attn.inputs.segments import ragged_attention_segments, segments_to_cu_seqlens
 from jax_ragged_attn.testing import assert_close
 
 

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn._cudnn import extension
-from jax_ragged_attn.checks import RaggedAttentionInputError
-from jax_ragged_attn.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
+from jax_ragged_attn.backends.cudnn import extension
+from jax_ragged_attn.features.checks import RaggedAttentionInputError
+from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 from jax_ragged_attn.testing import assert_close, reference_attention
 
 _CUDNN_REASON = extension.cudnn_unavailable_reason()
@@ -212,7 +212,7 @@ def test_check_mode_and_overflow_with_seqused():
 
 
 def test_context_parallelism_refuses_seqused_by_name():
-    from jax_ragged_attn.sharding import sharded_ragged_attention
+    from jax_ragged_attn.parallel.sharding import sharded_ragged_attention
 
     mesh = jax.make_mesh((1,), ("cp",))
     q = jnp.zeros((8, 2, 8), jnp.float32)
@@ -236,7 +236,7 @@ def test_check_mode_under_vmap_with_one_side_batched():
         expected = ragged_attention(q, k, v, cu, cu, seqused_kv=good[i], **kwargs)
         np.testing.assert_allclose(np.asarray(out[i]), np.asarray(expected), rtol=1e-6, atol=1e-6)
     bad = good.at[2, 0].set(5)
-    from jax_ragged_attn.checks import input_errors
+    from jax_ragged_attn.features.checks import input_errors
     with pytest.raises(RaggedAttentionInputError, match=r"vmapped element \(2,\).*seqused_kv\[0\] = 5 is more than"), \
             input_errors():
         jax.block_until_ready(f(bad))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.sharding import reorder_for_load_balance, restore_order, sharded_ragged_attention
+from jax_ragged_attn.parallel.sharding import reorder_for_load_balance, restore_order, sharded_ragged_attention
 from jax_ragged_attn.testing import assert_close
 from jax_ragged_attn.testing.multidevice import report_checks, run_checks_in_child
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.sharding import sharded_ragged_attention
+from jax_ragged_attn.parallel.sharding import sharded_ragged_attention
 from jax_ragged_attn.testing.multidevice import cudnn_gpus, report_checks, run_checks_in_child
 from jax_ragged_attn.testing import assert_close, packed_batch
 

@@ -1,4 +1,4 @@
-"""The cuDNN path's stats gradient (jax_ragged_attn/_cudnn/stats_grad.py) on a CPU, against the float64 reference.
+"""The cuDNN path's stats gradient (jax_ragged_attn/backends/cudnn/stats_grad.py) on a CPU, against the float64 reference.
 
 The trick lives in what cuDNN's backward does with the buffers it is handed: it recomputes P from q, k and
 the stats, and shifts dP by D = rowsum(dO * O) taken from the O and dO it receives. The stand-in kernel of
@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn import _cudnn as cudnn, packed
-from jax_ragged_attn._cudnn import extension, launch, stats_grad
+from jax_ragged_attn.backends import cudnn
+from jax_ragged_attn.inputs import packed
+from jax_ragged_attn.backends.cudnn import extension, launch, stats_grad
 from jax_ragged_attn.config import PACKINGS, AttentionOptions, make_config
 from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.testing import assert_close, packed_batch, stand_in_handler_args
@@ -508,7 +509,7 @@ def test_sinks_fold_into_the_plain_backward(monkeypatch, rng, layout, dtype):
     """Sinks without returned stats (_cudnn/sinks.py): the backward gets O' = out and dO' = sigma * dOut and no
     stats cotangent, so it runs at Dv (no widened columns); gradients of q, k, v and the sinks against the
     float64 reference, on rows with keys, without keys (a keyless real row: out 0) and padding (NaN dOut)."""
-    from jax_ragged_attn._cudnn import sinks as cudnn_sinks
+    from jax_ragged_attn.backends.cudnn import sinks as cudnn_sinks
 
     batch = _batch(rng, dtype)
     config, kernel = _install(monkeypatch, batch, layout)

@@ -16,8 +16,10 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from jax_ragged_attn import _cudnn as cudnn, api, xla
-from jax_ragged_attn._cudnn import extension, launch, stats_grad
+from jax_ragged_attn import api
+from jax_ragged_attn.backends import cudnn
+from jax_ragged_attn.backends import xla
+from jax_ragged_attn.backends.cudnn import extension, launch, stats_grad
 from jax_ragged_attn.tools import sweep
 
 CI_SEEDS = range(40)

@@ -57,7 +57,9 @@ CASES = {
     "v_dtype_differs": Bad(dict(v=_zeros(5, 2, 8, dtype=jnp.bfloat16)), "v"),
     "qkv_integer": Bad(dict(q=_zeros(6, 4, 8, dtype=jnp.int32), k=_zeros(5, 2, 8, dtype=jnp.int32),
                             v=_zeros(5, 2, 8, dtype=jnp.int32)), "q"),
-    "qkv_float64": Bad(dict(q=np.zeros((6, 4, 8)), k=np.zeros((5, 2, 8)), v=np.zeros((5, 2, 8))), "q"),
+    # float64 NumPy converts as jnp.asarray would (float32 without x64: test_conventions.py); integers never.
+    "qkv_int32": Bad(dict(q=np.zeros((6, 4, 8), np.int32), k=np.zeros((5, 2, 8), np.int32),
+                          v=np.zeros((5, 2, 8), np.int32)), "q"),
     # Any integer dtype is accepted (tests/test_jax_configs.py); a float one is refused by name.
     "cu_seqlens_q_float": Bad(dict(cu_seqlens_q=np.array([0, 2, 6], np.float32)), "cu_seqlens_q"),
     "cu_seqlens_kv_float32": Bad(dict(cu_seqlens_kv=jnp.array([0, 3, 5], jnp.float32)), "cu_seqlens_kv"),

@@ -14,11 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn import ragged_attention, xla_memory
+from jax_ragged_attn import ragged_attention
+from jax_ragged_attn.backends import xla_memory
 from jax_ragged_attn.config import AttentionOptions, make_config
-from jax_ragged_attn.packing import cu_seqlens_from_lengths
+from jax_ragged_attn.index import cu_seqlens_from_lengths
 from jax_ragged_attn.testing import packed_batch
-from jax_ragged_attn.xla import WorkingSetTooLargeError, attention_xla
+from jax_ragged_attn.backends.xla import WorkingSetTooLargeError, attention_xla
 
 # The child warms JAX up (thread pools, the compiler), then caps its address space at what it has plus
 # 1 GiB (JAX reserves a lot of virtual memory up front, so an absolute cap would measure JAX, not us).
@@ -206,7 +207,7 @@ def test_fallback_on_a_gpu_warns_once_per_reason(monkeypatch):
     message = str(fallbacks[0].message)
     assert "not cuDNN" in message and re.search(r"about [0-9.e-]+ MiB forward and [0-9.e-]+ MiB backward", message)
     config = make_config(*batch.args, max_seqlen_q=5, max_seqlen_kv=5)
-    from jax_ragged_attn import _cudnn as cudnn
+    from jax_ragged_attn.backends import cudnn
     assert cudnn.unsupported_reason(config) in message
     assert fallbacks[0].filename == __file__  # points at the caller's line
 

@@ -24,8 +24,8 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 
-from jax_ragged_attn import _fa3
-from jax_ragged_attn.packing import row_positions
+from jax_ragged_attn.backends import fa3 as _fa3
+from jax_ragged_attn.index import row_positions
 
 
 def _rows(cu, used, capacity):

@@ -7,7 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn.packing import cu_seqlens_from_lengths
+from jax_ragged_attn.index import cu_seqlens_from_lengths
 
 
 def random_lengths(rng: np.random.Generator, num_seqs: int, low: int, high: int, *, zero_at=()) -> tuple[int, ...]:

@@ -8,15 +8,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jax_ragged_attn._cudnn import extension
-from jax_ragged_attn._cudnn.autotune import tune
+from jax_ragged_attn.backends.cudnn import extension
+from jax_ragged_attn.backends.cudnn.autotune import tune
 
 
 def _report(names: str) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jax_ragged_attn import _cudnn as cudnn
+    from jax_ragged_attn.backends import cudnn
     from jax_ragged_attn.tools import workloads
     from jax_ragged_attn.config import AttentionOptions, make_config
 

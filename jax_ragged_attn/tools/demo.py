@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn import _cudnn as cudnn
+from jax_ragged_attn.backends import cudnn
 from jax_ragged_attn.api import ragged_attention
 from jax_ragged_attn.config import AttentionOptions, make_config
-from jax_ragged_attn._cudnn.extension import cudnn_unavailable_reason
-from jax_ragged_attn.packing import row_positions
+from jax_ragged_attn.backends.cudnn.extension import cudnn_unavailable_reason
+from jax_ragged_attn.index import row_positions
 from jax_ragged_attn.tools.progress import progress_bar
 
 SEP = 0  # also what padding rows hold; symbols are 1 .. vocab - 1

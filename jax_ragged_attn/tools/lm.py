@@ -5,7 +5,7 @@ from a few hundred bytes to hundreds of KB). One file in ten (chosen by a hash o
 Each epoch every training file contributes one random window of at most --window-bytes, so a few huge files
 do not fill whole stretches of training; windows longer than --max-seqlen are split into pieces by the packer.
 
-Documents are packed with `jax_ragged_attn.data.pack_documents` (first-fit-decreasing) into fixed-shape
+Documents are packed with `jax_ragged_attn.inputs.data.pack_documents` (first-fit-decreasing) into fixed-shape
 buffers of --capacity bytes, and modelled by a pre-norm transformer built from
 `jax_ragged_attn.flax.RaggedSelfAttention` (causal, RoPE from the packed positions) and an MLP, trained with
 Optax AdamW. Every byte predicts the next byte of its own document only.
@@ -50,7 +50,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from jax_ragged_attn import cudnn_unavailable_reason, ragged_attention
-from jax_ragged_attn.data import pack_documents
+from jax_ragged_attn.inputs.data import pack_documents
 from jax_ragged_attn.tools.progress import progress_bar
 
 try:

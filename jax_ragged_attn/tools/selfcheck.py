@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn import _cudnn as cudnn, api, testing
-from jax_ragged_attn._cudnn import extension
+from jax_ragged_attn import api, testing
+from jax_ragged_attn.backends import cudnn
+from jax_ragged_attn.backends.cudnn import extension
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.tools.workloads import seeded_lengths
 

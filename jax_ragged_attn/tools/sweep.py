@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn import _cudnn as cudnn, api
-from jax_ragged_attn._cudnn import extension, stats_grad
+from jax_ragged_attn import api
+from jax_ragged_attn.backends import cudnn
+from jax_ragged_attn.backends.cudnn import extension, stats_grad
 from jax_ragged_attn.config import STRATEGIES
 from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.testing import assert_close, packed_batch

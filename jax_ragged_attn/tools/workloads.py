@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn.packing import cu_seqlens_from_lengths
+from jax_ragged_attn.index import cu_seqlens_from_lengths
 
 DIRECTIONS = ("forward", "backward", "forward+backward")
 # A backward pass does five matmuls of the forward's size (recomputing S = q.k, then dV, dP, dQ, dK) against

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn._cudnn import launch
-from jax_ragged_attn.packing import cu_seqlens_from_lengths
+from jax_ragged_attn.backends.cudnn import launch
+from jax_ragged_attn.index import cu_seqlens_from_lengths
 from jax_ragged_attn.tools.bench.timing import plain_loop_seconds
 from jax_ragged_attn.tools.workloads import WORKLOADS
 

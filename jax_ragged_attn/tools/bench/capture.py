@@ -50,7 +50,7 @@ import dataclasses
 import os
 import re
 
-from jax_ragged_attn._cudnn.extension import BACKWARD_TARGET, FORWARD_TARGET
+from jax_ragged_attn.backends.cudnn.extension import BACKWARD_TARGET, FORWARD_TARGET
 
 TARGETS = (FORWARD_TARGET, BACKWARD_TARGET)  # check mode calls the same two handlers
 CAPTURED, NOT_CAPTURED, UNKNOWN = "captured", "not captured", "unknown"

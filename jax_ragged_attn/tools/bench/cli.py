@@ -27,7 +27,7 @@ import traceback
 
 import jax
 
-from jax_ragged_attn._cudnn import extension
+from jax_ragged_attn.backends.cudnn import extension
 from jax_ragged_attn.tools import workloads
 from jax_ragged_attn.tools.bench import report as bench_report, systems as bench_systems
 from jax_ragged_attn.tools.bench.timing import (METHODS, Measurement, Settings, error_status, host_overhead,

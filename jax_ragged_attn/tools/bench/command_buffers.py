@@ -35,7 +35,7 @@ import traceback
 from jax_ragged_attn.tools import workloads
 from jax_ragged_attn.tools.bench import capture as command_buffers
 from jax_ragged_attn.tools.bench.timing import Measurement, Settings, error_status, measure_jax
-from jax_ragged_attn._cudnn.extension import BACKWARD_TARGET, FORWARD_TARGET
+from jax_ragged_attn.backends.cudnn.extension import BACKWARD_TARGET, FORWARD_TARGET
 
 MODES = {
     "off": ("--xla_gpu_enable_command_buffer=",),
@@ -169,7 +169,7 @@ def _child(args) -> int:
         if backend != "gpu" and not args.allow_cpu:
             result["status"] = f"skipped: needs a CUDA GPU; JAX's backend is {backend!r}"
         else:
-            from jax_ragged_attn._cudnn import extension
+            from jax_ragged_attn.backends.cudnn import extension
             from jax_ragged_attn.tools.bench import systems as bench_systems
 
             implementation = "cudnn" if backend == "gpu" else "xla"

@@ -28,9 +28,9 @@ import jax.numpy as jnp
 from jax_ragged_attn import ragged_attention
 import numpy as np
 
-from jax_ragged_attn import context_parallel as cp
-from jax_ragged_attn.load_balance import balanced_document_order, causal_work_per_device
-from jax_ragged_attn.sharding import reorder_for_load_balance, sharded_ragged_attention
+from jax_ragged_attn.parallel import context_parallel as cp
+from jax_ragged_attn.parallel.load_balance import balanced_document_order, causal_work_per_device
+from jax_ragged_attn.parallel.sharding import reorder_for_load_balance, sharded_ragged_attention
 from jax_ragged_attn.tools.bench.timing import device_bytes, plain_loop_seconds
 from jax_ragged_attn.tools.workloads import WORKLOADS, Workload
 
@@ -155,7 +155,7 @@ def breakdown(names, implementation, calls, repetitions, devices: int, order: st
     bottom-right backward as one call (JAX_RAGGED_ATTN_BOTTOM_RIGHT_BACKWARD=single)."""
     import os
 
-    from jax_ragged_attn._cudnn import launch
+    from jax_ragged_attn.backends.cudnn import launch
 
     print(f"| workload | n | order | device | fwd ms (share x 1 GPU) | bwd ms (share x 1 GPU) | bwd ms, one "
           f"bottom-right call |")

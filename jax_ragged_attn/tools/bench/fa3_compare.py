@@ -20,7 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn import _fa3, implementation_tuning, ragged_attention
+from jax_ragged_attn import ragged_attention
+from jax_ragged_attn.backends import fa3 as _fa3
+from jax_ragged_attn.backends import tuning as implementation_tuning
 from jax_ragged_attn.tools import workloads as workloads_module
 
 CALLS, LOOPS = 20, 7

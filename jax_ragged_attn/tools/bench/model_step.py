@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn._cudnn import extension
+from jax_ragged_attn.backends.cudnn import extension
 from jax_ragged_attn.tools.bench import report as bench_report
 from jax_ragged_attn.tools.bench.systems import XLA_SCORES_LIMIT_BYTES
 from jax_ragged_attn.tools.bench.timing import Settings, error_status, matmul_rate, plain_loop_seconds, steps_for

@@ -39,8 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn import _cudnn as cudnn, _fa3, ragged_attention
-from jax_ragged_attn._cudnn import extension, launch
+from jax_ragged_attn import ragged_attention
+from jax_ragged_attn.backends import cudnn
+from jax_ragged_attn.backends import fa3 as _fa3
+from jax_ragged_attn.backends.cudnn import extension, launch
 from jax_ragged_attn.tools.bench import cudnn_raw as bench_cudnn_raw
 from jax_ragged_attn.tools.bench.timing import JaxCase, Measurement, Settings, measure_jax
 from jax_ragged_attn.config import AttentionOptions, make_config

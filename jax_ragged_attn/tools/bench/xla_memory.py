@@ -2,7 +2,7 @@
 
     python -m jax_ragged_attn.tools.bench.xla_memory                       # CPU-sized: W1 and W3 scaled down
     python -m jax_ragged_attn.tools.bench.xla_memory --full                # the real shapes (an H200)
-    git show <commit>:jax_ragged_attn/xla.py > /tmp/xla_before.py
+    git show <commit>:jax_ragged_attn/backends/xla.py > /tmp/xla_before.py
     python -m jax_ragged_attn.tools.bench.xla_memory --before /tmp/xla_before.py
 
 Every case runs in a child process of its own, so a peak is that case's alone and an implementation that
@@ -33,7 +33,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jax_ragged_attn import xla as current_xla, xla_memory
+from jax_ragged_attn.backends import xla as current_xla
+from jax_ragged_attn.backends import xla_memory
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.tools.workloads import WORKLOADS
 

@@ -2,7 +2,7 @@
 
     python -m jax_ragged_attn.tools.bench.xla_path                            # the two CPU shapes, float32
     python -m jax_ragged_attn.tools.bench.xla_path --shape W1 --dtype bfloat16  # W1 on a GPU (an H200)
-    git show <commit>:jax_ragged_attn/xla.py > /tmp/xla_before.py
+    git show <commit>:jax_ragged_attn/backends/xla.py > /tmp/xla_before.py
     python -m jax_ragged_attn.tools.bench.xla_path --before /tmp/xla_before.py  # adds the old xla.py's rows
 
 Shapes (lengths drawn by workloads.seeded_lengths, numpy seed 0; causal):
@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn import xla as current_xla
-from jax_ragged_attn import xla_memory
+from jax_ragged_attn.backends import xla as current_xla
+from jax_ragged_attn.backends import xla_memory
 from jax_ragged_attn.config import AttentionOptions, make_config
-from jax_ragged_attn.packing import cu_seqlens_from_lengths
+from jax_ragged_attn.index import cu_seqlens_from_lengths
 from jax_ragged_attn.tools.workloads import seeded_lengths
 
 # name: (num_seqs, low, high, total tokens, heads, head dim)
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
         _, _, _, total, heads, dim = SHAPES[shape]
         print(f"\n{shape}: {len(lengths)} sequences of {min(lengths)}..{max(lengths)} ({total:,} tokens), "
               f"{heads} heads, head dim {dim}, causal")
-        # What "xla" runs with, as xla.py resolves it at trace time (settings: jax_ragged_attn/xla_memory.py).
+        # What "xla" runs with, as xla.py resolves it at trace time (settings: jax_ragged_attn/backends/xla_memory.py).
         print(f"xla: {'fused' if xla_memory.fused_backward() else 'two_pass'} backward, "
               f"{xla_memory.matmul_dtype(config)} matmul operands, blocks {xla_memory.block_sizes(config)}")
         wanted = args.directions.split(",")

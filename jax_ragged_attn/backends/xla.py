@@ -57,10 +57,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ragged_attn import xla_memory
+from jax_ragged_attn.backends import xla_memory
 from jax_ragged_attn.config import AttentionConfig
-from jax_ragged_attn.packing import row_positions, sanitize_both, sequence_lengths
-from jax_ragged_attn.xla_memory import WorkingSetTooLargeError, warn_cudnn_fallback
+from jax_ragged_attn.index import row_positions, sanitize_both, sequence_lengths
+from jax_ragged_attn.backends.xla_memory import WorkingSetTooLargeError, warn_cudnn_fallback
 
 __all__ = ["attention_xla", "warn_cudnn_fallback", "WorkingSetTooLargeError"]
 
@@ -522,3 +522,21 @@ def _dkv_pass(plan, q_clean, k_clean, v_clean, d_out, lse, delta, bands, with_dq
     if not with_dq:
         return d_k, d_v
     return d_k, d_v, (d_q * c.scale).reshape(rows, c.num_heads_q, c.head_dim_qk)[:c.capacity_q]
+
+
+# ---- the backend surface (backends/__init__.py) ------------------------------------------------------------
+
+NAME = "xla"
+
+
+def unsupported_reason(config: AttentionConfig) -> str | None:
+    """The portable path serves every call (its working-set bound raises at trace time, naming the fix)."""
+    return None
+
+
+def attend(buffers, index, config: AttentionConfig, *, stats=True):
+    """(out, stats) of the parts sliced out of packed buffers; autodiff assembles their gradients."""
+    from jax_ragged_attn.backends.packings import TABLE
+
+    return attention_xla(*TABLE[config.packing].split(buffers), index.cu_seqlens_q, index.cu_seqlens_kv, config,
+                         return_stats=stats, seqused_q=index.seqused_q, seqused_kv=index.seqused_kv)

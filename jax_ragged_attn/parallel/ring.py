@@ -50,10 +50,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ragged_attn import context_parallel as cp
+from jax_ragged_attn.parallel import context_parallel as cp
 from jax_ragged_attn.api import attend
 from jax_ragged_attn.config import AttentionOptions
-from jax_ragged_attn.packing import sanitize_cu_seqlens
+from jax_ragged_attn.index import sanitize_cu_seqlens
 
 __all__ = ["CONTEXT_STRATEGIES", "block_pieces", "check_strategy", "device_attention", "merge_partials",
            "pieces_arguments", "window_band", "window_layout", "window_pair"]

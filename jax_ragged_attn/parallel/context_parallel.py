@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ragged_attn.packing import sanitize_cu_seqlens
+from jax_ragged_attn.index import sanitize_cu_seqlens
 
 
 class Pieces(NamedTuple):
@@ -109,7 +109,7 @@ def pieces_cu_seqlens(pieces: Pieces) -> tuple[jax.Array, jax.Array]:
 def _chunk_order(n: int) -> list[int]:
     """The natural chunks (of 2n) in load-balanced order: device r holds chunks r and 2n-1-r.
     n = 2 -> [0, 3, 1, 2]."""
-    from jax_ragged_attn.load_balance import dual_chunk_order  # (here, not at the top: keeps edits local)
+    from jax_ragged_attn.parallel.load_balance import dual_chunk_order  # (here, not at the top: keeps edits local)
 
     return dual_chunk_order(n)
 
@@ -127,10 +127,10 @@ def reorder_for_load_balance(x, n: int, axis: int = 0):
     Any T that is a multiple of 2n, eager or under jit, differentiable. On an array split along `axis`
     over mesh axes of n devices (explicit axes, or a concrete array's NamedSharding) the devices swap
     half-shards with collective permutes and the result keeps the sharding; otherwise a local permutation
-    of the chunks (load_balance.permute_chunks). jax_ragged_attn.data can emit batches already in this
+    of the chunks (load_balance.permute_chunks). jax_ragged_attn.inputs.data can emit batches already in this
     order (pack_documents(context_parallel_devices=n)).
     """
-    from jax_ragged_attn.load_balance import permute_chunks
+    from jax_ragged_attn.parallel.load_balance import permute_chunks
 
     return permute_chunks(x, n, axis, name="reorder_for_load_balance")
 
@@ -138,7 +138,7 @@ def reorder_for_load_balance(x, n: int, axis: int = 0):
 def restore_order(x, n: int, axis: int = 0):
     """The inverse of reorder_for_load_balance: the natural packed order back (n = 2, T = 8:
     [0 1 6 7 2 3 4 5] -> [0 1 2 3 4 5 6 7]), with the same sharding rules."""
-    from jax_ragged_attn.load_balance import permute_chunks
+    from jax_ragged_attn.parallel.load_balance import permute_chunks
 
     return permute_chunks(x, n, axis, inverse=True, name="restore_order")
 

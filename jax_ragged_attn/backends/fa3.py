@@ -48,9 +48,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from jax_ragged_attn._cudnn import stats_grad
+from jax_ragged_attn.backends.cudnn import stats_grad
 from jax_ragged_attn.config import AttentionConfig
-from jax_ragged_attn.packing import query_rows_with_keys, row_positions, sanitize_both, sequence_lengths
+from jax_ragged_attn.index import (RaggedIndex, query_rows_with_keys, row_positions, sanitize_both,
+                                   sequence_lengths)
 
 WHEEL = "flash-attn3-jax"
 INSTALL = "pip install 'jax_ragged_attn[fa3]'"
@@ -135,8 +136,12 @@ def lengths_equal(config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv, seqused=
 
 def unsupported_reason(config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv=None,
                        seqused=(None, None)) -> str | None:
-    """None when FA3 can serve this call here, else a sentence saying why not. The cu_seqlens (and seqused)
-    serve to prove a top-left mask equal to FA3's bottom-right one; without them such a mask is declined."""
+    """None when FA3 can serve this call here, else a sentence saying why not. The cu_seqlens (and seqused),
+    or one index.RaggedIndex in their place, serve to prove a top-left mask equal to FA3's bottom-right one;
+    without them such a mask is declined. (Its stats differentiate with a second backward call.)"""
+    if isinstance(cu_seqlens_q, RaggedIndex):
+        cu_seqlens_q, cu_seqlens_kv, seqused = cu_seqlens_q.cu_seqlens_q, cu_seqlens_q.cu_seqlens_kv, \
+            cu_seqlens_q.seqused
     if config.dtype not in FA3_DTYPES:
         return f"FlashAttention-3 takes bfloat16 or float16 inputs, got {config.dtype}"
     if config.head_dim_qk != FA3_HEAD_DIM or config.head_dim_v != FA3_HEAD_DIM:
@@ -155,6 +160,25 @@ def unsupported_reason(config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv
 def preferred(config: AttentionConfig) -> bool:
     """Whether implementation=None picks FA3 for a call it can serve: only where measured faster than cuDNN."""
     return AUTO_CHOOSES_FA3
+
+
+# ---- the backend surface (backends/__init__.py) ------------------------------------------------------------
+
+NAME = "fa3"
+READS_INDEX = True  # unsupported_reason proves a top-left mask from the lengths
+
+
+def auto_candidate(config: AttentionConfig) -> bool:
+    """implementation=None considers FA3 where the policy prefers it, or measures it with autotune=True."""
+    return preferred(config) or config.autotune
+
+
+def attend(buffers, index, config: AttentionConfig, *, stats=True):
+    """(out, stats) of the parts sliced out of packed buffers; autodiff assembles their gradients."""
+    from jax_ragged_attn.backends.packings import TABLE
+
+    return attention(*TABLE[config.packing].split(buffers), index.cu_seqlens_q, index.cu_seqlens_kv, config,
+                     index.seqused)
 
 
 # ---- the kernels ------------------------------------------------------------------------------------------

@@ -189,7 +189,7 @@ def _report(values: np.ndarray, name: str, problems_of, *, warn: bool = False) -
 
 def _first_frame_outside_the_package() -> int:
     """The stacklevel, seen from our caller, of the first frame outside jax_ragged_attn: the user's call."""
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # jax_ragged_attn/, not features/
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame, level = frame.f_back, level + 1
@@ -360,3 +360,42 @@ def verified_output_band(result: jax.Array, axis: int, rows: int, *, name: str, 
     band = jax.lax.bitcast_convert_type(band, _UINTS[jnp.dtype(result.dtype).itemsize])
     check = functools.partial(_count_changed, name=name, rows=rows, description=description)
     return jax.pure_callback(check, jax.ShapeDtypeStruct((), np.int32), band, vmap_method="sequential")
+
+
+# ---- the check feature of one call (api.attend) -----------------------------------------------------------
+
+
+def apply_check(check: bool | None, config, index):
+    """With check on: guard mode in the config, and an index whose cu_seqlens (and seqused) are validated on
+    the host at run time. Off: NumPy cu_seqlens, free to read, warn if they will be clamped or cut.
+    Returns (config, index)."""
+    import dataclasses
+
+    # One array for q and kv (qkv-packed, segments): checked once, under the name the caller passed.
+    same = index.same and (config.capacity_q, config.max_seqlen_q) == (config.capacity_kv, config.max_seqlen_kv)
+    name_q = "cu_seqlens" if same and config.packing == "qkv" else "cu_seqlens_q"
+    sides = [(0, name_q, index.cu_seqlens_q, config.capacity_q, config.max_seqlen_q)]
+    if not same:
+        sides.append((1, "cu_seqlens_kv", index.cu_seqlens_kv, config.capacity_kv, config.max_seqlen_kv))
+    seqused = index.seqused
+    if not check_enabled(check):
+        for side, name, cu, capacity, max_seqlen in sides:
+            if seqused[side] is None:  # with seqused the slot may be longer than max_seqlen: only used rows count
+                warn_cu_seqlens_on_host(cu, name=name, capacity=capacity, max_seqlen=max_seqlen)
+        return config, index
+    config = dataclasses.replace(config, guard_workspace=True)
+    checked, used = [], list(seqused)
+    for side, name, cu, capacity, max_seqlen in sides:
+        if seqused[side] is None:
+            checked.append(checked_cu_seqlens(cu, name=name, capacity=capacity, max_seqlen=max_seqlen))
+        else:
+            cu, used[side] = checked_seqused(cu, seqused[side], name=name, capacity=capacity, max_seqlen=max_seqlen,
+                                             seqused_name=("seqused_q", "seqused_kv")[side])
+            checked.append(cu)
+    if same and seqused[1] is not None and used[1] is seqused[1]:  # one cu for both sides: check kv's seqused too
+        _, used[1] = checked_seqused(checked[0], seqused[1], name="cu_seqlens" if config.packing == "qkv" else
+                                     "cu_seqlens_kv", seqused_name="seqused_kv",
+                                     capacity=config.capacity_kv, max_seqlen=config.max_seqlen_kv)
+    # The checked arrays are new values: `same` stays true only where one array still serves both sides.
+    return config, index.replace(cu_seqlens_q=checked[0], cu_seqlens_kv=checked[-1], seqused_q=used[0],
+                                 seqused_kv=used[1], same=index.same and checked[0] is checked[-1])

@@ -21,10 +21,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_ragged_attn._cudnn import launch
+from jax_ragged_attn.backends.cudnn import launch
 from jax_ragged_attn.config import AttentionConfig
-from jax_ragged_attn.packing import query_rows_with_keys, sanitize_both
-from jax_ragged_attn.sinks import sink_terms
+from jax_ragged_attn.index import query_rows_with_keys, sanitize_both
+from jax_ragged_attn.features.sinks import sink_terms
 
 
 def _sigma(raw_stats, sinks, rows_with_keys, config: AttentionConfig):

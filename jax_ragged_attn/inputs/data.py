@@ -1,6 +1,6 @@
 """Documents packed into fixed-shape token buffers for ragged attention: NumPy, on the host, no JAX.
 
-    from jax_ragged_attn.data import pack_documents
+    from jax_ragged_attn.inputs.data import pack_documents
     batches = pack_documents(docs, capacity=4096, max_seqs=32, max_seqlen=1024)
     for batch in batches:   # every batch has the same shapes: tokens [4096], cu_seqlens [33], ...
         loss = train_step(batch.arrays())
@@ -46,7 +46,7 @@ rows; the same with balance_causal_work=False):
 
 By default (balance_causal_work=True) the packer also chooses the order of each batch's sequences so that
 every device gets close to 1/n of the batch's causal work (a sequence of L tokens costs L (L + 1) / 2
-query-key pairs; see jax_ragged_attn.load_balance.balanced_document_order), rather than the input order:
+query-key pairs; see jax_ragged_attn.parallel.load_balance.balanced_document_order), rather than the input order:
 sequences stay contiguous in the natural order and may straddle device boundaries. `batch.natural_order()`
 gives the batch back in the natural row order.
 """
@@ -59,7 +59,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from jax_ragged_attn.load_balance import _int, _positive_int, balanced_document_order, dual_chunk_rows
+from jax_ragged_attn.parallel.load_balance import _int, _positive_int, balanced_document_order, dual_chunk_rows
 
 _INT32 = np.iinfo(np.int32)
 

@@ -243,5 +243,5 @@ def warn_cudnn_fallback(reason: str, config: AttentionConfig) -> None:
         f"backward (blocks {block_q}x{block_kv}, {BLOCK_ENV}). Pass implementation='xla' to choose it "
         f"explicitly (and silence this), or remove the reason to run cuDNN. Shown once per reason.",
         CudnnFallbackWarning,
-        stacklevel=5,  # warn <- choose_implementation <- attend <- entry point <- the caller
+        stacklevel=5,  # warn <- backends.choose <- api.attend <- entry point <- the caller
     )

@@ -32,14 +32,14 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jax_ragged_attn import context_parallel as cp
-from jax_ragged_attn import ring
+from jax_ragged_attn.parallel import context_parallel as cp
+from jax_ragged_attn.parallel import ring
 from jax_ragged_attn.api import attend
-from jax_ragged_attn.checks import check_enabled, checked_cu_seqlens
+from jax_ragged_attn.features.checks import check_enabled, checked_cu_seqlens
 from jax_ragged_attn.config import AttentionOptions, make_config
-from jax_ragged_attn.indices import as_int32
-from jax_ragged_attn.context_parallel import reorder_for_load_balance, restore_order
-from jax_ragged_attn.overflow import cu_seqlens_overflow
+from jax_ragged_attn.index import as_int32
+from jax_ragged_attn.parallel.context_parallel import reorder_for_load_balance, restore_order
+from jax_ragged_attn.features.overflow import cu_seqlens_overflow
 
 __all__ = ["sharded_ragged_attention", "reorder_for_load_balance", "restore_order"]
 

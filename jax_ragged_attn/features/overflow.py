@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_ragged_attn.packing import sanitize_cu_seqlens
+from jax_ragged_attn.index import sanitize_cu_seqlens
 
 
 class Overflow(NamedTuple):

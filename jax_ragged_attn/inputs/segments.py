@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn import checks
+from jax_ragged_attn.features import checks
 from jax_ragged_attn.api import attend
 from jax_ragged_attn.config import AttentionOptions
 

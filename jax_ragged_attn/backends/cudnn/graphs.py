@@ -8,8 +8,9 @@ import warnings
 import jax
 import numpy as np
 
-from jax_ragged_attn import checks
-from jax_ragged_attn._cudnn import autotune, extension, packings, strategy
+from jax_ragged_attn.features import checks
+from jax_ragged_attn.backends import packings
+from jax_ragged_attn.backends.cudnn import autotune, extension, strategy
 from jax_ragged_attn.config import PACKINGS, AttentionConfig
 
 CUDNN_DTYPES = ("bfloat16", "float16")

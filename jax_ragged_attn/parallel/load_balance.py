@@ -16,7 +16,7 @@ refused by sharding-in-types on a split axis when T/(2n) is not a multiple of n)
 
 The rest is NumPy for the host: `causal_work_per_device` measures each device's share of the causal
 query-key pairs of a packing, and `balanced_document_order` chooses the order of a batch's documents so that
-the shares come out close to 1/n (the packer uses it: jax_ragged_attn.data, context_parallel_devices).
+the shares come out close to 1/n (the packer uses it: jax_ragged_attn.inputs.data, context_parallel_devices).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def _versions() -> tuple[list, str]:
 
     import jax
 
-    from jax_ragged_attn._cudnn import extension
+    from jax_ragged_attn.backends.cudnn import extension
 
     ext = extension.module()
     try:
@@ -68,7 +68,7 @@ def key(config: AttentionConfig, same_index: bool) -> str:
 
 def choose(cudnn_ms: float, fa3_ms: float) -> str:
     """"fa3" only when it is faster than cuDNN by more than autotune.MARGIN (timing noise is about 1 %)."""
-    from jax_ragged_attn._cudnn import autotune
+    from jax_ragged_attn.backends.cudnn import autotune
 
     return "fa3" if fa3_ms < cudnn_ms * (1 - autotune.MARGIN) else "cudnn"
 
@@ -98,8 +98,8 @@ def _step(implementation: str, config: AttentionConfig, cu_q, cu_kv):
     """A jitted forward + backward (the output's cotangent given) through one implementation."""
     import jax
 
-    from jax_ragged_attn import _fa3
-    from jax_ragged_attn._cudnn import launch
+    from jax_ragged_attn.backends import fa3 as _fa3
+    from jax_ragged_attn.backends.cudnn import launch
 
     def attend(q, k, v):
         if implementation == "fa3":
@@ -135,7 +135,7 @@ def _loop_ms(step, args) -> float:
 
 def measure(config: AttentionConfig, same_index: bool) -> dict:
     """Times both implementations now (no cache) and returns the entry that would be stored."""
-    from jax_ragged_attn import _fa3
+    from jax_ragged_attn.backends import fa3 as _fa3
 
     config = timed_config(config)
     buffers, cu_q, cu_kv = _scratch(config, same_index)
@@ -155,7 +155,7 @@ def _measure_outside_any_trace(config: AttentionConfig, same_index: bool) -> dic
 
 def entry(config: AttentionConfig, same_index: bool) -> dict:
     """The stored choice for this configuration: from this process, else the disk cache, else measured now."""
-    from jax_ragged_attn._cudnn import autotune
+    from jax_ragged_attn.backends.cudnn import autotune
 
     def measure():
         try:

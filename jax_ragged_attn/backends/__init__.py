@@ -1,0 +1,83 @@
+"""The kernels behind the op, and the registry that picks one for a call.
+
+A backend is a module (or package) with this surface:
+
+    NAME: str                                           # what implementation= calls it
+    unsupported_reason(config[, index]) -> str | None   # None when it can serve the call here, else one
+        # sentence naming the cause; it takes the index.RaggedIndex where READS_INDEX = True (FA3 proves a
+        # top-left mask its own from the lengths), the config alone otherwise
+    stats_gradient_unsupported(config) -> str | None    # optional: why the stats cannot be differentiated
+        # (the sink epilogue differentiates through them); absent: they always can
+    attend(buffers, index, config, *, stats) -> (out, stats or None)
+        # buffers laid out as config.packing says (packings.TABLE); index an index.RaggedIndex; stats False
+        # (not needed: None may come back), "raw" (needed by an epilogue that masks them itself) or True
+        # (the documented stats). Differentiable in the buffers (and in the stats).
+    attend_with_sinks(buffers, index, sinks, config) -> out     # optional: sinks folded into the kernel's
+        # backward, used when no stats are returned; otherwise api.attend applies features/sinks.py
+    auto_candidate(config) -> bool                      # optional: implementation=None may pick it here
+
+`REGISTRY` lists the backends in preference order, each imported when first asked for. Adding one is a new
+module and one line here. `choose` serves implementation=None and names the reason when a requested backend
+cannot serve the call.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# Preference order for implementation=None: the first that is an automatic candidate and serves the call.
+REGISTRY = {
+    "fa3": "jax_ragged_attn.backends.fa3",  # a candidate where the measured policy prefers it (fa3.auto_candidate)
+    "cudnn": "jax_ragged_attn.backends.cudnn",
+    "xla": "jax_ragged_attn.backends.xla",  # serves everything, everywhere: the portable fallback
+}
+FALLBACK = "xla"
+
+
+def get(name: str):
+    """The backend module registered as `name`."""
+    return importlib.import_module(REGISTRY[name])
+
+
+def _auto_candidate(backend, config) -> bool:
+    return getattr(backend, "auto_candidate", lambda config: True)(config)
+
+
+def unsupported_reason(backend, config, index, *, stats_gradient: bool = False) -> str | None:
+    """Why `backend` cannot serve this call, or None (its unsupported_reason, then its stats gradient's)."""
+    reason = (backend.unsupported_reason(config, index) if getattr(backend, "READS_INDEX", False)
+              else backend.unsupported_reason(config))
+    if reason is None and stats_gradient and hasattr(backend, "stats_gradient_unsupported"):
+        reason = backend.stats_gradient_unsupported(config)
+    return reason
+
+
+def choose(implementation: str | None, config, index, *, stats_gradient: bool = False):
+    """The backend module that runs this call. A named implementation that cannot serve it raises
+    NotImplementedError with the reason; implementation=None takes the first automatic candidate in REGISTRY
+    that serves it (with autotune=True, the measured faster of the GPU kernels that serve it), and warns on a
+    GPU when only the portable fallback is left."""
+    if implementation is not None:
+        backend = get(implementation)
+        reason = unsupported_reason(backend, config, index, stats_gradient=stats_gradient)
+        if reason is not None:
+            raise NotImplementedError(f"implementation={implementation!r} cannot serve this call: {reason}")
+        return backend
+    serving, declined = [], []
+    for name in REGISTRY:
+        backend = get(name)
+        if name == FALLBACK or not _auto_candidate(backend, config):
+            continue
+        reason = unsupported_reason(backend, config, index, stats_gradient=stats_gradient)
+        (declined if reason else serving).append((name, reason or backend))
+    if not serving:
+        from jax_ragged_attn.backends.xla_memory import warn_cudnn_fallback
+
+        reasons = dict(declined)
+        warn_cudnn_fallback(reasons.get("cudnn") or next(iter(reasons.values()), "no GPU kernel serves it"), config)
+        return get(FALLBACK)
+    if config.autotune and len(serving) > 1 and {name for name, _ in serving} == {"cudnn", "fa3"}:
+        from jax_ragged_attn.backends import tuning
+
+        return get(tuning.faster(config, index.cu_seqlens_q, index.cu_seqlens_kv))
+    return serving[0][1]

@@ -1,0 +1,201 @@
+"""The index arithmetic of a call, done once: integer index arrays made int32, sanitised cu_seqlens, each
+row's sequence, position and validity, and the `RaggedIndex` that carries them from the entry point through
+the features to the backend.
+
+Everything here is jit-traceable and cheap: O(B + T) integer work. Shared by the xla path (to gather rows
+into a padded batch and back), the cuDNN path (to zero the rows cuDNN never writes), FlashAttention-3 (its
+seqused), the sink epilogue (which rows are real, which have keys) and the overflow counts.
+
+## Index arrays of any integer dtype (`as_int32`)
+
+Users build them the ordinary way - `jnp.array([0, 3, 7])`, NumPy's int64 `np.cumsum`, a data loader's
+uint32 - and under `jax_enable_x64` the first is int64 too. The kernels and the graphs take int32, so every
+entry point passes its index arrays through `as_int32` first thing:
+
+- int32 passes through untouched (no op added to the program);
+- NumPy (host) arrays of another integer dtype are converted at trace time, and a value outside int32 is a
+  ValueError naming the argument and the first such entry (it would be a different value after the cast);
+- device arrays and tracers of another integer dtype are clipped into int32's range, then cast: a value
+  that does not fit becomes int32's min or max, which every consumer already treats as out of range
+  (cu_seqlens are clamped into the buffer and counted by return_overflow, check mode raises naming the
+  argument; a segment id above the range stays a positive id), never a wrapped-around small value;
+- anything else (floats, bools, non-arrays) is a ValueError naming the argument.
+
+Python lists and tuples of ints are accepted as NumPy arrays would be.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_INT32 = np.iinfo(np.int32)
+
+
+def cu_seqlens_from_lengths(lengths) -> np.ndarray:
+    """Host-side int32 [B + 1] offsets of sequences packed back to back: [3, 0, 2] -> [0, 3, 3, 5]."""
+    return np.concatenate([[0], np.cumsum(np.asarray(lengths, np.int64))]).astype(np.int32)
+
+
+def sanitize_cu_seqlens(cu_seqlens: jax.Array, capacity: int) -> jax.Array:
+    """Clamps cu_seqlens monotone into [0, capacity], so no offset can address outside the buffer.
+
+    Valid input passes through unchanged: [0, 3, 3, 7] -> [0, 3, 3, 7]. Garbage is made harmless:
+    [5, 2, 9, 4] with capacity 6 -> [5, 5, 6, 6].
+
+    The optimization barrier keeps XLA from constant-folding what derives from cu_seqlens a jitted function
+    closes over: on the GPU (jax 0.11.2), XLA folded row_positions of the constant [0, 1] (capacity 2)
+    through this cummax, a scatter-add and a cumsum to sequence [1, 1] instead of [0, 1], so the one real
+    row read as padding and the op returned out 0 for it, silently (tests/test_packing.py has the case).
+    """
+    return jnp.clip(jax.lax.cummax(jax.lax.optimization_barrier(cu_seqlens), axis=0), 0, capacity)
+
+
+def sanitize_both(cu_seqlens_q: jax.Array, cu_seqlens_kv: jax.Array, config) -> tuple[jax.Array, jax.Array]:
+    """Both cu_seqlens clamped into their buffers, once per call: offsets, lengths and masks derive from these."""
+    return (sanitize_cu_seqlens(cu_seqlens_q, config.capacity_q),
+            sanitize_cu_seqlens(cu_seqlens_kv, config.capacity_kv))
+
+
+def sequence_lengths(cu_seqlens: jax.Array, max_seqlen: int, seqused: jax.Array | None = None) -> jax.Array:
+    """Rows of each sequence, capped at max_seqlen (the graph has room for no more) and, when given, at
+    seqused (FlashAttention's: sequence b uses only the first seqused[b] rows of its slot
+    cu_seqlens[b]:cu_seqlens[b+1]); a negative seqused counts as 0.
+
+    cu_seqlens [0, 4, 4, 9], max_seqlen 8, seqused [2, 3, 9] -> [2, 0, 5]
+    """
+    lengths = jnp.minimum(jnp.diff(cu_seqlens), max_seqlen).astype(jnp.int32)
+    if seqused is None:
+        return lengths
+    # Not folded as a constant either (see sanitize_cu_seqlens).
+    return jnp.clip(jax.lax.optimization_barrier(seqused).astype(jnp.int32), 0, lengths)
+
+
+def row_positions(cu_seqlens: jax.Array, capacity: int, max_seqlen: int, seqused: jax.Array | None = None):
+    """For each of `capacity` rows: (sequence index, position within it, whether it is a real token).
+
+    cu_seqlens = [0, 2, 2, 5], capacity 7, max_seqlen 8:
+      sequence = [0, 0, 2, 2, 2, 3, 3]   (3 = past the last sequence)
+      position = [0, 1, 0, 1, 2, 0, 1]
+      valid    = [T, T, T, T, T, F, F]
+    """
+    rows = jnp.arange(capacity, dtype=jnp.int32)
+    num_seqs = cu_seqlens.shape[0] - 1
+    # A row's sequence is how many sequence ends lie at or before it (so zero-length sequences are skipped:
+    # row 2 above lies in sequence 2, not the empty sequence 1). Counted with one scatter-add and a cumsum
+    # rather than jnp.searchsorted, whose binary search is a loop of log2(B) small steps: on a GPU a
+    # while loop costs a host round trip per iteration.
+    ends = jnp.clip(cu_seqlens[1:], 0, capacity)
+    sequence = jnp.cumsum(jnp.zeros(capacity + 1, jnp.int32).at[ends].add(1), dtype=jnp.int32)[:capacity]
+    clamped = jnp.minimum(sequence, num_seqs - 1)
+    position = rows - cu_seqlens[clamped]
+    lengths = sequence_lengths(cu_seqlens, max_seqlen, seqused)  # rows past seqused: in the slot, not real
+    valid = (sequence < num_seqs) & (position >= 0) & (position < lengths[clamped])
+    return sequence, position, valid
+
+
+def query_rows_with_keys(cu_seqlens_q, cu_seqlens_kv, config, seqused_q=None, seqused_kv=None) -> jax.Array:
+    """[Tq] boolean: the row is a real token and attends to at least one key.
+
+    Rows outside it must read out = 0 and stats = -inf whatever a kernel left there: padding rows are never
+    written, and a row whose band is empty (causal bottom-right with sq > skv, a narrow window, skv = 0)
+    has no softmax to take. Arguments are already sanitised cu_seqlens.
+    """
+    seq, pos, valid = row_positions(cu_seqlens_q, config.capacity_q, config.max_seqlen_q, seqused_q)
+    seq = jnp.minimum(seq, config.num_seqs - 1)
+    sq = sequence_lengths(cu_seqlens_q, config.max_seqlen_q, seqused_q)[seq]
+    skv = sequence_lengths(cu_seqlens_kv, config.max_seqlen_kv, seqused_kv)[seq]
+    diagonal = pos if config.diagonal_alignment == "top_left" else pos + skv - sq
+    first, last = jnp.zeros_like(pos), skv - 1
+    if config.left_bound is not None:
+        first = jnp.maximum(first, diagonal - config.left_bound)
+    if config.right_bound is not None:
+        last = jnp.minimum(last, diagonal + config.right_bound)
+    return valid & (first <= last)
+
+
+def as_int32(x, name: str):
+    """`x` as int32 (a NumPy array stays a NumPy array, a jax value a jax value); see the module docstring."""
+    if isinstance(x, (list, tuple)):
+        try:
+            x = np.asarray(x)
+        except ValueError:
+            raise ValueError(f"{name} must be an integer array, got a ragged {type(x).__name__}") from None
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or getattr(x, "shape", None) is None:
+        raise ValueError(f"{name} must be an integer array, got {type(x).__name__}")
+    if dtype == np.int32:
+        return x
+    if not np.issubdtype(dtype, np.integer) or dtype == np.bool_:
+        raise ValueError(f"{name} must have an integer dtype (any width; it is converted to int32), got {dtype}")
+    if isinstance(x, np.ndarray):
+        outside = (x < _INT32.min) | (x > _INT32.max)
+        if outside.any():
+            at = tuple(int(i) for i in np.argwhere(outside)[0])
+            where = at[0] if len(at) == 1 else at
+            raise ValueError(f"{name}[{where}] = {x[at]} does not fit int32 (the kernels' index type); "
+                             f"{name} must hold values in [{_INT32.min}, {_INT32.max}]")
+        return x.astype(np.int32)
+    return _clip_to_int32(x)
+
+
+def _clip_to_int32(x):
+    info = jnp.iinfo(x.dtype)
+    if info.min >= _INT32.min and info.max <= _INT32.max:  # int8/16, uint8/16: every value fits
+        return x.astype(jnp.int32)
+    # Clip in x's own dtype (its bounds expressed in it), so no value wraps before the cast.
+    low = np.array(max(info.min, _INT32.min), x.dtype)
+    high = np.array(min(info.max, _INT32.max), x.dtype)
+    return jax.lax.clamp(low, x, high).astype(jnp.int32)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["cu_seqlens_q", "cu_seqlens_kv", "seqused_q", "seqused_kv"], meta_fields=["same"])
+@dataclasses.dataclass(frozen=True)
+class RaggedIndex:
+    """The index arrays of one call, as the caller passed them (int32; checked ones in check mode), and what
+    derives from them, computed the first time a feature or backend asks and then shared.
+
+    `same`: one array serves as both cu_seqlens (qkv-packed, segments): checked and counted once, and a
+    bottom-right mask over it is the top-left one. A pytree (the arrays are leaves), so it crosses jit and
+    custom_vjp boundaries; the derived values are recomputed on the other side.
+    """
+
+    cu_seqlens_q: jax.Array
+    cu_seqlens_kv: jax.Array
+    seqused_q: jax.Array | None = None
+    seqused_kv: jax.Array | None = None
+    same: bool = False
+
+    @property
+    def seqused(self) -> tuple:
+        return self.seqused_q, self.seqused_kv
+
+    def replace(self, **changes) -> RaggedIndex:
+        return dataclasses.replace(self, **changes)
+
+    def _memo(self, key, compute):
+        memo = self.__dict__.setdefault("_derived", {})  # not a field: never flattened, never compared
+        if key not in memo:
+            memo[key] = compute()
+        return memo[key]
+
+    def sanitized(self, config) -> tuple[jax.Array, jax.Array]:
+        """(cu_seqlens_q, cu_seqlens_kv) clamped monotone into their buffers (sanitize_cu_seqlens)."""
+        return self._memo(("sanitized", config.capacity_q, config.capacity_kv),
+                          lambda: sanitize_both(self.cu_seqlens_q, self.cu_seqlens_kv, config))
+
+    def real_rows_q(self, config) -> jax.Array:
+        """[Tq] bool: the query row is a real token (row_positions' valid)."""
+        return self._memo(("real_q", config.capacity_q, config.max_seqlen_q), lambda: row_positions(
+            self.sanitized(config)[0], config.capacity_q, config.max_seqlen_q, self.seqused_q)[2])
+
+    def rows_with_keys(self, config) -> jax.Array:
+        """[Tq] bool: the query row is real and its band holds at least one key (query_rows_with_keys)."""
+        key = ("keys", config.capacity_q, config.capacity_kv, config.max_seqlen_q, config.max_seqlen_kv,
+               config.diagonal_alignment, config.left_bound, config.right_bound)
+        return self._memo(key, lambda: query_rows_with_keys(*self.sanitized(config), config, *self.seqused))
