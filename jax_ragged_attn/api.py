@@ -36,9 +36,9 @@ def ragged_attention(
     v: jax.Array,
     cu_seqlens_q: jax.Array,
     cu_seqlens_kv: jax.Array,
-    *,
-    max_seqlen_q: int,
-    max_seqlen_kv: int,
+    *positional,
+    max_seqlen_q: int | None = None,
+    max_seqlen_kv: int | None = None,
     scale: float | None = None,
     is_causal: bool = False,
     diagonal_alignment: str = "top_left",
@@ -54,6 +54,7 @@ def ragged_attention(
     return_overflow: bool = False,
     seqused_q: jax.Array | None = None,
     seqused_kv: jax.Array | None = None,
+    softcap: float | None = None,
 ):
     """Scaled dot-product attention over sequences packed into one token buffer (the THD / varlen layout).
 
@@ -71,7 +72,8 @@ def ragged_attention(
       scale: multiplies q.k; default 1/sqrt(Dqk).
       is_causal: query i sees key j only if j <= diagonal.
       diagonal_alignment: "top_left" (diagonal d = i) or "bottom_right" (d = i + skv - sq), per sequence.
-      local_window_size: (left, right) keeps d - left <= j <= d + right; an int w means (w, w).
+      local_window_size: (left, right) keeps d - left <= j <= d + right; an int w means (w, w). A negative
+        side has no limit (FlashAttention's -1): (-1, 0) is causal with any reach back, -1 is no window.
       stats_layout: "head_major" returns stats [Hq, Tq] (FlashAttention's softmax_lse); "token_major"
         returns [Tq, Hq] (cuDNN's and TransformerEngine's).
       return_stats: also return the float32 natural-log log-sum-exp of the attended logits. Its -inf rows
@@ -115,6 +117,11 @@ def ragged_attention(
         be a tight prefix sum: fixed-size slots of a KV cache, or pieces with gaps. Values are clamped into
         [0, slot length] (and max_seqlen); check=True raises for a value outside [0, slot length]. Bottom-right
         alignment counts the used lengths.
+      softcap: None, 0 (no cap) or c > 0: the scores are capped to c * tanh(scale * q.k / c) before the mask,
+        sinks and softmax (Gemma 2, Grok); stats are the log-sum-exp of the capped scores and every gradient
+        carries the cap's derivative. A negative or non-finite value is a ValueError. cuDNN serves it through
+        its graph's score modifier where the loaded cuDNN builds one (else implementation=None falls back to
+        xla); FlashAttention-3's wheel has no softcap and declines.
       return_overflow: also return an overflow.Overflow of int32 scalars counting what this call dropped
         (truncated_rows_q, truncated_rows_kv, invalid_cu_seqlens; dropped_segments is 0 here), computed on
         the device with no host round trip; all zero when nothing was lost. They carry no gradient.
@@ -124,11 +131,12 @@ def ragged_attention(
       last when return_overflow=True: (out, overflow) or (out, stats, overflow). Rows with no attended key
       and padding rows read out = 0 and stats = -inf, and their gradients are 0.
     """
+    _check_keywords_only(positional, max_seqlen_q, max_seqlen_kv)
     options = AttentionOptions(scale=scale, is_causal=is_causal, diagonal_alignment=diagonal_alignment,
                                local_window_size=local_window_size, stats_layout=stats_layout,
                                return_stats=return_stats, implementation=implementation,
                                deterministic=deterministic, check=check, autotune=autotune,
-                               strategy=strategy)
+                               strategy=strategy, softcap=softcap)
     return attend((q, k, v), cu_seqlens_q, cu_seqlens_kv, options, max_seqlen_q=max_seqlen_q,
                   max_seqlen_kv=max_seqlen_kv, sinks=sinks, return_overflow=return_overflow, seqused_q=seqused_q,
                   seqused_kv=seqused_kv)
@@ -175,6 +183,18 @@ def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOption
         result += (cu_seqlens_overflow(index.cu_seqlens_q, index.cu_seqlens_kv, config, same=index.same,
                                        seqused=index.seqused),)
     return result if len(result) > 1 else out
+
+
+def _check_keywords_only(positional: tuple, max_seqlen_q, max_seqlen_kv) -> None:
+    """The max_seqlen bounds are keyword-only (two ints in a row are easy to swap unseen); a positional call
+    says which keywords to use instead of Python's bare "takes 5 positional arguments"."""
+    if positional:
+        raise TypeError(f"ragged_attention takes 5 positional arguments (q, k, v, cu_seqlens_q, cu_seqlens_kv), "
+                        f"got {5 + len(positional)}: pass the bounds as max_seqlen_q=... and max_seqlen_kv=... "
+                        "(keyword-only), and every option by its keyword")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
+        if value is None:
+            raise TypeError(f"ragged_attention() missing required keyword-only argument: '{name}'")
 
 
 def _as_array(x, name: str):

@@ -55,6 +55,7 @@ class AttentionConfig:
     packing: str = "none"  # cuDNN: "kv" / "qkv" read a fused projection in place (packed.py)
     has_sinks: bool = False  # sinks were passed; api.attend runs the op without them and applies sinks.py after
     strategy: str = "fastest"  # cuDNN backward: speed or workspace first (_cudnn/strategy.py)
+    softcap: float = 0.0  # scores become softcap * tanh(score / softcap) before the mask; 0: no cap
     # False: the caller drops the stats (api.attend sets it), so the cuDNN path never computes their -inf
     # rows and jax.debug_infs stays quiet. Direct callers of the launch keep the documented stats.
     return_stats: bool = True
@@ -108,6 +109,7 @@ class AttentionOptions:
     check: bool | None = None  # None reads JAX_RAGGED_ATTN_CHECK when the call is traced (checks.check_enabled)
     autotune: bool = False
     strategy: str = "fastest"
+    softcap: float | None = None  # None or 0: no cap; make_config stores 0.0 then
 
     def __post_init__(self):
         check_implementation(self.implementation)
@@ -131,6 +133,7 @@ class AttentionOptions:
         if self.scale is not None:
             object.__setattr__(self, "scale", _static_scale(self.scale))
         object.__setattr__(self, "local_window_size", _normalize_window(self.local_window_size))
+        object.__setattr__(self, "softcap", _static_softcap(self.softcap))
 
     @classmethod
     def split(cls, kwargs: dict) -> tuple[AttentionOptions, dict]:
@@ -152,7 +155,24 @@ def _static_scale(scale) -> float:
     return scale
 
 
-def _static_int(value, name: str, minimum: int) -> int:
+def _static_softcap(softcap) -> float | None:
+    """None for no cap (None or 0, FlashAttention's spelling), else a positive float."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, (bool, np.bool_)):  # float(True) == 1.0: almost certainly a mistake
+        raise ValueError(f"softcap must be None or a positive Python float, got the bool {softcap!r}")
+    try:
+        softcap = float(softcap)
+    except (TypeError, ValueError):
+        # A traced softcap too: like scale, it is baked into the cuDNN graph and the xla path's tiles.
+        raise ValueError(f"softcap must be None or a static positive Python float, got {type(softcap).__name__} "
+                         f"{softcap!r}") from None
+    if not math.isfinite(softcap) or softcap < 0 or softcap > float(np.finfo(np.float32).max):
+        raise ValueError(f"softcap must be None, 0 (no cap) or a positive finite float, got {softcap}")
+    return softcap or None
+
+
+def _static_int(value, name: str, minimum: int | None) -> int:
     if isinstance(value, (bool, np.bool_)):  # operator.index(True) == 1: almost certainly a mistake
         raise ValueError(f"{name} must be a static Python int, got the bool {value!r}")
     try:
@@ -162,13 +182,18 @@ def _static_int(value, name: str, minimum: int) -> int:
             f"{name} must be a static Python int (it fixes the graph's shape), got {type(value).__name__} "
             f"{value!r}; pass it outside jax.jit or mark it static"
         ) from None
-    if value < minimum:
+    if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
 
 
-def _normalize_window(local_window_size) -> tuple[int, int] | None:
-    # jax.nn.dot_product_attention spells the window as an int or a (left, right) pair.
+def _normalize_window(local_window_size) -> tuple[int | None, int | None] | None:
+    """(left, right) with None for a side without limit, or None for no window.
+
+    jax.nn.dot_product_attention spells the window as an int or a (left, right) pair; FlashAttention spells
+    "no limit on this side" as -1, and any negative side means that here too:
+    (-1, 0) -> (None, 0) (causal, any distance back), (128, -1) -> (128, None), -1 and (-1, -1) -> None.
+    """
     if local_window_size is None:
         return None
     if isinstance(local_window_size, (tuple, list)):
@@ -179,10 +204,10 @@ def _normalize_window(local_window_size) -> tuple[int, int] | None:
         left, right = local_window_size
     else:
         left = right = local_window_size
-    return (
-        _static_int(left, "local_window_size[0] (left)", 0),
-        _static_int(right, "local_window_size[1] (right)", 0),
-    )
+    left = _static_int(left, "local_window_size[0] (left)", None)
+    right = _static_int(right, "local_window_size[1] (right)", None)
+    window = (None if left < 0 else left, None if right < 0 else right)
+    return None if window == (None, None) else window
 
 
 def _check_array(x, name: str, rank: int, layout: str):
@@ -284,4 +309,5 @@ def make_config(
         strategy=options.strategy,
         packing=packing,
         has_sinks=sinks is not None,
+        softcap=options.softcap or 0.0,
     )

@@ -42,7 +42,7 @@ except ImportError as error:  # the library itself needs no Flax; only this modu
                       f"(installs flax and optax); importing flax failed with: {error}") from error
 
 from jax_ragged_attn.api import ragged_attention
-from jax_ragged_attn.config import STRATEGIES
+from jax_ragged_attn.config import STRATEGIES, AttentionOptions
 from jax_ragged_attn.index import as_int32
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 
@@ -62,6 +62,7 @@ class RaggedSelfAttention(nnx.Module):
       sinks: add one learnable sink logit per query head (initialised to 0); see above.
       rope_base: RoPE's base; None turns RoPE off.
       scale: multiplies q.k; default 1 / sqrt(D).
+      softcap: None or c > 0: cap the attention logits to c * tanh(s / c) (Gemma 2), as in `ragged_attention`.
       implementation: None (cuDNN where it can serve the call, else xla), "cudnn" or "xla".
       strategy: "fastest" or "lean_memory", the cuDNN backward's workspace-for-speed trade, as in
         `ragged_attention`.
@@ -77,7 +78,7 @@ class RaggedSelfAttention(nnx.Module):
                  is_causal: bool = True, local_window_size=None, sinks: bool = False,
                  rope_base: float | None = 10_000.0, scale: float | None = None, implementation: str | None = None,
                  strategy: str = "fastest", head_axis: str | None = None, dtype=None, param_dtype=jnp.float32,
-                 kernel_init=None, rngs: nnx.Rngs):
+                 kernel_init=None, softcap: float | None = None, rngs: nnx.Rngs):
         self.features = _positive_int(features, "features")
         self.num_heads = _positive_int(num_heads, "num_heads")
         self.num_kv_heads = self.num_heads if num_kv_heads is None else _positive_int(num_kv_heads, "num_kv_heads")
@@ -99,6 +100,8 @@ class RaggedSelfAttention(nnx.Module):
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.scale, self.implementation, self.head_axis = scale, implementation, head_axis
         self.strategy = strategy
+        # Validated here (ValueError naming softcap), not at the first call.
+        self.softcap = AttentionOptions(softcap=softcap).softcap
         self.dtype, self.param_dtype = dtype, param_dtype
 
         h, hkv, d, f = self.num_heads, self.num_kv_heads, self.head_dim, self.features
@@ -175,7 +178,8 @@ class RaggedSelfAttention(nnx.Module):
     def attend(self, qkv, q, kv, cu_seqlens, *, max_seqlen: int, return_stats: bool = False):
         """The ragged attention on `project`'s output: out [T, Hq, D] (and stats [Hq, T])."""
         options = dict(scale=self.scale, is_causal=self.is_causal, local_window_size=self.local_window_size,
-                       return_stats=return_stats, implementation=self.implementation, strategy=self.strategy)
+                       return_stats=return_stats, implementation=self.implementation, strategy=self.strategy,
+                       softcap=self.softcap)
         bounds = dict(max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
         axis = self.head_axis
         packed, heads = jax.P(None, None, axis, None), jax.P(None, axis, None)  # [T, parts, H, D], [T, H, D]

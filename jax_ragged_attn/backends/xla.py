@@ -38,6 +38,9 @@ the number of sequences (xla_memory.estimate_bytes, checked against a bound befo
 Compute: the tiles each block needs (causal self-attention: about sum of seqlen^2 / 2 per head plus a tile
 per block) plus one tile per lane, in each pass.
 
+softcap caps each tile's scores where they are made (_logits), before the mask; the backward recomputes the
+capped scores and multiplies dS by the cap's derivative 1 - tanh^2, read back from them.
+
 Masked logits are a finite large negative (as in jax.nn), never -inf, and every exp is of a value that
 cannot overflow, so jax.debug_infs / jax.debug_nans stay quiet unless the inputs hold inf or NaN; the only
 -inf ever produced is the documented stats of rows without keys, and only when stats are returned.
@@ -191,8 +194,19 @@ def _tile_mask(first, last, cols):
 
 
 def _logits(plan, q_tile, k_tile):
-    """[n, Hkv, G, rows, cols] float32 scale * q.k of query tiles [n, rows, Hkv, G, D] and key tiles [n, cols, Hkv, D]."""
-    return _dot(plan, "nqhgd,nkhd->nhgqk", q_tile, k_tile) * plan.config.scale
+    """[n, Hkv, G, rows, cols] float32 scores of query tiles [n, rows, Hkv, G, D] and key tiles [n, cols, Hkv, D]:
+    scale * q.k, capped to softcap * tanh(scale * q.k / softcap) when config.softcap is set (bounded by
+    softcap, so a capped score never overflows anything the uncapped one would not)."""
+    s = _dot(plan, "nqhgd,nkhd->nhgqk", q_tile, k_tile) * plan.config.scale
+    cap = plan.config.softcap
+    return cap * jnp.tanh(s / cap) if cap else s
+
+
+def _uncapped_ds(plan, ds, logits):
+    """dS of the capped scores (what the softmax backward gives) as dS of scale * q.k: times the cap's derivative
+    1 - tanh^2, read back from the capped scores themselves (tanh = logits / softcap), so nothing is stored."""
+    cap = plan.config.softcap
+    return ds * (1.0 - jnp.square(logits / cap)) if cap else ds
 
 
 def _query_blocks(plan, x):
@@ -456,9 +470,10 @@ def _dq_pass(plan, q_clean, k_clean, v_clean, d_out, lse, delta, bands):
     def tile(block, r, valid):
         mask, k_tile, v_tile = key_tile(block, r, valid)
         q_tile = q_tiles[block]
-        p = jnp.exp(jnp.where(mask, _logits(plan, q_tile, k_tile) - lse_tiles[block][..., None], _MASKED))
+        logits = _logits(plan, q_tile, k_tile)
+        p = jnp.exp(jnp.where(mask, logits - lse_tiles[block][..., None], _MASKED))
         dp = _dot(plan, "nqhgd,nkhd->nhgqk", do_tiles[block], v_tile)
-        ds = p * (dp - delta_tiles[block][..., None])
+        ds = _uncapped_ds(plan, p * (dp - delta_tiles[block][..., None]), logits)
         return (_dot(plan, "nhgqk,nkhd->nqhgd", ds, k_tile),)
 
     (d_q,) = _walk_loop(walk, n, tile, [q_tiles.shape])
@@ -497,9 +512,10 @@ def _dkv_pass(plan, q_clean, k_clean, v_clean, d_out, lse, delta, bands, with_dq
         first = jnp.where(valid[:, None], _rows(first_pad, start, bq), c.capacity_kv)
         mask = _tile_mask(first, _rows(last_pad, start, bq), cols[block])
         k_tile, v_tile = k_tiles[block], v_tiles[block]
-        p = jnp.exp(jnp.where(mask, _logits(plan, q_tile, k_tile) - lse_tile[..., None], _MASKED))
+        logits = _logits(plan, q_tile, k_tile)
+        p = jnp.exp(jnp.where(mask, logits - lse_tile[..., None], _MASKED))
         dp = _dot(plan, "nqhgd,nkhd->nhgqk", do_tile, v_tile)
-        ds = p * (dp - delta_tile[..., None])
+        ds = _uncapped_ds(plan, p * (dp - delta_tile[..., None]), logits)
         sums = (_dot(plan, "nhgqk,nqhgd->nkhd", ds, q_tile), _dot(plan, "nhgqk,nqhgd->nkhd", p, do_tile))
         return sums, ds, start, k_tile
 

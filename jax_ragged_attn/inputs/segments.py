@@ -124,7 +124,7 @@ def ragged_attention_segments(
         truncated_rows_q = truncated_rows_kv (tokens cut by max_seqlen); invalid_cu_seqlens is always 0.
       **kwargs: any other keyword of `ragged_attention` (scale, is_causal, diagonal_alignment,
         local_window_size, stats_layout, return_stats, implementation, deterministic, autotune, strategy,
-        sinks). Positions for causal masks and windows count from each segment's first token; a segment's
+        sinks, softcap). Positions for causal masks and windows count from each segment's first token; a segment's
         queries and keys are the same tokens, so the two diagonal alignments coincide.
 
     Returns:

@@ -15,8 +15,10 @@ Semantics, over packed buffers q [Tq, Hq, Dqk], k [Tkv, Hkv, Dqk], v [Tkv, Hkv, 
 - Query head h reads kv head h // (Hq // Hkv).
 - Query i and key j of one sequence (0-based, lengths sq and skv) sit on diagonal d = i ("top_left") or
   d = i + skv - sq ("bottom_right"). is_causal keeps j <= d; local_window_size (left, right) keeps
-  d - left <= j <= d + right (an int w means (w, w)). Both may apply at once.
-- stats is the natural-log log-sum-exp of scale * q.k over the attended keys, token-major [Tq, Hq].
+  d - left <= j <= d + right (an int w means (w, w); a negative side, FlashAttention's -1, has no limit).
+  Both may apply at once.
+- softcap c > 0 caps the scores before the mask: s = c * tanh(scale * q.k / c) (Gemma 2); None or 0: s = scale * q.k.
+- stats is the natural-log log-sum-exp of the scores s over the attended keys, token-major [Tq, Hq].
 - A query row with no attended key, and every padding row: out 0, stats -inf, gradients 0. Padding rows
   are never read, so NaN there cannot reach any result.
 """
@@ -36,8 +38,9 @@ def _window(local_window_size) -> tuple[int | None, int | None]:
         return None, None
     if isinstance(local_window_size, (tuple, list)):
         left, right = local_window_size
-        return int(left), int(right)
-    return int(local_window_size), int(local_window_size)
+    else:
+        left = right = local_window_size
+    return (None if int(left) < 0 else int(left)), (None if int(right) < 0 else int(right))
 
 
 def _mask(sq: int, skv: int, *, is_causal, diagonal_alignment, window) -> np.ndarray:
@@ -78,6 +81,7 @@ def reference_attention(
     d_out=None,
     d_stats=None,
     sinks=None,
+    softcap: float | None = None,
 ) -> dict[str, np.ndarray]:
     """Attention over packed sequences in float64; see the module docstring for the semantics.
 
@@ -89,6 +93,9 @@ def reference_attention(
     value (gpt-oss): p_ij = exp(s_ij) / (sum_j exp(s_ij) + exp(sink_h)). A real query row with no attended
     key has the sink as its whole softmax: out 0, stats sink_h (padding rows stay -inf). With d_out, the
     result also holds "dsinks" [Hq].
+
+    softcap (None, 0 or c > 0): the scores are c * tanh(scale * q.k / c); the gradients carry the cap's
+    derivative 1 - tanh^2.
     """
     if diagonal_alignment not in DIAGONAL_ALIGNMENTS:
         raise ValueError(f"diagonal_alignment must be one of {DIAGONAL_ALIGNMENTS}, got {diagonal_alignment!r}")
@@ -126,6 +133,9 @@ def reference_attention(
         vb = np.repeat(v[rows_kv], group, axis=1)  # [skv, Hq, Dv]
 
         scores = scale * np.einsum("ihd,jhd->hij", qb, kb)
+        if softcap:
+            capped = np.tanh(scores / softcap)  # [Hq, sq, skv], kept for the backward's derivative
+            scores = softcap * capped
         scores = np.where(keep, scores, -np.inf)
         row_max = np.where(attended, scores.max(axis=2, initial=-np.inf), 0.0)  # [Hq, sq]
         if sinks is not None:  # the sink joins the softmax: shift by the larger of the two
@@ -154,6 +164,8 @@ def reference_attention(
             # The sink's logit gets the same softmax gradient as a key's, with no value: p_sink * (g - D).
             p_sink = sink_weight / np.where(attended, row_sum, 1.0)
             dsinks += (p_sink * (d_stats[rows_q].T - delta)).sum(axis=1)
+        if softcap:  # d (c * tanh(x / c)) / dx = 1 - tanh(x / c)^2: dS of the capped scores to the raw ones
+            ds = ds * (1.0 - capped**2)
         dq[rows_q] = scale * np.einsum("hij,jhd->ihd", ds, kb)
         dk_heads = scale * np.einsum("hij,ihd->jhd", ds, qb)  # [skv, Hq, Dqk]
         dv_heads = np.einsum("hij,ihd->jhd", p, dob)  # [skv, Hq, Dv]
