@@ -76,6 +76,8 @@ def __getattr__(name):  # jax_ragged_attn.checks.input_errors without importing 
 from jax_ragged_attn.api import ragged_attention  # noqa: E402
 from jax_ragged_attn.backends.cudnn.extension import cudnn_unavailable_reason  # noqa: E402
 from jax_ragged_attn.config import AttentionConfig  # noqa: E402
+from jax_ragged_attn.inputs.kvcache import kvcache_append, ragged_attention_with_kvcache  # noqa: E402
 
-__all__ = ["AttentionConfig", "cudnn_unavailable_reason", "ragged_attention"]
+__all__ = ["AttentionConfig", "cudnn_unavailable_reason", "kvcache_append", "ragged_attention",
+           "ragged_attention_with_kvcache"]
 __version__ = "0.1.0"

@@ -19,6 +19,17 @@ A backend is a module (or package) with this surface:
 `REGISTRY` lists the backends in preference order, each imported when first asked for. Adding one is a new
 module and one line here. `choose` serves implementation=None and names the reason when a requested backend
 cannot serve the call.
+
+Each op has a registry of its own (`REGISTRIES`, picked by `op=`): "ragged" is `ragged_attention`'s (above);
+"kvcache" is `ragged_attention_with_kvcache`'s (`KVCACHE`), whose backends have a smaller surface:
+
+    NAME: str
+    unsupported_reason(config) -> str | None            # config a kvcache_config.KVCacheConfig
+    attend(q, k_cache, v_cache, lengths, page_table, config) -> (out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32)
+        # lengths: cache_seqlens clamped into [0, capacity]; page_table None (contiguous) or int32 as passed
+        # (entries outside [0, num_pages) are the backend's to keep from being read); forward only. Rows with
+        # no keys may hold anything: inputs/kvcache.py masks them, and applies sinks and the stats layout.
+    auto_candidate(config) -> bool                      # optional, as above
 """
 
 from __future__ import annotations
@@ -33,10 +44,18 @@ REGISTRY = {
 }
 FALLBACK = "xla"
 
+# ragged_attention_with_kvcache's backends, in the same preference order.
+KVCACHE = {
+    "fa3": "jax_ragged_attn.backends.fa3_kvcache",  # FlashAttention-3's kvcache kernels (contiguous and paged)
+    "cudnn": "jax_ragged_attn.backends.cudnn_kvcache",  # the ragged cuDNN kernel over a contiguous cache
+    "xla": "jax_ragged_attn.backends.xla_kvcache",  # blocked online softmax in jnp: serves everything
+}
+REGISTRIES = {"ragged": REGISTRY, "kvcache": KVCACHE}
 
-def get(name: str):
-    """The backend module registered as `name`."""
-    return importlib.import_module(REGISTRY[name])
+
+def get(name: str, op: str = "ragged"):
+    """The backend module registered as `name` for `op`."""
+    return importlib.import_module(REGISTRIES[op][name])
 
 
 def _auto_candidate(backend, config) -> bool:
@@ -52,17 +71,24 @@ def unsupported_reason(backend, config, index, *, stats_gradient: bool = False) 
     return reason
 
 
-def choose(implementation: str | None, config, index, *, stats_gradient: bool = False):
+def choose(implementation: str | None, config, index, *, stats_gradient: bool = False, op: str = "ragged"):
     """The backend module that runs this call. A named implementation that cannot serve it raises
-    NotImplementedError with the reason; implementation=None takes the first automatic candidate in REGISTRY
-    that serves it (with autotune=True, the measured faster of the GPU kernels that serve it), and warns on a
-    GPU when only the portable fallback is left."""
+    NotImplementedError with the reason; implementation=None takes the first automatic candidate in the op's
+    registry that serves it (ragged: with autotune=True, the measured faster of the GPU kernels that serve
+    it, and a warning on a GPU when only the portable fallback is left)."""
     if implementation is not None:
-        backend = get(implementation)
+        backend = get(implementation, op)
         reason = unsupported_reason(backend, config, index, stats_gradient=stats_gradient)
         if reason is not None:
             raise NotImplementedError(f"implementation={implementation!r} cannot serve this call: {reason}")
         return backend
+    if op != "ragged":
+        for name in REGISTRIES[op]:
+            backend = get(name, op)
+            if name == FALLBACK or (_auto_candidate(backend, config)
+                                    and unsupported_reason(backend, config, index) is None):
+                return backend
+        return get(FALLBACK, op)
     serving, declined = [], []
     for name in REGISTRY:
         backend = get(name)

@@ -1,0 +1,263 @@
+"""Attention over a KV cache (decoding), and appending to the cache.
+
+    k_cache, v_cache = kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table=page_table)
+    out = ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens + Sn, page_table=page_table)
+
+The caches are contiguous [B, L, Hkv, D] or paged [num_pages, page_size, Hkv, D] with an integer page table
+[B, max_pages]; backends/kvcache_config.py spells out how rows map to memory. This module validates the
+arguments, runs check mode, picks the backend from the registry (backends.KVCACHE: FlashAttention-3, cuDNN
+over a contiguous cache, xla), and applies what every backend shares once: rows without keys (out 0, stats
+-inf), sinks and the stats layout.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ragged_attn import backends
+from jax_ragged_attn.backends.kvcache_config import KVCacheConfig, clamped_lengths, rows_with_keys
+from jax_ragged_attn.config import XLA_DTYPES, AttentionOptions
+from jax_ragged_attn.features.checks import RaggedAttentionInputError, check_enabled
+from jax_ragged_attn.features.sinks import sink_terms
+from jax_ragged_attn.index import as_int32
+
+
+def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=None, scale=None,
+                                  is_causal=True, local_window_size=None, sinks=None, return_stats=False,
+                                  stats_layout="head_major", implementation=None, check=None):
+    """Each sequence's newest queries attending to its KV cache (decoding, speculative decoding, chunked
+    prefill). Forward only: for inference. jax.grad with respect to q or the caches raises
+    NotImplementedError (the sinks' gradient, through the epilogue, works); jit and vmap work.
+
+    Args:
+      q: [B, Sq, Hq, Dqk], each sequence's newest Sq queries (Sq = 1 to decode one token).
+      k_cache, v_cache: contiguous [B, L, Hkv, Dqk] / [B, L, Hkv, Dv], or paged [num_pages, page_size, Hkv,
+        Dqk] / [..., Dv] with page_table. Hq must be a multiple of Hkv (GQA, MQA): query head h reads kv head
+        h // (Hq // Hkv). Same dtype as q: bfloat16, float16 or float32.
+      cache_seqlens: integer [B]: the rows of the cache sequence b uses, its newest Sq tokens included (call
+        kvcache_append first). Clamped into [0, capacity] (L, or max_pages * page_size).
+      page_table: None (contiguous), or integer [B, max_pages]: row r of sequence b is
+        k_cache[page_table[b, r // page_size], r % page_size]. Entries of pages a sequence does not use may be
+        anything (-1 for unallocated, say). An entry outside [0, num_pages) is never read: on the xla path its
+        rows are left out; the kernels read page 0 instead, so the result of a sequence that uses such an
+        entry is unspecified (check=True raises).
+      scale: multiplies q.k; default 1/sqrt(Dqk).
+      is_causal: query i of sequence b sits at position cache_seqlens[b] - Sq + i and sees the keys at
+        positions <= it (bottom-right). False: every used row.
+      local_window_size: (left, right) keeps keys at positions position - left .. position + right; an int w
+        means (w, w); a negative side has no limit.
+      sinks: None or [Hq] float: one logit per query head that joins every query's softmax without a value
+        (gpt-oss); a query without keys then has stats sinks[h] and out 0.
+      return_stats: also return the float32 natural-log log-sum-exp of the attended scores; -inf for a query
+        with no keys (cache_seqlens[b] < Sq under a causal mask, an empty sequence, a narrow window).
+      stats_layout: "head_major" [B, Hq, Sq] (FlashAttention's softmax_lse) or "token_major" [B, Sq, Hq].
+      implementation: None picks the first that serves the call of "fa3" (flash-attn3-jax's kvcache kernels:
+        Hopper, bf16/fp16, head dim 128), "cudnn" (contiguous caches) and "xla" (portable, everywhere); a
+        named one that cannot serve it raises NotImplementedError with the reason.
+      check: validate cache_seqlens (within [0, capacity]) and the page-table entries of the pages each
+        sequence uses (within [0, num_pages)) at run time; a violation raises RaggedAttentionInputError naming
+        the argument and the element (under jit XLA wraps it: see checks.input_errors). None reads
+        JAX_RAGGED_ATTN_CHECK.
+
+    Returns:
+      out [B, Sq, Hq, Dv] in q's dtype, or (out, stats) with return_stats=True.
+    """
+    options = AttentionOptions(scale=scale, is_causal=is_causal, local_window_size=local_window_size,
+                               stats_layout=stats_layout, return_stats=return_stats, implementation=implementation,
+                               check=check)
+    q, k_cache, v_cache = (jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in (q, k_cache, v_cache))
+    cache_seqlens = as_int32(cache_seqlens, "cache_seqlens")
+    page_table = None if page_table is None else as_int32(page_table, "page_table")
+    config = kvcache_config(q, k_cache, v_cache, cache_seqlens, page_table, options, sinks)
+    if check_enabled(check):
+        cache_seqlens, page_table = checked_cache_index(cache_seqlens, page_table, config)
+    backend = backends.choose(implementation, config, None, op="kvcache")
+    lengths = clamped_lengths(jnp.asarray(cache_seqlens), config)
+    page_table = None if page_table is None else jnp.asarray(page_table)
+    out, lse = _attention(q, k_cache, v_cache, lengths, page_table, config, backend.NAME)
+    keys = rows_with_keys(lengths, config)  # [B, Sq]
+    out = jnp.where(keys[:, :, None, None], out, jnp.zeros((), out.dtype))
+    keys = keys[:, None, :]  # as the stats, head-major [B, Hq, Sq]
+    if sinks is None:
+        stats = jnp.where(keys, lse, -jnp.inf)
+    else:
+        stats, weight = sink_terms(lse, sinks.astype(jnp.float32)[None, :, None], keys)
+        out = (out.astype(jnp.float32) * weight.transpose(0, 2, 1)[..., None]).astype(out.dtype)
+    if not return_stats:
+        return out
+    return out, (stats.transpose(0, 2, 1) if stats_layout == "token_major" else stats)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, name: str):
+    return backends.get(name, "kvcache").attend(q, k_cache, v_cache, lengths, page_table, config)
+
+
+def _attention_fwd(q, k_cache, v_cache, lengths, page_table, config, name):
+    return _attention(q, k_cache, v_cache, lengths, page_table, config, name), None
+
+
+def _attention_bwd(config, name, residuals, cotangents):
+    raise NotImplementedError(
+        "ragged_attention_with_kvcache is forward-only (inference): it has no gradient with respect to q, "
+        "k_cache or v_cache. Train with ragged_attention (seqused_kv over the cache's slots gives the same "
+        "attention, differentiable)")
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, *, page_table=None):
+    """Writes k_new[b, i] / v_new[b, i] ([B, Sn, Hkv, D]) at row cache_seqlens[b] + i of sequence b's cache and
+    returns (k_cache, v_cache).
+
+    cache_seqlens are the rows in use before the append (clamped into [0, capacity]); attend afterwards with
+    cache_seqlens + Sn. Rows past the capacity are not written, nor are rows whose page-table entry lies
+    outside [0, num_pages) (page_table as in ragged_attention_with_kvcache). A scatter that drops those rows:
+    under jax.jit with the caches donated (donate_argnums) XLA updates them in place, with no copy of the cache.
+    """
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
+        _check_rank(x, name, 4)
+    cache_seqlens = as_int32(cache_seqlens, "cache_seqlens")
+    batch, new_rows = k_new.shape[:2]
+    if v_new.shape[:3] != k_new.shape[:3]:
+        raise ValueError(f"v_new must be [B, Sn, Hkv, Dv] like k_new {tuple(k_new.shape)}, got {tuple(v_new.shape)}")
+    for cache, new, name in ((k_cache, k_new, "k"), (v_cache, v_new, "v")):
+        if cache.shape[2:] != new.shape[2:]:
+            raise ValueError(f"{name}_new must be [B, Sn, {cache.shape[2]}, {cache.shape[3]}] to match "
+                             f"{name}_cache {tuple(cache.shape)}, got {tuple(new.shape)}")
+        if cache.dtype != new.dtype:
+            raise ValueError(f"{name}_new must have {name}_cache's dtype {cache.dtype}, got {new.dtype}")
+    if tuple(cache_seqlens.shape) != (batch,):
+        raise ValueError(f"cache_seqlens must be [B={batch}], got shape {tuple(cache_seqlens.shape)}")
+    if k_cache.shape[0] != v_cache.shape[0] or k_cache.shape[1] != v_cache.shape[1]:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must agree in their "
+                         "first two dims")
+    if page_table is not None:
+        page_table = jnp.asarray(as_int32(page_table, "page_table"))
+        _check_page_table(page_table, batch)
+    capacity = k_cache.shape[1] * (1 if page_table is None else page_table.shape[1])
+    # Clamped first, so that no sum below can overflow int32 (a negative index would wrap around).
+    rows = jnp.clip(jnp.asarray(cache_seqlens), 0, capacity)[:, None] + jnp.arange(new_rows, dtype=jnp.int32)
+    if page_table is None:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"a contiguous k_cache must be [B={batch}, L, Hkv, D], got {tuple(k_cache.shape)}")
+        first = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], rows.shape)
+        second = jnp.where(rows < capacity, rows, capacity)  # capacity: out of bounds, dropped
+    else:
+        num_pages, page_size = k_cache.shape[:2]
+        slot = jnp.minimum(rows // page_size, page_table.shape[1] - 1)
+        entry = jnp.take_along_axis(page_table, slot, axis=1)
+        keep = (rows < capacity) & (entry >= 0) & (entry < num_pages)
+        first = jnp.where(keep, entry, num_pages)  # num_pages: out of bounds, dropped
+        second = rows % page_size
+    return (k_cache.at[first, second].set(k_new, mode="drop"), v_cache.at[first, second].set(v_new, mode="drop"))
+
+
+# ---- validation and check mode ------------------------------------------------------------------------------
+
+
+def _check_rank(x, name: str, rank: int) -> None:
+    shape = getattr(x, "shape", None)
+    if shape is None or getattr(x, "dtype", None) is None:
+        raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    if len(shape) != rank:
+        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(shape)}")
+
+
+def _check_page_table(page_table, batch: int) -> None:
+    if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.shape[1] < 1:
+        raise ValueError(f"page_table must be [B={batch}, max_pages >= 1], got shape {tuple(page_table.shape)}")
+
+
+def kvcache_config(q, k_cache, v_cache, cache_seqlens, page_table, options: AttentionOptions,
+                   sinks=None) -> KVCacheConfig:
+    """Checks every static property of the arguments (ValueError naming the argument) into a KVCacheConfig."""
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_rank(x, name, 4)
+    batch, seqlen_q, heads_q, dqk = q.shape
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if q.dtype not in [np.dtype(d) for d in XLA_DTYPES]:
+        raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"v_cache must match k_cache {tuple(k_cache.shape)} but in its last dim, got "
+                         f"{tuple(v_cache.shape)}")
+    if k_cache.shape[3] != dqk:
+        raise ValueError(f"k_cache's head dim must equal q's ({dqk}), got k_cache shape {tuple(k_cache.shape)}")
+    heads_kv = k_cache.shape[2]
+    if min(batch, seqlen_q, heads_q, dqk, *k_cache.shape, v_cache.shape[3]) < 1:
+        raise ValueError(f"every dim must be >= 1, got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+                         f"v_cache {tuple(v_cache.shape)}")
+    if heads_q % heads_kv:
+        raise ValueError(f"q's heads ({heads_q}) must be a multiple of the cache's heads ({heads_kv})")
+    if tuple(cache_seqlens.shape) != (batch,):
+        raise ValueError(f"cache_seqlens must be [B={batch}], got shape {tuple(cache_seqlens.shape)}")
+    if page_table is None:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"a contiguous k_cache must be [B={batch}, L, Hkv, D] (or pass page_table), got "
+                             f"{tuple(k_cache.shape)}")
+        paged, page_size, num_pages, max_pages = False, k_cache.shape[1], batch, 1
+    else:
+        _check_page_table(page_table, batch)
+        paged, page_size, num_pages, max_pages = True, k_cache.shape[1], k_cache.shape[0], page_table.shape[1]
+    if sinks is not None:
+        _check_rank(sinks, "sinks", 1)
+        if sinks.shape[0] != heads_q or not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise ValueError(f"sinks must be a floating [Hq={heads_q}], got {sinks.dtype} {tuple(sinks.shape)}")
+    window_left, window_right = options.local_window_size or (None, None)
+    return KVCacheConfig(
+        batch=int(batch), seqlen_q=int(seqlen_q), num_heads_q=int(heads_q), num_heads_kv=int(heads_kv),
+        head_dim_qk=int(dqk), head_dim_v=int(v_cache.shape[3]), dtype=np.dtype(q.dtype).name, paged=paged,
+        page_size=int(page_size), num_pages=int(num_pages), max_pages=int(max_pages),
+        scale=1.0 / float(np.sqrt(dqk)) if options.scale is None else options.scale, is_causal=options.is_causal,
+        window_left=window_left, window_right=window_right, has_sinks=sinks is not None)
+
+
+def cache_index_problems(lengths: np.ndarray, page_table: np.ndarray | None, config: KVCacheConfig) -> list[str]:
+    """What is wrong with one call's cache_seqlens [B] and page_table [B, max_pages] (None: contiguous)."""
+    problems = []
+    lengths = lengths.astype(np.int64)
+    where = "k_cache.shape[1]" if not config.paged else f"page_table.shape[1] * page_size = {config.max_pages} * " \
+                                                        f"{config.page_size}"
+    for b in np.flatnonzero((lengths < 0) | (lengths > config.capacity))[:1]:
+        problems.append(f"cache_seqlens[{b}] = {lengths[b]} is outside [0, {config.capacity}] (the capacity, "
+                        f"{where})")
+    if page_table is not None:
+        used = (np.clip(lengths, 0, config.capacity) + config.page_size - 1) // config.page_size  # [B]
+        needed = np.arange(config.max_pages)[None, :] < used[:, None]
+        bad = needed & ((page_table < 0) | (page_table >= config.num_pages))
+        if bad.any():
+            b, p = (int(i) for i in np.argwhere(bad)[0])
+            problems.append(f"page_table[{b}, {p}] = {page_table[b, p]} is outside [0, num_pages = "
+                            f"{config.num_pages}) (k_cache.shape[0]) and holds rows {p * config.page_size}.."
+                            f"{(p + 1) * config.page_size - 1} that sequence {b} uses (cache_seqlens[{b}] = "
+                            f"{lengths[b]})")
+    return problems
+
+
+def checked_cache_index(cache_seqlens, page_table, config: KVCacheConfig):
+    """(cache_seqlens, page_table), unchanged, once the host found them valid (cache_index_problems); else the
+    computation stops with a RaggedAttentionInputError. Concrete values are checked now, traced ones by a
+    pure_callback whose results the attention consumes (features/checks.py explains the mechanism)."""
+    def check_on_host(lengths, table=None):
+        lengths = np.asarray(lengths)
+        table = None if table is None else np.asarray(table)
+        for index in np.ndindex(lengths.shape[:-1]):  # leading axes: vmap
+            problems = cache_index_problems(lengths[index], None if table is None else table[index], config)
+            if problems:
+                at = f" (vmapped element {index})" if index else ""
+                raise RaggedAttentionInputError(f"KV cache index invalid{at}: " + "; ".join(problems))
+        return (lengths,) if table is None else (lengths, table)
+
+    arrays = (cache_seqlens,) if page_table is None else (cache_seqlens, page_table)
+    if not any(isinstance(x, jax.core.Tracer) for x in arrays):
+        check_on_host(*arrays)
+        return cache_seqlens, page_table
+    result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays)
+    checked = jax.pure_callback(check_on_host, result, *arrays, vmap_method="broadcast_all")
+    return checked[0], (None if page_table is None else checked[1])
