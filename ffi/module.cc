@@ -13,6 +13,7 @@
 #include "graph_cache.h"
 #include "handlers.h"
 #include "row_zeroing.h"
+#include "zero_rows.h"
 #include "sizing.h"
 
 namespace nb = nanobind;
@@ -20,9 +21,10 @@ namespace nb = nanobind;
 namespace jax_ragged_attn {
 namespace {
 
-// The FFI target names the two handlers are registered under.
+// The FFI target names the handlers are registered under.
 constexpr const char* kForwardTarget = "jax_ragged_attn_forward";
 constexpr const char* kBackwardTarget = "jax_ragged_attn_backward";
+constexpr const char* kZeroRowsTarget = "jax_ragged_attn_zero_rows";
 
 template <typename T>
 T get(const nb::dict& d, const char* name) {
@@ -146,6 +148,7 @@ NB_MODULE(_ext, m) {
     nb::dict d;
     d[kForwardTarget] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnForward));
     d[kBackwardTarget] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnBackward));
+    d[kZeroRowsTarget] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnZeroRows));
     return d;
   });
   m.def("targets", []() {
@@ -154,6 +157,7 @@ NB_MODULE(_ext, m) {
     d["backward"] = kBackwardTarget;
     return d;
   });
+  m.def("zero_rows_target", []() { return kZeroRowsTarget; });
   m.def("config_fields", []() {
     nb::list fields;
     for (const ConfigField& field : kConfigFields) fields.append(nb::make_tuple(field.name, field.type));

@@ -49,9 +49,9 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from jax_ragged_attn.backends.cudnn import stats_grad
+from jax_ragged_attn.backends.row_zeroing import zero_unused_rows
 from jax_ragged_attn.config import AttentionConfig
-from jax_ragged_attn.index import (RaggedIndex, query_rows_with_keys, row_positions, sanitize_both,
-                                   sequence_lengths)
+from jax_ragged_attn.index import RaggedIndex, query_rows_with_keys, sanitize_both, sequence_lengths
 
 WHEEL = "flash-attn3-jax"
 INSTALL = "pip install 'jax_ragged_attn[fa3]'"
@@ -277,27 +277,43 @@ def _index(cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused):
             sequence_lengths(cu_kv, config.max_seqlen_kv, seqused[1]))
 
 
-def _cleared(q, k, v, cu_q, cu_kv, config: AttentionConfig, seqused):
+def _cleared(q, k, v, cu_q, cu_kv, used_q, used_kv):
     """q, k, v with every row no sequence uses set to 0. FA3's tiles load rows past a sequence's used end
     (the next sequence's, rows cut by max_seqlen or seqused, capacity padding) and mask only their scores:
     P = 0 there, but 0 * NaN is NaN, so a non-finite value outside every sequence would reach the results
-    (measured on the H200: NaN padding gave NaN outputs). Cleared copies make those reads harmless, and the
-    caller's rows outside the sequences are never read by a kernel. One elementwise pass per input, in the
-    forward only: the backward reuses these copies."""
-    valid_q = row_positions(cu_q, config.capacity_q, config.max_seqlen_q, seqused[0])[2]
-    valid_kv = row_positions(cu_kv, config.capacity_kv, config.max_seqlen_kv, seqused[1])[2]
-    zero = jnp.zeros((), q.dtype)
-    return (jnp.where(valid_q[:, None, None], q, zero), jnp.where(valid_kv[:, None, None], k, zero),
-            jnp.where(valid_kv[:, None, None], v, zero))
+    (measured on the H200: NaN padding gave NaN outputs). Cleared buffers make those reads harmless, and the
+    caller's rows outside the sequences are never read by a kernel. Zeroed in place where XLA can
+    (row_zeroing.py: the cost follows the padding), in the forward only: the backward reuses them."""
+    (q,) = zero_unused_rows((q,), cu_q, used_q)
+    k, v = zero_unused_rows((k, v), cu_kv, used_kv)
+    return q, k, v
+
+
+def _keyless_rows_only_without_keys(config: AttentionConfig) -> bool:
+    """Whether a real query row can lack keys only when its whole sequence has none (skv = 0): no left window
+    bound, and a top-left diagonal or no right bound. Then FA3's unowned rows plus the rows of sequences
+    without keys (a gate in zero_unused_rows) are all the rows that must read 0; otherwise rows inside a
+    sequence can fall outside its band (bottom-right causal with sq > skv, a left window) and a `where` on
+    query_rows_with_keys does it."""
+    return config.left_bound is None and (config.diagonal_alignment == "top_left" or config.right_bound is None)
+
+
+def _owned_query_rows(x, cu_q, used_q, used_kv, rows, config: AttentionConfig):
+    """x [Tq, ...] with the rows outside query_rows_with_keys (`rows`) set to 0, at the padding's cost where
+    the configuration allows (see _keyless_rows_only_without_keys)."""
+    if _keyless_rows_only_without_keys(config):
+        return zero_unused_rows((x,), cu_q, used_q, gate=used_kv)[0]
+    return jnp.where(rows.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused):
     """(out, stats, lse buffer, the cleared q, k, v the kernels read)."""
     cu_q, cu_kv, used_q, used_kv = _index(cu_seqlens_q, cu_seqlens_kv, config, seqused)
-    q, k, v = _cleared(q, k, v, cu_q, cu_kv, config, seqused)
+    q, k, v = _cleared(q, k, v, cu_q, cu_kv, used_q, used_kv)
     out, lse = _forward_call(q, k, v, cu_q, cu_kv, used_q, used_kv, config)
     rows = query_rows_with_keys(cu_q, cu_kv, config, *seqused)
-    out = jnp.where(rows[:, None, None], out, jnp.zeros((), out.dtype))
+    # FA3 writes 0 to a real row without keys (its row sum is 0) and nothing to rows it does not own.
+    out = _owned_query_rows(out, cu_q, used_q, used_kv, rows, config)
     raw = lse_head_major(lse, config)
     # Without return_stats the caller reads none (or, the sink epilogue, only rows with keys): no -inf is made.
     stats = jnp.where(rows[None, :], raw, -jnp.inf if config.return_stats else 0.0)
@@ -326,8 +342,8 @@ def _attention_bwd(config, residuals, cotangents):
     dtype = q.dtype
     parts = []  # (dq, dk, dv or None) of each backward call
     if not isinstance(d_out, SymbolicZero):
-        # The cotangent of rows the op does not own is not ours to read (it may be NaN): `where`, not a multiply.
-        d_out = jnp.where(rows[:, None, None], d_out.astype(dtype), jnp.zeros((), dtype))
+        # The cotangent of rows the op does not own is not ours to read (it may be NaN): zeroed, not multiplied.
+        d_out = _owned_query_rows(d_out.astype(dtype), cu_q, used_q, used_kv, rows, config)
         parts.append(_backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, config))
     if not isinstance(d_stats, SymbolicZero):
         g = d_stats.T if config.stats_layout == "head_major" else d_stats  # [Tq, Hq]
@@ -350,9 +366,9 @@ def _attention_bwd(config, residuals, cotangents):
                 grads.append(terms[0])
             else:
                 grads.append(sum(t.astype(jnp.float32) for t in terms).astype(like.dtype))
-    valid_kv = row_positions(cu_kv, config.capacity_kv, config.max_seqlen_kv, seqused[1])[2]
-    zero = jnp.zeros((), dtype)
-    dq, dk, dv = (jnp.where(mask[:, None, None], g, zero) for g, mask in zip(grads, (rows, valid_kv, valid_kv)))
+    # FA3 leaves the rows it does not own unwritten; a row it owns but no key (or query) reaches gets 0.
+    (dq,) = zero_unused_rows(grads[:1], cu_q, used_q, gate=used_kv)
+    dk, dv = zero_unused_rows(grads[1:], cu_kv, used_kv, gate=used_q)
     return dq, dk, dv, None, None, jax.tree.map(lambda _: None, seqused)
 
 

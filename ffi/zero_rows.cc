@@ -1,0 +1,70 @@
+// A handler of its own for the row-zeroing kernel (row_zeroing.h): zero, in place, the rows of packed buffers
+// that no sequence uses. Kernels that read or write whole tiles past a sequence's end (FlashAttention-3,
+// backends/fa3.py) need their inputs' unused rows cleared and their outputs' unwritten rows zeroed; a
+// jnp.where does that with a full pass over each tensor, this touches only the rows no sequence owns (one
+// thread per row decides, and only unowned rows are written), so its cost follows the padding, not T.
+//
+// args:    starts int32 [B + 1] (sanitised cu_seqlens), lengths int32 [B] (rows each sequence uses), gate
+//          int32 [B] (a sequence with gate 0 owns no row: a query sequence without keys), then the buffers,
+//          each [T, ...] with rows along its leading axis
+// results: the same buffers, aliased to the arguments (Python passes input_output_aliases), every row outside
+//          [starts[b], starts[b] + lengths[b]) of the sequences with gate > 0 zeroed
+#include "zero_rows.h"
+
+#include <cuda_runtime_api.h>
+
+#include "check.h"
+#include "row_zeroing.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_ragged_attn {
+namespace {
+
+ffi::Error zero_rows_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> starts,
+                          ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> gate, ffi::RemainingArgs buffers,
+                          ffi::RemainingRets results) {
+  FFI_CHECK(starts.element_count() == lengths.element_count() + 1 && gate.element_count() == lengths.element_count())
+      << "starts must have one entry more than lengths and gate, got " << starts.element_count() << ", "
+      << lengths.element_count() << " and " << gate.element_count();
+  FFI_CHECK(buffers.size() == results.size())
+      << "each buffer must come back as a result (aliased), got " << buffers.size() << " buffers and "
+      << results.size() << " results";
+  const std::string unavailable = prepare_row_zeroing(device);
+  FFI_CHECK(unavailable.empty()) << "the row-zeroing kernel cannot run here: " << unavailable;
+  const RowOwnership owner{starts.typed_data(), 1, lengths.typed_data(), gate.typed_data(),
+                           static_cast<int64_t>(lengths.element_count())};
+  for (size_t i = 0; i < results.size(); ++i) {
+    auto arg = buffers.get<ffi::AnyBuffer>(i);
+    auto ret = results.get<ffi::AnyBuffer>(i);
+    FFI_RETURN_IF_ERROR(arg.error());
+    FFI_RETURN_IF_ERROR(ret.error());
+    const ffi::AnyBuffer in = *arg;
+    ffi::Result<ffi::AnyBuffer> out = *ret;
+    FFI_CHECK(out->untyped_data() == in.untyped_data())
+        << "buffer " << i << " must be aliased to its result (input_output_aliases)";
+    const auto dims = out->dimensions();
+    FFI_CHECK(dims.size() > 0) << "buffer " << i << " must have a row axis";
+    const int64_t rows = dims[0];
+    if (rows == 0) continue;
+    const int64_t row_bytes = static_cast<int64_t>(out->size_bytes()) / rows;
+    const RowRegion region{out->untyped_data(), rows, row_bytes, row_bytes};
+    FFI_RETURN_IF_ERROR(zero_unowned_rows(region, owner, stream));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_ragged_attn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnZeroRows, jax_ragged_attn::zero_rows_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // starts
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // lengths
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // gate
+                                  .RemainingArgs()               // the buffers
+                                  .RemainingRets(),              // the same, aliased
+                              {ffi::Traits::kCmdBufferCompatible});

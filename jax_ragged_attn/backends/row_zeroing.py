@@ -1,0 +1,69 @@
+"""Rows no sequence uses, set to 0 in packed buffers at the cost of those rows, not of the whole buffer.
+
+Kernels that work in whole tiles (FlashAttention-3) read rows past a sequence's used end and leave rows they
+do not own unwritten. Their inputs' unused rows must therefore hold no NaN (P = 0 there, but 0 * NaN = NaN),
+and their outputs' unwritten rows must read 0. A `jnp.where` over each tensor does both, at one full read and
+write per tensor (W1: about 0.3 ms a forward + backward). On a GPU the extension's zero-rows handler
+(ffi/zero_rows.cc) does it in place instead: one thread per row decides ownership and only unowned rows are
+written. A buffer that is still needed elsewhere (a jit argument, say) is copied by XLA first, which costs
+what the `where` did; an intermediate (a projection's output, a kernel's result) is zeroed where it lies.
+
+    cu_seqlens [0, 3, 5], lengths [2, 2], T = 7: rows 2, 5 and 6 are zeroed (row 2 is past sequence 0's used
+    end, rows 5 and 6 are capacity padding); rows 0, 1, 3 and 4 are untouched.
+
+Elsewhere (the CPU, where the FA3 stand-in runs in tests; a GPU where the kernel cannot load) the `where`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_ragged_attn.index import row_positions
+
+
+@functools.cache
+def _target(device: int) -> str | None:
+    """The zero-rows FFI target when its kernel can run on `device`, else None."""
+    from jax_ragged_attn.backends.cudnn import extension
+
+    if extension.cudnn_unavailable_reason() is not None:  # also registers the extension's targets
+        return None
+    ext = extension.module()
+    if not hasattr(ext, "zero_rows_target") or ext.prepare_row_zeroing(device) != "":
+        return None
+    return ext.zero_rows_target()
+
+
+def _kernel_target(buffers) -> str | None:
+    if jax.default_backend() != "gpu":
+        return None
+    if any((x.size // max(x.shape[0], 1)) * x.dtype.itemsize % 4 for x in buffers):  # the kernel writes 4-byte words
+        return None
+    from jax_ragged_attn.backends.cudnn.graphs import device_ordinal
+
+    return _target(device_ordinal())
+
+
+def zero_unused_rows(buffers: tuple, starts: jax.Array, lengths: jax.Array, gate: jax.Array | None = None) -> tuple:
+    """`buffers` (each [T, ...], one T for all) with every row outside [starts[b], starts[b] + lengths[b]) set
+    to 0, and every row of a sequence whose gate is 0. starts: sanitised int32 cu_seqlens [B + 1]; lengths:
+    the rows each sequence uses, int32 [B], at most its slot (index.sequence_lengths)."""
+    buffers = tuple(buffers)
+    if not buffers:
+        return buffers
+    gate = jnp.ones_like(lengths) if gate is None else gate.astype(jnp.int32)
+    target = _kernel_target(buffers)
+    if target is None:
+        rows = buffers[0].shape[0]
+        # row_positions with max_seqlen = rows and seqused = lengths marks exactly the rows the lengths use.
+        sequence, _, valid = row_positions(starts, rows, rows, lengths)
+        valid = valid & (gate[jnp.minimum(sequence, lengths.shape[0] - 1)] > 0)
+        return tuple(jnp.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+                     for x in buffers)
+    types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in buffers)
+    call = jax.ffi.ffi_call(target, types, vmap_method="sequential",
+                            input_output_aliases={3 + i: i for i in range(len(buffers))})
+    return tuple(call(starts, lengths, gate, *buffers))
