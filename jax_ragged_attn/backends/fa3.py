@@ -277,16 +277,20 @@ def _index(cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused):
             sequence_lengths(cu_kv, config.max_seqlen_kv, seqused[1]))
 
 
-def _cleared(q, k, v, cu_q, cu_kv, used_q, used_kv):
-    """q, k, v with every row no sequence uses set to 0. FA3's tiles load rows past a sequence's used end
-    (the next sequence's, rows cut by max_seqlen or seqused, capacity padding) and mask only their scores:
-    P = 0 there, but 0 * NaN is NaN, so a non-finite value outside every sequence would reach the results
-    (measured on the H200: NaN padding gave NaN outputs). Cleared buffers make those reads harmless, and the
-    caller's rows outside the sequences are never read by a kernel. Zeroed in place where XLA can
-    (row_zeroing.py: the cost follows the padding), in the forward only: the backward reuses them."""
-    (q,) = zero_unused_rows((q,), cu_q, used_q)
-    k, v = zero_unused_rows((k, v), cu_kv, used_kv)
-    return q, k, v
+def _cleared(buffers, cu, used):
+    """`buffers` (rows along the leading axis) with every row no sequence uses set to 0. FA3's tiles load rows
+    past a sequence's used end (the next sequence's, rows cut by max_seqlen or seqused, capacity padding) and
+    mask only their scores: P = 0 there, but 0 * NaN is NaN, so a non-finite value outside every sequence
+    would reach the results (measured on the H200: NaN padding gave NaN outputs). Cleared buffers make those
+    reads harmless, and the caller's rows outside the sequences are never read by a kernel. Zeroed in place
+    where XLA can (row_zeroing.py: the cost follows the padding).
+
+    The forward needs only V cleared: a key row past the end gets its score overwritten with -inf by FA3's
+    length mask (a NaN there is replaced, not multiplied), and a query row past the end only makes its own
+    output row, which FA3 never stores. The backward multiplies every one of Q, K, V and dO by probabilities
+    that are 0 on those rows, so it clears Q and K itself (and the caller's dO is masked): a forward-only
+    call (inference) pays for V alone."""
+    return zero_unused_rows(tuple(buffers), cu, used)
 
 
 def _keyless_rows_only_without_keys(config: AttentionConfig) -> bool:
@@ -307,9 +311,9 @@ def _owned_query_rows(x, cu_q, used_q, used_kv, rows, config: AttentionConfig):
 
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused):
-    """(out, stats, lse buffer, the cleared q, k, v the kernels read)."""
+    """(out, stats, lse buffer, the v the kernel read: cleared, see _cleared)."""
     cu_q, cu_kv, used_q, used_kv = _index(cu_seqlens_q, cu_seqlens_kv, config, seqused)
-    q, k, v = _cleared(q, k, v, cu_q, cu_kv, used_q, used_kv)
+    (v,) = _cleared((v,), cu_kv, used_kv)
     out, lse = _forward_call(q, k, v, cu_q, cu_kv, used_q, used_kv, config)
     rows = query_rows_with_keys(cu_q, cu_kv, config, *seqused)
     # FA3 writes 0 to a real row without keys (its row sum is 0) and nothing to rows it does not own.
@@ -319,7 +323,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, sequ
     stats = jnp.where(rows[None, :], raw, -jnp.inf if config.return_stats else 0.0)
     if config.stats_layout == "token_major":
         stats = stats.T
-    return out, stats, lse, (q, k, v)
+    return out, stats, lse, v
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -330,7 +334,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, se
 def _attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, config, seqused=(None, None)):
     q, k, v, cu_seqlens_q, cu_seqlens_kv, seqused = jax.tree.map(
         lambda x: x.value, (q, k, v, cu_seqlens_q, cu_seqlens_kv, seqused))
-    out, stats, lse, (q, k, v) = _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config, seqused)
+    out, stats, lse, v = _forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, config, seqused)
     return (out, stats), (q, k, v, cu_seqlens_q, cu_seqlens_kv, seqused, out, lse)
 
 
@@ -339,6 +343,7 @@ def _attention_bwd(config, residuals, cotangents):
     d_out, d_stats = cotangents
     cu_q, cu_kv, used_q, used_kv = _index(cu_seqlens_q, cu_seqlens_kv, config, seqused)
     rows = query_rows_with_keys(cu_q, cu_kv, config, *seqused)
+    (q,), (k,) = _cleared((q,), cu_q, used_q), _cleared((k,), cu_kv, used_kv)  # v was cleared by the forward
     dtype = q.dtype
     parts = []  # (dq, dk, dv or None) of each backward call
     if not isinstance(d_out, SymbolicZero):
