@@ -261,7 +261,7 @@ def test_generation_report_survives_a_failing_cache_call(monkeypatch, capsys):
             raise NotImplementedError("cuDNN cannot serve this call\nsecond line")
         return prompt + b"x" * length, 0.5 if cached else 2.0
 
-    monkeypatch.setattr(lm.cli, "generate", fake_generate)
+    monkeypatch.setattr(lm.generation, "generate", fake_generate)
     lm.sample_and_time(None, _setup(), b"import ", 10, 0)
     out = capsys.readouterr().out
     assert calls == [(True, None), (True, "xla"), (False, None)]

@@ -1,7 +1,7 @@
 """`python -m jax_ragged_attn.tools.bench.model_step` (or `python -m jax_ragged_attn.bench --model`): what a user
 buys, measured as one training step of a decoder block on packed variable-length batches.
 
-The block is the main job's (jax_ragged_attn/tools/lm.py: one definition for both): `lm.Block`, a pre-norm
+The block is the main job's (jax_ragged_attn/tools/lm/model.py: one definition for both): `lm.Block`, a pre-norm
 decoder block of RMSNorm, RaggedSelfAttention's projections (16 query heads, 4 kv heads of 128: GQA) with RoPE
 from positions restarting at each sequence, causal attention, the output projection, RMSNorm, a GELU MLP
 (hidden 4 x model width) and residuals; float32 parameters, bfloat16 compute. The step is the main job's too:

@@ -1,4 +1,33 @@
-"""The main job (`python -m jax_ragged_attn`), one module per job; this package re-exports their names."""
+"""The main job, `python -m jax_ragged_attn` (cli.py's docstring says what it does), one module per job:
 
-from jax_ragged_attn.tools.lm.cli import *  # noqa: F401,F403
-from jax_ragged_attn.tools.lm.cli import __doc__, _nll  # noqa: F401
+    model.py       Setup, the decoder (Block, ByteLM) with its attention passed in, the losses
+    corpus.py      the standard library's files, windows of them, packed and padded batches
+    training.py    the jitted step over flat parameters, the training loop, the held-out evaluation
+    profiling.py   Timing (one method for every figure printed) and --profile's step breakdown
+    compare.py     the side-by-side: packed against padded (jax.nn.dot_product_attention)
+    generation.py  sampling through a KV cache, timed against a full forward per byte
+    cli.py         the flags, the presets and main()
+
+Every name is re-exported here, so `from jax_ragged_attn.tools import lm; lm.ByteLM` keeps working.
+"""
+
+try:
+    import optax  # noqa: F401
+    from flax import nnx  # noqa: F401
+
+    from jax_ragged_attn.flax import RaggedSelfAttention  # noqa: F401
+except ImportError as error:
+    raise SystemExit(f"the main job needs flax and optax: pip install 'jax_ragged_attn[flax]' ({error})") from None
+
+from jax_ragged_attn.tools.lm.model import (VOCAB, Block, ByteLM, Setup, _nll, eval_nll, packed_attend,  # noqa: F401
+                                            packed_loss, padded_attend, padded_loss, split_heads)
+from jax_ragged_attn.tools.lm.corpus import (device_batch, packed_batches, padded_batch, padded_batches,  # noqa: F401
+                                             padded_pieces, padded_rows, stdlib_files, windows)
+from jax_ragged_attn.tools.lm.training import (Trainer, evaluate, make_trainer, make_tx, train,  # noqa: F401
+                                               unigram_bits_per_byte)
+from jax_ragged_attn.tools.lm.profiling import (Timing, compiled_bytes, matmul_parameters, profile,  # noqa: F401
+                                                step_flops, time_calls)
+from jax_ragged_attn.tools.lm.compare import (SYSTEMS, XLA_SCORES_LIMIT_BYTES, SystemResult,  # noqa: F401
+                                              measure_system, side_by_side, system_batches, system_unavailable)
+from jax_ragged_attn.tools.lm.generation import decode, generate, prefill, sample_and_time  # noqa: F401
+from jax_ragged_attn.tools.lm.cli import PRESETS, attention_implementation, main, parse_args, plot_losses  # noqa: F401
