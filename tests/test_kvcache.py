@@ -1,0 +1,368 @@
+"""ragged_attention_with_kvcache and kvcache_append against the float64 reference (testing/kvcache_reference.py).
+
+`KVCacheTest` holds the cases and checks, through the public API only; each subclass runs them on one
+implementation: `XlaKVCacheTest` on the portable path (any backend; small blocks, so sequences straddle them),
+`Fa3KVCacheTest` on FlashAttention-3's kvcache kernels and `CudnnKVCacheTest` on the ragged cuDNN kernel over a
+contiguous cache (GPU only, skipped with the reason elsewhere; a configuration a backend declines is a skip
+naming its reason). Every row and page a sequence does not use is NaN in both caches: a NaN in a result proves
+an unused row leaked. Inputs come from a seed derived from the test's id, so a failure reproduces with
+`pytest tests/test_kvcache.py -k 'XlaKVCacheTest and test_attention_paged_gqa'`.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+import jax_ragged_attn
+from jax_ragged_attn import kvcache_append, ragged_attention_with_kvcache
+from jax_ragged_attn.backends import fa3 as _fa3
+from jax_ragged_attn.backends import xla_kvcache
+from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
+from jax_ragged_attn.testing import assert_close
+from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
+
+# name -> keywords of one case: heads (Hq, Hkv), Sq, paged, options.
+CASES = {
+    "decode": dict(seqlen_q=1),
+    "decode_non_causal": dict(seqlen_q=1, is_causal=False),
+    "gqa_two_queries": dict(seqlen_q=2),
+    "mqa_five_queries": dict(seqlen_q=5, heads=(4, 1)),
+    "mha": dict(seqlen_q=2, heads=(2, 2)),
+    "window": dict(seqlen_q=5, local_window_size=(3, 0)),
+    "window_non_causal": dict(seqlen_q=2, is_causal=False, local_window_size=(2, 1)),
+    "sinks": dict(seqlen_q=2, sinks=True),
+    "scale": dict(seqlen_q=2, scale=0.3),
+}
+
+
+class KVCacheTest(parameterized.TestCase):
+    __test__ = False  # the subclasses run these, each against its implementation
+    implementation: str
+    dtype = jnp.float32
+    head_dim = 16
+    page_size = 4
+    max_pages = 6  # capacity max_pages * page_size, contiguous too
+    paged_only = False
+    contiguous_only = False
+
+    def setUp(self):
+        super().setUp()
+        self.rng = np.random.default_rng(zlib.crc32(self.id().encode()))
+
+    @property
+    def capacity(self) -> int:
+        return self.max_pages * self.page_size
+
+    def lengths(self, batch: int) -> np.ndarray:
+        """A full cache, an empty one, one shorter than 5 queries, the rest at random."""
+        fixed = [self.capacity, 0, 3, self.capacity - 1]
+        return np.asarray(fixed + list(self.rng.integers(0, self.capacity + 1, batch - len(fixed))), np.int32)[:batch]
+
+    def make(self, *, batch=5, seqlen_q=2, heads=(4, 2), paged=False, lengths=None, extra_pages=2):
+        """(q, k_cache, v_cache, cache_seqlens, page_table): unused rows and pages NaN, pages shuffled, table
+        entries of unused pages -1 or past the cache."""
+        hq, hkv = heads
+        d = self.head_dim
+        lengths = self.lengths(batch) if lengths is None else np.asarray(lengths, np.int32)
+        batch = len(lengths)
+        q = self.rng.standard_normal((batch, seqlen_q, hq, d))
+        if not paged:
+            k = self.rng.standard_normal((batch, self.capacity, hkv, d))
+            v = self.rng.standard_normal((batch, self.capacity, hkv, d))
+            unused = np.arange(self.capacity)[None, :] >= lengths[:, None]
+            k[unused], v[unused] = np.nan, np.nan
+            table = None
+        else:
+            used = [math.ceil(n / self.page_size) for n in lengths]
+            num_pages = sum(used) + extra_pages
+            order = self.rng.permutation(num_pages)  # shuffled: sequence b's pages anywhere in the cache
+            k = np.full((num_pages, self.page_size, hkv, d), np.nan)
+            v = np.full((num_pages, self.page_size, hkv, d), np.nan)
+            table = np.full((batch, self.max_pages), -1, np.int64)
+            for b in range(0, batch, 2):  # an entry past the cache on an unused page: never read
+                table[b, -1] = num_pages + 7 if used[b] < self.max_pages else -1
+            at = 0
+            for b, n in enumerate(lengths):
+                for p in range(used[b]):
+                    page = order[at]
+                    at += 1
+                    table[b, p] = page
+                    rows = min(self.page_size, n - p * self.page_size)
+                    k[page, :rows] = self.rng.standard_normal((rows, hkv, d))
+                    v[page, :rows] = self.rng.standard_normal((rows, hkv, d))
+            table = table.astype(np.int32)
+        cast = lambda x: jnp.asarray(x, self.dtype)  # noqa: E731
+        return cast(q), cast(k), cast(v), jnp.asarray(lengths), (None if table is None else jnp.asarray(table))
+
+    def need(self, paged: bool) -> None:
+        if paged and self.contiguous_only:
+            self.skipTest(f"{self.implementation} serves contiguous caches only")
+
+    def attend(self, *args, **kwargs):
+        """The op through self.implementation; a declined configuration is a skip naming the reason."""
+        try:
+            return ragged_attention_with_kvcache(*args, implementation=self.implementation, **kwargs)
+        except NotImplementedError as error:
+            if self.implementation == "xla":
+                raise
+            self.skipTest(f"{self.implementation} declines this configuration: {error}")
+
+    def check(self, args, *, sinks=None, compare=slice(None), **options):
+        """Runs the op twice (bit-identical), both stats layouts, against the reference."""
+        q, k, v, lengths, table = args
+        if sinks is True:
+            sinks = jnp.asarray(self.rng.standard_normal(q.shape[2]), jnp.float32)
+        out, stats = self.attend(q, k, v, lengths, page_table=table, sinks=sinks, return_stats=True, **options)
+        again, token_major = self.attend(q, k, v, lengths, page_table=table, sinks=sinks, return_stats=True,
+                                         stats_layout="token_major", **options)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(again), "two runs differ")
+        np.testing.assert_array_equal(np.asarray(stats), np.asarray(token_major).transpose(0, 2, 1),
+                                      "token_major is not the head-major stats transposed")
+        expected = reference_kvcache_attention(q, k, v, lengths, page_table=table, sinks=sinks, **options)
+        self.assertEqual(out.dtype, q.dtype)
+        self.assertEqual(stats.shape, (q.shape[0], q.shape[2], q.shape[1]))
+        assert_close(out[compare], expected["out"][compare], self.dtype, "out")
+        assert_close(stats[compare], expected["stats"][compare], self.dtype, "stats")
+        no_keys = np.isneginf(expected["stats"]).transpose(0, 2, 1)[compare]  # [B, Sq, Hq]
+        self.assertTrue((np.asarray(out[compare], np.float32)[no_keys] == 0).all(), "a query without keys is not 0")
+        return out
+
+    # ---- attention -----------------------------------------------------------------------------------------
+
+    @parameterized.named_parameters(
+        [(f"{name}_{'paged' if paged else 'contiguous'}", dict(case, paged=paged))
+         for name, case in CASES.items() for paged in (False, True)])
+    def test_attention(self, paged, seqlen_q=2, heads=(4, 2), **options):
+        self.need(paged)
+        self.check(self.make(seqlen_q=seqlen_q, heads=heads, paged=paged), **options)
+
+    @parameterized.parameters(False, True)
+    def test_jit(self, paged):
+        self.need(paged)
+        q, k, v, lengths, table = self.make(paged=paged)
+
+        @jax.jit
+        def run(q, k, v, lengths, table):
+            return ragged_attention_with_kvcache(q, k, v, lengths, page_table=table, implementation=self.implementation)
+
+        self.attend(q, k, v, lengths, page_table=table)  # skips where declined
+        expected = reference_kvcache_attention(q, k, v, lengths, page_table=table)
+        assert_close(run(q, k, v, lengths, table), expected["out"], self.dtype, "out under jit")
+
+    @parameterized.parameters(False, True)
+    def test_vmap(self, paged):
+        self.need(paged)
+        size = self.page_size  # both draw max_pages + 1 pages, so that the paged caches stack
+        parts = [self.make(paged=paged, extra_pages=0, lengths=lengths) for lengths in
+                 ([self.capacity, 0, 3], [size + 1, self.capacity - 2 * size, 3])]
+        if paged:  # vmapped caches need one page count: both draw the same page total
+            self.assertEqual(parts[0][1].shape, parts[1][1].shape)
+        stacked = [None if parts[0][i] is None else jnp.stack([p[i] for p in parts]) for i in range(5)]
+        self.attend(*parts[0][:4], page_table=parts[0][4])  # skips where declined
+        out = jax.vmap(lambda q, k, v, n, t: ragged_attention_with_kvcache(
+            q, k, v, n, page_table=t, implementation=self.implementation),
+            in_axes=(0, 0, 0, 0, None if not paged else 0))(*stacked)
+        for i, part in enumerate(parts):
+            assert_close(out[i], reference_kvcache_attention(*part[:4], page_table=part[4])["out"], self.dtype,
+                         f"vmapped element {i}")
+
+    def test_out_of_range_cache_seqlens_are_clamped(self):
+        q, k, v, _, _ = self.make(lengths=[self.capacity] * 5)
+        lengths = jnp.asarray([self.capacity + 5, -3, 2**31 - 1, 0, self.capacity], jnp.int32)
+        out = self.attend(q, k, v, lengths)
+        clamped = jnp.clip(lengths, 0, self.capacity)
+        assert_close(out, reference_kvcache_attention(q, k, v, clamped)["out"], self.dtype, "out")
+
+    def test_invalid_page_entries_are_never_read(self):
+        # Sequence 0's second page and sequence 2's first are outside the cache; the other sequences must be
+        # exact and nothing may fault. The xla path leaves those rows out (the reference's semantics); a kernel
+        # reads page 0 instead, so only the other sequences are compared there.
+        self.need(True)
+        q, k, v, lengths, table = self.make(paged=True, lengths=[self.capacity, 7, 6, 5, 0])
+        table = table.at[0, 1].set(-5).at[2, 0].set(10**6)
+        compare = slice(None) if self.implementation == "xla" else (np.array([1, 3, 4]),)
+        self.check((q, k, v, lengths, table), compare=compare)
+
+    # ---- check mode ------------------------------------------------------------------------------------------
+
+    def test_check_names_cache_seqlens(self):
+        q, k, v, lengths, _ = self.make()
+        bad = lengths.at[3].set(self.capacity + 1)
+        with self.assertRaisesRegex(RaggedAttentionInputError, r"cache_seqlens\[3\] = %d" % (self.capacity + 1)):
+            self.attend(q, k, v, bad, check=True)
+        run = jax.jit(lambda n: ragged_attention_with_kvcache(q, k, v, n, check=True,
+                                                              implementation=self.implementation))
+        with self.assertRaisesRegex(RaggedAttentionInputError, r"cache_seqlens\[3\]"), input_errors():
+            jax.block_until_ready(run(bad))
+        jax.block_until_ready(run(lengths))  # valid: no error
+
+    def test_check_names_page_table(self):
+        self.need(True)
+        q, k, v, lengths, table = self.make(paged=True, lengths=[self.capacity, self.page_size + 3, 6, 5, 0])
+        self.attend(q, k, v, lengths, page_table=table, check=True)  # -1 and past-the-cache on unused pages: fine
+        bad = table.at[1, 1].set(-2)
+        with self.assertRaisesRegex(RaggedAttentionInputError, r"page_table\[1, 1\] = -2"):
+            self.attend(q, k, v, lengths, page_table=bad, check=True)
+        run = jax.jit(lambda t: ragged_attention_with_kvcache(q, k, v, lengths, page_table=t, check=True,
+                                                              implementation=self.implementation))
+        with self.assertRaisesRegex(RaggedAttentionInputError, r"page_table\[1, 1\]"), input_errors():
+            jax.block_until_ready(run(bad))
+
+    # ---- forward only ----------------------------------------------------------------------------------------
+
+    def test_gradient_raises(self):
+        q, k, v, lengths, _ = self.make()
+        self.attend(q, k, v, lengths)  # skips where declined
+        loss = lambda q: ragged_attention_with_kvcache(  # noqa: E731
+            q, k, v, lengths, implementation=self.implementation).astype(jnp.float32).sum()
+        with self.assertRaisesRegex(NotImplementedError, "forward-only"):
+            jax.grad(loss)(q)
+
+
+class XlaKVCacheTest(KVCacheTest):
+    __test__ = True
+    implementation = "xla"
+
+    def setUp(self):
+        super().setUp()
+        # Blocks of 8 rows (2 pages): sequences straddle blocks, and the last block is shifted back.
+        patcher = mock.patch.object(xla_kvcache, "BLOCK_ROWS", 8)
+        patcher.start()
+        self.addCleanup(patcher.stop)
+
+    def test_one_block_by_default(self):
+        with mock.patch.object(xla_kvcache, "BLOCK_ROWS", None):
+            self.check(self.make(paged=True, seqlen_q=2))
+            self.check(self.make(seqlen_q=2))
+
+    @parameterized.parameters(jnp.bfloat16, jnp.float16)
+    def test_half_precision(self, dtype):
+        with mock.patch.object(self, "dtype", dtype):
+            self.check(self.make(paged=True, seqlen_q=2), local_window_size=(4, 0))
+
+    def test_sinks_gradient(self):
+        q, k, v, lengths, table = self.make(paged=True)
+        sinks = jnp.asarray(self.rng.standard_normal(4), jnp.float32)
+        loss = lambda s: ragged_attention_with_kvcache(  # noqa: E731
+            q, k, v, lengths, page_table=table, sinks=s, implementation="xla").sum()
+        grad = jax.grad(loss)(sinks)
+        step = 1e-3
+        numeric = [(loss(sinks.at[h].add(step)) - loss(sinks.at[h].add(-step))) / (2 * step) for h in range(4)]
+        np.testing.assert_allclose(grad, numeric, rtol=2e-2, atol=1e-3)
+
+    def test_auto_picks_what_serves(self):
+        q, k, v, lengths, table = self.make(paged=True)
+        out = ragged_attention_with_kvcache(q, k, v, lengths, page_table=table)
+        assert_close(out, reference_kvcache_attention(q, k, v, lengths, page_table=table)["out"], self.dtype, "out")
+        with self.assertRaisesRegex(NotImplementedError, "future work"):
+            ragged_attention_with_kvcache(q, k, v, lengths, page_table=table, implementation="cudnn")
+        with self.assertRaisesRegex(NotImplementedError, "implementation='fa3' cannot serve"):
+            ragged_attention_with_kvcache(q, k, v, lengths, page_table=table, implementation="fa3")
+
+    def test_validation_names_the_argument(self):
+        q, k, v, lengths, table = self.make(paged=True)
+        for call, message in [
+            (lambda: ragged_attention_with_kvcache(q[0], k, v, lengths, page_table=table), "q must have rank 4"),
+            (lambda: ragged_attention_with_kvcache(q, k, v, lengths[:2], page_table=table), "cache_seqlens must be"),
+            (lambda: ragged_attention_with_kvcache(q, k, v, lengths, page_table=table[:2]), "page_table must be"),
+            (lambda: ragged_attention_with_kvcache(q, k, v, lengths), "contiguous k_cache"),
+            (lambda: ragged_attention_with_kvcache(q, k, v.astype(jnp.bfloat16), lengths, page_table=table),
+             "share a dtype"),
+            (lambda: ragged_attention_with_kvcache(q, k, v, lengths.astype(jnp.float32), page_table=table),
+             "cache_seqlens must have an integer dtype"),
+        ]:
+            with self.assertRaisesRegex(ValueError, message):
+                call()
+
+    # ---- kvcache_append (implementation-independent: run once, here) --------------------------------------
+
+    def test_append_contiguous(self):
+        k = np.zeros((3, 6, 2, 4), np.float32)
+        v = np.ones((3, 6, 2, 4), np.float32)
+        k_new = self.rng.standard_normal((3, 3, 2, 4)).astype(np.float32)
+        v_new = self.rng.standard_normal((3, 3, 2, 4)).astype(np.float32)
+        lengths = np.array([0, 4, 9], np.int32)  # 4: the third new row is past the capacity; 9: clamped, none
+        k2, v2 = kvcache_append(jnp.asarray(k), jnp.asarray(v), jnp.asarray(k_new), jnp.asarray(v_new), lengths)
+        want_k, want_v = k.copy(), v.copy()
+        want_k[0, 0:3], want_v[0, 0:3] = k_new[0], v_new[0]
+        want_k[1, 4:6], want_v[1, 4:6] = k_new[1, :2], v_new[1, :2]
+        np.testing.assert_array_equal(k2, want_k)
+        np.testing.assert_array_equal(v2, want_v)
+
+    def test_append_paged(self):
+        k = np.zeros((5, 2, 1, 3), np.float32)  # 5 pages of 2 rows
+        k_new = self.rng.standard_normal((3, 3, 1, 3)).astype(np.float32)
+        table = np.array([[4, 1, -1], [0, 99, 2], [3, 3, 3]], np.int32)
+        lengths = np.array([1, 2, 5], np.int32)
+        k2, v2 = kvcache_append(jnp.asarray(k), jnp.asarray(k), jnp.asarray(k_new), jnp.asarray(k_new), lengths,
+                                page_table=table)
+        want = k.copy()
+        want[4, 1], want[1, 0], want[1, 1] = k_new[0, 0], k_new[0, 1], k_new[0, 2]  # rows 1, 2, 3
+        # sequence 1: rows 2, 3 on page 99 (past the cache): not written; row 4 on page 2
+        want[2, 0] = k_new[1, 2]
+        want[3, 1] = k_new[2, 0]  # sequence 2: row 5 on page 3; rows 6, 7 past the capacity of 6
+        np.testing.assert_array_equal(k2, want)
+        np.testing.assert_array_equal(v2, want)
+
+    def test_append_then_attend(self):
+        q, k, v, lengths, table = self.make(paged=True, lengths=[5, 8, 0, 3, 12])
+        k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
+        k_new = jnp.asarray(self.rng.standard_normal((5, 2, 2, self.head_dim)), self.dtype)
+        # Sequences 1 and 3 need a page they do not have (-1): those rows are not written, and not attended.
+        k2, v2 = kvcache_append(k, v, k_new, k_new, lengths, page_table=table)
+        out = ragged_attention_with_kvcache(q, k2, v2, lengths + 2, page_table=table, implementation="xla")
+        assert_close(out, reference_kvcache_attention(q, k2, v2, lengths + 2, page_table=table)["out"],
+                     self.dtype, "out")
+
+    @parameterized.parameters(False, True)
+    def test_append_in_place_when_donated(self, paged):
+        k = jnp.zeros((64, 16, 4, 32) if paged else (8, 128, 4, 32), jnp.float32)  # 1 MiB each
+        k_new = jnp.ones((8, 1, 4, 32), jnp.float32)
+        lengths = jnp.arange(8, dtype=jnp.int32)
+        table = jnp.arange(64, dtype=jnp.int32).reshape(8, 8) if paged else None
+        step = jax.jit(lambda k, v, k_new, lengths, table: kvcache_append(k, v, k_new, k_new, lengths,
+                                                                            page_table=table),
+                       donate_argnums=(0, 1))
+        compiled = step.lower(k, k, k_new, lengths, table).compile()
+        text = compiled.as_text()
+        self.assertIn("input_output_alias", text)
+        memory = compiled.memory_analysis()
+        cache_bytes = k.size * 4
+        self.assertEqual(memory.alias_size_in_bytes, 2 * cache_bytes)  # both caches are the outputs' buffers
+        self.assertLess(memory.temp_size_in_bytes, cache_bytes // 4)  # and no copy of either is made
+        k2, v2 = step(k, jnp.zeros_like(k), k_new, lengths, table)
+        self.assertTrue(k.is_deleted())
+        self.assertEqual(float(k2.sum()), 8 * 4 * 32)
+
+
+_FA3_REASON = _fa3.unavailable_reason()
+_CUDNN_REASON = jax_ragged_attn.cudnn_unavailable_reason()
+
+
+@pytest.mark.skipif(_FA3_REASON is not None, reason=f"FlashAttention-3 unavailable: {_FA3_REASON}")
+class Fa3KVCacheTest(KVCacheTest):
+    __test__ = True
+    implementation = "fa3"
+    dtype = jnp.bfloat16
+    head_dim = 128
+    page_size = 64
+    max_pages = 4
+
+
+@pytest.mark.skipif(_CUDNN_REASON is not None, reason=f"cuDNN path unavailable: {_CUDNN_REASON}")
+class CudnnKVCacheTest(KVCacheTest):
+    __test__ = True
+    implementation = "cudnn"
+    dtype = jnp.bfloat16
+    head_dim = 64
+    page_size = 64
+    max_pages = 4
+    contiguous_only = True
