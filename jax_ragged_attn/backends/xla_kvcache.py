@@ -60,7 +60,8 @@ def _loader(k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
             ok = jax.lax.dynamic_slice_in_dim(ok_pages, begin, per_block, axis=1)
             pages = begin + jnp.arange(per_block, dtype=jnp.int32)
             ok = ok & (pages >= start)[None, :]
-            rows = (pages[:, None] * config.page_size + jnp.arange(config.page_size, dtype=jnp.int32)).reshape(-1)
+            rows = (pages[:, None] * config.page_size
+                    + jnp.arange(config.page_size, dtype=jnp.int32)[None, :]).reshape(-1)
             present = jnp.repeat(ok, config.page_size, axis=1)
             k = k_cache[ids].reshape(batch, -1, heads_kv, k_cache.shape[-1])
             v = v_cache[ids].reshape(batch, -1, heads_kv, v_cache.shape[-1])
@@ -95,7 +96,8 @@ def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
     def fold(carry, t):
         m, l, acc = carry
         k, v, rows, present = load(t)
-        keep = (present[:, None, :] & (rows >= first[:, :, None]) & (rows <= last[:, :, None]))  # [B, Sq, C]
+        keep = (present[:, None, :] & (rows[None, None, :] >= first[:, :, None])
+                & (rows[None, None, :] <= last[:, :, None]))  # [B, Sq, C]
         s = jnp.einsum("bqhgd,bchd->bhgqc", q, k, preferred_element_type=jnp.float32, precision=precision)
         s = jnp.where(keep[:, None, None], s * config.scale, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))

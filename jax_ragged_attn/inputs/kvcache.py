@@ -142,7 +142,8 @@ def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, *, page_table=
         _check_page_table(page_table, batch)
     capacity = k_cache.shape[1] * (1 if page_table is None else page_table.shape[1])
     # Clamped first, so that no sum below can overflow int32 (a negative index would wrap around).
-    rows = jnp.clip(jnp.asarray(cache_seqlens), 0, capacity)[:, None] + jnp.arange(new_rows, dtype=jnp.int32)
+    rows = (jnp.clip(jnp.asarray(cache_seqlens), 0, capacity)[:, None]
+            + jnp.arange(new_rows, dtype=jnp.int32)[None, :])
     if page_table is None:
         if k_cache.shape[0] != batch:
             raise ValueError(f"a contiguous k_cache must be [B={batch}, L, Hkv, D], got {tuple(k_cache.shape)}")
