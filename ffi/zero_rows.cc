@@ -36,20 +36,19 @@ ffi::Error zero_rows_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
   const RowOwnership owner{starts.typed_data(), 1, lengths.typed_data(), gate.typed_data(),
                            static_cast<int64_t>(lengths.element_count())};
   for (size_t i = 0; i < results.size(); ++i) {
-    auto arg = buffers.get<ffi::AnyBuffer>(i);
-    auto ret = results.get<ffi::AnyBuffer>(i);
-    FFI_RETURN_IF_ERROR(arg.error());
-    FFI_RETURN_IF_ERROR(ret.error());
-    const ffi::AnyBuffer in = *arg;
-    ffi::Result<ffi::AnyBuffer> out = *ret;
-    FFI_CHECK(out->untyped_data() == in.untyped_data())
+    ffi::ErrorOr<ffi::AnyBuffer> arg = buffers.get<ffi::AnyBuffer>(i);
+    if (arg.has_error()) return arg.error();
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = results.get<ffi::AnyBuffer>(i);
+    if (ret.has_error()) return ret.error();
+    ffi::AnyBuffer out = **ret;
+    FFI_CHECK(out.untyped_data() == arg->untyped_data())
         << "buffer " << i << " must be aliased to its result (input_output_aliases)";
-    const auto dims = out->dimensions();
+    const auto dims = out.dimensions();
     FFI_CHECK(dims.size() > 0) << "buffer " << i << " must have a row axis";
     const int64_t rows = dims[0];
     if (rows == 0) continue;
-    const int64_t row_bytes = static_cast<int64_t>(out->size_bytes()) / rows;
-    const RowRegion region{out->untyped_data(), rows, row_bytes, row_bytes};
+    const int64_t row_bytes = static_cast<int64_t>(out.size_bytes()) / rows;
+    const RowRegion region{out.untyped_data(), rows, row_bytes, row_bytes};
     FFI_RETURN_IF_ERROR(zero_unowned_rows(region, owner, stream));
   }
   return ffi::Error::Success();
