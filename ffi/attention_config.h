@@ -49,6 +49,7 @@ enum class ZeroOutputs : int64_t {
   X(int64_t, max_seqlen_kv, 0, "max_seqlen_kv", "")                                                            \
   X(int64_t, dtype, 0, "dtype", "bfloat16|float16") /* DType */                                                \
   X(float, scale, 1.0f, "scale", "")                                                                           \
+  X(float, softcap, 0.0f, "softcap", "") /* > 0: scores capped to softcap * tanh(s / softcap); 0: no cap */      \
   X(int64_t, bottom_right, 0, "alignment", "top_left|bottom_right") /* the diagonal's alignment */             \
   X(int64_t, left_bound, -1, "left_bound", "")   /* keys at most this far left of the diagonal; -1 unbounded */ \
   X(int64_t, right_bound, -1, "right_bound", "") /* keys at most this far right of the diagonal; -1 unbounded */ \

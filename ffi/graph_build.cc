@@ -5,6 +5,7 @@
 #include <atomic>
 #include <climits>
 #include <cstdlib>
+#include <optional>
 #include <vector>
 
 #include "check.h"
@@ -112,6 +113,45 @@ void apply_masking(Attributes& attributes, const AttentionConfig& c, const Graph
   }
 }
 
+// Logit soft-capping (c > 0): scores s = scale * q.k become c * tanh(s / c) through the SDPA's score modifier,
+// and the backward's dS of the capped scores is multiplied by 1 - tanh^2 (score_mod_bprop) before the scale.
+// cudnn-frontend refuses its built-in padding and band masks beside a score modifier ("Attention score mod
+// enabled and hence other subgraphs are disabled"), so the modifier applies them itself, after the cap, with
+// the frontend's own helpers and in its built-in order (modifier, padding mask, band mask). The lengths are
+// still set on the attributes: they bound the matmuls of every sequence (m/n overrides).
+using Softcap = fe::graph::attn::score_modifiers::Softcap;
+
+template <typename Attributes>
+void apply_softcap_and_masking(Attributes& attributes, const AttentionConfig& c, const GraphInputs& in,
+                               const std::shared_ptr<Softcap>& softcap) {
+  attributes.set_seq_len_q(in.seq_len_q).set_seq_len_kv(in.seq_len_kv);
+  // A pass-by-value scalar: its value is part of the graph, hence of the cache key (attention_config.h).
+  auto cap = std::make_shared<fe::graph::Tensor_attributes>(c.softcap);
+  attributes.set_score_mod([c, seq_q = in.seq_len_q, seq_kv = in.seq_len_kv, softcap, cap](
+                               std::shared_ptr<fe::graph::Graph> g, TensorPtr score) {
+    namespace mods = fe::graph::attn::score_modifiers;
+    score = mods::padding_mask(g, softcap->forward(g, score, cap), seq_kv, seq_q);
+    if (c.left_bound < 0 && c.right_bound < 0) return score;
+    // The bounds as apply_masking hands them to the built-in band: cuDNN's left bound counts the diagonal.
+    std::optional<int64_t> left, right;
+    if (c.left_bound >= 0) left = std::min<int64_t>(c.left_bound + 1, INT_MAX);
+    if (c.right_bound >= 0) right = std::min<int64_t>(c.right_bound, INT_MAX);
+    const auto alignment = c.bottom_right ? fe::DiagonalAlignment_t::BOTTOM_RIGHT : fe::DiagonalAlignment_t::TOP_LEFT;
+    return mods::sliding_window_mask(g, score, alignment, left, right, c.max_seqlen_q, c.max_seqlen_kv, seq_q, seq_kv,
+                                     /*cu_s_q_ptr=*/nullptr, /*cu_s_kv_ptr=*/nullptr);
+  });
+}
+
+// The backward's half: dS * c, TANH_BWD against the pre-tanh scores the forward half saved in `softcap` while
+// the backward graph recomputed them, / c (the frontend's Softcap::backward).
+void apply_softcap_bprop(fe::graph::SDPA_backward_attributes& attributes, const AttentionConfig& c,
+                         const std::shared_ptr<Softcap>& softcap) {
+  auto cap = std::make_shared<fe::graph::Tensor_attributes>(c.softcap);
+  attributes.set_score_mod_bprop([softcap, cap](std::shared_ptr<fe::graph::Graph> g, TensorPtr d_score) {
+    return softcap->backward(g, d_score, cap);
+  });
+}
+
 // Validates the graph and asks cuDNN for candidate plans. Then builds one: the heuristic's first choice, or
 // the candidate config.plan_index names (an autotuned choice). When tuning, builds none: tune_plans builds
 // and times every candidate itself.
@@ -151,7 +191,11 @@ xla::ffi::Error build_forward(cudnnHandle_t handle, const AttentionConfig& c, bo
 
   fe::graph::SDPA_attributes attributes;
   attributes.set_name("ragged_sdpa_forward").set_generate_stats(true).set_attn_scale(c.scale);
-  apply_masking(attributes, c, in);
+  if (c.softcap > 0) {
+    apply_softcap_and_masking(attributes, c, in, std::make_shared<Softcap>());
+  } else {
+    apply_masking(attributes, c, in);
+  }
   auto [o, stats] = g->sdpa(in.q, in.k, in.v, attributes);
   mark_output(o, TensorUid::kO, o_layout(c), in.offset_o, io_data_type(c));
   mark_output(stats, TensorUid::kStats, stats_layout(c), in.offset_stats, fe::DataType_t::FLOAT);
@@ -173,7 +217,13 @@ xla::ffi::Error build_backward(cudnnHandle_t handle, const AttentionConfig& c, b
 
   fe::graph::SDPA_backward_attributes attributes;
   attributes.set_name("ragged_sdpa_backward").set_attn_scale(c.scale).set_deterministic_algorithm(c.deterministic != 0);
-  apply_masking(attributes, c, in);
+  if (c.softcap > 0) {
+    const auto softcap = std::make_shared<Softcap>();  // one object: the bprop reads what the forward half saved
+    apply_softcap_and_masking(attributes, c, in, softcap);
+    apply_softcap_bprop(attributes, c, softcap);
+  } else {
+    apply_masking(attributes, c, in);
+  }
   if (max_total) {
     // The physical capacities, not the real token counts: offsets anywhere inside the buffers stay covered.
     attributes.set_max_total_seq_len_q(c.capacity_q).set_max_total_seq_len_kv(c.capacity_kv);

@@ -193,8 +193,8 @@ def _check_keywords_only(positional: tuple, max_seqlen_q, max_seqlen_kv) -> None
                         f"got {5 + len(positional)}: pass the bounds as max_seqlen_q=... and max_seqlen_kv=... "
                         "(keyword-only), and every option by its keyword")
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
-        if value is None:
-            raise TypeError(f"ragged_attention() missing required keyword-only argument: '{name}'")
+        if value is None:  # None is the default only so that a positional call reaches the TypeError above
+            raise ValueError(f"{name} is required (keyword-only): a static Python int >= 1, got None")
 
 
 def _as_array(x, name: str):

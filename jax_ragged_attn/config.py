@@ -159,8 +159,9 @@ def _static_softcap(softcap) -> float | None:
     """None for no cap (None or 0, FlashAttention's spelling), else a positive float."""
     if softcap is None:
         return None
-    if isinstance(softcap, (bool, np.bool_)):  # float(True) == 1.0: almost certainly a mistake
-        raise ValueError(f"softcap must be None or a positive Python float, got the bool {softcap!r}")
+    if isinstance(softcap, (bool, np.bool_, str, bytes)):  # float(True) == 1.0, float("50") == 50.0: mistakes
+        raise ValueError(f"softcap must be None or a positive Python float, got {type(softcap).__name__} "
+                         f"{softcap!r}")
     try:
         softcap = float(softcap)
     except (TypeError, ValueError):

@@ -70,6 +70,7 @@ class Case:
     empty_kv: tuple[int, ...] | str = ()  # sequences without keys
     padding: bool = True  # capacity padding rows after the last sequence
     scale: float | None = None
+    softcap: float | None = None  # logit soft-capping: scores c * tanh(s / c)
     all_dtypes: bool = False  # run every dtype of the implementation (otherwise its first)
 
     def options(self, sizes: Sizes) -> dict:
@@ -78,8 +79,9 @@ class Case:
             window = tuple(w * sizes.window_unit for w in window)
         elif window is not None:
             window = window * sizes.window_unit
-        return dict(scale=self.scale, is_causal=self.is_causal, diagonal_alignment=self.diagonal_alignment,
-                    local_window_size=window)
+        options = dict(scale=self.scale, is_causal=self.is_causal, diagonal_alignment=self.diagonal_alignment,
+                       local_window_size=window)
+        return options if self.softcap is None else {**options, "softcap": self.softcap}
 
 
 CASES = {
@@ -110,6 +112,13 @@ CASES = {
     "empty_q_only": Case(empty_q=(1, -1), is_causal=True),
     "all_empty": Case(empty_q="all", empty_kv="all"),
     "no_capacity_padding": Case(padding=False, is_causal=True),
+    # Soft-capped scores (Gemma 2): a cap near the scores' spread, so tanh bends them (1.0 at the default scale)
+    # and one they mostly saturate against (scale 0.5: scores of a few units against a cap of 2).
+    "softcap_gqa_causal": Case(heads=(6, 2), is_causal=True, softcap=1.0, all_dtypes=True),
+    "softcap_saturated_mqa": Case(heads=(4, 1), scale=0.5, softcap=2.0),
+    "softcap_window_causal_bottom_right": Case(window=(3, 1), is_causal=True, diagonal_alignment="bottom_right",
+                                               softcap=5.0),
+    "softcap_empty_gqa": Case(heads=(6, 3), dims=(2, 4), empty_q=(0, -1), empty_kv=(2,), softcap=1.5),
 }
 
 

@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 
 from jax_ragged_attn import ragged_attention
+from jax_ragged_attn.backends.cudnn import extension
+
+_CUDNN_REASON = extension.cudnn_unavailable_reason()
 
 
 def _zeros(*shape, dtype=jnp.float32):
@@ -90,9 +93,8 @@ CASES = {
     "scale_inf": Bad(dict(scale=float("inf")), "scale"),
     "scale_not_a_number": Bad(dict(scale="abc"), "scale"),
     "scale_traced": Bad(dict(scale=jnp.float32(0.5)), "scale", traced=("scale",)),
-    # local_window_size is an int or a (left, right) pair of ints >= 0.
-    "window_negative": Bad(dict(local_window_size=-1), "local_window_size"),
-    "window_right_negative": Bad(dict(local_window_size=(2, -1)), "local_window_size"),
+    # local_window_size is an int or a (left, right) pair of ints (a negative side: no limit, test_window_conventions).
+    "window_none_side": Bad(dict(local_window_size=(None, 2)), "local_window_size"),
     "window_three_entries": Bad(dict(local_window_size=(1, 2, 3)), "local_window_size"),
     "window_float": Bad(dict(local_window_size=(1.5, 2)), "local_window_size"),
     "window_string": Bad(dict(local_window_size="3"), "local_window_size"),
@@ -102,12 +104,24 @@ CASES = {
     "autotune_int": Bad(dict(autotune=1), "autotune"),
     "is_causal_string": Bad(dict(is_causal="yes"), "is_causal"),
     "is_causal_traced": Bad(dict(is_causal=jnp.bool_(True)), "is_causal", traced=("is_causal",)),
-    # Valid requests the cuDNN path cannot serve (on any machine): NotImplementedError, saying why.
-    "cudnn_float32": Bad(dict(implementation="cudnn"), "float32", NotImplementedError),
-    "cudnn_head_dim_not_multiple_of_8": Bad(
-        dict(implementation="cudnn", q=_zeros(6, 4, 12, dtype=jnp.bfloat16), k=_zeros(5, 2, 12, dtype=jnp.bfloat16),
-             v=_zeros(5, 2, 12, dtype=jnp.bfloat16)), "Dqk", NotImplementedError),
+    # softcap: None, 0 or a positive finite static float.
+    "softcap_negative": Bad(dict(softcap=-1.0), "softcap"),
+    "softcap_nan": Bad(dict(softcap=float("nan")), "softcap"),
+    "softcap_inf": Bad(dict(softcap=float("inf")), "softcap"),
+    "softcap_string": Bad(dict(softcap="30"), "softcap"),
+    "softcap_bool": Bad(dict(softcap=True), "softcap"),
+    "softcap_traced": Bad(dict(softcap=jnp.float32(30.0)), "softcap", traced=("softcap",)),
 }
+if _CUDNN_REASON is None:
+    # Valid requests the cuDNN path cannot serve on a GPU: NotImplementedError, saying why (without a GPU the
+    # reason is the missing GPU: test_cudnn_without_a_gpu_names_the_gpu_not_the_dtype).
+    CASES.update({
+        "cudnn_float32": Bad(dict(implementation="cudnn"), "float32", NotImplementedError),
+        "cudnn_head_dim_not_multiple_of_8": Bad(
+            dict(implementation="cudnn", q=_zeros(6, 4, 12, dtype=jnp.bfloat16),
+                 k=_zeros(5, 2, 12, dtype=jnp.bfloat16), v=_zeros(5, 2, 12, dtype=jnp.bfloat16)),
+            "Dqk", NotImplementedError),
+    })
 
 
 @pytest.mark.parametrize("bad", list(CASES.values()), ids=list(CASES))
@@ -120,3 +134,39 @@ def test_valid_call_passes():
     """The baseline the cases above modify must itself be accepted, or every case passes for nothing."""
     out = ragged_attention(**VALID)
     assert out.shape == (6, 4, 8)
+
+
+@pytest.mark.skipif(_CUDNN_REASON is None, reason="a GPU with cuDNN is present; this checks the answer without one")
+def test_cudnn_without_a_gpu_names_the_gpu_not_the_dtype():
+    """float32 and head dim 12 are both wrong for cuDNN too, but on a machine without it the reason to give is
+    that one (issue 36): changing the dtype would not help."""
+    for changes in (dict(), dict(q=_zeros(6, 4, 12), k=_zeros(5, 2, 12), v=_zeros(5, 2, 12))):
+        with pytest.raises(NotImplementedError) as caught:
+            ragged_attention(**{**VALID, **changes, "implementation": "cudnn"})
+        message = str(caught.value)
+        assert _CUDNN_REASON in message, message
+        assert "float32" not in message and "Dqk" not in message, message
+
+
+def test_positional_max_seqlen_says_which_keywords_to_use():
+    args = [VALID[name] for name in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_kv")]
+    with pytest.raises(TypeError, match=r"max_seqlen_q=\.\.\. and max_seqlen_kv=\.\.\. \(keyword-only\)"):
+        ragged_attention(*args, 4, 3, implementation="xla")
+    with pytest.raises(ValueError, match="max_seqlen_kv is required"):
+        ragged_attention(*args, max_seqlen_q=4, implementation="xla")
+
+
+@pytest.mark.parametrize("window,same_as", [
+    ((-1, 0), dict(is_causal=True)),  # FlashAttention's causal spelling
+    ((-1, -1), dict()),
+    (-1, dict()),
+    ((2, -1), dict(local_window_size=(2, 10**6))),
+    ((-5, 1), dict(local_window_size=(10**6, 1))),
+])
+def test_window_conventions(window, same_as):
+    """A negative window side has no limit (FlashAttention's -1); results equal the spelled-out mask."""
+    rng = np.random.default_rng(0)
+    arrays = {name: jnp.asarray(rng.standard_normal(VALID[name].shape).astype(np.float32)) for name in "qkv"}
+    got = ragged_attention(**{**VALID, **arrays, "local_window_size": window})
+    want = ragged_attention(**{**VALID, **arrays, **same_as})
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

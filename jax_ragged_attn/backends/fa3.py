@@ -142,6 +142,9 @@ def unsupported_reason(config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv
     if isinstance(cu_seqlens_q, RaggedIndex):
         cu_seqlens_q, cu_seqlens_kv, seqused = cu_seqlens_q.cu_seqlens_q, cu_seqlens_q.cu_seqlens_kv, \
             cu_seqlens_q.seqused
+    if config.softcap:
+        return (f"the {WHEEL} wheel's kernels are called with softcap 0 (its binding hard-codes it), got "
+                f"softcap={config.softcap}")
     if config.dtype not in FA3_DTYPES:
         return f"FlashAttention-3 takes bfloat16 or float16 inputs, got {config.dtype}"
     if config.head_dim_qk != FA3_HEAD_DIM or config.head_dim_v != FA3_HEAD_DIM:

@@ -58,6 +58,7 @@ def _plain_attributes(config: AttentionConfig) -> dict:
         max_seqlen_kv=max(config.max_seqlen_kv, 2),
         dtype=CUDNN_DTYPES.index(config.dtype),
         scale=config.scale,
+        softcap=config.softcap,  # 0: no cap (graph_build.cc adds the score modifier only above 0)
         bottom_right=int(config.diagonal_alignment == "bottom_right"),
         left_bound=-1 if config.left_bound is None else config.left_bound,
         right_bound=-1 if config.right_bound is None else config.right_bound,
@@ -133,7 +134,13 @@ def graph_info(direction: str, config: AttentionConfig, layout: str | None = Non
 
 
 def unsupported_reason(config: AttentionConfig) -> str | None:
-    """None when the cuDNN path can serve `config` here, else a sentence saying why not."""
+    """None when the cuDNN path can serve `config` here, else a sentence saying why not.
+
+    Whether cuDNN can run here at all is asked first: on a machine without a GPU (or without the extension)
+    that is the reason, not the dtype or head dim the call would also need changed."""
+    reason = extension.cudnn_unavailable_reason()
+    if reason is not None:
+        return reason
     if config.has_sinks:
         # cuDNN has a sink-token input from 9.13, but cudnn-frontend refuses a ragged backward with one before
         # cuDNN 9.26 ("SDPA backward with ragged offsets and a sink token requires cuDNN 9.26.0 or newer"):
@@ -152,9 +159,8 @@ def unsupported_reason(config: AttentionConfig) -> str | None:
     guard = 2 * checks.GUARD_ROWS if config.guard_workspace else 0  # check mode adds rows at both ends
     if (max(config.capacity_q, config.capacity_kv) + guard) * config.num_heads_q * widest * parts > INT32_LIMIT:
         return "the ragged offsets are int32: T * Hq * D (times the parts of a packed row) must stay below 2**31"
-    reason = extension.cudnn_unavailable_reason()
-    if reason is not None:
-        return reason
+    # softcap builds its graphs with a score modifier (graph_build.cc); a cuDNN that cannot build them says so
+    # below, and that is the reason given ("cuDNN cannot run this forward configuration: ...").
     for direction in ("forward", "backward"):
         try:
             graph_info(direction, config)
