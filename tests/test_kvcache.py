@@ -366,3 +366,11 @@ class CudnnKVCacheTest(KVCacheTest):
     page_size = 64
     max_pages = 4
     contiguous_only = True
+
+
+def test_decode_bench_quick_runs(capsys):
+    from jax_ragged_attn.tools.bench import decode
+
+    assert decode.main(["--quick", "--calls", "1", "--repetitions", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "ours-xla" in line]
+    assert len(rows) == 8, rows  # 2 batches x 2 contexts x (contiguous, paged)
