@@ -29,8 +29,8 @@ REACHED_THE_GRAPH = "cuDNN is not loaded"
 
 B, T, H, D = 2, 64, 4, 128
 CONFIG = dict(num_seqs=B, capacity_q=T, capacity_kv=T, num_heads_q=H, num_heads_kv=H, head_dim_qk=D, head_dim_v=D,
-              max_seqlen_q=40, max_seqlen_kv=40, dtype=0, scale=0.125, bottom_right=0, left_bound=-1, right_bound=-1,
-              stats_token_major=0, use_max_total_seq_len=1, deterministic=0, plan_index=-1, packing=0, zero_outputs=0)
+              max_seqlen_q=40, max_seqlen_kv=40, dtype=0, scale=0.125, softcap=0.0, bottom_right=0, left_bound=-1,
+              right_bound=-1, stats_token_major=0, use_max_total_seq_len=1, deterministic=0, plan_index=-1, packing=0, zero_outputs=0)
 INDEX = [(S32, (B,))] * 2 + [(S32, (B + 1,))] * 5
 Q = O = (BF16, (T, H, D))
 KV = (BF16, (T, 2, H, D))
