@@ -111,6 +111,16 @@ xla::ffi::Error fill_async(void* ptr, int value, size_t bytes, cudaStream_t stre
   return xla::ffi::Error::Success();
 }
 
+xla::ffi::Error copy_async(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
+  using MemcpyAsync = cudaError_t (*)(void*, const void*, size_t, cudaMemcpyKind, cudaStream_t);
+  if (bytes == 0) return xla::ffi::Error::Success();
+  const auto fn = reinterpret_cast<MemcpyAsync>(cuda_runtime_symbol("cudaMemcpyAsync"));
+  if (fn == nullptr) return ErrorStream(xla::ffi::ErrorCode::kUnavailable) << "cannot reach cudaMemcpyAsync";
+  const cudaError_t status = fn(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
+  FFI_CHECK(status == cudaSuccess) << "cudaMemcpyAsync of " << bytes << " bytes returned " << static_cast<int>(status);
+  return xla::ffi::Error::Success();
+}
+
 void* cuda_runtime_symbol(const char* name) {
   try {
     return cudnn_frontend::detail::get_cuda_symbol(cudnn_frontend::detail::CudaLibrary::CUDART, name);

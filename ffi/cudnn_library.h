@@ -34,6 +34,9 @@ inline xla::ffi::Error zero_async(void* ptr, size_t bytes, cudaStream_t stream) 
   return fill_async(ptr, 0, bytes, stream);
 }
 
+// cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream) through the dlopen'ed CUDA runtime.
+xla::ffi::Error copy_async(void* dst, const void* src, size_t bytes, cudaStream_t stream);
+
 // A symbol of the CUDA runtime cudnn-frontend's loader opened (the one jaxlib loaded), or nullptr if that
 // runtime lacks it.
 void* cuda_runtime_symbol(const char* name);

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import importlib
 
+from jax_ragged_attn.backends import policy
+
 # Preference order for implementation=None: the first that is an automatic candidate and serves the call.
 REGISTRY = {
     "fa3": "jax_ragged_attn.backends.fa3",  # a candidate where the measured policy prefers it (fa3.auto_candidate)
@@ -89,6 +91,13 @@ def choose(implementation: str | None, config, index, *, stats_gradient: bool = 
                                     and unsupported_reason(backend, config, index) is None):
                 return backend
         return get(FALLBACK, op)
+    pin = policy.pinned()
+    if pin is not None:
+        if pin not in REGISTRY:
+            raise ValueError(f"{policy.ENV_VAR} must name one of {tuple(REGISTRY)}, got {pin!r}")
+        if unsupported_reason(get(pin), config, index, stats_gradient=stats_gradient) is None:
+            policy.report(pin, config, f"pinned by {policy.ENV_VAR}")
+            return get(pin)
     serving, declined = [], []
     for name in REGISTRY:
         backend = get(name)
@@ -100,10 +109,15 @@ def choose(implementation: str | None, config, index, *, stats_gradient: bool = 
         from jax_ragged_attn.backends.xla_memory import warn_cudnn_fallback
 
         reasons = dict(declined)
-        warn_cudnn_fallback(reasons.get("cudnn") or next(iter(reasons.values()), "no GPU kernel serves it"), config)
+        reason = reasons.get("cudnn") or next(iter(reasons.values()), "no GPU kernel serves it")
+        warn_cudnn_fallback(reason, config)
+        policy.report(FALLBACK, config, reason)
         return get(FALLBACK)
     if config.autotune and len(serving) > 1 and {name for name, _ in serving} == {"cudnn", "fa3"}:
         from jax_ragged_attn.backends import tuning
 
-        return get(tuning.faster(config, index.cu_seqlens_q, index.cu_seqlens_kv))
+        name = tuning.faster(config, index.cu_seqlens_q, index.cu_seqlens_kv)
+        policy.report(name, config, "measured faster (autotune=True)")
+        return get(name)
+    policy.report(serving[0][0], config, "the first serving candidate of the policy (backends/policy.py)")
     return serving[0][1]

@@ -31,8 +31,9 @@ wheel as well registers nothing twice. It serves every semantic the op promises 
 - Check mode: cu_seqlens are validated by api.apply_check before they reach the kernels (FA3 has no workspace
   to guard).
 
-implementation=None picks FA3 only with autotune=True, where a measurement found it faster than cuDNN for the
-configuration (implementation_tuning.py). Declined, with the reason (NotImplementedError for
+implementation=None picks FA3 where the shipped policy (policy.py: per GPU and shape class, from measurements)
+has it faster than cuDNN, and with autotune=True where a measurement of the configuration found it faster
+(tuning.py). Declined, with the reason (NotImplementedError for
 implementation="fa3"): head dims other than 128 or Dv != Dqk, float32, a top-left causal / windowed mask
 whose q and kv lengths may differ, no Hopper GPU, the wheel not installed.
 """
@@ -48,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
+from jax_ragged_attn.backends import policy
 from jax_ragged_attn.backends.cudnn import stats_grad
 from jax_ragged_attn.backends.row_zeroing import zero_unused_rows
 from jax_ragged_attn.config import AttentionConfig
@@ -61,12 +63,6 @@ TARGET_PREFIX = "jax_ragged_attn_fa3_"  # our registrations of the wheel's handl
 # The backward's dQ accumulator rows: FA3 pads each sequence to its tile of 128 query rows (the wheel's own).
 BLOCK_M = 128
 
-# Whether implementation=None picks FA3 wherever it can serve the call, without measuring (autotune=True measures
-# per configuration instead: implementation_tuning.py). Off: on the H200, W1 (16 sequences,
-# 16 heads) fwd+bwd ran 3.19 ms through FA3 against 3.17 ms on cuDNN; only W2 (4 long sequences, GQA 32/8)
-# was faster (35.3 against 38.9 ms), and that before the clearing pass of _cleared was added. Measure with
-# python -m jax_ragged_attn.tools.bench.fa3_compare (or the bench's ours-fa3 / flash-attn3-jax rows).
-AUTO_CHOOSES_FA3 = False
 
 
 # ---- availability ------------------------------------------------------------------------------------------
@@ -161,8 +157,9 @@ def unsupported_reason(config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv
 
 
 def preferred(config: AttentionConfig) -> bool:
-    """Whether implementation=None picks FA3 for a call it can serve: only where measured faster than cuDNN."""
-    return AUTO_CHOOSES_FA3
+    """Whether implementation=None picks FA3 for a call it can serve: where the shipped policy, measured per GPU
+    and shape class, has it faster than cuDNN (policy.py)."""
+    return policy.prefers_fa3(config)
 
 
 # ---- the backend surface (backends/__init__.py) ------------------------------------------------------------

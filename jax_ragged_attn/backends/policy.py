@@ -1,0 +1,58 @@
+"""Which GPU kernel implementation=None runs where more than one serves a call, decided without measuring.
+
+A policy shipped with the package, from measurements, per GPU (compute capability) and shape class, so the
+first call is right; autotune=True refines it by measuring the configuration once (tuning.py), and
+JAX_RAGGED_ATTN_IMPLEMENTATION pins a backend for every call it can serve.
+
+Measured on the H200 on 2026-12-03 (cuDNN 9.19, flash-attn3-jax 0.2.3, bf16, causal, d 128, plain dispatch of
+jitted fwd+bwd, tools/bench/fa3_compare.py; ms, ours through each backend):
+
+    workload                               tokens / sequence   cuDNN    FA3     faster
+    W1   16 of 128..4096, 16/16 heads           2,048          3.119    3.057   FA3 by 2 %
+    W2   4 of 8k..16k, GQA 32/8                 ~12,000       38.51    34.71    FA3 by 10 %
+    W6   16 of 128..8192, GQA 32/8              ~4,000        23.75    21.93    FA3 by 8 %
+    W5   119 of 64..1022, 16/16 heads             551          2.560    2.920   cuDNN by 14 %
+
+FA3's cost over its own kernels is per token (its padding safety: row_zeroing.py), cuDNN's backward is
+slower on long sequences, so the split is by the static tokens per sequence, capacity_q / num_seqs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+ENV_VAR = "JAX_RAGGED_ATTN_IMPLEMENTATION"
+
+# compute capability -> the smallest tokens per sequence (capacity_q / B) at which FA3 is preferred.
+FA3_MIN_TOKENS_PER_SEQUENCE = {"9.0": 1024}
+
+log = logging.getLogger("jax_ragged_attn")
+
+
+def _compute_capability() -> str | None:
+    import jax
+
+    if jax.default_backend() != "gpu":
+        return None
+    return str(getattr(jax.devices()[0], "compute_capability", None))
+
+
+def prefers_fa3(config) -> bool:
+    """Whether the shipped policy prefers FlashAttention-3 over cuDNN for this configuration on this GPU."""
+    threshold = FA3_MIN_TOKENS_PER_SEQUENCE.get(_compute_capability())
+    return threshold is not None and config.capacity_q >= threshold * config.num_seqs
+
+
+def pinned() -> str | None:
+    """The backend JAX_RAGGED_ATTN_IMPLEMENTATION names ("cudnn", "fa3", "xla"), or None. implementation=None
+    runs it wherever it can serve the call and chooses as usual elsewhere."""
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    return value or None
+
+
+def report(name: str, config, why: str) -> None:
+    """The debug log line of a choice made for implementation=None."""
+    log.debug("implementation=None runs %s (%s) for B=%d, Tq=%d, Tkv=%d, heads %d/%d, head dims %d/%d, %s",
+              name, why, config.num_seqs, config.capacity_q, config.capacity_kv, config.num_heads_q,
+              config.num_heads_kv, config.head_dim_qk, config.head_dim_v, config.dtype)

@@ -1,0 +1,86 @@
+"""implementation=None's shipped policy (backends/policy.py): FA3 or cuDNN by GPU and shape class, the
+environment pin, and the debug line that says what was chosen. The kernels' availability is replaced (both
+serve every call here); the choice itself is real."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jax_ragged_attn import backends
+from jax_ragged_attn.backends import cudnn, policy
+from jax_ragged_attn.backends import fa3 as _fa3
+from jax_ragged_attn.config import AttentionOptions, make_config
+from jax_ragged_attn.index import RaggedIndex
+
+
+def _config(tokens: int, num_seqs: int, **options):
+    q = jax.ShapeDtypeStruct((tokens, 4, 128), jnp.bfloat16)
+    cu = jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32)
+    return make_config(q, q, q, cu, cu, AttentionOptions(is_causal=True, **options), max_seqlen_q=tokens,
+                       max_seqlen_kv=tokens)
+
+
+def _index(num_seqs: int):
+    cu = jnp.zeros(num_seqs + 1, jnp.int32)
+    return RaggedIndex(cu, cu, same=True)
+
+
+@pytest.fixture
+def hopper_with_both(monkeypatch):
+    monkeypatch.setattr(policy, "_compute_capability", lambda: "9.0")
+    monkeypatch.setattr(_fa3, "unsupported_reason", lambda config, *index, **kwargs: None)
+    monkeypatch.setattr(cudnn, "unsupported_reason", lambda config, *index, **kwargs: None)
+    monkeypatch.delenv(policy.ENV_VAR, raising=False)
+
+
+@pytest.mark.parametrize("tokens, num_seqs, chosen", [
+    (32768, 16, "fa3"),  # W1: 2,048 tokens a sequence
+    (65536, 119, "cudnn"),  # W5: 551
+    (1024 * 8, 8, "fa3"),  # exactly the threshold
+    (1023 * 8, 8, "cudnn"),  # just below it
+])
+def test_the_policy_splits_by_tokens_per_sequence(hopper_with_both, tokens, num_seqs, chosen):
+    assert backends.choose(None, _config(tokens, num_seqs), _index(num_seqs)).NAME == chosen
+
+
+def test_no_policy_for_other_gpus_keeps_cudnn(hopper_with_both, monkeypatch):
+    monkeypatch.setattr(policy, "_compute_capability", lambda: "8.0")
+    assert backends.choose(None, _config(32768, 16), _index(16)).NAME == "cudnn"
+
+
+def test_the_environment_pins_a_backend_where_it_serves(hopper_with_both, monkeypatch):
+    monkeypatch.setenv(policy.ENV_VAR, "cudnn")
+    assert backends.choose(None, _config(32768, 16), _index(16)).NAME == "cudnn"
+    monkeypatch.setenv(policy.ENV_VAR, "fa3")
+    assert backends.choose(None, _config(65536, 119), _index(119)).NAME == "fa3"
+    # Where the pinned backend cannot serve, the usual choice.
+    monkeypatch.setattr(_fa3, "unsupported_reason", lambda config, *index, **kwargs: "head dim 64")
+    assert backends.choose(None, _config(65536, 119), _index(119)).NAME == "cudnn"
+    # An explicit implementation= is never overridden.
+    monkeypatch.setattr(_fa3, "unsupported_reason", lambda config, *index, **kwargs: None)
+    assert backends.choose("cudnn", _config(32768, 16), _index(16)).NAME == "cudnn"
+
+
+def test_a_bad_pin_names_the_variable(hopper_with_both, monkeypatch):
+    monkeypatch.setenv(policy.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match=policy.ENV_VAR):
+        backends.choose(None, _config(32768, 16), _index(16))
+
+
+def test_the_choice_is_logged_at_debug_level(hopper_with_both, caplog):
+    with caplog.at_level(logging.DEBUG, logger="jax_ragged_attn"):
+        backends.choose(None, _config(32768, 16), _index(16))
+    assert any("implementation=None runs fa3" in r.getMessage() and "B=16" in r.getMessage() for r in caplog.records)
+
+
+def test_on_the_cpu_the_portable_path_is_chosen_and_said(monkeypatch, caplog):
+    monkeypatch.delenv(policy.ENV_VAR, raising=False)
+    if jax.default_backend() != "cpu":
+        pytest.skip("checks the CPU's choice")
+    with caplog.at_level(logging.DEBUG, logger="jax_ragged_attn"):
+        assert backends.choose(None, _config(256, 2), _index(2)).NAME == "xla"
+    assert any("implementation=None runs xla" in r.getMessage() for r in caplog.records)
