@@ -113,20 +113,33 @@ def _step(implementation: str, config: AttentionConfig, cu_q, cu_kv):
     return jax.jit(step)
 
 
+def plain_loop_seconds(call, calls: int, repetitions: int) -> list[float]:
+    """Seconds per call of `repetitions` timed loops, each `calls` calls of `call()` then one block_until_ready
+    of the last result: what a training loop meets (JAX dispatches asynchronously, so the host enqueues call
+    n+1 while the device runs call n, and only the last result is waited for). `call` may thread state
+    between calls (a training step feeds its donated parameters back in); calls=1 times single blocked calls.
+
+    The package's one timing loop: autotune's choice here, and every tool through tools/bench/timing.py
+    (a tool may import the library, the library never a tool)."""
+    import jax
+
+    times = []
+    for _ in range(repetitions):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = call()
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls)
+    return times
+
+
 def median_loop_seconds(fn, args, calls: int = CALLS, samples: int = SAMPLES) -> float:
     """Seconds per call of fn(*args) as a user's loop meets it: after a compiling warm-up call, `samples` loops
     of `calls` calls each followed by one block; the median loop's time / calls."""
     import jax
 
     jax.block_until_ready(fn(*args))
-    loops = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        for _ in range(calls):
-            result = fn(*args)
-        jax.block_until_ready(result)
-        loops.append((time.perf_counter() - start) / calls)
-    return statistics.median(loops)
+    return statistics.median(plain_loop_seconds(lambda: fn(*args), calls, samples))
 
 
 def _loop_ms(step, args) -> float:

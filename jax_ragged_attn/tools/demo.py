@@ -29,6 +29,7 @@ from jax_ragged_attn.api import ragged_attention
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.backends.cudnn.extension import cudnn_unavailable_reason
 from jax_ragged_attn.index import row_positions
+from jax_ragged_attn.tools.bench.timing import plain_loop_seconds
 from jax_ragged_attn.tools.progress import progress_bar
 
 SEP = 0  # also what padding rows hold; symbols are 1 .. vocab - 1
@@ -266,13 +267,13 @@ def _step_seconds(params, batch, setup: Setup, padded, iterations: int = 20) -> 
     p = jax.tree.map(jnp.copy, params)
     s = adam_state(p)
     batch = jax.device_put(batch)
-    p, s, loss = train_step(p, s, batch, setup, padded)  # compiles
-    jax.block_until_ready(loss)
-    start = time.perf_counter()
-    for _ in range(iterations):
-        p, s, loss = train_step(p, s, batch, setup, padded)
-    jax.block_until_ready(loss)
-    return (time.perf_counter() - start) / iterations
+    state = list(train_step(p, s, batch, setup, padded))  # compiles
+    jax.block_until_ready(state)
+
+    def call():
+        state[:] = train_step(state[0], state[1], batch, setup, padded)
+        return state[2]
+    return plain_loop_seconds(call, iterations, 1)[0]
 
 
 def plot_losses(losses, path: str) -> bool:

@@ -13,9 +13,7 @@ import argparse
 import ctypes
 import os
 import re
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -25,17 +23,13 @@ from jax_ragged_attn import api, testing
 from jax_ragged_attn.backends import cudnn
 from jax_ragged_attn.backends.cudnn import extension
 from jax_ragged_attn.config import AttentionOptions, make_config
+from jax_ragged_attn.tools.bench.timing import median_loop_seconds
 from jax_ragged_attn.tools.workloads import seeded_lengths
 
 
 def _time(fn, *args, iterations: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iterations):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median seconds of `iterations` single blocked calls, after a compiling one."""
+    return median_loop_seconds(fn, args, 1, iterations)
 
 
 # libcudnn.so.9, libcudnn_graph.so.9.8.0, libcudart.so.12.8.90: the stem, then the version after ".so.".

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import statistics
 import sys
 
 import jax
@@ -31,7 +30,7 @@ import numpy as np
 from jax_ragged_attn.parallel import context_parallel as cp
 from jax_ragged_attn.parallel.load_balance import balanced_document_order, causal_work_per_device
 from jax_ragged_attn.parallel.sharding import reorder_for_load_balance, sharded_ragged_attention
-from jax_ragged_attn.tools.bench.timing import device_bytes, plain_loop_seconds
+from jax_ragged_attn.tools.bench.timing import device_bytes, median_loop_seconds
 from jax_ragged_attn.tools.workloads import WORKLOADS, Workload
 
 DEVICES = 2
@@ -69,8 +68,7 @@ def _step(attention):
 
 
 def _time(compiled, args, calls: int, repetitions: int) -> float:
-    jax.block_until_ready(compiled(*args))  # warm
-    return statistics.median(plain_loop_seconds(lambda: compiled(*args), calls, repetitions))
+    return median_loop_seconds(compiled, args, calls, repetitions)  # after one warm call
 
 
 def _options(w: Workload, implementation):

@@ -22,8 +22,8 @@ import numpy as np
 
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.backends import fa3 as _fa3
-from jax_ragged_attn.backends import tuning as implementation_tuning
 from jax_ragged_attn.tools import workloads as workloads_module
+from jax_ragged_attn.tools.bench.timing import median_loop_seconds
 
 CALLS, LOOPS = 20, 7
 
@@ -101,7 +101,7 @@ def probe() -> bool:
 
 def _time(fn, *args) -> float:
     jax.block_until_ready(fn(*args))  # compile; median_loop_seconds warms up once more
-    return implementation_tuning.median_loop_seconds(fn, args, CALLS, LOOPS)
+    return median_loop_seconds(fn, args, CALLS, LOOPS)
 
 
 def _systems(workload):
@@ -121,7 +121,7 @@ def _systems(workload):
                                 is_causal=workload.causal)
 
     # "ours autotune": implementation=None with autotune=True, which times cuDNN against FA3 once (at trace) and
-    # runs the faster (implementation_tuning.py).
+    # runs the faster (backends/tuning.py).
     return {"ours cuDNN": ours("cudnn"), "ours fa3": ours("fa3"), "ours autotune": ours(None, autotune=True),
             "flash-attn3-jax": raw}
 

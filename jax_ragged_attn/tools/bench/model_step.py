@@ -323,9 +323,7 @@ def _timed(call, flops: float, settings: Settings) -> tuple[list[float], int]:
     """The plain method: warm-up calls, N calls per loop sized to about target_call_s, R loops."""
     for _ in range(settings.warmup_calls):
         jax.block_until_ready(call())
-    start = time.perf_counter()
-    jax.block_until_ready(call())
-    one = time.perf_counter() - start
+    one = plain_loop_seconds(call, 1, 1)[0]
     calls = max(1, min(steps_for(flops, settings), math.ceil(settings.target_call_s / max(one, 1e-6))))
     return plain_loop_seconds(call, calls, settings.iterations), calls
 

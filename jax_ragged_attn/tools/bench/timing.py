@@ -5,7 +5,9 @@
            the loop's time divided by N (asynchronous dispatch lets the host run ahead of the device)
 
 Both report the median of `iterations` timed calls (plain: timed loops). docs/PERFORMANCE.md ("Two timing
-methods") explains why they differ and which one a training step sees.
+methods") explains why they differ and which one a training step sees. Every timed loop of the bench tools
+(and of the main job) is `plain_loop_seconds`, the library's (backends/tuning.py, autotune's), re-exported
+here with `median_loop_seconds` and `interleaved_loop_seconds`.
 
 fori: each timed call runs `jax.lax.fori_loop` over N steps and is divided by N, so Python dispatch never sits
 between two steps. Three things keep XLA from measuring less than a real training step would:
@@ -30,15 +32,17 @@ import math
 import re
 import statistics
 import sys
-import time
 import traceback
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from jax_ragged_attn.tools.bench import capture as command_buffers
 from jax_ragged_attn.api import ragged_attention
+# The one timing loop (plain_loop_seconds) and its median form live in the library, which autotune's choice
+# uses too (the library may not import a tool); every tool times through this module.
+from jax_ragged_attn.backends.tuning import median_loop_seconds, plain_loop_seconds  # noqa: F401
+from jax_ragged_attn.tools.bench import capture as command_buffers
 from jax_ragged_attn.tools.workloads import Workload
 
 
@@ -170,27 +174,19 @@ def _forward_backward_loop(attention, steps, q, k, v, index, d_out):
     return jax.lax.fori_loop(0, steps, step, (q, index, zeros))
 
 
-def plain_loop_seconds(call: Callable[[], object], calls: int, repetitions: int) -> list[float]:
-    """Seconds per call of `repetitions` timed loops, each `calls` calls of `call()` then one block_until_ready.
-
-    What a training loop does: JAX dispatches asynchronously, so the host enqueues call n+1 while the
-    device runs call n, and only the last result is waited for. `call` may thread state between calls
-    (the model step feeds its donated parameters back in).
-    """
-    times = []
+def interleaved_loop_seconds(entries: dict, repetitions: int) -> dict:
+    """{key: [seconds per call of each timed loop]} for entries {key: (call, calls per loop)}: one plain loop of
+    every entry per round, `repetitions` rounds. A load that changes during the run (a shared machine) then
+    shifts every entry alike, instead of whichever happened to be timed then."""
+    times = {key: [] for key in entries}
     for _ in range(repetitions):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = call()
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / calls)
+        for key, (call, calls) in entries.items():
+            times[key] += plain_loop_seconds(call, calls, 1)
     return times
 
 
 def _call_seconds(compiled, args) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    return time.perf_counter() - start
+    return plain_loop_seconds(lambda: compiled(*args), 1, 1)[0]
 
 
 def device_bytes(compiled) -> int | None:
@@ -373,17 +369,10 @@ def host_overhead(workload: Workload, implementation: str, calls: int = 100,
     samples = {name: ([], []) for name in functions}
     for _ in range(rounds):
         for name, function in functions.items():
-            start = time.perf_counter()
-            for _ in range(calls):
-                out = function(q, k, v, cu)
-            jax.block_until_ready(out)
-            samples[name][0].append((time.perf_counter() - start) / calls)
-            synced = []
-            for _ in range(calls):
-                begin = time.perf_counter()
-                jax.block_until_ready(function(q, k, v, cu))
-                synced.append(time.perf_counter() - begin)
-            samples[name][1].append(statistics.median(synced))
+            def call():
+                return function(q, k, v, cu)
+            samples[name][0].extend(plain_loop_seconds(call, calls, 1))
+            samples[name][1].append(statistics.median(plain_loop_seconds(call, 1, calls)))
     return {name: (statistics.median(a), statistics.median(b)) for name, (a, b) in samples.items()}
 
 

@@ -28,7 +28,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +35,7 @@ import jax.numpy as jnp
 from jax_ragged_attn.backends import xla as current_xla
 from jax_ragged_attn.backends import xla_memory
 from jax_ragged_attn.config import AttentionOptions, make_config
+from jax_ragged_attn.tools.bench.timing import plain_loop_seconds
 from jax_ragged_attn.tools.workloads import WORKLOADS
 
 DIRECTIONS = ("forward", "forward+backward")
@@ -101,11 +101,7 @@ def run_case(case: dict) -> dict:
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     in_use_before = (jax.local_devices()[0].memory_stats() or {}).get("bytes_in_use")
     jax.block_until_ready(compiled(q, k, v))
-    times = []
-    for _ in range(case["repeats"]):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(q, k, v))
-        times.append(time.perf_counter() - start)
+    times = plain_loop_seconds(lambda: compiled(q, k, v), 1, case["repeats"])  # each call blocked
     peak = _device_peak()
     if peak is not None and in_use_before is not None:
         row["peak_bytes"] = peak - in_use_before

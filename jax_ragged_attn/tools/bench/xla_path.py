@@ -25,10 +25,10 @@ changing load on a shared machine from favouring one row; still, compare medians
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,7 @@ from jax_ragged_attn.backends import xla as current_xla
 from jax_ragged_attn.backends import xla_memory
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.index import cu_seqlens_from_lengths
+from jax_ragged_attn.tools.bench.timing import interleaved_loop_seconds, plain_loop_seconds
 from jax_ragged_attn.tools.workloads import seeded_lengths
 
 # name: (num_seqs, low, high, total tokens, heads, head dim)
@@ -80,29 +81,16 @@ def _calls(fn, args, target: float) -> int:
     """Compiles fn and calls it twice untimed; returns how many calls make a loop of about `target` seconds."""
     for _ in range(2):
         jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return max(1, min(50, round(target / max(time.perf_counter() - start, 1e-6))))
-
-
-def _loop(fn, args, calls: int) -> float:
-    """Seconds per call of one plain loop: `calls` calls, then block_until_ready."""
-    start = time.perf_counter()
-    outs = [fn(*args) for _ in range(calls)]
-    jax.block_until_ready(outs)
-    return (time.perf_counter() - start) / calls
+    one = plain_loop_seconds(lambda: fn(*args), 1, 1)[0]
+    return max(1, min(50, round(target / max(one, 1e-6))))
 
 
 def _time_all(entries: dict, repeats: int, target: float) -> dict:
     """{key: median seconds per call} of jitted fns {key: (fn, args)}. The timed loops are interleaved (one
     loop of every entry per repeat), so a load that changes during the run (a shared machine) shifts every
     entry alike instead of whichever happened to run then."""
-    calls = {key: _calls(fn, args, target) for key, (fn, args) in entries.items()}
-    times = {key: [] for key in entries}
-    for _ in range(repeats):
-        for key, (fn, args) in entries.items():
-            times[key].append(_loop(fn, args, calls[key]))
-    return {key: statistics.median(t) for key, t in times.items()}
+    loops = {key: (functools.partial(fn, *args), _calls(fn, args, target)) for key, (fn, args) in entries.items()}
+    return {key: statistics.median(t) for key, t in interleaved_loop_seconds(loops, repeats).items()}
 
 
 def _with_grad(forward):
