@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -236,6 +237,53 @@ def test_profile_prints_where_the_step_goes(capsys):
                  "head + loss", "optimizer (clip + AdamW on one flat vector", "rest of the step"):
         assert any(name.startswith(part) for name in names), (part, names)
     assert "step breakdown (" in out and re.search(r"step: [0-9.]+ ms = [0-9,]+ useful tokens/s; matmuls", out)
+    assert "the step and its parts timed in turns" in out
+    # The parts that partition the step (not the indented ones inside a block) and the rest add up to the step,
+    # or the table says that and why they exceed it.
+    parts = sum(seconds * count for name, seconds, count in rows[1:] if count and not name.startswith("  "))
+    assert parts == pytest.approx(rows[0][1]) or "the parts timed alone add up to" in out, out
+
+
+def test_progress_counts_only_finished_steps(monkeypatch):
+    # The host runs ahead of the device: a step's call returns at once, its result is ready later (here a
+    # fake device taking 20 ms a step). The tok/s figures must count the steps finished when the clock is
+    # read, not those only enqueued (the first reading once claimed 1.3 M tok/s on a GPU).
+    device_step_s = 0.02
+    free = [0.0]
+
+    class Pending:
+        def __init__(self):
+            free[0] = max(free[0], time.perf_counter()) + device_step_s
+            self.ready_at = free[0]
+
+        def block_until_ready(self):
+            time.sleep(max(0.0, self.ready_at - time.perf_counter()))
+            return self
+
+        def __float__(self):
+            self.block_until_ready()
+            return 2.0
+
+    class FakeTrainer:
+        flat = opt_state = None
+
+        def step(self, flat, opt_state, batch):
+            return flat, opt_state, Pending()
+
+        def update_model(self, model, flat):
+            pass
+
+    readings = []
+    monkeypatch.setattr(lm.training, "make_trainer", lambda *args: FakeTrainer())
+    monkeypatch.setattr(lm.training, "progress_bar", lambda total: (lambda text, done=None: readings.append(text),
+                                                                    lambda: None))
+    setup = _setup(capacity=512, max_seqlen=128, steps=41)
+    train, _, _ = lm.stdlib_files()
+    result = lm.train(None, setup, train[:20], seed=0)
+    rates = [float(re.search(r"([0-9,]+) tok/s", text).group(1).replace(",", "")) for text in readings]
+    assert len(rates) == 3 and rates[-1] == pytest.approx(result["tokens_per_s"], rel=0.01), readings
+    ceiling = setup.capacity / device_step_s  # every step at most a full buffer
+    assert all(0 < rate <= 1.05 * ceiling for rate in rates), (rates, ceiling)
 
 
 def test_bad_flags_exit_with_the_flag_named(capsys):

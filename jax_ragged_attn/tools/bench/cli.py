@@ -180,6 +180,11 @@ def main(argv=None) -> int:
                   "(pass --workloads all for the GPU-sized W1..W4)", flush=True)
     chosen_workloads = workloads.select(args.workloads)
     systems = bench_systems.select(args.systems)
+    # Off a GPU, the GPU systems are not tried: their rows go to the CSV as skipped, and to one line of the
+    # table's, not a row each.
+    on_gpu = jax.default_backend() == "gpu"
+    gpu_only = [] if on_gpu else [s for s in systems if not s.runs_on_cpu]
+    systems = [s for s in systems if s not in gpu_only]
     settings = _settings(args)
     os.makedirs(args.out, exist_ok=True)
     header = _environment()
@@ -190,6 +195,9 @@ def main(argv=None) -> int:
 
     started = time.perf_counter()
     measurements: list[Measurement] = []
+    not_run = [row for w in chosen_workloads for s in gpu_only
+               for row in rows_with_status(w, s.name, f"skipped: needs a GPU; JAX's backend is "
+                                           f"{jax.default_backend()!r}", DIRECTIONS, settings.methods)]
     pairs, say = _progress([(w, s) for w in chosen_workloads for s in systems])
     for workload, system in pairs:
         if hasattr(pairs, "set_description"):
@@ -203,9 +211,10 @@ def main(argv=None) -> int:
             rows = _measure(system, workload, settings)
         measurements += rows
         say(_summary(rows, time.perf_counter() - begun))
-        bench_report.write_csv(os.path.join(args.out, "bench.csv"), measurements, rates)  # survives a kill
+        bench_report.write_csv(os.path.join(args.out, "bench.csv"), measurements + not_run, rates)  # survives a kill
     if hasattr(pairs, "close"):
         pairs.close()
+    bench_report.write_csv(os.path.join(args.out, "bench.csv"), measurements + not_run, rates)
 
     overhead = _overhead_lines()
     plot_path = os.path.join(args.out, "bench.png")
@@ -214,6 +223,10 @@ def main(argv=None) -> int:
     except Exception as error:  # noqa: BLE001 - the table and CSV matter more than the picture
         plot_problem = error_status(error)
     text = bench_report.table(measurements, rates)
+    if gpu_only:
+        rows = len(chosen_workloads) * len(gpu_only) * len(settings.methods)  # one table row per method each
+        text += (f"\nskipped on {jax.default_backend().upper()}: {rows} rows needing a GPU: "
+                 f"{', '.join(s.name for s in gpu_only)} (in bench.csv as skipped)")
     footer = [f"wrote {os.path.join(args.out, 'bench.csv')}, "
               + (f"no plot ({plot_problem})" if plot_problem else plot_path)
               + f"; {time.perf_counter() - started:.0f} s"]

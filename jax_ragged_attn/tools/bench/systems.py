@@ -60,6 +60,7 @@ class System:
     unavailable: Callable[[], str | None]  # why it cannot run on this machine at all, or None
     unsupported: Callable[[Workload], str | None]  # why it cannot run this workload, or None
     measure: Callable[[Workload, Settings], list[Measurement]]
+    runs_on_cpu: bool = False  # False: a GPU system (cuDNN, FA3, torch), left out of the table elsewhere
 
 
 def _needs_gpu() -> str | None:
@@ -72,14 +73,14 @@ def _any_workload(_workload: Workload) -> None:
 
 
 def _jax_system(name: str, description: str, case: Callable[[Workload], JaxCase], unavailable,
-                unsupported=_any_workload, row_masking: str | None = None) -> System:
+                unsupported=_any_workload, row_masking: str | None = None, runs_on_cpu: bool = False) -> System:
     def measure(workload: Workload, settings: Settings) -> list[Measurement]:
         # The op reads its row masking when traced, and the backward is traced after the forward returns
         # (when timing takes the pullback): the switch must hold for the whole measurement.
         with _environment(launch.ROW_MASKING_ENV, row_masking):
             return measure_jax(case(workload), workload, name, settings)
 
-    return System(name, description, functools.cache(unavailable), unsupported, measure)
+    return System(name, description, functools.cache(unavailable), unsupported, measure, runs_on_cpu)
 
 
 # ---- this package ----------------------------------------------------------------------------------------
@@ -273,7 +274,8 @@ SYSTEMS: dict[str, System] = {
         _jax_system("jax-packed", "JAX's packed cuDNN path (q_offsets/kv_offsets)", _jax_packed_case,
                     _jax_packed_unavailable),
         _jax_system("xla", "ragged_attention(implementation='xla'), the portable path",
-                    functools.partial(_ours_case, implementation="xla"), lambda: None, _xla_unsupported),
+                    functools.partial(_ours_case, implementation="xla"), lambda: None, _xla_unsupported,
+                    runs_on_cpu=True),
         _jax_system("ours-fa3", "ragged_attention(implementation='fa3'): FlashAttention-3 behind this op",
                     functools.partial(_ours_case, implementation="fa3"), _fa3.unavailable_reason, _fa3_unsupported),
         _jax_system("flash-attn3-jax", "the flash-attn3-jax wheel's flash_mha_varlen, FlashAttention-3 unwrapped",

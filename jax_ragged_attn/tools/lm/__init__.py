@@ -25,8 +25,8 @@ from jax_ragged_attn.tools.lm.corpus import (device_batch, packed_batches, padde
                                              padded_pieces, padded_rows, stdlib_files, windows)
 from jax_ragged_attn.tools.lm.training import (Trainer, evaluate, make_trainer, make_tx, train,  # noqa: F401
                                                unigram_bits_per_byte)
-from jax_ragged_attn.tools.lm.profiling import (Timing, compiled_bytes, matmul_parameters, profile,  # noqa: F401
-                                                step_flops, time_calls)
+from jax_ragged_attn.tools.lm.profiling import (Timing, matmul_parameters, profile, step_flops,  # noqa: F401
+                                                time_calls)
 from jax_ragged_attn.tools.lm.compare import (SYSTEMS, XLA_SCORES_LIMIT_BYTES, SystemResult,  # noqa: F401
                                               measure_system, side_by_side, system_batches, system_unavailable)
 from jax_ragged_attn.tools.lm.generation import decode, generate, prefill, sample_and_time  # noqa: F401

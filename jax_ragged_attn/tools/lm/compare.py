@@ -13,9 +13,10 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jax_ragged_attn.tools.bench.timing import device_bytes
 from jax_ragged_attn.tools.lm.corpus import device_batch, packed_batches, padded_batches, padded_rows
 from jax_ragged_attn.tools.lm.model import ByteLM, Setup, packed_loss, padded_loss
-from jax_ragged_attn.tools.lm.profiling import Timing, _gb, compiled_bytes, time_calls
+from jax_ragged_attn.tools.lm.profiling import Timing, time_calls
 from jax_ragged_attn.tools.lm.training import make_trainer, make_tx
 
 SYSTEMS = ("packed", "padded-cudnn", "padded-xla")
@@ -41,6 +42,10 @@ class SystemResult:
     @property
     def fill(self) -> float:
         return self.tokens / self.slots if self.slots else 0.0
+
+
+def _gb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f} GB"
 
 
 def system_unavailable(system: str, setup: Setup) -> str | None:
@@ -82,7 +87,7 @@ def measure_system(system: str, setup: Setup, files, seed: int, timing: Timing, 
     start = time.perf_counter()
     compiled = trainer.step.lower(trainer.flat, trainer.opt_state, batches[0]).compile()
     result.compile_s = time.perf_counter() - start
-    result.memory = compiled_bytes(compiled)
+    result.memory = device_bytes(compiled)
     state = [trainer.flat, trainer.opt_state, None]
     calls = [0]
 

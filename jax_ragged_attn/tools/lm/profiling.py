@@ -14,14 +14,17 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jax_ragged_attn.tools.bench.timing import interleaved_loop_seconds, plain_loop_seconds
 from jax_ragged_attn.tools.lm.corpus import device_batch, packed_batches
 from jax_ragged_attn.tools.lm.model import VOCAB, ByteLM, Setup, _nll, packed_attend, packed_loss
 from jax_ragged_attn.tools.lm.training import make_trainer, make_tx
 
+
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """warmup calls, then `repeats` loops of `steps` calls each, one block_until_ready at a loop's end; the
-    median loop's seconds per call. Compilation is done (and timed) before, apart."""
+    """warmup calls, then `repeats` loops of `steps` calls each, one block_until_ready at a loop's end (the
+    bench's plain method, tools/bench/timing.py); the median loop's seconds per call. Compilation is done
+    (and timed) before, apart."""
 
     warmup: int = 2
     steps: int = 10
@@ -32,32 +35,15 @@ class Timing:
                 "steps each ended by one block_until_ready, median per step")
 
 
-def time_calls(call: Callable, timing: Timing) -> float:
-    """Median seconds per call of `call()` (see Timing). call returns what to block on."""
+def _warm(call: Callable, timing: Timing) -> None:
     for _ in range(timing.warmup):
         jax.block_until_ready(call())
-    times = []
-    for _ in range(timing.repeats):
-        start = time.perf_counter()
-        for _ in range(timing.steps):
-            out = call()
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / timing.steps)
-    return statistics.median(times)
 
 
-def compiled_bytes(compiled) -> int | None:
-    """XLA's buffer assignment for one call: arguments + outputs + temporaries - donated (aliased) buffers,
-    the device memory the step needs at its peak."""
-    try:
-        m = compiled.memory_analysis()
-        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
-    except Exception:  # noqa: BLE001 - not every backend reports it
-        return None
-
-
-def _gb(n: int | None) -> str:
-    return "-" if n is None else f"{n / 1e9:.2f} GB"
+def time_calls(call: Callable, timing: Timing) -> float:
+    """Median seconds per call of `call()` (see Timing). call returns what to block on."""
+    _warm(call, timing)
+    return statistics.median(plain_loop_seconds(call, timing.steps, timing.repeats))
 
 
 def matmul_parameters(setup: Setup) -> int:
@@ -77,14 +63,18 @@ def step_flops(setup: Setup, seqlens) -> tuple[float, float]:
 
 
 def profile(setup: Setup, files, seed: int, timing: Timing, nnx_step: bool = True) -> list[tuple[str, float, int]]:
-    """Times the training step and its parts alone on one packed batch, each fwd+bwd as the step runs it, by
-    `time_calls`; prints a table and returns [(part, seconds per call, calls per step)]."""
+    """Times the training step and its parts alone on one packed batch, each fwd+bwd as the step runs it;
+    prints a table and returns [(part, seconds per call, calls per step)].
+
+    The step and every part are timed in turns (one timed loop of each per round, `timing.repeats` rounds,
+    the median per part): timed one after another, a change in load between the step's loops and a part's
+    (another process on a shared machine) made the parts add up to more than the step."""
     host = next(packed_batches(files, setup, seed))
     batch = device_batch(host.arrays())
     model = ByteLM(setup, rngs=nnx.Rngs(seed))
     dtype, t, s = jnp.dtype(setup.dtype), setup.capacity, setup.max_seqlen
     trainer = make_trainer(model, packed_loss, make_tx(setup.lr, setup.steps))
-    rows: list[tuple[str, float, int]] = []
+    parts: list[tuple[str, Callable, int]] = []  # (name, call, calls per step; 0 = not part of the step)
 
     def feed_back(compiled, state, *rest):
         def call():
@@ -96,19 +86,8 @@ def profile(setup: Setup, files, seed: int, timing: Timing, nnx_step: bool = Tru
     step = trainer.step.lower(trainer.flat, trainer.opt_state, batch).compile()
     compile_s = time.perf_counter() - start
     step_state = [trainer.flat, trainer.opt_state]
-    step_s = time_calls(feed_back(step, step_state, batch), timing)
-    print(f"step breakdown ({timing.describe()}; compile {compile_s:.1f} s; one packed batch of "
-          f"{host.num_tokens:,} real bytes in {host.num_seqs} sequences):")
-    print(f"  {'part':<62} {'ms/call':>9} {'x':>3} {'ms/step':>9} {'share':>6}")
-
-    def emit(name, seconds, count):
-        rows.append((name, seconds, count))
-        per_step = seconds * max(count, 1)
-        share = "" if not count or name.startswith("train step") else f"{per_step / step_s:6.0%}"
-        print(f"  {name:<62} {seconds * 1e3:9.3f} {count if count else '-':>3} {per_step * 1e3:9.3f} {share:>6}",
-              flush=True)
-    emit("train step: jax.jit, flat AdamW, donated (the main job's)", step_s, 1)
-
+    step_name = "train step: jax.jit, flat AdamW, donated (the main job's)"
+    parts.append((step_name, feed_back(step, step_state, batch), 1))
     keys = iter(jax.random.split(jax.random.key(seed), 16))
 
     def alone(name, fn, *args, count=1):
@@ -117,7 +96,7 @@ def profile(setup: Setup, files, seed: int, timing: Timing, nnx_step: bool = Tru
             out, pull = jax.vjp(fn, *args)
             return pull(jnp.ones_like(out))
         compiled = jax.jit(fwd_bwd).lower(*args).compile()
-        emit(name, time_calls(lambda: compiled(*args), timing), count)
+        parts.append((name, lambda: compiled(*args), count))
 
     x = jax.random.normal(next(keys), (t, setup.width), dtype)
     table = model.embed.embedding[...]
@@ -131,8 +110,8 @@ def profile(setup: Setup, files, seed: int, timing: Timing, nnx_step: bool = Tru
     buffers = tuple(b for b in (qkv, q, kv) if b is not None)
 
     def attention_only(*buffers):
-        parts = iter(buffers)
-        qkv_, q_, kv_ = ((next(parts), None, None) if qkv is not None else (None, next(parts), next(parts)))
+        parts_ = iter(buffers)
+        qkv_, q_, kv_ = ((next(parts_), None, None) if qkv is not None else (None, next(parts_), next(parts_)))
         return attention.attend(qkv_, q_, kv_, batch["cu_seqlens"], max_seqlen=s)
     alone("  attention alone (ragged op)", attention_only, *buffers, count=setup.layers)
     alone("  MLP alone", lambda st, x: nnx.merge(block_def, st).mlp(x), block_state, x, count=setup.layers)
@@ -151,13 +130,11 @@ def profile(setup: Setup, files, seed: int, timing: Timing, nnx_step: bool = Tru
         updates, opt_state = tx.update(grads, opt_state, flat)
         flat = optax.apply_updates(flat, updates)
         return flat, opt_state, flat[:1]
-    flat2 = jnp.copy(step_state[0])  # the step donated trainer.flat
+    flat2 = jnp.copy(trainer.flat)  # the step donates its state: the optimizer gets buffers of its own
     opt2 = tx.init(flat2)
     optimizer = jax.jit(update, donate_argnums=(0, 1)).lower(flat2, opt2, grads).compile()
-    emit(f"optimizer (clip + AdamW on one flat vector of {trainer.flat.size:,})",
-         time_calls(feed_back(optimizer, [flat2, opt2], grads), timing), 1)
-    parts = [r for r in rows[1:] if r[2] and not r[0].startswith("  ")]
-    emit("rest of the step (step - the parts above)", step_s - sum(seconds * count for _, seconds, count in parts), 1)
+    parts.append((f"optimizer (clip + AdamW on one flat vector of {trainer.flat.size:,})",
+                  feed_back(optimizer, [flat2, opt2], grads), 1))
 
     if nnx_step:
         # The previous way, for reference: nnx.jit over the module and an nnx.Optimizer (per-parameter
@@ -170,9 +147,39 @@ def profile(setup: Setup, files, seed: int, timing: Timing, nnx_step: bool = Tru
             loss, grads = nnx.value_and_grad(packed_loss)(model, batch)
             optimizer.update(model, grads)
             return loss
-        jax.block_until_ready(nnx_train_step(other, optimizer_, batch))
-        emit("for reference: the same step as nnx.jit + nnx.Optimizer",
-             time_calls(lambda: nnx_train_step(other, optimizer_, batch), timing), 0)
+        parts.append(("for reference: the same step as nnx.jit + nnx.Optimizer",
+                      lambda: nnx_train_step(other, optimizer_, batch), 0))
+
+    for _, call, _ in parts:
+        _warm(call, timing)
+    times = interleaved_loop_seconds({name: (call, timing.steps) for name, call, _ in parts}, timing.repeats)
+    step_times = times[step_name]
+    step_s = statistics.median(step_times)
+    print(f"step breakdown ({timing.describe()}; the step and its parts timed in turns, one loop of each per "
+          f"round; compile {compile_s:.1f} s; one packed batch of {host.num_tokens:,} real bytes in "
+          f"{host.num_seqs} sequences):")
+    print(f"  {'part':<62} {'ms/call':>9} {'x':>3} {'ms/step':>9} {'share':>6}")
+    rows: list[tuple[str, float, int]] = []
+
+    def emit(name, seconds, count):
+        rows.append((name, seconds, count))
+        per_step = seconds * max(count, 1)
+        share = "" if not count or name == step_name else f"{per_step / step_s:6.0%}"
+        print(f"  {name:<62} {seconds * 1e3:9.3f} {count if count else '-':>3} {per_step * 1e3:9.3f} {share:>6}",
+              flush=True)
+    for name, _, count in parts:
+        emit(name, statistics.median(times[name]), count)
+    # The parts that partition the step: not the indented ones (inside a decoder block), not the reference.
+    summed = sum(seconds * count for name, seconds, count in rows[1:] if count and not name.startswith("  "))
+    rest = step_s - summed
+    if rest >= 0:
+        emit("rest of the step (step - the parts above)", rest, 1)
+    else:
+        emit("rest of the step: none, the parts alone exceed the step", 0.0, 1)
+        print(f"  the parts timed alone add up to {summed / step_s:.0%} of the step: alone, each reads its inputs "
+              "and writes its outputs and gradients through memory and runs kernels of its own, where the one "
+              "jitted step fuses across their edges; the step's loops ranged "
+              f"{min(step_times) * 1e3:.1f}-{max(step_times) * 1e3:.1f} ms (a wide range: the load changed)")
 
     seqlens = np.diff(host.cu_seqlens)
     matmuls, attention_flops = step_flops(setup, seqlens[seqlens > 0])
