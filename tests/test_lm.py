@@ -22,7 +22,7 @@ from jax_ragged_attn.tools import lm  # noqa: E402
 # A tiny model and a short run (under a minute on 2 CPU cores), GQA so that the kv-packed path trains too.
 TINY = ["--preset", "cpu", "--steps", "80", "--width", "64", "--heads", "2", "--kv-heads", "1", "--layers", "1",
         "--capacity", "1024", "--max-seqlen", "128", "--max-seqs", "16", "--lr", "1e-2", "--eval-bytes", "16384",
-        "--sample-bytes", "40", "--no-progress"]
+        "--sample-bytes", "40", "--sample-prompts", "3", "--no-progress"]
 
 
 def test_main_learns_reports_plots_and_fails_above_the_bound(tmp_path, capsys):
@@ -42,9 +42,9 @@ def test_main_learns_reports_plots_and_fails_above_the_bound(tmp_path, capsys):
     assert "attention: RaggedSelfAttention -> " in out
     fills = re.search(r"packed ([0-9.]+)%; padded to the longest document \(4096 bytes\) ([0-9.]+)%", out)
     assert float(fills.group(1)) > 95 and float(fills.group(2)) < float(fills.group(1)), out
-    assert "sample (temperature 0.7, KV cache):\n" + "-" * 60 + "\nimport os\n\n\ndef " in out
-    assert re.search(r"generation, 40 bytes: KV cache \(ragged attention, bottom-right, seqused_kv\) [0-9,]+ bytes/s; "
-                     r"full forward over \[128\] per byte [0-9,]+ bytes/s", out), out
+    assert "sample (temperature 0.7, paged KV cache):\n" + "-" * 60 + "\nimport os\n\n\ndef " in out
+    assert re.search(r"generation, 3 prompts x 40 bytes: paged KV cache \(ragged_attention_with_kvcache, pages of 64 "
+                     r"rows\) [0-9,]+ bytes/s; full forward over \[3, 128\] per byte [0-9,]+ bytes/s", out), out
     if jax.default_backend() == "cpu":
         assert "side-by-side" not in out  # on a CPU only when asked for (--compare-steps)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -198,31 +198,55 @@ def test_one_hot_embedding_and_loss_are_the_gather_ones():
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["mha", "gqa"])
-def test_kv_cache_gives_the_full_forward_next_byte_distribution(kv_heads):
-    # Generation runs ragged attention over a KV cache (one query row, bottom-right, seqused_kv); each byte's
-    # next-byte distribution must be the full forward's over the same prefix.
+def test_paged_kv_cache_gives_the_full_forward_next_byte_distribution(kv_heads):
+    # Generation prefills packed prompts of different lengths into a paged cache (pages of 8 rows, not adjacent),
+    # then decodes one byte per prompt per step through ragged_attention_with_kvcache; each byte's next-byte
+    # distribution must be the full forward's over the same prefix.
     setup = _setup(kv_heads=kv_heads, capacity=256, max_seqlen=64)
     model = lm.ByteLM(setup, rngs=nnx.Rngs(4))
-    text = np.frombuffer(b"def add(a, b):\n    return a + b\n", np.uint8).astype(np.int32)
-    s, n0 = setup.max_seqlen, 6
-    buffer = np.zeros(s, np.int32)
-    buffer[:len(text)] = text
+    texts = [np.frombuffer(t, np.uint8).astype(np.int32) for t in (b"def add(a, b):\n    return a + b\n",
+                                                                    b"import os\nprint(os.sep)\n")]
+    s, n0, steps, page_size = setup.max_seqlen, np.array([6, 11]), 12, 8
     graphdef, state = nnx.split(model)
-    full = jax.jit(lambda state, b: nnx.merge(graphdef, state)(b, np.array([0, len(text)], np.int32),
-                                                                np.arange(s, dtype=np.int32)))(state, buffer)
-    prompt = np.where(np.arange(s) < n0, buffer, 0)  # nothing past the prompt is visible to the prefill
-    logits, keys, values = jax.jit(lambda state, b: lm.prefill(nnx.merge(graphdef, state), b, n0))(state, prompt)
-    np.testing.assert_allclose(logits, full[n0 - 1], rtol=1e-4, atol=1e-4)
-    decode = jax.jit(lambda state, token, n, k, v: lm.decode(nnx.merge(graphdef, state), token, n, k, v))
-    for n in range(n0, len(text)):
-        logits, keys, values = decode(state, jnp.int32(text[n]), jnp.int32(n), keys, values)
-        np.testing.assert_allclose(jax.nn.softmax(logits), jax.nn.softmax(full[n]), rtol=1e-4, atol=1e-6,
-                                   err_msg=f"position {n}")
-    cached, cached_s = lm.generate(model, setup, b"import ", 20, seed=3)
-    forward, forward_s = lm.generate(model, setup, b"import ", 20, seed=3, cached=False)
-    assert cached == forward and len(cached) == 27 and cached.startswith(b"import ") and cached_s > 0
+    forward = jax.jit(lambda state, tokens, n: nnx.merge(graphdef, state)(
+        tokens, jnp.stack([jnp.zeros((), jnp.int32), n]), jnp.arange(s, dtype=jnp.int32)))
+    full = [forward(state, np.pad(t, (0, s - len(t))), len(t)) for t in texts]
+    table = lm.page_table_for(n0 + steps, page_size)
+    assert table.tolist() == [[0, 2, 4], [1, 3, 5]]
+    caches = lm.empty_caches(model, 6, page_size)
+    tokens = np.concatenate([t[:n] for t, n in zip(texts, n0)])
+    cu = np.array([0, n0[0], n0.sum()], np.int32)
+    logits, caches = jax.jit(lambda state, tokens, cu, caches: lm.prefill(nnx.merge(graphdef, state), tokens, cu,
+                                                                          int(n0.max()), caches, table))(
+        state, tokens, cu, caches)
+    decode = jax.jit(lambda state, tokens, lengths, caches: lm.decode(nnx.merge(graphdef, state), tokens, lengths,
+                                                                      caches, table))
+    for i in range(steps + 1):
+        for b in range(2):
+            np.testing.assert_allclose(jax.nn.softmax(logits[b]), jax.nn.softmax(full[b][n0[b] + i - 1]),
+                                       rtol=1e-4, atol=1e-6, err_msg=f"prompt {b}, position {n0[b] + i - 1}")
+        if i < steps:
+            lengths = (n0 + i).astype(np.int32)
+            logits, caches = decode(state, np.array([t[n] for t, n in zip(texts, lengths)], np.int32), lengths, caches)
+
+
+def test_cache_path_generates_the_full_forward_bytes():
+    # Greedy (and sampled, with the same keys), batched prompts of different lengths: the paged-cache path and a
+    # full forward per byte write the same bytes.
+    setup = _setup(capacity=256, max_seqlen=64)
+    model = lm.ByteLM(setup, rngs=nnx.Rngs(4))
+    prompts = [b"import ", b"def add(a, b):\n", b"x"]
+    cached, cached_s = lm.generate(model, setup, prompts, 12, seed=3, temperature=0, page_size=8)
+    forward, forward_s = lm.generate(model, setup, prompts, 12, seed=3, temperature=0, cached=False)
+    assert cached == forward and cached_s > 0 and forward_s > 0
+    assert [len(c) for c in cached] == [len(p) + 12 for p in prompts] and all(
+        c.startswith(p) for c, p in zip(cached, prompts))
+    assert lm.generate(model, setup, prompts, 12, seed=3)[0] == lm.generate(model, setup, prompts, 12, seed=3,
+                                                                             cached=False)[0]
     # Longer than the buffer: the prompt keeps its last max_seqlen - 1 bytes and the sample fills the rest.
-    assert len(lm.generate(model, setup, b"x" * 100, 20, seed=3)[0]) == s
+    assert [len(t) for t in lm.generate(model, setup, [b"x" * 100, b"y"], 20, seed=3)[0]] == [64, 2]
+    assert lm.sample_prompts(b"first", [b"0123456789" * 9, b"abc"], 4) == [b"first", b"01234567", b"abc",
+                                                                          b"0123456789" * 2 + b"0123"]
 
 
 def test_profile_prints_where_the_step_goes(capsys):
@@ -296,23 +320,26 @@ def test_bad_flags_exit_with_the_flag_named(capsys):
     with pytest.raises(SystemExit):
         lm.parse_args(["--compare-systems", "packed,padded"])
     assert "--compare-systems: choose from packed, padded-cudnn, padded-xla" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        lm.parse_args(["--sample-prompts", "0"])
+    assert "--sample-prompts must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_generation_report_survives_a_failing_cache_call(monkeypatch, capsys):
-    # On a GPU the cache's one-row attention call might be refused where it runs: the report says so, runs the
-    # xla path instead, and the full-forward figure and everything after still print.
+    # On a GPU the cache's attention call might be refused where it runs: the report says so, runs the xla path
+    # instead, and the full-forward figure and everything after still print.
     calls = []
 
-    def fake_generate(model, setup, prompt, length, seed, temperature=0.7, cached=True, implementation=None):
+    def fake_generate(model, setup, prompts, length, seed, temperature=0.7, cached=True, implementation=None):
         calls.append((cached, implementation))
         if cached and implementation is None:
             raise NotImplementedError("cuDNN cannot serve this call\nsecond line")
-        return prompt + b"x" * length, 0.5 if cached else 2.0
+        return [p + b"x" * length for p in prompts], 0.5 if cached else 2.0
 
     monkeypatch.setattr(lm.generation, "generate", fake_generate)
-    lm.sample_and_time(None, _setup(), b"import ", 10, 0)
+    lm.sample_and_time(None, _setup(), [b"import ", b"def "], 10, 0)
     out = capsys.readouterr().out
     assert calls == [(True, None), (True, "xla"), (False, None)]
-    assert ("generation, 10 bytes: KV cache (ragged attention, bottom-right, seqused_kv) (the default implementation "
-            "failed: NotImplementedError: cuDNN cannot serve this call; xla instead) 20 bytes/s; full forward over "
-            "[128] per byte 5 bytes/s (4.0x slower); the same bytes") in out, out
+    assert ("generation, 2 prompts x 10 bytes: paged KV cache (ragged_attention_with_kvcache, pages of 64 rows) "
+            "(the default implementation failed: NotImplementedError: cuDNN cannot serve this call; xla instead) "
+            "40 bytes/s; full forward over [2, 128] per byte 10 bytes/s (4.0x slower); the same bytes") in out, out

@@ -5,7 +5,7 @@
     training.py    the jitted step over flat parameters, the training loop, the held-out evaluation
     profiling.py   Timing (one method for every figure printed) and --profile's step breakdown
     compare.py     the side-by-side: packed against padded (jax.nn.dot_product_attention)
-    generation.py  sampling through a KV cache, timed against a full forward per byte
+    generation.py  batched prompts through a paged KV cache, timed against a full forward per byte
     cli.py         the flags, the presets and main()
 
 Every name is re-exported here, so `from jax_ragged_attn.tools import lm; lm.ByteLM` keeps working.
@@ -29,5 +29,6 @@ from jax_ragged_attn.tools.lm.profiling import (Timing, matmul_parameters, profi
                                                 time_calls)
 from jax_ragged_attn.tools.lm.compare import (SYSTEMS, XLA_SCORES_LIMIT_BYTES, SystemResult,  # noqa: F401
                                               measure_system, side_by_side, system_batches, system_unavailable)
-from jax_ragged_attn.tools.lm.generation import decode, generate, prefill, sample_and_time  # noqa: F401
+from jax_ragged_attn.tools.lm.generation import (PAGE_SIZE, decode, empty_caches, generate,  # noqa: F401
+                                                 page_table_for, prefill, sample_and_time, sample_prompts)
 from jax_ragged_attn.tools.lm.cli import PRESETS, attention_implementation, main, parse_args, plot_losses  # noqa: F401

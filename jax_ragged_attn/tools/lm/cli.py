@@ -18,8 +18,9 @@ product (no gather, whose backward is a scatter).
 
 Reports: the attention implementation (cuDNN on a GPU, the xla path elsewhere), the fill rate of packing
 against padding, a progress bar with loss and useful (non-padding) tokens/s, held-out bits per byte against
-the uniform (8) and byte-frequency baselines, a loss plot, a generated sample (ragged attention over a KV
-cache, timed against a full forward per byte). Exits 1 if held-out bits per byte stay above
+the uniform (8) and byte-frequency baselines, a loss plot, samples from --sample-prompts prompts at once
+(ragged_attention_with_kvcache over a paged KV cache, timed against a full forward per byte; the first
+sample printed). Exits 1 if held-out bits per byte stay above
 --max-bits-per-byte. --profile prints where a step's device time goes. The side-by-side (default on a GPU,
 --compare-steps elsewhere) trains the same model from the same initialisation on the same batches, packed
 and padded to [rows, max_seqlen] through `jax.nn.dot_product_attention` (cuDNN, XLA), every system timed the
@@ -45,7 +46,7 @@ from flax import nnx
 from jax_ragged_attn import cudnn_unavailable_reason
 from jax_ragged_attn.tools.lm.compare import SYSTEMS, side_by_side
 from jax_ragged_attn.tools.lm.corpus import stdlib_files
-from jax_ragged_attn.tools.lm.generation import sample_and_time
+from jax_ragged_attn.tools.lm.generation import sample_and_time, sample_prompts
 from jax_ragged_attn.tools.lm.model import ByteLM, Setup
 from jax_ragged_attn.tools.lm.profiling import Timing, profile
 from jax_ragged_attn.tools.lm.training import evaluate, train, unigram_bits_per_byte
@@ -111,8 +112,12 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Setup]:
     parser.add_argument("--compare-warmup", type=int, default=2, help="side-by-side and --profile: warm-up steps")
     parser.add_argument("--compare-systems", default=",".join(SYSTEMS),
                         help=f"comma-separated of {', '.join(SYSTEMS)}")
-    parser.add_argument("--sample-bytes", type=int, default=200, help="bytes to generate after training (0: none)")
-    parser.add_argument("--prompt", default="import os\n\n\ndef ", help="the sample's prompt")
+    parser.add_argument("--sample-bytes", type=int, default=200,
+                        help="bytes to generate per prompt after training (0: none)")
+    parser.add_argument("--prompt", default="import os\n\n\ndef ", help="the printed sample's prompt")
+    parser.add_argument("--sample-prompts", type=int, default=None,
+                        help="prompts generated from at once through the paged KV cache: --prompt, then the "
+                             "openings of held-out files (default 16 where cuDNN runs, else 4)")
     parser.add_argument("--plot", default="lm_loss.png", help="where to write the loss curve ('' for none)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
@@ -130,6 +135,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Setup]:
                      f"must be a multiple of --kv-heads ({setup.kv_heads})")
     if setup.max_seqlen > setup.capacity:
         parser.error(f"--max-seqlen ({setup.max_seqlen}) must be <= --capacity ({setup.capacity})")
+    if args.sample_prompts is None:
+        args.sample_prompts = 16 if cudnn_unavailable_reason() is None else 4
+    if args.sample_prompts < 1:
+        parser.error(f"--sample-prompts must be >= 1, got {args.sample_prompts}")
     if args.compare_steps is None:
         args.compare_steps = 10 if cudnn_unavailable_reason() is None else 0
     if args.compare_steps < 0 or args.compare_repeats < 1 or args.compare_warmup < 0:
@@ -175,7 +184,8 @@ def main(argv=None) -> int:
     if args.plot and plot_losses(result["losses"], held["bits_per_byte"], args.plot):
         print(f"loss curve: {args.plot}")
     if args.sample_bytes > 0:
-        sample_and_time(model, setup, args.prompt.encode(), args.sample_bytes, args.seed)
+        prompts = sample_prompts(args.prompt.encode(), held_out_files, args.sample_prompts)
+        sample_and_time(model, setup, prompts, args.sample_bytes, args.seed)
     if args.compare_steps > 0:
         side_by_side(setup, train_files, args.seed, timing, args.compare_systems,
                      label=f" ({args.preset} preset)")

@@ -1,4 +1,12 @@
-"""Generation after training: ragged attention over a KV cache, timed against a full forward per byte."""
+"""Generation after training: batched prompts through a paged KV cache, timed against a full forward per byte.
+
+The cache path: the prompts, of different lengths, are packed into one buffer and run once through the model
+(ragged attention over cu_seqlens, as in training), each layer's keys and values appended to a paged cache
+([num_pages, PAGE_SIZE, Hkv, D] and a page table) with `kvcache_append`; then one byte per prompt per step,
+its attention `ragged_attention_with_kvcache` over the cache. The comparison: the packed model over every
+prompt's whole [max_seqlen] buffer for every byte. Both loops run on the device (lax.fori_loop) and sample
+with the same keys, so they produce the same bytes unless rounding tips a draw.
+"""
 
 from __future__ import annotations
 
@@ -10,127 +18,182 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_ragged_attn import ragged_attention
+from jax_ragged_attn.inputs.kvcache import kvcache_append, ragged_attention_with_kvcache
 from jax_ragged_attn.tools.lm.model import ByteLM, Setup, split_heads
 
-def prefill(model: ByteLM, tokens, n):
-    """tokens [S] with the first n real -> (logits [256] of row n - 1, k, v [layers, S, Hkv, D]): the prompt's
-    forward, keeping every layer's rotated keys and values as the cache (rows >= n are never read)."""
-    s = tokens.shape[0]
-    cu = jnp.stack([jnp.zeros((), jnp.int32), jnp.asarray(n, jnp.int32)])
-    positions = jnp.arange(s, dtype=jnp.int32)
-    keys, values = [], []
+PAGE_SIZE = 64  # cache rows per page
+
+
+def page_table_for(capacities, page_size: int = PAGE_SIZE) -> np.ndarray:
+    """int32 [B, max_pages] for sequences needing `capacities` rows: pages handed out as the sequences grow
+    (page j of every sequence before page j + 1 of any), so a sequence's pages are not adjacent; -1 past a
+    sequence's last page. capacities [100, 40, 130], page_size 64 -> [[0, 3, -1], [1, -1, -1], [2, 4, 5]]."""
+    pages = [-(-int(c) // page_size) for c in capacities]
+    table = np.full((len(pages), max(pages)), -1, np.int32)
+    next_page = 0
+    for j in range(max(pages)):
+        for b, n in enumerate(pages):
+            if j < n:
+                table[b, j], next_page = next_page, next_page + 1
+    return table
+
+
+def empty_caches(model: ByteLM, num_pages: int, page_size: int = PAGE_SIZE) -> tuple:
+    """((k, v) per layer), each [num_pages, page_size, Hkv, D] of zeros in the model's dtype."""
+    caches = []
+    for block in model.blocks:
+        shape = (num_pages, page_size, block.attention.num_kv_heads, block.attention.head_dim)
+        caches.append((jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)))
+    return tuple(caches)
+
+
+def prefill(model: ByteLM, tokens, cu_seqlens, max_seqlen: int, caches: tuple, page_table):
+    """The prompts packed in tokens [T] (prompt b = tokens[cu_seqlens[b]:cu_seqlens[b + 1]]) -> (logits [B, 256]
+    of each prompt's last byte, the caches with rows 0 .. len_b - 1 of sequence b written). One forward of the
+    packed prompts, attention by the module's own ragged op; every layer's rotated keys and values go to the
+    cache by kvcache_append, from [B, max_seqlen] gathered rows (rows past a prompt repeat its last one: they
+    lie past cache_seqlens, are never read, and the sample overwrites them)."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    batch = lengths.shape[0]
+    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32) - jnp.repeat(
+        cu_seqlens[:-1], lengths, total_repeat_length=tokens.shape[0])
+    rows = cu_seqlens[:-1, None] + jnp.minimum(jnp.arange(max_seqlen)[None, :], lengths[:, None] - 1)  # [B, S]
+    layers = iter(caches)
+    written = []
 
     def attend(attention, x):
         qkv, q, kv = attention.project(x, positions)
         _, k, v = split_heads(qkv, q, kv)
-        keys.append(k)
-        values.append(v)
-        return attention.project_out(attention.attend(qkv, q, kv, cu, max_seqlen=s))
+        written.append(kvcache_append(*next(layers), k[rows], v[rows], jnp.zeros(batch, jnp.int32),
+                                      page_table=page_table))
+        return attention.project_out(attention.attend(qkv, q, kv, cu_seqlens, max_seqlen=max_seqlen))
     logits = model.forward(tokens, attend)
-    return logits[n - 1], jnp.stack(keys), jnp.stack(values)
+    return logits[cu_seqlens[1:] - 1], tuple(written)
 
 
-def decode(model: ByteLM, token, n, keys, values, implementation=None):
-    """The byte at position n (its predecessors cached in keys/values [layers, S, Hkv, D]) -> (logits [256]
-    of the byte after it, the caches with row n written). Attention: one query row against the cache slot,
-    ragged_attention(is_causal=True, diagonal_alignment='bottom_right', seqused_kv=[n + 1])."""
-    s = keys.shape[1]
-    position = jnp.reshape(jnp.asarray(n, jnp.int32), (1,))
-    cu_q = jnp.array([0, 1], jnp.int32)
-    cu_kv = jnp.array([0, s], jnp.int32)
-    layer = iter(range(keys.shape[0]))
-    new_keys, new_values = [], []
+def decode(model: ByteLM, tokens, lengths, caches: tuple, page_table, implementation=None):
+    """One byte per sequence, tokens [B] at positions lengths [B] (the rows each sequence's cache holds) ->
+    (logits [B, 256] of the byte after each, the caches with that row appended). Attention: the one query of
+    each sequence against its cache, ragged_attention_with_kvcache(cache_seqlens=lengths + 1)."""
+    layers = iter(caches)
+    written = []
 
-    def attend(attention, x):
-        i = next(layer)
-        q, k, v = split_heads(*attention.project(x, position))
-        k_cache = jax.lax.dynamic_update_slice(keys[i], k.astype(keys.dtype), (position[0], 0, 0))
-        v_cache = jax.lax.dynamic_update_slice(values[i], v.astype(values.dtype), (position[0], 0, 0))
-        new_keys.append(k_cache)
-        new_values.append(v_cache)
-        out = ragged_attention(q, k_cache, v_cache, cu_q, cu_kv, max_seqlen_q=1, max_seqlen_kv=s, is_causal=True,
-                               diagonal_alignment="bottom_right", seqused_kv=position + 1, scale=attention.scale,
-                               implementation=implementation or attention.implementation)
+    def attend(attention, x):  # x [B, 1, d]
+        q, k, v = split_heads(*attention.project(x, lengths[:, None]))
+        k_cache, v_cache = kvcache_append(*next(layers), k, v, lengths, page_table=page_table)
+        written.append((k_cache, v_cache))
+        out = ragged_attention_with_kvcache(q, k_cache, v_cache, lengths + 1, page_table=page_table,
+                                            scale=attention.scale, implementation=implementation)
         return attention.project_out(out)
-    logits = model.forward(jnp.reshape(token, (1,)), attend)
-    return logits[0], jnp.stack(new_keys), jnp.stack(new_values)
+    logits = model.forward(tokens[:, None], attend)
+    return logits[:, 0], tuple(written)
 
 
 def _sample(logits, key, i, temperature):
+    """[B, 256] -> [B] bytes: a draw at `temperature`, the same keys for both paths; 0 takes the argmax."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return jax.random.categorical(jax.random.fold_in(key, i), logits / temperature).astype(jnp.int32)
 
 
-def _generate_cached(graphdef, state, buffer, key, *, n0, length, temperature, implementation):
+def _generate_cached(graphdef, state, buffer, key, *, prompts, length, temperature, implementation, page_size):
     model = nnx.merge(graphdef, state)
-    logits, keys, values = prefill(model, buffer, n0)
+    n0 = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    tokens = jnp.asarray(np.concatenate([np.frombuffer(p, np.uint8) for p in prompts]).astype(np.int32))
+    cu = jnp.asarray(np.cumsum([0] + [len(p) for p in prompts]), jnp.int32)
+    table = page_table_for([len(p) + length for p in prompts], page_size)
+    caches = empty_caches(model, int(table.max()) + 1, page_size)
+    page_table = jnp.asarray(table)
+    logits, caches = prefill(model, tokens, cu, max(map(len, prompts)), caches, page_table)
+    rows = jnp.arange(buffer.shape[0])
 
     def body(i, carry):
-        buffer, logits, keys, values = carry
+        buffer, logits, caches = carry
         token = _sample(logits, key, i, temperature)
-        buffer = buffer.at[n0 + i].set(token)
-        logits, keys, values = decode(model, token, n0 + i, keys, values, implementation)
-        return buffer, logits, keys, values
-    return jax.lax.fori_loop(0, length, body, (buffer, logits, keys, values))[0]
+        buffer = buffer.at[rows, n0 + i].set(token)
+        logits, caches = decode(model, token, n0 + i, caches, page_table, implementation)
+        return buffer, logits, caches
+    return jax.lax.fori_loop(0, length, body, (buffer, logits, caches))[0]
 
 
-def _generate_full(graphdef, state, buffer, key, *, n0, length, temperature, implementation):
-    del implementation
+def _generate_full(graphdef, state, buffer, key, *, prompts, length, temperature, implementation, page_size):
+    del implementation, page_size
     model = nnx.merge(graphdef, state)
-    positions = jnp.arange(buffer.shape[0], dtype=jnp.int32)
+    batch, s = buffer.shape
+    n0 = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    cu = jnp.arange(batch + 1, dtype=jnp.int32) * s  # each prompt's whole row one sequence: causal, so the
+    positions = jnp.tile(jnp.arange(s, dtype=jnp.int32), batch)  # bytes after n never reach row n - 1
+    rows = jnp.arange(batch)
 
     def body(i, buffer):
         n = n0 + i
-        logits = model(buffer, jnp.stack([jnp.zeros((), jnp.int32), n]), positions)[n - 1]
-        return buffer.at[n].set(_sample(logits, key, i, temperature))
+        logits = model(buffer.reshape(-1), cu, positions).reshape(batch, s, -1)[rows, n - 1]
+        return buffer.at[rows, n].set(_sample(logits, key, i, temperature))
     return jax.lax.fori_loop(0, length, body, buffer)
 
 
-def generate(model: ByteLM, setup: Setup, prompt: bytes, length: int, seed: int, temperature: float = 0.7,
-             cached: bool = True, implementation: str | None = None) -> tuple[bytes, float]:
-    """(prompt + up to `length` sampled bytes, seconds the generation took once compiled). The whole loop
-    runs on the device (lax.fori_loop, jax.random sampling with the same keys either way): cached=True
-    prefills the prompt once, then one `decode` per byte; cached=False runs the packed model over the whole
-    [max_seqlen] buffer for every byte. The prompt and the bytes fit in max_seqlen (length is cut to fit)."""
-    s = setup.max_seqlen
-    prompt = prompt[-(s - 1):] or b"\n"
-    length = max(0, min(length, s - len(prompt)))
-    buffer = np.zeros(s, np.int32)
-    buffer[:len(prompt)] = np.frombuffer(prompt, np.uint8)
+def sample_prompts(first: bytes, files: list[bytes], count: int) -> list[bytes]:
+    """`first`, then the opening 8, 16, .., 48 bytes of files in turn (held out: text the model never saw):
+    `count` prompts of different lengths."""
+    return [first] + [files[i % len(files)][:8 * (1 + i % 6)] for i in range(count - 1)]
+
+
+def fit_prompts(prompts, length: int, max_seqlen: int) -> tuple[list[bytes], int]:
+    """(prompts, length) cut to fit [max_seqlen] rows: each prompt keeps its last max_seqlen - 1 bytes (an empty
+    one becomes b"\\n"), length drops to what the longest prompt leaves."""
+    prompts = [p[-(max_seqlen - 1):] or b"\n" for p in prompts]
+    return prompts, max(0, min(length, max_seqlen - max(map(len, prompts))))
+
+
+def generate(model: ByteLM, setup: Setup, prompts: list[bytes], length: int, seed: int, temperature: float = 0.7,
+             cached: bool = True, implementation: str | None = None,
+             page_size: int = PAGE_SIZE) -> tuple[list[bytes], float]:
+    """([prompt + up to `length` sampled bytes] per prompt, seconds the generation took once compiled).
+    cached=True: the packed prompts prefilled once into a paged cache, then one `decode` per byte for every
+    prompt at once; cached=False: the packed model over every [max_seqlen] row for every byte. temperature 0
+    is greedy. The prompts and the bytes fit in max_seqlen (see fit_prompts)."""
+    prompts, length = fit_prompts(prompts, length, setup.max_seqlen)
+    buffer = np.zeros((len(prompts), setup.max_seqlen), np.int32)
+    for b, p in enumerate(prompts):
+        buffer[b, :len(p)] = np.frombuffer(p, np.uint8)
     graphdef, state = nnx.split(model)
     fn = _generate_cached if cached else _generate_full
-    run = jax.jit(functools.partial(fn, graphdef, n0=len(prompt), length=length, temperature=temperature,
-                                    implementation=implementation))
+    run = jax.jit(functools.partial(fn, graphdef, prompts=tuple(prompts), length=length, temperature=temperature,
+                                    implementation=implementation, page_size=page_size))
     key = jax.random.key(seed)
     compiled = run.lower(state, buffer, key).compile()
     start = time.perf_counter()
     out = np.asarray(jax.block_until_ready(compiled(state, buffer, key)))
-    return bytes(out[:len(prompt) + length].astype(np.uint8)), time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    return [bytes(row[:len(p) + length].astype(np.uint8)) for row, p in zip(out, prompts)], seconds
 
 
-def sample_and_time(model: ByteLM, setup: Setup, prompt: bytes, length: int, seed: int) -> None:
-    """Prints the cached sample and bytes/s cached vs a full forward per byte (a failure is printed, not
-    raised: the reports after it still run)."""
+def sample_and_time(model: ByteLM, setup: Setup, prompts: list[bytes], length: int, seed: int) -> None:
+    """Prints the first prompt's cached sample and bytes/s over every prompt, the paged cache against a full
+    forward per byte (a failure is printed, not raised: the reports after it still run)."""
     def attempt(**options):
         try:
-            return generate(model, setup, prompt, length, seed, **options), None
+            return generate(model, setup, prompts, length, seed, **options), None
         except Exception as error:  # noqa: BLE001
             return (None, None), f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
-    (text, cached_s), error = attempt()
+    (texts, cached_s), error = attempt()
     note = ""
-    if error:  # the cache's attention call refused where it runs (e.g. cuDNN): say so, run the xla path
+    if error:  # the cache's attention call refused where it runs: say so, run the xla path
         note = f" (the default implementation failed: {error}; xla instead)"
-        (text, cached_s), error = attempt(implementation="xla")
-    (full_text, full_s), full_error = attempt(cached=False)
+        (texts, cached_s), error = attempt(implementation="xla")
+    (full_texts, full_s), full_error = attempt(cached=False)
     rule = "-" * 60
-    if text is not None:
-        print(f"sample (temperature 0.7, KV cache):\n{rule}\n{text.decode('utf-8', errors='replace')}\n{rule}")
-    n = len(text or full_text or b"") - len(prompt[-(setup.max_seqlen - 1):] or b"\n")
-    cached = f"{n / max(cached_s, 1e-9):,.0f} bytes/s" if text is not None else f"failed ({error})"
-    full = f"{n / max(full_s, 1e-9):,.0f} bytes/s" if full_text is not None else f"failed ({full_error})"
+    if texts is not None:
+        print(f"sample (temperature 0.7, paged KV cache):\n{rule}\n{texts[0].decode('utf-8', errors='replace')}\n"
+              f"{rule}")
+    fitted, n = fit_prompts(prompts, length, setup.max_seqlen)
+    total = n * len(fitted)
+    cached = f"{total / max(cached_s, 1e-9):,.0f} bytes/s" if texts is not None else f"failed ({error})"
+    full = f"{total / max(full_s, 1e-9):,.0f} bytes/s" if full_texts is not None else f"failed ({full_error})"
     tail = ""
-    if text is not None and full_text is not None:
-        same = "the same bytes" if full_text == text else "different bytes (rounding tipped a draw)"
+    if texts is not None and full_texts is not None:
+        same = "the same bytes" if full_texts == texts else "different bytes (rounding tipped a draw)"
         tail = f" ({full_s / max(cached_s, 1e-9):.1f}x slower); {same}"
-    print(f"generation, {n} bytes: KV cache (ragged attention, bottom-right, seqused_kv){note} {cached}; full "
-          f"forward over [{setup.max_seqlen}] per byte {full}{tail}")
+    print(f"generation, {len(fitted)} prompts x {n} bytes: paged KV cache (ragged_attention_with_kvcache, pages of "
+          f"{PAGE_SIZE} rows){note} {cached}; full forward over [{len(fitted)}, {setup.max_seqlen}] per byte "
+          f"{full}{tail}")
