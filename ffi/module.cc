@@ -148,7 +148,6 @@ NB_MODULE(_ext, m) {
     nb::dict d;
     d[kForwardTarget] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnForward));
     d[kBackwardTarget] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnBackward));
-    d[kZeroRowsTarget] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnZeroRows));
     return d;
   });
   m.def("targets", []() {
@@ -157,7 +156,11 @@ NB_MODULE(_ext, m) {
     d["backward"] = kBackwardTarget;
     return d;
   });
-  m.def("zero_rows_target", []() { return kZeroRowsTarget; });
+  // The attention handlers are the two above; the zero-rows utility (zero_rows.h), which other backends use
+  // on their buffers, is registered on its own.
+  m.def("zero_rows_registration", []() {
+    return nb::make_tuple(kZeroRowsTarget, nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnZeroRows)));
+  });
   m.def("config_fields", []() {
     nb::list fields;
     for (const ConfigField& field : kConfigFields) fields.append(nb::make_tuple(field.name, field.type));

@@ -32,9 +32,9 @@ def _target(device: int) -> str | None:
     if extension.cudnn_unavailable_reason() is not None:  # also registers the extension's targets
         return None
     ext = extension.module()
-    if not hasattr(ext, "zero_rows_target") or ext.prepare_row_zeroing(device) != "":
+    if not hasattr(ext, "zero_rows_registration") or ext.prepare_row_zeroing(device) != "":
         return None
-    return ext.zero_rows_target()
+    return ext.zero_rows_registration()[0]
 
 
 def _kernel_target(buffers) -> str | None:

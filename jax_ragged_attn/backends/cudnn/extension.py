@@ -80,6 +80,8 @@ def _initialize() -> str | None:
         return f"no CUDA device: JAX's backend is {jax.default_backend()!r}"
     for name, capsule in ext.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    if hasattr(ext, "zero_rows_registration"):  # the row utility other backends use (backends/row_zeroing.py)
+        jax.ffi.register_ffi_target(*ext.zero_rows_registration(), platform="CUDA")
     try:
         ext.load_cudnn(_wheel_cudnn_path())
     except RuntimeError as error:

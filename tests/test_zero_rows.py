@@ -1,0 +1,65 @@
+"""backends/row_zeroing.zero_unused_rows: the rows no sequence uses set to 0, every other row untouched.
+
+On a GPU the extension's zero-rows handler does it in place (ffi/zero_rows.cc), also where XLA does not
+honour the alias (vmap's sequential loop) and on jit arguments (XLA copies first, the caller's array keeps
+its values); elsewhere a jnp.where does it. Both are checked bit for bit against NumPy on NaN-filled
+buffers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ragged_attn.backends import row_zeroing
+
+CU = np.array([0, 3, 3, 8, 10], np.int32)  # T = 13: rows 10..12 are capacity padding
+LENGTHS = np.array([2, 0, 5, 1], np.int32)  # row 2 is past sequence 0's used end, row 9 past sequence 3's
+GATE = np.array([1, 1, 0, 1], np.int32)  # sequence 2 owns no row
+
+
+def _expected(x, gate=None):
+    owned = np.zeros(x.shape[0], bool)
+    for b in range(len(LENGTHS)):
+        if gate is None or gate[b] > 0:
+            owned[CU[b]:CU[b] + LENGTHS[b]] = True
+    return np.where(owned.reshape((-1,) + (1,) * (x.ndim - 1)), np.asarray(x), 0)
+
+
+def _buffers():
+    key = jax.random.key(0)
+    a = jax.random.normal(key, (13, 4, 8), jnp.bfloat16)
+    b = jnp.full((13, 2, 16), jnp.nan, jnp.float32).at[:, :, :3].set(1.5)
+    return a, b
+
+
+@pytest.mark.parametrize("gate", [None, GATE], ids=["no_gate", "gate"])
+def test_unused_rows_are_zero_and_the_rest_untouched(gate):
+    a, b = _buffers()
+    f = jax.jit(lambda a, b: row_zeroing.zero_unused_rows((a, b), jnp.asarray(CU), jnp.asarray(LENGTHS),
+                                                          None if gate is None else jnp.asarray(gate)))
+    got_a, got_b = f(a, b)
+    np.testing.assert_array_equal(np.asarray(got_a, np.float32), _expected(np.asarray(a, np.float32), gate))
+    np.testing.assert_array_equal(np.asarray(got_b), _expected(np.asarray(b), gate))
+    assert np.isnan(np.asarray(b)[12, 0, 5]), "the caller's array keeps its values"
+
+
+def test_under_vmap():
+    a, _ = _buffers()
+    stacked = jnp.stack([a, 2 * a])
+    got = jax.jit(jax.vmap(lambda x: row_zeroing.zero_unused_rows((x,), jnp.asarray(CU),
+                                                                  jnp.asarray(LENGTHS))[0]))(stacked)
+    for i in range(2):
+        np.testing.assert_array_equal(np.asarray(got[i], np.float32),
+                                      _expected(np.asarray(stacked[i], np.float32)))
+
+
+@pytest.mark.gpu
+def test_the_gpu_uses_the_handler():
+    if jax.default_backend() != "gpu":
+        pytest.skip("the zero-rows handler runs on a CUDA GPU; this backend uses the jnp.where")
+    a, _ = _buffers()
+    text = jax.jit(lambda a: row_zeroing.zero_unused_rows((a,), jnp.asarray(CU), jnp.asarray(LENGTHS))[0]).lower(
+        a).as_text()
+    assert "jax_ragged_attn_zero_rows" in text
