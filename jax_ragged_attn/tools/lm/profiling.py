@@ -168,7 +168,8 @@ def profile(setup: Setup, files, seed: int, timing: Timing, nnx_step: bool = Tru
         print(f"  {name:<62} {seconds * 1e3:9.3f} {count if count else '-':>3} {per_step * 1e3:9.3f} {share:>6}",
               flush=True)
     for name, _, count in parts:
-        emit(name, statistics.median(times[name]), count)
+        if count:
+            emit(name, statistics.median(times[name]), count)
     # The parts that partition the step: not the indented ones (inside a decoder block), not the reference.
     summed = sum(seconds * count for name, seconds, count in rows[1:] if count and not name.startswith("  "))
     rest = step_s - summed
@@ -176,10 +177,15 @@ def profile(setup: Setup, files, seed: int, timing: Timing, nnx_step: bool = Tru
         emit("rest of the step (step - the parts above)", rest, 1)
     else:
         emit("rest of the step: none, the parts alone exceed the step", 0.0, 1)
-        print(f"  the parts timed alone add up to {summed / step_s:.0%} of the step: alone, each reads its inputs "
-              "and writes its outputs and gradients through memory and runs kernels of its own, where the one "
-              "jitted step fuses across their edges; the step's loops ranged "
-              f"{min(step_times) * 1e3:.1f}-{max(step_times) * 1e3:.1f} ms (a wide range: the load changed)")
+        spread = max(step_times) / min(step_times)
+        print(f"  the parts timed alone add up to {summed / step_s:.0%} of the step: alone, each is a call of its "
+              "own (dispatch, launches) that reads its inputs and writes\n  its outputs and gradients through "
+              "memory, where the one jitted step fuses across their edges; the step's loops ranged "
+              f"{min(step_times) * 1e3:.1f}-{max(step_times) * 1e3:.1f} ms"
+              + (" (the load changed while timing)" if spread > 1.2 else ""))
+    for name, _, count in parts:
+        if not count:
+            emit(name, statistics.median(times[name]), count)
 
     seqlens = np.diff(host.cu_seqlens)
     matmuls, attention_flops = step_flops(setup, seqlens[seqlens > 0])
