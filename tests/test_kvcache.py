@@ -40,6 +40,8 @@ CASES = {
     "window_non_causal": dict(seqlen_q=2, is_causal=False, local_window_size=(2, 1)),
     "sinks": dict(seqlen_q=2, sinks=True),
     "scale": dict(seqlen_q=2, scale=0.3),
+    "softcap": dict(seqlen_q=5, softcap=2.0, scale=1.5),  # scores past the cap: tanh bends them
+    "softcap_window_sinks": dict(seqlen_q=2, softcap=1.0, local_window_size=(3, 0), sinks=True),
 }
 
 
@@ -138,7 +140,7 @@ class KVCacheTest(parameterized.TestCase):
     # ---- attention -----------------------------------------------------------------------------------------
 
     @parameterized.named_parameters(
-        [(f"{name}_{'paged' if paged else 'contiguous'}", dict(case, paged=paged))
+        [dict(case, testcase_name=f"{name}_{'paged' if paged else 'contiguous'}", paged=paged)
          for name, case in CASES.items() for paged in (False, True)])
     def test_attention(self, paged, seqlen_q=2, heads=(4, 2), **options):
         self.need(paged)

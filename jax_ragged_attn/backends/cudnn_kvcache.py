@@ -34,7 +34,8 @@ def ragged_config(config: KVCacheConfig) -> AttentionConfig:
         window = (-1 if config.window_left is None else config.window_left,
                   -1 if config.window_right is None else config.window_right)
     options = AttentionOptions(scale=config.scale, is_causal=config.is_causal, diagonal_alignment="bottom_right",
-                               local_window_size=window, stats_layout="head_major", return_stats=True)
+                               local_window_size=window, stats_layout="head_major", return_stats=True,
+                               softcap=config.softcap or None)
     rows_q, rows_kv = config.batch * config.seqlen_q, config.batch * config.capacity
     cu = jax.ShapeDtypeStruct((config.batch + 1,), jnp.int32)
     return make_config(jax.ShapeDtypeStruct((rows_q, config.num_heads_q, config.head_dim_qk), dtype),

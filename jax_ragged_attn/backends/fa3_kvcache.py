@@ -50,6 +50,9 @@ def unsupported_reason(config: KVCacheConfig) -> str | None:
     if config.head_dim_qk != fa3.FA3_HEAD_DIM or config.head_dim_v != fa3.FA3_HEAD_DIM:
         return (f"the {fa3.WHEEL} wheel's kernels are built for head dim {fa3.FA3_HEAD_DIM} only (Dqk = Dv = "
                 f"{fa3.FA3_HEAD_DIM}), got Dqk={config.head_dim_qk}, Dv={config.head_dim_v}")
+    if config.softcap:
+        return (f"the {fa3.WHEEL} wheel's kernels are called with softcap 0 (its binding hard-codes it), got "
+                f"softcap={config.softcap}")
     return fa3.unavailable_reason()
 
 

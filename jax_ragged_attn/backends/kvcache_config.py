@@ -44,6 +44,7 @@ class KVCacheConfig:
     window_left: int | None  # keys at most this far left of the query's position; None: no limit
     window_right: int | None  # at most this far right; None: no limit
     has_sinks: bool = False  # sinks are an epilogue of the op layer: backends never see them
+    softcap: float = 0.0  # scores become softcap * tanh(score / softcap) before the softmax; 0: no cap
 
     @property
     def capacity(self) -> int:

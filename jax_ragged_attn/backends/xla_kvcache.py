@@ -99,7 +99,10 @@ def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
         keep = (present[:, None, :] & (rows[None, None, :] >= first[:, :, None])
                 & (rows[None, None, :] <= last[:, :, None]))  # [B, Sq, C]
         s = jnp.einsum("bqhgd,bchd->bhgqc", q, k, preferred_element_type=jnp.float32, precision=precision)
-        s = jnp.where(keep[:, None, None], s * config.scale, -jnp.inf)
+        s = s * config.scale
+        if config.softcap:  # logit soft-capping before the mask, as ragged_attention does
+            s = config.softcap * jnp.tanh(s / config.softcap)
+        s = jnp.where(keep[:, None, None], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no key yet: exp(-inf - 0) = 0, never NaN
         alpha = jnp.exp(m - m_safe)

@@ -28,7 +28,7 @@ from jax_ragged_attn.index import as_int32
 
 def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=None, scale=None,
                                   is_causal=True, local_window_size=None, sinks=None, return_stats=False,
-                                  stats_layout="head_major", implementation=None, check=None):
+                                  stats_layout="head_major", implementation=None, check=None, softcap=None):
     """Each sequence's newest queries attending to its KV cache (decoding, speculative decoding, chunked
     prefill). Forward only: for inference. jax.grad with respect to q or the caches raises
     NotImplementedError (the sinks' gradient, through the epilogue, works); jit and vmap work.
@@ -62,13 +62,15 @@ def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_ta
         sequence uses (within [0, num_pages)) at run time; a violation raises RaggedAttentionInputError naming
         the argument and the element (under jit XLA wraps it: see checks.input_errors). None reads
         JAX_RAGGED_ATTN_CHECK.
+      softcap: None or 0 (no cap), or a positive float: scores s = scale * q.k become softcap * tanh(s /
+        softcap) before the mask, sinks and softmax (Gemma 2); the stats are those of the capped scores.
 
     Returns:
       out [B, Sq, Hq, Dv] in q's dtype, or (out, stats) with return_stats=True.
     """
     options = AttentionOptions(scale=scale, is_causal=is_causal, local_window_size=local_window_size,
                                stats_layout=stats_layout, return_stats=return_stats, implementation=implementation,
-                               check=check)
+                               check=check, softcap=softcap)
     q, k_cache, v_cache = (jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in (q, k_cache, v_cache))
     cache_seqlens = as_int32(cache_seqlens, "cache_seqlens")
     page_table = None if page_table is None else as_int32(page_table, "page_table")
@@ -216,7 +218,8 @@ def kvcache_config(q, k_cache, v_cache, cache_seqlens, page_table, options: Atte
         head_dim_qk=int(dqk), head_dim_v=int(v_cache.shape[3]), dtype=np.dtype(q.dtype).name, paged=paged,
         page_size=int(page_size), num_pages=int(num_pages), max_pages=int(max_pages),
         scale=1.0 / float(np.sqrt(dqk)) if options.scale is None else options.scale, is_causal=options.is_causal,
-        window_left=window_left, window_right=window_right, has_sinks=sinks is not None)
+        window_left=window_left, window_right=window_right, has_sinks=sinks is not None,
+        softcap=options.softcap or 0.0)
 
 
 def cache_index_problems(lengths: np.ndarray, page_table: np.ndarray | None, config: KVCacheConfig) -> list[str]:

@@ -29,7 +29,8 @@ def _window(local_window_size):
 
 
 def reference_kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, page_table=None, scale=None,
-                                is_causal=True, local_window_size=None, sinks=None) -> dict[str, np.ndarray]:
+                                is_causal=True, local_window_size=None, sinks=None,
+                                softcap=None) -> dict[str, np.ndarray]:
     """{"out": [B, Sq, Hq, Dv], "stats": [B, Hq, Sq] head-major} in float64."""
     q, k_cache, v_cache = (np.asarray(x, np.float64) for x in (q, k_cache, v_cache))
     batch, seqlen_q, heads_q, dim = q.shape
@@ -74,6 +75,8 @@ def reference_kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, page_tabl
                 kk = np.stack([keys[j][h // group] for j in chosen])
                 vv = np.stack([values[j][h // group] for j in chosen])
                 s = kk @ q[b, i, h] * scale
+                if softcap:  # logit soft-capping, before the softmax (the mask chose `chosen` already)
+                    s = softcap * np.tanh(s / softcap)
                 top = s.max() if sink is None else max(s.max(), sink)
                 e = np.exp(s - top)
                 total = e.sum() + (0.0 if sink is None else math.exp(sink - top))
