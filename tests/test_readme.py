@@ -1,17 +1,20 @@
-"""Every ```python block of README.md runs as written on a CPU.
+"""The documentation's code runs as a reader would run it.
 
-Convention: the first ```python block (the Quickstart) is the prelude of every later block, which runs after
-it, as a reader would after the Quickstart; each block runs in its own subprocess on the CPU with 4 host
-devices (JAX_PLATFORMS=cpu, XLA_FLAGS=--xla_force_host_platform_device_count=4, for the sharding examples)
-and a time limit. A ```python block that is not meant to run (a signature, an excerpt) is preceded by the
-line `<!-- not run -->`. Blocks that import flax skip when flax is not installed. Shell commands and
-outputs use other fences and are not run.
+- Every ```python block of README.md runs top to bottom in ONE fresh Python process on the CPU, as if pasted
+  in order into one session: a block that rebinds a name a later block reads, or that needs a setting made
+  before jax is imported, fails here. A failure names the block (its number and line) and shows its traceback.
+- The same for each page under docs/ that has runnable blocks, each page in a process of its own.
+- examples/*.py (the several-device examples, which set XLA's flags before importing jax) run as scripts.
+
+A ```python block that is not meant to run (a signature, an excerpt of an example script) is preceded by a
+line starting `<!-- not run`. Blocks that import flax are left out when flax is not installed. Shell commands
+and outputs use other fences and are not run.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import importlib.util
+import json
 import os
 import pathlib
 import re
@@ -20,10 +23,28 @@ import sys
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-NOT_RUN = "<!-- not run -->"
-# Per block, including the subprocess's jax import and the prelude's compilation.
-TIME_LIMIT_S = 120
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOC_PAGES = sorted((ROOT / "docs").glob("*.md"))
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+NOT_RUN = "<!-- not run"
+# A whole page, including the process's jax import and every block's compilation, on 2 busy cores.
+TIME_LIMIT_S = 400
+
+# Runs the blocks given as JSON on stdin in one namespace, in order; stops at the first failure, naming it.
+DRIVER = r"""
+import json, sys, traceback
+blocks = json.load(sys.stdin)
+namespace = {"__name__": "__main__"}
+for number, (where, code) in enumerate(blocks, 1):
+    try:
+        exec(compile(code, where, "exec"), namespace)
+    except BaseException:
+        traceback.print_exc()
+        print(f"\nblock {number} of {len(blocks)} ({where}) failed; the blocks before it ran", file=sys.stderr)
+        sys.exit(1)
+print(f"{len(blocks)} blocks ran", file=sys.stderr)
+"""
 
 
 def python_blocks(text: str) -> list[tuple[int, str, bool]]:
@@ -32,39 +53,59 @@ def python_blocks(text: str) -> list[tuple[int, str, bool]]:
     for match in re.finditer(r"^```python\n(.*?)^```$", text, flags=re.MULTILINE | re.DOTALL):
         line = text.count("\n", 0, match.start()) + 1
         before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
-        blocks.append((line, match.group(1), before == NOT_RUN))
+        blocks.append((line, match.group(1), before.startswith(NOT_RUN)))
     return blocks
 
 
+def runnable_blocks(path: pathlib.Path) -> list[tuple[str, str]]:
+    """(where, code) of the blocks of `path` that run, in order."""
+    has_flax = importlib.util.find_spec("flax") is not None
+    name = path.relative_to(ROOT)
+    return [(f"{name}:{line}", code) for line, code, skipped in python_blocks(path.read_text())
+            if not skipped and (has_flax or "import flax" not in code and "from flax" not in code)]
+
+
+def _cpu_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["JAX_PLATFORMS"] = "cpu"  # what a reader without a GPU gets; no extra devices: the examples make theirs
+    return env
+
+
 def test_block_extraction_follows_the_convention():
-    text = "x\n```python\na = 1\n```\n<!-- not run -->\n```python\nf(\n```\n```bash\nls\n```\n"
+    text = "x\n```python\na = 1\n```\n<!-- not run: why -->\n```python\nf(\n```\n```bash\nls\n```\n"
     assert python_blocks(text) == [(2, "a = 1\n", False), (6, "f(\n", True)]
 
 
-def _run(code: str, cache: pathlib.Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               # One compilation cache for all blocks: the prelude's compilations are paid once, not per block.
-               JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIME_LIMIT_S,
-                          env=env, cwd=README.parent)
+def test_driver_names_the_failing_block():
+    blocks = [("README.md:3", "q = 1\n"), ("README.md:9", "q = q.shape\n")]
+    result = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(blocks), capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 1
+    assert "block 2 of 2 (README.md:9) failed" in result.stderr, result.stderr
 
 
-def test_readme_python_blocks_run_on_cpu(tmp_path):
-    blocks = python_blocks(README.read_text())
-    assert len(blocks) >= 2, "README.md should hold the Quickstart and more python blocks"
-    (_, prelude, prelude_skipped), rest = blocks[0], blocks[1:]
-    assert not prelude_skipped, "the Quickstart is the prelude of every block: it must run"
-    has_flax = importlib.util.find_spec("flax") is not None
-    runnable = [(line, code) for line, code, skipped in rest
-                if not skipped and (has_flax or "import flax" not in code and "from flax" not in code)]
-    first = _run(prelude, tmp_path)  # alone, so that it fills the compilation cache before the others read it
-    assert first.returncode == 0, f"README.md:{blocks[0][0]} (the Quickstart):\n{first.stderr[-3000:]}"
-    # The longest (sharding: most compilation) first, then two at a time: mostly compilation, one core each.
-    programs = sorted(((line, prelude + "\n" + code) for line, code in runnable),
-                      key=lambda program: "make_mesh" not in program[1])
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda program: _run(program[1], tmp_path), programs))
-    failures = [f"README.md:{line}:\n{result.stderr[-3000:]}"
-                for (line, _), result in zip(programs, results) if result.returncode != 0]
-    assert not failures, "\n\n".join(failures)
+def test_readme_has_a_quickstart_first():
+    text = README.read_text()
+    blocks = python_blocks(text)
+    assert len(blocks) >= 2 and not blocks[0][2], "README.md's first python block is the Quickstart: it must run"
+    headings = re.findall(r"^## (.*)$", text.split("```python", 1)[0], flags=re.MULTILINE)
+    assert headings and headings[-1].startswith("Quickstart"), headings
+    assert text[: text.index("```python")].count("\n") < 40, "the Quickstart belongs on the first screen"
+
+
+@pytest.mark.parametrize("page", [README, *DOC_PAGES], ids=lambda p: str(p.relative_to(ROOT)))
+def test_python_blocks_run_in_order_in_one_process(page):
+    blocks = runnable_blocks(page)
+    if not blocks:
+        pytest.skip(f"{page.relative_to(ROOT)} has no runnable python block")
+    result = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(blocks), capture_output=True,
+                            text=True, timeout=TIME_LIMIT_S, env=_cpu_env(), cwd=ROOT)
+    assert result.returncode == 0, f"{page.relative_to(ROOT)}, run top to bottom in one process:\n" \
+                                   f"{result.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
+def test_example_script_runs(script):
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=TIME_LIMIT_S,
+                            env=_cpu_env(), cwd=ROOT)
+    assert result.returncode == 0, f"python {script.relative_to(ROOT)}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
