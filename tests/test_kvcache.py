@@ -11,6 +11,7 @@ an unused row leaked. Inputs come from a seed derived from the test's id, so a f
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from unittest import mock
@@ -24,7 +25,7 @@ from absl.testing import parameterized
 import jax_ragged_attn
 from jax_ragged_attn import kvcache_append, ragged_attention_with_kvcache
 from jax_ragged_attn.backends import fa3 as _fa3
-from jax_ragged_attn.backends import xla_kvcache
+from jax_ragged_attn.backends import fa3_kvcache, xla_kvcache
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
 from jax_ragged_attn.testing import assert_close
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
@@ -357,6 +358,32 @@ class Fa3KVCacheTest(KVCacheTest):
     head_dim = 128
     page_size = 64
     max_pages = 4
+
+
+def _fa3_stand_in(q, k_cache, v_cache, lengths, page_table, config, window):
+    """FA3's call as fa3_kvcache makes it, computed by the xla path: bottom-right over `lengths` rows with
+    FA3's window (is_causal, left, right), -1 for no bound."""
+    is_causal, left, right = window
+    config = dataclasses.replace(config, is_causal=is_causal, window_left=None if left < 0 else left,
+                                 window_right=None if right < 0 else right)
+    return xla_kvcache.attend(q, k_cache, v_cache, lengths, page_table, config)
+
+
+class Fa3SplitKVCacheTest(KVCacheTest):
+    """fa3_kvcache's head / tail split and merge (FA3 never reads a sequence's last TAIL rows) on any backend:
+    the FA3 call replaced by the xla path with FA3's masks, TAIL small so heads and tails both carry keys."""
+
+    __test__ = True
+    implementation = "fa3"
+
+    def setUp(self):
+        super().setUp()
+        for target, name, value in ((fa3_kvcache, "_fa3_call", _fa3_stand_in), (fa3_kvcache, "TAIL", 7),
+                                    (_fa3, "unavailable_reason", lambda: None),
+                                    (_fa3, "FA3_DTYPES", ("float32",)), (_fa3, "FA3_HEAD_DIM", self.head_dim)):
+            patcher = mock.patch.object(target, name, value)
+            patcher.start()
+            self.addCleanup(patcher.stop)
 
 
 @pytest.mark.skipif(_CUDNN_REASON is not None, reason=f"cuDNN path unavailable: {_CUDNN_REASON}")
