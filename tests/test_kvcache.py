@@ -41,6 +41,8 @@ CASES = {
     "window_non_causal": dict(seqlen_q=2, is_causal=False, local_window_size=(2, 1)),
     "sinks": dict(seqlen_q=2, sinks=True),
     "scale": dict(seqlen_q=2, scale=0.3),
+    "wide_window": dict(seqlen_q=3, local_window_size=(10, 0)),  # reaches past a short tail into the head
+    "chunked_prefill": dict(seqlen_q=9),  # more queries than Fa3SplitKVCacheTest's tail rows
     "softcap": dict(seqlen_q=5, softcap=2.0, scale=1.5),  # scores past the cap: tanh bends them
     "softcap_window_sinks": dict(seqlen_q=2, softcap=1.0, local_window_size=(3, 0), sinks=True),
 }
