@@ -15,6 +15,38 @@ venv=${VENV:-.venv}
 t0=$SECONDS
 say() { printf '==> %s\n' "$*"; }
 took() { printf '    done in %d s\n' $((SECONDS - $1)); }
+# run_shown CMD...: runs CMD with its output in a log and shows its progress as it comes: the compile's steps
+# ([3/9] Building CXX object ...: CMake and ninja, which pip -v streams), and whenever 15 s pass without one, a
+# heartbeat line with the log's latest news (pip's Collecting / Installing, CMake's -- lines). Nothing is
+# minutes of silence. On failure the log's end is printed and the script stops.
+run_shown() {
+  local log pid shown=0 quiet_since=$SECONDS since=$SECONDS line steps
+  log=$(mktemp "${TMPDIR:-/tmp}/jax_ragged_attn_install.XXXXXX")
+  "$@" >"$log" 2>&1 &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 2
+    mapfile -t steps < <(grep -E '^\s*\[[0-9]+/[0-9]+\] ' "$log" | tail -n +$((shown + 1)))
+    for line in "${steps[@]}"; do
+      line=${line#"${line%%[![:space:]]*}"}
+      printf '    %s\n' "${line:0:110}"
+    done
+    if ((${#steps[@]})); then
+      shown=$((shown + ${#steps[@]})) quiet_since=$SECONDS
+    elif ((SECONDS - quiet_since >= 15)); then
+      line=$(grep -E '^\s*(\*\*\*|-- |Collecting|Downloading|Installing|Building|Successfully)' "$log" | tail -n 1 || true)
+      line=${line#"${line%%[![:space:]]*}"}
+      printf '    ... %d s: %s\n' $((SECONDS - since)) "${line:0:90}"
+      quiet_since=$SECONDS
+    fi
+  done
+  if ! wait "$pid"; then
+    tail -n 60 "$log"
+    printf 'failed: %s (the whole log: %s)\n' "$*" "$log" >&2
+    exit 1
+  fi
+  rm -f "$log"
+}
 
 if [ ! -x "$venv/bin/python" ]; then
   say "creating $venv with $(python3 --version)"
@@ -45,14 +77,14 @@ for r in "${build_requires[@]}"; do
     *) tools+=("$r") ;;
   esac
 done
-"$py" -m pip install -q "$jax" "${tools[@]}" cmake ninja
-"$py" -m pip install -q --no-deps "${headers[@]}"
+run_shown "$py" -m pip install "$jax" "${tools[@]}" cmake ninja
+run_shown "$py" -m pip install --no-deps "${headers[@]}"
 took $t
 
 t=$SECONDS
 build_dir="build/env-$(printf %s "$venv_abs" | sha1sum | cut -c1-8)/{wheel_tag}"
 say "building the C++ extension into $build_dir and installing jax_ragged_attn[test,flax,tools] editable"
-say "(a full build takes 2-3 minutes on 2 cores, about 1 minute on 16; a rebuild only recompiles what changed)"
-"$py" -m pip install -q --no-build-isolation -C build-dir="$build_dir" -e '.[test,flax,tools]'
+say "(a full build takes BUILD_TIME on 2 cores; a rebuild only recompiles what changed)"
+run_shown "$py" -m pip install -v --no-build-isolation -C build-dir="$build_dir" -e '.[test,flax,tools]'
 took $t
 say "ready in $((SECONDS - t0)) s: $("$py" -c 'import jax_ragged_attn.backends.cudnn.extension as e; print(e.versions())')"
