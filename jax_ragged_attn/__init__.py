@@ -3,11 +3,16 @@
     out = jax_ragged_attn.ragged_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv,
                                            max_seqlen_q=..., max_seqlen_kv=..., is_causal=True)
 
-The layout, top down: api.py (the entry point: features composed around one backend call), inputs/ (other
-input layouts: packed projections, segment ids, the document packer), parallel/ (several devices), flax.py
-(the Flax block), features/ (checks, sinks, the bottom-right rewrite, overflow counts), backends/ (cuDNN,
-FlashAttention-3, xla, and the registry that picks one), index.py and config.py (what every layer shares),
-testing/ and tools/.
+The layout, in layers that import only downwards (tests/test_layout.py holds it):
+
+    tools/, testing/      the main job, benchmarks, demo, self-check; the float64 reference and test helpers
+    flax.py               the Flax block
+    inputs/               other input layouts: packed projections, segment ids, a KV cache, the document packer
+    parallel/             several devices: heads sharded, context parallelism (all-gather, ring), load balance
+    api.py                ragged_attention: the features composed around one backend call
+    backends/             cuDNN, FlashAttention-3, xla (and their KV-cache forms) behind one registry
+    features/             checks, sinks, the bottom-right rewrite, overflow counts
+    index.py, config.py   the index arithmetic and the static configuration every layer shares
 """
 
 import importlib as _importlib
@@ -25,7 +30,8 @@ if tuple(int(part) for part in _jax.__version__.split(".")[:2]) < (0, 10):
 # Modules that moved when the package took its current layout: the old import paths keep working (the same
 # module object under both names), so code written against them needs no change.
 MOVED = {
-    "_cudnn": "backends.cudnn", "_cudnn.packings": "backends.packings", "_fa3": "backends.fa3", "xla": "backends.xla", "xla_memory": "backends.xla_memory",
+    "_cudnn": "backends.cudnn", "_cudnn.packings": "backends.packings", "_fa3": "backends.fa3", "xla": "backends.xla",
+    "xla_memory": "backends.xla_memory",
     "implementation_tuning": "backends.tuning", "packing": "index", "indices": "index",
     "checks": "features.checks", "sinks": "features.sinks", "overflow": "features.overflow",
     "packed": "inputs.packed", "segments": "inputs.segments", "data": "inputs.data",
