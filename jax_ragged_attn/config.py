@@ -29,8 +29,33 @@ XLA_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 STRATEGIES = ("fastest", "lean_memory")
 
 
+class MaskedConfig:
+    """What a static call configuration with heads, a causal flag and a window derives from them; shared by
+    AttentionConfig and the KV cache's (backends/kvcache_config.py)."""
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads_q // self.num_heads_kv
+
+    @property
+    def left_bound(self) -> int | None:
+        """How far left of the diagonal a key may sit, or None for no limit."""
+        return self.window_left
+
+    @property
+    def right_bound(self) -> int | None:
+        """How far right of the diagonal a key may sit, or None for no limit (causal means 0)."""
+        if self.is_causal:
+            return 0 if self.window_right is None else min(self.window_right, 0)
+        return self.window_right
+
+    def describe(self) -> str:
+        fields = dataclasses.asdict(self)
+        return ", ".join(f"{k}={v}" for k, v in fields.items())
+
+
 @dataclasses.dataclass(frozen=True)
-class AttentionConfig:
+class AttentionConfig(MaskedConfig):
     """Shapes and options of one call; see `ragged_attention` for the meaning of each field."""
 
     num_seqs: int  # B: cu_seqlens has B + 1 entries
@@ -60,25 +85,6 @@ class AttentionConfig:
     # rows and jax.debug_infs stays quiet. Direct callers of the launch keep the documented stats.
     return_stats: bool = True
 
-    @property
-    def group_size(self) -> int:
-        return self.num_heads_q // self.num_heads_kv
-
-    @property
-    def left_bound(self) -> int | None:
-        """How far left of the diagonal a key may sit, or None for no limit."""
-        return self.window_left
-
-    @property
-    def right_bound(self) -> int | None:
-        """How far right of the diagonal a key may sit, or None for no limit (causal means 0)."""
-        if self.is_causal:
-            return 0 if self.window_right is None else min(self.window_right, 0)
-        return self.window_right
-
-    def describe(self) -> str:
-        fields = dataclasses.asdict(self)
-        return ", ".join(f"{k}={v}" for k, v in fields.items())
 
 
 def check_implementation(implementation) -> None:

@@ -23,9 +23,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jax_ragged_attn.config import MaskedConfig
+
 
 @dataclasses.dataclass(frozen=True)
-class KVCacheConfig:
+class KVCacheConfig(MaskedConfig):
     """Shapes and options of one ragged_attention_with_kvcache call (hashable: a nondiff argument)."""
 
     batch: int  # B
@@ -51,22 +53,6 @@ class KVCacheConfig:
         """Rows a sequence can hold: L, or max_pages * page_size."""
         return self.max_pages * self.page_size
 
-    @property
-    def group_size(self) -> int:
-        return self.num_heads_q // self.num_heads_kv
-
-    @property
-    def left_bound(self) -> int | None:
-        return self.window_left
-
-    @property
-    def right_bound(self) -> int | None:
-        if self.is_causal:
-            return 0 if self.window_right is None else min(self.window_right, 0)
-        return self.window_right
-
-    def describe(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
 
 
 def clamped_lengths(cache_seqlens: jax.Array, config: KVCacheConfig) -> jax.Array:
