@@ -97,6 +97,23 @@ def library_lines(on_gpu: bool) -> list[str]:
     return lines
 
 
+def default_choice(q, k, v, cu, max_len: int) -> str:
+    """What implementation=None picks for this batch, and why (backends.choose, as the op asks it)."""
+    from jax_ragged_attn import backends
+    from jax_ragged_attn.backends import policy
+    from jax_ragged_attn.index import RaggedIndex
+
+    config = make_config(q, k, v, cu, cu, AttentionOptions(is_causal=True), max_seqlen_q=max_len,
+                         max_seqlen_kv=max_len)
+    name = backends.choose(None, config, RaggedIndex(cu, cu, same=True)).NAME
+    pinned = policy.pinned()
+    why = (f"pinned by {policy.ENV_VAR}={pinned}" if pinned == name else
+           "the shipped policy prefers FA3 here (backends/policy.py)" if name == "fa3" else
+           "the shipped policy keeps cuDNN here (backends/policy.py)" if name == "cudnn" else
+           "no GPU kernel serves this call here")
+    return f"{name} ({why})"
+
+
 def run(args) -> int:
     on_gpu = extension.cudnn_unavailable_reason() is None
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
@@ -116,6 +133,7 @@ def run(args) -> int:
     kwargs = dict(max_seqlen_q=max_len, max_seqlen_kv=max_len, is_causal=True)
     print(f"batch: {args.num_seqs} sequences of {lengths.min()}..{max_len} tokens ({tokens} in all), "
           f"{args.heads} heads, head dim {args.head_dim}, {args.dtype}, causal")
+    print(f"implementation=None runs: {default_choice(q, k, v, cu, max_len)}")
 
     status = 0
     grads_by_layout = {}
