@@ -70,6 +70,43 @@ def pytest_report_header(config):
     return None
 
 
+# Test tiers. The default run (`pytest`, the README's test command) is the fast tier: every public entry point
+# and every implementation's semantics (test_semantics.py's XlaTest and the stand-in classes), in about 10
+# minutes on 2 cores. The tests below are `slow` (left out by pyproject.toml's addopts; `pytest -m "not soak"`
+# runs everything, `pytest -m slow` only them; .ci/run runs the fast tier, then these). Chosen by measured time
+# (`pytest -n 2 --durations`, 2026-12-03, docs/TESTING.md): multi-device children and several processes, the
+# tools' end-to-end runs, the suites under global JAX settings, and the costliest single tests of files whose
+# other tests cover the same entry point in the fast tier. One list here, so test files need no marks.
+SLOW_FILES = {
+    "test_ring.py",           # 4-device children: the ring against all-gather, masks and meshes
+    "test_multiprocess.py",   # 2 processes under jax.distributed
+    "test_load_balance.py",   # 4-device children: the reorder on sharded arrays for every T = 2n*k
+    "test_sharded_sinks.py",  # 4-device children
+    "test_jax_configs.py",    # every global JAX setting (the semantic suite also runs under strict,x64 in CI)
+    "test_debug_infs.py",     # every call under jax.debug_infs / debug_nans, eager and jitted
+    "test_xla_memory.py",     # children capped at +1 GiB of address space
+    "test_xla_blocks.py",     # 1-5 row tiles of the xla path (its semantics: test_semantics.py's XlaTest, fast)
+    "test_bench.py", "test_sweep.py", "test_demo.py", "test_lm.py",  # the tools end to end
+}
+SLOW_TESTS = (  # node-id prefixes
+    "tests/test_flax.py::test_sharded_parameters_match_unsharded",         # 4 devices; test_sharding.py is fast
+    "tests/test_readme.py::test_example_script_runs",                     # 4 devices; the same calls fast above
+    "tests/test_overflow.py::test_gradient_with_overflow_as_aux",
+    "tests/test_context_parallel.py::test_bench_tool_runs",
+    "tests/test_kvcache.py::test_decode_bench_quick_runs",
+    "tests/test_stats_grad.py::test_dv_past_the_head_dim_limit_raises_naming_it",
+    "tests/test_stats_grad.py::test_split_bottom_right_backward_equals_the_single_call",
+    "tests/test_cudnn_wrapper.py::test_quiet_under_jax_debug_flags_eagerly",  # as test_debug_infs.py
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_FILES or item.nodeid.startswith(SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
+
+
 # A test that runs away (an endless generator, a wait on a collective that never comes) must fail with its
 # name and a traceback, not use up CI's time limit in silence. The longest tests (4-device children) take a
 # couple of minutes on 2 cores (test_readme, test_multiprocess: about 100 s).
