@@ -16,7 +16,6 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from jax_ragged_attn import api
 from jax_ragged_attn.backends import cudnn
 from jax_ragged_attn.backends import xla
 from jax_ragged_attn.backends.cudnn import extension, launch, stats_grad
@@ -81,11 +80,14 @@ def test_draw_case_is_deterministic_json_and_varied(tier):
             assert case["head_dim_v"] + stats_grad.EXTRA_COLUMNS <= cudnn.MAX_HEAD_DIM
 
 
+_ATTENTION_XLA = xla.attention_xla  # the unpatched one: the tests below patch the backend's own name
+
+
 def _broken(change=None, after=None):
     """The xla path with a deliberate bug: `change` edits the static config, `after` edits (out, stats)."""
 
     def attention(q, k, v, cu_q, cu_kv, config, sinks=None, **kwargs):
-        out, stats = xla.attention_xla(q, k, v, cu_q, cu_kv, change(config) if change else config, sinks, **kwargs)
+        out, stats = _ATTENTION_XLA(q, k, v, cu_q, cu_kv, change(config) if change else config, sinks, **kwargs)
         return after(out, stats) if after else (out, stats)
 
     return attention
@@ -111,7 +113,7 @@ def case_passes():
 @pytest.mark.parametrize("bug", BUGS)
 def test_a_wrong_implementation_fails_with_a_repro(monkeypatch, case_passes, bug):
     attention, expected = BUGS[bug]
-    monkeypatch.setattr(api, "attention_xla", attention)
+    monkeypatch.setattr(xla, "attention_xla", attention)
     status, message = sweep.run_case(CASE)
     assert status == "failed", message
     assert expected in message, message
@@ -121,7 +123,7 @@ def test_a_wrong_implementation_fails_with_a_repro(monkeypatch, case_passes, bug
 
 
 def test_repro_reruns_the_printed_case(monkeypatch, capsys, case_passes):
-    monkeypatch.setattr(api, "attention_xla", BUGS["drops_the_scale"][0])
+    monkeypatch.setattr(xla, "attention_xla", BUGS["drops_the_scale"][0])
     argv = shlex.split(sweep.run_case(CASE)[1].split("repro: ")[1])[3:]
     assert sweep.main(argv) == 1
     printed = capsys.readouterr().out
@@ -143,7 +145,7 @@ def test_only_an_unsupported_cudnn_graph_is_a_skip(monkeypatch, message, status)
     def refuse(*args, **kwargs):
         raise NotImplementedError(message)
 
-    monkeypatch.setattr(api, "attention_xla", refuse)
+    monkeypatch.setattr(xla, "attention_xla", refuse)
     got, reason = sweep.run_case(CASE)
     assert got == status
     assert message in reason
