@@ -86,12 +86,6 @@ def num_splits(config: KVCacheConfig) -> int:
     return max(1, min(math.ceil(NUM_SMS / tiles), math.ceil(config.capacity / BLOCK_N), MAX_SPLITS))
 
 
-def _window(config: KVCacheConfig) -> tuple[bool, int, int]:
-    left = -1 if config.left_bound is None else config.left_bound
-    right = -1 if config.right_bound is None else config.right_bound
-    return left < 0 and right == 0, left, right
-
-
 def _fa3_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, window):
     """(out [B, Sq, Hq, D], lse [B, Hq, Sq]) from FA3's forward handler in batch mode over `lengths` rows of
     each sequence, with the mask `window` = (is_causal, left, right) in FA3's terms."""

@@ -40,6 +40,7 @@ whatever the mode: check mode raises, otherwise a `RaggedAttentionInputWarning` 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -369,8 +370,6 @@ def apply_check(check: bool | None, config, index):
     """With check on: guard mode in the config, and an index whose cu_seqlens (and seqused) are validated on
     the host at run time. Off: NumPy cu_seqlens, free to read, warn if they will be clamped or cut.
     Returns (config, index)."""
-    import dataclasses
-
     # One array for q and kv (qkv-packed, segments): checked once, under the name the caller passed.
     same = index.same and (config.capacity_q, config.max_seqlen_q) == (config.capacity_kv, config.max_seqlen_kv)
     name_q = "cu_seqlens" if same and config.packing == "qkv" else "cu_seqlens_q"
