@@ -35,12 +35,7 @@ fe::DataType_t io_data_type(const AttentionConfig& c) {
 }
 
 xla::ffi::Error from_frontend(fe::error_t status, const char* stage, const AttentionConfig& c) {
-  if (status.is_good()) return xla::ffi::Error::Success();
-  const bool unsupported = status.code == fe::error_code_t::GRAPH_NOT_SUPPORTED ||
-                           status.code == fe::error_code_t::GRAPH_EXECUTION_PLAN_CREATION_FAILED;
-  return ErrorStream(unsupported ? xla::ffi::ErrorCode::kUnimplemented : xla::ffi::ErrorCode::kInternal)
-         << "cuDNN " << stage << (unsupported ? " does not support this graph: " : " failed: ") << status.get_message()
-         << " [" << c.describe() << "]";
+  return frontend_status(status, stage, status.is_good() ? std::string() : c.describe());
 }
 
 // Tensors shared by the forward and the backward graph.
@@ -152,34 +147,9 @@ void apply_softcap_bprop(fe::graph::SDPA_backward_attributes& attributes, const 
   });
 }
 
-// Validates the graph and asks cuDNN for candidate plans. Then builds one: the heuristic's first choice, or
-// the candidate config.plan_index names (an autotuned choice). When tuning, builds none: tune_plans builds
-// and times every candidate itself.
 xla::ffi::Error finalize(InspectableGraph& g, cudnnHandle_t handle, const AttentionConfig& c, bool tuning,
                          CachedGraph* out) {
-  FFI_RETURN_IF_ERROR(from_frontend(g.validate(), "validate", c));
-  FFI_RETURN_IF_ERROR(from_frontend(g.build_operation_graph(handle), "build_operation_graph", c));
-  FFI_RETURN_IF_ERROR(
-      from_frontend(g.create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}), "create_plans", c));
-  FFI_RETURN_IF_ERROR(from_frontend(g.check_support(handle), "check_support", c));
-  if (tuning) return xla::ffi::Error::Success();
-  int64_t workspace = 0;
-  if (c.plan_index >= 0) {
-    FFI_CHECK(c.plan_index < g.get_execution_plan_count())
-        << "plan_index " << c.plan_index << " is out of range: cuDNN offers " << g.get_execution_plan_count()
-        << " plans for this graph (a stale autotuning cache?) [" << c.describe() << "]";
-    FFI_RETURN_IF_ERROR(from_frontend(g.build_plan_at_index(c.plan_index), "build_plan_at_index", c));
-    FFI_RETURN_IF_ERROR(
-        from_frontend(g.get_workspace_size_plan_at_index(c.plan_index, workspace), "get_workspace_size", c));
-    if (g.get_plan_name_at_index(c.plan_index, out->plan_name).is_bad()) out->plan_name = "?";
-  } else {
-    FFI_RETURN_IF_ERROR(from_frontend(g.build_plans(handle), "build_plans", c));
-    FFI_RETURN_IF_ERROR(from_frontend(g.get_workspace_size(workspace), "get_workspace_size", c));
-    if (g.get_plan_name(out->plan_name).is_bad()) out->plan_name = "?";
-  }
-  out->workspace_bytes = workspace;
-  out->plan_index = c.plan_index;
-  return xla::ffi::Error::Success();
+  return finalize_graph(g, handle, c.plan_index, c.describe(), tuning, out);
 }
 
 xla::ffi::Error build_forward(cudnnHandle_t handle, const AttentionConfig& c, bool tuning, CachedGraph* out) {
@@ -191,11 +161,7 @@ xla::ffi::Error build_forward(cudnnHandle_t handle, const AttentionConfig& c, bo
 
   fe::graph::SDPA_attributes attributes;
   attributes.set_name("ragged_sdpa_forward").set_generate_stats(true).set_attn_scale(c.scale);
-  if (c.softcap > 0) {
-    apply_softcap_and_masking(attributes, c, in, std::make_shared<Softcap>());
-  } else {
-    apply_masking(attributes, c, in);
-  }
+  apply_forward_masks(attributes, c, in.seq_len_q, in.seq_len_kv);
   auto [o, stats] = g->sdpa(in.q, in.k, in.v, attributes);
   mark_output(o, TensorUid::kO, o_layout(c), in.offset_o, io_data_type(c));
   mark_output(stats, TensorUid::kStats, stats_layout(c), in.offset_stats, fe::DataType_t::FLOAT);
@@ -278,6 +244,61 @@ xla::ffi::Error build_backward_checked(int device, cudnnHandle_t handle, const A
 }
 
 }  // namespace
+
+xla::ffi::Error frontend_status(fe::error_t status, const char* stage, const std::string& description) {
+  if (status.is_good()) return xla::ffi::Error::Success();
+  const bool unsupported = status.code == fe::error_code_t::GRAPH_NOT_SUPPORTED ||
+                           status.code == fe::error_code_t::GRAPH_EXECUTION_PLAN_CREATION_FAILED;
+  return ErrorStream(unsupported ? xla::ffi::ErrorCode::kUnimplemented : xla::ffi::ErrorCode::kInternal)
+         << "cuDNN " << stage << (unsupported ? " does not support this graph: " : " failed: ") << status.get_message()
+         << " [" << description << "]";
+}
+
+// Validates the graph and asks cuDNN for candidate plans. Then builds one: the heuristic's first choice, or
+// the candidate config.plan_index names (an autotuned choice). When tuning, builds none: tune_plans builds
+// and times every candidate itself.
+xla::ffi::Error finalize_graph(InspectableGraph& g, cudnnHandle_t handle, int64_t plan_index,
+                               const std::string& description, bool tuning, CachedGraph* out) {
+  const auto from_frontend = [&description](fe::error_t status, const char* stage) {
+    return frontend_status(status, stage, description);
+  };
+  FFI_RETURN_IF_ERROR(from_frontend(g.validate(), "validate"));
+  FFI_RETURN_IF_ERROR(from_frontend(g.build_operation_graph(handle), "build_operation_graph"));
+  FFI_RETURN_IF_ERROR(
+      from_frontend(g.create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}), "create_plans"));
+  FFI_RETURN_IF_ERROR(from_frontend(g.check_support(handle), "check_support"));
+  if (tuning) return xla::ffi::Error::Success();
+  int64_t workspace = 0;
+  if (plan_index >= 0) {
+    FFI_CHECK(plan_index < g.get_execution_plan_count())
+        << "plan_index " << plan_index << " is out of range: cuDNN offers " << g.get_execution_plan_count()
+        << " plans for this graph (a stale autotuning cache?) [" << description << "]";
+    FFI_RETURN_IF_ERROR(from_frontend(g.build_plan_at_index(plan_index), "build_plan_at_index"));
+    FFI_RETURN_IF_ERROR(
+        from_frontend(g.get_workspace_size_plan_at_index(plan_index, workspace), "get_workspace_size"));
+    if (g.get_plan_name_at_index(plan_index, out->plan_name).is_bad()) out->plan_name = "?";
+  } else {
+    FFI_RETURN_IF_ERROR(from_frontend(g.build_plans(handle), "build_plans"));
+    FFI_RETURN_IF_ERROR(from_frontend(g.get_workspace_size(workspace), "get_workspace_size"));
+    if (g.get_plan_name(out->plan_name).is_bad()) out->plan_name = "?";
+  }
+  out->workspace_bytes = workspace;
+  out->plan_index = plan_index;
+  return xla::ffi::Error::Success();
+}
+
+// Exported for the paged graph (paged_graph.cc): the same masks as the training forward's.
+void apply_forward_masks(fe::graph::SDPA_attributes& attributes, const AttentionConfig& c, TensorPtr seq_len_q,
+                         TensorPtr seq_len_kv) {
+  GraphInputs in;
+  in.seq_len_q = std::move(seq_len_q);
+  in.seq_len_kv = std::move(seq_len_kv);
+  if (c.softcap > 0) {
+    apply_softcap_and_masking(attributes, c, in, std::make_shared<Softcap>());
+  } else {
+    apply_masking(attributes, c, in);
+  }
+}
 
 xla::ffi::Error check_packing(const AttentionConfig& c) {
   if (const char* violation = packing_violation(c)) {

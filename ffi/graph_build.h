@@ -67,6 +67,23 @@ xla::ffi::Error check_packing(const AttentionConfig& config);
 xla::ffi::Error build_graph(int device, cudnnHandle_t handle, Direction direction, const AttentionConfig& config,
                             bool tuning, CachedGraph* out);
 
+// What other graphs share with these (paged_graph.cc builds one):
+// A frontend status as an FFI error: kUnimplemented where cuDNN does not support the graph, kInternal for
+// other failures, the message ending in `description` (the configuration).
+xla::ffi::Error frontend_status(cudnn_frontend::error_t status, const char* stage, const std::string& description);
+
+// Validates `graph`, creates its candidate plans and builds one: the heuristic's first (plan_index -1) or
+// the candidate plan_index names; with `tuning`, none. Fills out's workspace size, plan index and name.
+xla::ffi::Error finalize_graph(InspectableGraph& graph, cudnnHandle_t handle, int64_t plan_index,
+                               const std::string& description, bool tuning, CachedGraph* out);
+
+// The masks of the forward graph: the padding mask from the per-sequence lengths, the diagonal band of
+// config.bottom_right, left_bound and right_bound, and with config.softcap > 0 the capping score modifier,
+// which then applies those masks itself (max_seqlen_q and max_seqlen_kv bound its band).
+void apply_forward_masks(cudnn_frontend::graph::SDPA_attributes& attributes, const AttentionConfig& config,
+                         std::shared_ptr<cudnn_frontend::graph::Tensor_attributes> seq_len_q,
+                         std::shared_ptr<cudnn_frontend::graph::Tensor_attributes> seq_len_kv);
+
 // Test-only (documented in the README): skip the full-extent fallback so a short region is used as built.
 void set_full_extent_fallback_enabled(bool enabled);
 

@@ -141,6 +141,16 @@ xla::ffi::Error backward_graph(int device, const AttentionConfig& config, std::s
   return cached_graph(device, Direction::kBackward, config, out, in_handler);
 }
 
+xla::ffi::Error with_cudnn_handle(int device, const std::function<xla::ffi::Error(cudnnHandle_t)>& fn) {
+  DeviceState* state = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    FFI_RETURN_IF_ERROR(device_state(device, &state));
+  }
+  std::lock_guard<std::mutex> lock(state->execute_mutex);
+  return fn(state->handle);
+}
+
 xla::ffi::Error execute_graph(int device, const CachedGraph& graph, cudaStream_t stream,
                               std::unordered_map<int64_t, void*>& variant_pack, void* workspace) {
   DeviceState* state = nullptr;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <unordered_map>
 #include <vector>
@@ -21,6 +22,10 @@ xla::ffi::Error forward_graph(int device, const AttentionConfig& config, std::sh
                               bool in_handler = true);
 xla::ffi::Error backward_graph(int device, const AttentionConfig& config, std::shared_ptr<const CachedGraph>* out,
                                bool in_handler = true);
+
+// Runs fn with the device's cuDNN handle (created on first use) while holding the lock that serialises every
+// build and launch on that handle: graphs this cache does not hold (paged_graph.cc) are built with it.
+xla::ffi::Error with_cudnn_handle(int device, const std::function<xla::ffi::Error(cudnnHandle_t)>& fn);
 
 // Runs `graph` on `stream`; the variant pack maps TensorUid values to device pointers.
 xla::ffi::Error execute_graph(int device, const CachedGraph& graph, cudaStream_t stream,

@@ -12,6 +12,9 @@
 #include "cudnn_library.h"
 #include "graph_cache.h"
 #include "handlers.h"
+#include "paged_config.h"
+#include "paged_graph.h"
+#include "paged_handler.h"
 #include "row_zeroing.h"
 #include "zero_rows.h"
 #include "sizing.h"
@@ -25,6 +28,7 @@ namespace {
 constexpr const char* kForwardTarget = "jax_ragged_attn_forward";
 constexpr const char* kBackwardTarget = "jax_ragged_attn_backward";
 constexpr const char* kZeroRowsTarget = "jax_ragged_attn_zero_rows";
+constexpr const char* kPagedTarget = "jax_ragged_attn_paged_forward";
 
 template <typename T>
 T get(const nb::dict& d, const char* name) {
@@ -57,6 +61,24 @@ nb::dict config_to_dict(const AttentionConfig& c) {
   JAX_RAGGED_ATTN_CONFIG_FIELDS(JAX_RAGGED_ATTN_FIELD_TO_DICT)
 #undef JAX_RAGGED_ATTN_FIELD_TO_DICT
   return d;
+}
+
+// The paged forward's configuration (paged_config.h) from the same names as its FFI attributes; like
+// config_from_dict, every field is required and no other key is accepted.
+PagedConfig paged_config_from_dict(const nb::dict& d) {
+  std::set<std::string> known;
+  for (const ConfigField& field : kPagedConfigFields) known.insert(field.name);
+  std::string unknown;
+  for (auto [key, value] : d) {
+    const std::string name = nb::cast<std::string>(key);
+    if (!known.count(name)) unknown += (unknown.empty() ? "" : ", ") + name;
+  }
+  if (!unknown.empty()) throw nb::value_error(("unknown paged configuration field(s): " + unknown).c_str());
+  PagedConfig c;
+#define JAX_RAGGED_ATTN_PAGED_FROM_DICT(type, name, label) c.name = get<type>(d, #name);
+  JAX_RAGGED_ATTN_PAGED_FIELDS(JAX_RAGGED_ATTN_PAGED_FROM_DICT)
+#undef JAX_RAGGED_ATTN_PAGED_FROM_DICT
+  return c;
 }
 
 const char* error_kind(const xla::ffi::Error& e) {
@@ -97,6 +119,22 @@ nb::dict graph_info(const std::string& direction, int device, const nb::dict& co
     info["expected_intermediate_bytes"] = graph->expected_intermediate_bytes;
     info["fell_back"] = graph->fell_back;
     info["plan_index"] = graph->plan_index;
+    info["plan_name"] = graph->plan_name;
+  }
+  return info;
+}
+
+// The paged forward's graph for `config` on `device`, built or found; errors come back as data like graph_info's.
+nb::dict paged_graph_info(int device, const nb::dict& config) {
+  const PagedConfig c = paged_config_from_dict(config);
+  xla::ffi::Error status = set_current_device(device);
+  std::shared_ptr<const CachedGraph> graph;
+  if (status.success()) status = paged_graph(device, c, &graph);
+  nb::dict info;
+  info["status"] = error_kind(status);
+  info["message"] = status.message();
+  if (graph) {
+    info["workspace_bytes"] = graph->workspace_bytes;
     info["plan_name"] = graph->plan_name;
   }
   return info;
@@ -161,6 +199,19 @@ NB_MODULE(_ext, m) {
   m.def("zero_rows_registration", []() {
     return nb::make_tuple(kZeroRowsTarget, nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnZeroRows)));
   });
+  // cuDNN's paged SDPA forward for the KV-cache op (paged_handler.h), a handler of its own, registered like the
+  // zero-rows utility.
+  m.def("paged_registration", []() {
+    return nb::make_tuple(kPagedTarget, nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnPagedForward)));
+  });
+  m.def("paged_config_fields", []() {
+    nb::list fields;
+    for (const ConfigField& field : kPagedConfigFields) fields.append(nb::make_tuple(field.name, field.type));
+    return fields;
+  }, "The paged configuration's fields in order, as (name, attribute type: \"int64\" or \"float32\").");
+  m.def("paged_config_problem", [](const nb::dict& config) { return paged_config_problem(paged_config_from_dict(config)); },
+        nb::arg("config"), "Why the paged configuration is invalid, or \"\" (raises on a missing or unknown field).");
+  m.def("paged_graph_info", &paged_graph_info, nb::arg("device"), nb::arg("config"));
   m.def("config_fields", []() {
     nb::list fields;
     for (const ConfigField& field : kConfigFields) fields.append(nb::make_tuple(field.name, field.type));

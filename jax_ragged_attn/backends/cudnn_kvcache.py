@@ -1,29 +1,54 @@
-"""implementation="cudnn" for ragged_attention_with_kvcache: the ragged cuDNN kernel over a contiguous cache.
+"""implementation="cudnn" for ragged_attention_with_kvcache: cuDNN's paged SDPA forward, or the ragged kernel.
 
-A contiguous cache [B, L, Hkv, D] is a packed buffer [B * L, Hkv, D] of fixed-size slots: cu_seqlens_kv =
-b * L, seqused_kv = cache_seqlens, and the queries [B, Sq, Hq, D] are [B * Sq, Hq, D] with cu_seqlens_q = b * Sq.
-A bottom-right mask puts query i of sequence b on diagonal i + cache_seqlens[b] - Sq, the op's query
-position. Both reshapes are free (no copy); the rows past cache_seqlens are never read (seqused).
+Two routes, both forward only:
+
+- "paged": cuDNN's paged SDPA (page tables, cuDNN >= 9.5) through its own handler (backends/cudnn/paged.py,
+  ffi/paged_graph.h). Every paged cache goes this way; a contiguous cache [B, L, Hkv, D] can too, as one page
+  of L rows per sequence. Page-table entries outside [0, num_pages) are replaced by page 0 before cuDNN sees
+  them (never an address outside the cache; the result of a sequence that uses such an entry is then
+  unspecified, as on the fa3 path: check=True names the entry).
+- "ragged": the ragged training kernel over a contiguous cache flattened into a packed buffer [B * L, Hkv, D]
+  of fixed-size slots: cu_seqlens_kv = b * L, seqused_kv = cache_seqlens, and the queries [B, Sq, Hq, D] are
+  [B * Sq, Hq, D] with cu_seqlens_q = b * Sq. A bottom-right mask puts query i of sequence b on diagonal
+  i + cache_seqlens[b] - Sq, the op's query position. Both reshapes are free (no copy).
 
     B = 2, Sq = 1, L = 4, cache_seqlens [3, 1] -> cu_seqlens_q [0, 1, 2], cu_seqlens_kv [0, 4, 8], seqused_kv [3, 1]
 
-This is the training kernel with one query row per sequence: the issue measured it at a fifth of the H200's
-bandwidth, and the ragged offsets' 2**31 bound (B * L * Hq * D) declines large caches. Paged caches are
-declined: cuDNN's paged SDPA (page tables, cuDNN >= 9.5) through the extension is future work.
+A contiguous cache takes the ragged route where that serves it (the training kernel with Sq query rows per
+sequence: the issue measured it at a fifth of the H200's bandwidth, and no measurement of the paged graph
+exists yet) and the paged one where it declines (e.g. the ragged offsets' int32 bound). ROUTE_ENV pins either,
+for the decode benchmark's comparison (tools/bench/decode.py) and the tests.
+
+In both, the rows of a sequence past cache_seqlens are masked by cuDNN's padding mask (seq_len_kv). Whether a
+kernel that loads whole key tiles multiplies a NaN in such a row by its zero probability (0 * NaN, which FA3
+does: fa3_kvcache.py) is what tests/test_kvcache_cudnn.py checks on a GPU with NaN-poisoned rows and pages.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn.backends import cudnn
+from jax_ragged_attn.backends.cudnn import extension, paged
 from jax_ragged_attn.backends.kvcache_config import KVCacheConfig
 from jax_ragged_attn.config import AttentionConfig, AttentionOptions, make_config
 from jax_ragged_attn.index import RaggedIndex
 
 NAME = "cudnn"
+ROUTE_ENV = "JAX_RAGGED_ATTN_CUDNN_KVCACHE_ROUTE"
+ROUTES = ("auto", "paged", "ragged")
+
+
+def pinned_route() -> str:
+    """ROUTE_ENV's value, read at trace time: "auto" (the default), "paged" or "ragged" (contiguous caches)."""
+    value = os.environ.get(ROUTE_ENV, "auto")
+    if value not in ROUTES:
+        raise ValueError(f"{ROUTE_ENV} must be one of {ROUTES}, got {value!r}")
+    return value
 
 
 def ragged_config(config: KVCacheConfig) -> AttentionConfig:
@@ -44,14 +69,38 @@ def ragged_config(config: KVCacheConfig) -> AttentionConfig:
                        cu, cu, options, max_seqlen_q=config.seqlen_q, max_seqlen_kv=config.capacity)
 
 
+def route(config: KVCacheConfig) -> str:
+    """"paged" or "ragged": how this call runs (see the module docstring)."""
+    pin = pinned_route()
+    if config.paged or pin == "paged":
+        return "paged"
+    if pin == "ragged":
+        return "ragged"
+    return "ragged" if cudnn.unsupported_reason(ragged_config(config)) is None else "paged"
+
+
 def unsupported_reason(config: KVCacheConfig) -> str | None:
-    if config.paged:
-        return ("the cuDNN path serves contiguous caches only: cuDNN's paged SDPA (page tables, cuDNN >= 9.5) "
-                "is not wired through the extension yet (future work); use implementation='fa3' or 'xla'")
-    return cudnn.unsupported_reason(ragged_config(config))
+    reason = extension.cudnn_unavailable_reason() or paged.static_reason(config)
+    if reason is not None:
+        return reason
+    if route(config) == "ragged":
+        return cudnn.unsupported_reason(ragged_config(config))
+    reason = paged.unsupported_reason(config)
+    if reason is not None and not config.paged and pinned_route() == "auto":
+        ragged = cudnn.unsupported_reason(ragged_config(config))
+        return f"neither cuDNN route serves this contiguous cache: the ragged kernel ({ragged}) nor the paged graph " \
+               f"({reason})"
+    return reason
 
 
 def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
+    """(out [B, Sq, Hq, Dv], lse [B, Hq, Sq]) from the route `route` picks."""
+    if route(config) == "paged":
+        return paged.attend(q, k_cache, v_cache, lengths, page_table, config)
+    return _ragged_attend(q, k_cache, v_cache, lengths, config)
+
+
+def _ragged_attend(q, k_cache, v_cache, lengths, config: KVCacheConfig):
     """(out [B, Sq, Hq, Dv], lse [B, Hq, Sq]) from the ragged cuDNN kernel over the flattened cache."""
     batch, seqlen_q, capacity = config.batch, config.seqlen_q, config.capacity
     ragged = ragged_config(config)

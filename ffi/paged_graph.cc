@@ -1,0 +1,163 @@
+#include "paged_graph.h"
+
+#include <algorithm>
+#include <climits>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <utility>
+#include <vector>
+
+#include "check.h"
+#include "cudnn_library.h"
+#include "graph_cache.h"
+
+namespace jax_ragged_attn {
+namespace {
+
+namespace fe = cudnn_frontend;
+using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
+
+int64_t uid(PagedUid u) { return static_cast<int64_t>(u); }
+
+fe::DataType_t io_data_type(const PagedConfig& c) {
+  return c.dtype == static_cast<int64_t>(DType::kFloat16) ? fe::DataType_t::HALF : fe::DataType_t::BFLOAT16;
+}
+
+TensorPtr input(fe::graph::Graph& g, PagedUid id, const char* name, std::vector<int64_t> dim,
+                std::vector<int64_t> stride, fe::DataType_t type) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_uid(uid(id))
+                      .set_dim(std::move(dim))
+                      .set_stride(std::move(stride))
+                      .set_data_type(type));
+}
+
+void mark_output(const TensorPtr& t, PagedUid id, std::vector<int64_t> dim, std::vector<int64_t> stride,
+                 fe::DataType_t type) {
+  t->set_output(true).set_uid(uid(id)).set_dim(std::move(dim)).set_stride(std::move(stride)).set_data_type(type);
+}
+
+// The fields apply_forward_masks reads, from the paged configuration: always bottom-right (a query's position
+// counts from the end of its sequence's keys), the band's extent bounded by Sq and the cache's capacity.
+AttentionConfig mask_config(const PagedConfig& c) {
+  AttentionConfig m;
+  m.num_seqs = c.num_seqs;
+  m.max_seqlen_q = c.seqlen_q;
+  m.max_seqlen_kv = c.max_seq_len_kv();
+  m.softcap = c.softcap;
+  m.bottom_right = 1;
+  m.left_bound = c.left_bound;
+  m.right_bound = c.right_bound;
+  return m;
+}
+
+xla::ffi::Error build_paged(cudnnHandle_t handle, const PagedConfig& c, CachedGraph* out) {
+  auto g = std::make_shared<InspectableGraph>();
+  const fe::DataType_t io = io_data_type(c);
+  g->set_io_data_type(io).set_intermediate_data_type(fe::DataType_t::FLOAT).set_compute_data_type(fe::DataType_t::FLOAT);
+  const int64_t b = c.num_seqs, s = c.seqlen_q, hq = c.num_heads_q, hkv = c.num_heads_kv;
+  const int64_t dqk = c.head_dim_qk, dv = c.head_dim_v, pages = c.num_pages, rows = c.page_size;
+
+  // Row-major [B, Sq, Hq, D] and [pages, page_size, Hkv, D] arrays, seen as cuDNN's (b, h, s, d).
+  auto q = input(*g, PagedUid::kQ, "q", {b, hq, s, dqk}, {s * hq * dqk, dqk, hq * dqk, 1}, io);
+  auto k = input(*g, PagedUid::kK, "k_cache", {pages, hkv, rows, dqk}, {rows * hkv * dqk, dqk, hkv * dqk, 1}, io);
+  auto v = input(*g, PagedUid::kV, "v_cache", {pages, hkv, rows, dv}, {rows * hkv * dv, dv, hkv * dv, 1}, io);
+  auto table = input(*g, PagedUid::kPageTable, "page_table", {b, 1, c.max_pages, 1},
+                     {c.max_pages, c.max_pages, 1, 1}, fe::DataType_t::INT32);
+  auto seq_len_q = input(*g, PagedUid::kSeqLenQ, "seq_len_q", {b, 1, 1, 1}, {1, 1, 1, 1}, fe::DataType_t::INT32);
+  auto seq_len_kv = input(*g, PagedUid::kSeqLenKV, "seq_len_kv", {b, 1, 1, 1}, {1, 1, 1, 1}, fe::DataType_t::INT32);
+
+  fe::graph::SDPA_attributes attributes;
+  attributes.set_name("paged_sdpa_forward")
+      .set_generate_stats(true)
+      .set_attn_scale(c.scale)
+      .set_paged_attention_k_table(table)
+      .set_paged_attention_v_table(table)
+      // Set, not inferred from the table: the frontend warns when it has to guess (and paged_config_problem
+      // keeps the product within int).
+      .set_paged_attention_max_seq_len_kv(static_cast<int>(c.max_seq_len_kv()));
+  apply_forward_masks(attributes, mask_config(c), seq_len_q, seq_len_kv);
+  auto [o, stats] = g->sdpa(q, k, v, attributes);
+  mark_output(o, PagedUid::kO, {b, hq, s, dv}, {s * hq * dv, dv, hq * dv, 1}, io);
+  mark_output(stats, PagedUid::kStats, {b, hq, s, 1}, {hq * s, s, 1, 1}, fe::DataType_t::FLOAT);
+
+  FFI_RETURN_IF_ERROR(finalize_graph(*g, handle, /*plan_index=*/-1, c.describe(), /*tuning=*/false, out));
+  out->graph = std::move(g);
+  return xla::ffi::Error::Success();
+}
+
+// A small least-recently-used cache of its own (a server's batch sizes and table widths vary, so it is bounded
+// like graph_cache.cc's); the cuDNN handle is graph_cache.cc's, borrowed through with_cudnn_handle. Lock order:
+// this mutex, then the handle's (never the other way round).
+constexpr size_t kCapacity = 64;
+
+struct Entry {
+  std::shared_ptr<const CachedGraph> graph;
+  uint64_t last_used = 0;
+};
+
+std::mutex paged_mutex;
+std::map<std::pair<int, PagedConfig>, Entry> paged_graphs;
+uint64_t clock_ticks = 0;
+
+void evict_least_recent() {
+  auto oldest = paged_graphs.begin();
+  for (auto it = paged_graphs.begin(); it != paged_graphs.end(); ++it) {
+    if (it->second.last_used < oldest->second.last_used) oldest = it;
+  }
+  paged_graphs.erase(oldest);
+}
+
+}  // namespace
+
+std::string paged_config_problem(const PagedConfig& c) {
+  std::ostringstream s;
+  if (std::min({c.num_seqs, c.seqlen_q, c.num_heads_q, c.num_heads_kv, c.head_dim_qk, c.head_dim_v, c.num_pages,
+                c.page_size, c.max_pages}) < 1) {
+    s << "every size must be >= 1";
+  } else if (c.num_heads_q % c.num_heads_kv != 0) {
+    s << "Hq must be a multiple of Hkv";
+  } else if (c.dtype != static_cast<int64_t>(DType::kBFloat16) && c.dtype != static_cast<int64_t>(DType::kFloat16)) {
+    s << "dtype must be 0 (bfloat16) or 1 (float16)";
+  } else if (c.left_bound < -1 || c.right_bound < -1) {
+    s << "left_bound and right_bound must be -1 (unbounded) or >= 0";
+  } else if (c.max_pages > INT_MAX / c.page_size) {
+    s << "max_pages * page_size must fit cuDNN's int max_seq_len_kv";
+  } else {
+    return "";
+  }
+  s << " [" << c.describe() << "]";
+  return s.str();
+}
+
+xla::ffi::Error paged_graph(int device, const PagedConfig& c, std::shared_ptr<const CachedGraph>* out) {
+  const std::string problem = paged_config_problem(c);
+  FFI_CHECK(problem.empty()) << problem;
+  FFI_CHECK(cudnn_loaded()) << "cuDNN is not loaded; import jax_ragged_attn on a CUDA backend first";
+  std::lock_guard<std::mutex> lock(paged_mutex);
+  const auto key = std::make_pair(device, c);
+  auto it = paged_graphs.find(key);
+  if (it != paged_graphs.end()) {
+    it->second.last_used = ++clock_ticks;
+    *out = it->second.graph;
+    return xla::ffi::Error::Success();
+  }
+  RelaxedStreamCapture relaxed;
+  auto built = std::make_shared<CachedGraph>();
+  FFI_RETURN_IF_ERROR(with_cudnn_handle(device, [&](cudnnHandle_t handle) -> xla::ffi::Error {
+    try {
+      return build_paged(handle, c, built.get());
+    } catch (const std::exception& e) {
+      return ErrorStream(xla::ffi::ErrorCode::kInternal) << "building the paged cuDNN graph threw: " << e.what()
+                                                         << " [" << c.describe() << "]";
+    }
+  }));
+  if (paged_graphs.size() >= kCapacity) evict_least_recent();
+  paged_graphs[key] = {built, ++clock_ticks};
+  *out = std::move(built);
+  return xla::ffi::Error::Success();
+}
+
+}  // namespace jax_ragged_attn

@@ -1,0 +1,49 @@
+// cuDNN's paged SDPA forward for a KV cache (decoding): dense queries against K/V caches read through a page
+// table, built once per (device, PagedConfig) and cached. The training graphs' masks, finalisation and cuDNN
+// handle are shared (graph_build.h, graph_cache.h); only the tensors differ:
+//
+//   q        [B, Sq, Hq, Dqk]                  as cuDNN's (b, h, s, d): strides [Sq*Hq*Dqk, Dqk, Hq*Dqk, 1]
+//   k_cache  [num_pages, page_size, Hkv, Dqk]  a container of pages (b = page): strides of that array
+//   v_cache  [num_pages, page_size, Hkv, Dv]
+//   table    int32 [B, max_pages]              cuDNN's [B, 1, max_pages, 1], one table for K and V
+//   seq_len_q, seq_len_kv  int32 [B]           the padding mask; bottom-right: query i of sequence b sits at
+//                                              seq_len_kv[b] - seq_len_q[b] + i
+//   o        [B, Sq, Hq, Dv]                   like q
+//   stats    float32 [B, Hq, Sq]               natural-log log-sum-exp
+//
+// A contiguous cache [B, L, Hkv, D] is the container with one page per sequence (num_pages = B, page_size = L,
+// table[b] = b). cuDNN reads every table entry of a sequence's first ceil(seq_len_kv / page_size) pages: the
+// caller keeps them inside [0, num_pages) (Python's safe_page_table).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "graph_build.h"
+#include "paged_config.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ragged_attn {
+
+// Tensor UIDs of the paged graph's variant pack.
+enum class PagedUid : int64_t {
+  kQ = 1,
+  kK,
+  kV,
+  kO,
+  kStats,
+  kPageTable,
+  kSeqLenQ,
+  kSeqLenKV,
+};
+
+// Why `config` describes no valid call ("" when it does): sizes below 1, Hq not a multiple of Hkv, an
+// unknown dtype, bounds below -1, a capacity past cuDNN's int32 max_seq_len_kv.
+std::string paged_config_problem(const PagedConfig& config);
+
+// The cached graph for `config` on `device`, built first on a miss (with the thread in relaxed stream-capture
+// mode, as graph_cache.cc builds in a handler). Not-supported configurations come back as kUnimplemented.
+xla::ffi::Error paged_graph(int device, const PagedConfig& config, std::shared_ptr<const CachedGraph>* out);
+
+}  // namespace jax_ragged_attn

@@ -1,0 +1,121 @@
+// The handler of cuDNN's paged SDPA forward (paged_graph.h), separate from the training handlers: it checks
+// every buffer against the configuration, fetches the cached graph and launches it. Like those it allocates
+// and synchronises nothing: the workspace is an ordinary XLA result whose size Python asked for at trace
+// time (paged_graph_info), so it is safe inside XLA's command buffers.
+//
+//   args:       q [B, Sq, Hq, Dqk], k_cache [num_pages, page_size, Hkv, Dqk], v_cache [num_pages, page_size,
+//               Hkv, Dv] (bfloat16 or float16, all alike), page_table int32 [B, max_pages] (every entry a
+//               sequence uses inside [0, num_pages)), seq_len_q int32 [B] (<= Sq), seq_len_kv int32 [B]
+//               (<= max_pages * page_size)
+//   results:    o [B, Sq, Hq, Dv], stats float32 [B, Hq, Sq], workspace uint8
+//   attributes: the PagedConfig fields (paged_config.h), by name
+//
+// cuDNN writes the rows of each sequence's first seq_len_q queries that have keys; the others are left as
+// they were (Python masks them).
+#include "paged_handler.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "check.h"
+#include "graph_cache.h"
+#include "paged_graph.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+#define JAX_RAGGED_ATTN_PAGED_MEMBER(type, name, label) , ::xla::ffi::StructMember<type>(#name)
+// Expands the field list into the macro's argument list before the macro splits it at the commas.
+#define JAX_RAGGED_ATTN_REGISTER_PAGED(...) XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(__VA_ARGS__)
+JAX_RAGGED_ATTN_REGISTER_PAGED(jax_ragged_attn::PagedConfig
+                                   JAX_RAGGED_ATTN_PAGED_FIELDS(JAX_RAGGED_ATTN_PAGED_MEMBER));
+#undef JAX_RAGGED_ATTN_REGISTER_PAGED
+#undef JAX_RAGGED_ATTN_PAGED_MEMBER
+
+namespace jax_ragged_attn {
+namespace {
+
+std::string shape_string(const std::vector<int64_t>& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// Exactly the expected type and shape: anything else could let cuDNN address memory outside the buffer.
+ffi::Error check_buffer(const char* name, ffi::DataType type, ffi::Span<const int64_t> dims,
+                        ffi::DataType expected_type, const std::vector<int64_t>& expected, const PagedConfig& c) {
+  const std::vector<int64_t> got(dims.begin(), dims.end());
+  FFI_CHECK(type == expected_type && got == expected)
+      << name << " is " << shape_string(got) << " of type " << static_cast<int>(type) << ", expected "
+      << shape_string(expected) << " of type " << static_cast<int>(expected_type) << " [" << c.describe() << "]";
+  return ffi::Error::Success();
+}
+
+ffi::Error paged_forward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                              ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> page_table,
+                              ffi::Buffer<ffi::S32> seq_len_q, ffi::Buffer<ffi::S32> seq_len_kv,
+                              ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> stats,
+                              ffi::Result<ffi::Buffer<ffi::U8>> workspace, PagedConfig c) {
+  const std::string problem = paged_config_problem(c);
+  FFI_CHECK(problem.empty()) << problem;
+  const ffi::DataType t = c.dtype == static_cast<int64_t>(DType::kFloat16) ? ffi::DataType::F16 : ffi::DataType::BF16;
+  const int64_t b = c.num_seqs;
+  FFI_RETURN_IF_ERROR(check_buffer("q", q.element_type(), q.dimensions(), t,
+                                   {b, c.seqlen_q, c.num_heads_q, c.head_dim_qk}, c));
+  FFI_RETURN_IF_ERROR(check_buffer("k_cache", k_cache.element_type(), k_cache.dimensions(), t,
+                                   {c.num_pages, c.page_size, c.num_heads_kv, c.head_dim_qk}, c));
+  FFI_RETURN_IF_ERROR(check_buffer("v_cache", v_cache.element_type(), v_cache.dimensions(), t,
+                                   {c.num_pages, c.page_size, c.num_heads_kv, c.head_dim_v}, c));
+  FFI_RETURN_IF_ERROR(check_buffer("page_table", ffi::DataType::S32, page_table.dimensions(), ffi::DataType::S32,
+                                   {b, c.max_pages}, c));
+  FFI_RETURN_IF_ERROR(
+      check_buffer("seq_len_q", ffi::DataType::S32, seq_len_q.dimensions(), ffi::DataType::S32, {b}, c));
+  FFI_RETURN_IF_ERROR(
+      check_buffer("seq_len_kv", ffi::DataType::S32, seq_len_kv.dimensions(), ffi::DataType::S32, {b}, c));
+  FFI_RETURN_IF_ERROR(check_buffer("o", o->element_type(), o->dimensions(), t,
+                                   {b, c.seqlen_q, c.num_heads_q, c.head_dim_v}, c));
+  FFI_RETURN_IF_ERROR(check_buffer("stats", ffi::DataType::F32, stats->dimensions(), ffi::DataType::F32,
+                                   {b, c.num_heads_q, c.seqlen_q}, c));
+  FFI_CHECK(workspace->dimensions().size() == 1) << "the workspace must be a 1-D uint8 buffer [" << c.describe() << "]";
+
+  std::shared_ptr<const CachedGraph> graph;
+  FFI_RETURN_IF_ERROR(paged_graph(device, c, &graph));
+  FFI_CHECK(static_cast<int64_t>(workspace->element_count()) >= graph->workspace_bytes)
+      << "the workspace XLA allocated (" << workspace->element_count() << " bytes) is smaller than the graph needs ("
+      << graph->workspace_bytes << " bytes): the configuration at trace time and at run time differ ["
+      << c.describe() << "]";
+  std::unordered_map<int64_t, void*> pack = {
+      {static_cast<int64_t>(PagedUid::kQ), q.untyped_data()},
+      {static_cast<int64_t>(PagedUid::kK), k_cache.untyped_data()},
+      {static_cast<int64_t>(PagedUid::kV), v_cache.untyped_data()},
+      {static_cast<int64_t>(PagedUid::kO), o->untyped_data()},
+      {static_cast<int64_t>(PagedUid::kStats), stats->untyped_data()},
+      {static_cast<int64_t>(PagedUid::kPageTable), page_table.untyped_data()},
+      {static_cast<int64_t>(PagedUid::kSeqLenQ), seq_len_q.untyped_data()},
+      {static_cast<int64_t>(PagedUid::kSeqLenKV), seq_len_kv.untyped_data()},
+  };
+  return execute_graph(device, *graph, stream, pack, workspace->untyped_data());
+}
+
+}  // namespace
+}  // namespace jax_ragged_attn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnPagedForward, jax_ragged_attn::paged_forward_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()              // q
+                                  .Arg<ffi::AnyBuffer>()              // k_cache
+                                  .Arg<ffi::AnyBuffer>()              // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // seq_len_q
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // seq_len_kv
+                                  .Ret<ffi::AnyBuffer>()              // o
+                                  .Ret<ffi::Buffer<ffi::F32>>()       // stats
+                                  .Ret<ffi::Buffer<ffi::U8>>()        // workspace
+                                  .Attrs<jax_ragged_attn::PagedConfig>(),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,7 @@
+// The paged KV-cache forward handler (paged_handler.cc), registered from Python for platform "CUDA" under
+// the name module.cc exports (paged_registration).
+#pragma once
+
+#include "xla/ffi/api/api.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxRaggedAttnPagedForward);

@@ -1,0 +1,146 @@
+"""cuDNN's paged SDPA forward (ffi/paged_graph.h) for ragged_attention_with_kvcache: dense queries against
+K/V caches read through a page table, one FFI handler of its own (ffi/paged_handler.cc).
+
+A paged cache [num_pages, page_size, Hkv, D] is cuDNN's page container as it is; a contiguous one
+[B, L, Hkv, D] is the same with one page of L rows per sequence (num_pages = B, page_size = L, table[b] = [b]),
+which lifts the ragged route's int32 offsets bound (cudnn_kvcache.py chooses the route). What the handler
+gets, per sequence b:
+
+    seq_len_kv[b] = cache_seqlens clamped into [0, capacity]      (the op layer's `lengths`)
+    seq_len_q[b]  = Sq, or 0 where seq_len_kv[b] = 0              (no softmax to take: no query is run)
+    table[b]      = page_table[b] with entries outside [0, num_pages) replaced by page 0 (safe_page_table),
+                    so cuDNN never addresses memory outside the cache
+
+and query i sits at seq_len_kv[b] - Sq + i (cuDNN's bottom-right diagonal over the padding mask's lengths).
+
+    B = 2, Sq = 1, page_size 4, cache_seqlens [6, 0], page_table [[3, 1], [7, -1]]
+      -> seq_len_kv [6, 0], seq_len_q [1, 0], table [[3, 1], [0, 0]] (num_pages = 4: 7 and -1 become 0)
+
+Queries are padded to MIN_SEQLEN_Q rows (zeros; seq_len_q keeps the real count), as the ragged graphs'
+max_seqlen_q is (graphs.py: graphs built for s_q = 1 wrote wrong stats on the H200, cuDNN 9.19). The
+workspace is an extra uint8 result sized at trace time, as launch.py does for the training graphs. Rows
+cuDNN does not write (queries without keys, padding) hold anything: inputs/kvcache.py masks them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ragged_attn.backends.cudnn import extension
+from jax_ragged_attn.backends.cudnn.graphs import CUDNN_DTYPES, MAX_HEAD_DIM, device_ordinal
+from jax_ragged_attn.backends.kvcache_config import KVCacheConfig, safe_page_table
+
+TARGET = "jax_ragged_attn_paged_forward"  # ffi/module.cc's kPagedTarget
+# Query rows the graph is built for at least (see the module docstring); 1 builds true decode graphs.
+MIN_SEQLEN_Q = 2
+INT_MAX = 2**31 - 1  # cuDNN's max_seq_len_kv is an int
+_ATTRIBUTE_TYPES = {"int64": np.int64, "float32": np.float32}
+
+
+def graph_seqlen_q(config: KVCacheConfig) -> int:
+    """Query rows per sequence the graph sees: Sq, padded up to MIN_SEQLEN_Q."""
+    return max(config.seqlen_q, MIN_SEQLEN_Q)
+
+
+def attributes(config: KVCacheConfig) -> dict:
+    """The handler's configuration (ffi/paged_config.h's fields, in order) for a call, paged or contiguous
+    (a contiguous KVCacheConfig already says num_pages = B, page_size = L, max_pages = 1)."""
+    return dict(
+        num_seqs=config.batch,
+        seqlen_q=graph_seqlen_q(config),
+        num_heads_q=config.num_heads_q,
+        num_heads_kv=config.num_heads_kv,
+        head_dim_qk=config.head_dim_qk,
+        head_dim_v=config.head_dim_v,
+        num_pages=config.num_pages,
+        page_size=config.page_size,
+        max_pages=config.max_pages,
+        dtype=CUDNN_DTYPES.index(config.dtype),
+        scale=float(config.scale),
+        softcap=float(config.softcap),
+        left_bound=-1 if config.left_bound is None else int(config.left_bound),
+        right_bound=-1 if config.right_bound is None else int(config.right_bound),
+    )
+
+
+def ffi_kwargs(config: KVCacheConfig) -> dict:
+    """attributes(), each typed as the extension declares its field."""
+    values = attributes(config)
+    fields = extension.module().paged_config_fields()
+    if list(values) != [name for name, _ in fields]:
+        raise RuntimeError(f"paged.attributes builds the fields {list(values)}, but the extension declares "
+                           f"{[name for name, _ in fields]} (ffi/paged_config.h): the two lists must match")
+    return {name: _ATTRIBUTE_TYPES[kind](values[name]) for name, kind in fields}
+
+
+def static_reason(config: KVCacheConfig) -> str | None:
+    """Why the paged graph cannot serve `config` whatever the GPU (dtype, head dims, sizes), or None."""
+    if config.dtype not in CUDNN_DTYPES:
+        return f"the cuDNN path takes bfloat16 or float16 inputs, got {config.dtype}"
+    for name, dim in (("Dqk", config.head_dim_qk), ("Dv", config.head_dim_v)):
+        if dim % 8 or dim > MAX_HEAD_DIM:
+            return f"cuDNN needs head dims that are multiples of 8 up to {MAX_HEAD_DIM}, got {name}={dim}"
+    if config.capacity > INT_MAX:
+        return (f"cuDNN's paged graph takes a capacity (max_pages * page_size = {config.max_pages} * "
+                f"{config.page_size}) of at most 2**31 - 1 rows")
+    return None
+
+
+def graph_info(config: KVCacheConfig) -> dict:
+    """Builds or finds the graph; raises NotImplementedError if cuDNN cannot run it here."""
+    info = extension.module().paged_graph_info(device_ordinal(), attributes(config))
+    if info["status"] == "unsupported":
+        raise NotImplementedError(f"cuDNN cannot run this paged configuration: {info['message']}")
+    if info["status"] != "ok":
+        raise RuntimeError(f"building the cuDNN paged graph failed: {info['message']}")
+    return info
+
+
+def unsupported_reason(config: KVCacheConfig) -> str | None:
+    """None when the paged graph serves `config` here; else why not (cuDNN's absence first)."""
+    reason = extension.cudnn_unavailable_reason()
+    if reason is not None:
+        return reason
+    if not hasattr(extension.module(), "paged_registration"):
+        return "the built extension predates the paged handler: rebuild it (scripts/install.sh)"
+    reason = static_reason(config)
+    if reason is not None:
+        return reason
+    try:
+        graph_info(config)
+    except NotImplementedError as error:
+        return str(error)
+    return None
+
+
+def page_table(page_table, config: KVCacheConfig) -> jax.Array:
+    """int32 [B, max_pages] the kernel reads: the caller's with entries outside the cache replaced by page 0,
+    or, for a contiguous cache (page_table None), [[0], [1], ..., [B - 1]]."""
+    if page_table is None:
+        return jnp.arange(config.batch, dtype=jnp.int32)[:, None]
+    return safe_page_table(page_table.astype(jnp.int32), config)
+
+
+def seq_lens(lengths, config: KVCacheConfig) -> tuple[jax.Array, jax.Array]:
+    """(seq_len_q, seq_len_kv) int32 [B]: Sq queries where the sequence has keys, none where it has none."""
+    lengths = lengths.astype(jnp.int32)
+    return jnp.where(lengths > 0, jnp.int32(config.seqlen_q), jnp.int32(0)), lengths
+
+
+def attend(q, k_cache, v_cache, lengths, page_table_, config: KVCacheConfig):
+    """(out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32) from the paged graph; lengths already clamped."""
+    rows = graph_seqlen_q(config)
+    workspace = graph_info(config)["workspace_bytes"]
+    if rows > config.seqlen_q:
+        q = jnp.pad(q, ((0, 0), (0, rows - config.seqlen_q), (0, 0), (0, 0)))
+    batch, heads_q = config.batch, config.num_heads_q
+    types = (jax.ShapeDtypeStruct((batch, rows, heads_q, config.head_dim_v), q.dtype),
+             jax.ShapeDtypeStruct((batch, heads_q, rows), jnp.float32),
+             jax.ShapeDtypeStruct((workspace,), jnp.uint8))
+    seq_len_q, seq_len_kv = seq_lens(lengths, config)
+    call = jax.ffi.ffi_call(TARGET, types, vmap_method="sequential")
+    out, lse, _ = call(q, k_cache, v_cache, page_table(page_table_, config), seq_len_q, seq_len_kv,
+                       **ffi_kwargs(config))
+    return out[:, :config.seqlen_q], lse[:, :, :config.seqlen_q]
