@@ -249,7 +249,16 @@ def _backward(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, confi
     unmasked (a rectangle) and its last min(sq, skv) queries against its last min(sq, skv) keys, top-left
     causal (a square: the same band). FlashAttention's backward is exact on any subset of a row's keys given
     the row's *final* out and stats (P_ij = exp(s_ij - stats_i), D_i = rowsum(dO_i * O_i)), so both calls get
-    the forward's out and stats and their gradients add: the two key sets are disjoint, dQ sums the two parts.
+    the forward's out and stats and their gradients add. The two key sets are disjoint, so a gradient buffer
+    of key rows only (dk, dv, dkv) needs no sum: the square writes its rows into the rectangle's buffer
+    (_writes_key_rows_in_place). dQ's rows are shared and summed.
+
+    Whether the rectangle is empty (skv <= sq for every sequence) depends on the lengths, which are device
+    values: the config bounds them from above only (a sequence may have 0 queries and max_seqlen_kv keys), so
+    no configuration proves it at trace time, and branching on the lengths would copy them to the host. The
+    one provable case, one array serving as both cu_seqlens with the same seqused and bounds, never gets here:
+    features/bottom_right.py runs it as top-left. An empty rectangle costs a launch whose every sequence
+    has 0 keys.
     """
     if not _splits_bottom_right(config):
         return _backward_call(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config, seqused)
@@ -265,18 +274,45 @@ def _backward(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, confi
     # rows each part uses (the rest of a slot is never read, and its gradient rows are zero).
     shifted = lambda cu, by: jnp.concatenate([cu[:-1] + by, cu[-1:]])
     grads_rect = _backward_call(buffers, cu_q, cu_kv, out, raw_stats, d_out, rectangle, (sq, before))
-    grads_square = _backward_call(buffers, shifted(cu_q, sq - band), shifted(cu_kv, before), out, raw_stats, d_out,
-                                  square, (band, band))
-    return tuple(a + b for a, b in zip(grads_rect, grads_square))
+    square_args = (buffers, shifted(cu_q, sq - band), shifted(cu_kv, before), out, raw_stats, d_out, square,
+                   (band, band))
+    holds_q = ["q" in b.holds for b in TABLE[config.packing].buffers]
+    if not _writes_key_rows_in_place(config):
+        return tuple(a + b for a, b in zip(grads_rect, _backward_call(*square_args)))
+    # The rectangle's call zeroed every row it does not own (padding, rows past max_seqlen or seqused, and
+    # the square's rows); the square's writes its own rows over those and leaves the rest as given. Its dQ
+    # starts from zeros and is added: both calls own the rows of queries that see keys of both parts.
+    initial = tuple(jnp.zeros_like(g) if q else g for g, q in zip(grads_rect, holds_q))
+    grads_square = _backward_call(*square_args, initial=initial)
+    return tuple(a + b if q else b for a, b, q in zip(grads_rect, grads_square, holds_q))
+
+
+def _writes_key_rows_in_place(config: AttentionConfig) -> bool:
+    """Whether a split bottom-right backward's square call writes its dK/dV rows into the rectangle's buffers
+    (_backward) instead of both calls filling their own and the two being summed. It needs:
+    - a gradient buffer that holds key rows only: dk and dv (packing "none"), dkv ("kv"). The qkv packing's
+      one gradient holds dQ too, whose rows both calls write, so it is summed whole (as before).
+    - an unguarded launch whose rectangle leaves the rows it does not own 0 (row masking "unowned", "memset",
+      "zero_fill"). Under "where" they are garbage until the wrapper masks them after the call; check mode
+      pads every buffer with guard rows and verifies each call's own canary bands; "poisoned" exists to show
+      that each call writes every row it owns, which rows the rectangle already zeroed would hide. These
+      three keep the sum of two separately masked calls.
+    """
+    if config.guard_workspace or _unguarded_row_masking() not in ("unowned", "memset", "zero_fill"):
+        return False
+    return any("q" not in b.holds for b in TABLE[config.packing].buffers)
 
 
 def _backward_call(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config: AttentionConfig,
-                   seqused=(None, None)):
-    """One cuDNN backward call: the gradients in the buffers' own layout."""
+                   seqused=(None, None), initial=None):
+    """One cuDNN backward call: the gradients in the buffers' own layout. `initial` (unguarded only): one
+    array per gradient that the call writes into, see _backward_into."""
     packing = TABLE[config.packing]
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
     inputs = (*((x, 0) for x in packing.kernel_inputs(buffers)), (out, 0), (d_out.astype(config.dtype), 0),
               (raw_stats, _stats_axis(config)))
+    if initial is not None:
+        return _backward_into(initial, inputs, cu_q, cu_kv, config, seqused)
     grads, intact = _launch("backward", inputs, packing.gradient_specs, packing.gradients, cu_q, cu_kv, config,
                             seqused)
     if _zero_filled(config):
@@ -287,6 +323,21 @@ def _backward_call(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, 
     zero = jnp.zeros((), config.dtype)
     return tuple(jnp.where(mask.reshape(mask.shape + (1,) * (g.ndim - mask.ndim)), g, zero)
                  for g, mask in zip(grads, packing.gradient_masks(valid_q, valid_kv)))
+
+
+def _backward_into(initial, inputs, cu_q, cu_kv, config: AttentionConfig, seqused):
+    """An unguarded backward call whose gradients start as `initial`, passed in aliased to the results the
+    way row masking "zero_fill" passes zeros (ffi/handlers.cc): with zero_outputs "no" the handler zeroes
+    nothing and cuDNN writes only the rows the graph owns, so every other row keeps the value it came in
+    with. XLA writes in place when an initial array is not used after the call, and copies it otherwise."""
+    info = graph_info("backward", config)
+    types = (*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in initial),
+             jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8))
+    args = (*(x for x, _ in inputs), *_index_arrays(cu_q, cu_kv, config, seqused))
+    aliases = {len(args) + i: i for i in range(len(initial))}
+    call = jax.ffi.ffi_call(_TARGETS["backward"], types, vmap_method="sequential", input_output_aliases=aliases)
+    *grads, _ = call(*args, *initial, **ffi_kwargs(config, "backward", zero_outputs="no"))
+    return tuple(grads)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
