@@ -34,10 +34,6 @@ fe::DataType_t io_data_type(const AttentionConfig& c) {
   return c.dtype == static_cast<int64_t>(DType::kFloat16) ? fe::DataType_t::HALF : fe::DataType_t::BFLOAT16;
 }
 
-xla::ffi::Error from_frontend(fe::error_t status, const char* stage, const AttentionConfig& c) {
-  return frontend_status(status, stage, status.is_good() ? std::string() : c.describe());
-}
-
 // Tensors shared by the forward and the backward graph.
 struct GraphInputs {
   TensorPtr seq_len_q, seq_len_kv;
@@ -255,7 +251,7 @@ xla::ffi::Error frontend_status(fe::error_t status, const char* stage, const std
 }
 
 // Validates the graph and asks cuDNN for candidate plans. Then builds one: the heuristic's first choice, or
-// the candidate config.plan_index names (an autotuned choice). When tuning, builds none: tune_plans builds
+// the candidate plan_index names (an autotuned choice). When tuning, builds none: tune_plans builds
 // and times every candidate itself.
 xla::ffi::Error finalize_graph(InspectableGraph& g, cudnnHandle_t handle, int64_t plan_index,
                                const std::string& description, bool tuning, CachedGraph* out) {
