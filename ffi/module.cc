@@ -209,7 +209,8 @@ NB_MODULE(_ext, m) {
     for (const ConfigField& field : kPagedConfigFields) fields.append(nb::make_tuple(field.name, field.type));
     return fields;
   }, "The paged configuration's fields in order, as (name, attribute type: \"int64\" or \"float32\").");
-  m.def("paged_config_problem", [](const nb::dict& config) { return paged_config_problem(paged_config_from_dict(config)); },
+  m.def("paged_config_problem",
+        [](const nb::dict& config) { return paged_config_problem(paged_config_from_dict(config)); },
         nb::arg("config"), "Why the paged configuration is invalid, or \"\" (raises on a missing or unknown field).");
   m.def("paged_graph_info", &paged_graph_info, nb::arg("device"), nb::arg("config"));
   m.def("config_fields", []() {

@@ -56,7 +56,9 @@ AttentionConfig mask_config(const PagedConfig& c) {
 xla::ffi::Error build_paged(cudnnHandle_t handle, const PagedConfig& c, CachedGraph* out) {
   auto g = std::make_shared<InspectableGraph>();
   const fe::DataType_t io = io_data_type(c);
-  g->set_io_data_type(io).set_intermediate_data_type(fe::DataType_t::FLOAT).set_compute_data_type(fe::DataType_t::FLOAT);
+  g->set_io_data_type(io)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
   const int64_t b = c.num_seqs, s = c.seqlen_q, hq = c.num_heads_q, hkv = c.num_heads_kv;
   const int64_t dqk = c.head_dim_qk, dv = c.head_dim_v, pages = c.num_pages, rows = c.page_size;
 

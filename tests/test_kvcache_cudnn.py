@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 from unittest import mock
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
