@@ -192,9 +192,10 @@ def test_every_row_masking_gives_the_default_split_results_on_cudnn(monkeypatch,
 @pytest.mark.gpu
 @needs_cudnn
 @pytest.mark.parametrize("packing", ["none", "kv"])
-def test_the_square_call_takes_the_rectangles_gradients_aliased_on_cudnn(packing):
+def test_the_square_call_takes_the_rectangles_gradients_aliased_on_cudnn(monkeypatch, packing):
     """In the lowered program the split's second backward call gets its initial buffers aliased to its results
     and the first does not (row masking "unowned"): dK/dV are written, not summed."""
+    monkeypatch.setenv(launch.ROW_MASKING_ENV, "unowned")
     batch = _batch(103, (8, 2), 64, "bfloat16")
     q, k, v, cu_q, cu_kv, used_q, used_kv = batch.args()
     options = dict(max_seqlen_q=MAX_SEQLEN_Q, max_seqlen_kv=MAX_SEQLEN_KV, seqused_q=used_q, seqused_kv=used_kv,
