@@ -292,11 +292,11 @@ def _writes_key_rows_in_place(config: AttentionConfig) -> bool:
     (_backward) instead of both calls filling their own and the two being summed. It needs:
     - a gradient buffer that holds key rows only: dk and dv (packing "none"), dkv ("kv"). The qkv packing's
       one gradient holds dQ too, whose rows both calls write, so it is summed whole (as before).
-    - an unguarded launch whose rectangle leaves the rows it does not own 0 (row masking "unowned", "memset",
-      "zero_fill"). Under "where" they are garbage until the wrapper masks them after the call; check mode
-      pads every buffer with guard rows and verifies each call's own canary bands; "poisoned" exists to show
-      that each call writes every row it owns, which rows the rectangle already zeroed would hide. These
-      three keep the sum of two separately masked calls.
+    - an unguarded launch whose rectangle leaves the rows it does not own 0 and that trusts cuDNN to write no
+      row the graph does not own (row masking "unowned", "memset", "zero_fill"). "where" trusts nothing and
+      masks every output after its call, check mode pads every buffer with guard rows and verifies each
+      call's own canary bands, and "poisoned" exists to show that each call writes every row it owns, which
+      rows the rectangle already zeroed would hide: these three keep the sum of two separately masked calls.
     """
     if config.guard_workspace or _unguarded_row_masking() not in ("unowned", "memset", "zero_fill"):
         return False
