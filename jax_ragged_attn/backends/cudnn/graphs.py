@@ -8,14 +8,13 @@ import warnings
 import jax
 import numpy as np
 
-from jax_ragged_attn.features import checks
-from jax_ragged_attn.backends import packings
-from jax_ragged_attn.backends.cudnn import autotune, extension, strategy
+from jax_ragged_attn.backends import head_groups
+from jax_ragged_attn.backends.cudnn import autotune, extension, extents, strategy
 from jax_ragged_attn.config import PACKINGS, AttentionConfig
 
 CUDNN_DTYPES = ("bfloat16", "float16")
 MAX_HEAD_DIM = 256
-INT32_LIMIT = 2**31 - 1
+INT32_LIMIT = extents.INT32_LIMIT
 
 
 def ffi_attributes(config: AttentionConfig, direction: str | None = None, layout: str | None = None) -> dict:
@@ -152,13 +151,12 @@ def unsupported_reason(config: AttentionConfig) -> str | None:
     for name, dim in (("Dqk", config.head_dim_qk), ("Dv", config.head_dim_v)):
         if dim % 8 or dim > MAX_HEAD_DIM:
             return f"cuDNN needs head dims that are multiples of 8 up to {MAX_HEAD_DIM}, got {name}={dim}"
-    widest = max(config.head_dim_qk, config.head_dim_v)
-    # The backward's per-query-head dK/dV intermediates (GQA) scale the kv offsets by Hq / Hkv as well, and a
-    # packed row holds 2 or 3 parts.
-    parts = packings.TABLE[config.packing].max_parts
-    guard = 2 * checks.GUARD_ROWS if config.guard_workspace else 0  # check mode adds rows at both ends
-    if (max(config.capacity_q, config.capacity_kv) + guard) * config.num_heads_q * widest * parts > INT32_LIMIT:
-        return "the ragged offsets are int32: T * Hq * D (times the parts of a packed row) must stay below 2**31"
+    # The int32 ragged offsets bound each tensor by its own extent; a call past it runs as several over head
+    # groups (extents.py), so the graphs asked about are one group's.
+    groups = extents.groups(config)
+    if groups is None:
+        return extents.too_large_reason(config)
+    config = head_groups.group_config(config, groups)
     # softcap builds its graphs with a score modifier (graph_build.cc); a cuDNN that cannot build them says so
     # below, and that is the reason given ("cuDNN cannot run this forward configuration: ...").
     for direction in ("forward", "backward"):
