@@ -165,3 +165,15 @@ def test_sinks_are_split_with_their_heads(monkeypatch):
                                   sinks, config)
     assert seen == [(2, [1.0, 2.0]), (2, [3.0, 4.0])]
     np.testing.assert_array_equal(np.asarray(out[0, :, 0]), [1.0, 2.0, 3.0, 4.0])
+
+
+def test_a_launch_past_the_limit_raises_rather_than_wrapping_its_offsets():
+    # The launches themselves refuse a config whose tensors pass 2**31 elements (only cudnn.attend splits):
+    # a caller that skips the split gets a NotImplementedError, never an int32 offset that wraps in the kernel.
+    training = _config(2**18, 2**18, 64, 64, 128)
+    with pytest.raises(NotImplementedError, match="int32 offsets"):
+        launch._refuse_int32_overflow(training, backward=False)
+    decode = _config(256, 256 * 2048, 32, 8, 128)
+    launch._refuse_int32_overflow(decode, backward=False)  # its forward fits
+    with pytest.raises(NotImplementedError, match="dk/dv per query head"):
+        launch._refuse_int32_overflow(decode, backward=True)

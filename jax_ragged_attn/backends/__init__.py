@@ -49,7 +49,7 @@ FALLBACK = "xla"
 # ragged_attention_with_kvcache's backends, in the same preference order.
 KVCACHE = {
     "fa3": "jax_ragged_attn.backends.fa3_kvcache",  # FlashAttention-3's kvcache kernels (contiguous and paged)
-    "cudnn": "jax_ragged_attn.backends.cudnn_kvcache",  # the ragged cuDNN kernel over a contiguous cache
+    "cudnn": "jax_ragged_attn.backends.cudnn_kvcache",  # cuDNN: paged SDPA graph, or the ragged kernel (contiguous)
     "xla": "jax_ragged_attn.backends.xla_kvcache",  # blocked online softmax in jnp: serves everything
 }
 REGISTRIES = {"ragged": REGISTRY, "kvcache": KVCACHE}

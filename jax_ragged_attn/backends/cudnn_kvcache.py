@@ -108,6 +108,7 @@ def _ragged_attend(q, k_cache, v_cache, lengths, config: KVCacheConfig):
     index = RaggedIndex(slots * seqlen_q, slots * capacity, None, lengths)
     flat = (q.reshape(batch * seqlen_q, *q.shape[2:]), k_cache.reshape(batch * capacity, *k_cache.shape[2:]),
             v_cache.reshape(batch * capacity, *v_cache.shape[2:]))
-    out, stats = cudnn.attend(flat, index, ragged, stats=True)  # stats head-major [Hq, B * Sq]
+    # forward_only: the cache op has no gradient, so head groups are sized for the forward's tensors alone.
+    out, stats = cudnn.attend(flat, index, ragged, stats=True, forward_only=True)  # stats head-major [Hq, B * Sq]
     out = out.reshape(batch, seqlen_q, config.num_heads_q, config.head_dim_v)
     return out, stats.reshape(config.num_heads_q, batch, seqlen_q).transpose(1, 0, 2)

@@ -56,8 +56,8 @@ def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_ta
         with no keys (cache_seqlens[b] < Sq under a causal mask, an empty sequence, a narrow window).
       stats_layout: "head_major" [B, Hq, Sq] (FlashAttention's softmax_lse) or "token_major" [B, Sq, Hq].
       implementation: None picks the first that serves the call of "fa3" (flash-attn3-jax's kvcache kernels:
-        Hopper, bf16/fp16, head dim 128), "cudnn" (contiguous caches) and "xla" (portable, everywhere); a
-        named one that cannot serve it raises NotImplementedError with the reason.
+        Hopper, bf16/fp16, head dim 128), "cudnn" (its paged SDPA graph, or the ragged kernel over a contiguous
+        cache) and "xla" (portable, everywhere); a named one that cannot serve it raises NotImplementedError with the reason.
       check: validate cache_seqlens (within [0, capacity]) and the page-table entries of the pages each
         sequence uses (within [0, num_pages)) at run time; a violation raises RaggedAttentionInputError naming
         the argument and the element (under jit XLA wraps it: see checks.input_errors). None reads

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from jax_ragged_attn.features import checks
-from jax_ragged_attn.backends.cudnn import extension, graphs, stats_grad
+from jax_ragged_attn.backends.cudnn import extension, extents, graphs, stats_grad
 from jax_ragged_attn.backends.cudnn.graphs import MAX_HEAD_DIM, INT32_LIMIT, ffi_kwargs, graph_info
 from jax_ragged_attn.backends.packings import TABLE
 from jax_ragged_attn.config import AttentionConfig
@@ -193,12 +193,24 @@ def _forward_results(config: AttentionConfig):
     return ((out_shape, jnp.dtype(config.dtype), 0), (_stats_shape(config), jnp.float32, _stats_axis(config)))
 
 
+def _refuse_int32_overflow(config: AttentionConfig, *, backward: bool):
+    """A loud stop, never a silent overflow: past 2**31 elements the int32 ragged offsets would wrap inside the
+    kernel. Callers reach the launches through cudnn.attend, which splits such calls by head groups first."""
+    sizes = extents.tensor_extents(config, backward=backward)
+    name, extent = max(sizes.items(), key=lambda item: item[1])
+    if extent > extents.INT32_LIMIT:
+        raise NotImplementedError(
+            f"this cuDNN {'backward' if backward else 'forward'} launch would index {name} with {extent:,} "
+            "elements through int32 offsets; call it through backends.cudnn.attend, which splits by head groups")
+
+
 def _forward(buffers, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused=(None, None)):
     """Returns (out, stats for the caller, stats as cuDNN wrote them for the backward)."""
     packing = TABLE[config.packing]
     if len(buffers) != len(packing.buffers):
         raise ValueError(f"packing {packing.name!r} takes the buffers {[b.name for b in packing.buffers]}, got "
                          f"{len(buffers)} arrays")
+    _refuse_int32_overflow(config, backward=False)
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
     inputs = tuple((x, 0) for x in packing.kernel_inputs(buffers))
     (out, raw_stats), intact = _launch("forward", inputs, _forward_results, FORWARD_RESULT_NAMES, cu_q, cu_kv,
@@ -307,6 +319,7 @@ def _backward_call(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, 
                    seqused=(None, None), initial=None):
     """One cuDNN backward call: the gradients in the buffers' own layout. `initial` (unguarded only): one
     array per gradient that the call writes into, see _backward_into."""
+    _refuse_int32_overflow(config, backward=True)
     packing = TABLE[config.packing]
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
     inputs = (*((x, 0) for x in packing.kernel_inputs(buffers)), (out, 0), (d_out.astype(config.dtype), 0),
