@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import zlib
 from unittest import mock
 
@@ -26,6 +27,7 @@ import jax_ragged_attn
 from jax_ragged_attn import kvcache_append, ragged_attention_with_kvcache
 from jax_ragged_attn.backends import fa3 as _fa3
 from jax_ragged_attn.backends import fa3_kvcache, xla_kvcache
+from jax_ragged_attn.backends.kvcache_config import KVCacheConfig
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
 from jax_ragged_attn.testing import assert_close
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
@@ -43,6 +45,8 @@ CASES = {
     "scale": dict(seqlen_q=2, scale=0.3),
     "wide_window": dict(seqlen_q=3, local_window_size=(10, 0)),  # reaches past a short tail into the head
     "chunked_prefill": dict(seqlen_q=9),  # more queries than Fa3SplitKVCacheTest's tail rows
+    # Sq x group = 80 query rows: past fa3_kvcache.ZERO_FILL_MAX_ROWS, FA3 reads through its head / tail route.
+    "long_chunk": dict(seqlen_q=40),
     "softcap": dict(seqlen_q=5, softcap=2.0, scale=1.5),  # scores past the cap: tanh bends them
     "softcap_window_sinks": dict(seqlen_q=2, softcap=1.0, local_window_size=(3, 0), sinks=True),
 }
@@ -358,8 +362,21 @@ class Fa3KVCacheTest(KVCacheTest):
     implementation = "fa3"
     dtype = jnp.bfloat16
     head_dim = 128
-    page_size = 64
-    max_pages = 4
+    # 40 rows a page (FA3 tiles 128 or 176 keys: pages and tiles straddle), 16 pages: capacity 640, longer
+    # than the head / tail route's TAIL, so that route gives FA3 real heads too.
+    page_size = 40
+    max_pages = 16
+
+
+@pytest.mark.skipif(_FA3_REASON is not None, reason=f"FlashAttention-3 unavailable: {_FA3_REASON}")
+class Fa3HeadTailKVCacheTest(Fa3KVCacheTest):
+    """Every case through the head / tail route (pinned), which decode steps no longer take by default."""
+
+    def setUp(self):
+        super().setUp()
+        patcher = mock.patch.dict(os.environ, {fa3_kvcache.ROUTE_VARIABLE: "head_tail"})
+        patcher.start()
+        self.addCleanup(patcher.stop)
 
 
 def _fa3_stand_in(q, k_cache, v_cache, lengths, page_table, config, window):
@@ -371,21 +388,46 @@ def _fa3_stand_in(q, k_cache, v_cache, lengths, page_table, config, window):
     return xla_kvcache.attend(q, k_cache, v_cache, lengths, page_table, config)
 
 
-class Fa3SplitKVCacheTest(KVCacheTest):
-    """fa3_kvcache's head / tail split and merge (FA3 never reads a sequence's last TAIL rows) on any backend:
-    the FA3 call replaced by the xla path with FA3's masks, TAIL small so heads and tails both carry keys."""
+class Fa3OneCallKVCacheTest(KVCacheTest):
+    """fa3_kvcache's routes on any backend, the FA3 call replaced by the xla path with FA3's masks: decode-sized
+    calls as one call over the full lengths (a contiguous cache read as one page per sequence), the rest
+    (long_chunk) through the head / tail split, TAIL small so heads and tails both carry keys."""
 
     __test__ = True
     implementation = "fa3"
+    route = "auto"
 
     def setUp(self):
         super().setUp()
-        for target, name, value in ((fa3_kvcache, "_fa3_call", _fa3_stand_in), (fa3_kvcache, "TAIL", 7),
-                                    (_fa3, "unavailable_reason", lambda: None),
-                                    (_fa3, "FA3_DTYPES", ("float32",)), (_fa3, "FA3_HEAD_DIM", self.head_dim)):
-            patcher = mock.patch.object(target, name, value)
+        patchers = [mock.patch.object(target, name, value) for target, name, value in (
+            (fa3_kvcache, "_fa3_call", _fa3_stand_in), (fa3_kvcache, "TAIL", 7),
+            (_fa3, "unavailable_reason", lambda: None), (_fa3, "FA3_DTYPES", ("float32",)),
+            (_fa3, "FA3_HEAD_DIM", self.head_dim))]
+        patchers.append(mock.patch.dict(os.environ, {fa3_kvcache.ROUTE_VARIABLE: self.route}))
+        for patcher in patchers:
             patcher.start()
             self.addCleanup(patcher.stop)
+
+
+class Fa3SplitKVCacheTest(Fa3OneCallKVCacheTest):
+    """Every case through the head / tail split and merge (FA3 never reads a sequence's last TAIL rows)."""
+
+    route = "head_tail"
+
+
+def test_fa3_routes_by_query_rows(monkeypatch):
+    config = lambda seqlen_q, heads_q: KVCacheConfig(  # noqa: E731
+        batch=4, seqlen_q=seqlen_q, num_heads_q=heads_q, num_heads_kv=8, head_dim_qk=128, head_dim_v=128,
+        dtype="bfloat16", paged=False, page_size=2048, num_pages=4, max_pages=1, scale=1.0, is_causal=True,
+        window_left=None, window_right=None)
+    assert fa3_kvcache.route(config(1, 32)) == "one_call"  # decode, GQA 32/8: 4 rows
+    assert fa3_kvcache.route(config(16, 32)) == "one_call"  # 64 rows: FA3 still reads without TMA
+    assert fa3_kvcache.route(config(17, 32)) == "head_tail"  # 68: FA3 may take TMA, which reads past lengths
+    monkeypatch.setenv(fa3_kvcache.ROUTE_VARIABLE, "head_tail")
+    assert fa3_kvcache.route(config(1, 32)) == "head_tail"
+    monkeypatch.setenv(fa3_kvcache.ROUTE_VARIABLE, "one_call")
+    with pytest.raises(ValueError, match=fa3_kvcache.ROUTE_VARIABLE):
+        fa3_kvcache.route(config(1, 32))
 
 
 @pytest.mark.skipif(_CUDNN_REASON is not None, reason=f"cuDNN path unavailable: {_CUDNN_REASON}")

@@ -14,8 +14,15 @@ and attributes the wheel's lowering passes. Forward only (the wheel has no kvcac
   would leave most of the GPU's 132 SMs idle; the wheel's caller-sized accumulators come back as outputs.
 - Rows with no key, sinks and the stats layout are applied by inputs/kvcache.py.
 
-- Unused rows: FA3 loads whole key tiles and masks only the scores of rows past the sequence's length, so a
-  NaN in such a row of the last tile reaches the output (0 * NaN; measured on the H200 with NaN-poisoned
+- Unused rows, one call where FA3 zero-fills them: FA3's paged loader without TMA reads keys and values with
+  cp.async predicated on the sequence's length, filling rows past it with zeros, and masks their scores, so a
+  NaN in an unused row never reaches the result. FA3 takes that loader for a paged cache whenever Sq x group
+  query rows fit in one query tile (get_pagedkv_tma: TMA only past kBlockM rows, 64 or 128 for head dim
+  128), which is every decode step. There the op is one FA3 call over the full lengths, a contiguous cache
+  read as a paged one with one page per sequence (page_size = L, page_table[b] = b: a free reshape).
+- Unused rows, everywhere else (Sq x group > ZERO_FILL_MAX_ROWS, or the route pinned to "head_tail"): FA3
+  loads whole key tiles with TMA and masks only the scores of rows past the sequence's length, so a NaN in
+  such a row of the last tile reaches the output (0 * NaN; measured on the H200 with NaN-poisoned
   caches, as for the varlen kernel in backends/fa3.py). So FA3 reads only each sequence's head, rows
   [0, head) with head = length - TAIL: its last tile ends inside the sequence, since TAIL is at least
   FA3's widest key tile. The tail, each sequence's last TAIL rows gathered into a small cache of their own,
@@ -27,19 +34,21 @@ and attributes the wheel's lowering passes. Forward only (the wheel has no kvcac
   reaches the head cannot be expressed so and is declined.
 
 Declined, with the reason: dtypes other than bfloat16/float16, head dims other than 128 (the wheel's kernels),
-softcap, a left window in (TAIL - Sq, TAIL), the wheel not installed, no Hopper GPU.
+softcap, a left window in (TAIL - Sq, TAIL) on the head / tail route, the wheel not installed, no Hopper GPU.
+JAX_RAGGED_ATTN_FA3_KVCACHE_ROUTE=head_tail pins the head / tail route (to measure one against the other).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 import jax.numpy as jnp
 
 from jax_ragged_attn.backends import fa3, xla_kvcache
-from jax_ragged_attn.backends.kvcache_config import KVCacheConfig, key_band, safe_page_table
+from jax_ragged_attn.backends.kvcache_config import KVCacheConfig, key_band, rows_with_keys, safe_page_table
 
 NAME = "fa3"
 # implementation=None picks FA3's kvcache kernels wherever they serve the call: the issue's measurements put
@@ -53,6 +62,22 @@ MAX_SPLITS = 128
 # Rows of each sequence's end that FA3 never reads (see the module docstring): at least FA3's widest key tile
 # (176 rows for head dim 128 on Hopper), so a tile that starts inside the head ends inside the sequence.
 TAIL = 256
+# Query rows (Sq x group, FA3 packs a GQA group into one tile) up to which FA3 reads a paged cache without TMA,
+# zero-filling rows past each length: below its smallest query tile (64 with one MMA warpgroup, else 128), so
+# get_pagedkv_tma is false whatever the page size.
+ZERO_FILL_MAX_ROWS = 64
+ROUTE_VARIABLE = "JAX_RAGGED_ATTN_FA3_KVCACHE_ROUTE"
+ROUTES = ("auto", "head_tail")
+
+
+def route(config: KVCacheConfig) -> str:
+    """"one_call" where FA3's zero-filling paged loader serves the call (module docstring), else "head_tail"."""
+    pinned = os.environ.get(ROUTE_VARIABLE, "auto")
+    if pinned not in ROUTES:
+        raise ValueError(f"{ROUTE_VARIABLE}={pinned!r}: expected one of {ROUTES}")
+    if pinned == "auto" and config.seqlen_q * config.group_size <= ZERO_FILL_MAX_ROWS:
+        return "one_call"
+    return "head_tail"
 
 
 def unsupported_reason(config: KVCacheConfig) -> str | None:
@@ -65,7 +90,7 @@ def unsupported_reason(config: KVCacheConfig) -> str | None:
         return (f"the {fa3.WHEEL} wheel's kernels are called with softcap 0 (its binding hard-codes it), got "
                 f"softcap={config.softcap}")
     left = config.left_bound
-    if left is not None and left < TAIL < left + config.seqlen_q:
+    if route(config) == "head_tail" and left is not None and left < TAIL < left + config.seqlen_q:
         return (f"a left window of {left} rows with {config.seqlen_q} queries reaches into the rows FA3 reads "
                 f"but cannot be expressed there (FA3 reads all but each sequence's last {TAIL} rows, whose "
                 f"NaN-safety it cannot give); use implementation='xla'")
@@ -138,6 +163,36 @@ def _tail_cache(k_cache, v_cache, head, page_table, config: KVCacheConfig):
 
 
 def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
+    """(out [B, Sq, Hq, D], lse [B, Hq, Sq]) through the route that keeps unused rows out (module docstring)."""
+    if route(config) == "one_call":
+        return _one_call(q, k_cache, v_cache, lengths, page_table, config)
+    return _head_tail(q, k_cache, v_cache, lengths, page_table, config)
+
+
+def _as_paged(k_cache, v_cache, page_table, config: KVCacheConfig):
+    """A contiguous cache [B, L, Hkv, D] as a paged one of B pages of L rows, page_table[b] = b (no copy)."""
+    if config.paged:
+        return k_cache, v_cache, page_table, config
+    table = jnp.arange(config.batch, dtype=jnp.int32)[:, None]
+    paged = dataclasses.replace(config, paged=True, page_size=config.capacity, num_pages=config.batch, max_pages=1)
+    return k_cache, v_cache, table, paged
+
+
+def _one_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
+    """One FA3 call over each sequence's full length, through the paged loader that zero-fills past it."""
+    k_cache, v_cache, page_table, paged = _as_paged(k_cache, v_cache, page_table, config)
+    left, right = config.left_bound, config.right_bound
+    # Bottom-right over the full lengths: the op's masks are FA3's own (causal: no left bound, right bound 0).
+    window = (left is None and right == 0, -1 if left is None else left, -1 if right is None else right)
+    out, lse = _fa3_call(q, k_cache, v_cache, lengths, page_table, paged, window)
+    # A query without keys (a band that misses its sequence): FA3's lse is +inf there; the op's is -inf, out 0.
+    has_keys = rows_with_keys(lengths, config)  # [B, Sq]
+    lse = jnp.where(has_keys[:, None, :], lse, -jnp.inf)
+    out = jnp.where(has_keys[:, :, None, None], out, jnp.zeros((), out.dtype))
+    return out, lse
+
+
+def _head_tail(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
     """(out [B, Sq, Hq, D], lse [B, Hq, Sq]): FA3 over each sequence's head, the xla path over its tail
     (module docstring), merged through their log-sum-exps."""
     head = jnp.maximum(lengths - TAIL, 0)  # FA3 reads rows < head + its tile <= lengths: never an unused row
