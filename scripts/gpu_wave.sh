@@ -6,8 +6,13 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 out=${OUT:-/tmp/gpu_wave}; mkdir -p "$out"
 src=$PWD
 tree=/tmp/tree; rm -rf "$tree"; mkdir -p "$tree"; tar -xzf "$src/.gpu/tree.tgz" -C "$tree"; cd "$tree" || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  $(find "$src/.whl" -type f -name "*.whl") || exit 1
+# Back-to-back calls on a warm machine keep /tmp: install the wheels once.
+wheels=$(find "$src/.whl" -type f -name "*.whl" | sort)
+if [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
+    || exit 1
+  echo "$wheels" > /tmp/site/.wheels
+fi
 export PYTHONPATH=/tmp/site:$tree
 t0=$(date +%s)
 if ls "$src"/.gpu/_ext*.so >/dev/null 2>&1; then cp "$src"/.gpu/_ext*.so jax_ragged_attn/; else
