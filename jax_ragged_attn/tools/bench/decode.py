@@ -144,7 +144,7 @@ def run(shape: dict, calls: int, repetitions: int) -> None:
                     note = ""
                     if name == "fa3":
                         config = kvcache_config(*args[:4], args[4], AttentionOptions(is_causal=True))
-                        note = f"num_splits={fa3_kvcache.num_splits(config)}"
+                        note = f"route={fa3_kvcache.route(config)}, num_splits={fa3_kvcache.num_splits(config)}"
                     _row(batch, context, layout, f"ours-{label}", seconds, bytes_read, note)
                 if raw is not None:
                     def wheel(q, k, v, lengths, table):
