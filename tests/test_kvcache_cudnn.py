@@ -16,6 +16,7 @@ and the handler's argument checks (tests/native/ffi_call_frame.cc, as test_handl
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from unittest import mock
 
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ from test_kvcache import KVCacheTest
 
 import jax_ragged_attn
 from jax_ragged_attn import ragged_attention_with_kvcache
-from jax_ragged_attn.backends import cudnn_kvcache
+from jax_ragged_attn.backends import cudnn_kvcache, xla_kvcache
 from jax_ragged_attn.backends.cudnn import extension, paged
 from jax_ragged_attn.backends.kvcache_config import KVCacheConfig
 from jax_ragged_attn.testing import assert_close
@@ -65,11 +66,17 @@ def test_attributes_carry_masks_dtype_and_padded_queries(overrides, expected):
     assert {name: got[name] for name in expected} == expected
 
 
-def test_a_contiguous_cache_is_one_page_per_sequence():
-    contiguous = _config(paged=False, page_size=300, num_pages=3, max_pages=1)  # as kvcache_config makes it
+def test_a_contiguous_cache_is_viewed_in_power_of_two_pages():
+    contiguous = _config(paged=False, page_size=12, num_pages=3, max_pages=1)  # as kvcache_config makes it
     got = paged.attributes(contiguous)
-    assert (got["num_pages"], got["page_size"], got["max_pages"]) == (3, 300, 1)
-    np.testing.assert_array_equal(paged.page_table(None, contiguous), [[0], [1], [2]])
+    assert (got["num_pages"], got["page_size"], got["max_pages"]) == (9, 4, 3)  # 12 = 3 pages of 4
+    np.testing.assert_array_equal(paged.page_table(None, contiguous), [[0, 1, 2], [3, 4, 5], [6, 7, 8]])
+    assert [paged.contiguous_page_size(n) for n in (2048, 192, 640, 300, 7)] == [2048, 64, 128, 4, 1]
+
+
+def test_a_paged_cache_needs_power_of_two_pages():
+    assert "powers of 2, got page_size=40" in paged.static_reason(_config(page_size=40))
+    assert paged.static_reason(_config(paged=False, page_size=40, num_pages=3, max_pages=1)) is None
 
 
 def test_decode_graphs_when_asked():
@@ -213,7 +220,9 @@ class _CudnnKVCacheCases(KVCacheTest):
     dtype = jnp.bfloat16
     head_dim = 64
     page_size = 16  # a key tile of 64 or 128 rows spans several pages, the unused ones among them
-    max_pages = 12  # capacity 192: sequences longer than one tile, and short ones inside one
+    # capacity 640: past cudnn_kvcache.TAIL (256), so the paged graph reads heads of several tiles, and
+    # short sequences go to the xla tail alone; contiguous: 5 pages of 128 rows a sequence
+    max_pages = 40
     route = "auto"
 
     def setUp(self):
@@ -247,6 +256,13 @@ class CudnnPagedKVCacheTest(_CudnnKVCacheCases):
         _, k, _, _, table = self.make(paged=True)
         self.assertTrue(np.isnan(np.asarray(k[0], np.float32)).all(), "page 0 must be an unused, all-NaN page")
 
+    def test_the_paged_graph_reads_heads(self):
+        # Long sequences: the paged graph serves all but each one's last TAIL rows.
+        q, k, v, lengths, table = self.make(paged=True, seqlen_q=3, lengths=[640, 600, 300, 257, 256, 10])
+        with mock.patch.object(paged, "attend", wraps=paged.attend) as spy:
+            self.check((q, k, v, lengths, table))
+        self.assertTrue(spy.called)
+
     def test_the_paged_graph_runs(self):
         config = _config(page_size=self.page_size, max_pages=self.max_pages, num_pages=40)
         self.assertIsNone(cudnn_kvcache.unsupported_reason(config))
@@ -262,6 +278,8 @@ class CudnnPagedKVCacheTest(_CudnnKVCacheCases):
         # capacity 1024 rows: tiles in the middle of a sequence, and its end anywhere inside a page
         with mock.patch.object(self, "max_pages", 64):
             self.check(self.make(paged=True, seqlen_q=2, lengths=[1024, 1000, 517, 129, 3, 0]))
+            self.check(self.make(paged=True, seqlen_q=4, lengths=[1024, 1000, 517, 129, 3, 0]),
+                       local_window_size=(300, 0))  # a window that reaches the head: shifted bounds
 
 
 @gpu_only
@@ -299,7 +317,7 @@ def test_contiguous_routes_agree():
     q = jnp.asarray(rng.standard_normal((4, 2, 8, 64)), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((4, 96, 2, 64)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((4, 96, 2, 64)), jnp.bfloat16)
-    lengths = jnp.asarray([96, 50, 1, 0], jnp.int32)
+    lengths = jnp.asarray([96, 50, 1, 0], jnp.int32)  # L = 96: the paged view takes pages of 32
     outs = {}
     for route in ("ragged", "paged"):
         with mock.patch.dict("os.environ", {cudnn_kvcache.ROUTE_ENV: route}):
@@ -308,3 +326,46 @@ def test_contiguous_routes_agree():
     for route, (out, stats) in outs.items():
         assert_close(out, expected["out"], jnp.bfloat16, f"out ({route})")
         assert_close(stats, expected["stats"], jnp.bfloat16, f"stats ({route})")
+
+
+# ---- the paged route's head / tail split on any backend -------------------------------------------------------
+
+
+def _paged_stand_in(q, k_cache, v_cache, lengths, page_table, config, bounds=None):
+    """paged.attend as cudnn_kvcache calls it, computed by the xla path over the same page view and table:
+    bottom-right over `lengths` rows with `bounds` (left, right)."""
+    left, right = (config.left_bound, config.right_bound) if bounds is None else bounds
+    view = paged.as_paged(config)
+    table = paged.page_table(page_table, config)
+    if not config.paged:
+        k_cache = k_cache.reshape(view.num_pages, view.page_size, *k_cache.shape[2:])
+        v_cache = v_cache.reshape(view.num_pages, view.page_size, *v_cache.shape[2:])
+    masks = dataclasses.replace(view, is_causal=False, window_left=left, window_right=right)
+    return xla_kvcache.attend(q, k_cache, v_cache, lengths, table, masks)
+
+
+class CudnnPagedRouteStandInTest(KVCacheTest):
+    """cudnn_kvcache's paged route with the graph replaced by the xla path over the same page view, TAIL small
+    so heads and tails both carry keys: the split, its shifted masks, the merge and the contiguous view."""
+
+    __test__ = True
+    implementation = "cudnn"
+    page_size = 4  # a power of 2, as cuDNN takes; contiguous: capacity 24 is 3 pages of 8
+
+    def setUp(self):
+        super().setUp()
+        patchers = [mock.patch.object(target, name, value) for target, name, value in (
+            (paged, "attend", _paged_stand_in), (cudnn_kvcache, "TAIL", 7),
+            (extension, "cudnn_unavailable_reason", lambda: None),
+            (paged, "unsupported_reason", lambda config, bounds=None: paged.static_reason(config)),
+            (paged, "CUDNN_DTYPES", ("float32",)))]
+        patchers.append(mock.patch.dict("os.environ", {cudnn_kvcache.ROUTE_ENV: "paged"}))
+        for patcher in patchers:
+            patcher.start()
+            self.addCleanup(patcher.stop)
+
+    def test_the_stand_in_is_what_runs(self):
+        q, k, v, lengths, table = self.make(paged=True, seqlen_q=2)
+        with mock.patch.object(paged, "attend", wraps=_paged_stand_in) as spy:
+            self.check((q, k, v, lengths, table))
+        self.assertTrue(spy.called)

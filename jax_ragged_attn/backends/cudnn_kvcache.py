@@ -3,10 +3,14 @@
 Two routes, both forward only:
 
 - "paged": cuDNN's paged SDPA (page tables, cuDNN >= 9.5) through its own handler (backends/cudnn/paged.py,
-  ffi/paged_graph.h). Every paged cache goes this way; a contiguous cache [B, L, Hkv, D] can too, as one page
-  of L rows per sequence. Page-table entries outside [0, num_pages) are replaced by page 0 before cuDNN sees
+  ffi/paged_graph.h). Every paged cache goes this way; a contiguous cache [B, L, Hkv, D] can too, viewed as
+  pages (paged.as_paged). Page-table entries outside [0, num_pages) are replaced by page 0 before cuDNN sees
   them (never an address outside the cache; the result of a sequence that uses such an entry is then
-  unspecified, as on the fa3 path: check=True names the entry).
+  unspecified, as on the fa3 path: check=True names the entry). cuDNN's paged kernel loads whole key tiles
+  and multiplies the values of rows past a sequence's length by their zero probability (measured on the
+  H200, cuDNN 9.19: a NaN-poisoned unused row or page made the sequence's output NaN), so it reads each
+  sequence's head only and the xla path its last TAIL rows (kvcache_head_tail.py, as FA3's head / tail
+  route).
 - "ragged": the ragged training kernel over a contiguous cache flattened into a packed buffer [B * L, Hkv, D]
   of fixed-size slots: cu_seqlens_kv = b * L, seqused_kv = cache_seqlens, and the queries [B, Sq, Hq, D] are
   [B * Sq, Hq, D] with cu_seqlens_q = b * Sq. A bottom-right mask puts query i of sequence b on diagonal
@@ -19,9 +23,8 @@ sequence: the issue measured it at a fifth of the H200's bandwidth, and no measu
 exists yet) and the paged one where it declines (e.g. the ragged offsets' int32 bound). ROUTE_ENV pins either,
 for the decode benchmark's comparison (tools/bench/decode.py) and the tests.
 
-In both, the rows of a sequence past cache_seqlens are masked by cuDNN's padding mask (seq_len_kv). Whether a
-kernel that loads whole key tiles multiplies a NaN in such a row by its zero probability (0 * NaN, which FA3
-does: fa3_kvcache.py) is what tests/test_kvcache_cudnn.py checks on a GPU with NaN-poisoned rows and pages.
+The ragged kernel keeps NaN in rows past seqused out of its results (tests/test_kvcache.py's
+CudnnKVCacheTest, NaN-poisoned caches); tests/test_kvcache_cudnn.py checks the paged route the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn.backends import cudnn
+from jax_ragged_attn.backends import cudnn, kvcache_head_tail
 from jax_ragged_attn.backends.cudnn import extension, paged
 from jax_ragged_attn.backends.kvcache_config import KVCacheConfig
 from jax_ragged_attn.config import AttentionConfig, AttentionOptions, make_config
@@ -41,6 +44,9 @@ from jax_ragged_attn.index import RaggedIndex
 NAME = "cudnn"
 ROUTE_ENV = "JAX_RAGGED_ATTN_CUDNN_KVCACHE_ROUTE"
 ROUTES = ("auto", "paged", "ragged")
+# Rows of each sequence's end the paged kernel never reads (kvcache_head_tail.py): at least cuDNN's widest key
+# tile (128 rows on Hopper), twice that for margin.
+TAIL = 256
 
 
 def pinned_route() -> str:
@@ -85,7 +91,10 @@ def unsupported_reason(config: KVCacheConfig) -> str | None:
         return reason
     if route(config) == "ragged":
         return cudnn.unsupported_reason(ragged_config(config))
-    reason = paged.unsupported_reason(config)
+    reason = kvcache_head_tail.window_reason(config, TAIL, "cuDNN's paged graph")
+    bounds = head_bounds(config)
+    if reason is None and bounds is not None:
+        reason = paged.unsupported_reason(config, bounds)
     if reason is not None and not config.paged and pinned_route() == "auto":
         ragged = cudnn.unsupported_reason(ragged_config(config))
         return f"neither cuDNN route serves this contiguous cache: the ragged kernel ({ragged}) nor the paged graph " \
@@ -93,10 +102,20 @@ def unsupported_reason(config: KVCacheConfig) -> str | None:
     return reason
 
 
+def head_bounds(config: KVCacheConfig) -> tuple | None:
+    """(left, right) of the paged graph over each sequence's head, or None where the band never reaches it."""
+    left = None if config.left_bound is None else config.left_bound - TAIL
+    right = None if config.right_bound is None else config.right_bound + TAIL
+    return None if left is not None and left < 0 else (left, right)
+
+
 def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
     """(out [B, Sq, Hq, Dv], lse [B, Hq, Sq]) from the route `route` picks."""
     if route(config) == "paged":
-        return paged.attend(q, k_cache, v_cache, lengths, page_table, config)
+        def head_call(q, k_cache, v_cache, head, page_table, config, left, right):
+            return paged.attend(q, k_cache, v_cache, head, page_table, config, bounds=(left, right))
+
+        return kvcache_head_tail.attend(q, k_cache, v_cache, lengths, page_table, config, head_call, TAIL)
     return _ragged_attend(q, k_cache, v_cache, lengths, config)
 
 

@@ -23,15 +23,10 @@ and attributes the wheel's lowering passes. Forward only (the wheel has no kvcac
 - Unused rows, everywhere else (Sq x group > ZERO_FILL_MAX_ROWS, or the route pinned to "head_tail"): FA3
   loads whole key tiles with TMA and masks only the scores of rows past the sequence's length, so a NaN in
   such a row of the last tile reaches the output (0 * NaN; measured on the H200 with NaN-poisoned
-  caches, as for the varlen kernel in backends/fa3.py). So FA3 reads only each sequence's head, rows
-  [0, head) with head = length - TAIL: its last tile ends inside the sequence, since TAIL is at least
-  FA3's widest key tile. The tail, each sequence's last TAIL rows gathered into a small cache of their own,
-  goes to the xla path's online softmax (xla_kvcache.py, which zeroes unused rows), and the two merge through
-  their log-sum-exps. Cost: the gather and the tail's attention, B x TAIL rows (W: about 1/8 of the bytes at
-  L = 2k, 1/128 at 32k). The masks shift with the head: the query at position
-  p sees head keys up to p + right, which FA3's bottom-right window over `head` rows expresses as
-  window_right = TAIL + right (and window_left = left - TAIL); a left window shorter than TAIL that still
-  reaches the head cannot be expressed so and is declined.
+  caches, as for the varlen kernel in backends/fa3.py). So FA3 reads only each sequence's head and the xla
+  path its last TAIL rows (TAIL at least FA3's widest key tile), merged through their log-sum-exps
+  (kvcache_head_tail.py, shared with cuDNN's paged route). A left window shorter than TAIL that still reaches
+  the head is declined.
 
 Declined, with the reason: dtypes other than bfloat16/float16, head dims other than 128 (the wheel's kernels),
 softcap, a left window in (TAIL - Sq, TAIL) on the head / tail route, the wheel not installed, no Hopper GPU.
@@ -47,8 +42,8 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jax_ragged_attn.backends import fa3, xla_kvcache
-from jax_ragged_attn.backends.kvcache_config import KVCacheConfig, key_band, rows_with_keys, safe_page_table
+from jax_ragged_attn.backends import fa3, kvcache_head_tail
+from jax_ragged_attn.backends.kvcache_config import KVCacheConfig, rows_with_keys, safe_page_table
 
 NAME = "fa3"
 # implementation=None picks FA3's kvcache kernels wherever they serve the call: the issue's measurements put
@@ -89,11 +84,10 @@ def unsupported_reason(config: KVCacheConfig) -> str | None:
     if config.softcap:
         return (f"the {fa3.WHEEL} wheel's kernels are called with softcap 0 (its binding hard-codes it), got "
                 f"softcap={config.softcap}")
-    left = config.left_bound
-    if route(config) == "head_tail" and left is not None and left < TAIL < left + config.seqlen_q:
-        return (f"a left window of {left} rows with {config.seqlen_q} queries reaches into the rows FA3 reads "
-                f"but cannot be expressed there (FA3 reads all but each sequence's last {TAIL} rows, whose "
-                f"NaN-safety it cannot give); use implementation='xla'")
+    if route(config) == "head_tail":
+        reason = kvcache_head_tail.window_reason(config, TAIL, "FA3")
+        if reason is not None:
+            return reason
     return fa3.unavailable_reason()
 
 
@@ -147,21 +141,6 @@ def _fa3_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, w
     return out, lse
 
 
-def _tail_cache(k_cache, v_cache, head, page_table, config: KVCacheConfig):
-    """(k, v) [B, TAIL, Hkv, D]: rows head .. head + TAIL - 1 of each sequence gathered into a contiguous cache
-    of their own (through the page table for a paged cache, its entries outside the cache read as page 0, as
-    FA3 reads them), and that cache's config."""
-    rows = jnp.minimum(head[:, None] + jnp.arange(TAIL, dtype=jnp.int32)[None, :], config.capacity - 1)  # [B, TAIL]
-    if config.paged:
-        pages = jnp.take_along_axis(safe_page_table(page_table, config), rows // config.page_size, axis=1)
-        flat = pages * config.page_size + rows % config.page_size
-        gather = lambda cache: cache.reshape((-1,) + cache.shape[2:])[flat]  # noqa: E731
-    else:
-        gather = lambda cache: jnp.take_along_axis(cache, rows[:, :, None, None], axis=1)  # noqa: E731
-    tail = dataclasses.replace(config, paged=False, page_size=TAIL, num_pages=config.batch, max_pages=1)
-    return gather(k_cache), gather(v_cache), tail
-
-
 def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
     """(out [B, Sq, Hq, D], lse [B, Hq, Sq]) through the route that keeps unused rows out (module docstring)."""
     if route(config) == "one_call":
@@ -193,30 +172,10 @@ def _one_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
 
 
 def _head_tail(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
-    """(out [B, Sq, Hq, D], lse [B, Hq, Sq]): FA3 over each sequence's head, the xla path over its tail
-    (module docstring), merged through their log-sum-exps."""
-    head = jnp.maximum(lengths - TAIL, 0)  # FA3 reads rows < head + its tile <= lengths: never an unused row
-    # FA3 aligns bottom-right on `head` rows: its diagonal is the query's position minus TAIL, so the true band
-    # [p - left, p + right] is FA3's window (left - TAIL, right + TAIL); a left bound below TAIL cannot reach
-    # the head at all here (unsupported_reason declined the cases where it could).
-    left = None if config.left_bound is None else config.left_bound - TAIL
-    right = None if config.right_bound is None else config.right_bound + TAIL
-    first, last = key_band(lengths, config)  # [B, Sq], true positions
-    has_head = (head[:, None] > 0) & (first < head[:, None]) & (first <= last)
-    if left is not None and left < 0:
-        out_h = jnp.zeros(q.shape, q.dtype)
-        lse_h = jnp.full((config.batch, config.num_heads_q, config.seqlen_q), -jnp.inf, jnp.float32)
-    else:
+    """(out [B, Sq, Hq, D], lse [B, Hq, Sq]): FA3 over each sequence's head, the xla path over its last TAIL
+    rows (kvcache_head_tail.py)."""
+    def head_call(q, k_cache, v_cache, head, page_table, config, left, right):
         window = (False, -1 if left is None else left, -1 if right is None else right)
-        out_h, lse_h = _fa3_call(q, k_cache, v_cache, head, page_table, config, window)
-        lse_h = jnp.where(has_head[:, None, :], lse_h, -jnp.inf)  # FA3's lse of a row without keys is +inf
-        out_h = jnp.where(has_head[:, :, None, None], out_h, jnp.zeros((), out_h.dtype))
-    k_t, v_t, config_t = _tail_cache(k_cache, v_cache, head, page_table, config)
-    # Queries and keys both shift by `head`, so the tail's bottom-right masks and windows keep their meaning,
-    # and the head's keys fall before its first row.
-    out_t, lse_t = xla_kvcache.attend(q, k_t, v_t, lengths - head, None, config_t)
-    lse = jnp.logaddexp(lse_h, lse_t)
-    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    weight = lambda part: jnp.exp(part - safe).transpose(0, 2, 1)[..., None]  # [B, Sq, Hq, 1]  # noqa: E731
-    out = weight(lse_h) * out_h.astype(jnp.float32) + weight(lse_t) * out_t.astype(jnp.float32)
-    return out.astype(q.dtype), lse
+        return _fa3_call(q, k_cache, v_cache, head, page_table, config, window)
+
+    return kvcache_head_tail.attend(q, k_cache, v_cache, lengths, page_table, config, head_call, TAIL)

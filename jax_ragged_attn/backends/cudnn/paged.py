@@ -1,12 +1,12 @@
 """cuDNN's paged SDPA forward (ffi/paged_graph.h) for ragged_attention_with_kvcache: dense queries against
 K/V caches read through a page table, one FFI handler of its own (ffi/paged_handler.cc).
 
-A paged cache [num_pages, page_size, Hkv, D] is cuDNN's page container as it is; a contiguous one
-[B, L, Hkv, D] is the same with one page of L rows per sequence (num_pages = B, page_size = L, table[b] = [b]),
-which lifts the ragged route's int32 offsets bound (cudnn_kvcache.py chooses the route). What the handler
-gets, per sequence b:
+A paged cache [num_pages, page_size, Hkv, D] is cuDNN's page container as it is (cuDNN takes page sizes that
+are powers of 2); a contiguous one [B, L, Hkv, D] is the same viewed as pages of P rows, P the largest power of
+2 dividing L (num_pages = B * L / P, table[b] = b * L / P + [0, 1, ...]: a free reshape), which lifts the
+ragged route's int32 offsets bound (cudnn_kvcache.py chooses the route). What the handler gets, per sequence b:
 
-    seq_len_kv[b] = cache_seqlens clamped into [0, capacity]      (the op layer's `lengths`)
+    seq_len_kv[b] = the rows to read, within [0, capacity]       (cudnn_kvcache passes each sequence's head)
     seq_len_q[b]  = Sq, or 0 where seq_len_kv[b] = 0              (no softmax to take: no query is run)
     table[b]      = page_table[b] with entries outside [0, num_pages) replaced by page 0 (safe_page_table),
                     so cuDNN never addresses memory outside the cache
@@ -23,6 +23,8 @@ cuDNN does not write (queries without keys, padding) hold anything: inputs/kvcac
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -44,9 +46,26 @@ def graph_seqlen_q(config: KVCacheConfig) -> int:
     return max(config.seqlen_q, MIN_SEQLEN_Q)
 
 
-def attributes(config: KVCacheConfig) -> dict:
+def contiguous_page_size(capacity: int) -> int:
+    """The page a contiguous cache of `capacity` rows is viewed in: the largest power of 2 dividing it."""
+    return capacity & -capacity
+
+
+def as_paged(config: KVCacheConfig) -> KVCacheConfig:
+    """The paged config cuDNN sees: `config` itself when paged, else the contiguous cache's page view."""
+    if config.paged:
+        return config
+    page = contiguous_page_size(config.capacity)
+    per_sequence = config.capacity // page
+    return dataclasses.replace(config, paged=True, page_size=page, num_pages=config.batch * per_sequence,
+                               max_pages=per_sequence)
+
+
+def attributes(config: KVCacheConfig, bounds: tuple | None = None) -> dict:
     """The handler's configuration (ffi/paged_config.h's fields, in order) for a call, paged or contiguous
-    (a contiguous KVCacheConfig already says num_pages = B, page_size = L, max_pages = 1)."""
+    (as_paged's view). bounds: (left, right), None for no bound; default the config's own."""
+    left, right = (config.left_bound, config.right_bound) if bounds is None else bounds
+    config = as_paged(config)
     return dict(
         num_seqs=config.batch,
         seqlen_q=graph_seqlen_q(config),
@@ -60,14 +79,14 @@ def attributes(config: KVCacheConfig) -> dict:
         dtype=CUDNN_DTYPES.index(config.dtype),
         scale=float(config.scale),
         softcap=float(config.softcap),
-        left_bound=-1 if config.left_bound is None else int(config.left_bound),
-        right_bound=-1 if config.right_bound is None else int(config.right_bound),
+        left_bound=-1 if left is None else int(left),
+        right_bound=-1 if right is None else int(right),
     )
 
 
-def ffi_kwargs(config: KVCacheConfig) -> dict:
+def ffi_kwargs(config: KVCacheConfig, bounds: tuple | None = None) -> dict:
     """attributes(), each typed as the extension declares its field."""
-    values = attributes(config)
+    values = attributes(config, bounds)
     fields = extension.module().paged_config_fields()
     if list(values) != [name for name, _ in fields]:
         raise RuntimeError(f"paged.attributes builds the fields {list(values)}, but the extension declares "
@@ -82,15 +101,17 @@ def static_reason(config: KVCacheConfig) -> str | None:
     for name, dim in (("Dqk", config.head_dim_qk), ("Dv", config.head_dim_v)):
         if dim % 8 or dim > MAX_HEAD_DIM:
             return f"cuDNN needs head dims that are multiples of 8 up to {MAX_HEAD_DIM}, got {name}={dim}"
+    if config.paged and config.page_size & (config.page_size - 1):
+        return f"cuDNN's paged graph takes page sizes that are powers of 2, got page_size={config.page_size}"
     if config.capacity > INT_MAX:
         return (f"cuDNN's paged graph takes a capacity (max_pages * page_size = {config.max_pages} * "
                 f"{config.page_size}) of at most 2**31 - 1 rows")
     return None
 
 
-def graph_info(config: KVCacheConfig) -> dict:
+def graph_info(config: KVCacheConfig, bounds: tuple | None = None) -> dict:
     """Builds or finds the graph; raises NotImplementedError if cuDNN cannot run it here."""
-    info = extension.module().paged_graph_info(device_ordinal(), attributes(config))
+    info = extension.module().paged_graph_info(device_ordinal(), attributes(config, bounds))
     if info["status"] == "unsupported":
         raise NotImplementedError(f"cuDNN cannot run this paged configuration: {info['message']}")
     if info["status"] != "ok":
@@ -98,8 +119,8 @@ def graph_info(config: KVCacheConfig) -> dict:
     return info
 
 
-def unsupported_reason(config: KVCacheConfig) -> str | None:
-    """None when the paged graph serves `config` here; else why not (cuDNN's absence first)."""
+def unsupported_reason(config: KVCacheConfig, bounds: tuple | None = None) -> str | None:
+    """None when the paged graph serves `config` (with `bounds`) here; else why not (cuDNN's absence first)."""
     reason = extension.cudnn_unavailable_reason()
     if reason is not None:
         return reason
@@ -109,7 +130,7 @@ def unsupported_reason(config: KVCacheConfig) -> str | None:
     if reason is not None:
         return reason
     try:
-        graph_info(config)
+        graph_info(config, bounds)
     except NotImplementedError as error:
         return str(error)
     return None
@@ -117,9 +138,10 @@ def unsupported_reason(config: KVCacheConfig) -> str | None:
 
 def page_table(page_table, config: KVCacheConfig) -> jax.Array:
     """int32 [B, max_pages] the kernel reads: the caller's with entries outside the cache replaced by page 0,
-    or, for a contiguous cache (page_table None), [[0], [1], ..., [B - 1]]."""
+    or, for a contiguous cache (page_table None), its page view's: row b is b * n, ..., b * n + n - 1."""
     if page_table is None:
-        return jnp.arange(config.batch, dtype=jnp.int32)[:, None]
+        per_sequence = as_paged(config).max_pages
+        return jnp.arange(config.batch * per_sequence, dtype=jnp.int32).reshape(config.batch, per_sequence)
     return safe_page_table(page_table.astype(jnp.int32), config)
 
 
@@ -129,10 +151,16 @@ def seq_lens(lengths, config: KVCacheConfig) -> tuple[jax.Array, jax.Array]:
     return jnp.where(lengths > 0, jnp.int32(config.seqlen_q), jnp.int32(0)), lengths
 
 
-def attend(q, k_cache, v_cache, lengths, page_table_, config: KVCacheConfig):
-    """(out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32) from the paged graph; lengths already clamped."""
+def attend(q, k_cache, v_cache, lengths, page_table_, config: KVCacheConfig, bounds: tuple | None = None):
+    """(out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32) from the paged graph over `lengths` rows of each
+    sequence (within [0, capacity]), masks bottom-right on them with `bounds` (left, right), default the
+    config's. Rows of queries without keys hold anything."""
     rows = graph_seqlen_q(config)
-    workspace = graph_info(config)["workspace_bytes"]
+    workspace = graph_info(config, bounds)["workspace_bytes"]
+    view = as_paged(config)
+    if not config.paged:  # the page view: a free reshape
+        k_cache = k_cache.reshape(view.num_pages, view.page_size, *k_cache.shape[2:])
+        v_cache = v_cache.reshape(view.num_pages, view.page_size, *v_cache.shape[2:])
     if rows > config.seqlen_q:
         q = jnp.pad(q, ((0, 0), (0, rows - config.seqlen_q), (0, 0), (0, 0)))
     batch, heads_q = config.batch, config.num_heads_q
@@ -142,5 +170,5 @@ def attend(q, k_cache, v_cache, lengths, page_table_, config: KVCacheConfig):
     seq_len_q, seq_len_kv = seq_lens(lengths, config)
     call = jax.ffi.ffi_call(TARGET, types, vmap_method="sequential")
     out, lse, _ = call(q, k_cache, v_cache, page_table(page_table_, config), seq_len_q, seq_len_kv,
-                       **ffi_kwargs(config))
+                       **ffi_kwargs(config, bounds))
     return out[:, :config.seqlen_q], lse[:, :, :config.seqlen_q]

@@ -1,0 +1,87 @@
+"""A KV-cache call split into each sequence's head, read by a kernel that loads whole key tiles, and its last
+`tail` rows, read by the xla path, merged through their log-sum-exps.
+
+Kernels that load whole key tiles (FlashAttention-3 with TMA, cuDNN's paged SDPA) mask the scores of rows
+past a sequence's length but still multiply their values by the zero probability: a NaN in an unused row
+(which the op allows, and the tests poison) reaches the result as 0 * NaN. Such a kernel is given each
+sequence's head, rows [0, head) with head = max(length - tail, 0): a tile that starts inside the head ends
+inside the sequence when `tail` is at least the kernel's widest key tile, so every row it loads is used.
+The last `tail` rows are gathered into a small contiguous cache of their own (through the page table for a
+paged cache, entries outside the cache read as page 0, as the kernels read them) and go to
+xla_kvcache.attend, which zeroes unused rows. Cost: the gather and the tail's attention, B x tail rows.
+
+    length 700, tail 256: the kernel reads rows 0..443 (its last tile ends by row 699), the xla path 444..699;
+    length 100: the kernel reads nothing, the xla path rows 0..99.
+
+Masks shift with the head: the kernel aligns bottom-right on `head` rows, so its diagonal is the query's
+position minus `tail`, and the band [p - left, p + right] is the kernel's window (left - tail, right + tail).
+A left bound shorter than `tail` that still reaches the head cannot be expressed that way (`window_reason`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jax_ragged_attn.backends import xla_kvcache
+from jax_ragged_attn.backends.kvcache_config import KVCacheConfig, key_band, rows_with_keys, safe_page_table
+
+# head_call(q, k_cache, v_cache, head_lengths, page_table, config, left, right) -> (out [B, Sq, Hq, Dv],
+# lse [B, Hq, Sq]): the kernel bottom-right over head_lengths rows with bounds left / right (None: no bound);
+# rows of queries without keys may hold anything (they are replaced here).
+HeadCall = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def window_reason(config: KVCacheConfig, tail: int, kernel: str) -> str | None:
+    """Why a left window cannot be split at `tail` rows (see the module docstring), or None."""
+    left = config.left_bound
+    if left is not None and left < tail < left + config.seqlen_q:
+        return (f"a left window of {left} rows with {config.seqlen_q} queries reaches into the rows {kernel} "
+                f"reads but cannot be expressed there ({kernel} reads all but each sequence's last {tail} rows, "
+                f"whose NaN-safety it cannot give); use implementation='xla'")
+    return None
+
+
+def tail_cache(k_cache, v_cache, head, page_table, config: KVCacheConfig, tail: int):
+    """(k, v) [B, tail, Hkv, D]: rows head .. head + tail - 1 of each sequence (clamped into the capacity),
+    and the config of that contiguous cache."""
+    rows = jnp.minimum(head[:, None] + jnp.arange(tail, dtype=jnp.int32)[None, :], config.capacity - 1)
+    if config.paged:
+        pages = jnp.take_along_axis(safe_page_table(page_table, config), rows // config.page_size, axis=1)
+        flat = pages * config.page_size + rows % config.page_size
+        gather = lambda cache: cache.reshape((-1,) + cache.shape[2:])[flat]  # noqa: E731
+    else:
+        gather = lambda cache: jnp.take_along_axis(cache, rows[:, :, None, None], axis=1)  # noqa: E731
+    small = dataclasses.replace(config, paged=False, page_size=tail, num_pages=config.batch, max_pages=1)
+    return gather(k_cache), gather(v_cache), small
+
+
+def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, head_call: HeadCall, tail: int):
+    """(out [B, Sq, Hq, Dv], lse [B, Hq, Sq]): `head_call` over each sequence's head, the xla path over its
+    last `tail` rows, merged. lengths: clamped int32 [B]."""
+    head = jnp.maximum(lengths - tail, 0)
+    left = None if config.left_bound is None else config.left_bound - tail
+    right = None if config.right_bound is None else config.right_bound + tail
+    first, _ = key_band(lengths, config)  # [B, Sq], true positions
+    has_head = (head[:, None] > 0) & (first < head[:, None]) & rows_with_keys(lengths, config)
+    batch, seqlen_q, heads_q = config.batch, config.seqlen_q, config.num_heads_q
+    if left is not None and left < 0:  # the band never reaches the head (window_reason declined the rest)
+        out_h = jnp.zeros((batch, seqlen_q, heads_q, config.head_dim_v), q.dtype)
+        lse_h = jnp.full((batch, heads_q, seqlen_q), -jnp.inf, jnp.float32)
+    else:
+        out_h, lse_h = head_call(q, k_cache, v_cache, head, page_table, config, left, right)
+        lse_h = jnp.where(has_head[:, None, :], lse_h, -jnp.inf)
+        out_h = jnp.where(has_head[:, :, None, None], out_h, jnp.zeros((), out_h.dtype))
+    k_t, v_t, config_t = tail_cache(k_cache, v_cache, head, page_table, config, tail)
+    # Queries and keys both shift by `head`, so the tail's bottom-right masks and windows keep their meaning,
+    # and the head's keys fall before its first row.
+    out_t, lse_t = xla_kvcache.attend(q, k_t, v_t, lengths - head, None, config_t)
+    lse = jnp.logaddexp(lse_h, lse_t)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    weight = lambda part: jnp.exp(part - safe).transpose(0, 2, 1)[..., None]  # [B, Sq, Hq, 1]  # noqa: E731
+    out = weight(lse_h) * out_h.astype(jnp.float32) + weight(lse_t) * out_t.astype(jnp.float32)
+    return out.astype(q.dtype), lse
+
