@@ -450,3 +450,14 @@ def test_decode_bench_quick_runs(capsys):
     assert decode.main(["--quick", "--calls", "1", "--repetitions", "1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if "ours-xla" in line]
     assert len(rows) == 8, rows  # 2 batches x 2 contexts x (contiguous, paged)
+
+
+def test_fa3_splits_fill_one_wave():
+    config = lambda batch, capacity: KVCacheConfig(  # noqa: E731
+        batch=batch, seqlen_q=1, num_heads_q=32, num_heads_kv=8, head_dim_qk=128, head_dim_v=128,
+        dtype="bfloat16", paged=False, page_size=capacity, num_pages=batch, max_pages=1, scale=1.0, is_causal=True,
+        window_left=None, window_right=None)
+    assert fa3_kvcache.num_splits(config(8, 32768)) == 2  # 64 tiles: 128 CTAs, one wave of 132 SMs
+    assert fa3_kvcache.num_splits(config(2, 32768)) == 8
+    assert fa3_kvcache.num_splits(config(2, 256)) == 2  # no more splits than key tiles
+    assert fa3_kvcache.num_splits(config(64, 2048)) == 1  # 512 tiles fill the GPU alone

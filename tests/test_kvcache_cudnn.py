@@ -369,3 +369,16 @@ class CudnnPagedRouteStandInTest(KVCacheTest):
         with mock.patch.object(paged, "attend", wraps=_paged_stand_in) as spy:
             self.check((q, k, v, lengths, table))
         self.assertTrue(spy.called)
+
+
+def test_large_contiguous_caches_take_the_paged_route():
+    # The ragged kernel copies a cache XLA must keep; from RAGGED_MAX_CACHE_BYTES the paged graph is faster.
+    big = _config(paged=False, batch=256, page_size=8192, num_pages=256, max_pages=1, num_heads_kv=8,
+                  head_dim_qk=128, head_dim_v=128)
+    small = dataclasses.replace(big, batch=8, num_pages=8)
+    assert cudnn_kvcache.cache_bytes(big) == 256 * 8192 * 8 * 256 * 2 >= cudnn_kvcache.RAGGED_MAX_CACHE_BYTES
+    with mock.patch.object(cudnn_kvcache.cudnn, "unsupported_reason", return_value=None):
+        assert cudnn_kvcache.route(big) == "paged"
+        assert cudnn_kvcache.route(small) == "ragged"
+    with mock.patch.object(cudnn_kvcache.cudnn, "unsupported_reason", return_value="int32 offsets"):
+        assert cudnn_kvcache.route(small) == "paged"

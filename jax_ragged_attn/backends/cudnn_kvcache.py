@@ -18,9 +18,12 @@ Two routes, both forward only:
 
     B = 2, Sq = 1, L = 4, cache_seqlens [3, 1] -> cu_seqlens_q [0, 1, 2], cu_seqlens_kv [0, 4, 8], seqused_kv [3, 1]
 
-A contiguous cache takes the ragged route where that serves it (the training kernel with Sq query rows per
-sequence: the issue measured it at a fifth of the H200's bandwidth, and no measurement of the paged graph
-exists yet) and the paged one where it declines (e.g. the ragged offsets' int32 bound). ROUTE_ENV pins either,
+A contiguous cache takes the ragged route where that serves it and K + V hold less than
+RAGGED_MAX_CACHE_BYTES, else the paged one. The ragged kernel zeroes the rows past each length in place,
+which on a cache XLA must keep (a jit argument) means a copy of the whole cache per call: measured on the
+H200 (decode, GQA 32/8, d 128, bf16), ragged / paged took 0.079 / 0.116 ms at 8 x 2k and about the same
+at 64-256 x 2k and 8 x 32k, but 9.96 / 5.80 ms at 256 x 8k, 10.13 / 5.78 at 64 x 32k (4.3 GB of K + V),
+and at 256 x 32k the ragged route ran out of memory for the copies (32 GiB). ROUTE_ENV pins either,
 for the decode benchmark's comparison (tools/bench/decode.py) and the tests.
 
 The ragged kernel keeps NaN in rows past seqused out of its results (tests/test_kvcache.py's
@@ -44,6 +47,8 @@ from jax_ragged_attn.index import RaggedIndex
 NAME = "cudnn"
 ROUTE_ENV = "JAX_RAGGED_ATTN_CUDNN_KVCACHE_ROUTE"
 ROUTES = ("auto", "paged", "ragged")
+# K + V bytes from which a contiguous cache takes the paged route (see the module docstring).
+RAGGED_MAX_CACHE_BYTES = 2**32
 # Rows of each sequence's end the paged kernel never reads (kvcache_head_tail.py): at least cuDNN's widest key
 # tile (128 rows on Hopper), twice that for margin.
 TAIL = 256
@@ -82,7 +87,15 @@ def route(config: KVCacheConfig) -> str:
         return "paged"
     if pin == "ragged":
         return "ragged"
+    if cache_bytes(config) >= RAGGED_MAX_CACHE_BYTES:
+        return "paged"
     return "ragged" if cudnn.unsupported_reason(ragged_config(config)) is None else "paged"
+
+
+def cache_bytes(config: KVCacheConfig) -> int:
+    """Bytes of K and V together."""
+    rows = config.num_pages * config.page_size * config.num_heads_kv
+    return rows * (config.head_dim_qk + config.head_dim_v) * np.dtype(config.dtype).itemsize
 
 
 def unsupported_reason(config: KVCacheConfig) -> str | None:

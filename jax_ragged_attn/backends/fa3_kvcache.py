@@ -96,13 +96,15 @@ def auto_candidate(config: KVCacheConfig) -> bool:
 
 
 def num_splits(config: KVCacheConfig) -> int:
-    """Key splits so that B x Hkv x query tiles x splits covers the SMs (1 where the tiles alone do)."""
+    """Key splits so that B x Hkv x query tiles x splits fills the SMs in one wave (1 where the tiles alone
+    come near): a second, partial wave cost more than it split (H200, 8 x 32k decode: 2 splits 0.249 ms,
+    3 splits 0.299, scripts/sweep_decode_splits.py)."""
     if NUM_SPLITS is not None:
         return NUM_SPLITS
     tiles = config.batch * config.num_heads_kv * math.ceil(config.seqlen_q * config.group_size / BLOCK_M)
     if tiles >= 0.8 * NUM_SMS:
         return 1
-    return max(1, min(math.ceil(NUM_SMS / tiles), math.ceil(config.capacity / BLOCK_N), MAX_SPLITS))
+    return max(1, min(NUM_SMS // tiles, math.ceil(config.capacity / BLOCK_N), MAX_SPLITS))
 
 
 def _fa3_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, window):
