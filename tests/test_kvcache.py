@@ -3,7 +3,7 @@
 `KVCacheTest` holds the cases and checks, through the public API only; each subclass runs them on one
 implementation: `XlaKVCacheTest` on the portable path (any backend; small blocks, so sequences straddle them),
 `Fa3KVCacheTest` on FlashAttention-3's kvcache kernels and `CudnnKVCacheTest` on the ragged cuDNN kernel over a
-contiguous cache (GPU only, skipped with the reason elsewhere; a configuration a backend declines is a skip
+contiguous cache (its paged graph: test_kvcache_cudnn.py) (GPU only, skipped with the reason elsewhere; a configuration a backend declines is a skip
 naming its reason). Every row and page a sequence does not use is NaN in both caches: a NaN in a result proves
 an unused row leaked. Inputs come from a seed derived from the test's id, so a failure reproduces with
 `pytest tests/test_kvcache.py -k 'XlaKVCacheTest and test_attention_paged_gqa'`.
@@ -435,6 +435,9 @@ def test_fa3_routes_by_query_rows(monkeypatch):
 
 @pytest.mark.skipif(_CUDNN_REASON is not None, reason=f"cuDNN path unavailable: {_CUDNN_REASON}")
 class CudnnKVCacheTest(KVCacheTest):
+    """Contiguous caches through the ragged cuDNN kernel (the route pinned: the paged graph, which serves them
+    by default, runs in test_kvcache_cudnn.py)."""
+
     __test__ = True
     implementation = "cudnn"
     dtype = jnp.bfloat16
@@ -442,6 +445,12 @@ class CudnnKVCacheTest(KVCacheTest):
     page_size = 64
     max_pages = 4
     contiguous_only = True
+
+    def setUp(self):
+        super().setUp()
+        patcher = mock.patch.dict(os.environ, {"JAX_RAGGED_ATTN_CUDNN_KVCACHE_ROUTE": "ragged"})
+        patcher.start()
+        self.addCleanup(patcher.stop)
 
 
 def test_decode_bench_quick_runs(capsys):

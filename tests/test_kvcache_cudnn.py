@@ -3,9 +3,10 @@ ffi/paged_graph.h) and the contiguous cache's two routes, against the float64 re
 
 On a GPU, test_kvcache.py's KVCacheTest runs here three more times: paged caches through the paged graph
 (`CudnnPagedKVCacheTest`: shuffled page tables, pages of 16 rows so a key tile spans many, page 0 always an
-unused all-NaN page, which is where entries outside the cache and unused pages lead), the same with true
-decode graphs (s_q = 1, `CudnnDecodeGraphKVCacheTest`), and contiguous caches through the paged graph as one
-page per sequence (`CudnnContiguousPagedKVCacheTest`). Every row and page a sequence does not use is NaN: a
+unused all-NaN page, which is where entries outside the cache and unused pages lead), the same with decode
+steps' queries padded to 2 rows (`CudnnPaddedQueryKVCacheTest`), and contiguous caches through the paged
+graph in their page view (`CudnnContiguousPagedKVCacheTest`); test_kvcache.py's CudnnKVCacheTest pins the
+ragged route. Every row and page a sequence does not use is NaN: a
 kernel that multiplies a masked probability by such a row's value (0 * NaN) fails them. Elsewhere they skip
 with the reason; the pure-Python pieces (attributes, page-table sanitising, lengths, reasons, route pinning)
 and the handler's argument checks (tests/native/ffi_call_frame.cc, as test_handler_contract.py) run on a CPU.
@@ -58,7 +59,7 @@ def test_attributes_of_a_paged_call():
     (dict(is_causal=False, window_left=3, window_right=1), dict(left_bound=3, right_bound=1)),
     (dict(window_right=4), dict(left_bound=-1, right_bound=0)),  # causal caps the right side at 0
     (dict(dtype="float16", softcap=2.5), dict(dtype=1, softcap=2.5)),
-    (dict(seqlen_q=1), dict(seqlen_q=2)),  # padded to MIN_SEQLEN_Q
+    (dict(seqlen_q=1), dict(seqlen_q=1)),  # a true decode graph
     (dict(seqlen_q=5), dict(seqlen_q=5)),
 ])
 def test_attributes_carry_masks_dtype_and_padded_queries(overrides, expected):
@@ -79,9 +80,9 @@ def test_a_paged_cache_needs_power_of_two_pages():
     assert paged.static_reason(_config(paged=False, page_size=40, num_pages=3, max_pages=1)) is None
 
 
-def test_decode_graphs_when_asked():
-    with mock.patch.object(paged, "MIN_SEQLEN_Q", 1):
-        assert paged.attributes(_config(seqlen_q=1))["seqlen_q"] == 1
+def test_padded_query_graphs_when_asked():
+    with mock.patch.object(paged, "MIN_SEQLEN_Q", 2):
+        assert paged.attributes(_config(seqlen_q=1))["seqlen_q"] == 2
 
 
 def test_page_table_entries_outside_the_cache_become_page_zero():
@@ -283,15 +284,15 @@ class CudnnPagedKVCacheTest(_CudnnKVCacheCases):
 
 
 @gpu_only
-class CudnnDecodeGraphKVCacheTest(_CudnnKVCacheCases):
-    """The same cases with graphs built for s_q = 1 where Sq = 1 (paged.MIN_SEQLEN_Q = 1), which the ragged
-    graphs avoid (graphs.py); if these fail where CudnnPagedKVCacheTest passes, keep MIN_SEQLEN_Q at 2."""
+class CudnnPaddedQueryKVCacheTest(_CudnnKVCacheCases):
+    """The same cases with decode steps' queries padded to 2 rows (paged.MIN_SEQLEN_Q = 2), as the ragged
+    graphs do (graphs.py): the fallback if a cuDNN release's s_q = 1 graphs go wrong."""
 
     __test__ = True
 
     def setUp(self):
         super().setUp()
-        patcher = mock.patch.object(paged, "MIN_SEQLEN_Q", 1)
+        patcher = mock.patch.object(paged, "MIN_SEQLEN_Q", 2)
         patcher.start()
         self.addCleanup(patcher.stop)
 
@@ -371,14 +372,12 @@ class CudnnPagedRouteStandInTest(KVCacheTest):
         self.assertTrue(spy.called)
 
 
-def test_large_contiguous_caches_take_the_paged_route():
-    # The ragged kernel copies a cache XLA must keep; from RAGGED_MAX_CACHE_BYTES the paged graph is faster.
-    big = _config(paged=False, batch=256, page_size=8192, num_pages=256, max_pages=1, num_heads_kv=8,
-                  head_dim_qk=128, head_dim_v=128)
-    small = dataclasses.replace(big, batch=8, num_pages=8)
-    assert cudnn_kvcache.cache_bytes(big) == 256 * 8192 * 8 * 256 * 2 >= cudnn_kvcache.RAGGED_MAX_CACHE_BYTES
-    with mock.patch.object(cudnn_kvcache.cudnn, "unsupported_reason", return_value=None):
-        assert cudnn_kvcache.route(big) == "paged"
-        assert cudnn_kvcache.route(small) == "ragged"
-    with mock.patch.object(cudnn_kvcache.cudnn, "unsupported_reason", return_value="int32 offsets"):
-        assert cudnn_kvcache.route(small) == "paged"
+def test_contiguous_caches_take_the_paged_route_where_it_serves():
+    contiguous = _config(paged=False, page_size=8192, num_pages=3, max_pages=1)
+    with mock.patch.object(paged, "unsupported_reason", return_value=None):
+        assert cudnn_kvcache.route(contiguous) == "paged"
+    with mock.patch.object(paged, "unsupported_reason", return_value="no graph"), \
+            mock.patch.object(cudnn_kvcache.cudnn, "unsupported_reason", return_value=None):
+        assert cudnn_kvcache.route(contiguous) == "ragged"
+    with mock.patch.object(cudnn_kvcache.cudnn, "unsupported_reason", return_value=None):  # the window: ragged
+        assert cudnn_kvcache.route(dataclasses.replace(contiguous, seqlen_q=5, window_left=253)) == "ragged"

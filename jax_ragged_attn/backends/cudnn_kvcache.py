@@ -18,12 +18,12 @@ Two routes, both forward only:
 
     B = 2, Sq = 1, L = 4, cache_seqlens [3, 1] -> cu_seqlens_q [0, 1, 2], cu_seqlens_kv [0, 4, 8], seqused_kv [3, 1]
 
-A contiguous cache takes the ragged route where that serves it and K + V hold less than
-RAGGED_MAX_CACHE_BYTES, else the paged one. The ragged kernel zeroes the rows past each length in place,
-which on a cache XLA must keep (a jit argument) means a copy of the whole cache per call: measured on the
-H200 (decode, GQA 32/8, d 128, bf16), ragged / paged took 0.079 / 0.116 ms at 8 x 2k and about the same
-at 64-256 x 2k and 8 x 32k, but 9.96 / 5.80 ms at 256 x 8k, 10.13 / 5.78 at 64 x 32k (4.3 GB of K + V),
-and at 256 x 32k the ragged route ran out of memory for the copies (32 GiB). ROUTE_ENV pins either,
+A contiguous cache takes the paged route where it serves the call, else the ragged one. Measured on the
+H200 (cuDNN 9.19, decode: one query, GQA 32/8, d 128, bf16, plain loop of jitted calls), paged / ragged in
+ms: 8 x 2k 0.095 / 0.085, 8 x 32k 0.675 / 0.824, 64 x 2k 0.247 / 0.470, 256 x 8k 2.06 / 9.97, 64 x 32k
+2.05 / 10.16, 256 x 32k 7.55 / out of memory. The ragged kernel zeroes the rows past each length in place,
+which on a cache XLA must keep (a jit argument) is a copy of the whole cache per call.
+ROUTE_ENV pins either,
 for the decode benchmark's comparison (tools/bench/decode.py) and the tests.
 
 The ragged kernel keeps NaN in rows past seqused out of its results (tests/test_kvcache.py's
@@ -47,8 +47,6 @@ from jax_ragged_attn.index import RaggedIndex
 NAME = "cudnn"
 ROUTE_ENV = "JAX_RAGGED_ATTN_CUDNN_KVCACHE_ROUTE"
 ROUTES = ("auto", "paged", "ragged")
-# K + V bytes from which a contiguous cache takes the paged route (see the module docstring).
-RAGGED_MAX_CACHE_BYTES = 2**32
 # Rows of each sequence's end the paged kernel never reads (kvcache_head_tail.py): at least cuDNN's widest key
 # tile (128 rows on Hopper), twice that for margin.
 TAIL = 256
@@ -87,15 +85,18 @@ def route(config: KVCacheConfig) -> str:
         return "paged"
     if pin == "ragged":
         return "ragged"
-    if cache_bytes(config) >= RAGGED_MAX_CACHE_BYTES:
+    if paged_reason(config) is None:
         return "paged"
     return "ragged" if cudnn.unsupported_reason(ragged_config(config)) is None else "paged"
 
 
-def cache_bytes(config: KVCacheConfig) -> int:
-    """Bytes of K and V together."""
-    rows = config.num_pages * config.page_size * config.num_heads_kv
-    return rows * (config.head_dim_qk + config.head_dim_v) * np.dtype(config.dtype).itemsize
+def paged_reason(config: KVCacheConfig) -> str | None:
+    """Why the paged route (the graph over each sequence's head, kvcache_head_tail.py) cannot serve `config`."""
+    reason = kvcache_head_tail.window_reason(config, TAIL, "cuDNN's paged graph")
+    bounds = head_bounds(config)
+    if reason is None and bounds is not None:
+        reason = paged.unsupported_reason(config, bounds)
+    return reason
 
 
 def unsupported_reason(config: KVCacheConfig) -> str | None:
@@ -104,10 +105,7 @@ def unsupported_reason(config: KVCacheConfig) -> str | None:
         return reason
     if route(config) == "ragged":
         return cudnn.unsupported_reason(ragged_config(config))
-    reason = kvcache_head_tail.window_reason(config, TAIL, "cuDNN's paged graph")
-    bounds = head_bounds(config)
-    if reason is None and bounds is not None:
-        reason = paged.unsupported_reason(config, bounds)
+    reason = paged_reason(config)
     if reason is not None and not config.paged and pinned_route() == "auto":
         ragged = cudnn.unsupported_reason(ragged_config(config))
         return f"neither cuDNN route serves this contiguous cache: the ragged kernel ({ragged}) nor the paged graph " \
