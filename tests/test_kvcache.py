@@ -61,6 +61,9 @@ class KVCacheTest(parameterized.TestCase):
     max_pages = 6  # capacity max_pages * page_size, contiguous too
     paged_only = False
     contiguous_only = False
+    # Two calls give the same bits; False where a kernel's reduction order varies run to run (cuDNN's decode
+    # graphs: the stats of one H200 run differed from the next by one float32 ulp).
+    bit_reproducible = True
 
     def setUp(self):
         super().setUp()
@@ -133,11 +136,15 @@ class KVCacheTest(parameterized.TestCase):
         again, token_major = self.attend(q, k, v, lengths, page_table=table, sinks=sinks, return_stats=True,
                                          stats_layout="token_major", **options)
         # As float32: numpy's NaN-aware equality does not reach bfloat16 (a sequence outside `compare` may
-        # hold NaN where it reads an entry outside the cache; the rest must be bit-identical, NaN-free).
-        np.testing.assert_array_equal(np.asarray(out, np.float32)[compare], np.asarray(again, np.float32)[compare],
-                                      "two runs differ")
-        np.testing.assert_array_equal(np.asarray(stats)[compare], np.asarray(token_major).transpose(0, 2, 1)[compare],
-                                      "token_major is not the head-major stats transposed")
+        # hold NaN where it reads an entry outside the cache; the rest must agree, NaN-free).
+        pairs = ((np.asarray(out, np.float32)[compare], np.asarray(again, np.float32)[compare], "two runs differ"),
+                 (np.asarray(stats)[compare], np.asarray(token_major).transpose(0, 2, 1)[compare],
+                  "token_major is not the head-major stats transposed"))
+        for first, second, message in pairs:
+            if self.bit_reproducible:
+                np.testing.assert_array_equal(first, second, message)
+            else:  # within the dtype's tolerance (NaN never passes)
+                assert_close(second, first, self.dtype, message)
         expected = reference_kvcache_attention(q, k, v, lengths, page_table=table, sinks=sinks, **options)
         self.assertEqual(out.dtype, q.dtype)
         self.assertEqual(stats.shape, (q.shape[0], q.shape[2], q.shape[1]))

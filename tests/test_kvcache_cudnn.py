@@ -225,6 +225,7 @@ class _CudnnKVCacheCases(KVCacheTest):
     # short sequences go to the xla tail alone; contiguous: 5 pages of 128 rows a sequence
     max_pages = 40
     route = "auto"
+    bit_reproducible = False  # decode graphs (s_q = 1): stats one float32 ulp apart between two H200 runs
 
     def setUp(self):
         super().setUp()
@@ -289,6 +290,8 @@ class CudnnPaddedQueryKVCacheTest(_CudnnKVCacheCases):
     graphs do (graphs.py): the fallback if a cuDNN release's s_q = 1 graphs go wrong."""
 
     __test__ = True
+
+    bit_reproducible = True  # observed in every run so far (cuDNN 9.19, H200)
 
     def setUp(self):
         super().setUp()

@@ -20,7 +20,9 @@ Decode steps (Sq = 1) get graphs built for s_q = 1, unlike the ragged graphs (gr
 wrong stats there on the H200, cuDNN 9.19). The paged ones pass every case of tests/test_kvcache.py against
 the float64 reference, stats included, on the H200, and cuDNN picks decode kernels for them: 2.8x faster
 than the same graphs padded to s_q = 2 (256 x 8k decode, GQA 32/8, d 128: 2.06 against 5.80 ms).
-MIN_SEQLEN_Q = 2 would pad the queries again (zeros; seq_len_q keeps the real count). The
+They are not bit-reproducible: two H200 runs of one call once gave stats one float32 ulp apart (within
+every tolerance; the padded graphs have not shown it). MIN_SEQLEN_Q = 2 would pad the queries again
+(zeros; seq_len_q keeps the real count). The
 workspace is an extra uint8 result sized at trace time, as launch.py does for the training graphs. Rows
 cuDNN does not write (queries without keys, padding) hold anything: inputs/kvcache.py masks them.
 """
