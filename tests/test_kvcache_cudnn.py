@@ -302,7 +302,7 @@ class CudnnPaddedQueryKVCacheTest(_CudnnKVCacheCases):
 
 @gpu_only
 class CudnnContiguousPagedKVCacheTest(_CudnnKVCacheCases):
-    """Contiguous caches through the paged graph, one page of L rows per sequence (the route pinned)."""
+    """Contiguous caches through the paged graph, in its page view (the route pinned)."""
 
     __test__ = True
     contiguous_only = True

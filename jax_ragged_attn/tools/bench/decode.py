@@ -9,7 +9,7 @@ buffer as a paged cache (pages of 256 rows, the page table a shuffled permutatio
 implementations that serves the call (fa3, cudnn, xla), then the wheel's own flash_mha_with_kvcache where it
 imports. cuDNN runs a paged cache through its paged SDPA graph, and a contiguous one both ways
 (backends/cudnn_kvcache.py's routes, pinned per row): "cudnn-ragged" (the ragged training kernel over the
-flattened cache) and "cudnn-paged" (the paged graph, one page of L rows per sequence). Timing:
+flattened cache) and "cudnn-paged" (the paged graph over the cache viewed as pages). Timing:
 timing.plain_loop_seconds (a loop of jitted calls, then block_until_ready; median of the repetitions). GB/s
 counts the K/V bytes the call must read, sum(cache_seqlens) x Hkv x (Dqk + Dv) x 2 bytes, over the time; % is
 of the H200's 4.8 TB/s. A shape whose cache does not fit the device is skipped with a note.
