@@ -339,12 +339,9 @@ def _paged_stand_in(q, k_cache, v_cache, lengths, page_table, config, bounds=Non
     """paged.attend as cudnn_kvcache calls it, computed by the xla path over the same page view and table:
     bottom-right over `lengths` rows with `bounds` (left, right)."""
     left, right = (config.left_bound, config.right_bound) if bounds is None else bounds
-    view = paged.as_paged(config)
+    k_cache, v_cache = paged.cache_view(k_cache, v_cache, config)
     table = paged.page_table(page_table, config)
-    if not config.paged:
-        k_cache = k_cache.reshape(view.num_pages, view.page_size, *k_cache.shape[2:])
-        v_cache = v_cache.reshape(view.num_pages, view.page_size, *v_cache.shape[2:])
-    masks = dataclasses.replace(view, is_causal=False, window_left=left, window_right=right)
+    masks = dataclasses.replace(paged.as_paged(config), is_causal=False, window_left=left, window_right=right)
     return xla_kvcache.attend(q, k_cache, v_cache, lengths, table, masks)
 
 

@@ -93,7 +93,7 @@ def route(config: KVCacheConfig) -> str:
 def paged_reason(config: KVCacheConfig) -> str | None:
     """Why the paged route (the graph over each sequence's head, kvcache_head_tail.py) cannot serve `config`."""
     reason = kvcache_head_tail.window_reason(config, TAIL, "cuDNN's paged graph")
-    bounds = head_bounds(config)
+    bounds = kvcache_head_tail.head_bounds(config, TAIL)
     if reason is None and bounds is not None:
         reason = paged.unsupported_reason(config, bounds)
     return reason
@@ -111,13 +111,6 @@ def unsupported_reason(config: KVCacheConfig) -> str | None:
         return f"neither cuDNN route serves this contiguous cache: the ragged kernel ({ragged}) nor the paged graph " \
                f"({reason})"
     return reason
-
-
-def head_bounds(config: KVCacheConfig) -> tuple | None:
-    """(left, right) of the paged graph over each sequence's head, or None where the band never reaches it."""
-    left = None if config.left_bound is None else config.left_bound - TAIL
-    right = None if config.right_bound is None else config.right_bound + TAIL
-    return None if left is not None and left < 0 else (left, right)
 
 
 def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ragged_attn.backends import xla_kvcache
-from jax_ragged_attn.backends.kvcache_config import KVCacheConfig, key_band, rows_with_keys, safe_page_table
+from jax_ragged_attn.backends.kvcache_config import KVCacheConfig, key_band, safe_page_table
 
 # head_call(q, k_cache, v_cache, head_lengths, page_table, config, left, right) -> (out [B, Sq, Hq, Dv],
 # lse [B, Hq, Sq]): the kernel bottom-right over head_lengths rows with bounds left / right (None: no bound);
@@ -43,6 +43,14 @@ def window_reason(config: KVCacheConfig, tail: int, kernel: str) -> str | None:
                 f"reads but cannot be expressed there ({kernel} reads all but each sequence's last {tail} rows, "
                 f"whose NaN-safety it cannot give); use implementation='xla'")
     return None
+
+
+def head_bounds(config: KVCacheConfig, tail: int) -> tuple | None:
+    """(left, right) of the kernel's window over each sequence's head (None: no bound), or None where the
+    band never reaches the head (a left bound below `tail`; window_reason declined the rest)."""
+    left = None if config.left_bound is None else config.left_bound - tail
+    right = None if config.right_bound is None else config.right_bound + tail
+    return None if left is not None and left < 0 else (left, right)
 
 
 def tail_cache(k_cache, v_cache, head, page_table, config: KVCacheConfig, tail: int):
@@ -63,16 +71,15 @@ def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, head
     """(out [B, Sq, Hq, Dv], lse [B, Hq, Sq]): `head_call` over each sequence's head, the xla path over its
     last `tail` rows, merged. lengths: clamped int32 [B]."""
     head = jnp.maximum(lengths - tail, 0)
-    left = None if config.left_bound is None else config.left_bound - tail
-    right = None if config.right_bound is None else config.right_bound + tail
-    first, _ = key_band(lengths, config)  # [B, Sq], true positions
-    has_head = (head[:, None] > 0) & (first < head[:, None]) & rows_with_keys(lengths, config)
+    first, last = key_band(lengths, config)  # [B, Sq], true positions
+    has_head = (head[:, None] > 0) & (first < head[:, None]) & (first <= last)
     batch, seqlen_q, heads_q = config.batch, config.seqlen_q, config.num_heads_q
-    if left is not None and left < 0:  # the band never reaches the head (window_reason declined the rest)
+    bounds = head_bounds(config, tail)
+    if bounds is None:
         out_h = jnp.zeros((batch, seqlen_q, heads_q, config.head_dim_v), q.dtype)
         lse_h = jnp.full((batch, heads_q, seqlen_q), -jnp.inf, jnp.float32)
     else:
-        out_h, lse_h = head_call(q, k_cache, v_cache, head, page_table, config, left, right)
+        out_h, lse_h = head_call(q, k_cache, v_cache, head, page_table, config, *bounds)
         lse_h = jnp.where(has_head[:, None, :], lse_h, -jnp.inf)
         out_h = jnp.where(has_head[:, :, None, None], out_h, jnp.zeros((), out_h.dtype))
     k_t, v_t, config_t = tail_cache(k_cache, v_cache, head, page_table, config, tail)
@@ -84,4 +91,3 @@ def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, head
     weight = lambda part: jnp.exp(part - safe).transpose(0, 2, 1)[..., None]  # [B, Sq, Hq, 1]  # noqa: E731
     out = weight(lse_h) * out_h.astype(jnp.float32) + weight(lse_t) * out_t.astype(jnp.float32)
     return out.astype(q.dtype), lse
-

@@ -66,6 +66,15 @@ def as_paged(config: KVCacheConfig) -> KVCacheConfig:
                                max_pages=per_sequence)
 
 
+def cache_view(k_cache, v_cache, config: KVCacheConfig):
+    """(k, v) as as_paged's view sees them: a paged cache as it is, a contiguous one reshaped (no copy)."""
+    if config.paged:
+        return k_cache, v_cache
+    view = as_paged(config)
+    return (k_cache.reshape(view.num_pages, view.page_size, *k_cache.shape[2:]),
+            v_cache.reshape(view.num_pages, view.page_size, *v_cache.shape[2:]))
+
+
 def attributes(config: KVCacheConfig, bounds: tuple | None = None) -> dict:
     """The handler's configuration (ffi/paged_config.h's fields, in order) for a call, paged or contiguous
     (as_paged's view). bounds: (left, right), None for no bound; default the config's own."""
@@ -162,10 +171,7 @@ def attend(q, k_cache, v_cache, lengths, page_table_, config: KVCacheConfig, bou
     config's. Rows of queries without keys hold anything."""
     rows = graph_seqlen_q(config)
     workspace = graph_info(config, bounds)["workspace_bytes"]
-    view = as_paged(config)
-    if not config.paged:  # the page view: a free reshape
-        k_cache = k_cache.reshape(view.num_pages, view.page_size, *k_cache.shape[2:])
-        v_cache = v_cache.reshape(view.num_pages, view.page_size, *v_cache.shape[2:])
+    k_cache, v_cache = cache_view(k_cache, v_cache, config)
     if rows > config.seqlen_q:
         q = jnp.pad(q, ((0, 0), (0, rows - config.seqlen_q), (0, 0), (0, 0)))
     batch, heads_q = config.batch, config.num_heads_q
