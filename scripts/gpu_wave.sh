@@ -1,7 +1,7 @@
 #!/bin/bash
 # One H200 call over a clean snapshot of a commit (the working tree may hold colleagues' unfinished edits):
 #   git archive HEAD | gzip > .gpu/tree.tgz; then on the host: bash scripts/gpu_wave.sh STEP...
-# (carry .gpu .whl/fa3 .whl/fe). Steps: suite (the GPU tests), fa3 (fa3_compare W1,W2), or NAME=COMMAND. Logs go to $OUT; a one-line summary per step is printed last.
+# (carry .gpu .whl/fa3 .whl/fe; CUDNN_PARTS below). Steps: suite (the GPU tests), fa3 (fa3_compare W1,W2), or NAME=COMMAND. Logs go to $OUT; a one-line summary per step is printed last.
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 out=${OUT:-/tmp/gpu_wave}; mkdir -p "$out"
 src=$PWD
@@ -14,6 +14,18 @@ if [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$wheels" ]; then
   echo "$wheels" > /tmp/site/.wheels
 fi
 export PYTHONPATH=/tmp/site:$tree
+# CUDNN_PARTS=DIR CUDNN_SHA=SHA256: another cuDNN, brought as parts of a tar.xz of nvidia/cudnn/lib (the host
+# takes 64 MiB a call): joined, checked, unpacked once, and put before the installed one (JAX's plugin loads
+# cuDNN from the first nvidia/cudnn on the path; the self-check prints which library the process mapped).
+if [ -n "$CUDNN_PARTS" ]; then
+  if [ ! -d /tmp/cudnn_parts/nvidia ]; then
+    cat "$src/$CUDNN_PARTS"/p? > /tmp/cudnn_parts.tar.xz || exit 1
+    echo "$CUDNN_SHA  /tmp/cudnn_parts.tar.xz" | sha256sum -c || exit 1
+    mkdir -p /tmp/cudnn_parts && tar -xJf /tmp/cudnn_parts.tar.xz -C /tmp/cudnn_parts || exit 1
+  fi
+  export PYTHONPATH=/tmp/cudnn_parts:$PYTHONPATH LD_LIBRARY_PATH=/tmp/cudnn_parts/nvidia/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  python3 -m jax_ragged_attn.selfcheck 2>&1 | grep -E "libcudnn|cudnn" | head -6
+fi
 t0=$(date +%s)
 if ls "$src"/.gpu/_ext*.so >/dev/null 2>&1; then cp "$src"/.gpu/_ext*.so jax_ragged_attn/; else
   CXX=/usr/bin/g++ python3 -m pip wheel --no-build-isolation --no-deps -q . -w /tmp/jra_wheel -C build-dir=/tmp/jra_build \

@@ -9,6 +9,12 @@ in float32: out, both stats layouts, and the gradients of a loss of out and stat
 Timing: for each workload, forward and forward+backward of ragged_attention(implementation="cudnn"),
 ragged_attention(implementation="fa3") and the wheel's own flash_mha_varlen: a plain Python loop of 20
 jitted calls, then block_until_ready; the median of 7 such loops, per call.
+
+--inputs computed: q, k and v are made inside the jitted function (each jit argument times a traced scalar), as
+in a model where they come out of a projection, instead of being the jit's arguments. Every system pays the
+same elementwise prologue; the difference to raw FA3 (the table's last column) is then what this op adds when
+its inputs are intermediates: the padding clearing zeroes rows in place there, where a jit argument must first
+be copied by XLA (backends/row_zeroing.py).
 """
 
 from __future__ import annotations
@@ -127,8 +133,16 @@ def _systems(workload):
             "ours autotune": ours(None, autotune=True), "flash-attn3-jax": raw}
 
 
-def timing(names) -> list[str]:
-    lines = [f"{'workload':<10} {'system':<34} {'fwd ms':>8} {'fwd+bwd ms':>11} {'bwd ms':>8} {'fwd+bwd / FA3':>14}"]
+def _computed_inputs(f):
+    """f(q, k, v, cu) as a function of (q, k, v, cu, s) whose attention inputs are intermediates: x * s."""
+    def g(q, k, v, cu, s):
+        return f(*(x * s.astype(x.dtype) for x in (q, k, v)), cu)
+    return g
+
+
+def timing(names, inputs: str = "arguments") -> list[str]:
+    lines = [f"{'workload':<10} {'system':<34} {'fwd ms':>8} {'fwd+bwd ms':>11} {'bwd ms':>8} {'fwd+bwd / FA3':>14} "
+             f"{'- FA3 ms':>9}"]
     for name in names:
         workload = workloads_module.WORKLOADS[name]
         q, k, v, cu = workload.packed_inputs()
@@ -143,10 +157,17 @@ def timing(names) -> list[str]:
                 _fa3.LSE_BUFFER, _fa3.GRID_SEQLEN = switches
                 jax.clear_caches()
             try:
-                forward = jax.jit(f)
-                both = jax.jit(lambda q, k, v, cu, d_out, f=f: jax.vjp(lambda q, k, v: f(q, k, v, cu), q, k, v)[1](
-                    d_out))
-                results[system] = (_time(forward, q, k, v, cu), _time(both, q, k, v, cu, d_out))
+                if inputs == "computed":
+                    g, s = _computed_inputs(f), jnp.float32(1.0)
+                    forward = jax.jit(g)
+                    both = jax.jit(lambda q, k, v, cu, s, d_out, g=g: jax.vjp(
+                        lambda q, k, v: g(q, k, v, cu, s), q, k, v)[1](d_out))
+                    results[system] = (_time(forward, q, k, v, cu, s), _time(both, q, k, v, cu, s, d_out))
+                else:
+                    forward = jax.jit(f)
+                    both = jax.jit(lambda q, k, v, cu, d_out, f=f: jax.vjp(
+                        lambda q, k, v: f(q, k, v, cu), q, k, v)[1](d_out))
+                    results[system] = (_time(forward, q, k, v, cu), _time(both, q, k, v, cu, d_out))
             except Exception as error:  # noqa: BLE001
                 lines.append(f"{name:<10} {system:<34} error {type(error).__name__}: {str(error)[:200]}")
             finally:
@@ -156,8 +177,9 @@ def timing(names) -> list[str]:
         base = results.get("flash-attn3-jax", (None, None))[1]
         for system, (fwd, both) in results.items():
             ratio = f"{both / base:.3f}" if base else "-"
+            extra = f"{(both - base) * 1e3:+9.3f}" if base else f"{'-':>9}"
             lines.append(f"{name:<10} {system:<34} {fwd * 1e3:8.3f} {both * 1e3:11.3f} {(both - fwd) * 1e3:8.3f} "
-                         f"{ratio:>14}")
+                         f"{ratio:>14} {extra}")
         print("\n".join(lines[-len(results):]), flush=True)
     return lines
 
@@ -167,6 +189,8 @@ def main(argv=None) -> int:
     parser.add_argument("--probe-only", action="store_true")
     parser.add_argument("--no-probe", action="store_true")
     parser.add_argument("--workloads", default="W1,W2")
+    parser.add_argument("--inputs", choices=("arguments", "computed"), default="arguments",
+                        help="q, k, v as the jit's arguments, or made inside it (see the module docstring)")
     args = parser.parse_args(argv)
     reason = _fa3.unavailable_reason()
     print(f"jax {jax.__version__}, devices {jax.devices()}; FA3: {reason or 'available'}", flush=True)
@@ -177,7 +201,9 @@ def main(argv=None) -> int:
         ok = probe()
         print(f"probe: {'all within tolerance' if ok else 'FAILURES above'}", flush=True)
     if not args.probe_only:
-        print("\n".join(timing([w.strip() for w in args.workloads.split(",") if w.strip()])), flush=True)
+        print(f"inputs: {args.inputs}", flush=True)
+        print("\n".join(timing([w.strip() for w in args.workloads.split(",") if w.strip()], args.inputs)),
+              flush=True)
     return 0 if ok else 1
 
 
