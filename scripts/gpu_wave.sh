@@ -14,6 +14,15 @@ if [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$wheels" ]; then
   echo "$wheels" > /tmp/site/.wheels
 fi
 export PYTHONPATH=/tmp/site:$tree
+t0=$(date +%s)
+if ls "$src"/.gpu/_ext*.so >/dev/null 2>&1; then cp "$src"/.gpu/_ext*.so jax_ragged_attn/; else
+  CXX=/usr/bin/g++ python3 -m pip wheel --no-build-isolation --no-deps -q . -w /tmp/jra_wheel -C build-dir=/tmp/jra_build \
+    2>&1 | grep -E "error|Error"
+  python3 -c "import glob, zipfile; z = zipfile.ZipFile(sorted(glob.glob('/tmp/jra_wheel/*.whl'))[-1]); \
+[open('jax_ragged_attn/' + n.split('/')[-1], 'wb').write(z.read(n)) for n in z.namelist() if n.startswith('jax_ragged_attn/_ext')]"
+  cp jax_ragged_attn/_ext*.so "$out/"
+fi
+echo "extension ready after $(( $(date +%s) - t0 )) s"
 # CUDNN_PARTS=DIR CUDNN_SHA=SHA256: another cuDNN, brought as parts of a tar.xz of nvidia/cudnn/lib (the host
 # takes 64 MiB a call): joined, checked, unpacked once, and put before the installed one (JAX's plugin loads
 # cuDNN from the first nvidia/cudnn on the path; the self-check prints which library the process mapped).
@@ -24,17 +33,9 @@ if [ -n "$CUDNN_PARTS" ]; then
     mkdir -p /tmp/cudnn_parts && tar -xJf /tmp/cudnn_parts.tar.xz -C /tmp/cudnn_parts || exit 1
   fi
   export PYTHONPATH=/tmp/cudnn_parts:$PYTHONPATH LD_LIBRARY_PATH=/tmp/cudnn_parts/nvidia/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  python3 -m jax_ragged_attn.selfcheck 2>&1 | grep -E "libcudnn|cudnn" | head -6
+  python3 -c "import jax; from jax_ragged_attn.backends.cudnn import extension as e; from jax_ragged_attn.tools.selfcheck \
+import library_lines; print(e.cudnn_unavailable_reason(), e.versions()); print(*library_lines(True), sep='\n')" 2>&1 | tail -4
 fi
-t0=$(date +%s)
-if ls "$src"/.gpu/_ext*.so >/dev/null 2>&1; then cp "$src"/.gpu/_ext*.so jax_ragged_attn/; else
-  CXX=/usr/bin/g++ python3 -m pip wheel --no-build-isolation --no-deps -q . -w /tmp/jra_wheel -C build-dir=/tmp/jra_build \
-    2>&1 | grep -E "error|Error"
-  python3 -c "import glob, zipfile; z = zipfile.ZipFile(sorted(glob.glob('/tmp/jra_wheel/*.whl'))[-1]); \
-[open('jax_ragged_attn/' + n.split('/')[-1], 'wb').write(z.read(n)) for n in z.namelist() if n.startswith('jax_ragged_attn/_ext')]"
-  cp jax_ragged_attn/_ext*.so "$out/"
-fi
-echo "extension ready after $(( $(date +%s) - t0 )) s"
 summary=()
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2; local t=$(date +%s)
