@@ -34,6 +34,12 @@ def test_maps_parser_finds_the_libraries_and_their_file_versions():
     assert selfcheck.loaded_libraries(unversioned) == {"libcudart": ("/lib/libcudart.so", "")}
 
 
+def test_upgrade_note_only_below_the_fastest_measured_cudnn():
+    assert "9.28" in selfcheck.upgrade_note(91900) and "9.19.0 is loaded" in selfcheck.upgrade_note(91900)
+    assert selfcheck.upgrade_note(92801) is None
+    assert selfcheck.upgrade_note(0) is None  # version unknown: no advice
+
+
 def test_cudnn_version_encoding():
     assert selfcheck._cudnn_version_text(90800) == "9.8.0"
     assert selfcheck._cudnn_version_text(91002) == "9.10.2"

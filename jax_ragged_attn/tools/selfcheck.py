@@ -70,6 +70,21 @@ def _cudart_version(path: str) -> str:
     return f"{value.value // 1000}.{value.value % 1000 // 10}"
 
 
+# cuDNN 9.28.1 (what `pip install "jax[cuda13]"` installed on 2026-12-04) against 9.19.0 on the H200, this op's
+# cuDNN path, fwd+bwd (tools/bench/fa3_compare.py, docs/PERFORMANCE.md): W1 3.050 against 3.128-3.144 ms, W2
+# 37.31 against 38.56-38.66 ms; the GPU test suite passed on both.
+FASTER_CUDNN = 92800
+FASTER_CUDNN_NOTE = ("cuDNN 9.28 ran this op's cuDNN path 2.5-3.5 % faster than 9.19 on the H200 (fwd+bwd, "
+                     "docs/PERFORMANCE.md): pip install -U nvidia-cudnn-cu13 (or -cu12)")
+
+
+def upgrade_note(version: int) -> str | None:
+    """The advice line for a loaded cuDNN older than the fastest one measured, or None."""
+    if 0 < version < FASTER_CUDNN:
+        return f"  note: libcudnn {_cudnn_version_text(version)} is loaded; {FASTER_CUDNN_NOTE}"
+    return None
+
+
 def library_lines(on_gpu: bool) -> list[str]:
     """What the self-check prints about the cuDNN and CUDA runtime libraries this process loaded."""
     if not on_gpu:
@@ -85,12 +100,16 @@ def library_lines(on_gpu: bool) -> list[str]:
             lines.append(f"  {name}: not loaded in this process")
             continue
         path, file_version = found[name]
+        note = None
         if name == "libcudnn":
-            version = extension.module().cudnn_version()
-            version = _cudnn_version_text(version) if version else file_version
+            number = extension.module().cudnn_version()
+            version = _cudnn_version_text(number) if number else file_version
+            note = upgrade_note(number)
         else:
             version = _cudart_version(path) or file_version
         lines.append(f"  {name}: {version or 'version unknown'} at {path}")
+        if note:
+            lines.append(note)
     others = sorted(stem for stem in found if stem not in ("libcudnn", "libcudart"))
     if others:
         lines.append(f"  also loaded: {', '.join(others)}")

@@ -11,7 +11,8 @@ ragged_attention(implementation="fa3") and the wheel's own flash_mha_varlen: a p
 jitted calls, then block_until_ready; the median of 7 such loops, per call.
 
 --inputs computed: q, k and v are made inside the jitted function (each jit argument times a traced scalar), as
-in a model where they come out of a projection, instead of being the jit's arguments. Every system pays the
+in a model where they come out of a projection, instead of being the jit's arguments (and so is the
+output's cotangent, as a loss's backward makes it). Every system pays the
 same elementwise prologue; the difference to raw FA3 (the table's last column) is then what this op adds when
 its inputs are intermediates: the padding clearing zeroes rows in place there, where a jit argument must first
 be copied by XLA (backends/row_zeroing.py).
@@ -161,7 +162,7 @@ def timing(names, inputs: str = "arguments") -> list[str]:
                     g, s = _computed_inputs(f), jnp.float32(1.0)
                     forward = jax.jit(g)
                     both = jax.jit(lambda q, k, v, cu, s, d_out, g=g: jax.vjp(
-                        lambda q, k, v: g(q, k, v, cu, s), q, k, v)[1](d_out))
+                        lambda q, k, v: g(q, k, v, cu, s), q, k, v)[1](d_out * s.astype(d_out.dtype)))
                     results[system] = (_time(forward, q, k, v, cu, s), _time(both, q, k, v, cu, s, d_out))
                 else:
                     forward = jax.jit(f)
