@@ -1,5 +1,5 @@
-"""Which part of implementation="fa3"'s fwd+bwd costs what on W1 with computed inputs, against raw FA3 (a
-the variants with a part removed are unsafe with NaN padding and exist only here)."""
+"""Which part of implementation="fa3"'s fwd+bwd costs what on W1 with computed inputs, against raw FA3.
+A measurement aid: the variants with a part removed are unsafe with NaN padding and exist only here."""
 import jax, jax.numpy as jnp
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.backends import fa3
