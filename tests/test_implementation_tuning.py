@@ -160,7 +160,8 @@ def test_measure_times_both_on_scratch_shaped_as_the_call(monkeypatch):
 
     def loop_ms(step, args):
         calls.append(step)
-        q, k, v, d_out = args
+        q, k, v, d_out, scale = args  # the step makes its inputs x * scale, as a model's step makes them
+        assert scale.shape == () and float(scale) == 1.0
         assert (q.shape, k.shape, v.shape, d_out.shape) == ((256, 4, 128), (192, 2, 128), (192, 2, 128),
                                                             (256, 4, 128))
         assert q.dtype == jnp.bfloat16 and bool(jnp.isfinite(q.astype(jnp.float32)).all())

@@ -4,7 +4,7 @@ Where both can serve a call (FA3: the optional wheel, a Hopper GPU, head dim 128
 faster everywhere: on the H200 cuDNN led on many short sequences and FA3 on a few long GQA ones (docs/
 PERFORMANCE.md). So with autotune the choice is measured once per configuration: a jitted forward + backward
 of each, on scratch buffers shaped as the call (equal-length sequences filling the capacities, the way
-_cudnn/autotune.py times cuDNN's plans), timed as a user's loop meets it (CALLS calls, then one block; the
+_cudnn/autotune.py times cuDNN's plans) made inside the step as a model makes them, timed as a user's loop meets it (CALLS calls, then one block; the
 median of SAMPLES such loops after a warm-up). cuDNN, which serves every semantic the op has, is kept unless
 FA3 is faster by more than autotune.MARGIN.
 
@@ -29,6 +29,9 @@ from jax_ragged_attn.config import AttentionConfig
 CALLS = 5  # calls per timed loop (plain dispatch, one block at the end)
 SAMPLES = 7  # timed loops; their median is the figure
 DIRECTION = "implementation"  # the cache entries' kind, beside cuDNN's "forward" / "backward" plan choices
+# How the timed step gets its inputs (see _step); in the key, so choices timed on jit arguments (before
+# 2026-12-04) are not reused.
+TIMED_INPUTS = "computed"
 
 _lock = threading.Lock()
 _chosen: dict[str, dict] = {}  # key -> entry, this process
@@ -63,7 +66,7 @@ def key(config: AttentionConfig, same_index: bool) -> str:
     versions, fa3_version = _versions()
     fields = dataclasses.asdict(timed_config(config))
     return json.dumps([*versions, DIRECTION, dict(sorted(fields.items()), fa3_wheel=fa3_version,
-                                                  same_cu_seqlens=same_index)])
+                                                  same_cu_seqlens=same_index, inputs=TIMED_INPUTS)])
 
 
 def choose(cudnn_ms: float, fa3_ms: float) -> str:
@@ -107,7 +110,13 @@ def _step(implementation: str, config: AttentionConfig, cu_q, cu_kv):
         # cudnn.attend, as the op calls it: a call past the int32 offsets is timed as its head groups.
         return cudnn.attend((q, k, v), RaggedIndex(cu_q, cu_kv), config)[0]
 
-    def step(q, k, v, d_out):
+    def step(q, k, v, d_out, scale):
+        # The tuned call runs inside a model's step, where q, k, v and the output's cotangent are intermediates
+        # (a projection's output, a later layer's gradient), not jit arguments: made here the same way, so
+        # FA3's padding clearing zeroes them in place as it would there, instead of being timed with XLA's
+        # copies of arguments (on the H200, W5: FA3 1.7 % faster than cuDNN in a step, 14 % slower on
+        # arguments; docs/PERFORMANCE.md).
+        q, k, v, d_out = (x * scale.astype(x.dtype) for x in (q, k, v, d_out))
         out, pullback = jax.vjp(attend, q, k, v)
         return out, pullback(d_out)
 
@@ -156,7 +165,10 @@ def measure(config: AttentionConfig, same_index: bool) -> dict:
     reason = _fa3.unsupported_reason(config, cu_q, cu_kv)
     if reason is not None:  # e.g. a top-left mask the scratch lengths cannot prove: nothing to compare
         return dict(implementation="cudnn", fa3_declined=reason)
-    times = {name: _loop_ms(_step(name, config, cu_q, cu_kv), buffers) for name in ("cudnn", "fa3")}
+    import jax.numpy as jnp
+
+    args = (*buffers, jnp.float32(1))
+    times = {name: _loop_ms(_step(name, config, cu_q, cu_kv), args) for name in ("cudnn", "fa3")}
     return dict(implementation=choose(times["cudnn"], times["fa3"]), cudnn_ms=times["cudnn"], fa3_ms=times["fa3"])
 
 
