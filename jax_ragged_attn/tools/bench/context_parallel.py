@@ -193,7 +193,10 @@ def breakdown(names, implementation, calls, repetitions, devices: int, order: st
                   f"{(single - fwd) * 1e3:.2f} |", flush=True)
 
 
-def simulate(names, implementation, calls, repetitions, device_counts=(2, 4, 8)) -> None:
+ORDERS = ("natural", "balanced", "packer+balanced")
+
+
+def simulate(names, implementation, calls, repetitions, device_counts=(2, 4, 8), orders=ORDERS) -> None:
     """The one-GPU CP benchmark (issue 22): per device count and order, the slowest device's local call against
     one GPU's whole call, the spread between devices, and each device's time against its share of the causal
     work times one GPU's time ("waste": 1.00 = no more than its share)."""
@@ -213,6 +216,8 @@ def simulate(names, implementation, calls, repetitions, device_counts=(2, 4, 8))
             packed = dataclasses.replace(w, seqlens=tuple(int(w.seqlens[i]) for i in order))
             for label, workload, balanced in (("natural", w, False), ("balanced", w, True),
                                               ("packer+balanced", packed, True)):
+                if label not in orders:
+                    continue
                 each = per_device_seconds(workload, implementation, balanced, calls, repetitions, devices=n)
                 cu = _inputs(workload, n)[3]
                 shares = causal_work_per_device(np.asarray(cu), n, balanced, capacity=total)
@@ -233,7 +238,8 @@ def _mib(n):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="CP-a,W1", help=f"comma-separated, of {sorted(CP_WORKLOADS)}")
-    parser.add_argument("--implementation", default=None, choices=(None, "cudnn", "xla"))
+    parser.add_argument("--implementation", default=None, choices=(None, "cudnn", "fa3", "xla"))
+    parser.add_argument("--orders", default=",".join(ORDERS), help=f"with --simulate: comma-separated, of {ORDERS}")
     parser.add_argument("--calls", type=int, default=5, help="steps per timed loop")
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--simulate", default=None, metavar="N,N,...",
@@ -250,7 +256,7 @@ def main(argv=None) -> int:
         return 0
     if args.simulate:
         simulate(names, args.implementation, args.calls, args.repetitions,
-                 tuple(int(n) for n in args.simulate.split(",")))
+                 tuple(int(n) for n in args.simulate.split(",")), tuple(args.orders.split(",")))
         return 0
     skip = None if len(jax.devices()) >= DEVICES else (
         f"needs {DEVICES} devices, this host has {len(jax.devices())}: CP rows skipped")
