@@ -4,8 +4,8 @@ Where both can serve a call (FA3: the optional wheel, a Hopper GPU, head dim 128
 faster everywhere: on the H200 cuDNN led on many short sequences and FA3 on a few long GQA ones (docs/
 PERFORMANCE.md). So with autotune the choice is measured once per configuration: a jitted forward + backward
 of each, on scratch buffers shaped as the call (equal-length sequences filling the capacities, the way
-_cudnn/autotune.py times cuDNN's plans) made inside the step as a model makes them, timed as a user's loop meets it (CALLS calls, then one block; the
-median of SAMPLES such loops after a warm-up). cuDNN, which serves every semantic the op has, is kept unless
+_cudnn/autotune.py times cuDNN's plans) made inside the step as a model makes them, timed as a user's loop
+meets it (CALLS calls, then one block; the median of SAMPLES such loops after a warm-up). cuDNN, which serves every semantic the op has, is kept unless
 FA3 is faster by more than autotune.MARGIN.
 
 The choice is stored beside cuDNN's plan choices (same file, see _cudnn/autotune.py), keyed by GPU model, cuDNN,
@@ -114,7 +114,7 @@ def _step(implementation: str, config: AttentionConfig, cu_q, cu_kv):
         # The tuned call runs inside a model's step, where q, k, v and the output's cotangent are intermediates
         # (a projection's output, a later layer's gradient), not jit arguments: made here the same way, so
         # FA3's padding clearing zeroes them in place as it would there, instead of being timed with XLA's
-        # copies of arguments (on the H200, W5: FA3 1.7 % faster than cuDNN in a step, 14 % slower on
+        # copies of arguments (on the H200, W5: FA3 1.8 % faster than cuDNN in a step, 14 % slower on
         # arguments; docs/PERFORMANCE.md).
         q, k, v, d_out = (x * scale.astype(x.dtype) for x in (q, k, v, d_out))
         out, pullback = jax.vjp(attend, q, k, v)
