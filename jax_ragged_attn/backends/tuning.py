@@ -5,8 +5,8 @@ faster everywhere: on the H200 cuDNN led on many short sequences and FA3 on a fe
 PERFORMANCE.md). So with autotune the choice is measured once per configuration: a jitted forward + backward
 of each, on scratch buffers shaped as the call (equal-length sequences filling the capacities, the way
 _cudnn/autotune.py times cuDNN's plans) made inside the step as a model makes them, timed as a user's loop
-meets it (CALLS calls, then one block; the median of SAMPLES such loops after a warm-up). cuDNN, which serves every semantic the op has, is kept unless
-FA3 is faster by more than autotune.MARGIN.
+meets it (CALLS calls, then one block; the median of SAMPLES such loops after a warm-up). cuDNN, which serves
+every semantic the op has, is kept unless FA3 is faster by more than autotune.MARGIN.
 
 The choice is stored beside cuDNN's plan choices (same file, see _cudnn/autotune.py), keyed by GPU model, cuDNN,
 cudnn-frontend and flash-attn3-jax versions and every field of the configuration that reaches a kernel, so
