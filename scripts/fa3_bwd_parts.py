@@ -4,6 +4,7 @@ import jax, jax.numpy as jnp
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.backends import fa3
 from jax_ragged_attn.tools import workloads
+from jax_ragged_attn.tools.bench import fa3_compare
 from jax_ragged_attn.tools.bench.timing import median_loop_seconds
 
 w = workloads.WORKLOADS["W1"]
@@ -19,14 +20,8 @@ def raw(q, k, v, cu):
     from flash_attn3_jax import flash_mha_varlen
     return flash_mha_varlen(q, k, v, cu, cu, max_seqlen_q=w.max_seqlen, max_seqlen_k=w.max_seqlen, is_causal=True)
 
-def both(f):
-    def g(q, k, v, cu, s, d_out):
-        return jax.vjp(lambda q, k, v: f(*(x * s.astype(x.dtype) for x in (q, k, v)), cu), q, k, v)[1](
-            d_out * s.astype(d_out.dtype))
-    return jax.jit(g)
-
 def t(f):
-    fn = both(f)
+    fn = fa3_compare.steps(f, "computed")[1]
     jax.block_until_ready(fn(q, k, v, cu, s, d_out))
     return median_loop_seconds(fn, (q, k, v, cu, s, d_out), 20, 7) * 1e3
 
@@ -42,9 +37,8 @@ fa3._cleared = orig_cleared; fa3.zero_unused_rows = orig_zero; jax.clear_caches(
 results["ours again"] = t(ours)
 for name, ms in results.items():
     print(f"{name:<55} {ms:8.3f} ms  {ms - results['raw']:+.3f}")
-lowered = both(ours).lower(q, k, v, cu, s, d_out).compile().as_text()
+lowered = fa3_compare.steps(ours, "computed")[1].lower(q, k, v, cu, s, d_out).compile().as_text()
 print("copies in the compiled fwd+bwd:", lowered.count(" copy("), "custom-calls:", lowered.count("custom-call("))
-import re
 for line in lowered.splitlines():
     if " copy(" in line or "copy-start" in line:
         print(line.strip()[:200])

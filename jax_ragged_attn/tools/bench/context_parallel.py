@@ -251,6 +251,9 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in CP_WORKLOADS]
     if unknown:
         parser.error(f"unknown workloads {unknown}; choose from {sorted(CP_WORKLOADS)}")
+    orders = [o for o in args.orders.split(",") if o not in ORDERS]
+    if orders:
+        parser.error(f"unknown orders {orders}; choose from {list(ORDERS)}")
     if args.breakdown:
         breakdown(names, args.implementation, args.calls, args.repetitions, int(args.breakdown))
         return 0

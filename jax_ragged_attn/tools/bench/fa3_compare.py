@@ -134,11 +134,20 @@ def _systems(workload):
             "ours autotune": ours(None, autotune=True), "flash-attn3-jax": raw}
 
 
-def _computed_inputs(f):
-    """f(q, k, v, cu) as a function of (q, k, v, cu, s) whose attention inputs are intermediates: x * s."""
-    def g(q, k, v, cu, s):
-        return f(*(x * s.astype(x.dtype) for x in (q, k, v)), cu)
-    return g
+def steps(f, inputs: str = "arguments"):
+    """Jitted (forward(q, k, v, cu, s), forward + backward(q, k, v, cu, s, d_out)) of f(q, k, v, cu). With
+    inputs="computed" q, k, v and d_out enter as x * s (intermediates, as a projection's output and a loss's
+    backward make them); with "arguments" they reach f as they are and s is unused."""
+    def made(x, s):
+        return x * s.astype(x.dtype) if inputs == "computed" else x
+
+    def forward(q, k, v, cu, s):
+        return f(*(made(x, s) for x in (q, k, v)), cu)
+
+    def both(q, k, v, cu, s, d_out):
+        return jax.vjp(lambda q, k, v: forward(q, k, v, cu, s), q, k, v)[1](made(d_out, s))
+
+    return jax.jit(forward), jax.jit(both)
 
 
 def timing(names, inputs: str = "arguments") -> list[str]:
@@ -148,6 +157,7 @@ def timing(names, inputs: str = "arguments") -> list[str]:
         workload = workloads_module.WORKLOADS[name]
         q, k, v, cu = workload.packed_inputs()
         d_out = jax.random.normal(jax.random.key(1), q.shape, q.dtype)
+        scale = jnp.float32(1.0)  # traced, so XLA cannot fold x * scale away (inputs="computed")
         results = {}
         variants = [(system, f, None) for system, f in _systems(workload).items()]
         variants.append(("ours fa3 [wheel lse, capacity grid]", _systems(workload)["ours fa3"],
@@ -158,17 +168,8 @@ def timing(names, inputs: str = "arguments") -> list[str]:
                 _fa3.LSE_BUFFER, _fa3.GRID_SEQLEN = switches
                 jax.clear_caches()
             try:
-                if inputs == "computed":
-                    g, s = _computed_inputs(f), jnp.float32(1.0)
-                    forward = jax.jit(g)
-                    both = jax.jit(lambda q, k, v, cu, s, d_out, g=g: jax.vjp(
-                        lambda q, k, v: g(q, k, v, cu, s), q, k, v)[1](d_out * s.astype(d_out.dtype)))
-                    results[system] = (_time(forward, q, k, v, cu, s), _time(both, q, k, v, cu, s, d_out))
-                else:
-                    forward = jax.jit(f)
-                    both = jax.jit(lambda q, k, v, cu, d_out, f=f: jax.vjp(
-                        lambda q, k, v: f(q, k, v, cu), q, k, v)[1](d_out))
-                    results[system] = (_time(forward, q, k, v, cu), _time(both, q, k, v, cu, d_out))
+                forward, both = steps(f, inputs)
+                results[system] = (_time(forward, q, k, v, cu, scale), _time(both, q, k, v, cu, scale, d_out))
             except Exception as error:  # noqa: BLE001
                 lines.append(f"{name:<10} {system:<34} error {type(error).__name__}: {str(error)[:200]}")
             finally:
