@@ -530,7 +530,7 @@ def test_command_buffer_bench_runs_end_to_end_on_the_xla_path(tmp_path, capsys):
 
 def test_context_parallel_simulation_prints_a_row_per_device_count_and_order(capsys, monkeypatch):
     """bench/context_parallel --simulate on the xla path (CPU): the exact per-device function of the sharded
-    op (context_parallel.chunk_attention), timed per device, with its work shares."""
+    op (context_parallel.device_chunks_attention), timed per device, with its work shares."""
     from jax_ragged_attn.tools.bench import context_parallel as bcp
     from jax_ragged_attn.tools.workloads import Workload
 

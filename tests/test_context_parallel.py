@@ -15,6 +15,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -309,42 +310,71 @@ def test_two_gpus_cudnn_context_parallel_matches_one_gpu(load_balance, context_s
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n, load_balance", [(2, False), (4, True)])
+@pytest.mark.parametrize("implementation, head_dim", [("cudnn", 64), ("fa3", 128)])
+@pytest.mark.parametrize("n, load_balance", [(2, False), (4, True), (2, True)])
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])
-def test_one_gpu_chunk_calls_match_the_op_on_cudnn(n, load_balance, layout):
-    """Every chunk's call as a device runs it (context_parallel.chunk_attention against all the keys), on one
-    GPU: offset pieces take the cuDNN path's split bottom-right backward (rectangle + square). Their rows
-    together equal the unsharded cuDNN call and the float64 reference, a stats cotangent included."""
+def test_one_gpu_device_calls_match_the_op(implementation, head_dim, n, load_balance, layout):
+    """Every device's call as the sharded op runs it, on one GPU (_check_device_calls): offset pieces take the
+    cuDNN path's split bottom-right backward (rectangle + square), or FA3's bottom-right mask."""
+    from jax_ragged_attn.backends import fa3
+
+    gpu = cudnn_gpus(1)[0]
+    if implementation == "fa3" and fa3.unavailable_reason():
+        pytest.skip(fa3.unavailable_reason())
+    _check_device_calls(implementation, head_dim, n, load_balance, layout, gpu)
+
+
+@pytest.mark.parametrize("n, load_balance", [(2, False), (4, True), (2, True)])
+def test_device_calls_match_the_op_on_the_xla_path(n, load_balance):
+    _check_device_calls("xla", 32, n, load_balance, "head_major", jax.devices()[0])
+
+
+def _check_device_calls(implementation, head_dim, n, load_balance, layout, device):
+    """Every device's call as the sharded op runs it (context_parallel.device_chunks_attention against all the
+    keys), on one device: with load_balance a device's two chunks are one call over their two key windows side
+    by side, each chunk's first piece possibly offset (keys before its queries). Their rows together equal
+    the unsharded call and the float64 reference, a stats cotangent included."""
     from jax_ragged_attn.parallel import context_parallel as cp
+    from jax_ragged_attn.parallel.load_balance import dual_chunk_order
     from jax_ragged_attn.api import attend
     from jax_ragged_attn.config import AttentionOptions
 
-    gpu = cudnn_gpus(1)[0]
     rng = np.random.default_rng(21 + n)
     lengths = (300, 0, 1100, 64, 517, 9)  # 1100 crosses chunk edges: offset pieces with keys before them
     total, hq, stats_axis = 2048, 8, 1 if layout == "head_major" else 0
-    batch = packed_batch(rng, lengths, lengths, num_heads_q=hq, num_heads_kv=2, head_dim_qk=64, head_dim_v=64,
-                         dtype="bfloat16", slack_q=total - sum(lengths), slack_kv=total - sum(lengths))
+    batch = packed_batch(rng, lengths, lengths, num_heads_q=hq, num_heads_kv=2, head_dim_qk=head_dim,
+                         head_dim_v=head_dim, dtype="bfloat16", slack_q=total - sum(lengths),
+                         slack_kv=total - sum(lengths))
     plan = cp.Plan(token_axis="cp", devices=n, load_balance=load_balance, max_seqlen=1100, is_causal=True,
                    window_left=None, stats_axis=stats_axis)
-    options = AttentionOptions(is_causal=True, stats_layout=layout, return_stats=True, implementation="cudnn")
+    options = AttentionOptions(is_causal=True, stats_layout=layout, return_stats=True, implementation=implementation)
 
     def attend_chunk(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, *, seqused, diagonal_alignment):
         chunk_options = dataclasses.replace(options, diagonal_alignment=diagonal_alignment)
         return attend((q, k, v), cu_q, cu_kv, chunk_options, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
                       seqused_q=seqused[0], seqused_kv=seqused[1])
 
-    def chunked(q, k, v, cu):
-        rows = total // (n * plan.chunks_per_device)
-        parts = [cp.chunk_attention(plan, attend_chunk, q[c * rows:(c + 1) * rows], k, v, cu, c * rows)
-                 for c in range(total // rows)]
-        return (jnp.concatenate([o for o, _ in parts]), jnp.concatenate([s for _, s in parts], axis=stats_axis))
+    def by_device(q, k, v, cu):
+        # The devices' shards in the dual-chunk order (device r: chunks r, 2n-1-r), each its own call; the
+        # results come back in that order and are put back in the natural one.
+        order = dual_chunk_order(n) if load_balance else list(range(n))
+        rows = total // len(order)
+        per_device = plan.chunks_per_device
+        outs, stats = [None] * len(order), [None] * len(order)
+        for r in range(n):
+            ids = order[r * per_device:(r + 1) * per_device]
+            q_device = jnp.concatenate([q[c * rows:(c + 1) * rows] for c in ids])
+            out, s = cp.device_chunks_attention(plan, attend_chunk, q_device, k, v, cu, r)
+            for j, c in enumerate(ids):
+                outs[c] = out[j * rows:(j + 1) * rows]
+                stats[c] = lax.slice_in_dim(s, j * rows, (j + 1) * rows, axis=stats_axis)
+        return jnp.concatenate(outs), jnp.concatenate(stats, axis=stats_axis)
 
     def unsharded(q, k, v, cu):
         return ragged_attention(q, k, v, cu, cu, max_seqlen_q=1100, max_seqlen_kv=1100, is_causal=True,
-                                return_stats=True, stats_layout=layout, implementation="cudnn")
+                                return_stats=True, stats_layout=layout, implementation=implementation)
 
-    d_out = rng.standard_normal((total, hq, 64)).astype("bfloat16")
+    d_out = rng.standard_normal((total, hq, head_dim)).astype("bfloat16")
     d_out[sum(lengths):] = 0
     d_stats = rng.standard_normal((total, hq)).astype(np.float32)
     d_stats_layout = jnp.asarray(d_stats.T if layout == "head_major" else d_stats)
@@ -353,8 +383,8 @@ def test_one_gpu_chunk_calls_match_the_op_on_cudnn(n, load_balance, layout):
         outputs, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, cu), q, k, v)
         return (*outputs, *pullback((jnp.asarray(d_out), d_stats_layout)))
 
-    args = jax.device_put(batch.args[:4], gpu)
-    got = jax.jit(functools.partial(forward_and_backward, chunked))(*args)
+    args = jax.device_put(batch.args[:4], device)
+    got = jax.jit(functools.partial(forward_and_backward, by_device))(*args)
     one_call = jax.jit(functools.partial(forward_and_backward, unsharded))(*args)
     expected = reference_attention(*batch.reference_args, d_out=d_out.astype(np.float64),
                                    d_stats=d_stats.astype(np.float64), max_seqlen_q=1100, max_seqlen_kv=1100,

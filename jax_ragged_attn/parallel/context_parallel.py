@@ -2,8 +2,8 @@
 
 The all-gather strategy (Llama 3, TransformerEngine): inside shard_map each device gathers every device's
 K and V (an all-gather, whose transpose, a reduce-scatter, returns dK and dV to their owners)
-and attends its own queries to the gathered rows with one call of the ragged op per contiguous chunk of
-its rows. Nothing else crosses devices: out, stats and dQ stay where the queries are.
+and attends its own queries to the gathered rows with one call of the ragged op (over its one contiguous
+chunk of rows, or its two with load_balance). Nothing else crosses devices: out, stats and dQ stay where the queries are.
 
 A contiguous chunk of rows [s, s + C) of the natural packed order cuts each sequence into at most one
 contiguous run of its queries, a *piece*: positions [a, c) of its sequence. Causal attention of those
@@ -26,7 +26,8 @@ sequences, the earlier spelling, kept for tools that want plain cu_seqlens.)
 
 Within one call no two pieces share key rows (they belong to different sequences), so the cuDNN backward,
 which writes dK/dV per sequence, never overwrites one piece's gradient with another's. With
-load_balance=True a device holds two chunks (r and 2n-1-r of 2n), each its own call; their dK/dV add.
+load_balance=True a device holds two chunks (r and 2n-1-r of 2n), run as one call over the two chunks' key
+windows side by side (`device_chunks_attention`); the two windows' dK/dV add.
 """
 
 from __future__ import annotations
@@ -179,15 +180,50 @@ def device_attention(plan: Plan, attend, q, k, v, cu_seqlens):
         return restore_order(x, n) if plan.load_balance else x
 
     k_all, v_all = gather(k), gather(v)
-    r = lax.axis_index(plan.token_axis)
+    return device_chunks_attention(plan, attend, q, k_all, v_all, cu, lax.axis_index(plan.token_axis))
+
+
+def device_chunks_attention(plan: Plan, attend, q, k_all, v_all, cu, r):
+    """Device r's queries (its chunk, or its two chunks r and 2n-1-r in that order) against the gathered,
+    natural-order K/V: (out, stats or None) for its rows. Public so the one-GPU benchmark times exactly what
+    a device runs (tools/bench/context_parallel.py).
+
+    Two chunks run as one call where one call can spell them (no left window): each chunk's key window is
+    cut from the gathered K/V and the two are concatenated, so the pieces of both chunks are 2B sequences
+    with explicit offsets over disjoint key rows (a document that reaches both chunks appears in both
+    windows, and XLA adds the two copies' dK/dV). One call instead of two halves the launches and the
+    kernels' fixed costs and gives them twice the tiles to fill the GPU with; a device's share of short
+    documents is a small call, where those matter (CP-c, docs/PERFORMANCE.md).
+    """
+    n, rows = plan.devices, q.shape[0] // plan.chunks_per_device
     chunk_ids = [r] if not plan.load_balance else [r, 2 * n - 1 - r]
-    outs, stats = [], []
+    if len(chunk_ids) == 1 or plan.window_left is not None:
+        parts = [chunk_attention(plan, attend, q[j * rows:(j + 1) * rows], k_all, v_all, cu, chunk * rows)
+                 for j, chunk in enumerate(chunk_ids)]
+        out = jnp.concatenate([o for o, _ in parts], axis=0)
+        return out, None if parts[0][1] is None else jnp.concatenate([s for _, s in parts], axis=plan.stats_axis)
+    cu_q, cu_kv, used_q, used_kv, keys, values = [], [], [], [], [], []
     for j, chunk in enumerate(chunk_ids):
-        out, s = chunk_attention(plan, attend, q[j * rows:(j + 1) * rows], k_all, v_all, cu, chunk * rows)
-        outs.append(out)
-        stats.append(s)
-    out = jnp.concatenate(outs, axis=0)
-    return out, None if stats[0] is None else jnp.concatenate(stats, axis=plan.stats_axis)
+        start = chunk * rows
+        pieces = chunk_pieces(cu, start, rows, max_seqlen=plan.max_seqlen, is_causal=plan.is_causal)
+        k_window, v_window, kv_offset = key_window(plan, k_all, v_all, start, rows)
+        size = k_window.shape[0]
+        cu_q.append(j * rows + pieces.q_start)
+        # Pieces without queries may start outside the window: clamped, they stay empty and ascending.
+        cu_kv.append(j * size + jnp.clip(pieces.kv_start - kv_offset, 0, size))
+        used_q.append(pieces.q_len)
+        used_kv.append(pieces.kv_len)
+        keys.append(k_window)
+        values.append(v_window)
+    ends = lambda x: jnp.full((1,), x, jnp.int32)
+    cu_q = jnp.concatenate([*cu_q, ends(2 * rows)])
+    cu_kv = jnp.concatenate([*cu_kv, ends(2 * size)])
+    # Every piece but a chunk's first starts at its sequence's first token (as many keys as queries, where
+    # bottom-right is top-left); each chunk's first may start inside its sequence: bottom-right is every
+    # piece's mask (chunk_attention).
+    return attend(q, jnp.concatenate(keys), jnp.concatenate(values), cu_q, cu_kv, min(plan.max_seqlen, rows),
+                  plan.max_seqlen, seqused=(jnp.concatenate(used_q), jnp.concatenate(used_kv)),
+                  diagonal_alignment="bottom_right" if plan.is_causal else "top_left")
 
 
 def chunk_attention(plan: Plan, attend, q_chunk, k_all, v_all, cu, chunk_start):

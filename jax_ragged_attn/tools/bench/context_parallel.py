@@ -112,7 +112,7 @@ def _attend(options):
 def per_device_seconds(w: Workload, implementation, load_balance: bool, calls, repetitions, *,
                        devices: int = DEVICES) -> list[float]:
     """Each of `devices` devices' attention calls (fwd+bwd) in the sharded step, timed alone on the first
-    device: the exact per-chunk function the sharded op runs (context_parallel.chunk_attention) on that
+    device: the exact function the sharded op runs (context_parallel.device_chunks_attention) on that
     device's query chunks against all T keys, so no collective hides the imbalance."""
     q, k, v, cu = _inputs(w, devices)
     total = q.shape[0]
@@ -131,19 +131,16 @@ def per_device_seconds(w: Workload, implementation, load_balance: bool, calls, r
 
 
 def _device_step(plan, attend, cu, rows, ids, backward: bool):
-    """Device r's chunk calls (ids) as one jitted function of (k, v, *q_chunks): forward only, or with the
-    backward of a fixed cotangent."""
+    """Device r's call (ids: its chunks, r first) as one jitted function of (k, v, *q_chunks): forward only, or
+    with the backward of a fixed cotangent. context_parallel.device_chunks_attention, as the sharded op runs it."""
     def step(k, v, *q_chunks):
-        results = []
-        for chunk, q_chunk in zip(ids, q_chunks):
-            def f(q, k, v, chunk=chunk):
-                return cp.chunk_attention(plan, attend, q, k, v, cu, chunk * rows)[0]
-            if not backward:
-                results.append(f(q_chunk, k, v))
-                continue
-            out, pullback = jax.vjp(f, q_chunk, k, v)
-            results.append(pullback(jnp.ones_like(out)))
-        return results
+        def f(q, k, v):
+            return cp.device_chunks_attention(plan, attend, q, k, v, cu, ids[0])[0]
+        q = jnp.concatenate(q_chunks)
+        if not backward:
+            return f(q, k, v)
+        out, pullback = jax.vjp(f, q, k, v)
+        return pullback(jnp.ones_like(out))
     return jax.jit(step)
 
 
