@@ -27,6 +27,13 @@ extern "C" __global__ void jax_ragged_attn_zero_unowned_rows(
   // latency, not bandwidth) run 32 to a warp; then the whole warp zeroes each unowned row of the 32 in turn,
   // its lanes over the row's words (coalesced) and slices.
   const int lane = threadIdx.x & 31;
+  // Rows of whole 16-byte words at 16-byte aligned addresses (every q/k/v/out/gradient row of head dim a
+  // multiple of 8 in 16-bit types): 16-byte stores. Rows of many narrow slices (head-major stats: one float
+  // per slice) keep the flat 4-byte loop, which spreads a row's slices over the lanes.
+  const int quads = words >> 2;
+  const bool wide = (words & 3) == 0 && (slices == 1 || quads >= 32) &&
+                    ((reinterpret_cast<unsigned long long>(base) | static_cast<unsigned long long>(row_stride) |
+                      static_cast<unsigned long long>(slice_stride)) & 15) == 0;
   const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
   for (long long first = warp * 32; first < rows; first += warps * 32) {
@@ -50,8 +57,18 @@ extern "C" __global__ void jax_ragged_attn_zero_unowned_rows(
     }
     for (unsigned pending = __ballot_sync(0xffffffffu, unowned); pending != 0; pending &= pending - 1) {
       char* p = base + (first + __ffs(pending) - 1) * row_stride;
-      for (int i = lane; i < slices * words; i += 32) {
-        reinterpret_cast<int*>(p + (i / words) * slice_stride)[i % words] = 0;
+      if (wide) {
+        // 16-byte stores, slice by slice: a quarter of the store instructions and no division per store. A
+        // context-parallel device's key window is mostly rows no piece owns, where the 4-byte stores with a
+        // division each were issue-bound (0.22 ms of a 3.5 ms CP-c device step on the H200, 2026-12-04).
+        for (int slice = 0; slice < slices; ++slice) {
+          int4* row = reinterpret_cast<int4*>(p + slice * slice_stride);
+          for (int i = lane; i < quads; i += 32) row[i] = make_int4(0, 0, 0, 0);
+        }
+      } else {
+        for (int i = lane; i < slices * words; i += 32) {
+          reinterpret_cast<int*>(p + (i / words) * slice_stride)[i % words] = 0;
+        }
       }
     }
   }

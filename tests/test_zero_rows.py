@@ -63,3 +63,28 @@ def test_the_gpu_uses_the_handler():
     text = jax.jit(lambda a: row_zeroing.zero_unused_rows((a,), jnp.asarray(CU), jnp.asarray(LENGTHS))[0]).lower(
         a).as_text()
     assert "jax_ragged_attn_zero_rows" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, dtype", [((4, 8), "bfloat16"), ((3, 5), "float32"), ((32, 128), "bfloat16"),
+                                          ((2, 6), "bfloat16")],
+                         ids=["64-byte rows", "60-byte rows (4-byte stores)", "8-KiB rows", "24-byte rows"])
+def test_the_kernel_zeroes_exactly_the_unused_rows_of_every_row_width(shape, dtype):
+    """The row-zeroing kernel on the GPU (16-byte stores where a row is whole 16-byte words, 4-byte stores
+    otherwise), over many warps of rows, most of them unused as in a context-parallel key window: bit for bit
+    against NumPy on a NaN-filled buffer."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("the zero-rows handler runs on a CUDA GPU; this backend uses the jnp.where")
+    rng = np.random.default_rng(7)
+    rows, num = 5000, 40
+    cu = np.sort(rng.choice(rows, num + 1, replace=False)).astype(np.int32)
+    cu[0] = 0
+    lengths = (rng.random(num) * np.diff(cu) * 0.3).astype(np.int32)  # ~85 % of the rows unused
+    x = jnp.full((rows, *shape), jnp.nan, dtype)
+    got = jax.jit(lambda x: row_zeroing.zero_unused_rows((x,), jnp.asarray(cu), jnp.asarray(lengths))[0])(x)
+    owned = np.zeros(rows, bool)
+    for b in range(num):
+        owned[cu[b]:cu[b] + lengths[b]] = True
+    got = np.asarray(got, np.float32)
+    assert np.isnan(got[owned]).all(), "a used row was written"
+    np.testing.assert_array_equal(got[~owned], 0, err_msg="an unused row was not zeroed")
