@@ -92,7 +92,7 @@ def main(argv=None) -> int:
           f"{sum(base.values()):.3f} ms of kernels, {base_wall:.3f} ms wall per step")
     for r in (int(x) for x in args.ranks.split(",")):
         ids = [r, 2 * n - 1 - r]
-        step_args = (k, v, *[q[c * rows:(c + 1) * rows] for c in ids])
+        step_args = bench._device_args(q, k, v, ids, rows)
         device, wall = kernel_ms(bench._device_step(plan, attend, cu, rows, ids, True), step_args, args.steps)
         share = shares[r]
         print(f"\ndevice {r}: share {share:.3f}; kernels {sum(device.values()):.3f} ms (share x one GPU "

@@ -124,24 +124,29 @@ def per_device_seconds(w: Workload, implementation, load_balance: bool, calls, r
     seconds = []
     for r in range(devices):
         ids = [r, 2 * devices - 1 - r] if load_balance else [r]
-        args = (k, v, *[q[c * rows:(c + 1) * rows] for c in ids])
+        args = _device_args(q, k, v, ids, rows)
         compiled = _device_step(plan, attend, cu, rows, ids, True).lower(*args).compile()
         seconds.append(_time(compiled, args, calls, repetitions))
     return seconds
 
 
 def _device_step(plan, attend, cu, rows, ids, backward: bool):
-    """Device r's call (ids: its chunks, r first) as one jitted function of (k, v, *q_chunks): forward only, or
-    with the backward of a fixed cotangent. context_parallel.device_chunks_attention, as the sharded op runs it."""
-    def step(k, v, *q_chunks):
+    """Device r's call (ids: its chunks, r first) as one jitted function of (k, v, q): forward only, or with the
+    backward of a fixed cotangent. context_parallel.device_chunks_attention, as the sharded op runs it; q is the
+    device's rows (_device_args), as its shard holds them."""
+    def step(k, v, q):
         def f(q, k, v):
             return cp.device_chunks_attention(plan, attend, q, k, v, cu, ids[0])[0]
-        q = jnp.concatenate(q_chunks)
         if not backward:
             return f(q, k, v)
         out, pullback = jax.vjp(f, q, k, v)
         return pullback(jnp.ones_like(out))
     return jax.jit(step)
+
+
+def _device_args(q, k, v, ids, rows):
+    """(k, v, the device's query rows: its chunks side by side), made outside the timed function."""
+    return k, v, jnp.concatenate([q[c * rows:(c + 1) * rows] for c in ids])
 
 
 def breakdown(names, implementation, calls, repetitions, devices: int, order: str = "packer+balanced") -> None:
@@ -174,7 +179,7 @@ def breakdown(names, implementation, calls, repetitions, devices: int, order: st
         attend = _attend(dict(is_causal=w.causal, implementation=implementation))
         for r in range(devices):
             ids = [r, 2 * devices - 1 - r] if balanced else [r]
-            args = (k, v, *[q[c * rows:(c + 1) * rows] for c in ids])
+            args = _device_args(q, k, v, ids, rows)
             fwd = _time(_device_step(plan, attend, cu, rows, ids, False).lower(*args).compile(), args, calls,
                         repetitions)
             both = _time(_device_step(plan, attend, cu, rows, ids, True).lower(*args).compile(), args, calls,
