@@ -285,12 +285,7 @@ def _backward(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, confi
     # Slots start where each part's rows start and end where the sequence's slot ends; seqused says how many
     # rows each part uses (the rest of a slot is never read, and its gradient rows are zero).
     shifted = lambda cu, by: jnp.concatenate([cu[:-1] + by, cu[-1:]])
-    # A sequence with no key left of its band (every piece of a context-parallel chunk but its first, every
-    # sequence with as many keys as queries) has nothing in the rectangle: 0 of its queries there too, so the
-    # rectangle call's per-row passes (rowsum(dO * O), dQ's conversion) cover only the sequences that have a
-    # rectangle; the rows it then leaves unowned are zeroed, as before.
-    grads_rect = _backward_call(buffers, cu_q, cu_kv, out, raw_stats, d_out, rectangle,
-                                (jnp.where(before > 0, sq, 0), before))
+    grads_rect = _backward_call(buffers, cu_q, cu_kv, out, raw_stats, d_out, rectangle, (sq, before))
     square_args = (buffers, shifted(cu_q, sq - band), shifted(cu_kv, before), out, raw_stats, d_out, square,
                    (band, band))
     holds_q = ["q" in b.holds for b in TABLE[config.packing].buffers]
