@@ -84,6 +84,9 @@ class AttentionConfig(MaskedConfig):
     # False: the caller drops the stats (api.attend sets it), so the cuDNN path never computes their -inf
     # rows and jax.debug_infs stays quiet. Direct callers of the launch keep the documented stats.
     return_stats: bool = True
+    # The tokens per sequence implementation=None chooses a kernel by (backends/policy.py), when not this
+    # call's own capacity_q / num_seqs: AttentionOptions.policy_tokens_per_sequence.
+    policy_tokens_per_sequence: int | None = None
 
 
 
@@ -116,6 +119,10 @@ class AttentionOptions:
     autotune: bool = False
     strategy: str = "fastest"
     softcap: float | None = None  # None or 0: no cap; make_config stores 0.0 then
+    # Internal, set by sharded_ragged_attention: the shape class (tokens per sequence) implementation=None
+    # chooses by, its whole batch's T / B. A context-parallel device's call holds 2B slots for its pieces, most
+    # of them empty, so its own T / B would put long documents in the short-sequence class (policy.py).
+    policy_tokens_per_sequence: int | None = None
 
     def __post_init__(self):
         check_implementation(self.implementation)
@@ -317,4 +324,5 @@ def make_config(
         packing=packing,
         has_sinks=sinks is not None,
         softcap=options.softcap or 0.0,
+        policy_tokens_per_sequence=options.policy_tokens_per_sequence,
     )

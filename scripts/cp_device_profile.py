@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     rows = total // (2 * n)
     plan = cp.Plan(token_axis="cp", devices=n, load_balance=True, max_seqlen=min(w.max_seqlen, total),
                    is_causal=w.causal, window_left=None, stats_axis=1)
-    attend = bench._attend(dict(is_causal=w.causal, implementation=args.implementation))
+    attend = bench._attend(dict(is_causal=w.causal, implementation=args.implementation), total, w.num_seqs)
     print(f"{w.name}, n = {n}, packer + balanced, implementation {args.implementation}: one GPU "
           f"{sum(base.values()):.3f} ms of kernels, {base_wall:.3f} ms wall per step")
     for r in (int(x) for x in args.ranks.split(",")):

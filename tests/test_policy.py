@@ -47,6 +47,30 @@ def test_the_policy_splits_by_tokens_per_sequence(hopper_with_both, tokens, num_
     assert backends.choose(None, _config(tokens, num_seqs), _index(num_seqs)).NAME == chosen
 
 
+@pytest.mark.parametrize("hint, chosen", [(4096, "fa3"), (551, "cudnn")])
+def test_a_context_parallel_call_is_classed_by_its_whole_batch(hopper_with_both, hint, chosen):
+    """A device's call of CP-c at n = 8 holds 8,192 query rows in 32 slots (256 a slot, the short class);
+    the sharded op passes its whole batch's T / B, which decides instead."""
+    config = _config(8192, 32, policy_tokens_per_sequence=hint)
+    assert backends.choose(None, config, _index(32)).NAME == chosen
+
+
+def test_the_sharded_op_passes_its_whole_batchs_shape_class(monkeypatch):
+    """sharded_ragged_attention(token_axis=...) gives every device's call T / B of the caller's batch."""
+    from jax_ragged_attn.parallel import sharding
+
+    seen = []
+    real = sharding.attend
+    monkeypatch.setattr(sharding, "attend", lambda *a, **kw: seen.append(a[3].policy_tokens_per_sequence)
+                        or real(*a, **kw))
+    q = jnp.zeros((64, 2, 8), jnp.float32)
+    cu = jnp.array([0, 30, 50, 64], jnp.int32)
+    mesh = jax.make_mesh((1,), ("cp",))
+    sharding.sharded_ragged_attention(q, q, q, cu, cu, mesh=mesh, token_axis="cp", load_balance=True,
+                                      max_seqlen_q=30, max_seqlen_kv=30, is_causal=True, implementation="xla")
+    assert seen and set(seen) == {64 // 3}
+
+
 def test_no_policy_for_other_gpus_keeps_cudnn(hopper_with_both, monkeypatch):
     monkeypatch.setattr(policy, "_compute_capability", lambda: "8.0")
     assert backends.choose(None, _config(32768, 16), _index(16)).NAME == "cudnn"

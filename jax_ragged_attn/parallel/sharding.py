@@ -233,8 +233,11 @@ def _context_parallel_plan(q, k, v, cu_seqlens_q, cu_seqlens_kv, mesh, token_axi
         # The chunks' calls see gap sequences that may be longer than max_seqlen: check the caller's instead.
         cu_seqlens = checked_cu_seqlens(cu_seqlens, name="cu_seqlens_q", capacity=total, max_seqlen=max_seqlen)
     # Each chunk's call: the pieces, bottom-right aligned (the diagonal of a piece's query is its position).
+    # The automatic kernel choice by the whole batch's shape class (its T / B), not by a device call's slots.
     inner = dataclasses.replace(options, is_causal=causal, diagonal_alignment="bottom_right",
-                                local_window_size=None if left is None else (left, 0), check=False)
+                                local_window_size=None if left is None else (left, 0), check=False,
+                                policy_tokens_per_sequence=options.policy_tokens_per_sequence
+                                or max(total // (cu_seqlens_q.shape[0] - 1), 1))
     plan = cp.Plan(token_axis=token_axis, devices=n, load_balance=bool(load_balance), max_seqlen=max_seqlen,
                    is_causal=causal, window_left=left, stats_axis=1 if options.stats_layout == "head_major" else 0)
     return plan, inner, cu_seqlens

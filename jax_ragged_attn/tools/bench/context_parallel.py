@@ -99,13 +99,18 @@ def context_parallel(w: Workload, implementation, load_balance: bool, calls, rep
     return _time(compiled, (q, k, v, cu, d_out), calls, repetitions), device_bytes(compiled)
 
 
-def _attend(options):
-    """context_parallel.chunk_attention's attend, as sharding.sharded_ragged_attention passes it."""
+def _attend(options, total: int, num_seqs: int):
+    """device_chunks_attention's attend, as sharding.sharded_ragged_attention passes it: the op, with the whole
+    batch's shape class (T / B) for implementation=None's choice."""
+    from jax_ragged_attn.api import attend as attend_op
+    from jax_ragged_attn.config import AttentionOptions
+
+    base = AttentionOptions(return_stats=True, policy_tokens_per_sequence=max(total // num_seqs, 1), **options)
+
     def attend(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, *, seqused, diagonal_alignment):
-        return ragged_attention(q, k, v, cu_q, cu_kv, **dict(options, max_seqlen_q=max_seqlen_q,
-                                                               max_seqlen_kv=max_seqlen_kv,
-                                                               diagonal_alignment=diagonal_alignment),
-                                seqused_q=seqused[0], seqused_kv=seqused[1], return_stats=True)
+        return attend_op((q, k, v), cu_q, cu_kv, dataclasses.replace(base, diagonal_alignment=diagonal_alignment),
+                         max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, seqused_q=seqused[0],
+                         seqused_kv=seqused[1])
     return attend
 
 
@@ -120,7 +125,7 @@ def per_device_seconds(w: Workload, implementation, load_balance: bool, calls, r
     rows = total // chunks
     plan = cp.Plan(token_axis="cp", devices=devices, load_balance=load_balance, max_seqlen=min(w.max_seqlen, total),
                    is_causal=w.causal, window_left=None, stats_axis=1)
-    attend = _attend(dict(is_causal=w.causal, implementation=implementation))
+    attend = _attend(dict(is_causal=w.causal, implementation=implementation), total, w.num_seqs)
     seconds = []
     for r in range(devices):
         ids = [r, 2 * devices - 1 - r] if load_balance else [r]
@@ -176,7 +181,7 @@ def breakdown(names, implementation, calls, repetitions, devices: int, order: st
         rows = total // (2 * devices if balanced else devices)
         plan = cp.Plan(token_axis="cp", devices=devices, load_balance=balanced,
                        max_seqlen=min(w.max_seqlen, total), is_causal=w.causal, window_left=None, stats_axis=1)
-        attend = _attend(dict(is_causal=w.causal, implementation=implementation))
+        attend = _attend(dict(is_causal=w.causal, implementation=implementation), total, w.num_seqs)
         for r in range(devices):
             ids = [r, 2 * devices - 1 - r] if balanced else [r]
             args = _device_args(q, k, v, ids, rows)
