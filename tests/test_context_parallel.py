@@ -99,6 +99,22 @@ def test_pieces_give_the_dense_segment_mask(seed, n, load_balance, is_causal, wi
                                       want[start:start + rows], err_msg=f"cu_seqlens of chunk {chunk}")
 
 
+@pytest.mark.parametrize("starts", [(0, 5), (3, 3), (10, 0), (9, 2)], ids=["apart", "same", "last-first", "overlap"])
+def test_key_windows_and_their_gradient(starts):
+    """context_parallel.windows: the rows [s, s + size) of each start side by side, and its own backward (one
+    pass over the rows) equal to autodiff of the plain slices, overlapping windows summed."""
+    from jax_ragged_attn.parallel.context_parallel import windows
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((15, 2, 3)), jnp.float32)
+    g = jnp.asarray(np.random.default_rng(1).standard_normal((2 * 5, 2, 3)), jnp.float32)
+    plain = lambda x, a, b: jnp.concatenate([lax.dynamic_slice_in_dim(x, s, 5) for s in (a, b)])
+    a, b = (jnp.int32(s) for s in starts)
+    got, pullback = jax.vjp(jax.jit(lambda x, a, b: windows(x, (a, b), 5)), x, a, b)
+    want, plain_pullback = jax.vjp(lambda x: plain(x, a, b), x)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(pullback(g)[0], plain_pullback(g)[0], rtol=1e-6, atol=1e-6)
+
+
 def test_reorder_is_the_dual_chunk_order_and_restore_undoes_it():
     x = jnp.arange(16 * 3).reshape(16, 3)
     y = reorder_for_load_balance(x, 2)
