@@ -147,6 +147,11 @@ class AttentionOptions:
             object.__setattr__(self, "scale", _static_scale(self.scale))
         object.__setattr__(self, "local_window_size", _normalize_window(self.local_window_size))
         object.__setattr__(self, "softcap", _static_softcap(self.softcap))
+        hint = self.policy_tokens_per_sequence
+        if hint is not None and (isinstance(hint, bool) or not isinstance(hint, (int, np.integer)) or hint < 1):
+            raise ValueError(f"policy_tokens_per_sequence must be a positive int or None, got {hint!r}")
+        if hint is not None:
+            object.__setattr__(self, "policy_tokens_per_sequence", int(hint))
 
     @classmethod
     def split(cls, kwargs: dict) -> tuple[AttentionOptions, dict]:

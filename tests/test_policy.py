@@ -55,6 +55,12 @@ def test_a_context_parallel_call_is_classed_by_its_whole_batch(hopper_with_both,
     assert backends.choose(None, config, _index(32)).NAME == chosen
 
 
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "4096", True])
+def test_a_bad_shape_class_names_itself(bad):
+    with pytest.raises(ValueError, match="policy_tokens_per_sequence must be a positive int"):
+        AttentionOptions(policy_tokens_per_sequence=bad)
+
+
 def test_the_sharded_op_passes_its_whole_batchs_shape_class(monkeypatch):
     """sharded_ragged_attention(token_axis=...) gives every device's call T / B of the caller's batch."""
     from jax_ragged_attn.parallel import sharding

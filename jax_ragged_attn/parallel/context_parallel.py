@@ -3,7 +3,8 @@
 The all-gather strategy (Llama 3, TransformerEngine): inside shard_map each device gathers every device's
 K and V (an all-gather, whose transpose, a reduce-scatter, returns dK and dV to their owners)
 and attends its own queries to the gathered rows with one call of the ragged op (over its one contiguous
-chunk of rows, or its two with load_balance). Nothing else crosses devices: out, stats and dQ stay where the queries are.
+chunk of rows, or its two with load_balance). Nothing else crosses devices: out, stats and dQ stay where the
+queries are.
 
 A contiguous chunk of rows [s, s + C) of the natural packed order cuts each sequence into at most one
 contiguous run of its queries, a *piece*: positions [a, c) of its sequence. Causal attention of those
@@ -192,9 +193,10 @@ def device_chunks_attention(plan: Plan, attend, q, k_all, v_all, cu, r):
     Two chunks run as one call where one call can spell them (no left window): each chunk's key window is
     cut from the gathered K/V and the two are concatenated, so the pieces of both chunks are 2B sequences
     with explicit offsets over disjoint key rows (a document that reaches both chunks appears in both
-    windows, and XLA adds the two copies' dK/dV). One call instead of two halves the launches and the
-    kernels' fixed costs and gives them twice the tiles to fill the GPU with; a device's share of short
-    documents is a small call, where those matter (CP-c, docs/PERFORMANCE.md).
+    windows, and the windows' backward adds the two copies' dK/dV). One call instead of two halves the
+    launches and the per-call passes and gives the kernels twice the tiles to fill the GPU with; a device's
+    share of short documents is a small call, where those matter (CP-c n = 8 on the H200: 0.218 -> 0.208 of
+    one GPU's time, docs/PERFORMANCE.md).
     """
     n, rows = plan.devices, q.shape[0] // plan.chunks_per_device
     chunk_ids = [r] if not plan.load_balance else [r, 2 * n - 1 - r]
