@@ -115,6 +115,36 @@ def test_key_windows_and_their_gradient(starts):
     np.testing.assert_allclose(pullback(g)[0], plain_pullback(g)[0], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("n", [2, 4])
+def test_two_chunks_fit_in_b_plus_one_ascending_slots(seed, n):
+    """context_parallel.two_chunk_slots: a device's two chunks' pieces as B + 1 slots, every non-empty piece
+    exactly once, offsets ascending and each slot's used rows inside it (the kernels' contract)."""
+    from jax_ragged_attn.parallel.context_parallel import Pieces, two_chunk_slots
+
+    rng = np.random.default_rng(seed)
+    lengths = random_lengths(rng, T, slack=int(rng.integers(0, 20)))
+    if seed == 5:
+        lengths = [3, 0, 4]  # most chunks hold no piece at all
+    cu = jnp.asarray(cu_seqlens_from_lengths(lengths))
+    rows, size = T // (2 * n), T  # windows of all T rows: every key offset in the call is exact
+    for r in range(n):
+        parts = []
+        for j, chunk in enumerate((r, 2 * n - 1 - r)):
+            p = chunk_pieces(cu, chunk * rows, rows, max_seqlen=max(lengths), is_causal=True)
+            parts.append(Pieces(j * rows + p.q_start, p.q_len, j * size + p.kv_start, p.kv_len))
+        slots = [np.asarray(x) for x in two_chunk_slots(*parts)]
+        assert all(x.shape == (len(lengths) + 1,) for x in slots)
+        q_start, q_len, kv_start, kv_len = slots
+        cu_q, cu_kv = np.append(q_start, 2 * rows), np.append(kv_start, 2 * size)
+        assert np.all(np.diff(cu_q) >= 0) and np.all(np.diff(cu_kv) >= 0), (cu_q, cu_kv)
+        assert np.all(q_start + q_len <= cu_q[1:]) and np.all(kv_start + kv_len <= cu_kv[1:])
+        want = sorted((int(a), int(b), int(c), int(d)) for part in parts for a, b, c, d in zip(*map(np.asarray, part))
+                      if b > 0)
+        got = sorted((int(a), int(b), int(c), int(d)) for a, b, c, d in zip(*slots) if b > 0)
+        assert got == want, f"device {r}"
+
+
 def test_reorder_is_the_dual_chunk_order_and_restore_undoes_it():
     x = jnp.arange(16 * 3).reshape(16, 3)
     y = reorder_for_load_balance(x, 2)

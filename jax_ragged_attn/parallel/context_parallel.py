@@ -205,27 +205,51 @@ def device_chunks_attention(plan: Plan, attend, q, k_all, v_all, cu, r):
                  for j, chunk in enumerate(chunk_ids)]
         out = jnp.concatenate([o for o, _ in parts], axis=0)
         return out, None if parts[0][1] is None else jnp.concatenate([s for _, s in parts], axis=plan.stats_axis)
-    cu_q, cu_kv, used_q, used_kv, starts = [], [], [], [], []
+    parts, starts = [], []
     for j, chunk in enumerate(chunk_ids):
         pieces = chunk_pieces(cu, chunk * rows, rows, max_seqlen=plan.max_seqlen, is_causal=plan.is_causal)
         first, size = window_bounds(plan, k_all.shape[0], chunk * rows, rows)
-        cu_q.append(j * rows + pieces.q_start)
-        # Pieces without queries may start outside the window: clamped, they stay empty and ascending.
-        cu_kv.append(j * size + jnp.clip(pieces.kv_start - first, 0, size))
-        used_q.append(pieces.q_len)
-        used_kv.append(pieces.kv_len)
+        # In the call's rows: chunk j's queries from j * rows, its window's keys from j * size. Pieces without
+        # queries may start outside the window: clamped, they stay empty and ascending.
+        parts.append(Pieces(j * rows + pieces.q_start, pieces.q_len,
+                            j * size + jnp.clip(pieces.kv_start - first, 0, size), pieces.kv_len))
         starts.append(first)
+    slots = two_chunk_slots(*parts)
     ends = lambda x: jnp.full((1,), x, jnp.int32)
-    cu_q = jnp.concatenate([*cu_q, ends(2 * rows)])
-    cu_kv = jnp.concatenate([*cu_kv, ends(2 * size)])
+    cu_q = jnp.concatenate([slots.q_start, ends(2 * rows)])
+    cu_kv = jnp.concatenate([slots.kv_start, ends(2 * size)])
     # Every piece but a chunk's first starts at its sequence's first token (as many keys as queries, where
     # bottom-right is top-left); each chunk's first may start inside its sequence: bottom-right is every
     # piece's mask (chunk_attention).
     starts = tuple(starts)
     return attend(q, windows(k_all, starts, size), windows(v_all, starts, size), cu_q, cu_kv,
-                  min(plan.max_seqlen, rows), plan.max_seqlen,
-                  seqused=(jnp.concatenate(used_q), jnp.concatenate(used_kv)),
+                  min(plan.max_seqlen, rows), plan.max_seqlen, seqused=(slots.q_len, slots.kv_len),
                   diagonal_alignment="bottom_right" if plan.is_causal else "top_left")
+
+
+def two_chunk_slots(first: Pieces, second: Pieces) -> Pieces:
+    """The pieces of a device's two chunks (each [B], in the call's rows) as B + 1 slots, not 2B.
+
+    The chunks' pieces come from two runs of sequences: those reaching into the first chunk (b <= last, the
+    last sequence with queries there) and those reaching into the second, which comes later in the natural
+    order. Only sequence `last` can have pieces in both (it covers every row between them). Slot b <= last
+    holds sequence b's first-chunk piece, slot last + 1 sequence last's second-chunk piece (empty if it has
+    none), slot b + 1 > last + 1 sequence b's second-chunk piece: every offset ascends, and the kernels' grids
+    over slots (FA3's dQ conversion and preprocessing, sized by slots x max_seqlen) are half the size.
+
+        first chunk:  sequences 0, 1, 2 have pieces (last = 2);  second chunk: sequences 2, 3
+        slots: [first 0, first 1, first 2, second 2, second 3, second 4 (empty), ...]
+    """
+    num = first.q_len.shape[0]
+    index = jnp.arange(num, dtype=jnp.int32)
+    last = jnp.max(jnp.where(first.q_len > 0, index, -1))
+    slot = jnp.arange(num + 1, dtype=jnp.int32)
+    sequence = jnp.clip(jnp.where(slot <= last, slot, slot - 1), 0, num - 1)
+    from_first = slot <= last
+    # With no piece in the first chunk (last = -1) slot 0 is an empty slot at the start of both buffers.
+    empty_start = (slot == 0) & (last < 0)
+    return Pieces(*(jnp.where(empty_start, 0, jnp.where(from_first, a[sequence], b[sequence])).astype(jnp.int32)
+                    for a, b in zip(first, second)))
 
 
 def chunk_attention(plan: Plan, attend, q_chunk, k_all, v_all, cu, chunk_start):
