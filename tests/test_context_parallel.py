@@ -370,12 +370,13 @@ def test_one_gpu_device_calls_match_the_op(implementation, head_dim, n, load_bal
     _check_device_calls(implementation, head_dim, n, load_balance, layout, gpu)
 
 
+@pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "no_mask"])
 @pytest.mark.parametrize("n, load_balance", [(2, False), (4, True), (2, True)])
-def test_device_calls_match_the_op_on_the_xla_path(n, load_balance):
-    _check_device_calls("xla", 32, n, load_balance, "head_major", jax.devices()[0])
+def test_device_calls_match_the_op_on_the_xla_path(n, load_balance, is_causal):
+    _check_device_calls("xla", 32, n, load_balance, "head_major", jax.devices()[0], is_causal=is_causal)
 
 
-def _check_device_calls(implementation, head_dim, n, load_balance, layout, device):
+def _check_device_calls(implementation, head_dim, n, load_balance, layout, device, *, is_causal=True):
     """Every device's call as the sharded op runs it (context_parallel.device_chunks_attention against all the
     keys), on one device: with load_balance a device's two chunks are one call over their two key windows side
     by side, each chunk's first piece possibly offset (keys before its queries). Their rows together equal
@@ -391,9 +392,10 @@ def _check_device_calls(implementation, head_dim, n, load_balance, layout, devic
     batch = packed_batch(rng, lengths, lengths, num_heads_q=hq, num_heads_kv=2, head_dim_qk=head_dim,
                          head_dim_v=head_dim, dtype="bfloat16", slack_q=total - sum(lengths),
                          slack_kv=total - sum(lengths))
-    plan = cp.Plan(token_axis="cp", devices=n, load_balance=load_balance, max_seqlen=1100, is_causal=True,
+    plan = cp.Plan(token_axis="cp", devices=n, load_balance=load_balance, max_seqlen=1100, is_causal=is_causal,
                    window_left=None, stats_axis=stats_axis)
-    options = AttentionOptions(is_causal=True, stats_layout=layout, return_stats=True, implementation=implementation)
+    options = AttentionOptions(is_causal=is_causal, stats_layout=layout, return_stats=True,
+                               implementation=implementation)
 
     def attend_chunk(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, *, seqused, diagonal_alignment):
         chunk_options = dataclasses.replace(options, diagonal_alignment=diagonal_alignment)
@@ -417,7 +419,7 @@ def _check_device_calls(implementation, head_dim, n, load_balance, layout, devic
         return jnp.concatenate(outs), jnp.concatenate(stats, axis=stats_axis)
 
     def unsharded(q, k, v, cu):
-        return ragged_attention(q, k, v, cu, cu, max_seqlen_q=1100, max_seqlen_kv=1100, is_causal=True,
+        return ragged_attention(q, k, v, cu, cu, max_seqlen_q=1100, max_seqlen_kv=1100, is_causal=is_causal,
                                 return_stats=True, stats_layout=layout, implementation=implementation)
 
     d_out = rng.standard_normal((total, hq, head_dim)).astype("bfloat16")
@@ -434,7 +436,7 @@ def _check_device_calls(implementation, head_dim, n, load_balance, layout, devic
     one_call = jax.jit(functools.partial(forward_and_backward, unsharded))(*args)
     expected = reference_attention(*batch.reference_args, d_out=d_out.astype(np.float64),
                                    d_stats=d_stats.astype(np.float64), max_seqlen_q=1100, max_seqlen_kv=1100,
-                                   is_causal=True)
+                                   is_causal=is_causal)
     for i, name in enumerate(("out", "stats", "dq", "dk", "dv")):
         assert_close(np.asarray(got[i], np.float64), np.asarray(one_call[i], np.float64), "bfloat16",
                      f"{name} against one call")
