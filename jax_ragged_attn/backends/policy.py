@@ -56,7 +56,7 @@ def tokens_per_sequence(config) -> float:
     the H200, 2026-12-04: every device's call ran faster on FA3 than on cuDNN (n = 2 / 4 / 8: 10.7 / 6.0 / 3.6
     against 12.0 / 6.5 / 3.8 ms), the class of its documents (4,096 tokens each), though its own capacity / B
     (256 at n = 8) is that of short sequences."""
-    hint = getattr(config, "policy_tokens_per_sequence", None)
+    hint = config.policy_tokens_per_sequence
     return hint if hint is not None else config.capacity_q / config.num_seqs
 
 

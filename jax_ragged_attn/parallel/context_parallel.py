@@ -169,8 +169,7 @@ def device_attention(plan: Plan, attend, q, k, v, cu_seqlens):
     attend(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, *, seqused, diagonal_alignment) -> (out, stats or
     None) runs the op on one chunk (stats token-major [rows, H] or head-major [H, rows] as configured, or None).
     """
-    n, per_device = plan.devices, plan.chunks_per_device
-    rows = q.shape[0] // per_device
+    n = plan.devices
     total = q.shape[0] * n
     cu = sanitize_cu_seqlens(cu_seqlens, total)
 
@@ -191,9 +190,9 @@ def device_chunks_attention(plan: Plan, attend, q, k_all, v_all, cu, r):
     a device runs (tools/bench/context_parallel.py).
 
     Two chunks run as one call where one call can spell them (no left window): each chunk's key window is
-    cut from the gathered K/V and the two are concatenated, so the pieces of both chunks are 2B sequences
-    with explicit offsets over disjoint key rows (a document that reaches both chunks appears in both
-    windows, and the windows' backward adds the two copies' dK/dV). One call instead of two halves the
+    cut from the gathered K/V and the two are concatenated, so the pieces of both chunks are B + 1 sequences
+    (two_chunk_slots) with explicit offsets over disjoint key rows (a document that reaches both chunks
+    appears in both windows, and the windows' backward adds the two copies' dK/dV). One call instead of two halves the
     launches and the per-call passes and gives the kernels twice the tiles to fill the GPU with; a device's
     share of short documents is a small call, where those matter (CP-c n = 8 on the H200: 0.218 -> 0.208 of
     one GPU's time, docs/PERFORMANCE.md).
@@ -244,8 +243,8 @@ def two_chunk_slots(first: Pieces, second: Pieces) -> Pieces:
     index = jnp.arange(num, dtype=jnp.int32)
     last = jnp.max(jnp.where(first.q_len > 0, index, -1))
     slot = jnp.arange(num + 1, dtype=jnp.int32)
-    sequence = jnp.clip(jnp.where(slot <= last, slot, slot - 1), 0, num - 1)
     from_first = slot <= last
+    sequence = jnp.clip(jnp.where(from_first, slot, slot - 1), 0, num - 1)
     # With no piece in the first chunk (last = -1) slot 0 is an empty slot at the start of both buffers.
     empty_start = (slot == 0) & (last < 0)
     return Pieces(*(jnp.where(empty_start, 0, jnp.where(from_first, a[sequence], b[sequence])).astype(jnp.int32)
@@ -365,6 +364,12 @@ def _windows_bwd(size, total, starts, g):
 
 
 _windows.defvjp(_windows_fwd, _windows_bwd)
+
+
+def batch_tokens_per_sequence(total: int, num_seqs: int) -> int:
+    """The whole batch's shape class, T / B tokens a sequence, that each device's call passes to
+    implementation=None's choice (AttentionOptions.policy_tokens_per_sequence) in place of its own slots'."""
+    return max(total // num_seqs, 1)
 
 
 def effective_mask(is_causal: bool, window: tuple[int, int] | None) -> tuple[bool, int | None]:

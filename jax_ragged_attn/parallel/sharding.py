@@ -237,7 +237,7 @@ def _context_parallel_plan(q, k, v, cu_seqlens_q, cu_seqlens_kv, mesh, token_axi
     inner = dataclasses.replace(options, is_causal=causal, diagonal_alignment="bottom_right",
                                 local_window_size=None if left is None else (left, 0), check=False,
                                 policy_tokens_per_sequence=options.policy_tokens_per_sequence
-                                or max(total // (cu_seqlens_q.shape[0] - 1), 1))
+                                or cp.batch_tokens_per_sequence(total, cu_seqlens_q.shape[0] - 1))
     plan = cp.Plan(token_axis=token_axis, devices=n, load_balance=bool(load_balance), max_seqlen=max_seqlen,
                    is_causal=causal, window_left=left, stats_axis=1 if options.stats_layout == "head_major" else 0)
     return plan, inner, cu_seqlens

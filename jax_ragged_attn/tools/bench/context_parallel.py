@@ -105,7 +105,8 @@ def _attend(options, total: int, num_seqs: int):
     from jax_ragged_attn.api import attend as attend_op
     from jax_ragged_attn.config import AttentionOptions
 
-    base = AttentionOptions(return_stats=True, policy_tokens_per_sequence=max(total // num_seqs, 1), **options)
+    base = AttentionOptions(return_stats=True,
+                            policy_tokens_per_sequence=cp.batch_tokens_per_sequence(total, num_seqs), **options)
 
     def attend(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, *, seqused, diagonal_alignment):
         return attend_op((q, k, v), cu_q, cu_kv, dataclasses.replace(base, diagonal_alignment=diagonal_alignment),
