@@ -8,7 +8,8 @@ The layout, in layers that import only downwards (tests/test_layout.py holds it)
     tools/, testing/      the main job, benchmarks, demo, self-check; the float64 reference and test helpers
     flax.py               the Flax block
     inputs/               other input layouts: packed projections, segment ids, a KV cache, the document packer
-    parallel/             several devices: heads sharded, context parallelism (all-gather, ring), load balance
+    parallel/             several devices: heads sharded, context parallelism (all-gather, ring; a chunk's
+                          pieces and key windows), load balance
     api.py                ragged_attention: the features composed around one backend call
     backends/             cuDNN, FlashAttention-3, xla (and their KV-cache forms) behind one registry
     features/             checks, sinks, the bottom-right rewrite, overflow counts

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn.parallel import context_parallel as cp
+from jax_ragged_attn.parallel.key_windows import window_bounds
 from jax_ragged_attn.parallel.load_balance import balanced_document_order, causal_work_per_device
 from jax_ragged_attn.tools.bench import context_parallel as bench
 
@@ -34,7 +35,8 @@ def variant_call(plan, attend, cu, r, rows, total, mode: str):
     size = None
     for j, chunk in enumerate((r, 2 * plan.devices - 1 - r)):
         pieces = cp.chunk_pieces(cu, chunk * rows, rows, max_seqlen=plan.max_seqlen, is_causal=plan.is_causal)
-        first, size = cp.window_bounds(plan, total, chunk * rows, rows)
+        first, size = window_bounds(total, chunk * rows, rows, max_seqlen=plan.max_seqlen,
+                                     is_causal=plan.is_causal)
         parts.append(cp.Pieces(j * rows + pieces.q_start, pieces.q_len,
                                j * size + jnp.clip(pieces.kv_start - first, 0, size), pieces.kv_len))
         starts.append(int(first))

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.parallel.context_parallel import chunk_pieces, pieces_cu_seqlens
+from jax_ragged_attn.parallel.pieces import chunk_pieces, pieces_cu_seqlens
 from jax_ragged_attn.index import cu_seqlens_from_lengths
 from jax_ragged_attn.parallel.sharding import reorder_for_load_balance, restore_order, sharded_ragged_attention
 from jax_ragged_attn.testing.documents import dense_mask, random_document_lengths
@@ -101,9 +101,9 @@ def test_pieces_give_the_dense_segment_mask(seed, n, load_balance, is_causal, wi
 
 @pytest.mark.parametrize("starts", [(0, 5), (3, 3), (10, 0), (9, 2)], ids=["apart", "same", "last-first", "overlap"])
 def test_key_windows_and_their_gradient(starts):
-    """context_parallel.windows: the rows [s, s + size) of each start side by side, and its own backward (one
+    """key_windows.windows: the rows [s, s + size) of each start side by side, and its own backward (one
     pass over the rows) equal to autodiff of the plain slices, overlapping windows summed."""
-    from jax_ragged_attn.parallel.context_parallel import windows
+    from jax_ragged_attn.parallel.key_windows import windows
 
     x = jnp.asarray(np.random.default_rng(0).standard_normal((15, 2, 3)), jnp.float32)
     g = jnp.asarray(np.random.default_rng(1).standard_normal((2 * 5, 2, 3)), jnp.float32)
@@ -115,12 +115,34 @@ def test_key_windows_and_their_gradient(starts):
     np.testing.assert_allclose(pullback(g)[0], plain_pullback(g)[0], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "no-mask"])
+@pytest.mark.parametrize("seed", range(4))
+def test_key_window_holds_every_key_of_its_chunk(seed, is_causal):
+    """key_windows.window_bounds: every key row a chunk's pieces attend lies inside the chunk's window (the
+    calls clip piece offsets into it, so a key outside would be silently lost), for windows narrower than T."""
+    from jax_ragged_attn.parallel.key_windows import window_bounds
+
+    rng = np.random.default_rng(seed)
+    lengths = random_lengths(rng, T, slack=int(rng.integers(0, 20)))
+    max_seqlen = int(rng.integers(1, max(lengths) + 2))  # may cut sequences: their tails are padding
+    cu = jnp.asarray(cu_seqlens_from_lengths(lengths))
+    for rows in (T // 8, T // 4):
+        for start in range(0, T, rows):
+            p = chunk_pieces(cu, start, rows, max_seqlen=max_seqlen, is_causal=is_causal)
+            first, size = window_bounds(T, start, rows, max_seqlen=max_seqlen, is_causal=is_causal)
+            first = int(first)
+            assert 0 <= first and first + size <= T
+            used = np.asarray(p.q_len) > 0
+            kv_start, kv_len = np.asarray(p.kv_start)[used], np.asarray(p.kv_len)[used]
+            assert np.all(kv_start >= first) and np.all(kv_start + kv_len <= first + size), (start, first, size)
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("n", [2, 4])
 def test_two_chunks_fit_in_b_plus_one_ascending_slots(seed, n):
-    """context_parallel.two_chunk_slots: a device's two chunks' pieces as B + 1 slots, every non-empty piece
+    """pieces.two_chunk_slots: a device's two chunks' pieces as B + 1 slots, every non-empty piece
     exactly once, offsets ascending and each slot's used rows inside it (the kernels' contract)."""
-    from jax_ragged_attn.parallel.context_parallel import Pieces, two_chunk_slots
+    from jax_ragged_attn.parallel.pieces import Pieces, two_chunk_slots
 
     rng = np.random.default_rng(seed)
     lengths = random_lengths(rng, T, slack=int(rng.integers(0, 20)))

@@ -22,8 +22,8 @@ as B sequences with explicit offsets, cu_seqlens the slots (each piece's first r
 and seqused the pieces' lengths (`chunk_attention`; FlashAttention's seqused semantics, on every
 implementation). Every piece but the chunk's first starts at its sequence's first token, so top-left causal
 is its mask; the first may start inside its sequence and is the one bottom-right call (see
-`chunk_attention`). (`pieces_cu_seqlens` spells pieces as a prefix sum with gap sequences instead: 3B + 1
-sequences, the earlier spelling, kept for tools that want plain cu_seqlens.)
+`chunk_attention`). Pieces and their spellings live in pieces.py, the key windows a chunk reads in
+key_windows.py; this module holds the plan and the per-device calls.
 
 Within one call no two pieces share key rows (they belong to different sequences), so the cuDNN backward,
 which writes dK/dV per sequence, never overwrites one piece's gradient with another's. With
@@ -34,79 +34,18 @@ windows side by side (`device_chunks_attention`); the two windows' dK/dV add.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jax_ragged_attn.index import sanitize_cu_seqlens
+from jax_ragged_attn.parallel.key_windows import window_bounds, windows
+from jax_ragged_attn.parallel.pieces import Pieces, chunk_pieces, pieces_cu_seqlens, two_chunk_slots
 
-
-class Pieces(NamedTuple):
-    """Per sequence b of the packing (int32 [B] each): the run of its queries in one chunk, and its keys.
-
-    Queries: local rows q_start[b] .. q_start[b] + q_len[b] - 1 of the chunk (q_len 0: none in it). Keys:
-    rows kv_start[b] .. kv_start[b] + kv_len[b] - 1 of the gathered, natural-order K/V. Both ranges ascend
-    with b and never overlap (FlashAttention's cu_seqlens + seqused, with gaps).
-    """
-
-    q_start: jax.Array
-    q_len: jax.Array
-    kv_start: jax.Array
-    kv_len: jax.Array
-
-
-def chunk_pieces(cu_seqlens, chunk_start, chunk_rows: int, *, max_seqlen: int, is_causal: bool,
-                 window_left: int | None = None) -> Pieces:
-    """The pieces of the chunk of rows [chunk_start, chunk_start + chunk_rows) (chunk_start may be traced).
-
-    cu_seqlens: int32 [B + 1] in the natural order, already sanitised into the buffer. A sequence longer
-    than max_seqlen keeps its first max_seqlen rows (the rest are padding, as in ragged_attention).
-    is_causal: keys up to each piece's last query (bottom-right aligned); window_left (causal only) also
-    drops keys more than window_left left of the diagonal. Otherwise every key of the sequence.
-    """
-    start = cu_seqlens[:-1]
-    length = jnp.minimum(cu_seqlens[1:] - start, max_seqlen)
-    first = jnp.clip(start - chunk_start, 0, chunk_rows)
-    end = jnp.clip(start + length - chunk_start, 0, chunk_rows)
-    q_len = end - first
-    a = first + chunk_start - start  # the piece's first query's position in its sequence (if it has one)
-    if is_causal:
-        low = jnp.zeros_like(a) if window_left is None else jnp.maximum(a - window_left, 0)
-        high = a + q_len
-    else:
-        low, high = jnp.zeros_like(a), length
-    has = q_len > 0
-    # A sequence without queries here gets an empty key range at its own start: ranges stay ascending.
-    kv_start = start + jnp.where(has, low, 0)
-    kv_len = jnp.where(has, high - low, 0)
-    return Pieces(*(x.astype(jnp.int32) for x in (first, q_len, kv_start, kv_len)))
-
-
-def pieces_cu_seqlens(pieces: Pieces) -> tuple[jax.Array, jax.Array]:
-    """(cu_seqlens_q, cu_seqlens_kv), int32 [3B + 1]: the pieces as a prefix sum, each gap a sequence of its own.
-
-    Sequence 3b holds the query rows between piece b - 1 and piece b and no keys (they read out 0), 3b + 1
-    the key rows between them and no queries (they get dK = dV = 0), 3b + 2 the piece. With the pieces of
-    the module docstring ((q_start, q_len, kv_start, kv_len) = (0, 0, 0, 0), (0, 6, 5, 9), (6, 2, 14, 2)):
-      lengths_q  = [0, 0, 0,  0, 0, 6,  0, 0, 2]    -> cu_q  = [0, 0, 0, 0, 0, 0, 6, 6, 6, 8]
-      lengths_kv = [0, 0, 0,  0, 5, 9,  0, 0, 2]    -> cu_kv = [0, 0, 0, 0, 0, 5, 14, 14, 14, 16]
-    """
-    def gaps(start, length):
-        end = start + length
-        return start - jnp.concatenate([jnp.zeros((1,), end.dtype), end[:-1]])
-
-    zeros = jnp.zeros_like(pieces.q_len)
-    lengths_q = jnp.stack([gaps(pieces.q_start, pieces.q_len), zeros, pieces.q_len], axis=1).reshape(-1)
-    lengths_kv = jnp.stack([zeros, gaps(pieces.kv_start, pieces.kv_len), pieces.kv_len], axis=1).reshape(-1)
-
-    def cumulative(lengths):
-        return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths).astype(jnp.int32)])
-
-    return cumulative(lengths_q), cumulative(lengths_kv)
+__all__ = ["Pieces", "Plan", "chunk_attention", "chunk_pieces", "device_attention", "device_chunks_attention",
+           "effective_mask", "pieces_cu_seqlens", "reorder_for_load_balance", "restore_order", "token_axis_size",
+           "two_chunk_slots", "windows"]
 
 
 def _chunk_order(n: int) -> list[int]:
@@ -207,7 +146,7 @@ def device_chunks_attention(plan: Plan, attend, q, k_all, v_all, cu, r):
     parts, starts = [], []
     for j, chunk in enumerate(chunk_ids):
         pieces = chunk_pieces(cu, chunk * rows, rows, max_seqlen=plan.max_seqlen, is_causal=plan.is_causal)
-        first, size = window_bounds(plan, k_all.shape[0], chunk * rows, rows)
+        first, size = _window_bounds(plan, k_all.shape[0], chunk * rows, rows)
         # In the call's rows: chunk j's queries from j * rows, its window's keys from j * size. Pieces without
         # queries may start outside the window: clamped, they stay empty and ascending.
         parts.append(Pieces(j * rows + pieces.q_start, pieces.q_len,
@@ -224,31 +163,6 @@ def device_chunks_attention(plan: Plan, attend, q, k_all, v_all, cu, r):
     return attend(q, windows(k_all, starts, size), windows(v_all, starts, size), cu_q, cu_kv,
                   min(plan.max_seqlen, rows), plan.max_seqlen, seqused=(slots.q_len, slots.kv_len),
                   diagonal_alignment="bottom_right" if plan.is_causal else "top_left")
-
-
-def two_chunk_slots(first: Pieces, second: Pieces) -> Pieces:
-    """The pieces of a device's two chunks (each [B], in the call's rows) as B + 1 slots, not 2B.
-
-    The chunks' pieces come from two runs of sequences: those reaching into the first chunk (b <= last, the
-    last sequence with queries there) and those reaching into the second, which comes later in the natural
-    order. Only sequence `last` can have pieces in both (it covers every row between them). Slot b <= last
-    holds sequence b's first-chunk piece, slot last + 1 sequence last's second-chunk piece (empty if it has
-    none), slot b + 1 > last + 1 sequence b's second-chunk piece: every offset ascends, and the kernels' grids
-    over slots (FA3's dQ conversion and preprocessing, sized by slots x max_seqlen) are half the size.
-
-        first chunk:  sequences 0, 1, 2 have pieces (last = 2);  second chunk: sequences 2, 3
-        slots: [first 0, first 1, first 2, second 2, second 3, second 4 (empty), ...]
-    """
-    num = first.q_len.shape[0]
-    index = jnp.arange(num, dtype=jnp.int32)
-    last = jnp.max(jnp.where(first.q_len > 0, index, -1))
-    slot = jnp.arange(num + 1, dtype=jnp.int32)
-    from_first = slot <= last
-    sequence = jnp.clip(jnp.where(from_first, slot, slot - 1), 0, num - 1)
-    # With no piece in the first chunk (last = -1) slot 0 is an empty slot at the start of both buffers.
-    empty_start = (slot == 0) & (last < 0)
-    return Pieces(*(jnp.where(empty_start, 0, jnp.where(from_first, a[sequence], b[sequence])).astype(jnp.int32)
-                    for a, b in zip(first, second)))
 
 
 def chunk_attention(plan: Plan, attend, q_chunk, k_all, v_all, cu, chunk_start):
@@ -308,62 +222,16 @@ def chunk_attention(plan: Plan, attend, q_chunk, k_all, v_all, cu, chunk_start):
 
 
 def key_window(plan: Plan, k_all, v_all, chunk_start, rows: int):
-    """(k, v, first row): the rows of the gathered K/V a chunk's queries can reach, a static-size slice.
-
-    A query row in the chunk belongs to a sequence whose real rows (at most max_seqlen of them) reach into the
-    chunk, so the sequence starts after chunk_start - max_seqlen; causal keys end with the chunk, others at
-    most max_seqlen - 1 rows past it. The calls then read, zero and write dK/dV for that window, not for all
-    T rows (with short documents those per-row costs are most of a device's call).
-    """
-    first, size = window_bounds(plan, k_all.shape[0], chunk_start, rows)
+    """(k, v, first row): the rows of the gathered K/V a chunk's queries can reach (key_windows.window_bounds),
+    a static-size slice, or all of them where the window would be no smaller."""
+    first, size = _window_bounds(plan, k_all.shape[0], chunk_start, rows)
     if size == k_all.shape[0]:
         return k_all, v_all, first
     return windows(k_all, (first,), size), windows(v_all, (first,), size), first
 
 
-def window_bounds(plan: Plan, total: int, chunk_start, rows: int):
-    """(first row, static size) of key_window's slice of `total` gathered rows."""
-    reach = plan.max_seqlen - 1
-    size = min(total, rows + reach + (0 if plan.is_causal else reach))
-    return jnp.clip(jnp.asarray(chunk_start, jnp.int32) - reach, 0, total - size), size
-
-
-def windows(x, starts: tuple, size: int):
-    """x's rows [s, s + size) for each s in starts (traced), side by side along axis 0.
-
-    Its own backward writes the [T, ...] gradient in one pass, each row the sum of the windows' rows that cover
-    it (windows may overlap). Autodiff of the slices would pad each window's gradient to T rows and add the
-    padded arrays (on the H200, CP-c n = 8: 0.2 ms of pads, broadcasts and adds in a 3.5 ms device step).
-    """
-    return _windows(x, tuple(starts), size, x.shape[0])
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _windows(x, starts, size, total):
-    return jnp.concatenate([lax.dynamic_slice_in_dim(x, s, size, axis=0) for s in starts])
-
-
-def _windows_fwd(x, starts, size, total):
-    return _windows(x, starts, size, total), starts
-
-
-def _windows_bwd(size, total, starts, g):
-    # One elementwise pass over the T rows: each row takes its rows of the windows that cover it (gathered
-    # rows, clamped where a window does not), so XLA writes the gradient once and reads each window once,
-    # where zeros + in-place updates compiled to a pad of all T rows and a second full pass per update.
-    rows = jnp.arange(total, dtype=jnp.int32)
-    grad = None
-    for j, s in enumerate(starts):
-        part = lax.slice_in_dim(g, j * size, (j + 1) * size, axis=0)
-        local = rows - s
-        inside = (local >= 0) & (local < size)
-        taken = jnp.take(part, jnp.clip(local, 0, size - 1), axis=0, mode="clip")
-        term = jnp.where(inside.reshape((-1,) + (1,) * (g.ndim - 1)), taken, jnp.zeros((), g.dtype))
-        grad = term if grad is None else grad + term
-    return grad, tuple(None for _ in starts)
-
-
-_windows.defvjp(_windows_fwd, _windows_bwd)
+def _window_bounds(plan: Plan, total: int, chunk_start, rows: int):
+    return window_bounds(total, chunk_start, rows, max_seqlen=plan.max_seqlen, is_causal=plan.is_causal)
 
 
 def batch_tokens_per_sequence(total: int, num_seqs: int) -> int:
