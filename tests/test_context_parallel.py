@@ -398,7 +398,50 @@ def test_device_calls_match_the_op_on_the_xla_path(n, load_balance, is_causal):
     _check_device_calls("xla", 32, n, load_balance, "head_major", jax.devices()[0], is_causal=is_causal)
 
 
-def _check_device_calls(implementation, head_dim, n, load_balance, layout, device, *, is_causal=True):
+# 1100 crosses chunk edges: offset pieces with keys before them.
+FIXED_LENGTHS = (300, 0, 1100, 64, 517, 9)
+
+
+def _random_packing(seed: int, total: int) -> tuple[tuple[int, ...], int]:
+    """(lengths, max_seqlen) of a random packing of at most `total` rows: 3 to 12 documents, some empty, some
+    long enough to reach across several chunks (and both of a device's), and half the time a max_seqlen that
+    cuts the longest ones (their tails are padding the op must not read)."""
+    rng = np.random.default_rng(1000 + seed)
+    count = int(rng.integers(3, 13))
+    lengths = rng.integers(0, total // 2, count)
+    lengths[rng.random(count) < 0.2] = 0
+    lengths = np.floor(lengths * min(1.0, (total - int(rng.integers(0, 64))) / max(lengths.sum(), 1))).astype(int)
+    longest = max(int(lengths.max()), 1)
+    max_seqlen = longest if seed % 2 == 0 else max(1, int(longest * rng.uniform(0.4, 0.9)))
+    return tuple(int(x) for x in lengths), max_seqlen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("implementation, head_dim", [("cudnn", 64), ("fa3", 128)])
+@pytest.mark.parametrize("n", [4, 8])
+def test_one_gpu_device_calls_on_random_packings(implementation, head_dim, n, seed):
+    """As above, load-balanced, on random packings (_random_packing): pieces of one document in both of a
+    device's chunks, empty documents and chunks, max_seqlen cutting documents."""
+    from jax_ragged_attn.backends import fa3
+
+    gpu = cudnn_gpus(1)[0]
+    if implementation == "fa3" and fa3.unavailable_reason():
+        pytest.skip(fa3.unavailable_reason())
+    lengths, max_seqlen = _random_packing(seed, 2048)
+    _check_device_calls(implementation, head_dim, n, True, "head_major" if seed % 2 else "token_major", gpu,
+                        lengths=lengths, max_seqlen=max_seqlen, seed=seed)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_device_calls_on_random_packings_on_the_xla_path(seed):
+    lengths, max_seqlen = _random_packing(seed, 512)
+    _check_device_calls("xla", 16, 4, True, "head_major", jax.devices()[0], lengths=lengths, max_seqlen=max_seqlen,
+                        seed=seed, total=512)
+
+
+def _check_device_calls(implementation, head_dim, n, load_balance, layout, device, *, is_causal=True,
+                        lengths=FIXED_LENGTHS, max_seqlen=1100, seed=None, total=2048):
     """Every device's call as the sharded op runs it (context_parallel.device_chunks_attention against all the
     keys), on one device: with load_balance a device's two chunks are one call over their two key windows side
     by side, each chunk's first piece possibly offset (keys before its queries). Their rows together equal
@@ -408,14 +451,13 @@ def _check_device_calls(implementation, head_dim, n, load_balance, layout, devic
     from jax_ragged_attn.api import attend
     from jax_ragged_attn.config import AttentionOptions
 
-    rng = np.random.default_rng(21 + n)
-    lengths = (300, 0, 1100, 64, 517, 9)  # 1100 crosses chunk edges: offset pieces with keys before them
-    total, hq, stats_axis = 2048, 8, 1 if layout == "head_major" else 0
+    rng = np.random.default_rng(21 + n if seed is None else 7000 + seed)
+    hq, stats_axis = 8, 1 if layout == "head_major" else 0
     batch = packed_batch(rng, lengths, lengths, num_heads_q=hq, num_heads_kv=2, head_dim_qk=head_dim,
                          head_dim_v=head_dim, dtype="bfloat16", slack_q=total - sum(lengths),
                          slack_kv=total - sum(lengths))
-    plan = cp.Plan(token_axis="cp", devices=n, load_balance=load_balance, max_seqlen=1100, is_causal=is_causal,
-                   window_left=None, stats_axis=stats_axis)
+    plan = cp.Plan(token_axis="cp", devices=n, load_balance=load_balance, max_seqlen=max_seqlen,
+                   is_causal=is_causal, window_left=None, stats_axis=stats_axis)
     options = AttentionOptions(is_causal=is_causal, stats_layout=layout, return_stats=True,
                                implementation=implementation)
 
@@ -441,8 +483,9 @@ def _check_device_calls(implementation, head_dim, n, load_balance, layout, devic
         return jnp.concatenate(outs), jnp.concatenate(stats, axis=stats_axis)
 
     def unsharded(q, k, v, cu):
-        return ragged_attention(q, k, v, cu, cu, max_seqlen_q=1100, max_seqlen_kv=1100, is_causal=is_causal,
-                                return_stats=True, stats_layout=layout, implementation=implementation)
+        return ragged_attention(q, k, v, cu, cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+                                is_causal=is_causal, return_stats=True, stats_layout=layout,
+                                implementation=implementation)
 
     d_out = rng.standard_normal((total, hq, head_dim)).astype("bfloat16")
     d_out[sum(lengths):] = 0
@@ -457,8 +500,8 @@ def _check_device_calls(implementation, head_dim, n, load_balance, layout, devic
     got = jax.jit(functools.partial(forward_and_backward, by_device))(*args)
     one_call = jax.jit(functools.partial(forward_and_backward, unsharded))(*args)
     expected = reference_attention(*batch.reference_args, d_out=d_out.astype(np.float64),
-                                   d_stats=d_stats.astype(np.float64), max_seqlen_q=1100, max_seqlen_kv=1100,
-                                   is_causal=is_causal)
+                                   d_stats=d_stats.astype(np.float64), max_seqlen_q=max_seqlen,
+                                   max_seqlen_kv=max_seqlen, is_causal=is_causal)
     for i, name in enumerate(("out", "stats", "dq", "dk", "dv")):
         assert_close(np.asarray(got[i], np.float64), np.asarray(one_call[i], np.float64), "bfloat16",
                      f"{name} against one call")
