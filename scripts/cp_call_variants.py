@@ -9,8 +9,10 @@ the shipped call beside the same call
   slots:   only the slots that hold a piece (the grid a call could have if it knew its pieces);
   tight:   those slots, and max_seqlen_q / max_seqlen_kv the largest piece's (the smallest possible grid);
   gather:  the shipped call with the two windows read by one gather instead of two slices and a concatenation.
-Every variant computes the same out and gradients (checked here against the shipped call). The gap between the
-shipped call and `tight` bounds what any change of the launch's size can win; `gather` what the windows' copy can.
+"shipped" is context_parallel.device_chunks_attention's call rebuilt from the pieces computed on the host (the same
+slots, windows and launch); each variant's largest difference to its out and gradients is printed beside it. The gap
+between the shipped call and `tight` bounds what any change of the launch's size can win; `gather` what the windows'
+copy can.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from jax_ragged_attn.tools.bench import context_parallel as bench
 def variant_call(plan, attend, cu, r, rows, total, mode: str):
     """f(q, k_all, v_all) -> out: device r's call, shipped or as `mode` (module docstring)."""
     starts, parts = [], []
-    size = None
     for j, chunk in enumerate((r, 2 * plan.devices - 1 - r)):
         pieces = cp.chunk_pieces(cu, chunk * rows, rows, max_seqlen=plan.max_seqlen, is_causal=plan.is_causal)
         first, size = window_bounds(total, chunk * rows, rows, max_seqlen=plan.max_seqlen,
@@ -59,7 +60,7 @@ def variant_call(plan, attend, cu, r, rows, total, mode: str):
 
     def f(q, k, v):
         return attend(q, windows(k), windows(v), cu_q, cu_kv, max_q, max_kv, seqused=seqused,
-                      diagonal_alignment="bottom_right")[0]
+                      diagonal_alignment="bottom_right" if plan.is_causal else "top_left")[0]
     return f, len(slots.q_len), max_q, max_kv
 
 

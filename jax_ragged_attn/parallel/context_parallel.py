@@ -41,11 +41,8 @@ from jax import lax
 
 from jax_ragged_attn.index import sanitize_cu_seqlens
 from jax_ragged_attn.parallel.key_windows import window_bounds, windows
-from jax_ragged_attn.parallel.pieces import Pieces, chunk_pieces, pieces_cu_seqlens, two_chunk_slots
-
-__all__ = ["Pieces", "Plan", "chunk_attention", "chunk_pieces", "device_attention", "device_chunks_attention",
-           "effective_mask", "pieces_cu_seqlens", "reorder_for_load_balance", "restore_order", "token_axis_size",
-           "two_chunk_slots", "windows"]
+# pieces_cu_seqlens is imported for the callers that reach it here, where it lived before pieces.py.
+from jax_ragged_attn.parallel.pieces import Pieces, chunk_pieces, pieces_cu_seqlens, two_chunk_slots  # noqa: F401
 
 
 def _chunk_order(n: int) -> list[int]:
