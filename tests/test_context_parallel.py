@@ -119,7 +119,8 @@ def test_key_windows_and_their_gradient(starts):
 @pytest.mark.parametrize("seed", range(4))
 def test_key_window_holds_every_key_of_its_chunk(seed, is_causal):
     """key_windows.window_bounds: every key row a chunk's pieces attend lies inside the chunk's window (the
-    calls clip piece offsets into it, so a piece reaching outside would read the wrong rows), for windows narrower than T."""
+    calls clip piece offsets into it, so a piece reaching outside would read the wrong rows), for windows
+    narrower than T."""
     from jax_ragged_attn.parallel.key_windows import window_bounds
 
     rng = np.random.default_rng(seed)

@@ -2,8 +2,9 @@
 
 A device attends its chunk's queries to keys of the gathered, natural-order K/V (context_parallel.py). Only
 rows within max_seqlen of the chunk can be keys of its pieces, so the calls read, zero and write dK/dV for a
-window of rows + max_seqlen - 1 rows (causal; without a mask max_seqlen - 1 more after the chunk), not for all T
-(with short documents those per-row costs are most of a device's call). `windows` cuts one or more such windows side by side with a backward of its own.
+window of rows + max_seqlen - 1 rows (causal; without a mask max_seqlen - 1 more after the chunk), not for
+all T (with short documents those per-row costs are most of a device's call). `windows` cuts one or more such
+windows side by side, with a backward of its own.
 """
 
 from __future__ import annotations

@@ -62,7 +62,8 @@ def pieces_cu_seqlens(pieces: Pieces) -> tuple[jax.Array, jax.Array]:
 
     Sequence 3b holds the query rows between piece b - 1 and piece b and no keys (they read out 0), 3b + 1
     the key rows between them and no queries (they get dK = dV = 0), 3b + 2 the piece. With the pieces of
-    context_parallel's module docstring ((q_start, q_len, kv_start, kv_len) = (0, 0, 0, 0), (0, 6, 5, 9), (6, 2, 14, 2)):
+    context_parallel's module docstring ((q_start, q_len, kv_start, kv_len) = (0, 0, 0, 0), (0, 6, 5, 9),
+    (6, 2, 14, 2)):
       lengths_q  = [0, 0, 0,  0, 0, 6,  0, 0, 2]    -> cu_q  = [0, 0, 0, 0, 0, 0, 6, 6, 6, 8]
       lengths_kv = [0, 0, 0,  0, 5, 9,  0, 0, 2]    -> cu_kv = [0, 0, 0, 0, 0, 5, 14, 14, 14, 16]
     """
