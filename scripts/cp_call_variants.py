@@ -18,7 +18,6 @@ copy can.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 import jax
@@ -27,7 +26,7 @@ import numpy as np
 
 from jax_ragged_attn.parallel import context_parallel as cp
 from jax_ragged_attn.parallel.key_windows import window_bounds
-from jax_ragged_attn.parallel.load_balance import balanced_document_order, causal_work_per_device
+from jax_ragged_attn.parallel.load_balance import causal_work_per_device
 from jax_ragged_attn.tools.bench import context_parallel as bench
 
 
@@ -76,11 +75,9 @@ def main(argv=None) -> int:
     print("| n | device | share x one GPU ms | variant | slots | max_q / max_kv | fwd+bwd ms | / share | max diff |")
     print("|---|---|---|---|---|---|---|---|---|")
     for n in (int(x) for x in args.devices.split(",")):
-        w = bench.CP_WORKLOADS[args.workload]
-        total = bench._inputs(w, n)[0].shape[0]
-        order = balanced_document_order(np.asarray(w.seqlens), n, total)
-        w = dataclasses.replace(w, seqlens=tuple(int(w.seqlens[i]) for i in order))
+        w = bench.packer_ordered(bench.CP_WORKLOADS[args.workload], n)
         q, k, v, cu = bench._inputs(w, n)
+        total = q.shape[0]
         cu = np.asarray(cu)
         one, _ = bench.one_device(w, args.implementation, args.calls, args.repetitions, devices=n)
         shares = causal_work_per_device(cu, n, True, capacity=total)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import glob
 import gzip
 import json
@@ -27,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn.parallel import context_parallel as cp
-from jax_ragged_attn.parallel.load_balance import balanced_document_order, causal_work_per_device
+from jax_ragged_attn.parallel.load_balance import causal_work_per_device
 from jax_ragged_attn.tools.bench import context_parallel as bench
 
 
@@ -73,11 +72,9 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=14)
     args = parser.parse_args(argv)
     n = args.devices
-    w = bench.CP_WORKLOADS[args.workload]
-    total = bench._inputs(w, n)[0].shape[0]
-    order = balanced_document_order(np.asarray(w.seqlens), n, total)
-    w = dataclasses.replace(w, seqlens=tuple(int(w.seqlens[i]) for i in order))
+    w = bench.packer_ordered(bench.CP_WORKLOADS[args.workload], n)
     q, k, v, cu = bench._inputs(w, n)
+    total = q.shape[0]
     d_out = jnp.ones_like(q)
     one = jax.jit(bench._step(lambda q, k, v, a, b: bench.ragged_attention(
         q, k, v, a, b, **bench._options(w, args.implementation))))

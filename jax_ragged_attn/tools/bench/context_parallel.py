@@ -60,6 +60,15 @@ def _inputs(w: Workload, devices: int = DEVICES):
     return q, k, v, cu
 
 
+def packer_ordered(w: Workload, devices: int) -> Workload:
+    """w with its documents in the order pack_documents(context_parallel_devices=devices) would give them
+    (load_balance.balanced_document_order over w's padded token count): with the dual-chunk order after it,
+    the best balance the library offers."""
+    total = _inputs(w, devices)[0].shape[0]
+    order = balanced_document_order(np.asarray(w.seqlens), devices, total)
+    return dataclasses.replace(w, seqlens=tuple(int(w.seqlens[i]) for i in order))
+
+
 def _step(attention):
     def step(q, k, v, cu, d_out):
         out, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, cu, cu), q, k, v)
@@ -171,8 +180,7 @@ def breakdown(names, implementation, calls, repetitions, devices: int, order: st
         total = _inputs(w, devices)[0].shape[0]
         balanced = order != "natural"
         if order == "packer+balanced":
-            picked = balanced_document_order(np.asarray(w.seqlens), devices, total)
-            w = dataclasses.replace(w, seqlens=tuple(int(w.seqlens[i]) for i in picked))
+            w = packer_ordered(w, devices)
         q, k, v, cu = _inputs(w, devices)
         one_fwd = _time(jax.jit(functools.partial(ragged_attention, **_options(w, implementation))).lower(
             q, k, v, cu, cu).compile(), (q, k, v, cu, cu), calls, repetitions)
@@ -218,10 +226,7 @@ def simulate(names, implementation, calls, repetitions, device_counts=(2, 4, 8),
         for n in device_counts:
             base, _ = one_device(w, implementation, calls, repetitions, devices=n)
             total = _inputs(w, n)[0].shape[0]
-            # "packer": the documents in the order pack_documents(context_parallel_devices=n) would give them
-            # (load_balance.balanced_document_order), then the dual-chunk order: the best the library offers.
-            order = balanced_document_order(np.asarray(w.seqlens), n, total)
-            packed = dataclasses.replace(w, seqlens=tuple(int(w.seqlens[i]) for i in order))
+            packed = packer_ordered(w, n)
             for label, workload, balanced in (("natural", w, False), ("balanced", w, True),
                                               ("packer+balanced", packed, True)):
                 if label not in orders:
