@@ -25,22 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn.parallel import context_parallel as cp
-from jax_ragged_attn.parallel.key_windows import window_bounds
 from jax_ragged_attn.parallel.load_balance import causal_work_per_device
 from jax_ragged_attn.tools.bench import context_parallel as bench
 
 
 def variant_call(plan, attend, cu, r, rows, total, mode: str):
     """f(q, k_all, v_all) -> out: device r's call, shipped or as `mode` (module docstring)."""
-    starts, parts = [], []
-    for j, chunk in enumerate((r, 2 * plan.devices - 1 - r)):
-        pieces = cp.chunk_pieces(cu, chunk * rows, rows, max_seqlen=plan.max_seqlen, is_causal=plan.is_causal)
-        first, size = window_bounds(total, chunk * rows, rows, max_seqlen=plan.max_seqlen,
-                                     is_causal=plan.is_causal)
-        parts.append(cp.Pieces(j * rows + pieces.q_start, pieces.q_len,
-                               j * size + jnp.clip(pieces.kv_start - first, 0, size), pieces.kv_len))
-        starts.append(int(first))
-    slots = jax.tree.map(np.asarray, cp.two_chunk_slots(*parts))
+    slots, starts, size = cp.two_chunk_call(plan, cu, r, rows, total)
+    slots, starts = jax.tree.map(np.asarray, slots), [int(s) for s in starts]
     max_q, max_kv = min(plan.max_seqlen, rows), plan.max_seqlen
     if mode in ("slots", "tight"):
         keep = np.flatnonzero(slots.q_len > 0)

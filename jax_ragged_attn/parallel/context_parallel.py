@@ -140,26 +140,32 @@ def device_chunks_attention(plan: Plan, attend, q, k_all, v_all, cu, r):
                  for j, chunk in enumerate(chunk_ids)]
         out = jnp.concatenate([o for o, _ in parts], axis=0)
         return out, None if parts[0][1] is None else jnp.concatenate([s for _, s in parts], axis=plan.stats_axis)
-    parts, starts = [], []
-    for j, chunk in enumerate(chunk_ids):
-        pieces = chunk_pieces(cu, chunk * rows, rows, max_seqlen=plan.max_seqlen, is_causal=plan.is_causal)
-        first, size = _window_bounds(plan, k_all.shape[0], chunk * rows, rows)
-        # In the call's rows: chunk j's queries from j * rows, its window's keys from j * size. Pieces without
-        # queries may start outside the window: clamped, they stay empty and ascending.
-        parts.append(Pieces(j * rows + pieces.q_start, pieces.q_len,
-                            j * size + jnp.clip(pieces.kv_start - first, 0, size), pieces.kv_len))
-        starts.append(first)
-    slots = two_chunk_slots(*parts)
+    slots, starts, size = two_chunk_call(plan, cu, r, rows, k_all.shape[0])
     ends = lambda x: jnp.full((1,), x, jnp.int32)
     cu_q = jnp.concatenate([slots.q_start, ends(2 * rows)])
     cu_kv = jnp.concatenate([slots.kv_start, ends(2 * size)])
     # Every piece but a chunk's first starts at its sequence's first token (as many keys as queries, where
     # bottom-right is top-left); each chunk's first may start inside its sequence: bottom-right is every
     # piece's mask (chunk_attention).
-    starts = tuple(starts)
     return attend(q, windows(k_all, starts, size), windows(v_all, starts, size), cu_q, cu_kv,
                   min(plan.max_seqlen, rows), plan.max_seqlen, seqused=(slots.q_len, slots.kv_len),
                   diagonal_alignment="bottom_right" if plan.is_causal else "top_left")
+
+
+def two_chunk_call(plan: Plan, cu, r, rows: int, total: int):
+    """(slots, window starts, window size) of device r's one call over its two chunks r and 2n-1-r, each of
+    `rows` rows, against `total` gathered key rows: the B + 1 slots (two_chunk_slots) in the call's rows, chunk
+    j's queries from j * rows and its key window's rows from j * size, and the first gathered row of each
+    window. Public so scripts/cp_call_variants.py launches the same slots differently."""
+    parts, starts = [], []
+    for j, chunk in enumerate((r, 2 * plan.devices - 1 - r)):
+        pieces = chunk_pieces(cu, chunk * rows, rows, max_seqlen=plan.max_seqlen, is_causal=plan.is_causal)
+        first, size = _window_bounds(plan, total, chunk * rows, rows)
+        # Pieces without queries may start outside the window: clamped, they stay empty and ascending.
+        parts.append(Pieces(j * rows + pieces.q_start, pieces.q_len,
+                            j * size + jnp.clip(pieces.kv_start - first, 0, size), pieces.kv_len))
+        starts.append(first)
+    return two_chunk_slots(*parts), tuple(starts), size
 
 
 def chunk_attention(plan: Plan, attend, q_chunk, k_all, v_all, cu, chunk_start):

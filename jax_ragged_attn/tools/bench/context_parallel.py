@@ -52,10 +52,15 @@ CP_C = Workload("CP-c", "16 documents of 128..8192 (W-like), GQA", _scaled_lengt
 CP_WORKLOADS = {"CP-a": CP_A, "CP-b": CP_B, "CP-c": CP_C, **WORKLOADS}
 
 
+def _padded_tokens(w: Workload, devices: int) -> int:
+    """The rows of _inputs' buffers: w's tokens padded to a multiple of 2 * devices (load_balance's chunks)."""
+    return w.total_tokens + -w.total_tokens % (2 * devices)
+
+
 def _inputs(w: Workload, devices: int = DEVICES):
-    """The workload's q, k, v with tail padding up to a multiple of 2 * devices rows (load_balance's chunks)."""
+    """The workload's q, k, v with tail padding up to _padded_tokens rows."""
     q, k, v, cu = w.packed_inputs()
-    pad = -q.shape[0] % (2 * devices)
+    pad = _padded_tokens(w, devices) - q.shape[0]
     q, k, v = (jnp.pad(x, ((0, pad), (0, 0), (0, 0))) for x in (q, k, v))
     return q, k, v, cu
 
@@ -64,8 +69,7 @@ def packer_ordered(w: Workload, devices: int) -> Workload:
     """w with its documents in the order pack_documents(context_parallel_devices=devices) would give them
     (load_balance.balanced_document_order over w's padded token count): with the dual-chunk order after it,
     the best balance the library offers."""
-    total = _inputs(w, devices)[0].shape[0]
-    order = balanced_document_order(np.asarray(w.seqlens), devices, total)
+    order = balanced_document_order(np.asarray(w.seqlens), devices, _padded_tokens(w, devices))
     return dataclasses.replace(w, seqlens=tuple(int(w.seqlens[i]) for i in order))
 
 
@@ -177,7 +181,7 @@ def breakdown(names, implementation, calls, repetitions, devices: int, order: st
     print("|---|---|---|---|---|---|---|")
     for name in names:
         w = CP_WORKLOADS[name]
-        total = _inputs(w, devices)[0].shape[0]
+        total = _padded_tokens(w, devices)
         balanced = order != "natural"
         if order == "packer+balanced":
             w = packer_ordered(w, devices)
@@ -225,14 +229,14 @@ def simulate(names, implementation, calls, repetitions, device_counts=(2, 4, 8),
         print(f"<!-- {w.summary()} -->", file=sys.stderr)
         for n in device_counts:
             base, _ = one_device(w, implementation, calls, repetitions, devices=n)
-            total = _inputs(w, n)[0].shape[0]
+            total = _padded_tokens(w, n)
             packed = packer_ordered(w, n)
             for label, workload, balanced in (("natural", w, False), ("balanced", w, True),
                                               ("packer+balanced", packed, True)):
                 if label not in orders:
                     continue
                 each = per_device_seconds(workload, implementation, balanced, calls, repetitions, devices=n)
-                cu = _inputs(workload, n)[3]
+                cu = workload.cu_seqlens()
                 shares = causal_work_per_device(np.asarray(cu), n, balanced, capacity=total)
                 shares = shares / shares.sum()
                 waste = [t / (sh * base) for t, sh in zip(each, shares)]
