@@ -21,10 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn import backends
-from jax_ragged_attn.backends.packings import TABLE
+from jax_ragged_attn.backends.shared.packings import TABLE
 from jax_ragged_attn.config import AttentionConfig, AttentionOptions, make_config
 from jax_ragged_attn.features.bottom_right import as_top_left
 from jax_ragged_attn.features.checks import apply_check
+from jax_ragged_attn.features.keyword_hints import reject_unknown_keywords
 from jax_ragged_attn.features.overflow import cu_seqlens_overflow
 from jax_ragged_attn.features.sinks import apply_sinks
 from jax_ragged_attn.index import RaggedIndex, as_int32
@@ -55,6 +56,7 @@ def ragged_attention(
     seqused_q: jax.Array | None = None,
     seqused_kv: jax.Array | None = None,
     softcap: float | None = None,
+    **unknown,
 ):
     """Scaled dot-product attention over sequences packed into one token buffer (the THD / varlen layout).
 
@@ -131,6 +133,7 @@ def ragged_attention(
       last when return_overflow=True: (out, overflow) or (out, stats, overflow). Rows with no attended key
       and padding rows read out = 0 and stats = -inf, and their gradients are 0.
     """
+    reject_unknown_keywords(ragged_attention, unknown)  # FlashAttention's names: the TypeError says ours
     _check_keywords_only(positional, max_seqlen_q, max_seqlen_kv)
     options = AttentionOptions(scale=scale, is_causal=is_causal, diagonal_alignment=diagonal_alignment,
                                local_window_size=local_window_size, stats_layout=stats_layout,

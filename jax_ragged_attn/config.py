@@ -31,7 +31,7 @@ STRATEGIES = ("fastest", "lean_memory")
 
 class MaskedConfig:
     """What a static call configuration with heads, a causal flag and a window derives from them; shared by
-    AttentionConfig and the KV cache's (backends/kvcache_config.py)."""
+    AttentionConfig and the KV cache's (backends/shared/kvcache_config.py)."""
 
     @property
     def group_size(self) -> int:

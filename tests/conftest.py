@@ -143,7 +143,8 @@ def pytest_runtest_call(item):
 def install_extension(monkeypatch, tmp_path):
     """install(ext): trace-time questions go to `ext` instead of the compiled extension, on device 0, with an
     autotune cache of this test's own (file and process). For tests of the Python layer's choices on a CPU."""
-    from jax_ragged_attn.backends.cudnn import autotune, extension, graphs
+    from jax_ragged_attn.backends.cudnn import autotune, graphs
+    from jax_ragged_attn.backends.shared import extension
 
     monkeypatch.setattr(graphs, "device_ordinal", lambda: 0)
     monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "autotune.json"))

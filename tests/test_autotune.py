@@ -11,10 +11,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_ragged_attn.backends import cudnn
-from jax_ragged_attn.backends.cudnn import autotune, extension
-from jax_ragged_attn.tools import autotune as autotune_cli
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
+from jax_ragged_attn.backends.cudnn import autotune
+from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.config import AttentionOptions, make_config
+
+from benchmarks import autotune as autotune_cli
 
 
 def _plan(index, ms, ok=True, message=""):

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.backends.cudnn import extension, graphs, launch
+from jax_ragged_attn.backends.shared import extension
+from jax_ragged_attn.backends.cudnn import graphs, launch
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked
 from jax_ragged_attn.testing import assert_close, reference_attention

@@ -385,7 +385,7 @@ def test_two_gpus_cudnn_context_parallel_matches_one_gpu(load_balance, context_s
 def test_one_gpu_device_calls_match_the_op(implementation, head_dim, n, load_balance, layout):
     """Every device's call as the sharded op runs it, on one GPU (_check_device_calls): offset pieces take the
     cuDNN path's split bottom-right backward (rectangle + square), or FA3's bottom-right mask."""
-    from jax_ragged_attn.backends import fa3
+    from jax_ragged_attn.backends.fa3 import ragged as fa3
 
     gpu = cudnn_gpus(1)[0]
     if implementation == "fa3" and fa3.unavailable_reason():
@@ -424,7 +424,7 @@ def _random_packing(seed: int, total: int) -> tuple[tuple[int, ...], int]:
 def test_one_gpu_device_calls_on_random_packings(implementation, head_dim, n, seed):
     """As above, load-balanced, on random packings (_random_packing): pieces of one document in both of a
     device's chunks, empty documents and chunks, max_seqlen cutting documents."""
-    from jax_ragged_attn.backends import fa3
+    from jax_ragged_attn.backends.fa3 import ragged as fa3
 
     gpu = cudnn_gpus(1)[0]
     if implementation == "fa3" and fa3.unavailable_reason():
@@ -511,7 +511,7 @@ def _check_device_calls(implementation, head_dim, n, load_balance, layout, devic
 
 
 def test_bench_tool_runs_and_skips_the_cp_rows_on_one_device(capsys):
-    from jax_ragged_attn.tools.bench import context_parallel as bench
+    from benchmarks import context_parallel as bench
 
     if len(jax.devices()) >= bench.DEVICES:
         pytest.skip("this process has 2+ devices: the skip line is not printed")

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 import jax_ragged_attn as jra
-from jax_ragged_attn.backends import cudnn
-from jax_ragged_attn.backends.cudnn import extension, launch
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
+from jax_ragged_attn.backends.shared import extension
+from jax_ragged_attn.backends.cudnn import launch
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.testing import assert_close, packed_batch, reference_attention
 

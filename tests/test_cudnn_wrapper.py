@@ -16,13 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn.backends import cudnn
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.features import checks
-from jax_ragged_attn.backends.cudnn import extension, launch
+from jax_ragged_attn.backends.shared import extension
+from jax_ragged_attn.backends.cudnn import launch
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.index import row_positions
 from jax_ragged_attn.testing import assert_close, packed_batch, stand_in_handler_args
-from jax_ragged_attn.backends.xla import attention_xla
+from jax_ragged_attn.backends.xla.ragged import attention_xla
 
 OPTIONS = dict(is_causal=True, diagonal_alignment="bottom_right")
 # The arguments a plain call passes (q, k, v [, out, d_out, stats], then 7 index arrays); a guarded call adds

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.backends.cudnn.extension import cudnn_unavailable_reason
+from jax_ragged_attn.backends.shared.extension import cudnn_unavailable_reason
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 from jax_ragged_attn.inputs.segments import ragged_attention_segments
 from jax_ragged_attn.testing import packed_batch

@@ -15,12 +15,13 @@ import pytest
 
 from jax_ragged_attn import backends, ragged_attention
 from jax_ragged_attn.index import RaggedIndex
-from jax_ragged_attn.backends import fa3 as _fa3
+from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 from jax_ragged_attn.testing import assert_close, fa3_emulator, reference_attention
-from jax_ragged_attn.tools.bench import fa3_compare
+
+from benchmarks import fa3_compare
 
 CU = np.array([0, 5, 5, 12], np.int32)
 T, H, D = 15, 4, 128
@@ -160,8 +161,8 @@ def test_sinks_through_the_stats_gradient(emulated):
 
 
 def test_bench_rows_say_why_they_cannot_run():
-    from jax_ragged_attn.tools.bench import systems
-    from jax_ragged_attn.tools.workloads import WORKLOADS
+    from benchmarks import systems
+    from jax_ragged_attn.testing.workloads import WORKLOADS
 
     for name in ("ours-fa3", "flash-attn3-jax"):
         system = systems.SYSTEMS[name]

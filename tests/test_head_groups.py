@@ -1,4 +1,4 @@
-"""A call too large for cuDNN's int32 ragged offsets runs as several over head groups (backends/head_groups.py,
+"""A call too large for cuDNN's int32 ragged offsets runs as several over head groups (backends/shared/head_groups.py,
 backends/cudnn/extents.py). On a CPU: the group arithmetic, the per-tensor bounds, and the cuDNN backend's
 split with its launch replaced by the xla path at a lowered limit, against the unsplit call. The real kernels
 on tensors past 2**31 elements: tests/test_large_tensors.py (H200)."""
@@ -12,9 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn.backends import cudnn, head_groups, xla
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
+from jax_ragged_attn.backends.shared import head_groups
+from jax_ragged_attn.backends.xla import ragged as xla
 from jax_ragged_attn.backends.cudnn import extents, launch
-from jax_ragged_attn.backends.packings import TABLE
+from jax_ragged_attn.backends.shared.packings import TABLE
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.index import RaggedIndex
 from jax_ragged_attn.testing import assert_close, packed_batch

@@ -18,8 +18,8 @@ import pytest
 import jax_ragged_attn
 from jax_ragged_attn import backends
 from jax_ragged_attn.index import RaggedIndex
-from jax_ragged_attn.backends import cudnn
-from jax_ragged_attn.backends import fa3 as _fa3
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
+from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.backends import tuning as implementation_tuning
 from jax_ragged_attn.backends.cudnn import autotune
 from jax_ragged_attn.config import AttentionOptions, make_config

@@ -25,9 +25,11 @@ from absl.testing import parameterized
 
 import jax_ragged_attn
 from jax_ragged_attn import kvcache_append, ragged_attention_with_kvcache
-from jax_ragged_attn.backends import fa3 as _fa3
-from jax_ragged_attn.backends import fa3_kvcache, xla_kvcache
-from jax_ragged_attn.backends.kvcache_config import KVCacheConfig
+from jax_ragged_attn.backends.fa3 import ragged as _fa3
+from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
+from jax_ragged_attn.backends.shared import cache_attention
+from jax_ragged_attn.backends.xla import kvcache as xla_kvcache
+from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
 from jax_ragged_attn.testing import assert_close
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
@@ -253,12 +255,12 @@ class XlaKVCacheTest(KVCacheTest):
     def setUp(self):
         super().setUp()
         # Blocks of 8 rows (2 pages): sequences straddle blocks, and the last block is shifted back.
-        patcher = mock.patch.object(xla_kvcache, "BLOCK_ROWS", 8)
+        patcher = mock.patch.object(cache_attention, "BLOCK_ROWS", 8)
         patcher.start()
         self.addCleanup(patcher.stop)
 
     def test_one_block_by_default(self):
-        with mock.patch.object(xla_kvcache, "BLOCK_ROWS", None):
+        with mock.patch.object(cache_attention, "BLOCK_ROWS", None):
             self.check(self.make(paged=True, seqlen_q=2))
             self.check(self.make(seqlen_q=2))
 
@@ -461,7 +463,7 @@ class CudnnKVCacheTest(KVCacheTest):
 
 
 def test_decode_bench_quick_runs(capsys):
-    from jax_ragged_attn.tools.bench import decode
+    from benchmarks import decode
 
     assert decode.main(["--quick", "--calls", "1", "--repetitions", "1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if "ours-xla" in line]

@@ -28,9 +28,11 @@ from test_kvcache import KVCacheTest
 
 import jax_ragged_attn
 from jax_ragged_attn import ragged_attention_with_kvcache
-from jax_ragged_attn.backends import cudnn_kvcache, xla_kvcache
-from jax_ragged_attn.backends.cudnn import extension, paged
-from jax_ragged_attn.backends.kvcache_config import KVCacheConfig
+from jax_ragged_attn.backends.cudnn import kvcache as cudnn_kvcache
+from jax_ragged_attn.backends.xla import kvcache as xla_kvcache
+from jax_ragged_attn.backends.shared import extension
+from jax_ragged_attn.backends.cudnn import paged
+from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
 from jax_ragged_attn.testing import assert_close
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
 

@@ -4,7 +4,7 @@ GPU suite's parallel workers: `pytest -m soak tests/test_large_tensors.py`.
 
 The check: sequences never interact, so the op over a whole packed buffer must give, row for row, what it
 gives over the buffer's first and second halves of sequences called separately (each half is below 2**31
-and runs unsplit). cuDNN serves the whole call over head groups (backends/head_groups.py); a NaN in the
+and runs unsplit). cuDNN serves the whole call over head groups (backends/shared/head_groups.py); a NaN in the
 padding rows (inputs and cotangent) must not reach any result.
 """
 
@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 import jax_ragged_attn as jra
-from jax_ragged_attn.backends import fa3
-from jax_ragged_attn.backends.cudnn import extension, extents
+from jax_ragged_attn.backends.fa3 import ragged as fa3
+from jax_ragged_attn.backends.shared import extension
+from jax_ragged_attn.backends.cudnn import extents
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.testing import tolerance
 

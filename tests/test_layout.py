@@ -65,6 +65,24 @@ def test_at_most_twelve_top_level_modules():
     assert len(counted) <= 12, sorted(counted)
 
 
+def test_the_benchmarks_stay_outside_the_wheel():
+    """The harnesses live in the repository's benchmarks/, which the wheel does not ship: no module of the package
+    imports them, and tools/ beyond the main job (lm/) and the self-check is the small bench of the user's own
+    shapes (a few hundred lines)."""
+    importers = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(n == "benchmarks" or n.startswith("benchmarks.") for n in names):
+                importers.append(str(path.relative_to(PACKAGE)))
+    assert not importers, f"these import the repository's benchmarks/, which the wheel lacks: {sorted(importers)}"
+    tools = PACKAGE / "tools"
+    rest = {str(p.relative_to(tools)): len(p.read_text().splitlines()) for p in tools.rglob("*.py")
+            if p.relative_to(tools).parts[0] not in ("lm", "selfcheck.py")}
+    assert sum(rest.values()) <= 400, f"tools/ beyond lm/ and selfcheck.py holds {sum(rest.values())} lines: {rest}"
+
+
 def test_the_checks_can_fail():
     # The AST reader sees the imports these tests look for, and the rule flags an upward one.
     assert "jax_ragged_attn.tools.lm" in _imported_modules(PACKAGE / "__main__.py")
@@ -72,20 +90,89 @@ def test_the_checks_can_fail():
     assert any("jax_ragged_attn.backends" in n for n in _imported_modules(PACKAGE / "api.py"))
 
 
-@pytest.mark.parametrize("old, new", [("jax_ragged_attn.packed", "jax_ragged_attn.inputs.packed"),
-                                      ("jax_ragged_attn._cudnn.launch", "jax_ragged_attn.backends.cudnn.launch"),
-                                      ("jax_ragged_attn._cudnn.packings", "jax_ragged_attn.backends.packings"),
-                                      ("jax_ragged_attn.packing", "jax_ragged_attn.index"),
-                                      ("jax_ragged_attn.sharding", "jax_ragged_attn.parallel.sharding")])
-def test_old_import_paths_resolve_to_the_moved_modules(old, new):
-    import importlib
-
-    moved = importlib.import_module(old)
-    assert moved is importlib.import_module(new)
-    assert moved.__spec__.name == new, "the module keeps its own spec"
+BACKENDS = PACKAGE / "backends"
+FAMILIES = {"cudnn", "fa3", "xla"}
+REGISTRY_MODULES = {"__init__.py", "policy.py", "tuning.py", "protocol.py"}  # the registry's own, not kernels
 
 
-def test_moved_modules_are_attributes_of_the_package():
-    import jax_ragged_attn
+def _backend_part(path: pathlib.Path) -> str | None:
+    """"cudnn" / "fa3" / "xla" / "shared" for a module under backends/ (None for the registry's own)."""
+    parts = path.relative_to(BACKENDS).parts
+    return parts[0] if len(parts) > 1 else None
 
-    assert jax_ragged_attn.checks.RaggedAttentionInputError.__module__ == "jax_ragged_attn.features.checks"
+
+def test_backends_are_three_kernel_families_and_one_shared_folder():
+    folders = {p.name for p in BACKENDS.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    flat = {p.name for p in BACKENDS.glob("*.py")}
+    assert folders == FAMILIES | {"shared"}, sorted(folders)
+    assert flat <= REGISTRY_MODULES, f"flat kernel modules in backends/: {sorted(flat - REGISTRY_MODULES)}"
+    for family in FAMILIES:
+        assert {"ragged.py", "kvcache.py"} <= {p.name for p in (BACKENDS / family).glob("*.py")}, family
+
+
+@pytest.mark.parametrize("path", sorted(p for p in BACKENDS.rglob("*.py") if _backend_part(p)),
+                         ids=lambda p: str(p.relative_to(BACKENDS)))
+def test_families_never_import_each_other(path):
+    """A family imports only itself, shared/ and the layers below; shared/ imports no family (function-local
+    imports included: a lazy import is still a dependency). The registry's own modules import the families."""
+    mine = _backend_part(path)
+    crossing = sorted(name for name in _imported_modules(path)
+                      if name.startswith("jax_ragged_attn.backends.") and len(name.split(".")) > 3
+                      and name.split(".")[2] in FAMILIES and name.split(".")[2] != mine)
+    assert not crossing, f"backends/{path.relative_to(BACKENDS)} imports {crossing} across families"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = ("jax_ragged_attn",) + path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top_level_imports(path: pathlib.Path, known: set[str]) -> set[str]:
+    """The package modules `path` imports when it is imported (module-level statements only)."""
+    names = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {n for n in names if n in known}
+
+
+def test_no_import_cycles():
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    # A package is initialised before any module in it, so an edge to one's own ancestor package is no cycle.
+    graph = {name: {n for n in _top_level_imports(path, set(modules)) if not (name + ".").startswith(n + ".")}
+             for name, path in modules.items()}
+    done, active = set(), []
+
+    def visit(name):
+        if name in active:
+            raise AssertionError("import cycle: " + " -> ".join(active[active.index(name):] + [name]))
+        if name in done:
+            return
+        active.append(name)
+        for child in sorted(graph[name]):
+            visit(child)
+        active.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)
+
+
+@pytest.mark.parametrize("op", ["ragged", "kvcache"])
+def test_every_registered_backend_satisfies_its_protocol(op):
+    from jax_ragged_attn import backends
+    from jax_ragged_attn.backends.protocol import PROTOCOLS
+
+    for name in backends.REGISTRIES[op]:
+        module = backends.get(name, op)
+        assert isinstance(module, PROTOCOLS[op]), f"{module.__name__} lacks part of {PROTOCOLS[op].__name__}"
+        assert module.NAME == name
+
+
+def test_the_family_checks_can_fail():
+    assert _backend_part(BACKENDS / "fa3" / "ragged.py") == "fa3" and _backend_part(BACKENDS / "policy.py") is None
+    assert "jax_ragged_attn.backends.shared.packings" in _imported_modules(BACKENDS / "cudnn" / "launch.py")
+    assert not isinstance(object(), __import__("jax_ragged_attn.backends.protocol").backends.protocol.RaggedBackend)

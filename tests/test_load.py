@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jax_ragged_attn as jra
-from jax_ragged_attn.backends.cudnn import extension
+from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.index import cu_seqlens_from_lengths
 from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.testing import assert_close, packed_batch

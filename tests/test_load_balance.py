@@ -20,7 +20,7 @@ from jax_ragged_attn.parallel import sharding
 from jax_ragged_attn.parallel.load_balance import (balanced_document_order, causal_work_per_device, device_of_chunk,
                                           dual_chunk_order, dual_chunk_rows, permute_chunks)
 from jax_ragged_attn.testing.multidevice import report_checks, run_checks_in_child
-from jax_ragged_attn.tools.workloads import seeded_lengths
+from jax_ragged_attn.testing.workloads import seeded_lengths
 
 reorder, restore = sharding.reorder_for_load_balance, sharding.restore_order
 

@@ -20,7 +20,7 @@ import pytest
 
 import jax_ragged_attn
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.backends import cudnn
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.cudnn import launch
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, RaggedAttentionInputWarning, input_errors
 from jax_ragged_attn.config import AttentionOptions, make_config

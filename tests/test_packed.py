@@ -15,10 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn.backends import cudnn
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.features import checks
 from jax_ragged_attn.inputs import packed
-from jax_ragged_attn.backends.cudnn import extension, graphs, launch
+from jax_ragged_attn.backends.shared import extension
+from jax_ragged_attn.backends.cudnn import graphs, launch
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.index import cu_seqlens_from_lengths
 from jax_ragged_attn.testing.reference import reference_attention

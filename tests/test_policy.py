@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import pytest
 
 from jax_ragged_attn import backends
-from jax_ragged_attn.backends import cudnn, policy
-from jax_ragged_attn.backends import fa3 as _fa3
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
+from jax_ragged_attn.backends import policy
+from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.index import RaggedIndex
 

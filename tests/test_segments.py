@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn.backends import cudnn
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.cudnn import launch
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, RaggedAttentionInputWarning, input_errors
 from jax_ragged_attn.config import AttentionOptions, make_config

@@ -39,7 +39,7 @@ from absl.testing import parameterized
 import jax_ragged_attn
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.testing import PackedBatch, assert_close, packed_batch, reference_attention
-from jax_ragged_attn.backends import fa3 as _fa3
+from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.backends.cudnn import launch
 from jax_ragged_attn.testing import fa3_emulator
 

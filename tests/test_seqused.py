@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.backends.cudnn import extension
+from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.features.checks import RaggedAttentionInputError
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 from jax_ragged_attn.testing import assert_close, reference_attention

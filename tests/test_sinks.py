@@ -13,7 +13,7 @@ import pytest
 import jax_ragged_attn as jra
 from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.testing import assert_close, packed_batch
-from jax_ragged_attn.backends.cudnn import extension
+from jax_ragged_attn.backends.shared import extension
 
 _CUDNN_REASON = extension.cudnn_unavailable_reason()
 IMPLEMENTATIONS = [

@@ -21,8 +21,8 @@ import pytest
 from absl.testing import parameterized
 
 import jax_ragged_attn as jra
-from jax_ragged_attn.backends import fa3
-from jax_ragged_attn.backends.cudnn import extension
+from jax_ragged_attn.backends.fa3 import ragged as fa3
+from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 from jax_ragged_attn.inputs.segments import ragged_attention_segments

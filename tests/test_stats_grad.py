@@ -1,4 +1,4 @@
-"""The cuDNN path's stats gradient (jax_ragged_attn/backends/cudnn/stats_grad.py) on a CPU, against the float64 reference.
+"""The cuDNN path's stats gradient (jax_ragged_attn/backends/shared/stats_grad.py) on a CPU, against the float64 reference.
 
 The trick lives in what cuDNN's backward does with the buffers it is handed: it recomputes P from q, k and
 the stats, and shifts dP by D = rowsum(dO * O) taken from the O and dO it receives. The stand-in kernel of
@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn.backends import cudnn
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.inputs import packed
-from jax_ragged_attn.backends.cudnn import extension, launch, stats_grad
+from jax_ragged_attn.backends.shared import extension, stats_grad
+from jax_ragged_attn.backends.cudnn import launch
 from jax_ragged_attn.config import PACKINGS, AttentionOptions, make_config
 from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.testing import assert_close, packed_batch, stand_in_handler_args

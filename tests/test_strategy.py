@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_ragged_attn.backends import cudnn
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.backends.cudnn import extension, launch
+from jax_ragged_attn.backends.shared import extension
+from jax_ragged_attn.backends.cudnn import launch
 from jax_ragged_attn.config import AttentionOptions, make_config
 
 MiB = 1 << 20

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.backends.cudnn import extension
+from jax_ragged_attn.backends.shared import extension
 
 _CUDNN_REASON = extension.cudnn_unavailable_reason()
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.backends import xla_memory
+from jax_ragged_attn.backends.xla import memory as xla_memory
 from jax_ragged_attn.testing import assert_close, packed_batch, random_lengths
 from jax_ragged_attn.testing.reference import reference_attention
 

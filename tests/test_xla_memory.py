@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.backends import xla_memory
+from jax_ragged_attn.backends.xla import memory as xla_memory
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.index import cu_seqlens_from_lengths
 from jax_ragged_attn.testing import packed_batch
-from jax_ragged_attn.backends.xla import WorkingSetTooLargeError, attention_xla
+from jax_ragged_attn.backends.xla.ragged import WorkingSetTooLargeError, attention_xla
 
 # The child warms JAX up (thread pools, the compiler), then caps its address space at what it has plus
 # 1 GiB (JAX reserves a lot of virtual memory up front, so an absolute cap would measure JAX, not us).
@@ -207,7 +207,7 @@ def test_fallback_on_a_gpu_warns_once_per_reason(monkeypatch):
     message = str(fallbacks[0].message)
     assert "not cuDNN" in message and re.search(r"about [0-9.e-]+ MiB forward and [0-9.e-]+ MiB backward", message)
     config = make_config(*batch.args, max_seqlen_q=5, max_seqlen_kv=5)
-    from jax_ragged_attn.backends import cudnn
+    from jax_ragged_attn.backends.cudnn import ragged as cudnn
     assert cudnn.unsupported_reason(config) in message
     assert fallbacks[0].filename == __file__  # points at the caller's line
 
@@ -224,8 +224,8 @@ def test_no_fallback_warning_off_a_gpu(monkeypatch):
 
 
 def test_the_benchmark_reports_a_case():
-    """python -m jax_ragged_attn.tools.bench.xla_memory: one row's figures, in this process."""
-    from jax_ragged_attn.tools.bench import xla_memory as bench
+    """python -m benchmarks.xla_memory: one row's figures, in this process."""
+    from benchmarks import xla_memory as bench
 
     row = bench.run_case(dict(impl=None, workload="W3/8", full=False, max_seqlen="capacity", direction="forward",
                               repeats=1, budget=0.25))

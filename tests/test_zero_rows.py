@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn.backends import row_zeroing
+from jax_ragged_attn.backends.shared import row_zeroing
 
 CU = np.array([0, 3, 3, 8, 10], np.int32)  # T = 13: rows 10..12 are capacity padding
 LENGTHS = np.array([2, 0, 5, 1], np.int32)  # row 2 is past sequence 0's used end, row 9 past sequence 3's

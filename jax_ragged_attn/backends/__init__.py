@@ -1,35 +1,21 @@
-"""The kernels behind the op, and the registry that picks one for a call.
+"""The kernels behind the ops, and the registry that picks one for a call.
 
-A backend is a module (or package) with this surface:
+Three kernel families, each a package serving both ops (`ragged.py` for ragged_attention, `kvcache.py` for
+ragged_attention_with_kvcache) with its private helpers beside them, and what several families share:
 
-    NAME: str                                           # what implementation= calls it
-    unsupported_reason(config[, index]) -> str | None   # None when it can serve the call here, else one
-        # sentence naming the cause; it takes the index.RaggedIndex where READS_INDEX = True (FA3 proves a
-        # top-left mask its own from the lengths), the config alone otherwise
-    stats_gradient_unsupported(config) -> str | None    # optional: why the stats cannot be differentiated
-        # (the sink epilogue differentiates through them); absent: they always can
-    attend(buffers, index, config, *, stats) -> (out, stats or None)
-        # buffers laid out as config.packing says (packings.TABLE); index an index.RaggedIndex; stats False
-        # (not needed: None may come back), "raw" (needed by an epilogue that masks them itself) or True
-        # (the documented stats). Differentiable in the buffers (and in the stats).
-    attend_with_sinks(buffers, index, sinks, config) -> out     # optional: sinks folded into the kernel's
-        # backward, used when no stats are returned; otherwise api.attend applies features/sinks.py
-    auto_candidate(config) -> bool                      # optional: implementation=None may pick it here
+    cudnn/     cuDNN's fused SDPA graphs through this package's C++ FFI extension
+    fa3/       FlashAttention-3 through the optional flash-attn3-jax wheel (Hopper)
+    xla/       pure JAX: serves every call, everywhere (the portable fallback and the tests' second reference)
+    shared/    head groups, packings, the stats-gradient formula, row zeroing, the KV-cache index arithmetic,
+               the head/tail split; imported by any family, importing none
 
-`REGISTRY` lists the backends in preference order, each imported when first asked for. Adding one is a new
-module and one line here. `choose` serves implementation=None and names the reason when a requested backend
-cannot serve the call.
+Families never import each other (tests/test_layout.py holds it). Each op's backend surface is a Protocol
+in protocol.py (RaggedBackend, KVCacheBackend); every registered module satisfies its op's.
 
-Each op has a registry of its own (`REGISTRIES`, picked by `op=`): "ragged" is `ragged_attention`'s (above);
-"kvcache" is `ragged_attention_with_kvcache`'s (`KVCACHE`), whose backends have a smaller surface:
-
-    NAME: str
-    unsupported_reason(config) -> str | None            # config a kvcache_config.KVCacheConfig
-    attend(q, k_cache, v_cache, lengths, page_table, config) -> (out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32)
-        # lengths: cache_seqlens clamped into [0, capacity]; page_table None (contiguous) or int32 as passed
-        # (entries outside [0, num_pages) are the backend's to keep from being read); forward only. Rows with
-        # no keys may hold anything: inputs/kvcache.py masks them, and applies sinks and the stats layout.
-    auto_candidate(config) -> bool                      # optional, as above
+`REGISTRIES` maps each op to its backends in preference order, each imported when first asked for. Adding a
+backend is a module and one line here. `choose` serves implementation=None and names the reason when a
+requested backend cannot serve the call; policy.py holds the measured policy and tuning.py the autotune
+between GPU kernels.
 """
 
 from __future__ import annotations
@@ -40,17 +26,17 @@ from jax_ragged_attn.backends import policy
 
 # Preference order for implementation=None: the first that is an automatic candidate and serves the call.
 REGISTRY = {
-    "fa3": "jax_ragged_attn.backends.fa3",  # a candidate where the measured policy prefers it (fa3.auto_candidate)
-    "cudnn": "jax_ragged_attn.backends.cudnn",
-    "xla": "jax_ragged_attn.backends.xla",  # serves everything, everywhere: the portable fallback
+    "fa3": "jax_ragged_attn.backends.fa3.ragged",  # a candidate where the measured policy prefers it (fa3.auto_candidate)
+    "cudnn": "jax_ragged_attn.backends.cudnn.ragged",
+    "xla": "jax_ragged_attn.backends.xla.ragged",  # serves everything, everywhere: the portable fallback
 }
 FALLBACK = "xla"
 
 # ragged_attention_with_kvcache's backends, in the same preference order.
 KVCACHE = {
-    "fa3": "jax_ragged_attn.backends.fa3_kvcache",  # FlashAttention-3's kvcache kernels (contiguous and paged)
-    "cudnn": "jax_ragged_attn.backends.cudnn_kvcache",  # cuDNN: paged SDPA graph, or the ragged kernel (contiguous)
-    "xla": "jax_ragged_attn.backends.xla_kvcache",  # blocked online softmax in jnp: serves everything
+    "fa3": "jax_ragged_attn.backends.fa3.kvcache",  # FlashAttention-3's kvcache kernels (contiguous and paged)
+    "cudnn": "jax_ragged_attn.backends.cudnn.kvcache",  # cuDNN: paged SDPA graph, or the ragged kernel (contiguous)
+    "xla": "jax_ragged_attn.backends.xla.kvcache",  # blocked online softmax in jnp: serves everything
 }
 REGISTRIES = {"ragged": REGISTRY, "kvcache": KVCACHE}
 
@@ -106,7 +92,7 @@ def choose(implementation: str | None, config, index, *, stats_gradient: bool = 
         reason = unsupported_reason(backend, config, index, stats_gradient=stats_gradient)
         (declined if reason else serving).append((name, reason or backend))
     if not serving:
-        from jax_ragged_attn.backends.xla_memory import warn_cudnn_fallback
+        from jax_ragged_attn.backends.xla.memory import warn_cudnn_fallback
 
         reasons = dict(declined)
         reason = reasons.get("cudnn") or next(iter(reasons.values()), "no GPU kernel serves it")

@@ -43,7 +43,7 @@ def _versions() -> tuple[list, str]:
 
     import jax
 
-    from jax_ragged_attn.backends.cudnn import extension
+    from jax_ragged_attn.backends.shared import extension
 
     ext = extension.module()
     try:
@@ -101,7 +101,8 @@ def _step(implementation: str, config: AttentionConfig, cu_q, cu_kv):
     """A jitted forward + backward (the output's cotangent given) through one implementation."""
     import jax
 
-    from jax_ragged_attn.backends import cudnn, fa3 as _fa3
+    from jax_ragged_attn.backends.cudnn import ragged as cudnn
+    from jax_ragged_attn.backends.fa3 import ragged as _fa3
     from jax_ragged_attn.index import RaggedIndex
 
     def attend(q, k, v):
@@ -158,7 +159,7 @@ def _loop_ms(step, args) -> float:
 
 def measure(config: AttentionConfig, same_index: bool) -> dict:
     """Times both implementations now (no cache) and returns the entry that would be stored."""
-    from jax_ragged_attn.backends import fa3 as _fa3
+    from jax_ragged_attn.backends.fa3 import ragged as _fa3
 
     config = timed_config(config)
     buffers, cu_q, cu_kv = _scratch(config, same_index)

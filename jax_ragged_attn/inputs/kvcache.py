@@ -4,7 +4,7 @@
     out = ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens + Sn, page_table=page_table)
 
 The caches are contiguous [B, L, Hkv, D] or paged [num_pages, page_size, Hkv, D] with an integer page table
-[B, max_pages]; backends/kvcache_config.py spells out how rows map to memory. This module validates the
+[B, max_pages]; backends/shared/kvcache_config.py spells out how rows map to memory. This module validates the
 arguments, runs check mode, picks the backend from the registry (backends.KVCACHE: FlashAttention-3, cuDNN
 over a contiguous cache, xla), and applies what every backend shares once: rows without keys (out 0, stats
 -inf), sinks and the stats layout.
@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn import backends
-from jax_ragged_attn.backends.kvcache_config import KVCacheConfig, clamped_lengths, rows_with_keys
+from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, clamped_lengths, rows_with_keys
 from jax_ragged_attn.config import XLA_DTYPES, AttentionOptions
+from jax_ragged_attn.features import keyword_hints
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, check_enabled
 from jax_ragged_attn.features.sinks import sink_terms
 from jax_ragged_attn.index import as_int32
@@ -28,7 +29,8 @@ from jax_ragged_attn.index import as_int32
 
 def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=None, scale=None,
                                   is_causal=True, local_window_size=None, sinks=None, return_stats=False,
-                                  stats_layout="head_major", implementation=None, check=None, softcap=None):
+                                  stats_layout="head_major", implementation=None, check=None, softcap=None,
+                                  **unknown):
     """Each sequence's newest queries attending to its KV cache (decoding, speculative decoding, chunked
     prefill). Forward only: for inference. jax.grad with respect to q or the caches raises
     NotImplementedError (the sinks' gradient, through the epilogue, works); jit and vmap work.
@@ -68,6 +70,7 @@ def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_ta
     Returns:
       out [B, Sq, Hq, Dv] in q's dtype, or (out, stats) with return_stats=True.
     """
+    keyword_hints.reject_unknown_keywords(ragged_attention_with_kvcache, unknown)  # FlashAttention's names
     options = AttentionOptions(scale=scale, is_causal=is_causal, local_window_size=local_window_size,
                                stats_layout=stats_layout, return_stats=return_stats, implementation=implementation,
                                check=check, softcap=softcap)

@@ -123,7 +123,7 @@ def device_attention(plan: Plan, attend, q, k, v, cu_seqlens):
 def device_chunks_attention(plan: Plan, attend, q, k_all, v_all, cu, r):
     """Device r's queries (its chunk, or its two chunks r and 2n-1-r in that order) against the gathered,
     natural-order K/V: (out, stats or None) for its rows. Public so the one-GPU benchmark times exactly what
-    a device runs (tools/bench/context_parallel.py).
+    a device runs (benchmarks/context_parallel.py).
 
     Two chunks run as one call where one call can spell them (no left window): each chunk's key window is
     cut from the gathered K/V and the two are concatenated, so the pieces of both chunks are B + 1 sequences
@@ -156,7 +156,7 @@ def two_chunk_call(plan: Plan, cu, r, rows: int, total: int):
     """(slots, window starts, window size) of device r's one call over its two chunks r and 2n-1-r, each of
     `rows` rows, against `total` gathered key rows: the B + 1 slots (two_chunk_slots) in the call's rows, chunk
     j's queries from j * rows and its key window's rows from j * size, and the first gathered row of each
-    window. Public so scripts/cp_call_variants.py launches the same slots differently."""
+    window. Public so benchmarks/cp_call_variants.py launches the same slots differently."""
     parts, starts = [], []
     for j, chunk in enumerate((r, 2 * plan.devices - 1 - r)):
         pieces = chunk_pieces(cu, chunk * rows, rows, max_seqlen=plan.max_seqlen, is_causal=plan.is_causal)
@@ -180,7 +180,7 @@ def chunk_attention(plan: Plan, attend, q_chunk, k_all, v_all, cu, chunk_start):
     (_cudnn/launch.py _backward). With a left window that split does not apply, and the pieces run as two
     calls: all top-left pieces in one, the offset piece alone (a single sequence) in the other, each call's
     results exactly 0 / -inf in the other's rows. Public so the one-GPU benchmark times exactly
-    what a device runs (tools/bench/context_parallel.py).
+    what a device runs (benchmarks/context_parallel.py).
     """
     rows = q_chunk.shape[0]
     pieces = chunk_pieces(cu, chunk_start, rows, max_seqlen=plan.max_seqlen, is_causal=plan.is_causal,

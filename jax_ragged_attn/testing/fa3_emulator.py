@@ -24,7 +24,7 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 
-from jax_ragged_attn.backends import fa3 as _fa3
+from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.index import row_positions
 
 

@@ -46,7 +46,7 @@ def cudnn_gpus(count: int) -> list:
     import jax
     import pytest
 
-    from jax_ragged_attn.backends.cudnn import extension
+    from jax_ragged_attn.backends.shared import extension
 
     reason = extension.cudnn_unavailable_reason()
     if reason is not None:

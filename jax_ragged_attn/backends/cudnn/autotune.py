@@ -24,7 +24,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from jax_ragged_attn.backends.cudnn import extension
+from jax_ragged_attn.backends.shared import extension
 
 CACHE_ENV = "JAX_RAGGED_ATTN_AUTOTUNE_CACHE"
 # Another plan replaces the heuristic's choice only if its median is this much lower: run-to-run noise of

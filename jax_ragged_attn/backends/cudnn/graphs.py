@@ -8,8 +8,10 @@ import warnings
 import jax
 import numpy as np
 
-from jax_ragged_attn.backends import head_groups
-from jax_ragged_attn.backends.cudnn import autotune, extension, extents, strategy
+from jax_ragged_attn.backends.shared import head_groups
+from jax_ragged_attn.backends.cudnn import autotune, extents, strategy
+from jax_ragged_attn.backends.shared import extension
+from jax_ragged_attn.backends.shared.extension import device_ordinal
 from jax_ragged_attn.config import PACKINGS, AttentionConfig
 
 CUDNN_DTYPES = ("bfloat16", "float16")
@@ -89,15 +91,6 @@ def ffi_kwargs(config: AttentionConfig, direction: str, zero_outputs: str = "no"
         raise RuntimeError(f"ffi_attributes builds the fields {list(attributes)}, but the extension declares "
                            f"{[name for name, _ in fields]} (ffi/attention_config.h): the two lists must match")
     return {name: _ATTRIBUTE_TYPES[kind](attributes[name]) for name, kind in fields}
-
-
-def device_ordinal() -> int:
-    # The device whose graph answers trace-time questions (workspace size, support): the first GPU. 0 where
-    # there is none: the extension then answers that it cannot build (unsupported_reason says why first).
-    try:
-        return jax.devices("gpu")[0].local_hardware_id or 0
-    except RuntimeError:
-        return 0
 
 
 def _other_local_ordinals() -> list[int]:

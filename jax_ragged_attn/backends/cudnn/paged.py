@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn.backends.cudnn import extension
+from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.backends.cudnn.graphs import CUDNN_DTYPES, MAX_HEAD_DIM, device_ordinal
-from jax_ragged_attn.backends.kvcache_config import KVCacheConfig, safe_page_table
+from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, safe_page_table
 
 TARGET = "jax_ragged_attn_paged_forward"  # ffi/module.cc's kPagedTarget
 # Query rows the graph is built for at least (see the module docstring): 1, true decode graphs.

@@ -29,7 +29,8 @@ picks for the caller's buffers (graphs.backward_layout), so it checks the graph 
 
 from __future__ import annotations
 
-from jax_ragged_attn.backends.cudnn import autotune, extension
+from jax_ragged_attn.backends.cudnn import autotune
+from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.config import AttentionConfig
 
 FASTEST_WORKSPACE_RATIO = 2.0

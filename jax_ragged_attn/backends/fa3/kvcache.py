@@ -2,7 +2,7 @@
 
 The flash-attn3-jax wheel's `flash_mha_with_kvcache` is its forward handler `flash_mha_fwd` called in batch
 mode (no cu_seqlens) with cache_seqlens as seqused_k and, for a paged cache, the page table; this module calls
-that handler itself, registered under our own name by backends/fa3.py (`_registered`), with the same inputs
+that handler itself, registered under our own name by backends/fa3/ragged.py (`_registered`), with the same inputs
 and attributes the wheel's lowering passes. Forward only (the wheel has no kvcache backward either).
 
 - Lengths: cache_seqlens clamped into [0, capacity] (kvcache_config.clamped_lengths) as seqused_k; FA3 aligns
@@ -23,7 +23,7 @@ and attributes the wheel's lowering passes. Forward only (the wheel has no kvcac
 - Unused rows, everywhere else (Sq x group > ZERO_FILL_MAX_ROWS, or the route pinned to "head_tail"): FA3
   loads whole key tiles with TMA and masks only the scores of rows past the sequence's length, so a NaN in
   such a row of the last tile reaches the output (0 * NaN; measured on the H200 with NaN-poisoned
-  caches, as for the varlen kernel in backends/fa3.py). So FA3 reads only each sequence's head and the xla
+  caches, as for the varlen kernel in backends/fa3/ragged.py). So FA3 reads only each sequence's head and the xla
   path its last TAIL rows (TAIL at least FA3's widest key tile), merged through their log-sum-exps
   (kvcache_head_tail.py, shared with cuDNN's paged route). A left window shorter than TAIL that still reaches
   the head is declined.
@@ -42,8 +42,9 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jax_ragged_attn.backends import fa3, kvcache_head_tail
-from jax_ragged_attn.backends.kvcache_config import KVCacheConfig, rows_with_keys, safe_page_table
+from jax_ragged_attn.backends.fa3 import ragged as fa3
+from jax_ragged_attn.backends.shared import head_tail as kvcache_head_tail
+from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, rows_with_keys, safe_page_table
 
 NAME = "fa3"
 # implementation=None picks FA3's kvcache kernels wherever they serve the call: the issue's measurements put

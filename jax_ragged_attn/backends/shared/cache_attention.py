@@ -1,7 +1,8 @@
-"""implementation="xla" for ragged_attention_with_kvcache: a blocked online softmax over the cache in jnp.
+"""Attention of each sequence's newest queries over its KV cache: a blocked online softmax in jnp.
 
-Portable (runs on CPU in CI) and the reference implementation the kernels are compared with beside the
-float64 one. The cache is read in blocks of rows (whole pages of a paged cache, gathered through the page
+The xla family's KV-cache backend (xla/kvcache.py) is this; the kernels' head/tail split (head_tail.py) runs
+its short tail through it. Portable (runs on CPU in CI) and the implementation the kernels are compared with
+beside the float64 reference. The cache is read in blocks of rows (whole pages of a paged cache, gathered through the page
 table); each step of a `lax.scan` scores every query of every sequence against one block in float32 and folds
 it into a running (max, sum, weighted values) per query row: the flash-attention recurrence, so no [Sq, L]
 score matrix is ever formed. A block is large (a budget of float32 scores, `SCORES_BUDGET_BYTES`), so one step
@@ -22,17 +23,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_ragged_attn.backends.kvcache_config import KVCacheConfig, key_band, safe_page_table, valid_pages
+from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, key_band, safe_page_table, valid_pages
 
-NAME = "xla"
 # float32 scores one step may hold ([B, Hq, Sq, rows]); the block's rows follow from it.
 SCORES_BUDGET_BYTES = 256 << 20
 # Rows per step instead of the budget's (tests set it small, so sequences straddle blocks).
 BLOCK_ROWS: int | None = None
-
-
-def unsupported_reason(config: KVCacheConfig) -> str | None:
-    return None
 
 
 def block_rows(config: KVCacheConfig) -> int:

@@ -8,7 +8,7 @@ sequence's head, rows [0, head) with head = max(length - tail, 0): a tile that s
 inside the sequence when `tail` is at least the kernel's widest key tile, so every row it loads is used.
 The last `tail` rows are gathered into a small contiguous cache of their own (through the page table for a
 paged cache, entries outside the cache read as page 0, as the kernels read them) and go to
-xla_kvcache.attend, which zeroes unused rows. Cost: the gather and the tail's attention, B x tail rows.
+cache_attention.attend, which zeroes unused rows. Cost: the gather and the tail's attention, B x tail rows.
 
     length 700, tail 256: the kernel reads rows 0..443 (its last tile ends by row 699), the xla path 444..699;
     length 100: the kernel reads nothing, the xla path rows 0..99.
@@ -26,8 +26,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jax_ragged_attn.backends import xla_kvcache
-from jax_ragged_attn.backends.kvcache_config import KVCacheConfig, key_band, safe_page_table
+from jax_ragged_attn.backends.shared import cache_attention
+from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, key_band, safe_page_table
 
 # head_call(q, k_cache, v_cache, head_lengths, page_table, config, left, right) -> (out [B, Sq, Hq, Dv],
 # lse [B, Hq, Sq]): the kernel bottom-right over head_lengths rows with bounds left / right (None: no bound);
@@ -85,7 +85,7 @@ def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, head
     k_t, v_t, config_t = tail_cache(k_cache, v_cache, head, page_table, config, tail)
     # Queries and keys both shift by `head`, so the tail's bottom-right masks and windows keep their meaning,
     # and the head's keys fall before its first row.
-    out_t, lse_t = xla_kvcache.attend(q, k_t, v_t, lengths - head, None, config_t)
+    out_t, lse_t = cache_attention.attend(q, k_t, v_t, lengths - head, None, config_t)
     lse = jnp.logaddexp(lse_h, lse_t)
     safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
     weight = lambda part: jnp.exp(part - safe).transpose(0, 2, 1)[..., None]  # [B, Sq, Hq, 1]  # noqa: E731

@@ -60,10 +60,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ragged_attn.backends import xla_memory
+from jax_ragged_attn.backends.xla import memory as xla_memory
 from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.index import row_positions, sanitize_both, sequence_lengths
-from jax_ragged_attn.backends.xla_memory import WorkingSetTooLargeError, warn_cudnn_fallback
+from jax_ragged_attn.backends.xla.memory import WorkingSetTooLargeError, warn_cudnn_fallback
 
 __all__ = ["attention_xla", "warn_cudnn_fallback", "WorkingSetTooLargeError"]
 
@@ -552,7 +552,7 @@ def unsupported_reason(config: AttentionConfig) -> str | None:
 
 def attend(buffers, index, config: AttentionConfig, *, stats=True):
     """(out, stats) of the parts sliced out of packed buffers; autodiff assembles their gradients."""
-    from jax_ragged_attn.backends.packings import TABLE
+    from jax_ragged_attn.backends.shared.packings import TABLE
 
     return attention_xla(*TABLE[config.packing].split(buffers), index.cu_seqlens_q, index.cu_seqlens_kv, config,
                          return_stats=stats, seqused_q=index.seqused_q, seqused_kv=index.seqused_kv)

@@ -50,8 +50,8 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from jax_ragged_attn.backends import policy
-from jax_ragged_attn.backends.cudnn import stats_grad
-from jax_ragged_attn.backends.row_zeroing import zero_unused_rows
+from jax_ragged_attn.backends.shared import stats_grad
+from jax_ragged_attn.backends.shared.row_zeroing import zero_unused_rows
 from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.index import RaggedIndex, query_rows_with_keys, sanitize_both, sequence_lengths
 
@@ -175,7 +175,7 @@ def auto_candidate(config: AttentionConfig) -> bool:
 
 def attend(buffers, index, config: AttentionConfig, *, stats=True):
     """(out, stats) of the parts sliced out of packed buffers; autodiff assembles their gradients."""
-    from jax_ragged_attn.backends.packings import TABLE
+    from jax_ragged_attn.backends.shared.packings import TABLE
 
     return attention(*TABLE[config.packing].split(buffers), index.cu_seqlens_q, index.cu_seqlens_kv, config,
                      index.seqused)

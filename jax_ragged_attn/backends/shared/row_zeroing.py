@@ -21,14 +21,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.index import row_positions
 
 
 @functools.cache
 def _target(device: int) -> str | None:
     """The zero-rows FFI target when its kernel can run on `device`, else None."""
-    from jax_ragged_attn.backends.cudnn import extension
-
     if extension.cudnn_unavailable_reason() is not None:  # also registers the extension's targets
         return None
     ext = extension.module()
@@ -42,9 +41,7 @@ def _kernel_target(buffers) -> str | None:
         return None
     if any((x.size // max(x.shape[0], 1)) * x.dtype.itemsize % 4 for x in buffers):  # the kernel writes 4-byte words
         return None
-    from jax_ragged_attn.backends.cudnn.graphs import device_ordinal
-
-    return _target(device_ordinal())
+    return _target(extension.device_ordinal())
 
 
 def zero_unused_rows(buffers: tuple, starts: jax.Array, lengths: jax.Array, gate: jax.Array | None = None) -> tuple:

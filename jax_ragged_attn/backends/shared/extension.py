@@ -80,7 +80,7 @@ def _initialize() -> str | None:
         return f"no CUDA device: JAX's backend is {jax.default_backend()!r}"
     for name, capsule in ext.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
-    if hasattr(ext, "zero_rows_registration"):  # the row utility other backends use (backends/row_zeroing.py)
+    if hasattr(ext, "zero_rows_registration"):  # the row utility other backends use (backends/shared/row_zeroing.py)
         jax.ffi.register_ffi_target(*ext.zero_rows_registration(), platform="CUDA")
     if hasattr(ext, "paged_registration"):  # the KV-cache op's paged forward (backends/cudnn/paged.py)
         jax.ffi.register_ffi_target(*ext.paged_registration(), platform="CUDA")
@@ -110,3 +110,12 @@ def versions() -> dict:
         "cudnn": ext.cudnn_version() or "not loaded",
         "cudnn_path": "usable" if reason is None else f"unusable: {reason}",
     }
+
+
+def device_ordinal() -> int:
+    # The device whose graph answers trace-time questions (workspace size, support): the first GPU. 0 where
+    # there is none: the extension then answers that it cannot build (unsupported_reason says why first).
+    try:
+        return jax.devices("gpu")[0].local_hardware_id or 0
+    except RuntimeError:
+        return 0

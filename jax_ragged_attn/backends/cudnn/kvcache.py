@@ -38,9 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn.backends import cudnn, kvcache_head_tail
-from jax_ragged_attn.backends.cudnn import extension, paged
-from jax_ragged_attn.backends.kvcache_config import KVCacheConfig
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
+from jax_ragged_attn.backends.shared import head_tail as kvcache_head_tail
+from jax_ragged_attn.backends.shared import extension
+from jax_ragged_attn.backends.cudnn import paged
+from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
 from jax_ragged_attn.config import AttentionConfig, AttentionOptions, make_config
 from jax_ragged_attn.index import RaggedIndex
 
