@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "check.h"
+#include "cudnn_library.h"
 #include "layouts.h"
 
 namespace jax_ragged_attn {
@@ -19,7 +20,11 @@ Fn cudart(const char* name) {
   return reinterpret_cast<Fn>(fe::detail::get_cuda_symbol(fe::detail::CudaLibrary::CUDART, name));
 }
 
-#define CUDA_OK(call, what) FFI_CHECK((call) == cudaSuccess) << "autotuning: " << what << " failed"
+// Returns from the enclosing function with the runtime's name and description of a failed call's status.
+#define CUDA_OK(call, what)                                                     \
+  if (const cudaError_t cuda_status = (call); cuda_status == cudaSuccess) {    \
+  } else                                                                        \
+    return ErrorStream(xla::ffi::ErrorCode::kInternal) << "autotuning: " << what << ": " << cuda_error_string(cuda_status)
 
 // Device memory freed on every path out.
 class Scratch {

@@ -66,16 +66,45 @@ int64_t cudnn_version() {
   }
 }
 
-xla::ffi::Error set_current_device(int device) {
+std::string cuda_error_string(cudaError_t status) {
+  using Describe = const char* (*)(cudaError_t);
+  const auto name = reinterpret_cast<Describe>(cuda_runtime_symbol("cudaGetErrorName"));
+  const auto description = reinterpret_cast<Describe>(cuda_runtime_symbol("cudaGetErrorString"));
+  std::string s = name ? name(status) : "CUDA error";
+  s += " (" + std::to_string(static_cast<int>(status)) + ")";
+  if (description) s += std::string(": ") + description(status);
+  return s;
+}
+
+ScopedCurrentDevice::~ScopedCurrentDevice() {
+  if (previous_ < 0) return;
   using SetDevice = cudaError_t (*)(int);
-  try {
-    auto fn = reinterpret_cast<SetDevice>(
+  if (const auto set_device = reinterpret_cast<SetDevice>(cuda_runtime_symbol("cudaSetDevice"))) {
+    set_device(previous_);
+  }
+}
+
+xla::ffi::Error ScopedCurrentDevice::set(int device) {
+  using GetDevice = cudaError_t (*)(int*);
+  using SetDevice = cudaError_t (*)(int);
+  GetDevice get_device = nullptr;
+  SetDevice set_device = nullptr;
+  try {  // the loader's exception says which runtime it could not open
+    get_device = reinterpret_cast<GetDevice>(
+        cudnn_frontend::detail::get_cuda_symbol(cudnn_frontend::detail::CudaLibrary::CUDART, "cudaGetDevice"));
+    set_device = reinterpret_cast<SetDevice>(
         cudnn_frontend::detail::get_cuda_symbol(cudnn_frontend::detail::CudaLibrary::CUDART, "cudaSetDevice"));
-    const cudaError_t status = fn(device);
-    FFI_CHECK(status == cudaSuccess) << "cudaSetDevice(" << device << ") returned " << static_cast<int>(status);
   } catch (const std::exception& e) {
     return ErrorStream(xla::ffi::ErrorCode::kUnavailable) << "cannot reach the CUDA runtime: " << e.what();
   }
+  FFI_CHECK(get_device != nullptr && set_device != nullptr) << "the CUDA runtime lacks cudaGetDevice or cudaSetDevice";
+  int current = 0;
+  cudaError_t status = get_device(&current);
+  FFI_CHECK(status == cudaSuccess) << "cudaGetDevice: " << cuda_error_string(status);
+  if (current == device) return xla::ffi::Error::Success();
+  status = set_device(device);
+  FFI_CHECK(status == cudaSuccess) << "cudaSetDevice(" << device << "): " << cuda_error_string(status);
+  if (previous_ < 0) previous_ = current;  // set twice: restore the first one's
   return xla::ffi::Error::Success();
 }
 
@@ -89,7 +118,8 @@ xla::ffi::Error compute_capability(int device, int* sm_version) {
         cudnn_frontend::detail::CudaLibrary::CUDART, "cudaDeviceGetAttribute"));
     const cudaError_t a = fn(&major, cudaDevAttrComputeCapabilityMajor, device);
     const cudaError_t b = fn(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    FFI_CHECK(a == cudaSuccess && b == cudaSuccess) << "cudaDeviceGetAttribute failed for device " << device;
+    FFI_CHECK(a == cudaSuccess && b == cudaSuccess)
+        << "cudaDeviceGetAttribute for device " << device << ": " << cuda_error_string(a == cudaSuccess ? b : a);
   } catch (const std::exception& e) {
     return ErrorStream(xla::ffi::ErrorCode::kUnavailable) << "cannot reach the CUDA runtime: " << e.what();
   }
@@ -104,7 +134,7 @@ xla::ffi::Error fill_async(void* ptr, int value, size_t bytes, cudaStream_t stre
     static const auto fn = reinterpret_cast<MemsetAsync>(
         cudnn_frontend::detail::get_cuda_symbol(cudnn_frontend::detail::CudaLibrary::CUDART, "cudaMemsetAsync"));
     const cudaError_t status = fn(ptr, value, bytes, stream);
-    FFI_CHECK(status == cudaSuccess) << "cudaMemsetAsync of " << bytes << " bytes returned " << static_cast<int>(status);
+    FFI_CHECK(status == cudaSuccess) << "cudaMemsetAsync of " << bytes << " bytes: " << cuda_error_string(status);
   } catch (const std::exception& e) {
     return ErrorStream(xla::ffi::ErrorCode::kUnavailable) << "cannot reach the CUDA runtime: " << e.what();
   }
@@ -117,7 +147,7 @@ xla::ffi::Error copy_async(void* dst, const void* src, size_t bytes, cudaStream_
   const auto fn = reinterpret_cast<MemcpyAsync>(cuda_runtime_symbol("cudaMemcpyAsync"));
   if (fn == nullptr) return ErrorStream(xla::ffi::ErrorCode::kUnavailable) << "cannot reach cudaMemcpyAsync";
   const cudaError_t status = fn(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
-  FFI_CHECK(status == cudaSuccess) << "cudaMemcpyAsync of " << bytes << " bytes returned " << static_cast<int>(status);
+  FFI_CHECK(status == cudaSuccess) << "cudaMemcpyAsync of " << bytes << " bytes: " << cuda_error_string(status);
   return xla::ffi::Error::Success();
 }
 

@@ -21,8 +21,27 @@ bool cudnn_loaded();
 // cudnnGetVersion() of the loaded library, e.g. 91900; 0 if none is loaded.
 int64_t cudnn_version();
 
-// Makes `device` current on the calling thread (trace-time graph builds run on Python's thread).
-xla::ffi::Error set_current_device(int device);
+// "cudaErrorInvalidDevice (101): invalid device ordinal": the name and description of a CUDA runtime status
+// from the dlopen'ed runtime (cudaGetErrorName, cudaGetErrorString), or just the number where it lacks them.
+std::string cuda_error_string(cudaError_t status);
+
+// Makes a device current on the calling thread for the guard's lifetime, then restores the one that was
+// current before (trace-time graph builds run on Python's thread, whose device is the caller's business).
+//
+//   ScopedCurrentDevice current;
+//   FFI_RETURN_IF_ERROR(current.set(device));
+class ScopedCurrentDevice {
+ public:
+  ScopedCurrentDevice() = default;
+  ~ScopedCurrentDevice();
+  ScopedCurrentDevice(const ScopedCurrentDevice&) = delete;
+  ScopedCurrentDevice& operator=(const ScopedCurrentDevice&) = delete;
+
+  xla::ffi::Error set(int device);
+
+ private:
+  int previous_ = -1;  // the device to restore; -1: nothing to restore
+};
 
 // Compute capability major*10+minor of `device`.
 xla::ffi::Error compute_capability(int device, int* sm_version);

@@ -210,12 +210,12 @@ bool frontend_applies_max_total(const AttentionConfig& c, int sm_version) {
          c.head_dim_v % 16 == 0 && !ampere_style;
 }
 
-// Test-only switch (JAX_RAGGED_ATTN_DISABLE_FULL_EXTENT_FALLBACK=1, or the module function): lets the sweep
-// show that a short region is caught by the tests when nothing rebuilds the graph.
+// Test-only switch (JAX_RAGGED_ATTN_DISABLE_FULL_EXTENT_FALLBACK=1 when the extension loads, or the module
+// function): lets the sweep show that a short region is caught by the tests when nothing rebuilds the graph.
 std::atomic<bool> full_extent_fallback_enabled{std::getenv("JAX_RAGGED_ATTN_DISABLE_FULL_EXTENT_FALLBACK") == nullptr};
 
-xla::ffi::Error build_backward_checked(int device, cudnnHandle_t handle, const AttentionConfig& c, bool tuning,
-                                       CachedGraph* out) {
+xla::ffi::Error build_backward_checked(int device, cudnnHandle_t handle, const AttentionConfig& c,
+                                       const BuildSettings& settings, bool tuning, CachedGraph* out) {
   int sm_version = 0;
   FFI_RETURN_IF_ERROR(compute_capability(device, &sm_version));
   const bool max_total = frontend_applies_max_total(c, sm_version);
@@ -226,8 +226,8 @@ xla::ffi::Error build_backward_checked(int device, cudnnHandle_t handle, const A
   // Frontends before 1.28 sized head-major stats h times too small and every gradient came back zero. If the
   // region it reserved is smaller than the full extent of what it lays out there, use the dense layout.
   out->frontend_region_bytes = out->graph->frontend_region_bytes();
-  out->expected_intermediate_bytes = full_extent_backward_intermediates(c).total();
-  if (out->frontend_region_bytes >= out->expected_intermediate_bytes || !full_extent_fallback_enabled.load()) {
+  out->expected_intermediate_bytes = full_extent_backward_intermediates(c, settings.dp_workspace_limit_set).total();
+  if (out->frontend_region_bytes >= out->expected_intermediate_bytes || !settings.full_extent_fallback) {
     return xla::ffi::Error::Success();
   }
   CachedGraph dense;
@@ -303,10 +303,22 @@ xla::ffi::Error check_packing(const AttentionConfig& c) {
   return xla::ffi::Error::Success();
 }
 
+BuildSettings current_build_settings(Direction direction) {
+  BuildSettings settings;
+  if (direction == Direction::kForward) return settings;
+  settings.full_extent_fallback = full_extent_fallback_enabled.load();
+  // Read on every backward lookup, as the frontend reads it on every build: Python may change it between traces.
+  if (const char* limit = std::getenv("CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT")) {
+    settings.dp_workspace_limit_set = true;
+    settings.dp_workspace_limit = limit;
+  }
+  return settings;
+}
+
 xla::ffi::Error build_graph(int device, cudnnHandle_t handle, Direction direction, const AttentionConfig& config,
-                            bool tuning, CachedGraph* out) {
+                            const BuildSettings& settings, bool tuning, CachedGraph* out) {
   if (direction == Direction::kForward) return build_forward(handle, config, tuning, out);
-  return build_backward_checked(device, handle, config, tuning, out);
+  return build_backward_checked(device, handle, config, settings, tuning, out);
 }
 
 void set_full_extent_fallback_enabled(bool enabled) { full_extent_fallback_enabled.store(enabled); }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
 
 #include "attention_config.h"
 #include "cudnn_frontend.h"
@@ -56,16 +57,38 @@ struct CachedGraph {
   std::string plan_name;    // cuDNN's engine tag of that plan
 };
 
+// The process-wide settings a built graph depends on besides its configuration: read when a graph is looked up
+// and part of its cache key, so changing one builds the graphs anew instead of running ones built without it.
+// Both concern the backward only; a forward graph's settings are always the defaults.
+struct BuildSettings {
+  // The full-extent fallback (build_graph's backward): on unless JAX_RAGGED_ATTN_DISABLE_FULL_EXTENT_FALLBACK
+  // was set when the extension loaded, or set_full_extent_fallback_enabled(false) was called since.
+  bool full_extent_fallback = true;
+  // CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT as cudnn-frontend reads it while building a backward graph: on
+  // Hopper with cuDNN >= 9.25 a value below the dP workspace a deterministic backward needs makes the frontend
+  // build the ordered dQ accumulation instead (and full_extent_backward_intermediates counts dQ_accum then).
+  bool dp_workspace_limit_set = false;
+  std::string dp_workspace_limit;
+
+  auto key() const { return std::tie(full_extent_fallback, dp_workspace_limit_set, dp_workspace_limit); }
+  bool operator<(const BuildSettings& other) const { return key() < other.key(); }
+  bool operator==(const BuildSettings& other) const { return key() == other.key(); }
+};
+
+// The settings now in force for a graph of `direction`.
+BuildSettings current_build_settings(Direction direction);
+
 // kInvalidArgument when the packed layout's parts do not fit one row (layouts.h's packing_violation): no
 // graph is built and no handler runs with such a configuration.
 xla::ffi::Error check_packing(const AttentionConfig& config);
 
-// Builds the graph of `direction` for `config` with `handle` (the caller holds the handle's lock) on
-// `device`. Not-supported configurations come back as ErrorCode::kUnimplemented. `tuning`: stop after the
-// candidate plans are known, building none (tune_plans builds and times each); otherwise build the plan
-// config.plan_index names, or the heuristic's first choice. May throw (cudnn-frontend does): callers catch.
+// Builds the graph of `direction` for `config` and `settings` (current_build_settings at lookup) with
+// `handle` (the caller holds the handle's lock) on `device`. Not-supported configurations come back as
+// ErrorCode::kUnimplemented. `tuning`: stop after the candidate plans are known, building none (tune_plans
+// builds and times each); otherwise build the plan config.plan_index names, or the heuristic's first choice.
+// May throw (cudnn-frontend does): callers catch.
 xla::ffi::Error build_graph(int device, cudnnHandle_t handle, Direction direction, const AttentionConfig& config,
-                            bool tuning, CachedGraph* out);
+                            const BuildSettings& settings, bool tuning, CachedGraph* out);
 
 // What other graphs share with these (paged_graph.cc builds one):
 // A frontend status as an FFI error: kUnimplemented where cuDNN does not support the graph, kInternal for
@@ -85,6 +108,7 @@ void apply_forward_masks(cudnn_frontend::graph::SDPA_attributes& attributes, con
                          std::shared_ptr<cudnn_frontend::graph::Tensor_attributes> seq_len_kv);
 
 // Test-only (documented in the README): skip the full-extent fallback so a short region is used as built.
+// Backward graphs looked up afterwards are built anew under the new setting (it is part of their key).
 void set_full_extent_fallback_enabled(bool enabled);
 
 }  // namespace jax_ragged_attn

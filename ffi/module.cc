@@ -98,7 +98,8 @@ const char* error_kind(const xla::ffi::Error& e) {
 nb::dict graph_info(const std::string& direction, int device, const nb::dict& config) {
   const AttentionConfig c = config_from_dict(config);
   nb::dict info;
-  xla::ffi::Error status = set_current_device(device);
+  ScopedCurrentDevice current;  // the caller's device is current again on the way out
+  xla::ffi::Error status = current.set(device);
   std::shared_ptr<const CachedGraph> graph;
   if (status.success()) {
     status = direction == "forward" ? forward_graph(device, c, &graph, /*in_handler=*/false)
@@ -127,7 +128,8 @@ nb::dict graph_info(const std::string& direction, int device, const nb::dict& co
 // The paged forward's graph for `config` on `device`, built or found; errors come back as data like graph_info's.
 nb::dict paged_graph_info(int device, const nb::dict& config) {
   const PagedConfig c = paged_config_from_dict(config);
-  xla::ffi::Error status = set_current_device(device);
+  ScopedCurrentDevice current;
+  xla::ffi::Error status = current.set(device);
   std::shared_ptr<const CachedGraph> graph;
   if (status.success()) status = paged_graph(device, c, &graph);
   nb::dict info;
@@ -144,7 +146,8 @@ nb::dict paged_graph_info(int device, const nb::dict& config) {
 nb::dict tune(const std::string& direction, int device, const nb::dict& config) {
   const AttentionConfig c = config_from_dict(config);
   std::vector<PlanTiming> plans;
-  xla::ffi::Error status = set_current_device(device);
+  ScopedCurrentDevice current;
+  xla::ffi::Error status = current.set(device);
   if (status.success()) status = tune_plans(device, direction == "forward", c, &plans);
   nb::dict result;
   result["status"] = error_kind(status);
@@ -165,7 +168,8 @@ nb::dict tune(const std::string& direction, int device, const nb::dict& config) 
 }
 
 nb::dict intermediates(const nb::dict& config) {
-  const BackwardIntermediates s = full_extent_backward_intermediates(config_from_dict(config));
+  const BackwardIntermediates s = full_extent_backward_intermediates(
+      config_from_dict(config), current_build_settings(Direction::kBackward).dp_workspace_limit_set);
   nb::dict out;
   out["softmax_sum"] = s.softmax_sum;
   out["dq_accum"] = s.dq_accum;

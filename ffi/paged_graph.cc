@@ -2,8 +2,6 @@
 
 #include <algorithm>
 #include <climits>
-#include <map>
-#include <mutex>
 #include <sstream>
 #include <utility>
 #include <vector>
@@ -11,6 +9,7 @@
 #include "check.h"
 #include "cudnn_library.h"
 #include "graph_cache.h"
+#include "lru_graph_cache.h"
 
 namespace jax_ragged_attn {
 namespace {
@@ -90,27 +89,10 @@ xla::ffi::Error build_paged(cudnnHandle_t handle, const PagedConfig& c, CachedGr
   return xla::ffi::Error::Success();
 }
 
-// A small least-recently-used cache of its own (a server's batch sizes and table widths vary, so it is bounded
-// like graph_cache.cc's); the cuDNN handle is graph_cache.cc's, borrowed through with_cudnn_handle. Lock order:
-// this mutex, then the handle's (never the other way round).
-constexpr size_t kCapacity = 64;
-
-struct Entry {
-  std::shared_ptr<const CachedGraph> graph;
-  uint64_t last_used = 0;
-};
-
-std::mutex paged_mutex;
-std::map<std::pair<int, PagedConfig>, Entry> paged_graphs;
-uint64_t clock_ticks = 0;
-
-void evict_least_recent() {
-  auto oldest = paged_graphs.begin();
-  for (auto it = paged_graphs.begin(); it != paged_graphs.end(); ++it) {
-    if (it->second.last_used < oldest->second.last_used) oldest = it;
-  }
-  paged_graphs.erase(oldest);
-}
+// Bounded like graph_cache.cc's (a server's batch sizes and table widths vary), by the same cache template;
+// the cuDNN handle is graph_cache.cc's, borrowed through with_cudnn_handle.
+constexpr int64_t kCapacity = 64;
+LruGraphCache<std::pair<int, PagedConfig>, CachedGraph> paged_graphs(kCapacity);
 
 }  // namespace
 
@@ -138,28 +120,20 @@ xla::ffi::Error paged_graph(int device, const PagedConfig& c, std::shared_ptr<co
   const std::string problem = paged_config_problem(c);
   FFI_CHECK(problem.empty()) << problem;
   FFI_CHECK(cudnn_loaded()) << "cuDNN is not loaded; import jax_ragged_attn on a CUDA backend first";
-  std::lock_guard<std::mutex> lock(paged_mutex);
-  const auto key = std::make_pair(device, c);
-  auto it = paged_graphs.find(key);
-  if (it != paged_graphs.end()) {
-    it->second.last_used = ++clock_ticks;
-    *out = it->second.graph;
-    return xla::ffi::Error::Success();
-  }
-  RelaxedStreamCapture relaxed;
-  auto built = std::make_shared<CachedGraph>();
-  FFI_RETURN_IF_ERROR(with_cudnn_handle(device, [&](cudnnHandle_t handle) -> xla::ffi::Error {
-    try {
-      return build_paged(handle, c, built.get());
-    } catch (const std::exception& e) {
-      return ErrorStream(xla::ffi::ErrorCode::kInternal) << "building the paged cuDNN graph threw: " << e.what()
-                                                         << " [" << c.describe() << "]";
-    }
-  }));
-  if (paged_graphs.size() >= kCapacity) evict_least_recent();
-  paged_graphs[key] = {built, ++clock_ticks};
-  *out = std::move(built);
-  return xla::ffi::Error::Success();
+  return paged_graphs.get(
+      std::make_pair(device, c),
+      [&](CachedGraph* graph) -> xla::ffi::Error {
+        RelaxedStreamCapture relaxed;
+        return with_cudnn_handle(device, [&](cudnnHandle_t handle) -> xla::ffi::Error {
+          try {
+            return build_paged(handle, c, graph);
+          } catch (const std::exception& e) {
+            return ErrorStream(xla::ffi::ErrorCode::kInternal)
+                   << "building the paged cuDNN graph threw: " << e.what() << " [" << c.describe() << "]";
+          }
+        });
+      },
+      out);
 }
 
 }  // namespace jax_ragged_attn

@@ -1,8 +1,9 @@
 #include "row_zeroing.h"
 
 #include <algorithm>
-#include <mutex>
 #include <map>
+#include <memory>
+#include <mutex>
 
 #include "check.h"
 #include "cudnn_library.h"
@@ -23,8 +24,6 @@ using LibraryLoadData = cudaError_t (*)(cudaLibrary_t*, const void*, cudaJitOpti
 using LibraryGetKernel = cudaError_t (*)(cudaKernel_t*, cudaLibrary_t, const char*);
 using FuncGetAttributes = cudaError_t (*)(cudaFuncAttributes*, const void*);
 using LaunchKernel = cudaError_t (*)(const void*, dim3, dim3, void**, size_t, cudaStream_t);
-using GetDevice = cudaError_t (*)(int*);
-using SetDevice = cudaError_t (*)(int);
 
 struct Kernel {
   std::string error;  // why it cannot run, or empty
@@ -47,7 +46,7 @@ const Kernel& kernel() {
     cudaError_t status = load(&library, kPtx, nullptr, nullptr, 0, nullptr, nullptr, 0);
     if (status == cudaSuccess) status = get(&k.kernel, library, kKernelName);
     if (status != cudaSuccess) {
-      k.error = "loading the row-zeroing PTX failed with CUDA error " + std::to_string(static_cast<int>(status));
+      k.error = "loading the row-zeroing PTX failed: " + cuda_error_string(status);
       k.kernel = nullptr;
     }
     return k;  // the library stays loaded for the life of the process
@@ -55,8 +54,14 @@ const Kernel& kernel() {
   return loaded;
 }
 
+// Per device: "" or why the kernel cannot run there, decided once. The map's mutex is held only to find the
+// device's entry: readying one device (a JIT compile) never stalls a handler on another.
+struct Readiness {
+  std::once_flag once;
+  std::string reason;
+};
 std::mutex ready_mutex;
-std::map<int, std::string> readied;  // device -> "" or why the kernel cannot run there, decided once
+std::map<int, std::unique_ptr<Readiness>> readied;
 
 // Loads the kernel into the device's context (the driver JIT-compiles the PTX here) before any stream may be
 // captured; cudaFuncGetAttributes does that for the current device.
@@ -64,21 +69,16 @@ std::string ready_on(int device) {
   RelaxedStreamCapture relaxed;  // loading a module is not stream work; see cudnn_library.h
   const Kernel& k = kernel();
   if (!k.error.empty()) return k.error;
-  const auto get_device = reinterpret_cast<GetDevice>(cuda_runtime_symbol("cudaGetDevice"));
-  const auto set_device = reinterpret_cast<SetDevice>(cuda_runtime_symbol("cudaSetDevice"));
   const auto attributes = reinterpret_cast<FuncGetAttributes>(cuda_runtime_symbol("cudaFuncGetAttributes"));
-  if (get_device == nullptr || set_device == nullptr || attributes == nullptr) {
-    return "the CUDA runtime lacks cudaGetDevice, cudaSetDevice or cudaFuncGetAttributes";
-  }
-  int previous = 0;
-  if (get_device(&previous) != cudaSuccess) return "cudaGetDevice failed";
+  if (attributes == nullptr) return "the CUDA runtime lacks cudaFuncGetAttributes";
+  ScopedCurrentDevice current;  // back to the caller's device on the way out
+  const xla::ffi::Error set = current.set(device);
+  if (set.failure()) return "readying the row-zeroing kernel on device " + std::to_string(device) + ": " + set.message();
   cudaFuncAttributes attrs{};
-  cudaError_t status = set_device(device);
-  if (status == cudaSuccess) status = attributes(&attrs, reinterpret_cast<const void*>(k.kernel));
-  set_device(previous);
+  const cudaError_t status = attributes(&attrs, reinterpret_cast<const void*>(k.kernel));
   if (status != cudaSuccess) {
-    return "readying the row-zeroing kernel on device " + std::to_string(device) + " failed with CUDA error " +
-           std::to_string(static_cast<int>(status));
+    return "readying the row-zeroing kernel on device " + std::to_string(device) + " failed: " +
+           cuda_error_string(status);
   }
   return "";
 }
@@ -86,10 +86,15 @@ std::string ready_on(int device) {
 }  // namespace
 
 std::string prepare_row_zeroing(int device) {
-  std::lock_guard<std::mutex> lock(ready_mutex);
-  auto it = readied.find(device);  // every call after the first on this device: a lookup
-  if (it == readied.end()) it = readied.emplace(device, ready_on(device)).first;
-  return it->second;
+  Readiness* entry = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(ready_mutex);
+    std::unique_ptr<Readiness>& slot = readied[device];
+    if (!slot) slot = std::make_unique<Readiness>();
+    entry = slot.get();  // never erased
+  }
+  std::call_once(entry->once, [&] { entry->reason = ready_on(device); });  // every later call: a flag test
+  return entry->reason;
 }
 
 xla::ffi::Error zero_unowned_rows(const RowRegion& region, const RowOwnership& owner, cudaStream_t stream) {
@@ -113,8 +118,7 @@ xla::ffi::Error zero_unowned_rows(const RowRegion& region, const RowOwnership& o
   const int64_t blocks = std::min<int64_t>(kMaxBlocks, (region.rows + kThreadsPerBlock - 1) / kThreadsPerBlock);
   const cudaError_t status = k.launch(reinterpret_cast<const void*>(k.kernel), dim3(static_cast<unsigned>(blocks)),
                                       dim3(kThreadsPerBlock), args, 0, stream);
-  FFI_CHECK(status == cudaSuccess) << "launching the row-zeroing kernel failed with CUDA error "
-                                   << static_cast<int>(status);
+  FFI_CHECK(status == cudaSuccess) << "launching the row-zeroing kernel failed: " << cuda_error_string(status);
   return xla::ffi::Error::Success();
 }
 

@@ -1,7 +1,5 @@
 #include "sizing.h"
 
-#include <cstdlib>
-
 #include "layouts.h"
 
 namespace jax_ragged_attn {
@@ -16,7 +14,7 @@ int64_t token_stride_only_bytes(int64_t max_total_seq_len, const Dims4& stride, 
   return max_total_seq_len * stride[2] * elem_size;
 }
 
-BackwardIntermediates full_extent_backward_intermediates(const AttentionConfig& c) {
+BackwardIntermediates full_extent_backward_intermediates(const AttentionConfig& c, bool dp_workspace_limit_set) {
   constexpr int64_t kFloat = 4;
   BackwardIntermediates sizes;
   const TensorLayout stats = stats_layout(c);
@@ -24,7 +22,7 @@ BackwardIntermediates full_extent_backward_intermediates(const AttentionConfig& 
   // The deterministic algorithm keeps dP in a dense workspace of its own instead of accumulating dQ, unless
   // CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT opts into the ordered dQ accumulation; count dQ_accum then too
   // (over-counting only costs the dense fallback, under-counting could hide a short region).
-  if (!c.deterministic || std::getenv("CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT") != nullptr) {
+  if (!c.deterministic || dp_workspace_limit_set) {
     const TensorLayout dq = q_layout(c);  // on dQ's strides, packed ones included
     sizes.dq_accum = ragged_span_bytes(c.capacity_q, dq.dim, dq.stride, kFloat);
   }

@@ -35,6 +35,8 @@ struct BackwardIntermediates {
 
 // The full-extent sizes of every intermediate a ragged backward graph with max_total_seq_len set to the
 // buffer capacities needs; the frontend's own workspace region must be at least `total()`.
-BackwardIntermediates full_extent_backward_intermediates(const AttentionConfig& config);
+// `dp_workspace_limit_set`: CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT is set (BuildSettings), which can make a
+// deterministic backward accumulate dQ too.
+BackwardIntermediates full_extent_backward_intermediates(const AttentionConfig& config, bool dp_workspace_limit_set);
 
 }  // namespace jax_ragged_attn

@@ -5,14 +5,20 @@ write past its workspace, so it is pinned here, independently of cuDNN.
 """
 
 import dataclasses
+import pathlib
+import shutil
+import subprocess
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_ragged_attn.backends import cudnn
-from jax_ragged_attn.backends.cudnn import extension, launch
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
+from jax_ragged_attn.backends.shared import extension
+from jax_ragged_attn.backends.cudnn import launch
 from jax_ragged_attn.config import AttentionOptions, make_config
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def ext():
@@ -102,3 +108,18 @@ def test_backward_intermediates_follow_packed_strides(ext):
     t, hq, d = config.capacity_kv, config.num_heads_q, config.head_dim_qk
     sizes = ext.full_extent_backward_intermediates(cudnn.ffi_attributes(config))
     assert sizes["dk_fullhead"] == ((t - 1) * 2 * hq * d + hq * d) * 4  # kv token stride 2*Hkv*D, times 4 heads
+
+
+def test_graph_cache_template_builds_each_key_once_and_never_stalls_other_keys(tmp_path):
+    """ffi/lru_graph_cache.h, which caches the ragged and the paged graphs, exercised by
+    tests/native/lru_graph_cache_test.cc with stand-in builds that block until the test releases them: LRU
+    order and counters, one build however many callers ask for a key at once, other keys found and built
+    meanwhile, failures handed to every waiter and not cached."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler to build tests/native/lru_graph_cache_test.cc")
+    program = tmp_path / "lru_graph_cache_test"
+    subprocess.run([compiler, "-std=c++17", "-pthread", f"-I{ROOT / 'ffi'}", "-isystem", jax.ffi.include_dir(),
+                    str(ROOT / "tests" / "native" / "lru_graph_cache_test.cc"), "-o", str(program)], check=True)
+    result = subprocess.run([str(program)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
