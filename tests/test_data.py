@@ -1,6 +1,9 @@
-"""pack_documents: every token once and in order, no batch over capacity, no label across a boundary."""
+"""pack_documents: every token once and in order, no batch over capacity, no label across a boundary; the same
+batches on every pass, fill_rate before the first, a one-shot input never silently empty the second time."""
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
@@ -69,6 +72,13 @@ def _reassemble(docs, batches, max_seqlen):
 documents = st.lists(st.lists(st.integers(1, 1000), max_size=40), max_size=30)
 
 
+def _assert_same_batches(batches, expected):
+    assert len(batches) == len(expected), (len(batches), len(expected))
+    for batch, want in zip(batches, expected):
+        for key in batch.keys():
+            np.testing.assert_array_equal(batch[key], want[key], err_msg=key)
+
+
 @settings(max_examples=150, deadline=None)
 @given(docs=documents, capacity=st.integers(1, 48), max_seqs=st.integers(1, 6), seqlen_fraction=st.floats(0.01, 1.0),
        buffer_size=st.integers(1, 20), as_iterator=st.booleans(), shuffle_seed=st.none() | st.integers(0, 99))
@@ -92,6 +102,8 @@ def test_every_token_once_in_order_within_capacity(docs, capacity, max_seqs, seq
     if batches:
         assert packer.fill_rate == pytest.approx(total / (len(batches) * capacity))
     assert all(b.num_tokens > 0 for b in batches), "no empty batch"
+    if not as_iterator:  # a second pass gives the same batches
+        _assert_same_batches(list(packer), batches)
 
 
 @settings(max_examples=40, deadline=None)
@@ -108,7 +120,7 @@ def test_first_fit_decreasing_fills_batches(lengths, seed):
 
 
 def test_example_from_the_docstring():
-    batch = next(pack_documents([[7, 8, 9], [5], [4, 6]], 8, max_seqs=4))
+    batch = next(iter(pack_documents([[7, 8, 9], [5], [4, 6]], 8, max_seqs=4)))
     np.testing.assert_array_equal(batch.tokens, [7, 8, 9, 5, 4, 6, 0, 0])
     np.testing.assert_array_equal(batch.cu_seqlens, [0, 3, 4, 6, 6])
     np.testing.assert_array_equal(batch.positions, [0, 1, 2, 0, 0, 1, 0, 0])
@@ -161,7 +173,7 @@ def test_iterator_input_is_read_lazily():
 
     packer = pack_documents(documents(), 16, max_seqs=4, buffer_size=8)
     assert read == [], "nothing is read before the first batch is asked for"
-    next(packer)
+    next(iter(packer))
     assert len(read) < 20, f"read {len(read)} documents for the first batch"
 
 
@@ -193,9 +205,82 @@ def test_rng_mixes_the_pieces_of_long_documents():
 
 
 def test_pad_id_fills_padding():
-    batch = next(pack_documents([[1, 2]], 4, max_seqs=1, pad_id=-1))
+    batch = next(iter(pack_documents([[1, 2]], 4, max_seqs=1, pad_id=-1)))
     np.testing.assert_array_equal(batch.tokens, [1, 2, -1, -1])
     np.testing.assert_array_equal(batch.targets, [2, -1, -1, -1])
+
+
+# ---- Passes: the same batches every time, fill_rate before the first, a one-shot input never silent. ----
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(rng=np.random.default_rng(5)),
+                                    dict(context_parallel_devices=2, rng=np.random.default_rng(6))],
+                         ids=["in_order", "shuffled", "context_parallel"])
+def test_every_pass_gives_the_same_batches(kwargs):
+    docs = _random_docs(np.random.default_rng(3), 60, 40)
+    packer = pack_documents(docs, 48, max_seqs=6, max_seqlen=24, buffer_size=16, **kwargs)
+    first = list(packer)
+    assert len(first) > 5
+    _assert_same_batches(list(packer), first)
+    # Two passes at once are independent, and each starts from the rng state pack_documents was given.
+    one, two = iter(packer), iter(packer)
+    _assert_same_batches([next(one), next(two), next(one)], [first[0], first[0], first[1]])
+    rng = kwargs.get("rng")
+    if rng is not None:  # the caller's Generator is not advanced by the passes
+        again = pack_documents(docs, 48, max_seqs=6, max_seqlen=24, buffer_size=16,
+                               **{**kwargs, "rng": copy.deepcopy(rng)})
+        _assert_same_batches(list(again), first)
+
+
+def test_fill_rate_and_counts_are_known_before_iterating():
+    docs = _random_docs(np.random.default_rng(4), 40, 30)
+    packer = pack_documents(docs, 32, max_seqs=4, max_seqlen=16, buffer_size=8)
+    fill_rate, count = packer.fill_rate, packer.batches  # before any batch: a counting pass, no batch built
+    batches = list(packer)
+    tokens = sum(b.num_tokens for b in batches)
+    assert count == len(batches) and packer.tokens == tokens == sum(len(d) for d in docs)
+    assert fill_rate == pytest.approx(tokens / (len(batches) * 32)) and 0.5 < fill_rate <= 1.0
+    assert packer.pieces == sum(b.num_seqs for b in batches)
+    assert packer.documents == sum(1 for d in docs if len(d))
+    _assert_same_batches(list(packer), batches)  # counting consumed nothing
+    assert pack_documents([], 8, max_seqs=2).fill_rate == 0.0  # no batch: nothing to fill
+
+
+def test_a_generator_gives_one_pass_and_a_second_raises():
+    docs = _random_docs(np.random.default_rng(5), 20, 30)
+    packer = pack_documents((d for d in docs), 32, max_seqs=4)
+    with pytest.raises(RuntimeError, match="fill_rate is not known before the first batch: docs is a one-shot"):
+        packer.fill_rate
+    batches = list(packer)
+    assert batches and packer.batches == len(batches)
+    assert packer.fill_rate == pytest.approx(sum(b.num_tokens for b in batches) / (len(batches) * 32))
+    with pytest.raises(RuntimeError, match="one-shot iterator .* a second pass would yield no batch. To iterate "
+                                           "again, pass a list"):
+        list(packer)
+    # Also when the first pass stopped early: the generator is partly consumed.
+    packer = pack_documents(iter(docs), 32, max_seqs=4)
+    next(iter(packer))
+    with pytest.raises(RuntimeError, match="one-shot"):
+        iter(packer)
+
+
+def test_a_reiterable_input_is_read_lazily_on_every_pass():
+    class Documents:  # an iterable whose iter() starts over: a dataset on disk, say
+        def __init__(self):
+            self.read = 0
+
+        def __iter__(self):
+            for i in range(1000):
+                self.read += 1
+                yield np.full(4, i)
+
+    docs = Documents()
+    packer = pack_documents(docs, 16, max_seqs=4, buffer_size=8)
+    assert docs.read == 0
+    first = next(iter(packer))
+    assert docs.read < 20, f"read {docs.read} documents for the first batch"
+    again = next(iter(packer))  # a new pass reads from the start
+    assert docs.read < 40
+    _assert_same_batches([again], [first])
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -251,7 +336,7 @@ def _random_docs(rng, count: int, longest: int) -> list[np.ndarray]:
 
 def test_example_from_the_docstring_for_two_devices():
     kwargs = dict(max_seqs=4, context_parallel_devices=2, balance_causal_work=False)
-    batch = next(pack_documents([[7, 8, 9], [5], [4, 6]], 8, **kwargs))
+    batch = next(iter(pack_documents([[7, 8, 9], [5], [4, 6]], 8, **kwargs)))
     np.testing.assert_array_equal(batch.tokens, [7, 8, 0, 0, 9, 5, 4, 6])
     np.testing.assert_array_equal(batch.cu_seqlens, [0, 3, 4, 6, 6])
     np.testing.assert_array_equal(batch.segment_ids, [1, 1, 0, 0, 1, 2, 3, 3])

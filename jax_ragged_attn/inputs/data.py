@@ -2,9 +2,14 @@
 
     from jax_ragged_attn.inputs.data import pack_documents
     batches = pack_documents(docs, capacity=4096, max_seqs=32, max_seqlen=1024)
-    for batch in batches:   # every batch has the same shapes: tokens [4096], cu_seqlens [33], ...
-        loss = train_step(batch.arrays())
-    print(f"fill rate {batches.fill_rate:.1%}")
+    print(f"fill rate {batches.fill_rate:.1%}")   # known before the first batch when docs is a list
+    for epoch in range(3):
+        for batch in batches:   # the same batches every epoch; each has the same shapes: tokens [4096], ...
+            loss = train_step(batch.arrays())
+
+The result is re-iterable: each pass packs the stored input again, lazily (a large input is never held),
+from the same rng state, so every pass yields the same batches. A generator (or any iterator) can be read only
+once: its packer gives one pass, and a second raises RuntimeError instead of yielding nothing.
 
 A batch lays its sequences back to back from row 0 (the THD layout); rows past cu_seqlens[-1] are padding.
 Three documents a = [7, 8, 9], b = [5], c = [4, 6] in capacity 8, max_seqs 4:
@@ -54,6 +59,7 @@ gives the batch back in the natural row order.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 from collections.abc import Iterable, Iterator
 
@@ -129,12 +135,21 @@ _TOKEN_FIELDS = ("tokens", "targets", "loss_mask", "positions", "segment_ids")
 _Piece = tuple[int, int, np.ndarray]
 
 
-class DocumentPacker(Iterator[PackedDocuments]):
-    """The iterator `pack_documents` returns; it also counts what it has emitted.
+class DocumentPacker(Iterable[PackedDocuments]):
+    """What `pack_documents` returns: the packing of `docs`, iterated as often as wanted, the same batches on
+    every pass (each pass packs the stored input again, reading it lazily, from the same rng state).
 
-    Attributes: batches, tokens (real tokens emitted), documents (non-empty documents read), pieces
-    (sequences emitted), and the property fill_rate = tokens / (batches * capacity); the arguments as given
-    (capacity, max_seqs, max_seqlen, context_parallel_devices, balance_causal_work, ...).
+    A one-shot input (an iterator or generator, which one read consumes) gives one pass; a second raises
+    RuntimeError rather than yield no batch. Pass a list, or an iterable whose iter() starts over, to iterate
+    again (or call pack_documents again with a fresh generator).
+
+    Attributes over one whole pass: batches, tokens (real tokens), documents (non-empty documents), pieces
+    (sequences) and fill_rate = tokens / (batches * capacity). Re-readable input: known before iterating (the
+    first read packs the input once without building batches, unless a pass has run to its end). One-shot
+    input: the counts of its one pass so far (the whole pass once it has ended), and fill_rate raises before
+    its first batch. The arguments as given: capacity, max_seqs, max_seqlen, buffer_size, pad_id, rng,
+    context_parallel_devices, balance_causal_work. `iter(packer)` is a `PackingPass`, which counts what it
+    has emitted.
     """
 
     def __init__(self, docs: Iterable, capacity: int, *, max_seqs: int, max_seqlen: int | None = None,
@@ -154,6 +169,7 @@ class DocumentPacker(Iterator[PackedDocuments]):
             raise ValueError(f"pad_id must fit int32, got {self.pad_id}")
         if rng is not None and not isinstance(rng, np.random.Generator):
             raise ValueError(f"rng must be a numpy.random.Generator or None, got {type(rng).__name__}")
+        self._rng = copy.deepcopy(rng)  # every pass starts from this state: the same batches each time
         self.rng = rng
         self.context_parallel_devices = (None if context_parallel_devices is None
                                          else _positive_int(context_parallel_devices, "context_parallel_devices"))
@@ -167,87 +183,63 @@ class DocumentPacker(Iterator[PackedDocuments]):
         self.balance_causal_work = bool(balance_causal_work)
         if isinstance(docs, (str, bytes)) or not isinstance(docs, Iterable):
             raise ValueError(f"docs must be an iterable of 1-D integer token arrays, got {type(docs).__name__}")
-        self._docs = iter(enumerate(docs))
-        self._current: collections.deque[_Piece] = collections.deque()  # pieces of the document being read
-        self._carried: list[_Piece] = []
-        self._ready: collections.deque[list[_Piece]] = collections.deque()
-        self._exhausted = False
-        self.batches = self.tokens = self.documents = self.pieces = 0
+        self._docs = docs
+        self._one_shot = isinstance(docs, Iterator)  # a generator, a file, iter(list): one read consumes it
+        self._only_pass: PackingPass | None = None  # a one-shot input's pass
+        self._totals: PackingPass | None = None  # a finished pass: the counts of every pass
+
+    def __iter__(self) -> PackingPass:
+        if not self._one_shot:
+            return PackingPass(self, self._docs)
+        if self._only_pass is not None:
+            raise RuntimeError(
+                "pack_documents was given a one-shot iterator (a generator or iterator, which one read consumes) "
+                "and its pass has already started: a second pass would yield no batch. To iterate again, pass a "
+                "list, or an iterable whose iter() starts over (a class with an __iter__ generator method), or "
+                "call pack_documents again with a fresh generator")
+        self._only_pass = PackingPass(self, self._docs)
+        return self._only_pass
+
+    def _counts(self) -> PackingPass | None:
+        """A pass whose counts are those of a whole pass (a one-shot input's: so far), or None before any."""
+        if self._one_shot:
+            return self._only_pass
+        if self._totals is None:  # count a pass: pack the pieces' lengths, build no batch
+            counting = PackingPass(self, self._docs)
+            while counting._next_bin() is not None:
+                pass
+        return self._totals
+
+    @property
+    def batches(self) -> int:
+        counts = self._counts()
+        return 0 if counts is None else counts.batches
+
+    @property
+    def tokens(self) -> int:
+        counts = self._counts()
+        return 0 if counts is None else counts.tokens
+
+    @property
+    def documents(self) -> int:
+        counts = self._counts()
+        return 0 if counts is None else counts.documents
+
+    @property
+    def pieces(self) -> int:
+        counts = self._counts()
+        return 0 if counts is None else counts.pieces
 
     @property
     def fill_rate(self) -> float:
-        """Real tokens / (batches * capacity) over every batch emitted so far (0.0 before the first)."""
-        return self.tokens / (self.batches * self.capacity) if self.batches else 0.0
-
-    def __iter__(self) -> DocumentPacker:
-        return self
-
-    def __next__(self) -> PackedDocuments:
-        while not self._ready:
-            pieces = self._carried + self._read(self.buffer_size - len(self._carried))
-            self._carried = []
-            if not pieces:
-                raise StopIteration
-            bins = self._first_fit_decreasing(pieces)
-            if not self._exhausted and len(bins) > 1:
-                # The least-filled batch waits for the next buffer (the last such batch: the smallest pieces).
-                fills = [sum(len(p[2]) for p in b) for b in bins]
-                self._carried = bins.pop(len(fills) - 1 - int(np.argmin(fills[::-1])))
-            if self.rng is not None:
-                bins = [bins[i] for i in self.rng.permutation(len(bins))]
-            self._ready.extend(bins)
-        batch = self._batch(self._ready.popleft())
-        self.batches += 1
-        self.tokens += batch.num_tokens
-        self.pieces += batch.num_seqs
-        return batch
-
-    def _read(self, wanted: int) -> list[_Piece]:
-        """Up to `wanted` (at least one, while input lasts) pieces, splitting documents as they are read."""
-        pieces = []
-        while len(pieces) < max(wanted, 1):
-            if not self._current:
-                if self._exhausted or not self._next_document():
-                    break
-                continue
-            pieces.append(self._current.popleft())
-        return pieces
-
-    def _next_document(self) -> bool:
-        """Queues the pieces of the next non-empty document; False at the end of the input."""
-        for index, doc in self._docs:
-            tokens = _tokens(doc, index)
-            if tokens.size == 0:
-                continue
-            self.documents += 1
-            self._current.extend((index, start, tokens[start:start + self.max_seqlen])
-                                 for start in range(0, tokens.size, self.max_seqlen))
-            return True
-        self._exhausted = True
-        return False
-
-    def _first_fit_decreasing(self, pieces: list[_Piece]) -> list[list[_Piece]]:
-        # Longest first; ties keep input order (so equal pieces of one document fill batches in order), or a
-        # random order with rng (so the many equal pieces of long documents mix across batches).
-        order = range(len(pieces)) if self.rng is None else self.rng.permutation(len(pieces)).tolist()
-        order = sorted(order, key=lambda i: -len(pieces[i][2]))
-        room = np.empty(0, np.int64)  # free tokens per open batch
-        slots = np.empty(0, np.int64)  # free sequence slots per open batch
-        bins: list[list[_Piece]] = []
-        for i in order:
-            length = len(pieces[i][2])
-            fits = np.flatnonzero((room >= length) & (slots > 0))
-            if fits.size:
-                b = int(fits[0])
-            else:
-                b = len(bins)
-                bins.append([])
-                room = np.append(room, self.capacity)
-                slots = np.append(slots, self.max_seqs)
-            bins[b].append(pieces[i])
-            room[b] -= length
-            slots[b] -= 1
-        return [sorted(b, key=lambda p: (p[0], p[1])) for b in bins]
+        """Real tokens / (batches * capacity) over a whole pass (0.0 when there is no batch); for a one-shot
+        input over the batches emitted so far, RuntimeError before the first."""
+        counts = self._counts()
+        if counts is None or not (counts.batches or counts.finished):
+            raise RuntimeError("fill_rate is not known before the first batch: docs is a one-shot iterator, which "
+                               "the packer cannot read ahead; read fill_rate after iterating, or pass a list (or "
+                               "an iterable whose iter() starts over) to know it up front")
+        return counts.fill_rate
 
     def _batch(self, pieces: list[_Piece]) -> PackedDocuments:
         n = self.context_parallel_devices
@@ -289,6 +281,108 @@ class DocumentPacker(Iterator[PackedDocuments]):
                                document_offset=document_offset)
 
 
+class PackingPass(Iterator[PackedDocuments]):
+    """One pass of a DocumentPacker over its input: the batches, and counts of what it has emitted so far
+    (batches, tokens, documents, pieces, fill_rate; finished once the input has run out)."""
+
+    def __init__(self, packer: DocumentPacker, docs: Iterable):
+        self._packer = packer
+        self._rng = copy.deepcopy(packer._rng)
+        self._docs = iter(enumerate(docs))
+        self._current: collections.deque[_Piece] = collections.deque()  # pieces of the document being read
+        self._carried: list[_Piece] = []
+        self._ready: collections.deque[list[_Piece]] = collections.deque()
+        self._exhausted = False
+        self.finished = False
+        self.batches = self.tokens = self.documents = self.pieces = 0
+
+    @property
+    def fill_rate(self) -> float:
+        """Real tokens / (batches * capacity) over every batch emitted so far (0.0 before the first)."""
+        return self.tokens / (self.batches * self._packer.capacity) if self.batches else 0.0
+
+    def __iter__(self) -> PackingPass:
+        return self
+
+    def __next__(self) -> PackedDocuments:
+        pieces = self._next_bin()
+        if pieces is None:
+            raise StopIteration
+        return self._packer._batch(pieces)
+
+    def _next_bin(self) -> list[_Piece] | None:
+        """The pieces of the next batch, counted; None at the end of the input."""
+        while not self._ready:
+            pieces = self._carried + self._read(self._packer.buffer_size - len(self._carried))
+            self._carried = []
+            if not pieces:
+                if not self.finished:
+                    self.finished = True
+                    if self._packer._totals is None:
+                        self._packer._totals = self
+                return None
+            bins = self._first_fit_decreasing(pieces)
+            if not self._exhausted and len(bins) > 1:
+                # The least-filled batch waits for the next buffer (the last such batch: the smallest pieces).
+                fills = [sum(len(p[2]) for p in b) for b in bins]
+                self._carried = bins.pop(len(fills) - 1 - int(np.argmin(fills[::-1])))
+            if self._rng is not None:
+                bins = [bins[i] for i in self._rng.permutation(len(bins))]
+            self._ready.extend(bins)
+        pieces = self._ready.popleft()
+        self.batches += 1
+        self.tokens += sum(len(p[2]) for p in pieces)
+        self.pieces += len(pieces)
+        return pieces
+
+    def _read(self, wanted: int) -> list[_Piece]:
+        """Up to `wanted` (at least one, while input lasts) pieces, splitting documents as they are read."""
+        pieces = []
+        while len(pieces) < max(wanted, 1):
+            if not self._current:
+                if self._exhausted or not self._next_document():
+                    break
+                continue
+            pieces.append(self._current.popleft())
+        return pieces
+
+    def _next_document(self) -> bool:
+        """Queues the pieces of the next non-empty document; False at the end of the input."""
+        for index, doc in self._docs:
+            tokens = _tokens(doc, index)
+            if tokens.size == 0:
+                continue
+            self.documents += 1
+            self._current.extend((index, start, tokens[start:start + self._packer.max_seqlen])
+                                 for start in range(0, tokens.size, self._packer.max_seqlen))
+            return True
+        self._exhausted = True
+        return False
+
+    def _first_fit_decreasing(self, pieces: list[_Piece]) -> list[list[_Piece]]:
+        # Longest first; ties keep input order (so equal pieces of one document fill batches in order), or a
+        # random order with rng (so the many equal pieces of long documents mix across batches).
+        order = range(len(pieces)) if self._rng is None else self._rng.permutation(len(pieces)).tolist()
+        order = sorted(order, key=lambda i: -len(pieces[i][2]))
+        room = np.empty(0, np.int64)  # free tokens per open batch
+        slots = np.empty(0, np.int64)  # free sequence slots per open batch
+        bins: list[list[_Piece]] = []
+        for i in order:
+            length = len(pieces[i][2])
+            fits = np.flatnonzero((room >= length) & (slots > 0))
+            if fits.size:
+                b = int(fits[0])
+            else:
+                b = len(bins)
+                bins.append([])
+                room = np.append(room, self._packer.capacity)
+                slots = np.append(slots, self._packer.max_seqs)
+            bins[b].append(pieces[i])
+            room[b] -= length
+            slots[b] -= 1
+        return [sorted(b, key=lambda p: (p[0], p[1])) for b in bins]
+
+
 def pack_documents(docs: Iterable, capacity: int, *, max_seqs: int, max_seqlen: int | None = None,
                    buffer_size: int = 1024, pad_id: int = 0, rng: np.random.Generator | None = None,
                    context_parallel_devices: int | None = None, balance_causal_work: bool = True) -> DocumentPacker:
@@ -308,6 +402,8 @@ def pack_documents(docs: Iterable, capacity: int, *, max_seqs: int, max_seqlen: 
       rng: None packs deterministically, in input order. A numpy Generator shuffles each buffer's pieces
         before the (stable) longest-first sort and the order its batches are emitted in: a long document
         splits into many pieces of equal length, which would otherwise fill whole batches one after another.
+        Its state is copied here and every pass starts from the copy: passes give the same batches (call
+        pack_documents with another Generator for another order).
       context_parallel_devices: None (default) emits the natural packed order. n emits every batch ready for
         context parallelism over n devices with load_balance=True: the per-token arrays in the dual-chunk
         order (reorder_for_load_balance(x, n) of the natural batch), cu_seqlens in the natural order.
@@ -318,9 +414,11 @@ def pack_documents(docs: Iterable, capacity: int, *, max_seqs: int, max_seqlen: 
         ~0.2 s for a few dozen long documents on 8. Ignored without context_parallel_devices.
 
     Returns:
-      A `DocumentPacker`: an iterator of `PackedDocuments` batches whose fill_rate attribute reports the
-      fraction of real tokens over all batches emitted so far. Arguments are checked here, documents as
-      they are read; a malformed one raises ValueError naming its index.
+      A `DocumentPacker`: an iterable of `PackedDocuments` batches, the same batches on every pass (a one-shot
+      iterator input: one pass, a second raises RuntimeError), whose fill_rate, batches, tokens, documents
+      and pieces describe a whole pass (a one-shot input's: the pass so far). Arguments are checked here,
+      documents as they are read; a malformed one raises ValueError naming its index. next() needs an
+      iterator: `next(iter(batches))`, or keep `passes = iter(batches)`, whose counts are its own.
     """
     return DocumentPacker(docs, capacity, max_seqs=max_seqs, max_seqlen=max_seqlen, buffer_size=buffer_size,
                           pad_id=pad_id, rng=rng, context_parallel_devices=context_parallel_devices,

@@ -58,10 +58,11 @@ def device_batch(arrays: dict) -> dict:
     return {key: jax.device_put(value) for key, value in arrays.items() if key != "segment_ids"}
 
 def packed_batches(files, setup: Setup, seed: int, lengths: list | None = None):
-    """The packer over endless training windows (document lengths appended to `lengths`)."""
+    """The packer's one pass over endless training windows (document lengths appended to `lengths`): an iterator
+    of batches that counts what it has emitted (batches, tokens, pieces)."""
     documents = windows(files, np.random.default_rng([seed, 0]), setup.window_bytes, lengths=lengths)
-    return pack_documents(documents, setup.capacity, max_seqs=setup.max_seqs, max_seqlen=setup.max_seqlen,
-                          rng=np.random.default_rng([seed, 1]))
+    return iter(pack_documents(documents, setup.capacity, max_seqs=setup.max_seqs, max_seqlen=setup.max_seqlen,
+                               rng=np.random.default_rng([seed, 1])))
 
 
 def padded_rows(setup: Setup) -> int:
