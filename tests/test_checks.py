@@ -180,6 +180,55 @@ def test_input_errors_unwraps_what_jit_delivers():
     assert "\n" not in str(raised.value) and "Traceback" not in str(raised.value)
 
 
+def _wrapped_lines(call) -> list[str]:
+    """The lines of the error `call` raises, as jaxlib delivers it (no input_errors())."""
+    with pytest.raises(RAISED) as raised:
+        jax.block_until_ready(call())
+    assert not isinstance(raised.value, checks.RaggedAttentionInputError), "expected jaxlib's wrapped error"
+    return str(raised.value).splitlines()
+
+
+def _assert_names_it_first(lines: list[str], message: str) -> None:
+    """jaxlib's first line is fixed (the module docstring says why); the error's own text is one frame and then
+    the message: the message by the third line, and none of jax's machinery before it."""
+    text = "\n".join(lines)
+    at = [i for i, line in enumerate(lines) if line.startswith(f"RaggedAttentionInputError: {message}")]
+    assert at and at[0] <= 2, text
+    assert "jax/_src" not in text and sum(line.lstrip().startswith("File ") for line in lines) <= 1, text
+
+
+def test_under_jit_the_error_reads_as_the_check_without_input_errors():
+    """On a jitted function's first call (JaxRuntimeError) and on its C++ fast path (ValueError): the check's
+    message, naming the argument, the index and the values, three lines in, with no traceback before it."""
+    jitted = jax.jit(lambda cu: _check(cu) + 1)
+    bad = _cu([0, 3, 2])
+    message = ("cu_seqlens_q is invalid: it decreases at index 2: cu_seqlens_q[1] = 3 > cu_seqlens_q[2] = 2. "
+               "Got [0 3 2]")
+    _assert_names_it_first(_wrapped_lines(lambda: jitted(bad)), message)
+    jax.block_until_ready(jitted(_cu([0, 1, 2])))  # compiled: later calls take the fast path
+    _assert_names_it_first(_wrapped_lines(lambda: jitted(bad)), message)
+
+
+def test_under_jit_through_ragged_attention_and_seqused():
+    q = jnp.zeros((CAPACITY, 2, 8), jnp.float32)
+    options = dict(max_seqlen_q=MAX_SEQLEN, max_seqlen_kv=MAX_SEQLEN, implementation="xla", check=True)
+    attend = jax.jit(lambda cu: ragged_attention(q, q, q, cu, cu, **options))
+    _assert_names_it_first(_wrapped_lines(lambda: attend(_cu([0, 4, 9, 7]))),
+                           "cu_seqlens_q is invalid: it decreases at index 3: cu_seqlens_q[2] = 9 > cu_seqlens_q[3] = 7")
+    used = jax.jit(lambda cu, n: ragged_attention(q, q, q, cu, cu, seqused_q=n, seqused_kv=n, **options))
+    _assert_names_it_first(_wrapped_lines(lambda: used(_cu([0, 4, 8]), _cu([2, 5]))),
+                           "cu_seqlens_q / seqused_q are invalid: seqused_q[1] = 5 is more than the slot's 4 rows")
+
+
+def test_a_callback_run_inside_the_call_raises_the_named_error():
+    """A transformation outside jit (vmap here) runs the callback within the op's own call: the error arrives
+    as RaggedAttentionInputError, message only."""
+    with pytest.raises(checks.RaggedAttentionInputError) as raised:
+        jax.vmap(_check)(_cu([[0, 1, 3], [0, 3, 1]]))
+    assert str(raised.value).startswith("cu_seqlens_q is invalid (vmapped element (1,)): it decreases at index 2")
+    assert "\n" not in str(raised.value)
+
+
 @pytest.mark.parametrize("ids, max_segments, max_seqlen, expected", [
     ([[1, 1, 0, 2], [2, 0, 0, 2]], 4, 4, []),
     ([[1, 1, 0, 2], [2, 0, 0, 2]], 2, 4, ["segment_ids hold 4 segments, more than max_segments = 2: segments 2 to 3 "
