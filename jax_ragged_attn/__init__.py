@@ -5,7 +5,8 @@
 
 The layout, in layers that import only downwards (tests/test_layout.py holds it):
 
-    tools/, testing/      the main job, benchmarks, demo, self-check; the float64 reference and test helpers
+    tools/, testing/      the main job, the self-check, a bench of your own shapes; the float64 reference, test
+                          helpers and the named workloads (the benchmarks live outside the package: benchmarks/)
     flax.py               the Flax block
     inputs/               other input layouts: packed projections, segment ids, a KV cache, the document packer
     parallel/             several devices: heads sharded, context parallelism (all-gather, ring; a chunk's

@@ -1,5 +1,5 @@
 """`python -m jax_ragged_attn` runs the main job: a byte-level language model trained on the Python standard
-library's source (jax_ragged_attn/tools/lm/). The reversal demo: `python -m jax_ragged_attn.tools.demo`."""
+library's source (jax_ragged_attn/tools/lm/). The reversal demo, in the repository: `python examples/reversal.py`."""
 
 import sys
 

@@ -4,6 +4,6 @@ not part of the library: nothing imports this module)."""
 if __name__ == "__main__":
     import sys
 
-    from jax_ragged_attn.tools.bench.cli import main
+    from jax_ragged_attn.tools.bench import main
 
     sys.exit(main())

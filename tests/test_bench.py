@@ -9,15 +9,18 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_ragged_attn.tools import workloads
-from jax_ragged_attn.tools.bench import cli as bench, report as bench_report, systems as bench_systems, timing as bench_timing
-from jax_ragged_attn.tools.bench.timing import Measurement
-from jax_ragged_attn.tools.workloads import WORKLOADS
+from jax_ragged_attn.testing import workloads
+from jax_ragged_attn.testing.workloads import WORKLOADS
+
+from benchmarks import attention as bench, report as bench_report, systems as bench_systems, timing as bench_timing
+from benchmarks.timing import Measurement
 
 # The README's reference batch: numpy.random.default_rng(0).integers(128, 4096, size=16, endpoint=True),
 # the last sequence trimmed from 3023 to 1722 so the batch holds 32,768 tokens.
@@ -210,13 +213,45 @@ def test_cli_method_flag(tmp_path):
         assert {r["method"] for r in csv.DictReader(f)} == {"plain"}
 
 
-# ---- the training-step benchmark (jax_ragged_attn/tools/bench/model_step.py) ----------------------------------
+# ---- the package's own bench (python -m jax_ragged_attn.bench, jax_ragged_attn/tools/bench.py) ------------------
+
+
+def test_package_bench_times_your_shape_on_each_implementation(capsys):
+    from jax_ragged_attn.tools import bench as package_bench
+
+    assert package_bench.main(["--lengths", "5,0,9", "--kv-lengths", "7,3,9", "--heads", "4", "--kv-heads", "2",
+                               "--head-dim", "32", "--dtype", "float32", "--calls", "2", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("your shape: 3 sequences of 0..9 (14 tokens), keys 3..9 (19 tokens), 4/2 heads")
+    header = next(i for i, line in enumerate(lines) if line.startswith("implementation"))
+    rows = {line.split()[0]: line for line in lines[header + 1:]}
+    assert set(rows) == {"fa3", "cudnn", "xla"}, lines
+    assert rows["xla"].count(" ms ") == 2 and rows["xla"].count("TFLOP/s") == 2, rows["xla"]  # forward, fwd+bwd
+    if jax.default_backend() == "cpu":
+        assert rows["cudnn"].split(None, 1)[1] == "skipped: no CUDA device: JAX's backend is 'cpu'", rows["cudnn"]
+    assert package_bench.forward_flops(dict(q=(5, 0, 9), kv=(7, 3, 9), heads=4, head_dim=32, causal=True)) == \
+        (4.0 * 4 * 32 * (5 * 7 + 9 * 9)) / 2
+
+
+def test_package_bench_entry_point_help_and_bad_flags():
+    run = subprocess.run([sys.executable, "-m", "jax_ragged_attn.bench", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and "--lengths" in run.stdout and "--implementations" in run.stdout, run.stderr
+    from jax_ragged_attn.tools import bench as package_bench
+
+    with pytest.raises(SystemExit, match="unknown \\['sideways'\\]"):
+        package_bench.main(["--implementations", "sideways"])
+    with pytest.raises(SystemExit, match="one length per sequence"):
+        package_bench.main(["--lengths", "4,4", "--kv-lengths", "4"])
+
+
+# ---- the training-step benchmark (benchmarks/model_step.py) ----------------------------------------------------
 
 
 def test_model_step_systems_compute_the_same_loss_and_gradients():
     # Every system must train the same block on the same real tokens: padding and pad/unpad only move them.
     # The padded systems run jax.nn's xla attention here (cudnn needs a GPU); same layout code, same loss.
-    from jax_ragged_attn.tools.bench import model_step as ms
+    from benchmarks import model_step as ms
 
     config, lengths = ms.TINY, ms.LENGTHS["tiny"]
     params = ms.init_params(config)
@@ -238,7 +273,7 @@ def test_model_step_systems_compute_the_same_loss_and_gradients():
 
 
 def test_model_step_bench_runs_on_cpu(tmp_path, capsys):
-    from jax_ragged_attn.tools.bench import model_step as ms
+    from benchmarks import model_step as ms
 
     status = bench.main(["--model", "--quick", "--systems", "padded,ours-cudnn,ours-xla", "--matmul-size", "64",
                          "--out", str(tmp_path)])
@@ -261,7 +296,7 @@ def test_model_step_bench_runs_on_cpu(tmp_path, capsys):
     assert (tmp_path / "model_step.txt").exists()
 
 
-# ---- command buffers (jax_ragged_attn/tools/bench/capture.py, bench_command_buffers.py) -------------------------
+# ---- command buffers (benchmarks/capture.py, benchmarks/command_buffers.py) ------------------------------------
 # Synthetic XLA output, written after openxla/xla: CommandBufferScheduling's HLO (a `command_buffer`
 # computation called through `call(...), to_apply=%command_buffer`) and the thunk dumps of
 # CommandBufferConversionPass (`<indent><id>: <kind>`, a command buffer's thunks indented under it).
@@ -377,7 +412,7 @@ def _statuses(occurrences):
 
 
 def test_hlo_classifier_reads_command_buffer_computations():
-    from jax_ragged_attn.tools.bench import capture as cb
+    from benchmarks import capture as cb
 
     (captured,) = cb.classify_hlo(HLO_CAPTURED)
     assert (captured.target, captured.instruction, captured.computation) == (
@@ -393,7 +428,7 @@ def test_hlo_classifier_reads_command_buffer_computations():
 
 
 def test_hlo_classifier_matches_targets_exactly():
-    from jax_ragged_attn.tools.bench import capture as cb
+    from benchmarks import capture as cb
 
     # A name that only starts with ours is not ours, and is found once it is named.
     renamed = HLO_CAPTURED.replace('"jax_ragged_attn_forward"', '"jax_ragged_attn_forward_other"')
@@ -405,7 +440,7 @@ def test_hlo_classifier_matches_targets_exactly():
 
 
 def test_thunk_classifier_reads_nesting_and_metadata():
-    from jax_ragged_attn.tools.bench import capture as cb
+    from benchmarks import capture as cb
 
     lines = {t.thunk_id: t for t in cb.parse_thunk_sequence(THUNKS_AFTER)}
     assert lines[5].kind == "kCustomCall" and lines[5].in_command_buffer
@@ -432,7 +467,7 @@ def test_thunk_classifier_reads_nesting_and_metadata():
 
 
 def test_thunk_classifier_says_unknown_rather_than_guess():
-    from jax_ragged_attn.tools.bench import capture as cb
+    from benchmarks import capture as cb
 
     # No metadata and the custom-call thunks disagree: which one is ours cannot be told.
     unknown = cb.classify_thunks(HLO_PLAIN, THUNKS_AFTER, None)
@@ -450,7 +485,7 @@ def test_thunk_classifier_says_unknown_rather_than_guess():
 
 
 def test_dump_files_of_the_timed_module():
-    from jax_ragged_attn.tools.bench import capture as cb
+    from benchmarks import capture as cb
 
     names = ["module_0040.jit__forward_loop.thunk_sequence.txt",
              "module_0042.jit__forward_loop.thunk_sequence_after_thunk_passes.txt",
@@ -465,7 +500,7 @@ def test_dump_files_of_the_timed_module():
 
 
 def test_command_buffer_modes_set_xla_flags_for_the_child():
-    from jax_ragged_attn.tools.bench import command_buffers as bcb
+    from benchmarks import command_buffers as bcb
 
     inherited = "--xla_gpu_enable_command_buffer=CUBLAS --xla_dump_to=/old --xla_gpu_autotune_level=0"
     assert bcb.child_xla_flags(inherited, "off", "/d").split() == [
@@ -478,8 +513,8 @@ def test_command_buffer_modes_set_xla_flags_for_the_child():
 
 
 def test_command_buffer_report_table():
-    from jax_ragged_attn.tools.bench import command_buffers as bcb
-    from jax_ragged_attn.tools.bench import capture as cb
+    from benchmarks import command_buffers as bcb
+    from benchmarks import capture as cb
 
     def result(mode, fwd, both, status):
         rows = [_row("ours-hm", "forward", fwd), _row("ours-hm", "backward", both - fwd),
@@ -504,7 +539,7 @@ def test_command_buffer_report_table():
 def test_command_buffer_bench_without_a_gpu_exits_cleanly(tmp_path, capsys):
     if jax.default_backend() != "cpu":
         pytest.skip("this checks the path taken without a GPU")
-    from jax_ragged_attn.tools.bench import command_buffers as bcb
+    from benchmarks import command_buffers as bcb
 
     assert bcb.main(["--out", str(tmp_path), "--modes", "off,on"]) == 0
     printed = capsys.readouterr().out
@@ -515,8 +550,8 @@ def test_command_buffer_bench_without_a_gpu_exits_cleanly(tmp_path, capsys):
 def test_command_buffer_bench_runs_end_to_end_on_the_xla_path(tmp_path, capsys):
     # --allow-cpu: the same subprocess, timing and dump plumbing, timing the xla path (no custom calls).
     if jax.default_backend() != "cpu":
-        pytest.skip("on a GPU the real run is `python -m jax_ragged_attn.tools.bench.command_buffers`")
-    from jax_ragged_attn.tools.bench import command_buffers as bcb
+        pytest.skip("on a GPU the real run is `python -m benchmarks.command_buffers`")
+    from benchmarks import command_buffers as bcb
 
     status = bcb.main(["--out", str(tmp_path), "--modes", "on", "--workload", "tiny", "--iterations", "1",
                        "--allow-cpu"])
@@ -531,8 +566,8 @@ def test_command_buffer_bench_runs_end_to_end_on_the_xla_path(tmp_path, capsys):
 def test_context_parallel_simulation_prints_a_row_per_device_count_and_order(capsys, monkeypatch):
     """bench/context_parallel --simulate on the xla path (CPU): the exact per-device function of the sharded
     op (context_parallel.device_chunks_attention), timed per device, with its work shares."""
-    from jax_ragged_attn.tools.bench import context_parallel as bcp
-    from jax_ragged_attn.tools.workloads import Workload
+    from benchmarks import context_parallel as bcp
+    from jax_ragged_attn.testing.workloads import Workload
 
     tiny = Workload("tiny-cp", "tiny", (40, 23, 1, 60), 4, 2, 16, dtype="float32")
     monkeypatch.setitem(bcp.CP_WORKLOADS, "tiny-cp", tiny)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from jax_ragged_attn.backends.cudnn import extension
+from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.tools import selfcheck
 
 # A fabricated /proc/self/maps: two mappings of one library, a sub-library, a deleted file, a path with a

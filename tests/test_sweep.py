@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import pathlib
 import shlex
 import subprocess
 import sys
@@ -16,11 +17,14 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from jax_ragged_attn.backends import cudnn
-from jax_ragged_attn.backends import xla
-from jax_ragged_attn.backends.cudnn import extension, launch, stats_grad
-from jax_ragged_attn.tools import sweep
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
+from jax_ragged_attn.backends.xla import ragged as xla
+from jax_ragged_attn.backends.shared import extension, stats_grad
+from jax_ragged_attn.backends.cudnn import launch
 
+from benchmarks import sweep
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent  # where `python -m benchmarks.sweep` runs from
 CI_SEEDS = range(40)
 
 # A hand-written case in which every deliberate bug below shows: GQA, causal bottom-right with sq != skv
@@ -118,7 +122,7 @@ def test_a_wrong_implementation_fails_with_a_repro(monkeypatch, case_passes, bug
     assert status == "failed", message
     assert expected in message, message
     command = shlex.split(message.split("repro: ")[1])
-    assert command[:4] == ["python", "-m", "jax_ragged_attn.tools.sweep", "--repro"]
+    assert command[:4] == ["python", "-m", "benchmarks.sweep", "--repro"]
     assert json.loads(command[4]) == CASE
 
 
@@ -154,18 +158,18 @@ def test_only_an_unsupported_cudnn_graph_is_a_skip(monkeypatch, message, status)
 def test_gpu_tier_without_a_gpu_reports_every_case_skipped():
     reason = extension.cudnn_unavailable_reason()
     if reason is None:
-        pytest.skip("cuDNN can run here, so the GPU tier runs for real (python -m jax_ragged_attn.tools.sweep --tier gpu)")
-    result = subprocess.run([sys.executable, "-m", "jax_ragged_attn.tools.sweep", "--tier", "gpu", "--num-tests", "3"],
-                            capture_output=True, text=True, timeout=300)
+        pytest.skip("cuDNN can run here, so the GPU tier runs for real (python -m benchmarks.sweep --tier gpu)")
+    result = subprocess.run([sys.executable, "-m", "benchmarks.sweep", "--tier", "gpu", "--num-tests", "3"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "3 cases: 0 passed, 3 skipped, 0 failed" in result.stdout, result.stdout
     assert f"skipped 3: cuDNN path unavailable: {reason}" in result.stdout, result.stdout
 
 
 def test_jobs_report_the_same_cases_in_order_as_one_process():
-    command = [sys.executable, "-m", "jax_ragged_attn.tools.sweep", "--tier", "cpu", "--num-tests", "3", "--seed", "5"]
-    serial = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    parallel = subprocess.run(command + ["--jobs", "2"], capture_output=True, text=True, timeout=600)
+    command = [sys.executable, "-m", "benchmarks.sweep", "--tier", "cpu", "--num-tests", "3", "--seed", "5"]
+    serial = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    parallel = subprocess.run(command + ["--jobs", "2"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert serial.returncode == parallel.returncode == 0, serial.stdout + parallel.stdout + parallel.stderr
     assert parallel.stdout == serial.stdout
     assert "3 cases: 3 passed, 0 skipped, 0 failed" in parallel.stdout

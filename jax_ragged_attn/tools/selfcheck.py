@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn import api, testing
-from jax_ragged_attn.backends import cudnn
-from jax_ragged_attn.backends.cudnn import extension
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
+from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.config import AttentionOptions, make_config
-from jax_ragged_attn.tools.bench.timing import median_loop_seconds
-from jax_ragged_attn.tools.workloads import seeded_lengths
+from jax_ragged_attn.testing.workloads import seeded_lengths
+from jax_ragged_attn.tools.bench import median_loop_seconds
 
 
 def _time(fn, *args, iterations: int) -> float:
@@ -71,7 +71,7 @@ def _cudart_version(path: str) -> str:
 
 
 # cuDNN 9.28.1 (what `pip install "jax[cuda13]"` installed on 2026-12-04) against 9.19.0 on the H200, this op's
-# cuDNN path, fwd+bwd (tools/bench/fa3_compare.py, docs/PERFORMANCE.md): W1 3.050 against 3.128-3.144 ms, W2
+# cuDNN path, fwd+bwd (benchmarks/fa3_compare.py, docs/PERFORMANCE.md): W1 3.050 against 3.128-3.144 ms, W2
 # 37.31 against 38.56-38.66 ms; the GPU test suite passed on both.
 FASTER_CUDNN = 92800
 FASTER_CUDNN_NOTE = ("cuDNN 9.28 ran this op's cuDNN path 2.5-3.5 % faster than 9.19 on the H200 (fwd+bwd, "
@@ -141,7 +141,7 @@ def run(args) -> int:
     # After versions(): it initialised the extension, which is what loads cuDNN.
     print("\n".join(library_lines(jax.default_backend() == "gpu")))
 
-    # The same seeded draw as the benchmark's W1 (jax_ragged_attn/tools/workloads.py) with the default flags.
+    # The same seeded draw as the benchmark's W1 (jax_ragged_attn/testing/workloads.py) with the default flags.
     lengths = np.asarray(seeded_lengths(args.num_seqs, args.min_len, args.max_len, total=args.total, seed=args.seed))
     rng = np.random.default_rng(args.seed + 1)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)

@@ -4,6 +4,7 @@
     corpus.py      the standard library's files, windows of them, packed and padded batches
     training.py    the jitted step over flat parameters, the training loop, the held-out evaluation
     profiling.py   Timing (one method for every figure printed) and --profile's step breakdown
+    progress.py    the progress bar (tqdm when installed)
     compare.py     the side-by-side: packed against padded (jax.nn.dot_product_attention)
     generation.py  batched prompts through a paged KV cache, timed against a full forward per byte
     cli.py         the flags, the presets and main()

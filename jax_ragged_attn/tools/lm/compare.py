@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jax_ragged_attn.tools.bench.timing import device_bytes
+from jax_ragged_attn.tools.bench import device_bytes
 from jax_ragged_attn.tools.lm.corpus import device_batch, packed_batches, padded_batches, padded_rows
 from jax_ragged_attn.tools.lm.model import ByteLM, Setup, packed_loss, padded_loss
 from jax_ragged_attn.tools.lm.profiling import Timing, time_calls

@@ -1,6 +1,6 @@
 """The model of the main job: a pre-norm byte-level decoder, with its attention passed in as a callback.
 
-One definition of the decoder, shared with the training-step benchmark (tools/bench/model_step.py): Block
+One definition of the decoder, shared with the training-step benchmark (benchmarks/model_step.py): Block
 takes its attention as a callback attend(attention_module, x), so that the same parameters run packed
 (RaggedSelfAttention), padded (jax.nn.dot_product_attention), or over a KV cache (generation).
 """

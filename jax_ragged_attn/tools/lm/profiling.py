@@ -14,7 +14,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jax_ragged_attn.tools.bench.timing import interleaved_loop_seconds, plain_loop_seconds
+from jax_ragged_attn.tools.bench import interleaved_loop_seconds, plain_loop_seconds
 from jax_ragged_attn.tools.lm.corpus import device_batch, packed_batches
 from jax_ragged_attn.tools.lm.model import VOCAB, ByteLM, Setup, _nll, packed_attend, packed_loss
 from jax_ragged_attn.tools.lm.training import make_trainer, make_tx
@@ -23,8 +23,8 @@ from jax_ragged_attn.tools.lm.training import make_trainer, make_tx
 @dataclasses.dataclass(frozen=True)
 class Timing:
     """warmup calls, then `repeats` loops of `steps` calls each, one block_until_ready at a loop's end (the
-    bench's plain method, tools/bench/timing.py); the median loop's seconds per call. Compilation is done
-    (and timed) before, apart."""
+    plain loop of jax_ragged_attn/tools/bench.py); the median loop's seconds per call. Compilation is done (and
+    timed) before, apart."""
 
     warmup: int = 2
     steps: int = 10

@@ -18,7 +18,7 @@ from jax.flatten_util import ravel_pytree
 from jax_ragged_attn.inputs.data import pack_documents
 from jax_ragged_attn.tools.lm.corpus import device_batch, packed_batches, windows
 from jax_ragged_attn.tools.lm.model import VOCAB, Setup, eval_nll, packed_loss
-from jax_ragged_attn.tools.progress import progress_bar
+from jax_ragged_attn.tools.lm.progress import progress_bar
 
 def make_tx(lr: float, steps: int):
     warmup = max(1, steps // 20)

@@ -1,0 +1,50 @@
+"""Logit soft-capping on cuDNN (the graph's score modifier, issue 35) against no cap: forward and forward +
+backward of one workload (default W1), a plain loop of jitted calls (benchmarks/timing.py: plain_loop_seconds),
+median ms, and the ratio the issue's target reads (softcap fwd+bwd <= 1.05x without).
+
+Usage: python -m benchmarks.softcap [WORKLOAD] [SOFTCAP] [IMPLEMENTATION]   (defaults: W1 50 cudnn)
+"""
+
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from jax_ragged_attn import ragged_attention
+from jax_ragged_attn.testing.workloads import WORKLOADS
+
+from benchmarks.timing import plain_loop_seconds
+
+
+def functions(w, cu, implementation, softcap):
+    def attend(q, k, v):
+        return ragged_attention(q, k, v, cu, cu, max_seqlen_q=w.max_seqlen, max_seqlen_kv=w.max_seqlen,
+                                is_causal=w.causal, implementation=implementation, softcap=softcap)
+
+    def loss(q, k, v):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32))
+
+    return {"fwd": jax.jit(attend), "fwd+bwd": jax.jit(jax.grad(loss, argnums=(0, 1, 2)))}
+
+
+def main():
+    name = sys.argv[1] if len(sys.argv) > 1 else "W1"
+    cap = float(sys.argv[2]) if len(sys.argv) > 2 else 50.0
+    implementation = sys.argv[3] if len(sys.argv) > 3 else "cudnn"
+    w = WORKLOADS[name]
+    q, k, v, cu = w.packed_inputs()
+    calls = 20 if implementation == "cudnn" else 2
+    medians = {}
+    print(f"{name}, {implementation}\n| softcap | direction | ms (median) |\n|---|---|---|")
+    for softcap in (None, cap):
+        for direction, f in functions(w, cu, implementation, softcap).items():
+            jax.block_until_ready(f(q, k, v))  # compile and build the graphs outside the timing
+            medians[softcap, direction] = statistics.median(plain_loop_seconds(lambda: f(q, k, v), calls, 5))
+            print(f"| {softcap} | {direction} | {medians[softcap, direction] * 1e3:.3f} |", flush=True)
+    for direction in ("fwd", "fwd+bwd"):
+        print(f"softcap {cap} / none, {direction}: {medians[cap, direction] / medians[None, direction]:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
