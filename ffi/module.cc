@@ -94,25 +94,29 @@ const char* error_kind(const xla::ffi::Error& e) {
 }
 
 // Builds (or finds) the graph on `device` and describes it. Errors come back as data: Python raises
-// NotImplementedError for "unsupported" and RuntimeError otherwise.
+// NotImplementedError for "unsupported" and RuntimeError otherwise. The GIL is released while the graph is
+// looked up or built (a build takes up to a second): other Python threads trace and dispatch meanwhile.
 nb::dict graph_info(const std::string& direction, int device, const nb::dict& config) {
   const AttentionConfig c = config_from_dict(config);
-  nb::dict info;
-  ScopedCurrentDevice current;  // the caller's device is current again on the way out
-  xla::ffi::Error status = current.set(device);
+  xla::ffi::Error status;
   std::shared_ptr<const CachedGraph> graph;
-  if (status.success()) {
-    status = direction == "forward" ? forward_graph(device, c, &graph, /*in_handler=*/false)
-                                    : backward_graph(device, c, &graph, /*in_handler=*/false);
+  std::string row_zeroing;
+  {
+    nb::gil_scoped_release released;
+    ScopedCurrentDevice current;  // the caller's device is current again on the way out
+    status = current.set(device);
+    if (status.success()) {
+      status = direction == "forward" ? forward_graph(device, c, &graph, /*in_handler=*/false)
+                                      : backward_graph(device, c, &graph, /*in_handler=*/false);
+    }
+    // Readied with the graphs, at trace time, so no handler loads it while XLA may capture its stream; where
+    // it cannot run, the handlers zero whole outputs instead (row_zeroing.h).
+    if (status.success()) row_zeroing = prepare_row_zeroing(device);
   }
+  nb::dict info;
   info["status"] = error_kind(status);
   info["message"] = status.message();
-  // Readied with the graphs, at trace time, so no handler loads it while XLA may capture its stream; where
-  // it cannot run, the handlers zero whole outputs instead (row_zeroing.h).
-  if (status.success()) {
-    const std::string reason = prepare_row_zeroing(device);
-    info["row_zeroing"] = reason.empty() ? std::string("ready") : reason;
-  }
+  if (status.success()) info["row_zeroing"] = row_zeroing.empty() ? std::string("ready") : row_zeroing;
   if (graph) {
     info["workspace_bytes"] = graph->workspace_bytes;
     info["max_total_seq_len_applied"] = graph->max_total_seq_len_applied;
@@ -125,13 +129,18 @@ nb::dict graph_info(const std::string& direction, int device, const nb::dict& co
   return info;
 }
 
-// The paged forward's graph for `config` on `device`, built or found; errors come back as data like graph_info's.
+// The paged forward's graph for `config` on `device`, built or found (without the GIL); errors come back as
+// data like graph_info's.
 nb::dict paged_graph_info(int device, const nb::dict& config) {
   const PagedConfig c = paged_config_from_dict(config);
-  ScopedCurrentDevice current;
-  xla::ffi::Error status = current.set(device);
+  xla::ffi::Error status;
   std::shared_ptr<const CachedGraph> graph;
-  if (status.success()) status = paged_graph(device, c, &graph);
+  {
+    nb::gil_scoped_release released;
+    ScopedCurrentDevice current;
+    status = current.set(device);
+    if (status.success()) status = paged_graph(device, c, &graph);
+  }
   nb::dict info;
   info["status"] = error_kind(status);
   info["message"] = status.message();
@@ -142,13 +151,18 @@ nb::dict paged_graph_info(int device, const nb::dict& config) {
   return info;
 }
 
-// Times every candidate plan of the graph for `config`; errors come back as data, like graph_info's.
+// Times every candidate plan of the graph for `config` (without the GIL); errors come back as data, like
+// graph_info's.
 nb::dict tune(const std::string& direction, int device, const nb::dict& config) {
   const AttentionConfig c = config_from_dict(config);
   std::vector<PlanTiming> plans;
-  ScopedCurrentDevice current;
-  xla::ffi::Error status = current.set(device);
-  if (status.success()) status = tune_plans(device, direction == "forward", c, &plans);
+  xla::ffi::Error status;
+  {
+    nb::gil_scoped_release released;
+    ScopedCurrentDevice current;
+    status = current.set(device);
+    if (status.success()) status = tune_plans(device, direction == "forward", c, &plans);
+  }
   nb::dict result;
   result["status"] = error_kind(status);
   result["message"] = status.message();

@@ -6,6 +6,7 @@ write past its workspace, so it is pinned here, independently of cuDNN.
 
 import dataclasses
 import pathlib
+import re
 import shutil
 import subprocess
 
@@ -94,6 +95,17 @@ def test_graph_queries_without_cuda_report_a_reason():
         pytest.skip("a CUDA device is present; this checks the CPU-only answer")
     assert "CUDA" in extension.cudnn_unavailable_reason() or "cuda" in extension.cudnn_unavailable_reason()
     assert cudnn.unsupported_reason(_config()) == extension.cudnn_unavailable_reason()
+
+
+def test_graph_queries_without_a_gpu_name_the_cuda_error(ext):
+    """Without a GPU the graph query stops at making the device current, with an error that names the CUDA
+    runtime's status (cudaGetErrorName and cudaGetErrorString), not a bare number."""
+    if ext.cudnn_version():
+        pytest.skip("cuDNN is loaded in this process (a GPU run)")
+    info = ext.graph_info("forward", 0, cudnn.ffi_attributes(_config()))
+    assert info["status"] in ("error", "unavailable"), info
+    if "cudaGetDevice" in info["message"]:  # a CUDA runtime was found, without a driver or a device behind it
+        assert re.search(r"cudaGetDevice: cudaError\w+ \(\d+\): \S", info["message"]), info["message"]
 
 
 def test_backward_intermediates_follow_packed_strides(ext):
