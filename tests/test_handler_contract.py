@@ -21,7 +21,7 @@ import subprocess
 import jax
 import pytest
 
-from jax_ragged_attn.backends.cudnn import extension
+from jax_ragged_attn.backends.shared import extension
 
 NATIVE = pathlib.Path(__file__).resolve().parent / "native" / "ffi_call_frame.cc"
 BF16, F16, F32, S32, U8, S64 = 16, 10, 11, 4, 6, 5  # XLA_FFI_DataType
