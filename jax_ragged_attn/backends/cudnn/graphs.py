@@ -10,12 +10,14 @@ import numpy as np
 
 from jax_ragged_attn.backends.shared import head_groups
 from jax_ragged_attn.backends.cudnn import autotune, extents, strategy
-from jax_ragged_attn.backends.shared import extension
+from jax_ragged_attn.backends.shared import extension, known_issues
 from jax_ragged_attn.backends.shared.extension import device_ordinal
 from jax_ragged_attn.config import PACKINGS, AttentionConfig
 
 CUDNN_DTYPES = ("bfloat16", "float16")
 MAX_HEAD_DIM = 256
+# Query and key rows a graph is built for at least (see _plain_attributes); a reproducer lowers it to 1.
+MIN_GRAPH_SEQLEN = 2
 INT32_LIMIT = extents.INT32_LIMIT
 
 
@@ -53,10 +55,11 @@ def _plain_attributes(config: AttentionConfig) -> dict:
         head_dim_qk=config.head_dim_qk,
         head_dim_v=config.head_dim_v,
         # At least 2: measured on the H200 (cuDNN 9.19), graphs built for s_q = 1 wrote wrong or NaN stats
-        # (sweep seeds 78 and 182) and the backward refuses s_q = s_kv = 1. The lengths are still capped at
+        # (sweep seeds 78 and 182; cudnn-frontend#1083 reports the same on 9.26-9.27, known_issues.py) and the
+        # backward refuses s_q = s_kv = 1. The lengths are still capped at
         # the caller's max_seqlen (packing.sequence_lengths), so a larger bound changes no result.
-        max_seqlen_q=max(config.max_seqlen_q, 2),
-        max_seqlen_kv=max(config.max_seqlen_kv, 2),
+        max_seqlen_q=max(config.max_seqlen_q, MIN_GRAPH_SEQLEN),
+        max_seqlen_kv=max(config.max_seqlen_kv, MIN_GRAPH_SEQLEN),
         dtype=CUDNN_DTYPES.index(config.dtype),
         scale=config.scale,
         softcap=config.softcap,  # 0: no cap (graph_build.cc adds the score modifier only above 0)
@@ -133,17 +136,15 @@ def unsupported_reason(config: AttentionConfig) -> str | None:
     reason = extension.cudnn_unavailable_reason()
     if reason is not None:
         return reason
-    if config.has_sinks:
-        # cuDNN has a sink-token input from 9.13, but cudnn-frontend refuses a ragged backward with one before
-        # cuDNN 9.26 ("SDPA backward with ragged offsets and a sink token requires cuDNN 9.26.0 or newer"):
-        # on the 9.19 we test with, the op could not be differentiated, so it is not wired up.
-        return ("learnable sinks run on the xla path only: cuDNN takes a sink token in a ragged backward only "
-                "from 9.26 (cudnn-frontend's check), and the cuDNN path does not wire it up")
     if config.dtype not in CUDNN_DTYPES:
         return f"the cuDNN path takes bfloat16 or float16 inputs, got {config.dtype}"
     for name, dim in (("Dqk", config.head_dim_qk), ("Dv", config.head_dim_v)):
         if dim % 8 or dim > MAX_HEAD_DIM:
             return f"cuDNN needs head dims that are multiples of 8 up to {MAX_HEAD_DIM}, got {name}={dim}"
+    # Upstream bugs of the loaded cuDNN that reach this call (known_issues.py names each report).
+    reason = known_issues.fence("cudnn", "ragged", config)
+    if reason is not None:
+        return reason
     # The int32 ragged offsets bound each tensor by its own extent; a call past it runs as several over head
     # groups (extents.py), so the graphs asked about are one group's.
     groups = extents.groups(config)
