@@ -81,10 +81,14 @@ def ragged_attention(
       return_stats: also return the float32 natural-log log-sum-exp of the attended logits. Its -inf rows
         (below) are the only inf the op computes, so jax.debug_infs reports them; jax.debug_nans never
         fires, and with return_stats=False neither does jax.debug_infs (unless the inputs hold inf/NaN).
-      implementation: None picks cuDNN when it can serve the call here, else "xla"; "cudnn" raises
-        NotImplementedError saying why when it cannot; "xla" is the portable jnp implementation; "fa3" is
-        FlashAttention-3 through the optional flash-attn3-jax wheel (Hopper, head dim 128; see _fa3.py for
-        what it serves), raising NotImplementedError with the reason where it cannot.
+      implementation: None chooses per call by the policy shipped in backends/policy.py: FlashAttention-3
+        where the optional flash-attn3-jax wheel is installed, the GPU is a Hopper and the call has at least
+        1,024 tokens a sequence (capacity Tq / B), cuDNN below that or where FA3 cannot serve the call, and
+        "xla" where no GPU kernel can (with a warning on a GPU). autotune=True times the two GPU kernels
+        instead of applying the threshold; the environment variable JAX_RAGGED_ATTN_IMPLEMENTATION ("cudnn",
+        "fa3" or "xla") pins one for every call it can serve. "cudnn" and "fa3" raise NotImplementedError
+        saying why where they cannot serve the call (FA3: Hopper, bfloat16 / float16, head dim 128, no
+        softcap; backends/fa3/ragged.py); "xla" is the portable jnp implementation and serves every call.
       deterministic: run cuDNN's deterministic backward, so dQ/dK/dV are bit-identical run to run (it keeps
         dP in a dense workspace: slower and much more memory). The xla path is deterministic anyway.
       check: validate cu_seqlens at run time (start at 0, never decrease, stay within the capacity, no
@@ -101,7 +105,7 @@ def ragged_attention(
         the backward's two intermediate layouts (where the padded one is within its workspace bound) and
         keeps the lean one unless the padded one is more than 3 % faster. With implementation=None, where
         FlashAttention-3 can serve the call too, it also times a forward + backward of each once per
-        configuration and runs FA3 only if it is more than 3 % faster (implementation_tuning.py).
+        configuration and runs FA3 only if it is more than 3 % faster (backends/tuning.py).
       strategy: on cuDNN, speed or memory first for the backward's fp32 intermediates. "fastest" (default):
         a layout padded to [B, max_seqlen_q] when its workspace is at most twice the lean one's (or at most
         256 MiB more), measured 0.6-18 % faster backward on the H200; else the lean one. "lean_memory":

@@ -19,12 +19,13 @@ import numpy as np
 
 DIAGONAL_ALIGNMENTS = ("top_left", "bottom_right")
 STATS_LAYOUTS = ("head_major", "token_major")
-IMPLEMENTATIONS = (None, "cudnn", "xla", "fa3")  # "fa3": FlashAttention-3 through an optional wheel (_fa3.py)
+# "fa3": FlashAttention-3 through an optional wheel (backends/fa3/ragged.py).
+IMPLEMENTATIONS = (None, "cudnn", "xla", "fa3")
 # How q, k, v lie in memory on the cuDNN path (ffi/attention_config.h's Packing, in this order).
 PACKINGS = ("none", "kv", "qkv")
 XLA_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # How the cuDNN backward lays out its fp32 intermediates (dQ accumulator, softmax sums); see
-# _cudnn/strategy.py. "fastest": the faster layout when its workspace stays within the documented bound;
+# backends/cudnn/strategy.py. "fastest": the faster layout when its workspace stays within the documented bound;
 # "lean_memory": always the one sized by the token capacity.
 STRATEGIES = ("fastest", "lean_memory")
 
@@ -79,7 +80,7 @@ class AttentionConfig(MaskedConfig):
     autotune: bool = False  # cuDNN: run the fastest of cuDNN's candidate plans, measured once (autotune.py)
     packing: str = "none"  # cuDNN: "kv" / "qkv" read a fused projection in place (packed.py)
     has_sinks: bool = False  # sinks were passed; api.attend runs the op without them and applies sinks.py after
-    strategy: str = "fastest"  # cuDNN backward: speed or workspace first (_cudnn/strategy.py)
+    strategy: str = "fastest"  # cuDNN backward: speed or workspace first (backends/cudnn/strategy.py)
     softcap: float = 0.0  # scores become softcap * tanh(score / softcap) before the mask; 0: no cap
     # False: the caller drops the stats (api.attend sets it), so the cuDNN path never computes their -inf
     # rows and jax.debug_infs stays quiet. Direct callers of the launch keep the documented stats.
@@ -263,7 +264,7 @@ def make_config(
     _check_array(v, "v", 3, "[Tkv, Hkv, Dv]")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
         _check_array(cu, name, 1, "[B + 1]")
-        if not jnp.issubdtype(cu.dtype, jnp.integer):  # any width: entry points convert to int32 (indices.py)
+        if not jnp.issubdtype(cu.dtype, jnp.integer):  # any width: entry points convert to int32 (index.py as_int32)
             raise ValueError(f"{name} must have an integer dtype, got {cu.dtype}")
         if cu.shape[0] < 2:
             raise ValueError(f"{name} must have B + 1 >= 2 entries, got shape {tuple(cu.shape)}")

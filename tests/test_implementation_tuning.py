@@ -1,4 +1,4 @@
-"""autotune=True choosing between cuDNN and FlashAttention-3 (implementation_tuning.py).
+"""autotune=True choosing between cuDNN and FlashAttention-3 (backends/tuning.py).
 
 On the CPU the two kernels cannot run, so their availability and timings are replaced; the choice, when it is
 asked for, its margin, its disk cache and the thread that keeps the scratch computation out of an enclosing

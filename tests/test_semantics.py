@@ -6,7 +6,8 @@ bfloat16, float16), `CudnnTest` on cuDNN (bfloat16, float16; GPU only, skipped w
 `CudnnLeanMemoryTest`, the same with strategy="lean_memory" (the backward's other intermediate layout), and
 `CudnnPoisonedOutputsTest`, with NaN in every output row cuDNN is trusted to write; `Fa3Test` on
 FlashAttention-3 (the optional flash-attn3-jax wheel, Hopper only, head dim 128: every case at that head dim)
-and `Fa3EmulatedTest`, the FA3 wrapper (_fa3.py) around dense stand-ins of its two kernels, on any backend.
+and `Fa3EmulatedTest`, the FA3 wrapper (backends/fa3/ragged.py) around dense stand-ins of its two kernels, on
+any backend.
 Tests of one backend's machinery (graph cache, check mode's guard bands, stand-in kernels, workspace,
 fallback rules) stay in test_xla_path.py, test_cudnn.py and test_cudnn_wrapper.py.
 
@@ -233,7 +234,7 @@ class SemanticsTest(parameterized.TestCase):
     sizes: Sizes
     deterministic_by_default: bool  # reruns give bit-identical gradients without deterministic=True
     unsupported: str | None = None  # how this implementation's NotImplementedError says a graph is unsupported
-    strategy: str = "fastest"  # the cuDNN backward's intermediate layout (_cudnn/strategy.py); xla ignores it
+    strategy: str = "fastest"  # the cuDNN backward's intermediate layout (cudnn/strategy.py); xla ignores it
     # FA3 serves a top-left mask only where the lengths are provably equal (the named cases show which): the
     # tests of other properties (eager, reruns, stats alone, vmap) run bottom-right masks on it instead.
     bottom_right_only: bool = False
@@ -547,7 +548,7 @@ EMULATED_CASES = ("mha", "causal", "causal_bottom_right", "mqa_causal_bottom_rig
 
 
 class Fa3EmulatedTest(SemanticsTest):
-    """The FA3 wrapper (_fa3.py: lengths, masks and their alignment, stats layouts, the stats gradient's second
+    """The FA3 wrapper (fa3/ragged.py: lengths, masks and their alignment, stats layouts, the stats gradient's second
     backward call, row masking) around dense jnp stand-ins of FA3's two kernels (testing/fa3_emulator.py),
     which leave NaN wherever FA3 writes nothing: on the CPU in CI, where the wheel cannot run."""
 

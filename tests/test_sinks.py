@@ -70,7 +70,7 @@ def test_values_and_every_gradient_match_the_reference(stats_layout, sink_scale,
 @pytest.mark.parametrize("implementation,dtype", IMPLEMENTATIONS)
 @pytest.mark.parametrize("sink_scale", [0.5, 6.0])
 def test_without_returned_stats_every_gradient_matches_the_reference(sink_scale, implementation, dtype):
-    """return_stats=False: on cuDNN the sink folds into the plain backward (_cudnn/sinks.py), no stats cotangent."""
+    """return_stats=False: on cuDNN the sink folds into the plain backward (cudnn/sinks.py), no stats cotangent."""
     rng, batch = _batch(int(sink_scale * 10) + 3, dtype)
     sinks = (sink_scale * rng.standard_normal(4)).astype(np.float32)
     d_out = rng.standard_normal((batch.q.shape[0], 4, 8)).astype(np.float32)

@@ -50,7 +50,7 @@ def _rows(offsets, per_row: int, lengths, capacity: int):
 
 # Where the handlers find q, k and v in their three buffer arguments, per `packing` attribute (0 none, 1 kv,
 # 2 qkv; ffi/layouts.h): the part of a packed [T, parts, H, D] row, or None for an unpacked [T, H, D] buffer.
-# Written out here rather than read from _cudnn/packings.py, so that a wrong table entry shows up.
+# Written out here rather than read from shared/packings.py, so that a wrong table entry shows up.
 PARTS_OF = {0: (None, None, None), 1: (None, 0, 1), 2: (0, 1, 2)}
 # The backward's results per packing: (dq, dk, dv), (dq, dkv) or (dqkv,), each in its input's shape.
 PACK_GRADIENTS = {0: lambda g: g, 1: lambda g: (g[0], jnp.stack(g[1:], axis=1)), 2: lambda g: (jnp.stack(g, axis=1),)}
@@ -511,7 +511,7 @@ def test_split_bottom_right_backward_equals_the_single_call(monkeypatch, rng, la
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_sinks_fold_into_the_plain_backward(monkeypatch, rng, layout, dtype):
-    """Sinks without returned stats (_cudnn/sinks.py): the backward gets O' = out and dO' = sigma * dOut and no
+    """Sinks without returned stats (cudnn/sinks.py): the backward gets O' = out and dO' = sigma * dOut and no
     stats cotangent, so it runs at Dv (no widened columns); gradients of q, k, v and the sinks against the
     float64 reference, on rows with keys, without keys (a keyless real row: out 0) and padding (NaN dOut)."""
     from jax_ragged_attn.backends.cudnn import sinks as cudnn_sinks

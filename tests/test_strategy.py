@@ -1,4 +1,4 @@
-"""strategy=: which layout the cuDNN backward gives its intermediates (_cudnn/strategy.py), with the
+"""strategy=: which layout the cuDNN backward gives its intermediates (backends/cudnn/strategy.py), with the
 extension's graphs replaced by their workspace sizes (CPU). On a GPU, test_cudnn.py runs both layouts and
 compares their gradients, and test_semantics.py's CudnnLeanMemoryTest runs every semantic case on each."""
 

@@ -60,7 +60,7 @@ CASES = {
     "v_dtype_differs": Bad(dict(v=_zeros(5, 2, 8, dtype=jnp.bfloat16)), "v"),
     "qkv_integer": Bad(dict(q=_zeros(6, 4, 8, dtype=jnp.int32), k=_zeros(5, 2, 8, dtype=jnp.int32),
                             v=_zeros(5, 2, 8, dtype=jnp.int32)), "q"),
-    # float64 NumPy converts as jnp.asarray would (float32 without x64: test_conventions.py); integers never.
+    # float64 NumPy converts as jnp.asarray would (float32 without x64); integers never.
     "qkv_int32": Bad(dict(q=np.zeros((6, 4, 8), np.int32), k=np.zeros((5, 2, 8), np.int32),
                           v=np.zeros((5, 2, 8), np.int32)), "q"),
     # Any integer dtype is accepted (tests/test_jax_configs.py); a float one is refused by name.

@@ -1,4 +1,4 @@
-"""backends/row_zeroing.zero_unused_rows: the rows no sequence uses set to 0, every other row untouched.
+"""backends/shared/row_zeroing.zero_unused_rows: the rows no sequence uses set to 0, every other row untouched.
 
 On a GPU the extension's zero-rows handler does it in place (ffi/zero_rows.cc), also where XLA does not
 honour the alias (vmap's sequential loop) and on jit arguments (XLA copies first, the caller's array keeps

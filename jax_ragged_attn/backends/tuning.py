@@ -4,11 +4,11 @@ Where both can serve a call (FA3: the optional wheel, a Hopper GPU, head dim 128
 faster everywhere: on the H200 cuDNN led on many short sequences and FA3 on a few long GQA ones (docs/
 PERFORMANCE.md). So with autotune the choice is measured once per configuration: a jitted forward + backward
 of each, on scratch buffers shaped as the call (equal-length sequences filling the capacities, the way
-_cudnn/autotune.py times cuDNN's plans) made inside the step as a model makes them, timed as a user's loop
+cudnn/autotune.py times cuDNN's plans) made inside the step as a model makes them, timed as a user's loop
 meets it (CALLS calls, then one block; the median of SAMPLES such loops after a warm-up). cuDNN, which serves
 every semantic the op has, is kept unless FA3 is faster by more than autotune.MARGIN.
 
-The choice is stored beside cuDNN's plan choices (same file, see _cudnn/autotune.py), keyed by GPU model, cuDNN,
+The choice is stored beside cuDNN's plan choices (same file, see cudnn/autotune.py), keyed by GPU model, cuDNN,
 cudnn-frontend and flash-attn3-jax versions and every field of the configuration that reaches a kernel, so
 a later process reuses it without measuring. Measuring happens at trace time, on a thread of its own (so no
 enclosing jit trace captures the scratch computation), and synchronises the device.
@@ -130,7 +130,7 @@ def plain_loop_seconds(call, calls: int, repetitions: int) -> list[float]:
     n+1 while the device runs call n, and only the last result is waited for). `call` may thread state
     between calls (a training step feeds its donated parameters back in); calls=1 times single blocked calls.
 
-    The package's one timing loop: autotune's choice here, and every tool through tools/bench/timing.py
+    The package's one timing loop: autotune's choice here, and every tool through benchmarks/timing.py
     (a tool may import the library, the library never a tool)."""
     import jax
 

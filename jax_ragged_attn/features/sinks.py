@@ -12,7 +12,7 @@ max_seqlen are not real tokens: they keep stats -inf.
 Gradients are exact through the op's differentiable stats: dL reaches q and k as a stats cotangent, s_h
 gets sum over rows of (dL'_i - <dO_i, out_i>) * p_sink,i, all by autodiff of the two lines above. The
 elementwise epilogue fuses into one XLA pass; the price on cuDNN is the backward with a stats cotangent
-(_cudnn/stats_grad.py: 16 more value columns), so sinks there need Dv <= 240 like any stats gradient.
+(shared/stats_grad.py: 16 more value columns), so sinks there need Dv <= 240 like any stats gradient.
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ def chunk_attention(plan: Plan, attend, q_chunk, k_all, v_all, cu, chunk_start):
     sequence (positions [a, c) with a > 0, keys [lo, c)) needs bottom-right alignment, which is therefore the
     alignment of the one call. cuDNN's bottom-right *backward* alone would cost sq x skv whatever the mask
     (1.2-1.7x top-left on identical masks); the cuDNN path splits it into a rectangle and a top-left square
-    (_cudnn/launch.py _backward). With a left window that split does not apply, and the pieces run as two
+    (backends/cudnn/launch.py _backward). With a left window that split does not apply, and the pieces run as two
     calls: all top-left pieces in one, the offset piece alone (a single sequence) in the other, each call's
     results exactly 0 / -inf in the other's rows. Public so the one-GPU benchmark times exactly
     what a device runs (benchmarks/context_parallel.py).
@@ -197,7 +197,7 @@ def chunk_attention(plan: Plan, attend, q_chunk, k_all, v_all, cu, chunk_start):
     if plan.window_left is None:
         # One bottom-right call: every piece but the first has as many keys as queries (bottom-right is then
         # top-left), and the cuDNN path runs a causal bottom-right backward as rectangle + square
-        # (_cudnn/launch.py _backward), so no piece pays for masked tiles.
+        # (backends/cudnn/launch.py _backward), so no piece pays for masked tiles.
         return attend(q_chunk, k_all, v_all, cu_q, cu_kv, max_q, plan.max_seqlen,
                       seqused=(pieces.q_len, pieces.kv_len), diagonal_alignment="bottom_right")
     # With a left window the backward is not split: a piece needs bottom-right alignment iff it has more keys

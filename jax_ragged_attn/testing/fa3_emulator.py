@@ -1,19 +1,20 @@
-"""A dense jnp stand-in for the two FlashAttention-3 kernels _fa3.py calls, for testing its wrapper on any
-backend (the CPU in CI): the semantics of FA3's varlen kernels as _fa3.py relies on them, nothing more.
+"""A dense jnp stand-in for the two FlashAttention-3 kernels backends/fa3/ragged.py calls, for testing its
+wrapper on any backend (the CPU in CI): the semantics of FA3's varlen kernels as fa3/ragged.py relies on
+them, nothing more.
 
 - Sequence b's queries are rows cu_q[b] + [0, seqused_q[b]), its keys rows cu_kv[b] + [0, seqused_k[b]).
 - Masks are aligned bottom-right: query i sees key j iff i + skv - sq - left <= j <= i + skv - sq + right
   (-1: unbounded; is_causal: right = 0), skv / sq the used lengths.
 - Like FA3, whose tiles load rows past a sequence's end (the next sequence's, padding) and mask only their
   scores, the products read every row of the buffers: a NaN outside every sequence reaches the results
-  (0 * NaN) unless the wrapper has cleared it, as _fa3.py must.
+  (0 * NaN) unless the wrapper has cleared it, as fa3/ragged.py must.
 - The forward writes out and the log-sum-exp (head-major, row r of head h at h * Tq + r of its buffer) in the
   rows it owns; everything else it leaves as it found it, here NaN, so a wrapper that reads them fails.
 - The backward recomputes P from the given lse, takes D = rowsum(dO * O) from the given dO and O (so a
-  wrapper may shift D through them, as _fa3.py's stats term does), and writes dq (rows it owns), dk, dv
+  wrapper may shift D through them, as fa3/ragged.py's stats term does), and writes dq (rows it owns), dk, dv
   (used key rows); elsewhere NaN.
 
-`patched()` swaps them in for _fa3's kernel calls and declares FA3 available.
+`patched()` swaps them in for fa3/ragged.py's kernel calls and declares FA3 available.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, config
 
 @contextlib.contextmanager
 def patched():
-    """_fa3 with these kernels in place of the wheel's, and FA3 declared available."""
+    """backends/fa3/ragged.py with these kernels in place of the wheel's, and FA3 declared available."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(_fa3, "_forward_call", forward_call))
         stack.enter_context(mock.patch.object(_fa3, "_backward_call", backward_call))

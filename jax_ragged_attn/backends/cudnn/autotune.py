@@ -9,7 +9,7 @@ version, cudnn-frontend version, direction, every graph attribute) in a JSON fil
 reuses it without measuring; the candidate list is a function of exactly those, so its indices stay valid
 (the extension still rejects an index out of range).
 
-Tune the benchmark workloads and print the gains with `python -m jax_ragged_attn.tools.autotune`.
+Tune the benchmark workloads and print the gains with `python -m benchmarks.autotune`.
 
 The file is $JAX_RAGGED_ATTN_AUTOTUNE_CACHE, else $XDG_CACHE_HOME/jax_ragged_attn/autotune.json (default
 ~/.cache). Delete it to measure again. Tuning happens at trace time, where it synchronises the device.
@@ -126,7 +126,7 @@ def remembered(key: str, chosen: dict, lock, measure) -> dict:
     """The entry stored under `key`: from `chosen` (this process's entries), else the disk cache, else
     measure() -> (entry, keep), whose entry this process remembers and, when `keep`, the disk cache too (a
     failed measurement is not kept, so another process measures again). `lock` guards `chosen`; a caller
-    whose measurement itself tunes (implementation_tuning's, through cuDNN's plans) passes a lock of its own."""
+    whose measurement itself tunes (backends/tuning.py's, through cuDNN's plans) passes a lock of its own."""
     with lock:
         found = chosen.get(key)
         if found is None:

@@ -9,7 +9,7 @@ Two routes, both forward only:
   unspecified, as on the fa3 path: check=True names the entry). cuDNN's paged kernel loads whole key tiles
   and multiplies the values of rows past a sequence's length by their zero probability (measured on the
   H200, cuDNN 9.19: a NaN-poisoned unused row or page made the sequence's output NaN), so it reads each
-  sequence's head only and the xla path its last TAIL rows (kvcache_head_tail.py, as FA3's head / tail
+  sequence's head only and the xla path its last TAIL rows (shared/head_tail.py, as FA3's head / tail
   route).
 - "ragged": the ragged training kernel over a contiguous cache flattened into a packed buffer [B * L, Hkv, D]
   of fixed-size slots: cu_seqlens_kv = b * L, seqused_kv = cache_seqlens, and the queries [B, Sq, Hq, D] are
@@ -24,7 +24,7 @@ ms: 8 x 2k 0.095 / 0.085, 8 x 32k 0.675 / 0.824, 64 x 2k 0.247 / 0.470, 256 x 8k
 2.05 / 10.16, 256 x 32k 7.55 / out of memory. The ragged kernel zeroes the rows past each length in place,
 which on a cache XLA must keep (a jit argument) is a copy of the whole cache per call.
 ROUTE_ENV pins either,
-for the decode benchmark's comparison (tools/bench/decode.py) and the tests.
+for the decode benchmark's comparison (benchmarks/decode.py) and the tests.
 
 The ragged kernel keeps NaN in rows past seqused out of its results (tests/test_kvcache.py's
 CudnnKVCacheTest, NaN-poisoned caches); tests/test_kvcache_cudnn.py checks the paged route the same way.
@@ -49,7 +49,7 @@ from jax_ragged_attn.index import RaggedIndex
 NAME = "cudnn"
 ROUTE_ENV = "JAX_RAGGED_ATTN_CUDNN_KVCACHE_ROUTE"
 ROUTES = ("auto", "paged", "ragged")
-# Rows of each sequence's end the paged kernel never reads (kvcache_head_tail.py): at least cuDNN's widest key
+# Rows of each sequence's end the paged kernel never reads (shared/head_tail.py): at least cuDNN's widest key
 # tile (128 rows on Hopper), twice that for margin.
 TAIL = 256
 
@@ -93,7 +93,7 @@ def route(config: KVCacheConfig) -> str:
 
 
 def paged_reason(config: KVCacheConfig) -> str | None:
-    """Why the paged route (the graph over each sequence's head, kvcache_head_tail.py) cannot serve `config`."""
+    """Why the paged route (the graph over each sequence's head, shared/head_tail.py) cannot serve `config`."""
     reason = kvcache_head_tail.window_reason(config, TAIL, "cuDNN's paged graph")
     bounds = kvcache_head_tail.head_bounds(config, TAIL)
     if reason is None and bounds is not None:

@@ -4,9 +4,9 @@ K/V caches read through a page table, one FFI handler of its own (ffi/paged_hand
 A paged cache [num_pages, page_size, Hkv, D] is cuDNN's page container as it is (cuDNN takes page sizes that
 are powers of 2); a contiguous one [B, L, Hkv, D] is the same viewed as pages of P rows, P the largest power of
 2 dividing L (num_pages = B * L / P, table[b] = b * L / P + [0, 1, ...]: a free reshape), which lifts the
-ragged route's int32 offsets bound (cudnn_kvcache.py chooses the route). What the handler gets, per sequence b:
+ragged route's int32 offsets bound (kvcache.py chooses the route). What the handler gets, per sequence b:
 
-    seq_len_kv[b] = the rows to read, within [0, capacity]       (cudnn_kvcache passes each sequence's head)
+    seq_len_kv[b] = the rows to read, within [0, capacity]       (kvcache.py passes each sequence's head)
     seq_len_q[b]  = Sq, or 0 where seq_len_kv[b] = 0              (no softmax to take: no query is run)
     table[b]      = page_table[b] with entries outside [0, num_pages) replaced by page 0 (safe_page_table),
                     so cuDNN never addresses memory outside the cache

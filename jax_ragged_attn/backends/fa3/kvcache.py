@@ -25,7 +25,7 @@ and attributes the wheel's lowering passes. Forward only (the wheel has no kvcac
   such a row of the last tile reaches the output (0 * NaN; measured on the H200 with NaN-poisoned
   caches, as for the varlen kernel in backends/fa3/ragged.py). So FA3 reads only each sequence's head and the xla
   path its last TAIL rows (TAIL at least FA3's widest key tile), merged through their log-sum-exps
-  (kvcache_head_tail.py, shared with cuDNN's paged route). A left window shorter than TAIL that still reaches
+  (shared/head_tail.py, shared with cuDNN's paged route). A left window shorter than TAIL that still reaches
   the head is declined.
 
 Declined, with the reason: dtypes other than bfloat16/float16, head dims other than 128 (the wheel's kernels),
@@ -99,7 +99,7 @@ def auto_candidate(config: KVCacheConfig) -> bool:
 def num_splits(config: KVCacheConfig) -> int:
     """Key splits so that B x Hkv x query tiles x splits fills the SMs in one wave (1 where the tiles alone
     come near): a second, partial wave cost more than it split (H200, 8 x 32k decode: 2 splits 0.249 ms,
-    3 splits 0.299, scripts/sweep_decode_splits.py)."""
+    3 splits 0.299, benchmarks/sweep_decode_splits.py)."""
     if NUM_SPLITS is not None:
         return NUM_SPLITS
     tiles = config.batch * config.num_heads_kv * math.ceil(config.seqlen_q * config.group_size / BLOCK_M)
@@ -176,7 +176,7 @@ def _one_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
 
 def _head_tail(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
     """(out [B, Sq, Hq, D], lse [B, Hq, Sq]): FA3 over each sequence's head, the xla path over its last TAIL
-    rows (kvcache_head_tail.py)."""
+    rows (shared/head_tail.py)."""
     def head_call(q, k_cache, v_cache, head, page_table, config, left, right):
         window = (False, -1 if left is None else left, -1 if right is None else right)
         return _fa3_call(q, k_cache, v_cache, head, page_table, config, window)

@@ -29,7 +29,7 @@ from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.index import query_rows_with_keys, sanitize_both
 
 # Two columns carry g and the rest are zero: cuDNN takes head dims in multiples of 8, and 16 keeps a Dv that
-# is a multiple of 16 one. The widened Dv must stay within cuDNN's limit (cudnn.py checks: Dv <= 240).
+# is a multiple of 16 one. The widened Dv must stay within cuDNN's limit (cudnn/launch.py checks: Dv <= 240).
 EXTRA_COLUMNS = 16
 
 

@@ -1,6 +1,6 @@
 """How big the xla path's blocks are, what working set they need, and the bound it must stay under.
 
-The xla path (xla.py) never materialises a [B, H, S, S] score tensor: it walks blocks of the packed token
+The xla path (ragged.py) never materialises a [B, H, S, S] score tensor: it walks blocks of the packed token
 axis, so its working set is set by the block sizes and the capacities Tq, Tkv, never by max_seqlen or the
 number of sequences. `estimate_bytes` says how much, before anything is compiled; `check_working_set`
 raises `WorkingSetTooLargeError` when that passes the bound, instead of letting the process die.
@@ -50,7 +50,7 @@ BACKWARD_ENV = "JAX_RAGGED_ATTN_XLA_BACKWARD"
 # 128 x 128 blocks on a GPU: a step of W1 (32k tokens, 16 heads) holds 256 MiB of float32 scores, small
 # beside an H200, and large enough that a step's matmuls keep the device busy. 64 x 64 on the CPU: with the
 # fused backward, fwd+bwd measured 299 against 377 ms on cpu-4k (fewer half-masked diagonal tiles and
-# blocks straddling two sequences) and 3.52 against 3.76 s on cpu-8k (tools/bench/xla_path.py, 2 cores).
+# blocks straddling two sequences) and 3.52 against 3.76 s on cpu-8k (benchmarks/xla_path.py, 2 cores).
 # "input": bfloat16 / float16 inputs enter the tiles' matmuls in their own dtype, as do the probabilities
 # and dS (cast down), with float32 accumulation and a float32 softmax: what jax.nn's xla attention and the
 # fused kernels (cuDNN, FlashAttention) do, at the tensor cores' rate. "float32": every operand float32 at
@@ -114,7 +114,7 @@ def _env_blocks() -> tuple[int, int]:
 
 def estimate_bytes(config: AttentionConfig, block_q: int, block_kv: int, direction: str) -> int:
     """Peak bytes the xla path allocates for one call besides its inputs, counted generously from the
-    buffers xla.py creates ("forward": the forward; "backward": the backward, with the forward's residuals).
+    buffers ragged.py creates ("forward": the forward; "backward": the backward, with the forward's residuals).
 
     Compared with XLA's own accounting (compiled memory_analysis() temp + output bytes) in
     tests/test_xla_memory.py: an upper bound within a small factor.
