@@ -71,8 +71,8 @@ def pytest_report_header(config):
 
 
 # Test tiers. The default run (`pytest`, the README's test command) is the fast tier: every public entry point
-# and every implementation's semantics (test_semantics.py's XlaTest and the stand-in classes), in about 10
-# minutes on 2 cores. The tests below are `slow` (left out by pyproject.toml's addopts; `pytest -m "not soak"`
+# and every implementation's semantics (test_semantics.py's XlaTest and the stand-in classes); each tier's time
+# is in docs/TESTING.md. The tests below are `slow` (left out by pyproject.toml's addopts; `pytest -m "not soak"`
 # runs everything, `pytest -m slow` only them; .ci/run runs the fast tier, then these). Chosen by measured time
 # (`pytest -n 2 --durations`, 2026-12-03, docs/TESTING.md): multi-device children and several processes, the
 # tools' end-to-end runs, the suites under global JAX settings, and the costliest single tests of files whose

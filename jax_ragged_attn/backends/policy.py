@@ -4,23 +4,16 @@ A policy shipped with the package, from measurements, per GPU (compute capabilit
 first call is right; autotune=True refines it by measuring the configuration once (tuning.py), and
 JAX_RAGGED_ATTN_IMPLEMENTATION pins a backend for every call it can serve.
 
-Measured on the H200 on 2026-12-03 (cuDNN 9.19, flash-attn3-jax 0.2.3, bf16, causal, d 128, plain dispatch of
-jitted fwd+bwd, tools/bench/fa3_compare.py; ms, ours through each backend):
-
-    workload                               tokens / sequence   cuDNN    FA3     faster
-    W1   16 of 128..4096, 16/16 heads           2,048          3.119    3.057   FA3 by 2 %
-    W2   4 of 8k..16k, GQA 32/8                 ~12,000       38.51    34.71    FA3 by 10 %
-    W6   16 of 128..8192, GQA 32/8              ~4,000        23.75    21.93    FA3 by 8 %
-    W5   119 of 64..1022, 16/16 heads             551          2.560    2.920   cuDNN by 14 %
-
-FA3's cost over its own kernels is per token (its padding safety: row_zeroing.py), cuDNN's backward is
-slower on long sequences, so the split is by the static tokens per sequence, capacity_q / num_seqs.
+Measured on the H200 (bf16, causal, d 128, plain dispatch of jitted fwd+bwd, benchmarks/fa3_compare.py;
+the figures: docs/PERFORMANCE.md, "The fastest kernel by default"): FA3 is faster on W1, W2 and W6 (2,048 to
+about 12,000 tokens a sequence), cuDNN on W5 (119 sequences of 64..1022, 551 tokens a sequence). FA3's cost
+over its own kernels is per token (its padding safety: row_zeroing.py), cuDNN's backward is slower on long
+sequences, so the split is by the static tokens per sequence, capacity_q / num_seqs.
 
 Those figures pass q, k, v as jit arguments, which XLA copies before FA3's padding clearing. Inside a model's
-step (inputs made in the jit, 2026-12-04, fa3_compare --inputs computed) the clearing is in place and FA3
-led on W5 too: 3.489 against cuDNN's 3.553 ms (1.8 %). The split stays at 1,024 tokens a sequence: moving W5
-to FA3 would cost 14 % where the inputs are arguments, and keeping cuDNN costs 1.8 % in a step; autotune=True
-times the two as a step meets them (tuning.py).
+step (inputs made in the jit, fa3_compare --inputs computed) the clearing is in place and FA3 led on W5 too,
+by less than it trails there with jit-argument inputs. The split stays at 1,024 tokens a sequence, the
+smaller of the two losses; autotune=True times the two as a step meets them (tuning.py).
 """
 
 from __future__ import annotations
