@@ -94,8 +94,14 @@ def _initialize() -> str | None:
 
 
 def cudnn_unavailable_reason() -> str | None:
-    """None when the cuDNN path can run in this process, else a sentence saying why not."""
-    return _initialize()
+    """None when the cuDNN path can run in this process, else a sentence saying why not. The first time it can,
+    a KnownIssueWarning names the features the loaded versions' known bugs fence off (known_issues.py)."""
+    reason = _initialize()
+    if reason is None:
+        from jax_ragged_attn.backends.shared import known_issues  # here, not at import: `import` stays cheap
+
+        known_issues.warn_once()
+    return reason
 
 
 def versions() -> dict:

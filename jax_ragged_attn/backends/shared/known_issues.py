@@ -1,0 +1,345 @@
+"""Upstream bugs that reach a path this package runs: one table keyed by library, version range, GPU and feature.
+
+A backend's unsupported_reason asks `fence(backend, op, config)`. Where the loaded library is in an entry's
+range, the GPU is one it names and the call has the feature, the call is declined with a reason naming the
+report, so implementation=None routes it to a backend that serves it correctly and implementation="cudnn"
+raises NotImplementedError saying why:
+
+    cuDNN 9.27.0, ragged_attention_with_kvcache(q [4, 1, 32, 128], paged cache of 8 heads, implementation="cudnn")
+      -> NotImplementedError: ... decode with one query and grouped-query heads through cuDNN's paged graph is
+         declined on cuDNN 9.27.0: ... (cudnn-frontend#1083, https://github.com/NVIDIA/cudnn-frontend/issues/1083)
+
+An entry with `workaround` set is handled another way already (the reason is in the entry); it is listed, by the
+self-check too, and declines nothing. Each entry names the GPU test that reproduces it with its fence lifted
+(tests/test_known_issues.py; `lifted(key)` is the test-only switch) and says whether an affected release
+installs from pip; docs/CUDNN_VERSIONS.md says how to run them against a given cuDNN.
+
+Considered and left out, because no path of this package reaches them (re-read on 2026-12-05):
+- TransformerEngine#3249 (THD backward with a sink token: the sink's gradient read the stats as dense, cuDNN
+  before 9.26): cuDNN never gets a sink token here; sinks are an epilogue or folded into O and dO
+  (backends/cudnn/sinks.py).
+- cudnn-frontend#737 (THD ragged offsets ignored by the frontend's open-source FROST engines): those engines
+  run from the frontend's Python package (cudnn.pygraph); this package's C++ graphs run the backend's engines.
+  The seqused rows of the deep self-check would show a mis-addressed slot.
+- cudnn-frontend#304 (Ampere backward read non-ragged stats as packed BHSD before 9.26): the stats here always
+  carry ragged offsets, and frontends from 1.26 refuse the affected graphs.
+- cudnn-frontend#628 / #1072 (Hopper backward NaN for rows with a very negative log-sum-exp, s_kv = 64 mod 128,
+  fixed in 9.26; #1072: again with s_q = 1 and no padding mask): every graph here carries the padding mask (the
+  reports' workaround) and at least 2 query rows; tests/test_known_issues.py probes it on every version.
+- cudnn-frontend#1071 (9.26 backward plan creation crashes for B = H = s_q = 1): backward graphs have s_q >= 2.
+- TransformerEngine's guard for Hopper backward with 128 < Dqk != Dv <= 256 from 9.11: cudnn-frontend's own
+  support check declines those graphs on the releases it names (9.11-9.12), so cuDNN reports them unsupported;
+  the deep self-check's unequal-head-dims row watches newer releases.
+- TransformerEngine#2344's other half (an illegal memory access under CUDA-graph capture, 9.13-9.14, keys past
+  1024): a crash, not a silent error.
+- pytorch#193893 (B200, fewer than 8 KV heads, cuDNN 9.19-9.20, open, cause unknown): no trigger confirmed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib.metadata
+import warnings
+from typing import Any, Callable
+
+Version = tuple[int, ...]
+LIBRARIES = ("cudnn", "cudnn_frontend", "flash-attn3-jax")
+OPS = ("ragged", "kvcache")
+
+
+@dataclasses.dataclass(frozen=True)
+class Versions:
+    """What an entry is matched against: the loaded libraries and the GPU."""
+
+    cudnn: Version | None = None  # the loaded libcudnn, e.g. (9, 27, 0); None: not loaded
+    cudnn_frontend: Version | None = None  # the headers the extension was built with
+    fa3: Version | None = None  # the flash-attn3-jax wheel
+    arch: int | None = None  # compute capability as major * 10 + minor: 90 on the H200
+
+    def of(self, library: str) -> Version | None:
+        return {"cudnn": self.cudnn, "cudnn_frontend": self.cudnn_frontend, "flash-attn3-jax": self.fa3}[library]
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownIssue:
+    key: str  # the report as repository#number, e.g. "cudnn-frontend#1083"
+    library: str  # one of LIBRARIES
+    first_affected: Version | None  # None: every release before first_fixed
+    first_fixed: Version | None  # None: no release has the fix yet
+    archs: frozenset[int] | None  # compute capabilities (90: sm_90) it shows on; None: every GPU
+    backend: str  # the backend whose calls reach it
+    ops: tuple[str, ...]  # the ops whose configs `applies` reads
+    feature: str  # what the user asked for, as a reason names it
+    applies: Callable[[str, Any], bool]  # (op, config) -> whether this call has the feature
+    description: str
+    report: str  # the public report's URL
+    reproducer: str  # the GPU test that shows the bug with the fence lifted
+    installable: str  # whether an affected release installs from pip next to jax[cuda13], and its size
+    workaround: str | None = None  # how the bug is already kept away; set: fence() declines nothing
+
+    def affects(self, versions: Versions) -> bool:
+        """The loaded library is in [first_affected, first_fixed) and the GPU is one the entry names."""
+        version = versions.of(self.library)
+        if version is None:
+            return False
+        if self.first_affected is not None and version < self.first_affected:
+            return False
+        if self.first_fixed is not None and version >= self.first_fixed:
+            return False
+        return self.archs is None or versions.arch in self.archs
+
+    def remedy(self) -> str:
+        """Which release lifts the fence."""
+        if self.first_fixed is None:
+            return "no release has the fix yet"
+        return f"fixed in {_name(self.library)} {format_version(self.first_fixed)}: upgrade to lift it"
+
+    def reason(self, versions: Versions) -> str:
+        version = format_version(versions.of(self.library))
+        return (f"{self.feature} is declined on {_name(self.library)} {version}, which has a known bug there: "
+                f"{self.description} ({self.key}, {self.report}); {self.remedy()}")
+
+
+def _name(library: str) -> str:
+    return {"cudnn": "cuDNN", "cudnn_frontend": "cudnn-frontend"}.get(library, library)
+
+
+def format_version(version: Version | None) -> str:
+    return "unknown" if version is None else ".".join(map(str, version))
+
+
+def cudnn_version_tuple(encoded: int) -> Version | None:
+    """cuDNN 9's major * 10000 + minor * 100 + patch as a tuple: 92701 -> (9, 27, 1); 0 (not loaded) -> None."""
+    if encoded <= 0:
+        return None
+    return encoded // 10000, encoded % 10000 // 100, encoded % 100
+
+
+# ---- the features, over each op's config ------------------------------------------------------------------
+
+
+def _decode_with_grouped_heads(op: str, config) -> bool:
+    # The paged graph is built for max(Sq, paged.MIN_SEQLEN_Q) query rows, 1 for a decode step.
+    return op == "kvcache" and config.seqlen_q == 1 and config.num_heads_q > config.num_heads_kv
+
+
+def _ragged_single_query_grouped_heads(op: str, config) -> bool:
+    return op == "ragged" and config.max_seqlen_q == 1 and config.num_heads_q > config.num_heads_kv
+
+
+def _left_window_past_1024_keys(op: str, config) -> bool:
+    keys = config.max_seqlen_kv if op == "ragged" else config.capacity
+    return config.left_bound is not None and keys > 1024
+
+
+def _every_call(op: str, config) -> bool:
+    return True
+
+
+def _head_major_stats(op: str, config) -> bool:
+    return op == "ragged" and config.stats_layout == "head_major"
+
+
+_INSTALL_9_26_27 = ("yes: nvidia-cudnn-cu13 9.26.0.51, 9.26.1.1 and 9.27.0.42 (the 9.27 wheel 537 MB; the "
+                    "libraries SDPA loads, xz-compressed, in parts: docs/CUDNN_VERSIONS.md)")
+
+TABLE: tuple[KnownIssue, ...] = (
+    KnownIssue(
+        key="cudnn-frontend#1083",
+        library="cudnn",
+        first_affected=(9, 26, 0),
+        # The report is open. The GPU suite's decode cases (one query, grouped heads, stats against the float64
+        # reference, through the paged graph) passed on 9.28.1, so the fence ends at 9.28.
+        first_fixed=(9, 28, 0),
+        archs=None,  # reported on sm_80, sm_90 and sm_100
+        backend="cudnn",
+        ops=("kvcache",),
+        feature="decode with one query and grouped-query heads through cuDNN's paged graph",
+        applies=_decode_with_grouped_heads,
+        description=("with s_q = 1 and more query heads than KV heads the forward writes the softmax stats of the "
+                     "first query head of each KV group only, and the paged route merges its head and tail by "
+                     "those stats (the report names ragged stats; the reproducer tells whether the paged graph's "
+                     "padded stats are hit as well)"),
+        report="https://github.com/NVIDIA/cudnn-frontend/issues/1083",
+        reproducer="tests/test_known_issues.py::test_reproduces_cudnn_frontend_1083_paged_decode",
+        installable=_INSTALL_9_26_27,
+    ),
+    KnownIssue(
+        key="cudnn-frontend#1083",
+        library="cudnn",
+        first_affected=(9, 26, 0),
+        first_fixed=(9, 28, 0),
+        archs=None,
+        backend="cudnn",
+        ops=("ragged",),
+        feature="ragged attention with one query row per sequence and grouped-query heads",
+        applies=_ragged_single_query_grouped_heads,
+        description="the ragged forward with s_q = 1 and grouped-query heads writes the first head's stats only",
+        report="https://github.com/NVIDIA/cudnn-frontend/issues/1083",
+        reproducer="tests/test_known_issues.py::test_reproduces_cudnn_frontend_1083_ragged",
+        installable=_INSTALL_9_26_27,
+        workaround=("ragged graphs are built for at least graphs.MIN_GRAPH_SEQLEN = 2 query rows on every cuDNN "
+                    "(s_q = 1 graphs wrote wrong or NaN stats on 9.19 too)"),
+    ),
+    KnownIssue(
+        key="TransformerEngine#2344",
+        library="cudnn",
+        first_affected=(9, 14, 0),
+        first_fixed=(9, 15, 0),
+        archs=None,
+        backend="cudnn",
+        ops=("ragged", "kvcache"),
+        feature="a left window over more than 1024 keys",
+        applies=_left_window_past_1024_keys,
+        description=("cuDNN 9.14.0 gives NaN outputs for a left window with max_seqlen_kv > 1024 under any mask "
+                     "but plain causal (padding masks included: every ragged call); TransformerEngine declines it "
+                     "(NVIDIA's own report is internal)"),
+        report="https://github.com/NVIDIA/TransformerEngine/pull/2344",
+        reproducer="tests/test_known_issues.py::test_reproduces_transformer_engine_2344_window",
+        installable="yes: nvidia-cudnn-cu13 9.14.0.64",
+    ),
+    KnownIssue(
+        key="TransformerEngine#1937",
+        library="cudnn",
+        first_affected=(9, 10, 0),
+        first_fixed=(9, 10, 2),
+        archs=None,
+        backend="cudnn",
+        ops=("ragged", "kvcache"),
+        feature="every cuDNN attention call",
+        applies=_every_call,
+        description=("TransformerEngine skips cuDNN 9.10.0 and 9.10.1 for every FP16/BF16 attention graph for "
+                     "known bugs (not itemised publicly; JAX itself refuses 9.10.0 against other builds)"),
+        report="https://github.com/NVIDIA/TransformerEngine/pull/1937",
+        reproducer="tests/test_known_issues.py::test_reproduces_transformer_engine_1937_deep_check",
+        installable=("no, not next to jax[cuda13]: nvidia-cudnn-cu13 starts at 9.12; nvidia-cudnn-cu12 9.10.0.56 "
+                     "and 9.10.1.4 need jax[cuda12]"),
+    ),
+    KnownIssue(
+        key="cudnn-frontend#462",
+        library="cudnn_frontend",
+        first_affected=None,
+        first_fixed=(1, 28, 0),
+        archs=None,
+        backend="cudnn",
+        ops=("ragged",),
+        feature="the ragged backward with head-major stats",
+        applies=_head_major_stats,
+        description=("with max_total_seq_len set the frontend sized the head-major stats' intermediates H times "
+                     "too small and dQ, dK, dV came back all zero"),
+        report="https://github.com/NVIDIA/cudnn-frontend/pull/462",
+        reproducer="tests/test_known_issues.py::test_reproduces_cudnn_frontend_462",
+        installable="yes: nvidia-cudnn-frontend 1.27.0 (headers; scripts/build_old_frontend.sh builds against it)",
+        workaround=("the build refuses frontends before 1.28; a test build against one checks the reserved region "
+                    "when it builds each backward graph and falls back to the dense layout (ffi/graph_build.cc)"),
+    ),
+)
+
+_lifted: set[str] = set()
+
+
+@contextlib.contextmanager
+def lifted(*keys: str):
+    """Within the block, fence() declines nothing for these reports: for the reproducers, which run the affected
+    feature to show the bug. Read when a call is traced, so run the op outside any jit traced before."""
+    unknown = sorted(set(keys) - {issue.key for issue in TABLE})
+    if unknown:
+        raise ValueError(f"lifted() takes keys of known_issues.TABLE, got {unknown}")
+    added = set(keys) - _lifted
+    _lifted.update(added)
+    try:
+        yield
+    finally:
+        _lifted.difference_update(added)
+
+
+def fence(backend: str, op: str, config, versions: Versions | None = None) -> str | None:
+    """The reason `backend` must not serve this `op` call with the loaded versions, naming the bug, or None."""
+    versions = loaded_versions() if versions is None else versions
+    for issue in TABLE:
+        if (issue.backend != backend or op not in issue.ops or issue.workaround or issue.key in _lifted
+                or not issue.affects(versions)):
+            continue
+        if issue.applies(op, config):
+            return issue.reason(versions)
+    return None
+
+
+def active(versions: Versions | None = None) -> list[KnownIssue]:
+    """The entries the loaded versions and GPU are in the range of (fenced or worked around)."""
+    versions = loaded_versions() if versions is None else versions
+    return [issue for issue in TABLE if issue.affects(versions)]
+
+
+def summary_lines(versions: Versions | None = None) -> list[str]:
+    """What the self-check and the one-time warning say about the loaded versions: one line per entry in range."""
+    versions = loaded_versions() if versions is None else versions
+    lines = []
+    for issue in active(versions):
+        what = f"worked around ({issue.workaround})" if issue.workaround else f"declined on {issue.backend}"
+        lines.append(f"{issue.feature}: {what}; {issue.key} {issue.report}; {issue.remedy()}")
+    return lines
+
+
+class KnownIssueWarning(UserWarning):
+    """The loaded cuDNN (or frontend, or FA3 wheel) has bugs this package fences: some features go elsewhere."""
+
+
+_warned = False
+
+
+def warn_once() -> None:
+    """Once a process, where a GPU library is loaded: which features are fenced and which release lifts them.
+    (Once even under -W error: the flag is set before the warning is raised.)"""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    versions = loaded_versions()
+    fenced = [line for issue, line in zip(active(versions), summary_lines(versions)) if not issue.workaround]
+    if fenced:
+        loaded = ", ".join(f"{_name(lib)} {format_version(versions.of(lib))}" for lib in LIBRARIES if versions.of(lib))
+        warnings.warn(f"jax_ragged_attn: {loaded} has known bugs in features this package fences: "
+                      + "; ".join(fenced), KnownIssueWarning, stacklevel=3)
+
+
+# ---- what is loaded ---------------------------------------------------------------------------------------
+
+
+def loaded_versions() -> Versions:
+    """The versions of the loaded libraries and the GPU's compute capability (None where there is none)."""
+    from jax_ragged_attn.backends.shared import extension
+
+    try:
+        ext = extension.module()
+    except NotImplementedError:  # no extension: no cuDNN path to fence
+        ext = None
+    return Versions(cudnn=cudnn_version_tuple(ext.cudnn_version()) if ext else None,
+                    cudnn_frontend=tuple(ext.frontend_version) if ext else None,
+                    fa3=_fa3_version(), arch=_arch())
+
+
+@functools.cache
+def _fa3_version() -> Version | None:
+    try:
+        text = importlib.metadata.version("flash-attn3-jax")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return tuple(int(part) for part in text.split(".")[:3] if part.isdigit())
+
+
+@functools.cache
+def _arch() -> int | None:
+    import jax
+
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return None
+    capability = getattr(devices[0], "compute_capability", None) if devices else None
+    if capability is None:
+        return None
+    major, _, minor = str(capability).partition(".")
+    return int(major) * 10 + int(minor or 0)
