@@ -40,7 +40,7 @@ import numpy as np
 
 from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.shared import head_tail as kvcache_head_tail
-from jax_ragged_attn.backends.shared import extension
+from jax_ragged_attn.backends.shared import extension, known_issues
 from jax_ragged_attn.backends.cudnn import paged
 from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
 from jax_ragged_attn.config import AttentionConfig, AttentionOptions, make_config
@@ -97,7 +97,9 @@ def paged_reason(config: KVCacheConfig) -> str | None:
     reason = kvcache_head_tail.window_reason(config, TAIL, "cuDNN's paged graph")
     bounds = kvcache_head_tail.head_bounds(config, TAIL)
     if reason is None and bounds is not None:
-        reason = paged.unsupported_reason(config, bounds)
+        # Upstream bugs of the loaded cuDNN in the paged graph (known_issues.py): a contiguous cache then takes
+        # the ragged route, a paged one another backend.
+        reason = known_issues.fence("cudnn", "kvcache", config) or paged.unsupported_reason(config, bounds)
     return reason
 
 
