@@ -14,6 +14,12 @@ Rows a sequence does not use (past cache_seqlens, on pages outside [0, num_pages
 are masked with `where` (never multiplied) and their values zeroed before P.V, so nothing leaks. A page-table
 entry outside the cache is replaced by page 0 before the gather (no address outside the cache is formed) and
 its rows are masked: absent keys.
+
+Packed queries (`attend_packed`, q [T, Hq, D] over cu_seqlens_q): the rows are cut into tiles of at most
+QUERY_TILE consecutive queries of one sequence (kvcache_config.query_tiles), and the tiles run as the batch
+of the same recurrence, each reading its own sequence's cache rows (its page-table row, or its slot of a
+contiguous cache, gathered per block). A sequence of n queries reads its cache ceil(n / QUERY_TILE) times
+per block, a decode row once; the rows a step holds stay within the budget, cache rows gathered included.
 """
 
 from __future__ import annotations
@@ -23,28 +29,35 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, key_band, safe_page_table, valid_pages
+from jax_ragged_attn.backends.shared.kvcache_config import (KVCacheConfig, band, key_band, query_tiles,
+                                                           safe_page_table, valid_pages)
 
 # float32 scores one step may hold ([B, Hq, Sq, rows]); the block's rows follow from it.
 SCORES_BUDGET_BYTES = 256 << 20
 # Rows per step instead of the budget's (tests set it small, so sequences straddle blocks).
 BLOCK_ROWS: int | None = None
+# Packed queries: consecutive queries of one sequence per tile (the module docstring).
+QUERY_TILE = 16
 
 
-def block_rows(config: KVCacheConfig) -> int:
-    """Rows of the cache one step reads: whole pages of a paged cache, at most the capacity."""
-    rows = BLOCK_ROWS or SCORES_BUDGET_BYTES // (4 * config.batch * config.num_heads_q * config.seqlen_q)
+def block_rows(config: KVCacheConfig, row_bytes: int | None = None) -> int:
+    """Rows of the cache one step reads: whole pages of a paged cache, at most the capacity. row_bytes: what
+    one cache row of a step costs (default its float32 scores, [B, Hq, Sq])."""
+    row_bytes = row_bytes or 4 * config.batch * config.num_heads_q * config.seqlen_q
+    rows = BLOCK_ROWS or SCORES_BUDGET_BYTES // row_bytes
     pages = min(max(rows // config.page_size, 1), config.max_pages)
     return pages * config.page_size if config.paged else min(max(rows, 1), config.capacity)
 
 
-def _loader(k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
-    """(steps, load): load(t) -> (k [B, C, Hkv, D], v [B, C, Hkv, Dv], rows [C] int32, present [B, C] bool)
-    for block t. The last block is shifted back to end at the capacity (dynamic_slice would clamp it so
-    anyway); rows it shares with the block before are marked not present, so none counts twice."""
-    batch, heads_kv = config.batch, config.num_heads_kv
+def _loader(k_cache, v_cache, lengths, page_table, config: KVCacheConfig, size: int, sequence=None):
+    """(steps, load): load(t) -> (k [N, C, Hkv, D], v [N, C, Hkv, Dv], rows [C] int32, present [N, C] bool)
+    for block t of C = size rows, N = lengths.shape[0] query groups: the B sequences, or tiles each reading
+    the cache of sequence[n] (a contiguous cache; a paged one comes with the tiles' page-table rows). The
+    last block is shifted back to end at the capacity (dynamic_slice would clamp it so anyway); rows it
+    shares with the block before are marked not present, so none counts twice."""
+    batch, heads_kv = lengths.shape[0], config.num_heads_kv
     if config.paged:
-        per_block = block_rows(config) // config.page_size
+        per_block = size // config.page_size
         steps = math.ceil(config.max_pages / per_block)
         ok_pages = valid_pages(page_table, config)
         safe = safe_page_table(page_table, config)
@@ -63,31 +76,61 @@ def _loader(k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
             v = v_cache[ids].reshape(batch, -1, heads_kv, v_cache.shape[-1])
             return k, v, rows, present & (rows[None, :] < lengths[:, None])
     else:
-        size = block_rows(config)
         steps = math.ceil(config.capacity / size)
+        pick = (lambda block: block) if sequence is None else (lambda block: block[sequence])  # noqa: E731
 
         def load(t):
             start = t * size
             begin = jnp.minimum(start, config.capacity - size)
             rows = begin + jnp.arange(size, dtype=jnp.int32)
             present = (rows >= start)[None, :] & (rows[None, :] < lengths[:, None])
-            return (jax.lax.dynamic_slice_in_dim(k_cache, begin, size, axis=1),
-                    jax.lax.dynamic_slice_in_dim(v_cache, begin, size, axis=1), rows, present)
+            return (pick(jax.lax.dynamic_slice_in_dim(k_cache, begin, size, axis=1)),
+                    pick(jax.lax.dynamic_slice_in_dim(v_cache, begin, size, axis=1)), rows, present)
     return steps, load
 
 
 def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
     """(out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] float32, -inf where no key was attended)."""
-    batch, seqlen_q, heads_kv, group = config.batch, config.seqlen_q, config.num_heads_kv, config.group_size
-    dv = config.head_dim_v
-    q = q.reshape(batch, seqlen_q, heads_kv, group, config.head_dim_qk)
     first, last = key_band(lengths, config)  # [B, Sq]
-    steps, load = _loader(k_cache, v_cache, lengths, page_table, config)
+    return _blocked(q, k_cache, v_cache, lengths, first, last, page_table, config, block_rows(config))
+
+
+def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config: KVCacheConfig):
+    """(out [T, Hq, Dv] in q's dtype, lse [Hq, T] float32) of packed queries q [T, Hq, D] (config.packed):
+    rows that are no query read out 0 and lse -inf. lengths: clamped cache_seqlens [B]."""
+    tiles = query_tiles(cu_seqlens_q, lengths, config, min(QUERY_TILE, config.seqlen_q))
+    used = tiles.slot_used()  # [N, M]
+    first, last = band(tiles.positions(), lengths[tiles.sequence][:, None], config)
+    first, last = jnp.where(used, first, 1), jnp.where(used, last, 0)  # no query: an empty band
+    table = None if page_table is None else page_table[tiles.sequence]
+    itemsize = jnp.dtype(k_cache.dtype).itemsize
+    # A step's float32 scores and the cache rows it gathers for every tile (and, contiguous, slices first).
+    groups = tiles.count + (0 if config.paged else config.batch)
+    row_bytes = (4 * tiles.count * tiles.size * config.num_heads_q
+                 + groups * config.num_heads_kv * (config.head_dim_qk + config.head_dim_v) * itemsize)
+    out, lse = _blocked(tiles.gather(q), k_cache, v_cache, lengths[tiles.sequence], first, last, table, config,
+                        block_rows(config, row_bytes), sequence=None if config.paged else tiles.sequence)
+    out = tiles.scatter(out, config.total_q, 0)
+    lse = tiles.scatter(lse.transpose(0, 2, 1), config.total_q, -jnp.inf)  # [T, Hq]
+    return out, lse.T
+
+
+def _blocked(q, k_cache, v_cache, lengths, first, last, page_table, config: KVCacheConfig, size: int,
+             sequence=None):
+    """(out [N, M, Hq, Dv] in q's dtype, lse [N, Hq, M] float32, -inf where no key was attended) of N groups
+    of M queries q [N, M, Hq, D], query (n, i) attending rows first[n, i] .. last[n, i] of its group's cache
+    (of lengths[n] rows; _loader says which). Blocks of `size` rows."""
+    batch, seqlen_q = q.shape[:2]
+    heads_kv, group, dv = config.num_heads_kv, config.group_size, config.head_dim_v
+    q = q.reshape(batch, seqlen_q, heads_kv, group, config.head_dim_qk)
+    steps, load = _loader(k_cache, v_cache, lengths, page_table, config, size, sequence)
     exact = q.dtype == jnp.float32
     precision = jax.lax.Precision.HIGHEST if exact else None
     # P.V with P in the values' dtype and a float32 accumulator, as the fused kernels do.
     p_dtype = jnp.float32 if exact else v_cache.dtype
-    lowest_first, highest_last = jnp.min(first), jnp.max(last)
+    nonempty = first <= last  # the blocks worth reading are those some query's band reaches
+    lowest_first = jnp.min(jnp.where(nonempty, first, config.capacity))
+    highest_last = jnp.max(jnp.where(nonempty, last, -1))
 
     def fold(carry, t):
         m, l, acc = carry
@@ -107,8 +150,6 @@ def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
         pv = jnp.einsum("bhgqc,bchd->bhgqd", p.astype(p_dtype), v, preferred_element_type=jnp.float32,
                         precision=precision)
         return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
-
-    size = block_rows(config)
 
     def step(carry, t):
         needed = (t * size <= highest_last) & (t * size + size - 1 >= lowest_first)  # block t's new rows

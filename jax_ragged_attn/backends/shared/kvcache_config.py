@@ -14,6 +14,17 @@ result: check=True names such an entry).
 Worked example, page_size 4, cache_seqlens [6, 0], page_table [[3, 1], [7, -1]], Sq = 2:
     sequence 0: rows 0-3 on page 3, rows 4-5 on page 1; queries at positions 4 and 5
     sequence 1: no rows; queries at positions -2 and -1 (causal: no keys, out 0, stats -inf)
+
+Packed queries (`total_q` > 0): q is [T, Hq, D] and cu_seqlens_q [B + 1] gives each sequence its rows, as in
+ragged_attention: sequence b's queries are rows cu[b] .. cu[b + 1] - 1 (cu clamped monotone into [0, T]; at
+most max_seqlen_q of them, the config's seqlen_q, count: a longer slot's later rows are not queries), its
+newest n_b positions: query i sits at len[b] - n_b + i. Rows outside every sequence's queries read out 0,
+stats -inf. `packed_query_rows` gives each row its sequence, position and ownership:
+
+    cu_seqlens_q [0, 3, 3, 4], T = 6, max_seqlen_q 3, cache_seqlens [10, 4, 0]
+      sequence [0, 0, 0, 2, 2, 2]   (rows 4, 5: past the last sequence, clamped to B - 1 for gathers)
+      position [7, 8, 9, -1, .., ..]   (sequence 0: 3 queries ending at row 9; sequence 2: 1 query, row -1)
+      owned    [T, T, T, T, F, F]
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ragged_attn.config import MaskedConfig
+from jax_ragged_attn.index import row_positions, sanitize_cu_seqlens, sequence_lengths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +59,17 @@ class KVCacheConfig(MaskedConfig):
     window_right: int | None  # at most this far right; None: no limit
     has_sinks: bool = False  # sinks are an epilogue of the op layer: backends never see them
     softcap: float = 0.0  # scores become softcap * tanh(score / softcap) before the softmax; 0: no cap
+    total_q: int = 0  # packed queries: q [T, Hq, D] over cu_seqlens_q, seqlen_q being max_seqlen_q; 0: [B, Sq]
 
     @property
     def capacity(self) -> int:
         """Rows a sequence can hold: L, or max_pages * page_size."""
         return self.max_pages * self.page_size
 
+    @property
+    def packed(self) -> bool:
+        """q is [T, Hq, D] with cu_seqlens_q (the module docstring), not [B, Sq, Hq, D]."""
+        return self.total_q > 0
 
 
 def clamped_lengths(cache_seqlens: jax.Array, config: KVCacheConfig) -> jax.Array:
@@ -76,12 +93,12 @@ def query_positions(lengths: jax.Array, config: KVCacheConfig) -> jax.Array:
     return lengths[:, None] - config.seqlen_q + jnp.arange(config.seqlen_q, dtype=jnp.int32)[None, :]
 
 
-def key_band(lengths: jax.Array, config: KVCacheConfig) -> tuple[jax.Array, jax.Array]:
-    """(first, last) int32 [B, Sq]: the rows each query attends lie in first..last (empty when first > last),
-    rows of pages outside the cache aside."""
-    position = query_positions(lengths, config)
+def band(position: jax.Array, length: jax.Array, config: KVCacheConfig) -> tuple[jax.Array, jax.Array]:
+    """(first, last) int32, broadcast: a query at `position` of a sequence with `length` rows attends rows
+    first..last (empty when first > last), rows of pages outside the cache aside."""
+    position, length = jnp.broadcast_arrays(position, length)
     first = jnp.zeros_like(position)
-    last = jnp.broadcast_to(lengths[:, None] - 1, position.shape)
+    last = length - 1
     if config.left_bound is not None:
         first = jnp.maximum(first, position - config.left_bound)
     if config.right_bound is not None:
@@ -89,7 +106,105 @@ def key_band(lengths: jax.Array, config: KVCacheConfig) -> tuple[jax.Array, jax.
     return first, last
 
 
+def key_band(lengths: jax.Array, config: KVCacheConfig) -> tuple[jax.Array, jax.Array]:
+    """(first, last) int32 [B, Sq]: band() of each sequence's newest Sq queries."""
+    return band(query_positions(lengths, config), lengths[:, None], config)
+
+
 def rows_with_keys(lengths: jax.Array, config: KVCacheConfig) -> jax.Array:
     """bool [B, Sq]: the query's band holds at least one row of its sequence."""
     first, last = key_band(lengths, config)
     return first <= last
+
+
+# ---- packed queries (config.packed) ------------------------------------------------------------------------
+
+
+def query_counts(cu_seqlens_q: jax.Array, config: KVCacheConfig) -> jax.Array:
+    """int32 [B]: n_b, the queries of each sequence (its slot of the sanitised cu_seqlens_q, at most
+    max_seqlen_q)."""
+    return sequence_lengths(sanitize_cu_seqlens(cu_seqlens_q, config.total_q), config.seqlen_q)
+
+
+def packed_query_rows(cu_seqlens_q: jax.Array, lengths: jax.Array, config: KVCacheConfig):
+    """(sequence, position, owned), int32 / int32 / bool [T]: each row's sequence (clamped into [0, B) for
+    gathers), its query position len[b] - n_b + i, and whether it is a query at all (the module docstring's
+    example). lengths: clamped cache_seqlens [B]."""
+    cu = sanitize_cu_seqlens(cu_seqlens_q, config.total_q)
+    sequence, offset, owned = row_positions(cu, config.total_q, config.seqlen_q)
+    sequence = jnp.minimum(sequence, config.batch - 1)
+    counts = sequence_lengths(cu, config.seqlen_q)
+    return sequence, lengths[sequence] - counts[sequence] + offset, owned
+
+
+def packed_rows_with_keys(cu_seqlens_q: jax.Array, lengths: jax.Array, config: KVCacheConfig) -> jax.Array:
+    """bool [T]: the row is a query and its band holds at least one row of its sequence."""
+    sequence, position, owned = packed_query_rows(cu_seqlens_q, lengths, config)
+    first, last = band(position, lengths[sequence], config)
+    return owned & (first <= last)
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryTiles:
+    """The packed queries cut into `count` tiles of `size` rows, each inside one sequence: the shape both the
+    xla path and FA3 run packed queries in (a batch of tiles, each a sequence's consecutive queries).
+
+    count is static, an upper bound: sum_b ceil(n_b / size) <= (T + B (size - 1)) / size, and <= B
+    ceil(max_seqlen_q / size). Tiles past the real ones have no rows (used 0).
+
+        T = 7, cu_seqlens_q [0, 5, 5, 6], size 2, cache_seqlens [9, 4, 3]: count (7 + 3) // 2 = 5, 4 real
+          sequence [0, 0, 0, 2, 2]   first row [0, 2, 4, 5, 7]   used [2, 2, 1, 1, 0]
+          positions [[4, 5], [6, 7], [8, ..], [2, ..], ..]
+    """
+
+    size: int
+    count: int
+    sequence: jax.Array  # int32 [count]: the tile's sequence (clamped into [0, B))
+    first_row: jax.Array  # int32 [count]: its first row of q (may be T or past: then used is 0)
+    used: jax.Array  # int32 [count]: its query rows, 0 .. size
+    first_position: jax.Array  # int32 [count]: the position of its first query
+
+    def rows(self) -> jax.Array:
+        """int32 [count, size]: the rows of q each tile holds (unused slots may point anywhere in [0, T])."""
+        return self.first_row[:, None] + jnp.arange(self.size, dtype=jnp.int32)[None, :]
+
+    def positions(self) -> jax.Array:
+        """int32 [count, size]: each tile slot's query position."""
+        return self.first_position[:, None] + jnp.arange(self.size, dtype=jnp.int32)[None, :]
+
+    def slot_used(self) -> jax.Array:
+        """bool [count, size]: the slot holds a query."""
+        return jnp.arange(self.size, dtype=jnp.int32)[None, :] < self.used[:, None]
+
+    def gather(self, x: jax.Array) -> jax.Array:
+        """x [T, ...] -> [count, size, ...]: each slot's row of x (an unused slot holds any row)."""
+        return x[jnp.clip(self.rows(), 0, x.shape[0] - 1)]
+
+    def scatter(self, values: jax.Array, total: int, fill) -> jax.Array:
+        """values [count, size, ...] -> [total, ...]: each used slot's value at its row, `fill` elsewhere."""
+        index = jnp.where(self.slot_used(), self.rows(), total).reshape(-1)  # total: out of bounds, dropped
+        base = jnp.full((total,) + values.shape[2:], fill, values.dtype)
+        return base.at[index].set(values.reshape((-1,) + values.shape[2:]), mode="drop")
+
+
+def tile_count(config: KVCacheConfig, size: int) -> int:
+    """QueryTiles.count: how many tiles of `size` rows the packed queries can need at most."""
+    bound = (config.total_q + config.batch * (size - 1)) // size
+    return max(1, min(bound, config.batch * -(-config.seqlen_q // size)))
+
+
+def query_tiles(cu_seqlens_q: jax.Array, lengths: jax.Array, config: KVCacheConfig, size: int) -> QueryTiles:
+    """The packed queries as tiles of `size` rows (QueryTiles). lengths: clamped cache_seqlens [B]."""
+    cu = sanitize_cu_seqlens(cu_seqlens_q, config.total_q)
+    counts = sequence_lengths(cu, config.seqlen_q)  # [B]
+    per_sequence = (counts + size - 1) // size
+    ends = jnp.cumsum(per_sequence, dtype=jnp.int32)  # tile index past sequence b's last
+    count = tile_count(config, size)
+    tile = jnp.arange(count, dtype=jnp.int32)
+    # A tile's sequence is how many sequences end at or before it (empty sequences own no tile).
+    sequence = jnp.minimum(jnp.sum(ends[None, :] <= tile[:, None], axis=1, dtype=jnp.int32), config.batch - 1)
+    local = tile - (ends - per_sequence)[sequence]  # the tile's index within its sequence
+    offset = local * size
+    used = jnp.where(tile < ends[-1], jnp.clip(counts[sequence] - offset, 0, size), 0)
+    return QueryTiles(size=size, count=count, sequence=sequence, first_row=cu[sequence] + offset, used=used,
+                      first_position=lengths[sequence] - counts[sequence] + offset)
