@@ -230,12 +230,49 @@ def _normalize_window(local_window_size) -> tuple[int | None, int | None] | None
     return None if window == (None, None) else window
 
 
-def _check_array(x, name: str, rank: int, layout: str):
+def check_array(x, name: str, rank: int, layout: str):
+    """x is an array (or a jax.ShapeDtypeStruct) of this rank; else a ValueError naming it and `layout`."""
     shape = getattr(x, "shape", None)
     if shape is None or getattr(x, "dtype", None) is None:
         raise ValueError(f"{name} must be an array {layout}, got {type(x).__name__}")
     if len(shape) != rank:
         raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(shape)}")
+
+
+def check_heads(q, k, v, sinks=None, *, k_name: str = "k", v_name: str = "v") -> None:
+    """What both ops (ragged_attention, ragged_attention_with_kvcache) check of their arrays, on the last two axes
+    of each (heads, head dim) whatever the rank: one dtype of XLA_DTYPES, k's head dim equal to q's, every
+    head count and head dim >= 1, Hq a multiple of Hkv, and sinks None or a floating [Hq]. ValueError naming
+    the argument; the caller checks the ranks first (check_array) and its own other axes."""
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, {k_name} and {v_name} must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in [np.dtype(d) for d in XLA_DTYPES]:
+        raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
+    hq, dqk = q.shape[-2:]
+    hkv, dk = k.shape[-2:]
+    if dk != dqk:
+        raise ValueError(f"{k_name}'s head dim must equal q's ({dqk}), got {k_name} shape {tuple(k.shape)}")
+    for name, x, axis, label in (("q", q, -2, "Hq"), (k_name, k, -2, "Hkv"), ("q", q, -1, "Dqk"),
+                                 (v_name, v, -1, "Dv")):
+        if x.shape[axis] < 1:
+            raise ValueError(f"{name}.shape[{x.ndim + axis}] ({label}) must be >= 1, got {x.shape[axis]}")
+    if hq % hkv:
+        raise ValueError(f"q's heads ({hq}) must be a multiple of {k_name}'s heads ({hkv})")
+    if sinks is not None:
+        check_array(sinks, "sinks", 1, "[Hq]")
+        if sinks.shape[0] != hq:
+            raise ValueError(f"sinks must be [Hq={hq}], one logit per query head, got shape {tuple(sinks.shape)}")
+        if not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise ValueError(f"sinks must be a floating array, got {sinks.dtype}")
+
+
+def masked_fields(options: AttentionOptions, head_dim_qk: int) -> dict:
+    """The fields every MaskedConfig (both ops' configs) takes from the validated options: scale (1/sqrt(Dqk)
+    by default), is_causal, the window's sides (None: no limit) and softcap (0.0: no cap)."""
+    window_left, window_right = options.local_window_size or (None, None)
+    return dict(scale=1.0 / math.sqrt(head_dim_qk) if options.scale is None else options.scale,
+                is_causal=options.is_causal, window_left=window_left, window_right=window_right,
+                softcap=options.softcap or 0.0)
 
 
 def make_config(
@@ -259,11 +296,11 @@ def make_config(
         raise ValueError(f"options must be an AttentionOptions, got {type(options).__name__}")
     if packing not in PACKINGS:
         raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}")
-    _check_array(q, "q", 3, "[Tq, Hq, Dqk]")
-    _check_array(k, "k", 3, "[Tkv, Hkv, Dqk]")
-    _check_array(v, "v", 3, "[Tkv, Hkv, Dv]")
+    check_array(q, "q", 3, "[Tq, Hq, Dqk]")
+    check_array(k, "k", 3, "[Tkv, Hkv, Dqk]")
+    check_array(v, "v", 3, "[Tkv, Hkv, Dv]")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
-        _check_array(cu, name, 1, "[B + 1]")
+        check_array(cu, name, 1, "[B + 1]")
         if not jnp.issubdtype(cu.dtype, jnp.integer):  # any width: entry points convert to int32 (index.py as_int32)
             raise ValueError(f"{name} must have an integer dtype, got {cu.dtype}")
         if cu.shape[0] < 2:
@@ -274,37 +311,14 @@ def make_config(
             f"and {tuple(cu_seqlens_kv.shape)}"
         )
 
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dtype not in [np.dtype(d) for d in XLA_DTYPES]:
-        raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
-
+    check_heads(q, k, v, sinks)
     tq, hq, dqk = q.shape
-    tkv, hkv, dk = k.shape
+    tkv, hkv, _ = k.shape
     if v.shape[0] != tkv or v.shape[1] != hkv:
         raise ValueError(f"v must be [Tkv={tkv}, Hkv={hkv}, Dv] like k, got {tuple(v.shape)}")
-    if dk != dqk:
-        raise ValueError(f"k's head dim must equal q's ({dqk}), got k shape {tuple(k.shape)}")
     for name, dim in (("q.shape[0] (Tq)", tq), ("k.shape[0] (Tkv)", tkv)):
         if dim < 1:
             raise ValueError(f"{name} must be >= 1, got {dim}")
-    for name, dim in (("q.shape[1] (Hq)", hq), ("k.shape[1] (Hkv)", hkv), ("q.shape[2] (Dqk)", dqk),
-                      ("v.shape[2] (Dv)", v.shape[2])):
-        if dim < 1:
-            raise ValueError(f"{name} must be >= 1, got {dim}")
-    if hq % hkv:
-        raise ValueError(f"q's heads ({hq}) must be a multiple of k's heads ({hkv})")
-
-    scale = 1.0 / math.sqrt(dqk) if options.scale is None else options.scale
-
-    if sinks is not None:
-        _check_array(sinks, "sinks", 1, "[Hq]")
-        if sinks.shape[0] != hq:
-            raise ValueError(f"sinks must be [Hq={hq}], one logit per query head, got shape {tuple(sinks.shape)}")
-        if not jnp.issubdtype(sinks.dtype, jnp.floating):
-            raise ValueError(f"sinks must be a floating array, got {sinks.dtype}")
-
-    window_left, window_right = options.local_window_size or (None, None)
     return AttentionConfig(
         num_seqs=int(cu_seqlens_q.shape[0]) - 1,
         capacity_q=int(tq),
@@ -318,17 +332,13 @@ def make_config(
         max_seqlen_q=min(_static_int(max_seqlen_q, "max_seqlen_q", 1), int(tq)),
         max_seqlen_kv=min(_static_int(max_seqlen_kv, "max_seqlen_kv", 1), int(tkv)),
         dtype=np.dtype(q.dtype).name,
-        scale=scale,
-        is_causal=options.is_causal,
         diagonal_alignment=options.diagonal_alignment,
-        window_left=window_left,
-        window_right=window_right,
         stats_layout=options.stats_layout,
         deterministic=options.deterministic,
         autotune=options.autotune,
         strategy=options.strategy,
         packing=packing,
         has_sinks=sinks is not None,
-        softcap=options.softcap or 0.0,
         policy_tokens_per_sequence=options.policy_tokens_per_sequence,
+        **masked_fields(options, dqk),
     )

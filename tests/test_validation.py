@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn import ragged_attention
+from jax_ragged_attn import ragged_attention, ragged_attention_with_kvcache
 from jax_ragged_attn.backends.shared import extension
 
 _CUDNN_REASON = extension.cudnn_unavailable_reason()
@@ -130,10 +130,40 @@ def test_bad_input_names_the_argument(bad):
         bad.call()
 
 
+# ragged_attention_with_kvcache validates through the same code (AttentionOptions, config.check_heads): the same
+# bad option is the same ValueError word for word, and the same bad heads, dtypes or sinks the same message with
+# k_cache / v_cache for k / v. Each case: (ragged_attention's changes, the KV-cache call's).
+KV_VALID = dict(q=_zeros(2, 1, 4, 8), k_cache=_zeros(2, 5, 2, 8), v_cache=_zeros(2, 5, 2, 8),
+                cache_seqlens=jnp.array([3, 5], jnp.int32), implementation="xla")
+SHARED_CASES = {
+    **{name: (CASES[name].changes, CASES[name].changes) for name in CASES
+       if not CASES[name].traced and set(CASES[name].changes) <= {"stats_layout", "implementation", "scale",
+                                                                  "local_window_size", "is_causal", "softcap"}},
+    "heads_not_a_multiple": (dict(q=_zeros(6, 3, 8)), dict(q=_zeros(2, 1, 3, 8))),
+    "k_dtype_differs": (dict(k=_zeros(5, 2, 8, dtype=jnp.float16)),
+                        dict(k_cache=_zeros(2, 5, 2, 8, dtype=jnp.float16))),
+    "qkv_integer": ({name: x.astype(jnp.int32) for name, x in VALID.items() if name in "qkv"},
+                    {name: KV_VALID[name].astype(jnp.int32) for name in ("q", "k_cache", "v_cache")}),
+    "sinks_shape": (dict(sinks=_zeros(3)), dict(sinks=_zeros(3))),
+    "sinks_integer": (dict(sinks=_zeros(4, dtype=jnp.int32)), dict(sinks=_zeros(4, dtype=jnp.int32))),
+}
+
+
+@pytest.mark.parametrize("name", list(SHARED_CASES))
+def test_both_ops_validate_with_the_same_code(name):
+    ragged_changes, cache_changes = SHARED_CASES[name]
+    with pytest.raises(ValueError) as ragged:
+        ragged_attention(**{**VALID, **ragged_changes})
+    with pytest.raises(ValueError) as cache:
+        ragged_attention_with_kvcache(**{**KV_VALID, **cache_changes})
+    assert re.sub(r"\b([kv])_cache\b", r"\1", str(cache.value)) == str(ragged.value)
+
+
 def test_valid_call_passes():
     """The baseline the cases above modify must itself be accepted, or every case passes for nothing."""
     out = ragged_attention(**VALID)
     assert out.shape == (6, 4, 8)
+    assert ragged_attention_with_kvcache(**KV_VALID).shape == (2, 1, 4, 8)
 
 
 @pytest.mark.skipif(_CUDNN_REASON is None, reason="a GPU with cuDNN is present; this checks the answer without one")

@@ -221,22 +221,35 @@ def segment_problems(ids: np.ndarray, max_segments: int, max_seqlen: int) -> lis
     return problems
 
 
-def _report(values: np.ndarray, name: str, problems_of, *, warn: bool = False) -> None:
-    """Raises (or warns) naming `name` if `problems_of` finds anything in `values`; under vmap `values` has
-    leading mapped axes, and the message names the mapped element that is wrong."""
-    element_rank = 2 if name == "segment_ids" else 1
-    for index in np.ndindex(values.shape[:values.ndim - element_rank]):
-        problems = problems_of(values[index])
-        if problems:
-            where = f" (vmapped element {index})" if index else ""
-            got = np.array2string(values[index], threshold=32, max_line_width=10**6).replace("\n", "")
-            message = f"{name} is invalid{where}: " + "; ".join(problems) + f". Got {got}"
-            if warn:
-                warnings.warn(message + ". The op drops or clamps this data (check=True raises instead; "
-                              "return_overflow=True counts it)", RaggedAttentionInputWarning,
-                              stacklevel=_first_frame_outside_the_package())
-                return
-            raise RaggedAttentionInputError(message)
+def _first_invalid(values: tuple, element_ranks: tuple, message_of) -> str | None:
+    """What message_of(*element, where=...) says of the first element of `values` (NumPy arrays, one call's
+    arguments) it finds invalid, or None. Under vmap the arrays carry the same leading mapped axes, and
+    `where` names the mapped element."""
+    for index in np.ndindex(values[0].shape[:values[0].ndim - element_ranks[0]]):
+        message = message_of(*(v[index] for v in values), where=f" (vmapped element {index})" if index else "")
+        if message:
+            return message
+    return None
+
+
+def _named(name: str, problems_of):
+    """message_of for one array: "<name> is invalid: <problems>. Got <values>", or None without problems."""
+    def message_of(values, *, where):
+        problems = problems_of(values)
+        if not problems:
+            return None
+        got = np.array2string(values, threshold=32, max_line_width=10**6).replace("\n", "")
+        return f"{name} is invalid{where}: " + "; ".join(problems) + f". Got {got}"
+    return message_of
+
+
+def _warn(values: np.ndarray, element_rank: int, name: str, problems_of) -> None:
+    """A RaggedAttentionInputWarning naming `name` if `problems_of` finds anything in host-resident `values`."""
+    message = _first_invalid((values,), (element_rank,), _named(name, problems_of))
+    if message:
+        warnings.warn(message + ". The op drops or clamps this data (check=True raises instead; "
+                      "return_overflow=True counts it)", RaggedAttentionInputWarning,
+                      stacklevel=_first_frame_outside_the_package())
 
 
 def _first_frame_outside_the_package() -> int:
@@ -248,19 +261,25 @@ def _first_frame_outside_the_package() -> int:
     return level
 
 
-def _checked(value: jax.Array, name: str, problems_of):
-    """`value`, unchanged, once the host found it valid; otherwise the computation stops (see the module
-    docstring). Concrete values are checked here and now, traced ones by a pure_callback."""
-    def check_on_host(values):
-        values = np.asarray(values)
-        _report(values, name, problems_of)
+def _checked(arrays: tuple, element_ranks: tuple, message_of) -> tuple:
+    """`arrays`, unchanged, once the host found them valid together (message_of(*element, where=...) says
+    nothing); otherwise the computation stops with a RaggedAttentionInputError (see the module docstring).
+    Concrete values are checked here and now, traced ones by one pure_callback over all of them. Every check
+    of check mode, of both ops, is this: its caller brings the problem finder."""
+    def check_on_host(*values):
+        values = tuple(np.asarray(v) for v in values)
+        message = _first_invalid(values, element_ranks, message_of)
+        if message:
+            raise RaggedAttentionInputError(message)
         return values
 
-    if not isinstance(value, jax.core.Tracer):
-        check_on_host(value)
-        return value
-    result = jax.ShapeDtypeStruct(value.shape, value.dtype)
-    return check_callback(check_on_host, result, value, vmap_method="expand_dims")
+    if not any(isinstance(x, jax.core.Tracer) for x in arrays):
+        check_on_host(*arrays)
+        return tuple(arrays)
+    result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays)
+    # broadcast_all: under vmap some may be unbatched (one set of slots, batched seqused); the check needs all
+    # with the same leading axes, and must return full-size results.
+    return tuple(check_callback(check_on_host, result, *arrays, vmap_method="broadcast_all"))
 
 
 def _bound_name(name: str) -> str:
@@ -276,7 +295,7 @@ def checked_cu_seqlens(cu_seqlens: jax.Array, *, name: str, capacity: int, max_s
     """
     problems_of = functools.partial(cu_seqlens_problems, name=name, capacity=int(capacity),
                                     max_seqlen=int(max_seqlen), bound=_bound_name(name))
-    return _checked(cu_seqlens, name, problems_of)
+    return _checked((cu_seqlens,), (1,), _named(name, problems_of))[0]
 
 
 def seqused_problems(cu: np.ndarray, seqused: np.ndarray, name: str, seqused_name: str, capacity: int,
@@ -303,48 +322,72 @@ def checked_seqused(cu_seqlens: jax.Array, seqused: jax.Array, *, name: str, seq
                     max_seqlen: int):
     """(cu_seqlens, seqused), unchanged, once a host check has found them valid together (seqused_problems);
     otherwise the computation stops with a RaggedAttentionInputError naming the argument."""
-    def check_on_host(cu, used):
-        cu, used = np.asarray(cu), np.asarray(used)
-        for index in np.ndindex(cu.shape[:-1]):  # leading axes: vmap
-            problems = seqused_problems(cu[index], used[index], name, seqused_name, int(capacity), int(max_seqlen),
-                                        _bound_name(name))
-            if problems:
-                where = f" (vmapped element {index})" if index else ""
-                raise RaggedAttentionInputError(
-                    f"{name} / {seqused_name} are invalid{where}: " + "; ".join(problems)
-                    + f". Got {name} = {cu[index].tolist()}, {seqused_name} = {used[index].tolist()}")
-        return cu, used
+    def message_of(cu, used, *, where):
+        problems = seqused_problems(cu, used, name, seqused_name, int(capacity), int(max_seqlen), _bound_name(name))
+        if not problems:
+            return None
+        return (f"{name} / {seqused_name} are invalid{where}: " + "; ".join(problems)
+                + f". Got {name} = {cu.tolist()}, {seqused_name} = {used.tolist()}")
 
-    if not isinstance(cu_seqlens, jax.core.Tracer) and not isinstance(seqused, jax.core.Tracer):
-        check_on_host(cu_seqlens, seqused)
-        return cu_seqlens, seqused
-    result = (jax.ShapeDtypeStruct(cu_seqlens.shape, cu_seqlens.dtype), jax.ShapeDtypeStruct(seqused.shape, seqused.dtype))
-    # broadcast_all: under vmap one of the two may be unbatched (one set of slots, batched seqused); the check
-    # needs both with the same leading axes, and must return full-size results.
-    return check_callback(check_on_host, result, cu_seqlens, seqused, vmap_method="broadcast_all")
+    return _checked((cu_seqlens, seqused), (1, 1), message_of)
 
 
 def checked_segment_ids(segment_ids: jax.Array, *, max_segments: int, max_seqlen: int) -> jax.Array:
     """segment_ids [R, S], unchanged, once a host check has found no more than `max_segments` segments and
     none longer than `max_seqlen`; otherwise the computation stops with a RaggedAttentionInputError."""
     problems_of = functools.partial(segment_problems, max_segments=int(max_segments), max_seqlen=int(max_seqlen))
-    return _checked(segment_ids, "segment_ids", problems_of)
+    return _checked((segment_ids,), (2,), _named("segment_ids", problems_of))[0]
+
+
+def cache_index_problems(lengths: np.ndarray, page_table: np.ndarray | None, config) -> list[str]:
+    """What is wrong with one ragged_attention_with_kvcache call's cache_seqlens [B] and page_table
+    [B, max_pages] (None: contiguous); config its KVCacheConfig (backends/shared/kvcache_config.py)."""
+    problems = []
+    lengths = lengths.astype(np.int64)
+    where = "k_cache.shape[1]" if not config.paged else f"page_table.shape[1] * page_size = {config.max_pages} * " \
+                                                        f"{config.page_size}"
+    for b in np.flatnonzero((lengths < 0) | (lengths > config.capacity))[:1]:
+        problems.append(f"cache_seqlens[{b}] = {lengths[b]} is outside [0, {config.capacity}] (the capacity, "
+                        f"{where})")
+    if page_table is not None:
+        used = (np.clip(lengths, 0, config.capacity) + config.page_size - 1) // config.page_size  # [B]
+        needed = np.arange(config.max_pages)[None, :] < used[:, None]
+        bad = needed & ((page_table < 0) | (page_table >= config.num_pages))
+        if bad.any():
+            b, p = (int(i) for i in np.argwhere(bad)[0])
+            problems.append(f"page_table[{b}, {p}] = {page_table[b, p]} is outside [0, num_pages = "
+                            f"{config.num_pages}) (k_cache.shape[0]) and holds rows {p * config.page_size}.."
+                            f"{(p + 1) * config.page_size - 1} that sequence {b} uses (cache_seqlens[{b}] = "
+                            f"{lengths[b]})")
+    return problems
+
+
+def checked_cache_index(cache_seqlens: jax.Array, page_table: jax.Array | None, config):
+    """(cache_seqlens, page_table), unchanged, once a host check has found them valid together
+    (cache_index_problems); otherwise the computation stops with a RaggedAttentionInputError."""
+    def message_of(lengths, table=None, *, where):
+        problems = cache_index_problems(lengths, table, config)
+        return "KV cache index invalid" + where + ": " + "; ".join(problems) if problems else None
+
+    arrays = (cache_seqlens,) if page_table is None else (cache_seqlens, page_table)
+    checked = _checked(arrays, (1, 2)[:len(arrays)], message_of)
+    return checked[0], (None if page_table is None else checked[1])
 
 
 def warn_cu_seqlens_on_host(cu_seqlens, *, name: str, capacity: int, max_seqlen: int) -> None:
     """Outside check mode: a RaggedAttentionInputWarning if host-resident (NumPy) cu_seqlens will be clamped
     or cut. Device arrays and traced values are left alone: reading them would cost a round trip."""
     if isinstance(cu_seqlens, np.ndarray):
-        _report(cu_seqlens, name, functools.partial(cu_seqlens_problems, name=name, capacity=int(capacity),
-                                                    max_seqlen=int(max_seqlen), bound=_bound_name(name)), warn=True)
+        _warn(cu_seqlens, 1, name, functools.partial(cu_seqlens_problems, name=name, capacity=int(capacity),
+                                                     max_seqlen=int(max_seqlen), bound=_bound_name(name)))
 
 
 def warn_segment_ids_on_host(segment_ids, *, max_segments: int, max_seqlen: int) -> None:
     """Outside check mode: a RaggedAttentionInputWarning if host-resident (NumPy) segment_ids will lose
     segments or tokens."""
     if isinstance(segment_ids, np.ndarray):
-        _report(segment_ids, "segment_ids", functools.partial(segment_problems, max_segments=int(max_segments),
-                                                              max_seqlen=int(max_seqlen)), warn=True)
+        _warn(segment_ids, 2, "segment_ids", functools.partial(segment_problems, max_segments=int(max_segments),
+                                                               max_seqlen=int(max_seqlen)))
 
 
 # Guard mode of the cuDNN path (on with check=True): GUARD_BYTES past the end of the workspace the graph
@@ -414,7 +457,7 @@ def verified_output_band(result: jax.Array, axis: int, rows: int, *, name: str, 
     return jax.pure_callback(check, jax.ShapeDtypeStruct((), np.int32), band, vmap_method="sequential")
 
 
-# ---- the check feature of one call (api.attend) -----------------------------------------------------------
+# ---- the check feature of one call (api.attend, inputs/kvcache.py) -----------------------------------------
 
 
 def apply_check(check: bool | None, config, index):
@@ -449,3 +492,12 @@ def apply_check(check: bool | None, config, index):
     # The checked arrays are new values: `same` stays true only where one array still serves both sides.
     return config, index.replace(cu_seqlens_q=checked[0], cu_seqlens_kv=checked[-1], seqused_q=used[0],
                                  seqused_kv=used[1], same=index.same and checked[0] is checked[-1])
+
+
+def apply_cache_check(check: bool | None, config, cache_seqlens, page_table):
+    """The check feature of one ragged_attention_with_kvcache call (config its KVCacheConfig): with check on,
+    (cache_seqlens, page_table) validated on the host at run time (checked_cache_index); off, as they are.
+    The kernels read no guard bands here. Returns (cache_seqlens, page_table)."""
+    if not check_enabled(check):
+        return cache_seqlens, page_table
+    return checked_cache_index(cache_seqlens, page_table, config)

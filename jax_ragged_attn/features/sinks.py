@@ -30,20 +30,20 @@ def sink_terms(stats, s_rows, keys):
 
 
 def apply_sinks(out, stats, sinks, real_rows, rows_with_keys, stats_layout: str, return_stats: bool):
-    """(out with the sinks, stats with the sinks or None) from the sink-free op's out [Tq, Hq, Dv] and float32
-    stats in `stats_layout` (read only in rows_with_keys: elsewhere they may hold anything); sinks [Hq];
-    real_rows, rows_with_keys [Tq] bool (packing.row_positions' valid, packing.query_rows_with_keys).
+    """(out with the sinks, stats with the sinks or None) from the sink-free op's out [..., T, Hq, Dv] and
+    float32 stats in `stats_layout`, head-major [..., Hq, T] or token-major [..., T, Hq] (read only in
+    rows_with_keys: elsewhere they may hold anything); sinks [Hq]; real_rows, rows_with_keys [..., T] bool.
+    ragged_attention's rows are [Tq] (index.RaggedIndex's real_rows_q and rows_with_keys), a KV-cache call's
+    [B, Sq].
 
     No inf is formed unless stats are returned (then only the documented -inf of rows that are not real
     tokens), so jax.debug_infs stays quiet as it does without sinks."""
     s = sinks.astype(jnp.float32)
-    if stats_layout == "head_major":  # [Hq, Tq]
-        s_rows, keys, real = s[:, None], rows_with_keys[None, :], real_rows[None, :]
-    else:  # [Tq, Hq]
-        s_rows, keys, real = s[None, :], rows_with_keys[:, None], real_rows[:, None]
-    with_sink, weight = sink_terms(stats, s_rows, keys)
-    weight = weight.T if stats_layout == "head_major" else weight  # [Tq, Hq]
-    out = (out.astype(jnp.float32) * weight[:, :, None]).astype(out.dtype)
+    head_major = stats_layout == "head_major"
+    as_stats = (lambda rows: rows[..., None, :]) if head_major else (lambda rows: rows[..., None])
+    with_sink, weight = sink_terms(stats, s[:, None] if head_major else s, as_stats(rows_with_keys))
+    weight = jnp.swapaxes(weight, -1, -2) if head_major else weight  # [..., T, Hq]
+    out = (out.astype(jnp.float32) * weight[..., None]).astype(out.dtype)
     if not return_stats:
         return out, None
-    return out, jnp.where(real, with_sink, -jnp.inf)
+    return out, jnp.where(as_stats(real_rows), with_sink, -jnp.inf)

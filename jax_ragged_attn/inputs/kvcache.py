@@ -5,9 +5,10 @@
 
 The caches are contiguous [B, L, Hkv, D] or paged [num_pages, page_size, Hkv, D] with an integer page table
 [B, max_pages]; backends/shared/kvcache_config.py spells out how rows map to memory. This module validates the
-arguments, runs check mode, picks the backend from the registry (backends.KVCACHE: FlashAttention-3, cuDNN
-over a contiguous cache, xla), and applies what every backend shares once: rows without keys (out 0, stats
--inf), sinks and the stats layout.
+arguments with the checks ragged_attention runs (config.check_heads, AttentionOptions), runs check mode
+(features/checks.py), picks the backend from the registry (backends.KVCACHE: FlashAttention-3, cuDNN over a
+contiguous cache, xla), and applies what every backend shares once: rows without keys (out 0, stats -inf),
+sinks (features/sinks.py's epilogue) and the stats layout.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import numpy as np
 
 from jax_ragged_attn import backends
 from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, clamped_lengths, rows_with_keys
-from jax_ragged_attn.config import XLA_DTYPES, AttentionOptions
+from jax_ragged_attn.config import AttentionOptions, check_array, check_heads, masked_fields
 from jax_ragged_attn.features import keyword_hints
-from jax_ragged_attn.features.checks import RaggedAttentionInputError, check_enabled
-from jax_ragged_attn.features.sinks import sink_terms
+from jax_ragged_attn.features.checks import apply_cache_check
+from jax_ragged_attn.features.sinks import apply_sinks
 from jax_ragged_attn.index import as_int32
 
 
@@ -78,23 +79,20 @@ def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_ta
     cache_seqlens = as_int32(cache_seqlens, "cache_seqlens")
     page_table = None if page_table is None else as_int32(page_table, "page_table")
     config = kvcache_config(q, k_cache, v_cache, cache_seqlens, page_table, options, sinks)
-    if check_enabled(check):
-        cache_seqlens, page_table = checked_cache_index(cache_seqlens, page_table, config)
-    backend = backends.choose(implementation, config, None, op="kvcache")
+    cache_seqlens, page_table = apply_cache_check(options.check, config, cache_seqlens, page_table)
+    backend = backends.choose(options.implementation, config, None, op="kvcache")
     lengths = clamped_lengths(jnp.asarray(cache_seqlens), config)
     page_table = None if page_table is None else jnp.asarray(page_table)
-    out, lse = _attention(q, k_cache, v_cache, lengths, page_table, config, backend.NAME)
-    keys = rows_with_keys(lengths, config)  # [B, Sq]
+    out, lse = _attention(q, k_cache, v_cache, lengths, page_table, config, backend.NAME)  # lse [B, Hq, Sq]
+    keys = rows_with_keys(lengths, config)  # [B, Sq]; every query is a real token
     out = jnp.where(keys[:, :, None, None], out, jnp.zeros((), out.dtype))
-    keys = keys[:, None, :]  # as the stats, head-major [B, Hq, Sq]
-    if sinks is None:
-        stats = jnp.where(keys, lse, -jnp.inf)
+    if sinks is not None:  # the epilogue ragged_attention runs, on rows [B, Sq] and head-major stats
+        out, stats = apply_sinks(out, lse, sinks, jnp.ones_like(keys), keys, "head_major", options.return_stats)
     else:
-        stats, weight = sink_terms(lse, sinks.astype(jnp.float32)[None, :, None], keys)
-        out = (out.astype(jnp.float32) * weight.transpose(0, 2, 1)[..., None]).astype(out.dtype)
-    if not return_stats:
+        stats = jnp.where(keys[:, None, :], lse, -jnp.inf) if options.return_stats else None
+    if not options.return_stats:
         return out
-    return out, (stats.transpose(0, 2, 1) if stats_layout == "token_major" else stats)
+    return out, (stats.transpose(0, 2, 1) if options.stats_layout == "token_major" else stats)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -126,7 +124,7 @@ def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, *, page_table=
     under jax.jit with the caches donated (donate_argnums) XLA updates them in place, with no copy of the cache.
     """
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
-        _check_rank(x, name, 4)
+        check_array(x, name, 4, _LAYOUTS[name])
     cache_seqlens = as_int32(cache_seqlens, "cache_seqlens")
     batch, new_rows = k_new.shape[:2]
     if v_new.shape[:3] != k_new.shape[:3]:
@@ -167,40 +165,31 @@ def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, *, page_table=
 # ---- validation and check mode ------------------------------------------------------------------------------
 
 
-def _check_rank(x, name: str, rank: int) -> None:
-    shape = getattr(x, "shape", None)
-    if shape is None or getattr(x, "dtype", None) is None:
-        raise ValueError(f"{name} must be an array, got {type(x).__name__}")
-    if len(shape) != rank:
-        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(shape)}")
-
-
 def _check_page_table(page_table, batch: int) -> None:
     if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.shape[1] < 1:
         raise ValueError(f"page_table must be [B={batch}, max_pages >= 1], got shape {tuple(page_table.shape)}")
 
 
+# The layouts the rank errors name.
+_LAYOUTS = {"q": "[B, Sq, Hq, Dqk]", "k_cache": "[B, L, Hkv, Dqk] or [num_pages, page_size, Hkv, Dqk]",
+            "v_cache": "[B, L, Hkv, Dv] or [num_pages, page_size, Hkv, Dv]", "k_new": "[B, Sn, Hkv, Dqk]",
+            "v_new": "[B, Sn, Hkv, Dv]"}
+
+
 def kvcache_config(q, k_cache, v_cache, cache_seqlens, page_table, options: AttentionOptions,
                    sinks=None) -> KVCacheConfig:
-    """Checks every static property of the arguments (ValueError naming the argument) into a KVCacheConfig."""
+    """Checks every static property of the arguments (ValueError naming the argument) into a KVCacheConfig.
+    What both ops share (dtypes, heads, head dims, sinks) is config.check_heads, and the options' fields
+    config.masked_fields, as make_config does for ragged_attention; the cache's own layout is checked here."""
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_rank(x, name, 4)
+        check_array(x, name, 4, _LAYOUTS[name])
+    check_heads(q, k_cache, v_cache, sinks, k_name="k_cache", v_name="v_cache")
     batch, seqlen_q, heads_q, dqk = q.shape
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if q.dtype not in [np.dtype(d) for d in XLA_DTYPES]:
-        raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"v_cache must match k_cache {tuple(k_cache.shape)} but in its last dim, got "
                          f"{tuple(v_cache.shape)}")
-    if k_cache.shape[3] != dqk:
-        raise ValueError(f"k_cache's head dim must equal q's ({dqk}), got k_cache shape {tuple(k_cache.shape)}")
-    heads_kv = k_cache.shape[2]
-    if min(batch, seqlen_q, heads_q, dqk, *k_cache.shape, v_cache.shape[3]) < 1:
-        raise ValueError(f"every dim must be >= 1, got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
-                         f"v_cache {tuple(v_cache.shape)}")
-    if heads_q % heads_kv:
-        raise ValueError(f"q's heads ({heads_q}) must be a multiple of the cache's heads ({heads_kv})")
+    if min(batch, seqlen_q, *k_cache.shape[:2]) < 1:
+        raise ValueError(f"every dim must be >= 1, got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
     if tuple(cache_seqlens.shape) != (batch,):
         raise ValueError(f"cache_seqlens must be [B={batch}], got shape {tuple(cache_seqlens.shape)}")
     if page_table is None:
@@ -211,60 +200,8 @@ def kvcache_config(q, k_cache, v_cache, cache_seqlens, page_table, options: Atte
     else:
         _check_page_table(page_table, batch)
         paged, page_size, num_pages, max_pages = True, k_cache.shape[1], k_cache.shape[0], page_table.shape[1]
-    if sinks is not None:
-        _check_rank(sinks, "sinks", 1)
-        if sinks.shape[0] != heads_q or not jnp.issubdtype(sinks.dtype, jnp.floating):
-            raise ValueError(f"sinks must be a floating [Hq={heads_q}], got {sinks.dtype} {tuple(sinks.shape)}")
-    window_left, window_right = options.local_window_size or (None, None)
     return KVCacheConfig(
-        batch=int(batch), seqlen_q=int(seqlen_q), num_heads_q=int(heads_q), num_heads_kv=int(heads_kv),
+        batch=int(batch), seqlen_q=int(seqlen_q), num_heads_q=int(heads_q), num_heads_kv=int(k_cache.shape[2]),
         head_dim_qk=int(dqk), head_dim_v=int(v_cache.shape[3]), dtype=np.dtype(q.dtype).name, paged=paged,
-        page_size=int(page_size), num_pages=int(num_pages), max_pages=int(max_pages),
-        scale=1.0 / float(np.sqrt(dqk)) if options.scale is None else options.scale, is_causal=options.is_causal,
-        window_left=window_left, window_right=window_right, has_sinks=sinks is not None,
-        softcap=options.softcap or 0.0)
-
-
-def cache_index_problems(lengths: np.ndarray, page_table: np.ndarray | None, config: KVCacheConfig) -> list[str]:
-    """What is wrong with one call's cache_seqlens [B] and page_table [B, max_pages] (None: contiguous)."""
-    problems = []
-    lengths = lengths.astype(np.int64)
-    where = "k_cache.shape[1]" if not config.paged else f"page_table.shape[1] * page_size = {config.max_pages} * " \
-                                                        f"{config.page_size}"
-    for b in np.flatnonzero((lengths < 0) | (lengths > config.capacity))[:1]:
-        problems.append(f"cache_seqlens[{b}] = {lengths[b]} is outside [0, {config.capacity}] (the capacity, "
-                        f"{where})")
-    if page_table is not None:
-        used = (np.clip(lengths, 0, config.capacity) + config.page_size - 1) // config.page_size  # [B]
-        needed = np.arange(config.max_pages)[None, :] < used[:, None]
-        bad = needed & ((page_table < 0) | (page_table >= config.num_pages))
-        if bad.any():
-            b, p = (int(i) for i in np.argwhere(bad)[0])
-            problems.append(f"page_table[{b}, {p}] = {page_table[b, p]} is outside [0, num_pages = "
-                            f"{config.num_pages}) (k_cache.shape[0]) and holds rows {p * config.page_size}.."
-                            f"{(p + 1) * config.page_size - 1} that sequence {b} uses (cache_seqlens[{b}] = "
-                            f"{lengths[b]})")
-    return problems
-
-
-def checked_cache_index(cache_seqlens, page_table, config: KVCacheConfig):
-    """(cache_seqlens, page_table), unchanged, once the host found them valid (cache_index_problems); else the
-    computation stops with a RaggedAttentionInputError. Concrete values are checked now, traced ones by a
-    pure_callback whose results the attention consumes (features/checks.py explains the mechanism)."""
-    def check_on_host(lengths, table=None):
-        lengths = np.asarray(lengths)
-        table = None if table is None else np.asarray(table)
-        for index in np.ndindex(lengths.shape[:-1]):  # leading axes: vmap
-            problems = cache_index_problems(lengths[index], None if table is None else table[index], config)
-            if problems:
-                at = f" (vmapped element {index})" if index else ""
-                raise RaggedAttentionInputError(f"KV cache index invalid{at}: " + "; ".join(problems))
-        return (lengths,) if table is None else (lengths, table)
-
-    arrays = (cache_seqlens,) if page_table is None else (cache_seqlens, page_table)
-    if not any(isinstance(x, jax.core.Tracer) for x in arrays):
-        check_on_host(*arrays)
-        return cache_seqlens, page_table
-    result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays)
-    checked = jax.pure_callback(check_on_host, result, *arrays, vmap_method="broadcast_all")
-    return checked[0], (None if page_table is None else checked[1])
+        page_size=int(page_size), num_pages=int(num_pages), max_pages=int(max_pages), has_sinks=sinks is not None,
+        **masked_fields(options, dqk))
