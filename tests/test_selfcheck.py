@@ -68,3 +68,51 @@ def test_gpu_run_names_the_loaded_cudnn():
     assert cudnn.startswith(f"  libcudnn: {major}.") and "/libcudnn.so" in cudnn, lines
     cudart = next(line for line in lines if line.startswith("  libcudart: "))
     assert " at /" in cudart or cudart == "  libcudart: not loaded in this process", lines
+
+
+# ---- --deep: every feature of every backend against the float64 reference (tools/selfcheck_deep.py) ----------
+
+
+def _assert_rows_passed_or_declined(rows):
+    assert rows, "no rows"
+    for row in rows:
+        assert row.status in ("passed", "declined"), f"{row.backend}, {row.op}: {row.feature}: {row.detail}"
+        assert row.status == "passed" or row.detail, f"{row.backend}, {row.feature}: declined without a reason"
+    if jax.default_backend() != "gpu":  # a CPU checks the xla path; the GPU backends say why not
+        assert all(row.status == "passed" for row in rows if row.backend == "xla"), rows
+        assert all(row.status == "declined" for row in rows if row.backend != "xla"), rows
+
+
+def test_deep_check_of_a_few_features_on_every_backend():
+    rows = selfcheck.deep_check(features=["head-major", "seqused", "decode, paged cache"])
+    assert [(r.feature, r.backend) for r in rows] == [
+        (f, b) for f in ("causal, head-major stats", "seqused (slots with unused rows)", "decode, paged cache")
+        for b in ("cudnn", "fa3", "xla")]
+    _assert_rows_passed_or_declined(rows)
+
+
+def test_deep_check_of_every_feature():  # slow (tests/conftest.py): about 2 minutes of compiling on 2 cores
+    _assert_rows_passed_or_declined(selfcheck.deep_check())
+
+
+def test_deep_table_and_exit_status(monkeypatch, capsys):
+    from jax_ragged_attn.tools import selfcheck_deep
+
+    rows = [selfcheck_deep.Row("ragged", "causal", "cudnn", "declined", "no CUDA device", 0.0),
+            selfcheck_deep.Row("ragged", "causal", "xla", "passed", "", 1.0),
+            selfcheck_deep.Row("kvcache", "decode", "cudnn", "declined", "no CUDA device", 0.0),
+            selfcheck_deep.Row("kvcache", "decode", "xla", "failed", "out: 3 of 8 entries off\ndetails", 1.0)]
+    monkeypatch.setattr(selfcheck_deep, "deep_check", lambda: rows)
+    assert selfcheck.main(["--deep"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("jax ") and any(line.startswith("known issues of the loaded versions") for line in lines)
+    table = lines.index(next(line for line in lines if line.startswith("feature")))
+    assert lines[table].split() == ["feature", "cudnn", "xla"]
+    assert lines[table + 1].split()[-2:] == ["declined", "passed"]
+    assert lines[table + 2].split()[-2:] == ["declined", "FAILED"]
+    assert "  xla, kvcache: decode: out: 3 of 8 entries off" in lines
+    assert "  cudnn, every row: no CUDA device" in lines
+    assert lines[-1].startswith("selfcheck --deep: FAILED (1 passed, 1 failed, 2 declined in ")
+    monkeypatch.setattr(selfcheck_deep, "deep_check", lambda: rows[:2])
+    assert selfcheck.main(["--deep"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("selfcheck --deep: OK (1 passed, 0 failed, 1 declined")

@@ -3,8 +3,10 @@
 Prints the environment (JAX backend, cuDNN and cudnn-frontend versions, whether the cuDNN path is usable),
 runs a packed causal batch forward and backward with the best implementation, compares it with the
 float32 xla path and prints the errors and timings. Exits non-zero if the errors exceed the tolerance.
-Also prints which libcudnn and libcudart this process loaded (paths from /proc/self/maps, Linux only), and
-ends with one verdict line: "selfcheck: OK (...)" or "selfcheck: FAILED (...)".
+Also prints which libcudnn and libcudart this process loaded (paths from /proc/self/maps, Linux only) and the
+known upstream bugs of the loaded versions (backends/shared/known_issues.py), and ends with one verdict line:
+"selfcheck: OK (...)" or "selfcheck: FAILED (...)". `--deep` instead checks every feature of every backend
+against the float64 reference and prints a table (tools/selfcheck_deep.py; `deep_check()` for a user's CI).
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ import numpy as np
 
 from jax_ragged_attn import api, testing
 from jax_ragged_attn.backends.cudnn import ragged as cudnn
-from jax_ragged_attn.backends.shared import extension
+from jax_ragged_attn.backends.shared import extension, known_issues
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.testing.workloads import seeded_lengths
 from jax_ragged_attn.tools.bench import median_loop_seconds
+from jax_ragged_attn.tools.selfcheck_deep import deep_check, run_deep
+
+__all__ = ["deep_check", "main", "run", "run_deep"]
 
 
 def _time(fn, *args, iterations: int) -> float:
@@ -140,6 +145,8 @@ def run(args) -> int:
         print(f"  {key}: {value}")
     # After versions(): it initialised the extension, which is what loads cuDNN.
     print("\n".join(library_lines(jax.default_backend() == "gpu")))
+    for line in known_issues.summary_lines():
+        print(f"  known issue: {line}")
 
     # The same seeded draw as the benchmark's W1 (jax_ragged_attn/testing/workloads.py) with the default flags.
     lengths = np.asarray(seeded_lengths(args.num_seqs, args.min_len, args.max_len, total=args.total, seed=args.seed))
@@ -210,7 +217,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--iterations", type=int, default=20 if on_gpu else 3)
     parser.add_argument("--seed", type=int, default=0)
-    return run(parser.parse_args(argv))
+    parser.add_argument("--deep", action="store_true",
+                        help="every feature of every backend here against the float64 reference, as a table")
+    args = parser.parse_args(argv)
+    return run_deep() if args.deep else run(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,364 @@
+"""backends/shared/known_issues.py: the table's logic on a CPU, and on a GPU one reproducer per entry.
+
+Each reproducer skips (with the reason) unless the loaded library is in its entry's range. In range, it runs the
+affected feature with the fence lifted and asserts that the bug shows (a reproducer that no longer fails there
+means the entry should be narrowed or dropped), then with the fence on asserts that cuDNN declines naming the
+report and that implementation=None serves the call correctly. docs/CUDNN_VERSIONS.md brings a given cuDNN to
+the GPU host and runs them:
+
+    pytest -m gpu tests/test_known_issues.py -rs
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ragged_attn import ragged_attention, ragged_attention_with_kvcache
+from jax_ragged_attn.backends.cudnn import graphs
+from jax_ragged_attn.backends.cudnn import kvcache as cudnn_kvcache
+from jax_ragged_attn.backends.shared import extension, known_issues
+from jax_ragged_attn.backends.shared.known_issues import TABLE, Versions
+from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
+from jax_ragged_attn.config import AttentionOptions, make_config
+from jax_ragged_attn.testing import assert_close, reference_attention
+from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
+
+_CUDNN_REASON = extension.cudnn_unavailable_reason()
+
+
+def _issue(key: str, op: str) -> known_issues.KnownIssue:
+    return next(issue for issue in TABLE if issue.key == key and op in issue.ops)
+
+
+def _kv_config(**overrides) -> KVCacheConfig:
+    fields = dict(batch=4, seqlen_q=1, num_heads_q=8, num_heads_kv=2, head_dim_qk=128, head_dim_v=128,
+                  dtype="bfloat16", paged=True, page_size=16, num_pages=80, max_pages=32, scale=0.088,
+                  is_causal=True, window_left=None, window_right=None)
+    return KVCacheConfig(**{**fields, **overrides})
+
+
+def _ragged_config(seqlens_kv=(40, 300), max_q=64, heads=(8, 2), **options):
+    total = sum(seqlens_kv)
+    q = jax.ShapeDtypeStruct((max_q * len(seqlens_kv), heads[0], 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((total, heads[1], 128), jnp.bfloat16)
+    cu = jax.ShapeDtypeStruct((len(seqlens_kv) + 1,), jnp.int32)
+    return make_config(q, kv, kv, cu, cu, AttentionOptions(**options), max_seqlen_q=max_q,
+                       max_seqlen_kv=max(seqlens_kv))
+
+
+# ---- the table's logic: everywhere --------------------------------------------------------------------------
+
+
+def test_every_entry_is_complete():
+    names = {name for name, value in globals().items() if name.startswith("test_")}
+    for issue in TABLE:
+        assert issue.library in known_issues.LIBRARIES and set(issue.ops) <= set(known_issues.OPS), issue.key
+        assert issue.report.startswith("https://github.com/") and issue.key.split("#")[1] in issue.report, issue.key
+        assert issue.first_affected is None or issue.first_fixed is None or issue.first_affected < issue.first_fixed
+        path, _, test = issue.reproducer.partition("::")
+        assert path == "tests/test_known_issues.py" and test in names, f"{issue.key}: no test {issue.reproducer}"
+        assert issue.installable and issue.description and issue.feature, issue.key
+
+
+@pytest.mark.parametrize("version, affected", [((9, 25, 1), False), ((9, 26, 0), True), ((9, 27, 0), True),
+                                               ((9, 27, 99), True), ((9, 28, 0), False), ((9, 28, 1), False),
+                                               (None, False)])
+def test_version_range_is_half_open(version, affected):
+    assert _issue("cudnn-frontend#1083", "kvcache").affects(Versions(cudnn=version)) is affected
+
+
+def test_an_open_start_covers_every_older_release():
+    issue = _issue("cudnn-frontend#462", "ragged")
+    assert issue.affects(Versions(cudnn_frontend=(1, 0, 0))) and issue.affects(Versions(cudnn_frontend=(1, 27, 0)))
+    assert not issue.affects(Versions(cudnn_frontend=(1, 28, 0)))
+    assert not issue.affects(Versions(cudnn=(9, 10, 0)))  # another library's version does not count
+
+
+def test_architectures_narrow_an_entry():
+    hopper_only = dataclasses.replace(_issue("TransformerEngine#1937", "ragged"), archs=frozenset({90}))
+    assert hopper_only.affects(Versions(cudnn=(9, 10, 1), arch=90))
+    assert not hopper_only.affects(Versions(cudnn=(9, 10, 1), arch=100))
+    assert not hopper_only.affects(Versions(cudnn=(9, 10, 1), arch=None))
+
+
+def test_the_fence_names_the_report_and_the_fixed_release():
+    reason = known_issues.fence("cudnn", "kvcache", _kv_config(), Versions(cudnn=(9, 27, 0)))
+    assert "cudnn-frontend#1083" in reason and "https://github.com/NVIDIA/cudnn-frontend/issues/1083" in reason
+    assert "cuDNN 9.27.0" in reason and "fixed in cuDNN 9.28.0" in reason
+
+
+@pytest.mark.parametrize("overrides", [dict(seqlen_q=2), dict(num_heads_q=2), dict(num_heads_kv=8)],
+                         ids=["two_queries", "mha_2", "mha_8"])
+def test_the_fence_reads_the_feature(overrides):
+    assert known_issues.fence("cudnn", "kvcache", _kv_config(**overrides), Versions(cudnn=(9, 27, 0))) is None
+
+
+def test_the_fence_reads_the_backend_and_op():
+    versions = Versions(cudnn=(9, 27, 0))
+    assert known_issues.fence("fa3", "kvcache", _kv_config(), versions) is None
+    assert known_issues.fence("cudnn", "kvcache", _kv_config(), Versions(cudnn=(9, 19, 0))) is None
+
+
+def test_the_window_entry():
+    window = _ragged_config(seqlens_kv=(40, 1500), local_window_size=(64, 64))
+    assert "TransformerEngine#2344" in known_issues.fence("cudnn", "ragged", window, Versions(cudnn=(9, 14, 0)))
+    assert known_issues.fence("cudnn", "ragged", window, Versions(cudnn=(9, 15, 0))) is None
+    short = _ragged_config(seqlens_kv=(40, 1000), local_window_size=(64, 64))
+    assert known_issues.fence("cudnn", "ragged", short, Versions(cudnn=(9, 14, 0))) is None
+    no_window = _ragged_config(seqlens_kv=(40, 1500), is_causal=True)
+    assert known_issues.fence("cudnn", "ragged", no_window, Versions(cudnn=(9, 14, 0))) is None
+    paged = _kv_config(window_left=300, max_pages=128, num_pages=600)  # capacity 2048
+    assert "TransformerEngine#2344" in known_issues.fence("cudnn", "kvcache", paged, Versions(cudnn=(9, 14, 0)))
+
+
+def test_the_blanket_entry_takes_every_call():
+    for config, op in ((_ragged_config(), "ragged"), (_kv_config(seqlen_q=3, num_heads_q=2), "kvcache")):
+        assert "TransformerEngine#1937" in known_issues.fence("cudnn", op, config, Versions(cudnn=(9, 10, 1)))
+        assert known_issues.fence("cudnn", op, config, Versions(cudnn=(9, 10, 2))) is None
+
+
+def test_worked_around_entries_decline_nothing_but_are_listed():
+    config = _ragged_config(max_q=1)  # one query row, grouped heads, head-major stats: both workarounds apply
+    versions = Versions(cudnn=(9, 27, 0), cudnn_frontend=(1, 27, 0))
+    assert known_issues.fence("cudnn", "ragged", config, versions) is None
+    listed = known_issues.summary_lines(versions)
+    assert any("cudnn-frontend#462" in line and "worked around" in line for line in listed), listed
+    assert any("cudnn-frontend#1083" in line and "declined on cudnn" in line for line in listed), listed
+
+
+def test_lifted_turns_a_fence_off_for_the_block_only():
+    versions = Versions(cudnn=(9, 27, 0))
+    with known_issues.lifted("cudnn-frontend#1083"):
+        assert known_issues.fence("cudnn", "kvcache", _kv_config(), versions) is None
+        with known_issues.lifted("cudnn-frontend#1083"):
+            pass
+        assert known_issues.fence("cudnn", "kvcache", _kv_config(), versions) is None  # the inner exit kept it
+    assert known_issues.fence("cudnn", "kvcache", _kv_config(), versions) is not None
+    with pytest.raises(ValueError, match="keys of known_issues.TABLE"):
+        with known_issues.lifted("cudnn-frontend#0"):
+            pass
+
+
+def test_cudnn_version_encoding():
+    assert known_issues.cudnn_version_tuple(92701) == (9, 27, 1)
+    assert known_issues.cudnn_version_tuple(91900) == (9, 19, 0)
+    assert known_issues.cudnn_version_tuple(0) is None
+
+
+def test_the_warning_names_the_fenced_features_once(monkeypatch):
+    monkeypatch.setattr(known_issues, "loaded_versions", lambda: Versions(cudnn=(9, 27, 0), arch=90))
+    monkeypatch.setattr(known_issues, "_warned", False)
+    with pytest.warns(known_issues.KnownIssueWarning) as caught:
+        known_issues.warn_once()
+    text = str(caught[0].message)
+    assert "cuDNN 9.27.0" in text and "cudnn-frontend#1083" in text and "fixed in cuDNN 9.28.0" in text, text
+    assert "cudnn-frontend#462" not in text  # worked around: nothing to warn about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        known_issues.warn_once()  # once a process
+
+
+def test_no_warning_where_nothing_is_fenced(monkeypatch):
+    monkeypatch.setattr(known_issues, "loaded_versions", lambda: Versions(cudnn=(9, 19, 0), arch=90))
+    monkeypatch.setattr(known_issues, "_warned", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        known_issues.warn_once()
+
+
+def test_cudnn_backends_consult_the_fence(monkeypatch):
+    """The ragged backend's unsupported_reason and the KV-cache one's paged route return the fence's reason
+    before they ask cuDNN anything (so this runs on a CPU)."""
+    monkeypatch.setattr(extension, "cudnn_unavailable_reason", lambda: None)
+    monkeypatch.setattr(known_issues, "loaded_versions", lambda: Versions(cudnn=(9, 10, 1)))
+    assert "TransformerEngine#1937" in graphs.unsupported_reason(_ragged_config())
+    monkeypatch.setattr(known_issues, "loaded_versions", lambda: Versions(cudnn=(9, 27, 0)))
+    assert "cudnn-frontend#1083" in cudnn_kvcache.unsupported_reason(_kv_config())
+
+
+def test_loaded_versions_on_this_machine():
+    versions = known_issues.loaded_versions()
+    if _CUDNN_REASON is not None:
+        assert versions.cudnn is None
+    else:
+        assert versions.cudnn >= (9, 6, 0) and versions.arch is not None
+
+
+# ---- the reproducers: on a GPU with an affected release ------------------------------------------------------
+
+gpu = pytest.mark.gpu
+
+
+def _need(issue: known_issues.KnownIssue) -> None:
+    if _CUDNN_REASON is not None:
+        pytest.skip(f"cuDNN path unavailable: {_CUDNN_REASON}")
+    versions = known_issues.loaded_versions()
+    if not issue.affects(versions):
+        pytest.skip(f"{issue.key} reproduces on {issue.library} [{known_issues.format_version(issue.first_affected)}"
+                    f", {known_issues.format_version(issue.first_fixed)}), loaded: "
+                    f"{known_issues.format_version(versions.of(issue.library))} (docs/CUDNN_VERSIONS.md)")
+
+
+def _paged_decode(rng, lengths=(512, 300, 400, 280), heads=(8, 2), d=128, page=16, max_pages=32):
+    """q [B, 1, Hq, d] and a paged cache (pages shuffled, unused ones NaN) whose sequences pass cuDNN's tail."""
+    used = [math.ceil(n / page) for n in lengths]
+    order = rng.permutation(sum(used))
+    k, v = (np.full((len(order), page, heads[1], d), np.nan) for _ in range(2))
+    table = np.full((len(lengths), max_pages), -1, np.int32)
+    at = 0
+    for b, n in enumerate(lengths):
+        for p in range(used[b]):
+            table[b, p], at = order[at], at + 1
+            rows = min(page, n - p * page)
+            k[table[b, p], :rows], v[table[b, p], :rows] = rng.standard_normal((2, rows, heads[1], d))
+    q = rng.standard_normal((len(lengths), 1, heads[0], d))
+    cast = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    return cast(q), cast(k), cast(v), jnp.asarray(lengths, jnp.int32), jnp.asarray(table)
+
+
+@gpu
+def test_reproduces_cudnn_frontend_1083_paged_decode():
+    issue = _issue("cudnn-frontend#1083", "kvcache")
+    _need(issue)
+    q, k, v, lengths, table = _paged_decode(np.random.default_rng(1083))
+    expected = reference_kvcache_attention(q, k, v, lengths, page_table=table)
+    call = lambda implementation: ragged_attention_with_kvcache(  # noqa: E731
+        q, k, v, lengths, page_table=table, return_stats=True, implementation=implementation)
+    with known_issues.lifted(issue.key):
+        out, stats = call("cudnn")
+    group = q.shape[2] // k.shape[2]
+    stats = np.asarray(stats, np.float64)  # [B, Hq, 1]
+    first = np.abs(stats[:, ::group] - expected["stats"][:, ::group]).max()
+    others = np.abs(np.delete(stats, np.s_[::group], axis=1) - np.delete(expected["stats"], np.s_[::group], axis=1))
+    assert first < 0.1, f"the first head of each group is off too ({first}): another bug than {issue.key}"
+    assert not np.isfinite(others).all() or others.max() > 0.1, (
+        f"{issue.key} did not reproduce through the paged graph on this cuDNN (the other heads' stats are within "
+        f"{others.max():.3g} of the reference): its padded stats are not hit; narrow the entry to ragged stats")
+    with pytest.raises(NotImplementedError, match="cudnn-frontend#1083"):
+        call("cudnn")
+    out, stats = call(None)
+    assert_close(out, expected["out"], jnp.bfloat16, "out (implementation=None, fence on)")
+    assert_close(stats, expected["stats"], jnp.bfloat16, "stats (implementation=None, fence on)")
+
+
+@gpu
+def test_reproduces_cudnn_frontend_1083_ragged():
+    """The ragged site is kept away on every release by graphs.MIN_GRAPH_SEQLEN = 2; lowered to 1, the graphs
+    are the report's s_q = 1 ones."""
+    issue = _issue("cudnn-frontend#1083", "ragged")
+    _need(issue)
+    rng = np.random.default_rng(10831)
+    lengths_kv = (40, 300, 7)
+    q = jnp.asarray(rng.standard_normal((3, 8, 128)), jnp.bfloat16)  # one query row per sequence
+    k, v = (jnp.asarray(rng.standard_normal((sum(lengths_kv), 2, 128)), jnp.bfloat16) for _ in range(2))
+    cu_q, cu_kv = jnp.arange(4, dtype=jnp.int32), jnp.asarray(np.cumsum((0,) + lengths_kv), jnp.int32)
+    expected = reference_attention(q, k, v, cu_q, cu_kv, max_seqlen_q=1, max_seqlen_kv=300, is_causal=True,
+                                   diagonal_alignment="bottom_right")
+
+    def call():
+        return ragged_attention(q, k, v, cu_q, cu_kv, max_seqlen_q=1, max_seqlen_kv=300, is_causal=True,
+                                diagonal_alignment="bottom_right", return_stats=True, implementation="cudnn")
+
+    with mock.patch.object(graphs, "MIN_GRAPH_SEQLEN", 1):
+        _, stats = call()
+    stats = np.asarray(stats, np.float64).T  # token-major, as the reference
+    others = np.abs(np.delete(stats, np.s_[::4], axis=1) - np.delete(expected["stats"], np.s_[::4], axis=1))
+    assert not np.isfinite(others).all() or others.max() > 0.1, f"{issue.key} did not reproduce in an s_q = 1 graph"
+    out, stats = call()  # graphs built for 2 query rows: the workaround
+    assert_close(out, expected["out"], jnp.bfloat16, "out (s_q >= 2 graphs)")
+    assert_close(np.asarray(stats).T, expected["stats"], jnp.bfloat16, "stats (s_q >= 2 graphs)")
+
+
+def _window_batch(rng, lengths=(1500, 37)):
+    rows = sum(lengths)
+    q, k, v = (jnp.asarray(np.concatenate([rng.standard_normal((rows, 2, 128)), np.full((3, 2, 128), np.nan)]),
+                           jnp.bfloat16) for _ in range(3))  # 3 rows of NaN capacity padding
+    cu = jnp.asarray(np.cumsum((0,) + lengths), jnp.int32)
+    return q, k, v, cu, max(lengths)
+
+
+@gpu
+def test_reproduces_transformer_engine_2344_window():
+    issue = _issue("TransformerEngine#2344", "ragged")
+    _need(issue)
+    q, k, v, cu, longest = _window_batch(np.random.default_rng(2344))
+    options = dict(max_seqlen_q=longest, max_seqlen_kv=longest, local_window_size=(64, 64))
+    expected = reference_attention(q, k, v, cu, cu, **options)
+    with known_issues.lifted(issue.key):
+        out = ragged_attention(q, k, v, cu, cu, implementation="cudnn", **options)
+    rows = slice(0, int(cu[-1]))
+    error = np.abs(np.asarray(out, np.float64)[rows] - expected["out"][rows])
+    assert not np.isfinite(error).all() or error.max() > 0.1, f"{issue.key} did not reproduce on this cuDNN"
+    with pytest.raises(NotImplementedError, match="TransformerEngine#2344"):
+        ragged_attention(q, k, v, cu, cu, implementation="cudnn", **options)
+    assert_close(ragged_attention(q, k, v, cu, cu, **options), expected["out"], jnp.bfloat16, "out (fence on)")
+
+
+@gpu
+def test_reproduces_transformer_engine_1937_deep_check():
+    """No trigger is public: the whole deep self-check on cuDNN, with the fence lifted, must show a failure."""
+    from jax_ragged_attn.tools.selfcheck_deep import deep_check
+
+    issue = _issue("TransformerEngine#1937", "ragged")
+    _need(issue)
+    rows = deep_check(("cudnn",), lift=(issue.key,))
+    assert any(row.status == "failed" for row in rows), f"{issue.key}: every cuDNN row passed with the fence lifted"
+    fenced = deep_check(("cudnn",))
+    assert all(row.status == "declined" and issue.key in row.detail for row in fenced), fenced
+
+
+@gpu
+def test_reproduces_cudnn_frontend_462():
+    """Needs the extension built against cudnn-frontend 1.27 (scripts/build_old_frontend.sh, .prebuilt127/): its
+    run-time full-extent check is this entry's workaround, switched off through the extension."""
+    issue = _issue("cudnn-frontend#462", "ragged")
+    _need(issue)
+    rng = np.random.default_rng(462)
+    lengths = (300, 17, 129)
+    q, k, v = (jnp.asarray(rng.standard_normal((sum(lengths), 4, 128)), jnp.bfloat16) for _ in range(3))
+    cu = jnp.asarray(np.cumsum((0,) + lengths), jnp.int32)
+
+    def grads(rows):  # `rows` of capacity: a graph of its own for each run
+        pad = lambda x: jnp.pad(x, ((0, rows - x.shape[0]), (0, 0), (0, 0)))  # noqa: E731
+        loss = lambda q, k, v: jnp.sum(ragged_attention(  # noqa: E731
+            q, k, v, cu, cu, max_seqlen_q=300, max_seqlen_kv=300, is_causal=True, strategy="lean_memory",
+            implementation="cudnn").astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1, 2))(pad(q), pad(k), pad(v))
+
+    extension.module().set_full_extent_fallback_enabled(False)
+    try:
+        lifted = grads(sum(lengths) + 1)
+    finally:
+        extension.module().set_full_extent_fallback_enabled(True)
+    assert all(not np.abs(np.asarray(g, np.float32)).any() for g in lifted), f"{issue.key} did not reproduce"
+    assert all(np.abs(np.asarray(g, np.float32)).any() for g in grads(sum(lengths) + 2)), "the fallback is off"
+
+
+@gpu
+def test_negative_lse_rows_keep_finite_gradients():
+    """cudnn-frontend#628 / #1072 (Hopper backward, cuDNN before 9.26: rows whose log-sum-exp is below -88.7 and
+    s_kv = 64 mod 128 got NaN) do not reach this package's graphs, which always carry the padding mask: checked
+    on every release rather than fenced."""
+    if _CUDNN_REASON is not None:
+        pytest.skip(f"cuDNN path unavailable: {_CUDNN_REASON}")
+    lengths, d = (192, 64), 64
+    rng = np.random.default_rng(628)
+    k = jnp.asarray(1.0 + 0.01 * rng.standard_normal((sum(lengths), 2, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((sum(lengths), 2, d)), jnp.bfloat16)
+    q = jnp.full((sum(lengths), 2, d), -12.5, jnp.bfloat16)  # every score about scale * -800 = -100
+    cu = jnp.asarray(np.cumsum((0,) + lengths), jnp.int32)
+    d_out = np.asarray(jnp.asarray(rng.standard_normal((sum(lengths), 2, d)), jnp.bfloat16).astype(jnp.float32))
+    expected = reference_attention(q, k, v, cu, cu, max_seqlen_q=192, max_seqlen_kv=192, d_out=d_out)
+    assert expected["stats"].max() < -88.7
+    out, vjp = jax.vjp(lambda q, k, v: ragged_attention(q, k, v, cu, cu, max_seqlen_q=192, max_seqlen_kv=192,
+                                                         implementation="cudnn"), q, k, v)
+    for name, got in zip(("dq", "dk", "dv"), vjp(jnp.asarray(d_out, jnp.bfloat16))):
+        assert_close(got, expected[name], jnp.bfloat16, name)
