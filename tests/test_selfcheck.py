@@ -106,6 +106,7 @@ def test_deep_table_and_exit_status(monkeypatch, capsys):
     assert selfcheck.main(["--deep"]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("jax ") and any(line.startswith("known issues of the loaded versions") for line in lines)
+    assert any(line.startswith("  libcudnn: ") for line in lines), lines  # which library the process mapped
     table = lines.index(next(line for line in lines if line.startswith("feature")))
     assert lines[table].split() == ["feature", "cudnn", "xla"]
     assert lines[table + 1].split()[-2:] == ["declined", "passed"]

@@ -220,7 +220,9 @@ def main(argv=None) -> int:
     parser.add_argument("--deep", action="store_true",
                         help="every feature of every backend here against the float64 reference, as a table")
     args = parser.parse_args(argv)
-    return run_deep() if args.deep else run(args)
+    if args.deep:  # the loaded libraries' paths too: which cuDNN this process mapped
+        return run_deep(library_lines=library_lines(jax.default_backend() == "gpu"))
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -353,11 +353,12 @@ def version_lines() -> list[str]:
     return lines
 
 
-def run_deep(file=None) -> int:
-    """Prints the versions and the table; 1 when a row failed, else 0."""
+def run_deep(file=None, library_lines=()) -> int:
+    """Prints the versions (then `library_lines`: the self-check's paths of the loaded libraries) and the table;
+    1 when a row failed, else 0."""
     file = file or sys.stdout
     extension.cudnn_unavailable_reason()  # loads cuDNN (where there is one) before its version is read
-    print("\n".join(version_lines()), file=file, flush=True)
+    print("\n".join(version_lines() + list(library_lines)), file=file, flush=True)
     start = time.perf_counter()
     rows = deep_check()
     print("\n".join(table_lines(rows)), file=file)
