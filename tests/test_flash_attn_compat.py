@@ -35,7 +35,7 @@ import jax_ragged_attn
 from jax_ragged_attn import (flash_attn_varlen_func, flash_attn_with_kvcache, ragged_attention,
                              ragged_attention_with_kvcache)
 from jax_ragged_attn.backends.fa3 import ragged as _fa3
-from jax_ragged_attn.testing import assert_close, packed_batch, reference_attention
+from jax_ragged_attn.testing import assert_close, declines, packed_batch, reference_attention
 
 
 def fa_attention(q, k, v, cu_q, cu_k, *, causal, window_size, scale=None, softcap=0.0):
@@ -109,7 +109,6 @@ class FlashAttnCompatTest(parameterized.TestCase):
     implementation: str
     dtypes: tuple[str, ...]
     sizes: Sizes
-    unsupported: str | None = None  # how the implementation's NotImplementedError says it declines a case
 
     def rng(self) -> np.random.Generator:
         return np.random.default_rng(zlib.crc32(f"{type(self).__name__}.{self._testMethodName}".encode()))
@@ -134,13 +133,9 @@ class FlashAttnCompatTest(parameterized.TestCase):
         return {}
 
     def run_op(self, f, *args):
-        """f(*args), ready; a configuration the implementation declines is a skip, any other error fails."""
-        try:
-            return jax.block_until_ready(f(*args))
-        except NotImplementedError as error:
-            if self.unsupported is not None and self.unsupported in str(error):
-                self.skipTest(f"{self.implementation} declines this configuration: {error}")
-            raise
+        """f(*args), ready; a decline testing/declines.py lists for this implementation is a skip, any other
+        decline or error fails."""
+        return declines.call(self.implementation, lambda: jax.block_until_ready(f(*args)), skip=self.skipTest)
 
     def varlen(self, batch, **options):
         """flash_attn_varlen_func over the batch as a function of (q, k, v), FlashAttention's argument names."""
@@ -259,7 +254,6 @@ class CudnnFlashAttnCompatTest(FlashAttnCompatTest):
     implementation = "cudnn"
     dtypes = ("bfloat16", "float16")
     sizes = GPU_SIZES
-    unsupported = "cuDNN cannot run this"
 
 
 @pytest.mark.gpu
@@ -269,7 +263,6 @@ class Fa3FlashAttnCompatTest(FlashAttnCompatTest):
     implementation = "fa3"
     dtypes = ("bfloat16", "float16")
     sizes = GPU_SIZES
-    unsupported = "implementation='fa3' cannot serve this call"
 
 
 # ---- flash_attn_with_kvcache ---------------------------------------------------------------------------------
@@ -342,15 +335,11 @@ class FlashAttnKVCacheCompatTest(parameterized.TestCase):
                     jnp.asarray(table)), (q, rows_k, rows_v)
 
     def call(self, arguments, **options):
-        try:
-            return flash_attn_with_kvcache(arguments["q"], arguments["k_cache"], arguments["v_cache"],
-                                           arguments["k"], arguments["v"], cache_seqlens=arguments["cache_seqlens"],
-                                           block_table=arguments["table"], implementation=self.implementation,
-                                           **options)
-        except NotImplementedError as error:
-            if self.implementation == "xla":
-                raise
-            self.skipTest(f"{self.implementation} declines this configuration: {error}")
+        """flash_attn_with_kvcache through self.implementation; a decline testing/declines.py lists is a skip."""
+        return declines.call(self.implementation, flash_attn_with_kvcache, arguments["q"], arguments["k_cache"],
+                             arguments["v_cache"], arguments["k"], arguments["v"],
+                             cache_seqlens=arguments["cache_seqlens"], block_table=arguments["table"],
+                             implementation=self.implementation, skip=self.skipTest, **options)
 
     @parameterized.named_parameters(
         [dict(testcase_name=f"{name}_{'paged' if paged else 'contiguous'}", paged=paged, **options)
@@ -388,15 +377,10 @@ class FlashAttnKVCacheCompatTest(parameterized.TestCase):
         """An int cache_seqlens is every sequence's length (0 here: the new row is written at row 0 and is the
         only key); FlashAttention 3's page_table names the table."""
         arguments, (q, rows_k, rows_v) = self.make(paged=not self.contiguous_only, new_rows=1, seqlen_q=2)
-        try:
-            out, k_cache, _ = flash_attn_with_kvcache(arguments["q"], arguments["k_cache"], arguments["v_cache"],
-                                                      arguments["k"], arguments["v"], cache_seqlens=0,
-                                                      page_table=arguments["table"], causal=False,
-                                                      implementation=self.implementation)
-        except NotImplementedError as error:
-            if self.implementation == "xla":
-                raise
-            self.skipTest(f"{self.implementation} declines this configuration: {error}")
+        out, k_cache, _ = declines.call(self.implementation, flash_attn_with_kvcache, arguments["q"],
+                                        arguments["k_cache"], arguments["v_cache"], arguments["k"], arguments["v"],
+                                        cache_seqlens=0, page_table=arguments["table"], causal=False,
+                                        implementation=self.implementation, skip=self.skipTest)
         before = np.asarray(arguments["cache_seqlens"])
         new_k = [rows[n:] for rows, n in zip(rows_k, before)]
         new_v = [rows[n:] for rows, n in zip(rows_v, before)]

@@ -3,8 +3,9 @@
 `KVCacheTest` holds the cases and checks, through the public API only; each subclass runs them on one
 implementation: `XlaKVCacheTest` on the portable path (any backend; small blocks, so sequences straddle them),
 `Fa3KVCacheTest` on FlashAttention-3's kvcache kernels and `CudnnKVCacheTest` on the ragged cuDNN kernel over a
-contiguous cache (its paged graph: test_kvcache_cudnn.py) (GPU only, skipped with the reason elsewhere; a configuration a backend declines is a skip
-naming its reason). Every row and page a sequence does not use is NaN in both caches: a NaN in a result proves
+contiguous cache (its paged graph: test_kvcache_cudnn.py) (GPU only, skipped with the reason elsewhere; a
+configuration a backend declines by design, as testing/declines.py lists, is a skip naming its reason, any other
+decline fails). Every row and page a sequence does not use is NaN in both caches: a NaN in a result proves
 an unused row leaked. Inputs come from a seed derived from the test's id, so a failure reproduces with
 `pytest tests/test_kvcache.py -k 'XlaKVCacheTest and test_attention_paged_gqa'`.
 """
@@ -31,7 +32,7 @@ from jax_ragged_attn.backends.shared import cache_attention
 from jax_ragged_attn.backends.xla import kvcache as xla_kvcache
 from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
-from jax_ragged_attn.testing import assert_close
+from jax_ragged_attn.testing import assert_close, declines
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
 
 # name -> keywords of one case: heads (Hq, Hkv), Sq, paged, options.
@@ -121,13 +122,10 @@ class KVCacheTest(parameterized.TestCase):
             self.skipTest(f"{self.implementation} serves contiguous caches only")
 
     def attend(self, *args, **kwargs):
-        """The op through self.implementation; a declined configuration is a skip naming the reason."""
-        try:
-            return ragged_attention_with_kvcache(*args, implementation=self.implementation, **kwargs)
-        except NotImplementedError as error:
-            if self.implementation == "xla":
-                raise
-            self.skipTest(f"{self.implementation} declines this configuration: {error}")
+        """The op through self.implementation; a decline testing/declines.py lists is a skip naming the reason,
+        any other fails."""
+        return declines.call(self.implementation, ragged_attention_with_kvcache, *args,
+                             implementation=self.implementation, skip=self.skipTest, **kwargs)
 
     def check(self, args, *, sinks=None, compare=slice(None), **options):
         """Runs the op twice (bit-identical), both stats layouts, against the reference."""

@@ -15,7 +15,8 @@ A case says what to compute (heads, masks, empty sequences, padding); the implem
 big: a few rows per sequence on the xla path (run with small blocks, so sequences straddle them), sequences
 of up to 192 rows and head dims up to 128 on cuDNN, so that its kernels run over several tiles. cuDNN's
 sizes are the same for every case, so cases that differ only in their lengths share a cuDNN graph (a build
-costs seconds, a cached call microseconds). A configuration cuDNN declines is a skip, with its reason.
+costs seconds, a cached call microseconds). A configuration a backend declines by design
+(jax_ragged_attn/testing/declines.py lists them) is a skip, with its reason; any other decline fails.
 
 Every test draws fresh inputs from a seed derived from its id, so a failure reproduces with
 `pytest tests/test_semantics.py -k 'XlaTest and test_gradients_gqa_causal'`. Every row that belongs to no
@@ -42,7 +43,7 @@ from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.testing import PackedBatch, assert_close, packed_batch, reference_attention
 from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.backends.cudnn import launch
-from jax_ragged_attn.testing import fa3_emulator
+from jax_ragged_attn.testing import declines, fa3_emulator
 
 LAYOUTS = ("head_major", "token_major")
 
@@ -233,7 +234,6 @@ class SemanticsTest(parameterized.TestCase):
     dtypes: tuple[str, ...]
     sizes: Sizes
     deterministic_by_default: bool  # reruns give bit-identical gradients without deterministic=True
-    unsupported: str | None = None  # how this implementation's NotImplementedError says a graph is unsupported
     strategy: str = "fastest"  # the cuDNN backward's intermediate layout (cudnn/strategy.py); xla ignores it
     # FA3 serves a top-left mask only where the lengths are provably equal (the named cases show which): the
     # tests of other properties (eager, reruns, stats alone, vmap) run bottom-right masks on it instead.
@@ -296,13 +296,9 @@ class SemanticsTest(parameterized.TestCase):
         return attend
 
     def run_op(self, f, *args):
-        """f(*args), ready; an implementation declining the configuration is a skip, any other error fails."""
-        try:
-            return jax.block_until_ready(f(*args))
-        except NotImplementedError as error:
-            if self.unsupported is not None and self.unsupported in str(error):
-                self.skipTest(f"{self.implementation} declines this configuration: {error}")
-            raise
+        """f(*args), ready; a decline testing/declines.py lists for this implementation is a skip, any other
+        decline or error fails."""
+        return declines.call(self.implementation, lambda: jax.block_until_ready(f(*args)), skip=self.skipTest)
 
     def jit(self, f):
         return jax.jit(f, compiler_options=self.compiler_options())
@@ -502,7 +498,6 @@ class CudnnTest(SemanticsTest):
     dtypes = ("bfloat16", "float16")
     sizes = Sizes(num_seqs=6, max_seqlen=(160, 192), slack=(37, 21), head_dim_unit=32, window_unit=4)
     deterministic_by_default = False  # dQ is accumulated with atomics unless deterministic=True
-    unsupported = "cuDNN cannot run this"  # graphs.graph_info's wording: a graph cuDNN does not support
 
 
 class CudnnPoisonedOutputsTest(CudnnTest):
@@ -539,7 +534,6 @@ class Fa3Test(SemanticsTest):
     sizes = Sizes(num_seqs=6, max_seqlen=(160, 192), slack=(37, 21), head_dim_unit=32, window_unit=4,
                   head_dim=_fa3.FA3_HEAD_DIM)
     deterministic_by_default = False  # dQ is accumulated with atomics unless deterministic=True
-    unsupported = "implementation='fa3' cannot serve this call"
     bottom_right_only = True
 
 
@@ -558,7 +552,6 @@ class Fa3EmulatedTest(SemanticsTest):
     sizes = Sizes(num_seqs=5, max_seqlen=(7, 9), slack=(3, 2), head_dim_unit=8, window_unit=1,
                   head_dim=_fa3.FA3_HEAD_DIM)
     deterministic_by_default = True  # dense jnp stand-ins
-    unsupported = "implementation='fa3' cannot serve this call"
     bottom_right_only = True
 
     def setUp(self):

@@ -1,0 +1,241 @@
+"""The configurations each backend is expected to decline, so that a test tells a designed decline from a
+regression.
+
+A backend declines a call it cannot serve with NotImplementedError (`backends.choose` names its reason). The
+tests run every case on every backend, so some cases are declined by design (cuDNN and float32, FA3 and
+softcap): those are skips. Any other decline is a failure: a change that made cuDNN decline a configuration
+it served would otherwise pass CI as one more skip. `call` runs a test's call and tells the two apart:
+
+- the backend cannot run here at all (no GPU, no extension, no wheel: its availability reason): a skip,
+  the environment's, not a decline;
+- the decline is in EXPECTED (its backend and op, a fragment of its reason, and a predicate on the call's
+  configuration that must hold too): a skip naming the entry and the reason;
+- anything else: AssertionError with the backend's reason and the configuration.
+
+Each entry follows the backend's own check (`source`): backends/cudnn/graphs.py unsupported_reason and
+ragged.stats_gradient_unsupported (cuDNN, ragged_attention); backends/cudnn/kvcache.py and paged.py
+static_reason (cuDNN, the KV-cache op, whose contiguous caches may run as a ragged call: its ragged entries
+apply to that call's configuration); backends/fa3/ragged.py and backends/fa3/kvcache.py unsupported_reason.
+The xla path declines nothing. A decline added to a backend is added here with the predicate that says
+which configurations it covers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable
+from unittest import mock
+
+from jax_ragged_attn import backends
+
+
+@dataclasses.dataclass(frozen=True)
+class Decline:
+    """One configuration class a backend declines by design."""
+
+    backend: str  # "cudnn", "fa3"
+    op: str  # "ragged" (ragged_attention and every wrapper of it) or "kvcache" (ragged_attention_with_kvcache)
+    says: str  # a fragment of the backend's reason
+    when: Callable  # config (AttentionConfig / KVCacheConfig) -> bool: the configurations it covers
+    source: str  # where the backend decides it
+
+
+def _bounded(config) -> bool:
+    return config.left_bound is not None or config.right_bound is not None
+
+
+def _cudnn_dtype(config) -> bool:
+    from jax_ragged_attn.backends.cudnn.graphs import CUDNN_DTYPES
+
+    return config.dtype not in CUDNN_DTYPES
+
+
+def _cudnn_head_dims(config) -> bool:
+    from jax_ragged_attn.backends.cudnn.graphs import MAX_HEAD_DIM
+
+    return any(dim % 8 or dim > MAX_HEAD_DIM for dim in (config.head_dim_qk, config.head_dim_v))
+
+
+def _cudnn_too_large(config) -> bool:
+    """Even one query head per call passes the int32 ragged offsets (extents.py's arithmetic)."""
+    from jax_ragged_attn.backends.cudnn import extents
+
+    return extents.groups(config) is None or extents.groups(config, stats_gradient=True) is None
+
+
+def _cudnn_stats_gradient_too_wide(config) -> bool:
+    from jax_ragged_attn.backends.cudnn.graphs import MAX_HEAD_DIM
+    from jax_ragged_attn.backends.shared.stats_grad import EXTRA_COLUMNS
+
+    return config.head_dim_v + EXTRA_COLUMNS > MAX_HEAD_DIM
+
+
+def _window_splits_badly(tail: Callable[[], int]) -> Callable:
+    """A left window that reaches past a sequence's head into its last `tail()` rows but not through them
+    (shared/head_tail.py window_reason's condition; `tail` read when asked, as tests patch it)."""
+    def when(config) -> bool:
+        left = config.left_bound
+        return left is not None and left < tail() < left + config.seqlen_q
+    return when
+
+
+def _cudnn_kvcache_tail() -> int:
+    from jax_ragged_attn.backends.cudnn import kvcache
+
+    return kvcache.TAIL
+
+
+def _fa3_kvcache_tail() -> int:
+    from jax_ragged_attn.backends.fa3 import kvcache
+
+    return kvcache.TAIL
+
+
+def _fa3_module():
+    from jax_ragged_attn.backends.fa3 import ragged
+
+    return ragged
+
+
+def _as_ragged(config):
+    """The ragged call cuDNN runs a contiguous cache as (cudnn/kvcache.py ragged_config)."""
+    from jax_ragged_attn.backends.cudnn import kvcache
+
+    return kvcache.ragged_config(config)
+
+
+def _cudnn_paged_window(config) -> bool:
+    """The paged graph's window decline, where the paged route is the call's: a paged cache, the route pinned,
+    or a contiguous cache whose ragged call cuDNN's ragged kernel declines too (the reason then names both)."""
+    from jax_ragged_attn.backends.cudnn import kvcache
+
+    if not _window_splits_badly(_cudnn_kvcache_tail)(config):
+        return False
+    return config.paged or kvcache.pinned_route() == "paged" or any(
+        entry.when(_as_ragged(config)) for entry in EXPECTED if (entry.backend, entry.op) == ("cudnn", "ragged"))
+
+
+def _fa3_dtype(config) -> bool:
+    return config.dtype not in _fa3_module().FA3_DTYPES
+
+
+def _fa3_head_dims(config) -> bool:
+    return _fa3_module().FA3_HEAD_DIM != config.head_dim_qk or _fa3_module().FA3_HEAD_DIM != config.head_dim_v
+
+
+_CUDNN = "backends/cudnn/graphs.py unsupported_reason"
+_CUDNN_KVCACHE = "backends/cudnn/kvcache.py unsupported_reason, paged.py static_reason"
+_FA3 = "backends/fa3/ragged.py unsupported_reason"
+_FA3_KVCACHE = "backends/fa3/kvcache.py unsupported_reason"
+
+EXPECTED = (
+    # cuDNN, ragged_attention
+    Decline("cudnn", "ragged", "takes bfloat16 or float16 inputs", _cudnn_dtype, _CUDNN),
+    Decline("cudnn", "ragged", "head dims that are multiples of 8 up to", _cudnn_head_dims, _CUDNN),
+    Decline("cudnn", "ragged", "ragged offsets are int32", _cudnn_too_large, _CUDNN + " (extents.py)"),
+    Decline("cudnn", "ragged", "cannot differentiate through stats", _cudnn_stats_gradient_too_wide,
+            "backends/cudnn/launch.py stats_gradient_unsupported (Dv + 16 value columns)"),
+    # cuDNN, ragged_attention_with_kvcache
+    Decline("cudnn", "kvcache", "takes bfloat16 or float16 inputs", _cudnn_dtype, _CUDNN_KVCACHE),
+    Decline("cudnn", "kvcache", "head dims that are multiples of 8 up to", _cudnn_head_dims, _CUDNN_KVCACHE),
+    Decline("cudnn", "kvcache", "page sizes that are powers of 2",
+            lambda c: c.paged and c.page_size & (c.page_size - 1) != 0, _CUDNN_KVCACHE),
+    Decline("cudnn", "kvcache", "of at most 2**31 - 1 rows", lambda c: c.capacity > 2**31 - 1, _CUDNN_KVCACHE),
+    Decline("cudnn", "kvcache", "reaches into the rows cuDNN's paged graph reads", _cudnn_paged_window,
+            "backends/cudnn/kvcache.py paged_reason (shared/head_tail.py window_reason)"),
+    # FlashAttention-3, ragged_attention
+    Decline("fa3", "ragged", "called with softcap 0", lambda c: bool(c.softcap), _FA3),
+    Decline("fa3", "ragged", "FlashAttention-3 takes bfloat16 or float16 inputs", _fa3_dtype, _FA3),
+    Decline("fa3", "ragged", "kernels are built for head dim", _fa3_head_dims, _FA3),
+    Decline("fa3", "ragged", "aligns its causal mask and windows bottom-right",
+            lambda c: _bounded(c) and c.diagonal_alignment == "top_left", _FA3),
+    # FlashAttention-3, ragged_attention_with_kvcache
+    Decline("fa3", "kvcache", "called with softcap 0", lambda c: bool(c.softcap), _FA3_KVCACHE),
+    Decline("fa3", "kvcache", "FlashAttention-3 takes bfloat16 or float16 inputs", _fa3_dtype, _FA3_KVCACHE),
+    Decline("fa3", "kvcache", "kernels are built for head dim", _fa3_head_dims, _FA3_KVCACHE),
+    Decline("fa3", "kvcache", "reaches into the rows FA3 reads", _window_splits_badly(_fa3_kvcache_tail),
+            "backends/fa3/kvcache.py unsupported_reason (shared/head_tail.py window_reason)"),
+)
+
+
+def expected(backend: str, op: str, config, reason: str) -> Decline | None:
+    """The entry of EXPECTED that covers this decline, or None. cuDNN's KV-cache op runs a contiguous cache as
+    a ragged call: a ragged reason there is held to the ragged entries, on that call's configuration."""
+    for entry in EXPECTED:
+        if (entry.backend, entry.op) == (backend, op) and entry.says in reason and entry.when(config):
+            return entry
+    if (backend, op) == ("cudnn", "kvcache") and not config.paged:
+        return expected("cudnn", "ragged", _as_ragged(config), reason)
+    return None
+
+
+def unavailable_reason(backend: str) -> str | None:
+    """Why `backend` cannot run here at all (no GPU, extension or wheel), or None."""
+    if backend == "cudnn":
+        from jax_ragged_attn.backends.shared import extension
+
+        return extension.cudnn_unavailable_reason()
+    if backend == "fa3":
+        return _fa3_module().unavailable_reason()
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Declined:
+    """A decline backends.unsupported_reason reported: which backend, for which op and configuration, why."""
+
+    backend: str
+    op: str
+    config: object
+    reason: str
+
+
+@contextlib.contextmanager
+def recorded():
+    """The declines backends.unsupported_reason reports while the block runs (choose asks it for every
+    backend it considers), in a list."""
+    seen = []
+    original = backends.unsupported_reason
+
+    def recording(backend, config, index, **kwargs):
+        reason = original(backend, config, index, **kwargs)
+        if reason is not None:  # backend: jax_ragged_attn.backends.<family>.<op>
+            family, op = backend.__name__.split(".")[-2:]
+            seen.append(Declined(family, op, config, reason))
+        return reason
+
+    with mock.patch.object(backends, "unsupported_reason", recording):
+        yield seen
+
+
+def verdict(implementation: str, error: NotImplementedError, seen: list[Declined]) -> str:
+    """The skip message for `error` where it is `implementation` declining as expected (or unable to run
+    here); raises AssertionError for a decline EXPECTED does not name, and re-raises `error` where it is no
+    backend's decline (a feature the op refuses: the test's own business)."""
+    declined = [d for d in seen if d.backend == implementation and d.reason in str(error)]
+    if not declined:
+        raise error
+    decline = declined[-1]
+    unavailable = unavailable_reason(decline.backend)
+    if unavailable is not None and decline.reason == unavailable:
+        return f"{implementation} cannot run here: {unavailable}"
+    entry = expected(decline.backend, decline.op, decline.config, decline.reason)
+    if entry is None:
+        raise AssertionError(
+            f"{implementation} declined a configuration that jax_ragged_attn/testing/declines.py does not list as "
+            f"declined by design (a regression, or a decline to list there with its predicate): "
+            f"{decline.reason}\nconfiguration: {decline.config}") from error
+    return f"{implementation} declines this configuration by design ({entry.source}): {decline.reason}"
+
+
+def call(backend: str, f: Callable, /, *args, skip: Callable[[str], None], **kwargs):
+    """f(*args, **kwargs); a decline by `backend` is skip(reason) where EXPECTED lists it (or the backend cannot
+    run here), an AssertionError naming the reason where it does not."""
+    with recorded() as seen:
+        try:
+            return f(*args, **kwargs)
+        except NotImplementedError as error:
+            message = verdict(backend, error, seen)
+    skip(message)
+    raise AssertionError(f"skip({message!r}) returned")  # pytest.skip and skipTest raise

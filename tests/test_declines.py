@@ -1,0 +1,137 @@
+"""jax_ragged_attn/testing/declines.py: a decline is a skip only where the list of expected declines names it.
+
+On a CPU every GPU backend declines with "no CUDA device" (an environment skip), so the list's entries are
+checked here against the backends' own checks: each entry has an example configuration its backend declines
+with the entry's reason, and a decline the list does not name, planted by patching a backend's
+unsupported_reason, fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ragged_attn import ragged_attention
+from jax_ragged_attn.backends.cudnn import graphs, kvcache as cudnn_kvcache, ragged as cudnn
+from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache, ragged as fa3
+from jax_ragged_attn.backends.shared import extension
+from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
+from jax_ragged_attn.backends.xla import ragged as xla
+from jax_ragged_attn.config import AttentionOptions, make_config
+from jax_ragged_attn.testing import declines
+
+
+class Skipped(Exception):
+    pass
+
+
+def _skip(message):
+    raise Skipped(message)
+
+
+def _ragged(dtype="bfloat16", dqk=128, dv=128, tokens=64, heads=4, **options):
+    shape = lambda d: jax.ShapeDtypeStruct((tokens, heads, d), np.dtype(dtype))  # noqa: E731
+    cu = jax.ShapeDtypeStruct((3,), jnp.int32)
+    return make_config(shape(dqk), shape(dqk), shape(dv), cu, cu, AttentionOptions(**options), max_seqlen_q=tokens,
+                       max_seqlen_kv=tokens)
+
+
+def _kvcache(**overrides) -> KVCacheConfig:
+    fields = dict(batch=2, seqlen_q=1, num_heads_q=8, num_heads_kv=2, head_dim_qk=128, head_dim_v=128,
+                  dtype="bfloat16", paged=True, page_size=64, num_pages=16, max_pages=8, scale=0.1, is_causal=True,
+                  window_left=None, window_right=None)
+    return KVCacheConfig(**{**fields, **overrides})
+
+
+# (entry's backend, op, fragment) -> (the backend's check, a configuration it declines that way)
+EXAMPLES = {
+    ("cudnn", "ragged", "takes bfloat16 or float16 inputs"): (graphs.unsupported_reason, _ragged("float32")),
+    ("cudnn", "ragged", "head dims that are multiples of 8 up to"): (graphs.unsupported_reason, _ragged(dqk=100)),
+    ("cudnn", "ragged", "ragged offsets are int32"): (graphs.unsupported_reason, _ragged(tokens=2**25, heads=1)),
+    ("cudnn", "ragged", "cannot differentiate through stats"): (cudnn.stats_gradient_unsupported, _ragged(dv=248)),
+    ("cudnn", "kvcache", "takes bfloat16 or float16 inputs"): (cudnn_kvcache.unsupported_reason,
+                                                                _kvcache(dtype="float32")),
+    ("cudnn", "kvcache", "head dims that are multiples of 8 up to"): (cudnn_kvcache.unsupported_reason,
+                                                                       _kvcache(head_dim_v=100)),
+    ("cudnn", "kvcache", "page sizes that are powers of 2"): (cudnn_kvcache.unsupported_reason, _kvcache(page_size=48)),
+    ("cudnn", "kvcache", "of at most 2**31 - 1 rows"): (cudnn_kvcache.unsupported_reason,
+                                                         _kvcache(page_size=2**16, max_pages=2**15)),
+    ("cudnn", "kvcache", "reaches into the rows cuDNN's paged graph reads"): (
+        cudnn_kvcache.unsupported_reason, _kvcache(seqlen_q=10, window_left=cudnn_kvcache.TAIL - 5)),
+    ("fa3", "ragged", "called with softcap 0"): (fa3.unsupported_reason, _ragged(softcap=1.0)),
+    ("fa3", "ragged", "FlashAttention-3 takes bfloat16 or float16 inputs"): (fa3.unsupported_reason,
+                                                                             _ragged("float32")),
+    ("fa3", "ragged", "kernels are built for head dim"): (fa3.unsupported_reason, _ragged(dqk=64, dv=64)),
+    ("fa3", "ragged", "aligns its causal mask and windows bottom-right"): (fa3.unsupported_reason,
+                                                                           _ragged(is_causal=True)),
+    ("fa3", "kvcache", "called with softcap 0"): (fa3_kvcache.unsupported_reason, _kvcache(softcap=1.0)),
+    ("fa3", "kvcache", "FlashAttention-3 takes bfloat16 or float16 inputs"): (fa3_kvcache.unsupported_reason,
+                                                                              _kvcache(dtype="float32")),
+    ("fa3", "kvcache", "kernels are built for head dim"): (fa3_kvcache.unsupported_reason, _kvcache(head_dim_qk=64)),
+    ("fa3", "kvcache", "reaches into the rows FA3 reads"): (
+        fa3_kvcache.unsupported_reason, _kvcache(seqlen_q=40, window_left=fa3_kvcache.TAIL - 5)),
+}
+
+
+def test_every_entry_is_what_its_backend_says_for_a_configuration_it_covers(monkeypatch):
+    monkeypatch.setattr(extension, "cudnn_unavailable_reason", lambda: None)  # the checks before any graph
+    assert set(EXAMPLES) == {(e.backend, e.op, e.says) for e in declines.EXPECTED}
+    for (backend, op, says), (check, config) in EXAMPLES.items():
+        reason = check(config)
+        assert reason is not None and says in reason, (backend, op, says, reason)
+        entry = declines.expected(backend, op, config, reason)
+        assert entry is not None and entry.says == says, (backend, op, says, reason, entry)
+
+
+def _call(implementation="xla", dtype=jnp.bfloat16):
+    q = jnp.ones((8, 2, 128), dtype)
+    cu = jnp.array([0, 5, 8], jnp.int32)
+    return declines.call(implementation, ragged_attention, q, q, q, cu, cu, max_seqlen_q=5, max_seqlen_kv=5,
+                         implementation=implementation, skip=_skip)
+
+
+def test_a_decline_the_list_does_not_name_fails(monkeypatch):
+    monkeypatch.setattr(xla, "unsupported_reason", lambda config: "the xla path now declines everything")
+    with pytest.raises(AssertionError, match="does not list as declined by design.*now declines everything"):
+        _call("xla")
+
+
+def test_a_listed_reason_on_a_configuration_its_entry_does_not_cover_fails(monkeypatch):
+    """cuDNN declining bfloat16 with its float32 sentence is a regression, not the float32 decline."""
+    monkeypatch.setattr(extension, "cudnn_unavailable_reason", lambda: None)
+    monkeypatch.setattr(cudnn, "unsupported_reason",
+                        lambda config: f"the cuDNN path takes bfloat16 or float16 inputs, got {config.dtype}")
+    with pytest.raises(AssertionError, match="does not list"):
+        _call("cudnn", jnp.bfloat16)
+    with pytest.raises(Skipped, match=r"by design \(backends/cudnn/graphs.py unsupported_reason\).*float32"):
+        _call("cudnn", jnp.float32)
+
+
+def test_a_backend_that_cannot_run_here_is_an_environment_skip(monkeypatch):
+    monkeypatch.setattr(extension, "cudnn_unavailable_reason", lambda: "no CUDA device: JAX's backend is 'cpu'")
+    monkeypatch.setattr(cudnn, "unsupported_reason", lambda config: extension.cudnn_unavailable_reason())
+    with pytest.raises(Skipped, match="cudnn cannot run here: no CUDA device"):
+        _call("cudnn")
+
+
+def test_an_error_that_is_no_backend_decline_is_raised():
+    def refuses():
+        raise NotImplementedError("seqused_q / seqused_kv with token_axis")
+
+    with pytest.raises(NotImplementedError, match="token_axis"):
+        declines.call("cudnn", refuses, skip=_skip)
+
+
+def test_a_served_call_returns_its_result():
+    assert _call("xla").shape == (8, 2, 128)
+
+
+def test_the_recording_is_undone():
+    from jax_ragged_attn import backends
+
+    original = backends.unsupported_reason
+    with declines.recorded() as seen:
+        assert backends.unsupported_reason is not original
+    assert backends.unsupported_reason is original and seen == []
