@@ -13,7 +13,7 @@ it served would otherwise pass CI as one more skip. `call` runs a test's call an
 - anything else: AssertionError with the backend's reason and the configuration.
 
 Each entry follows the backend's own check (`source`): backends/cudnn/graphs.py unsupported_reason and
-ragged.stats_gradient_unsupported (cuDNN, ragged_attention); backends/cudnn/kvcache.py and paged.py
+cudnn/ragged.py stats_gradient_unsupported (cuDNN, ragged_attention); backends/cudnn/kvcache.py and paged.py
 static_reason (cuDNN, the KV-cache op, whose contiguous caches may run as a ragged call: its ragged entries
 apply to that call's configuration); backends/fa3/ragged.py and backends/fa3/kvcache.py unsupported_reason.
 The xla path declines nothing. A decline added to a backend is added here with the predicate that says
@@ -106,14 +106,11 @@ def _as_ragged(config):
 
 
 def _cudnn_paged_window(config) -> bool:
-    """The paged graph's window decline, where the paged route is the call's: a paged cache, the route pinned,
-    or a contiguous cache whose ragged call cuDNN's ragged kernel declines too (the reason then names both)."""
+    """The paged graph's window decline, where the call takes the paged route (cudnn/kvcache.py route: a paged
+    cache, the route pinned, or a contiguous cache whose ragged call cuDNN declines too)."""
     from jax_ragged_attn.backends.cudnn import kvcache
 
-    if not _window_splits_badly(_cudnn_kvcache_tail)(config):
-        return False
-    return config.paged or kvcache.pinned_route() == "paged" or any(
-        entry.when(_as_ragged(config)) for entry in EXPECTED if (entry.backend, entry.op) == ("cudnn", "ragged"))
+    return _window_splits_badly(_cudnn_kvcache_tail)(config) and kvcache.route(config) == "paged"
 
 
 def _fa3_dtype(config) -> bool:
