@@ -202,8 +202,9 @@ def _need(issue: known_issues.KnownIssue) -> None:
         pytest.skip(f"cuDNN path unavailable: {_CUDNN_REASON}")
     versions = known_issues.loaded_versions()
     if not issue.affects(versions):
-        pytest.skip(f"{issue.key} reproduces on {issue.library} [{known_issues.format_version(issue.first_affected)}"
-                    f", {known_issues.format_version(issue.first_fixed)}), loaded: "
+        start = known_issues.format_version(issue.first_affected) if issue.first_affected else "any"
+        pytest.skip(f"{issue.key} reproduces on {issue.library} [{start}, "
+                    f"{known_issues.format_version(issue.first_fixed)}), loaded: "
                     f"{known_issues.format_version(versions.of(issue.library))} (docs/CUDNN_VERSIONS.md)")
 
 
