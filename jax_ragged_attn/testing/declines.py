@@ -12,12 +12,13 @@ it served would otherwise pass CI as one more skip. `call` runs a test's call an
   configuration that must hold too): a skip naming the entry and the reason;
 - anything else: AssertionError with the backend's reason and the configuration.
 
-Each entry follows the backend's own check (`source`): backends/cudnn/graphs.py unsupported_reason and
-cudnn/ragged.py stats_gradient_unsupported (cuDNN, ragged_attention); backends/cudnn/kvcache.py and paged.py
-static_reason (cuDNN, the KV-cache op, whose contiguous caches may run as a ragged call: its ragged entries
-apply to that call's configuration); backends/fa3/ragged.py and backends/fa3/kvcache.py unsupported_reason.
-The xla path declines nothing. A decline added to a backend is added here with the predicate that says
-which configurations it covers.
+Each entry follows the backend's own check (`source`); an upstream bug the loaded release has is a decline by
+design where backends/shared/known_issues.py fences it (its table lists them). The checks:
+backends/cudnn/graphs.py unsupported_reason and cudnn/ragged.py stats_gradient_unsupported (cuDNN,
+ragged_attention); backends/cudnn/kvcache.py and paged.py static_reason (cuDNN, the KV-cache op, whose contiguous
+caches may run as a ragged call: its ragged entries apply to that call's configuration); backends/fa3/ragged.py
+and backends/fa3/kvcache.py unsupported_reason. The xla path declines nothing. A decline added to a backend is
+added here with the predicate that says which configurations it covers.
 """
 
 from __future__ import annotations
@@ -113,6 +114,16 @@ def _cudnn_paged_window(config) -> bool:
     return _window_splits_badly(_cudnn_kvcache_tail)(config) and kvcache.route(config) == "paged"
 
 
+def _fenced(backend: str, op: str) -> Callable:
+    """Where backends/shared/known_issues.py fences the call off: an upstream bug of the loaded release (its
+    TABLE is the list of those declines, each with its version range, GPU and feature)."""
+    def when(config) -> bool:
+        from jax_ragged_attn.backends.shared import known_issues
+
+        return known_issues.fence(backend, op, config) is not None
+    return when
+
+
 def _fa3_dtype(config) -> bool:
     return config.dtype not in _fa3_module().FA3_DTYPES
 
@@ -131,6 +142,8 @@ EXPECTED = (
     Decline("cudnn", "ragged", "takes bfloat16 or float16 inputs", _cudnn_dtype, _CUDNN),
     Decline("cudnn", "ragged", "head dims that are multiples of 8 up to", _cudnn_head_dims, _CUDNN),
     Decline("cudnn", "ragged", "ragged offsets are int32", _cudnn_too_large, _CUDNN + " (extents.py)"),
+    Decline("cudnn", "ragged", "which has a known bug there", _fenced("cudnn", "ragged"),
+            _CUDNN + " (shared/known_issues.py fence)"),
     Decline("cudnn", "ragged", "cannot differentiate through stats", _cudnn_stats_gradient_too_wide,
             "backends/cudnn/launch.py stats_gradient_unsupported (Dv + 16 value columns)"),
     # cuDNN, ragged_attention_with_kvcache
@@ -139,6 +152,8 @@ EXPECTED = (
     Decline("cudnn", "kvcache", "page sizes that are powers of 2",
             lambda c: c.paged and c.page_size & (c.page_size - 1) != 0, _CUDNN_KVCACHE),
     Decline("cudnn", "kvcache", "of at most 2**31 - 1 rows", lambda c: c.capacity > 2**31 - 1, _CUDNN_KVCACHE),
+    Decline("cudnn", "kvcache", "which has a known bug there", _fenced("cudnn", "kvcache"),
+            "backends/cudnn/kvcache.py paged_reason (shared/known_issues.py fence)"),
     Decline("cudnn", "kvcache", "reaches into the rows cuDNN's paged graph reads", _cudnn_paged_window,
             "backends/cudnn/kvcache.py paged_reason (shared/head_tail.py window_reason)"),
     # FlashAttention-3, ragged_attention
