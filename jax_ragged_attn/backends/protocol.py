@@ -48,5 +48,10 @@ class KVCacheBackend(Protocol):
         [0, capacity]; page_table None (contiguous) or int32 as passed (entries outside [0, num_pages) are the
         backend's to keep from being read). Rows with no keys may hold anything: the op layer masks them."""
 
+    def attend_packed(self, q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config) -> tuple:
+        """Packed queries (config.packed; unsupported_reason declines those it cannot serve): (out [T, Hq, Dv],
+        lse [Hq, T] float32) of q [T, Hq, D], sequence b's queries the rows kvcache_config.packed_query_rows
+        gives it. cu_seqlens_q int32 [B + 1] as passed (sanitising is the backend's); the rest as attend."""
+
 
 PROTOCOLS = {"ragged": RaggedBackend, "kvcache": KVCacheBackend}

@@ -494,10 +494,78 @@ def apply_check(check: bool | None, config, index):
                                  seqused_kv=used[1], same=index.same and checked[0] is checked[-1])
 
 
-def apply_cache_check(check: bool | None, config, cache_seqlens, page_table):
+def apply_cache_check(check: bool | None, config, cache_seqlens, page_table, cu_seqlens_q=None):
     """The check feature of one ragged_attention_with_kvcache call (config its KVCacheConfig): with check on,
-    (cache_seqlens, page_table) validated on the host at run time (checked_cache_index); off, as they are.
-    The kernels read no guard bands here. Returns (cache_seqlens, page_table)."""
+    (cache_seqlens, page_table) validated on the host at run time (checked_cache_index), and packed queries'
+    cu_seqlens_q as ragged_attention's (checked_cu_seqlens: from 0, never decreasing, within q's T rows, no
+    sequence over max_seqlen_q); off, as they are (NumPy cu_seqlens_q warn if they will be clamped or cut, as
+    ragged_attention's do). The kernels read no guard bands here. Returns (cache_seqlens, page_table,
+    cu_seqlens_q)."""
+    packed = cu_seqlens_q is not None
     if not check_enabled(check):
-        return cache_seqlens, page_table
-    return checked_cache_index(cache_seqlens, page_table, config)
+        if packed:
+            warn_cu_seqlens_on_host(cu_seqlens_q, name="cu_seqlens_q", capacity=config.total_q,
+                                    max_seqlen=config.seqlen_q)
+        return cache_seqlens, page_table, cu_seqlens_q
+    cache_seqlens, page_table = checked_cache_index(cache_seqlens, page_table, config)
+    if packed:
+        cu_seqlens_q = checked_cu_seqlens(cu_seqlens_q, name="cu_seqlens_q", capacity=config.total_q,
+                                          max_seqlen=config.seqlen_q)
+    return cache_seqlens, page_table, cu_seqlens_q
+
+
+def append_index_problems(lengths: np.ndarray, page_table: np.ndarray | None, cu: np.ndarray | None, *,
+                          new_rows: int, capacity: int, num_pages: int, page_size: int) -> list[str]:
+    """What kvcache_append would not write, for one call: cache_seqlens [B] outside [0, capacity], a sequence
+    whose new rows run past its capacity, a page-table entry outside [0, num_pages) that would receive rows;
+    cu (packed: [B + 1] cu_seqlens_k_new over new_rows rows, None: new_rows each) as it would be clamped."""
+    lengths = lengths.astype(np.int64)
+    if cu is None:
+        counts = np.full(lengths.shape, new_rows, np.int64)
+    else:
+        counts = np.diff(np.clip(np.maximum.accumulate(cu.astype(np.int64)), 0, new_rows))
+    problems = []
+    for b in np.flatnonzero((lengths < 0) | (lengths > capacity))[:1]:
+        problems.append(f"cache_seqlens[{b}] = {lengths[b]} is outside [0, {capacity}] (the capacity)")
+    start = np.clip(lengths, 0, capacity)
+    end = start + counts  # rows start .. end - 1 are written
+    for b in np.flatnonzero(end > capacity)[:1]:
+        problems.append(f"sequence {b}: cache_seqlens[{b}] = {lengths[b]} and its {counts[b]} new rows reach row "
+                        f"{end[b] - 1}, past its capacity {capacity}: rows {capacity}..{end[b] - 1} would not be "
+                        "written")
+    if page_table is not None:
+        pages = np.arange(page_table.shape[1])[None, :]
+        written = (pages * page_size < np.minimum(end, capacity)[:, None]) & ((pages + 1) * page_size > start[:, None])
+        bad = written & ((page_table < 0) | (page_table >= num_pages))
+        if bad.any():
+            b, p = (int(i) for i in np.argwhere(bad)[0])
+            problems.append(f"page_table[{b}, {p}] = {page_table[b, p]} is outside [0, num_pages = {num_pages}) "
+                            f"(k_cache.shape[0]) and would receive rows {max(start[b], p * page_size)}.."
+                            f"{min(end[b], (p + 1) * page_size) - 1} of sequence {b} (cache_seqlens[{b}] = "
+                            f"{lengths[b]}, {counts[b]} new rows): they would not be written")
+    return problems
+
+
+def apply_append_check(check: bool | None, cache_seqlens, page_table, cu_seqlens_k_new, *, new_rows: int,
+                       capacity: int, num_pages: int, page_size: int):
+    """The check feature of one kvcache_append call: with check on, (cache_seqlens, page_table,
+    cu_seqlens_k_new) validated together on the host at run time (cu_seqlens_problems for cu_seqlens_k_new,
+    append_index_problems for the rows that would not be written); off, as they are. Returns the three."""
+    if not check_enabled(check):
+        return cache_seqlens, page_table, cu_seqlens_k_new
+    arrays = [("cache_seqlens", cache_seqlens, 1), ("page_table", page_table, 2), ("cu", cu_seqlens_k_new, 1)]
+    present = [(name, x, rank) for name, x, rank in arrays if x is not None]
+
+    def message_of(*values, where):
+        given = dict(zip((name for name, _, _ in present), values))
+        problems = []
+        if "cu" in given:
+            problems += cu_seqlens_problems(given["cu"], "cu_seqlens_k_new", new_rows, new_rows, "its rows")
+        problems += append_index_problems(given["cache_seqlens"], given.get("page_table"), given.get("cu"),
+                                          new_rows=new_rows, capacity=capacity, num_pages=num_pages,
+                                          page_size=page_size)
+        return "KV cache append invalid" + where + ": " + "; ".join(problems) if problems else None
+
+    checked = dict(zip((name for name, _, _ in present),
+                       _checked(tuple(x for _, x, _ in present), tuple(r for _, _, r in present), message_of)))
+    return checked["cache_seqlens"], checked.get("page_table"), checked.get("cu")

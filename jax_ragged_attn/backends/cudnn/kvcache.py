@@ -103,7 +103,22 @@ def paged_reason(config: KVCacheConfig) -> str | None:
     return reason
 
 
+# Packed queries (q [T, Hq, D] over cu_seqlens_q) are declined: what serving them takes is C++ work.
+PACKED_REASON = (
+    "cuDNN cannot serve packed queries (cu_seqlens_q) here: this package's paged SDPA graph (ffi/paged_graph.cc) "
+    "builds dense queries [B, Sq, Hq, D] with a padding mask, and packed ones need ragged offsets on its Q and O "
+    "tensors (cuDNN's ragged layout, beside the page tables), which the C++ graph does not set; the ragged "
+    "training graph takes ragged Q but no page table. Use implementation='fa3' or 'xla'")
+
+
+def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config: KVCacheConfig):
+    """Declined (PACKED_REASON): unsupported_reason names it before this is ever called."""
+    raise NotImplementedError(PACKED_REASON)
+
+
 def unsupported_reason(config: KVCacheConfig) -> str | None:
+    if config.packed:
+        return PACKED_REASON
     reason = extension.cudnn_unavailable_reason() or paged.static_reason(config)
     if reason is not None:
         return reason

@@ -44,7 +44,8 @@ import jax.numpy as jnp
 
 from jax_ragged_attn.backends.fa3 import ragged as fa3
 from jax_ragged_attn.backends.shared import head_tail as kvcache_head_tail
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, rows_with_keys, safe_page_table
+from jax_ragged_attn.backends.shared.kvcache_config import (KVCacheConfig, band, query_tiles, rows_with_keys,
+                                                           safe_page_table)
 
 NAME = "fa3"
 # implementation=None picks FA3's kvcache kernels wherever they serve the call: the issue's measurements put
@@ -77,6 +78,10 @@ def route(config: KVCacheConfig) -> str:
 
 
 def unsupported_reason(config: KVCacheConfig) -> str | None:
+    if config.packed:
+        reason = packed_reason(config)
+        if reason is not None:
+            return reason
     if config.dtype not in fa3.FA3_DTYPES:
         return f"FlashAttention-3 takes bfloat16 or float16 inputs, got {config.dtype}"
     if config.head_dim_qk != fa3.FA3_HEAD_DIM or config.head_dim_v != fa3.FA3_HEAD_DIM:
@@ -85,7 +90,7 @@ def unsupported_reason(config: KVCacheConfig) -> str | None:
     if config.softcap:
         return (f"the {fa3.WHEEL} wheel's kernels are called with softcap 0 (its binding hard-codes it), got "
                 f"softcap={config.softcap}")
-    if route(config) == "head_tail":
+    if not config.packed and route(config) == "head_tail":
         reason = kvcache_head_tail.window_reason(config, TAIL, "FA3")
         if reason is not None:
             return reason
@@ -108,9 +113,10 @@ def num_splits(config: KVCacheConfig) -> int:
     return max(1, min(NUM_SMS // tiles, math.ceil(config.capacity / BLOCK_N), MAX_SPLITS))
 
 
-def _fa3_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, window):
+def _fa3_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, window, used_q=None):
     """(out [B, Sq, Hq, D], lse [B, Hq, Sq]) from FA3's forward handler in batch mode over `lengths` rows of
-    each sequence, with the mask `window` = (is_causal, left, right) in FA3's terms."""
+    each sequence, with the mask `window` = (is_causal, left, right) in FA3's terms. used_q: None, or int32
+    [B], FA3's seqused_q: sequence b's queries are its first used_q[b] rows, aligned bottom-right on them."""
     batch, seqlen_q, heads_q, dim = q.shape
     is_causal, left, right = window
     splits = num_splits(config)
@@ -128,7 +134,7 @@ def _fa3_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, w
         q, k_cache, v_cache,
         empty_like_q, empty_like_q, empty_like_q,  # k_new, v_new, q_v
         empty_i32, empty_i32, empty_i32,  # cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new: batch mode
-        empty_i32, lengths,  # seqused_q, seqused_k (= cache_seqlens)
+        empty_i32 if used_q is None else used_q, lengths,  # seqused_q, seqused_k (= cache_seqlens)
         table, empty_i32, empty_i32,  # page_table, kv_batch_idx, leftpad_k
         empty_like_q, empty_like_q, empty_i32,  # rotary_cos, rotary_sin, seqlens_rotary
         empty_f32, empty_f32, empty_f32,  # q/k/v descale
@@ -182,3 +188,65 @@ def _head_tail(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
         return _fa3_call(q, k_cache, v_cache, head, page_table, config, window)
 
     return kvcache_head_tail.attend(q, k_cache, v_cache, lengths, page_table, config, head_call, TAIL)
+
+
+# ---- packed queries (config.packed) ------------------------------------------------------------------------
+#
+# The wheel's forward handler cannot take cu_seqlens_q with a paged cache: in varlen-q mode it reads the value
+# head dim off v's third dimension (head_size_v = v.dimensions()[2], csrc/flash_attn/flash.cpp), which for a
+# cache [num_pages, page_size, Hkv, D] is Hkv, and its check on differing head dims then refuses head dim 128.
+# So the packed rows run in batch mode, as tiles (kvcache_config.query_tiles): tile n holds up to `size`
+# consecutive queries of one sequence, q [N, size, Hq, D] gathered from the packed rows, seqused_q = its
+# query count, its sequence's page-table row, and seqused_k = its last query's position + 1, so that FA3's
+# bottom-right diagonal (seqused_k - seqused_q + i) is each query's position. size x group <= PACKED_TILE_ROWS
+# keeps every tile one of FA3's query tiles (GQA packed into it, as FA3's own varlen kernel packs it), so a
+# sequence's chunk of queries reads its keys once per 128 query rows, as in FA3's own varlen call, and FA3
+# takes its paged loader without TMA (get_pagedkv_tma: seqlen_q x group > kBlockM only), which zero-fills
+# rows past seqused_k: no NaN in an unused row or page reaches the result, whatever the page size.
+#
+# Cutting a sequence's keys at its tile's last query keeps every key a causal query attends (none lies right
+# of it). A mask with keys right of the diagonal (non-causal, a right window) cannot be cut so: there each
+# sequence is one tile (size = max_seqlen_q), served where max_seqlen_q x group fits one query tile.
+
+# FA3's query tile for head dim 128 (tile_size_fwd_sm90: kBlockM = 128 for bf16/fp16).
+PACKED_TILE_ROWS = 128
+
+
+def packed_tile(config: KVCacheConfig) -> int:
+    """Queries per tile of a packed call (see above)."""
+    if config.right_bound != 0:
+        return config.seqlen_q
+    return max(1, min(config.seqlen_q, PACKED_TILE_ROWS // config.group_size))
+
+
+def packed_reason(config: KVCacheConfig) -> str | None:
+    """Why FA3 cannot serve packed queries with this config (beyond unsupported_reason's), or None."""
+    if config.group_size > PACKED_TILE_ROWS:
+        return (f"FA3 serves packed queries in tiles of at most {PACKED_TILE_ROWS} query rows with the GQA group "
+                f"packed in; a group of {config.group_size} query heads per kv head does not fit one")
+    if config.right_bound != 0 and config.seqlen_q * config.group_size > PACKED_TILE_ROWS:
+        return (f"packed queries with keys right of the diagonal (is_causal=False or a right window) run on FA3 "
+                f"as one tile per sequence, which needs max_seqlen_q x (Hq / Hkv) <= {PACKED_TILE_ROWS} (beyond it "
+                f"FA3 loads whole key tiles with TMA and a NaN in an unused cache row would reach the result), got "
+                f"{config.seqlen_q} x {config.group_size}; use is_causal=True or implementation='xla'")
+    return None
+
+
+def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config: KVCacheConfig):
+    """(out [T, Hq, D], lse [Hq, T]) of packed queries q [T, Hq, D]: one FA3 call over tiles (see above)."""
+    size = packed_tile(config)
+    tiles = query_tiles(cu_seqlens_q, lengths, config, size)
+    k_cache, v_cache, page_table, paged = _as_paged(k_cache, v_cache, page_table, config)
+    length = lengths[tiles.sequence]
+    # The tile's keys end at its last query's position (causal), or at the sequence's end (one tile each).
+    keys = length if config.right_bound != 0 else jnp.clip(tiles.first_position + tiles.used, 0, length)
+    tile_config = dataclasses.replace(paged, batch=tiles.count, seqlen_q=size, total_q=0)
+    left, right = config.left_bound, config.right_bound
+    window = (left is None and right == 0, -1 if left is None else left, -1 if right is None else right)
+    out, lse = _fa3_call(tiles.gather(q), k_cache, v_cache, keys, page_table[tiles.sequence], tile_config, window,
+                         used_q=tiles.used)
+    first, last = band(tiles.positions(), length[:, None], config)
+    has_keys = tiles.slot_used() & (first <= last)  # [N, size]; FA3's lse is +inf where a query has none
+    out = jnp.where(has_keys[:, :, None, None], out, jnp.zeros((), out.dtype))
+    lse = jnp.where(has_keys[:, :, None], lse.transpose(0, 2, 1), -jnp.inf)
+    return tiles.scatter(out, config.total_q, 0), tiles.scatter(lse, config.total_q, -jnp.inf).T
