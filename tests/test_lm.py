@@ -22,7 +22,8 @@ from jax_ragged_attn.tools import lm  # noqa: E402
 # A tiny model and a short run (under a minute on 2 CPU cores), GQA so that the kv-packed path trains too.
 TINY = ["--preset", "cpu", "--steps", "80", "--width", "64", "--heads", "2", "--kv-heads", "1", "--layers", "1",
         "--capacity", "1024", "--max-seqlen", "128", "--max-seqs", "16", "--lr", "1e-2", "--eval-bytes", "16384",
-        "--sample-bytes", "40", "--sample-prompts", "3", "--no-progress"]
+        "--sample-bytes", "40", "--sample-prompts", "3", "--serve-requests", "2", "--serve-slots", "2",
+        "--serve-budget", "8", "--no-progress"]
 
 
 def test_main_learns_reports_plots_and_fails_above_the_bound(tmp_path, capsys):
@@ -45,6 +46,11 @@ def test_main_learns_reports_plots_and_fails_above_the_bound(tmp_path, capsys):
     assert "sample (temperature 0.7, paged KV cache):\n" + "-" * 60 + "\nimport os\n\n\ndef " in out
     assert re.search(r"generation, 3 prompts x 40 bytes: paged KV cache \(ragged_attention_with_kvcache, pages of 64 "
                      r"rows\) [0-9,]+ bytes/s; full forward over \[3, 128\] per byte [0-9,]+ bytes/s", out), out
+    # Serving: 2 requests (the first with 3 continuations of --prompt), continuous batching beside fixed batches.
+    assert re.search(r"serving 2 requests \(4 continuations, .*\), 2 slots:\n  continuous batching: [0-9,]+ "
+                     r"bytes/s, latency p50 [0-9.]+ s / p99 [0-9.]+ s \([0-9]+ steps of <= 8 tokens, 1 compilation",
+                     out), out
+    assert re.search(r"fixed batches of 2 \(generation.generate\): [0-9,]+ bytes/s", out), out
     if jax.default_backend() == "cpu":
         assert "side-by-side" not in out  # on a CPU only when asked for (--compare-steps)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

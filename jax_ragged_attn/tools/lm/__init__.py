@@ -7,6 +7,8 @@
     progress.py    the progress bar (tqdm when installed)
     compare.py     the side-by-side: packed against padded (jax.nn.dot_product_attention)
     generation.py  batched prompts through a paged KV cache, timed against a full forward per byte
+    serving.py     a request queue served by continuous batching (packed queries over the paged cache), beside
+                   the fixed-batch generation on the same requests
     cli.py         the flags, the presets and main()
 
 Every name is re-exported here, so `from jax_ragged_attn.tools import lm; lm.ByteLM` keeps working.
@@ -32,4 +34,6 @@ from jax_ragged_attn.tools.lm.compare import (SYSTEMS, XLA_SCORES_LIMIT_BYTES, S
                                               measure_system, side_by_side, system_batches, system_unavailable)
 from jax_ragged_attn.tools.lm.generation import (PAGE_SIZE, decode, empty_caches, generate,  # noqa: F401
                                                  page_table_for, prefill, sample_and_time, sample_prompts)
+from jax_ragged_attn.tools.lm.serving import (PagePool, Request, Served, ServingConfig, make_requests,  # noqa: F401
+                                              serve, serve_and_compare, serve_fixed)
 from jax_ragged_attn.tools.lm.cli import PRESETS, attention_implementation, main, parse_args, plot_losses  # noqa: F401

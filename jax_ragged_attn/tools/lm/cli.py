@@ -20,7 +20,10 @@ Reports: the attention implementation (cuDNN on a GPU, the xla path elsewhere), 
 against padding, a progress bar with loss and useful (non-padding) tokens/s, held-out bits per byte against
 the uniform (8) and byte-frequency baselines, a loss plot, samples from --sample-prompts prompts at once
 (ragged_attention_with_kvcache over a paged KV cache, timed against a full forward per byte; the first
-sample printed). Exits 1 if held-out bits per byte stay above
+sample printed), then serving (--serve-requests requests of mixed prompt and output lengths by continuous
+batching: every step one jitted call carrying prefill chunks and decode rows over packed queries, requests
+taking a slot as others finish, the first prompt's continuations sharing its cache pages; its throughput and
+p50 / p99 latency beside today's fixed-batch generation on the same requests, serving.py). Exits 1 if held-out bits per byte stay above
 --max-bits-per-byte. --profile prints where a step's device time goes. The side-by-side (default on a GPU,
 --compare-steps elsewhere) trains the same model from the same initialisation on the same batches, packed
 and padded to [rows, max_seqlen] through `jax.nn.dot_product_attention` (cuDNN, XLA), every system timed the
@@ -49,6 +52,7 @@ from jax_ragged_attn.tools.lm.corpus import stdlib_files
 from jax_ragged_attn.tools.lm.generation import sample_and_time, sample_prompts
 from jax_ragged_attn.tools.lm.model import ByteLM, Setup
 from jax_ragged_attn.tools.lm.profiling import Timing, profile
+from jax_ragged_attn.tools.lm.serving import ServingConfig, make_requests, serve_and_compare
 from jax_ragged_attn.tools.lm.training import evaluate, train, unigram_bits_per_byte
 
 # Defaults per machine; any flag overrides. cpu: about 3 minutes on 2 cores. gpu: a larger model in bfloat16.
@@ -61,6 +65,14 @@ PRESETS = {
     "long": dict(width=512, heads=8, kv_heads=8, layers=6, capacity=65536, max_seqlen=16384, max_seqs=64, steps=400,
                  lr=1e-3, window_bytes=16384, eval_bytes=1 << 20, dtype="bfloat16", max_bits_per_byte=3.0),
 }
+# Serving's defaults per preset (--serve-*): requests, slots, tokens a step, rows a page, new bytes (low, high).
+SERVING = {
+    "cpu": dict(requests=6, slots=4, budget=32, page_size=8, max_new=(8, 40)),
+    "gpu": dict(requests=64, slots=16, budget=512, page_size=64, max_new=(32, 1024)),
+    "long": dict(requests=64, slots=16, budget=512, page_size=64, max_new=(32, 1024)),
+}
+
+
 def plot_losses(losses, held_out: float, path: str) -> bool:
     """Writes the training loss curve (bits per byte) and the held-out figure; False when matplotlib is missing."""
     try:
@@ -118,6 +130,16 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Setup]:
     parser.add_argument("--sample-prompts", type=int, default=None,
                         help="prompts generated from at once through the paged KV cache: --prompt, then the "
                              "openings of held-out files (default 16 where cuDNN runs, else 4)")
+    parser.add_argument("--serve-requests", type=int, default=None,
+                        help="requests served by continuous batching beside fixed batches (0: none; cpu preset "
+                             f"{SERVING['cpu']['requests']}, gpu {SERVING['gpu']['requests']})")
+    parser.add_argument("--serve-slots", type=int, default=None, help="sequences a serving step carries (cpu preset "
+                        f"{SERVING['cpu']['slots']}, gpu {SERVING['gpu']['slots']}); also the fixed batches' size")
+    parser.add_argument("--serve-budget", type=int, default=None, help="new tokens a serving step carries, decode "
+                        f"rows and prefill chunks (cpu preset {SERVING['cpu']['budget']}, gpu "
+                        f"{SERVING['gpu']['budget']})")
+    parser.add_argument("--serve-page-size", type=int, default=None, help="cache rows a page (cpu preset "
+                        f"{SERVING['cpu']['page_size']}, gpu {SERVING['gpu']['page_size']})")
     parser.add_argument("--plot", default="lm_loss.png", help="where to write the loss curve ('' for none)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
@@ -139,6 +161,16 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Setup]:
         args.sample_prompts = 16 if cudnn_unavailable_reason() is None else 4
     if args.sample_prompts < 1:
         parser.error(f"--sample-prompts must be >= 1, got {args.sample_prompts}")
+    serving = SERVING[preset]
+    for name in ("requests", "slots", "budget", "page_size"):
+        if getattr(args, f"serve_{name}") is None:
+            setattr(args, f"serve_{name}", serving[name])
+    args.serve_max_new = serving["max_new"]
+    if (args.serve_requests < 0 or min(args.serve_slots, args.serve_page_size) < 1
+            or args.serve_budget < args.serve_slots):
+        parser.error(f"--serve-requests must be >= 0, --serve-slots and --serve-page-size >= 1, --serve-budget >= "
+                     f"--serve-slots, got {args.serve_requests}, {args.serve_slots}, {args.serve_page_size}, "
+                     f"{args.serve_budget}")
     if args.compare_steps is None:
         args.compare_steps = 10 if cudnn_unavailable_reason() is None else 0
     if args.compare_steps < 0 or args.compare_repeats < 1 or args.compare_warmup < 0:
@@ -186,6 +218,11 @@ def main(argv=None) -> int:
     if args.sample_bytes > 0:
         prompts = sample_prompts(args.prompt.encode(), held_out_files, args.sample_prompts)
         sample_and_time(model, setup, prompts, args.sample_bytes, args.seed)
+    if args.serve_requests > 0:
+        requests = make_requests(args.prompt.encode(), held_out_files, args.serve_requests, setup, args.serve_max_new,
+                                 seed=args.seed)
+        config = ServingConfig.for_setup(setup, args.serve_slots, args.serve_budget, args.serve_page_size)
+        serve_and_compare(model, setup, requests, config, args.seed)
     if args.compare_steps > 0:
         side_by_side(setup, train_files, args.seed, timing, args.compare_systems,
                      label=f" ({args.preset} preset)")

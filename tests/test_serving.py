@@ -1,0 +1,101 @@
+"""The main job's serving (tools/lm/serving.py): continuous batching writes the bytes today's fixed-batch
+generation writes, compiles its step once, shares a prompt's pages among its continuations, and draws the
+same bytes however the requests are scheduled."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flax.nnx", reason="the main job needs flax and optax: pip install 'jax_ragged_attn[flax]'")
+pytest.importorskip("optax", reason="the main job needs flax and optax: pip install 'jax_ragged_attn[flax]'")
+
+from flax import nnx  # noqa: E402
+
+from jax_ragged_attn.tools import lm  # noqa: E402
+from jax_ragged_attn.tools.lm import serving  # noqa: E402
+
+TINY = ["--preset", "cpu", "--width", "64", "--heads", "2", "--kv-heads", "1", "--layers", "1", "--capacity", "1024",
+        "--max-seqlen", "128"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    _, setup = lm.parse_args(TINY)
+    return lm.ByteLM(setup, rngs=nnx.Rngs(2)), setup
+
+
+REQUESTS = [serving.Request(b"import os\nimport sys\n\ndef ", 12, samples=3),  # 25 bytes: 3 full pages of 8
+            serving.Request(b"x", 20), serving.Request(b"class A:\n    def f(self):\n", 5),
+            serving.Request(b"# comment\n", 9), serving.Request(b"for i in range(10):\n    print(i)\n", 16)]
+
+
+def test_continuous_batching_writes_the_fixed_batch_bytes(tiny):
+    # Greedy: each continuation is the fixed-batch generation's (generation.generate, prefilled as a phase of
+    # its own, decoded in batches of 3), though here prompts are read in chunks of at most 7 rows beside other
+    # slots' decode rows, requests take slots as others finish, and the first prompt's pages are shared.
+    model, setup = tiny
+    config = serving.ServingConfig.for_setup(setup, slots=3, budget=7, page_size=8)
+    served = serving.serve(model, setup, REQUESTS, config, seed=0, temperature=0)
+    fixed = serving.serve_fixed(model, setup, REQUESTS, slots=3, seed=0, temperature=0)
+    assert served.texts == fixed.texts
+    for request, texts in zip(REQUESTS, served.texts):
+        assert [len(t) for t in texts] == [len(request.prompt) + request.max_new] * request.samples
+        assert all(t.startswith(request.prompt) for t in texts)
+    assert served.compilations == 1 and served.steps > sum(r.max_new for r in REQUESTS) // 3
+    # The first prompt's 25 rows: pages 0-2 full (rows 0-23) are shared, its last row prefilled by each.
+    assert serving.shared_rows(25, 8) == 24 and served.shared_reads == 2 * 3
+    assert served.generated == sum(r.max_new * r.samples for r in REQUESTS) == fixed.generated
+    assert np.all(served.latency > 0) and served.seconds >= served.latency.max() - 1e-6
+
+
+def test_draws_follow_the_request_not_the_schedule(tiny):
+    # Sampled (temperature 0.7): a request's bytes depend on its keys alone, so two slots or four, a large
+    # token budget or a small one, give the same continuations.
+    model, setup = tiny
+    runs = [serving.serve(model, setup, REQUESTS, serving.ServingConfig.for_setup(setup, slots, budget, 8), seed=5)
+            for slots, budget in ((2, 2), (4, 40))]
+    assert runs[0].texts == runs[1].texts
+    assert runs[0].steps > runs[1].steps
+    # Continuations of one prompt differ (their own keys), while reading the same pages.
+    assert len(set(runs[0].texts[0])) > 1
+
+
+def test_page_pool_counts_shared_pages():
+    pool = serving.PagePool(6)
+    first = pool.take(3)
+    pool.hold(first[:2] * 2)  # two more continuations will read the first two pages
+    assert pool.in_use == 3 and len(pool.free) == 3
+    pool.release(first)  # the first continuation finishes: its shared pages stay held
+    assert first[2] in pool.free and pool.in_use == 2
+    pool.release(first[:2])
+    pool.release(first[:2])
+    assert pool.in_use == 0 and len(pool.free) == 6
+    with pytest.raises(RuntimeError, match="6 free pages, 7 asked for"):
+        pool.take(7)
+
+
+def test_requests_that_do_not_fit_are_refused(tiny):
+    model, setup = tiny
+    config = serving.ServingConfig.for_setup(setup, slots=2, budget=4, page_size=8)
+    with pytest.raises(ValueError, match="request 0: a prompt of 1 .. max_seqlen - max_new bytes"):
+        serving.serve(model, setup, [serving.Request(b"x" * 100, 40)], config, seed=0)
+    with pytest.raises(ValueError, match="the token budget \\(2\\) must be at least the slots \\(3\\)"):
+        serving.ServingConfig.for_setup(setup, slots=3, budget=2, page_size=8)
+
+
+def test_report_prints_both_side_by_side(tiny, capsys):
+    model, setup = tiny
+    _, held_out, _ = lm.stdlib_files()
+    requests = serving.make_requests(b"import os\n", held_out, 3, setup, (4, 12), samples=2, seed=1)
+    assert [r.samples for r in requests] == [2, 1, 1] and all(4 <= r.max_new <= 12 for r in requests)
+    config = serving.ServingConfig.for_setup(setup, slots=2, budget=8, page_size=8)
+    served, fixed = serving.serve_and_compare(model, setup, requests, config, seed=0)
+    out = capsys.readouterr().out
+    assert served is not None and fixed is not None, out
+    assert re.search(r"continuous batching: [0-9,]+ bytes/s, latency p50 [0-9.]+ s / p99 [0-9.]+ s \([0-9]+ steps "
+                     r"of <= 8 tokens, 1 compilation; pages of 8 rows", out), out
+    assert re.search(r"fixed batches of 2 \(generation.generate\): [0-9,]+ bytes/s, latency p50", out), out
+    assert re.search(r"continuous / fixed: [0-9.]+x the throughput, p99 latency [0-9.]+x", out), out
