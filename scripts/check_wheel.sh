@@ -8,10 +8,13 @@
 #   3. a fresh virtual environment installs the wheel and its [test] extra from the package index, and with no
 #      compiler on PATH and no header package installed runs CPU tests from a copy of tests/ outside the source
 #      tree (jax_ragged_attn must come from site-packages) and the self-check.
-# The repaired wheel is left in $DIST (default dist/), the sdist and the wheel as built in $DIST/raw.
+# The repaired wheel is left in $DIST (default dist/), the sdist and the wheel as built in $DIST/raw. The fresh
+# environment gets the JAX pip picks for that Python, or the one $JAX names. CI checks both wheels: the cp311 one
+# here, the cp312-abi3 one (with the newest JAX) through scripts/check_release.sh, which runs this script first.
 #
 #   bash scripts/check_wheel.sh                        # this machine's python3 (cp311 on the CI image)
-#   PYTHON=python3.12 bash scripts/check_wheel.sh      # the cp312-abi3 wheel, for CPython 3.12 and later
+#   PYTHON=python3.13 bash scripts/check_wheel.sh      # the cp312-abi3 wheel, for CPython 3.12 and later
+#   PYTHON=python3.13 JAX=0.12.0.1 bash scripts/check_wheel.sh   # ... installed beside that JAX
 #   SKIP_BUILD=1 bash scripts/check_wheel.sh           # steps 2-3 for the wheel already in $DIST/raw
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,10 +64,12 @@ if cuda:
     sys.exit(f"check_wheel: _ext links {cuda}: the wheel would be tied to one CUDA major")
 EOF
 
-say "installing $(basename "$wheel")[test] into a fresh virtual environment"
+say "installing $(basename "$wheel")[test]${JAX:+ and jax==$JAX} into a fresh virtual environment"
 "$python" -m venv "$work/user"
 "$work/user/bin/python" -m pip install -q --upgrade pip
-"$work/user/bin/python" -m pip install -q "$wheel[test]"
+"$work/user/bin/python" -m pip install -q "$wheel[test]" ${JAX:+"jax==$JAX"}
+"$work/user/bin/python" -c 'import sys, jax, jaxlib
+print(f"==> Python {sys.version.split()[0]}, jax {jax.__version__}, jaxlib {jaxlib.__version__}")'
 if "$work/user/bin/python" -m pip list 2>/dev/null | grep -iE "^(nvidia-|cmake|ninja|nanobind|scikit-build)"; then
   fail "the user's environment has build or header packages (above): the wheel's dependencies pulled them in"
 fi
