@@ -74,6 +74,13 @@ EXAMPLES = {
     ("fa3", "kvcache", "kernels are built for head dim"): (fa3_kvcache.unsupported_reason, _kvcache(head_dim_qk=64)),
     ("fa3", "kvcache", "reaches into the rows FA3 reads"): (
         fa3_kvcache.unsupported_reason, _kvcache(seqlen_q=40, window_left=fa3_kvcache.TAIL - 5)),
+    # packed queries (cu_seqlens_q: total_q rows, seqlen_q their max_seqlen_q)
+    ("fa3", "kvcache", "FA3 serves packed queries in tiles of at most"): (
+        fa3_kvcache.unsupported_reason, _kvcache(total_q=20, seqlen_q=4, num_heads_q=2 * 129)),
+    ("fa3", "kvcache", "packed queries with keys right of the diagonal"): (
+        fa3_kvcache.unsupported_reason, _kvcache(total_q=100, seqlen_q=64, is_causal=False)),
+    ("cudnn", "kvcache", "cuDNN cannot serve packed queries"): (cudnn_kvcache.unsupported_reason,
+                                                                 _kvcache(total_q=20, seqlen_q=4)),
 }
 
 

@@ -132,10 +132,17 @@ def _fa3_head_dims(config) -> bool:
     return _fa3_module().FA3_HEAD_DIM != config.head_dim_qk or _fa3_module().FA3_HEAD_DIM != config.head_dim_v
 
 
+def _fa3_packed_tile_rows() -> int:
+    from jax_ragged_attn.backends.fa3 import kvcache
+
+    return kvcache.PACKED_TILE_ROWS
+
+
 _CUDNN = "backends/cudnn/graphs.py unsupported_reason"
 _CUDNN_KVCACHE = "backends/cudnn/kvcache.py unsupported_reason, paged.py static_reason"
 _FA3 = "backends/fa3/ragged.py unsupported_reason"
 _FA3_KVCACHE = "backends/fa3/kvcache.py unsupported_reason"
+_FA3_PACKED = "backends/fa3/kvcache.py packed_reason"
 
 EXPECTED = (
     # cuDNN, ragged_attention
@@ -168,6 +175,14 @@ EXPECTED = (
     Decline("fa3", "kvcache", "kernels are built for head dim", _fa3_head_dims, _FA3_KVCACHE),
     Decline("fa3", "kvcache", "reaches into the rows FA3 reads", _window_splits_badly(_fa3_kvcache_tail),
             "backends/fa3/kvcache.py unsupported_reason (shared/head_tail.py window_reason)"),
+    # Packed queries (cu_seqlens_q) of the KV-cache op
+    Decline("fa3", "kvcache", "FA3 serves packed queries in tiles of at most",
+            lambda c: c.packed and c.group_size > _fa3_packed_tile_rows(), _FA3_PACKED),
+    Decline("fa3", "kvcache", "packed queries with keys right of the diagonal",
+            lambda c: c.packed and c.right_bound != 0 and c.seqlen_q * c.group_size > _fa3_packed_tile_rows(),
+            _FA3_PACKED),
+    Decline("cudnn", "kvcache", "cuDNN cannot serve packed queries", lambda c: c.packed,
+            "backends/cudnn/kvcache.py PACKED_REASON (ragged Q / O offsets in ffi/paged_graph.cc: C++ work)"),
 )
 
 
