@@ -2,8 +2,8 @@
 
     python -m benchmarks.bottom_right [--calls 10 --repetitions 5]
 
-Per case, fwd+bwd ms (plain loop of jitted calls, median) of: top-left causal, bottom-right with the split
-backward (the default), bottom-right as one cuDNN backward call (JAX_RAGGED_ATTN_BOTTOM_RIGHT_BACKWARD=single).
+Per case, fwd+bwd ms (plain loop of jitted calls, median) of: top-left causal and bottom-right with the split
+backward. (The one-call bottom-right backward this measured against is gone: 0.64-0.74x, PERFORMANCE.md.)
 Cases: equal q and kv lengths (the two masks are the same, so top-left is the floor), and one long piece of
 queries late in its sequence (context parallelism's offset piece: bottom-right is the only right mask there,
 and the causal area is what its work should cost).
@@ -12,7 +12,6 @@ and the causal area is what its work should cost).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import jax
@@ -20,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.backends.cudnn import launch
 from jax_ragged_attn.index import cu_seqlens_from_lengths
 from jax_ragged_attn.testing.workloads import WORKLOADS
 
@@ -60,21 +58,17 @@ def main(argv=None) -> int:
     parser.add_argument("--repetitions", type=int, default=5)
     args = parser.parse_args(argv)
     print(f"device: {jax.devices()[0].device_kind}; fwd+bwd ms, median of {args.repetitions} loops of {args.calls}")
-    print("| case | top-left | bottom-right split | bottom-right single | split / single |")
-    print("|---|---|---|---|---|")
+    print("| case | top-left | bottom-right split |")
+    print("|---|---|---|")
     for name, lengths_q, lengths_kv, hq, hkv, d in CASES:
         ms = {}
-        for label, alignment, mode in (("top_left", "top_left", "split"), ("split", "bottom_right", "split"),
-                                       ("single", "bottom_right", "single")):
-            os.environ[launch.BOTTOM_RIGHT_BACKWARD_ENV] = mode  # read when the step is traced
+        for label, alignment in (("top_left", "top_left"), ("split", "bottom_right")):
             if alignment == "top_left" and lengths_q != lengths_kv:
                 ms[label] = float("nan")  # a different mask: no floor to compare with
                 continue
             call = _step(alignment, lengths_q, lengths_kv, hq, hkv, d)
             ms[label] = statistics.median(plain_loop_seconds(call, args.calls, args.repetitions)) * 1e3
-        os.environ.pop(launch.BOTTOM_RIGHT_BACKWARD_ENV)
-        print(f"| {name} | {ms['top_left']:.3f} | {ms['split']:.3f} | {ms['single']:.3f} | "
-              f"{ms['split'] / ms['single']:.2f} |", flush=True)
+        print(f"| {name} | {ms['top_left']:.3f} | {ms['split']:.3f} |", flush=True)
     return 0
 
 

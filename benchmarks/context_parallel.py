@@ -170,15 +170,9 @@ def _device_args(q, k, v, ids, rows):
 
 def breakdown(names, implementation, calls, repetitions, devices: int, order: str = "packer+balanced") -> None:
     """Timed parts of each device's call (issue 22, item 3): its forward alone and its backward (fwd+bwd minus
-    fwd), each beside the device's share of one GPU's forward / backward, and the backward again with the
-    bottom-right backward as one call (JAX_RAGGED_ATTN_BOTTOM_RIGHT_BACKWARD=single)."""
-    import os
-
-    from jax_ragged_attn.backends.cudnn import launch
-
-    print(f"| workload | n | order | device | fwd ms (share x 1 GPU) | bwd ms (share x 1 GPU) | bwd ms, one "
-          f"bottom-right call |")
-    print("|---|---|---|---|---|---|---|")
+    fwd), each beside the device's share of one GPU's forward / backward."""
+    print("| workload | n | order | device | fwd ms (share x 1 GPU) | bwd ms (share x 1 GPU) |")
+    print("|---|---|---|---|---|---|")
     for name in names:
         w = CP_WORKLOADS[name]
         total = _padded_tokens(w, devices)
@@ -202,15 +196,8 @@ def breakdown(names, implementation, calls, repetitions, devices: int, order: st
                         repetitions)
             both = _time(_device_step(plan, attend, cu, rows, ids, True).lower(*args).compile(), args, calls,
                          repetitions)
-            os.environ[launch.BOTTOM_RIGHT_BACKWARD_ENV] = "single"  # read at trace time
-            try:
-                single = _time(_device_step(plan, attend, cu, rows, ids, True).lower(*args).compile(), args, calls,
-                               repetitions)
-            finally:
-                os.environ.pop(launch.BOTTOM_RIGHT_BACKWARD_ENV)
             print(f"| {name} | {devices} | {order} | {r} | {fwd * 1e3:.2f} ({shares[r] * one_fwd * 1e3:.2f}) | "
-                  f"{(both - fwd) * 1e3:.2f} ({shares[r] * (one_both - one_fwd) * 1e3:.2f}) | "
-                  f"{(single - fwd) * 1e3:.2f} |", flush=True)
+                  f"{(both - fwd) * 1e3:.2f} ({shares[r] * (one_both - one_fwd) * 1e3:.2f}) |", flush=True)
 
 
 ORDERS = ("natural", "balanced", "packer+balanced")

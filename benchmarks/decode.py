@@ -7,9 +7,8 @@ One query token per sequence, GQA 32/8, head dim 128, bf16; B in {8, 64, 256} x 
 cache_seqlens drawn in [L/2, L] (numpy.random.default_rng(0)); a contiguous cache [B, L, 8, 128] and the same
 buffer as a paged cache (pages of 256 rows, the page table a shuffled permutation). Rows: each of our
 implementations that serves the call (fa3, cudnn, xla), then the wheel's own flash_mha_with_kvcache where it
-imports. cuDNN runs a paged cache through its paged SDPA graph, and a contiguous one both ways
-(backends/cudnn/kvcache.py's routes, pinned per row): "cudnn-ragged" (the ragged training kernel over the
-flattened cache) and "cudnn-paged" (the paged graph over the cache viewed as pages). Timing:
+imports. cuDNN runs both through its paged SDPA graph (a contiguous cache viewed as pages; the ragged training
+kernel over the flattened cache, slower on all but the smallest shape, only where the graph declines). Timing:
 timing.plain_loop_seconds (a loop of jitted calls, then block_until_ready; median of the repetitions). GB/s
 counts the K/V bytes the call must read, sum(cache_seqlens) x Hkv x (Dqk + Dv) x 2 bytes, over the time; % is
 of the H200's 4.8 TB/s. A shape whose cache does not fit the device is skipped with a note.
@@ -18,15 +17,12 @@ of the H200's 4.8 TB/s. A shape whose cache does not fit the device is skipped w
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import statistics
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn.backends.cudnn import kvcache as cudnn_kvcache
 from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
 from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.inputs.kvcache import kvcache_config, ragged_attention_with_kvcache
@@ -80,30 +76,6 @@ def _time(function, args, calls: int, repetitions: int) -> float:
     return statistics.median(plain_loop_seconds(lambda: compiled(*args), calls, repetitions))
 
 
-def _variants(name: str, layout: str) -> list[tuple[str, str | None]]:
-    """(label, cudnn_kvcache route to pin or None) of the rows implementation `name` gets on `layout`."""
-    if name == "cudnn" and layout == "contiguous":
-        return [("cudnn-ragged", "ragged"), ("cudnn-paged", "paged")]
-    return [(name, None)]
-
-
-@contextlib.contextmanager
-def _pinned_route(route: str | None):
-    """cudnn_kvcache.ROUTE_ENV set to `route` while a row compiles (it is read at trace time)."""
-    if route is None:
-        yield
-        return
-    old = os.environ.get(cudnn_kvcache.ROUTE_ENV)
-    os.environ[cudnn_kvcache.ROUTE_ENV] = route
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(cudnn_kvcache.ROUTE_ENV, None)
-        else:
-            os.environ[cudnn_kvcache.ROUTE_ENV] = old
-
-
 def _row(batch, context, layout, system, seconds, bytes_read, note=""):
     rate = bytes_read / seconds / 1e9
     print(f"{batch:>5} {context:>7} {layout:>10}  {system:<16} {seconds * 1e3:9.3f} {rate:9.0f} "
@@ -130,13 +102,13 @@ def run(shape: dict, calls: int, repetitions: int) -> None:
             paged_v = v.reshape(-1, shape["page_size"], *v.shape[2:])
             for layout, args in (("contiguous", (q, k, v, lengths, None)),
                                  (f"paged{shape['page_size']}", (q, paged_k, paged_v, lengths, table))):
-                for name, (label, route) in ((n, v) for n in shape["implementations"]
-                                             for v in _variants(n, "contiguous" if args[4] is None else "paged")):
+                for name in shape["implementations"]:
+                    label = name
+
                     def ours(q, k, v, lengths, table, name=name):
                         return ragged_attention_with_kvcache(q, k, v, lengths, page_table=table, implementation=name)
                     try:
-                        with _pinned_route(route):
-                            seconds = _time(ours, args, calls, repetitions)
+                        seconds = _time(ours, args, calls, repetitions)
                     except NotImplementedError as error:
                         print(f"# B={batch} L={context} {layout} {label}: declined: {error}")
                         continue

@@ -3,7 +3,7 @@
     python -m benchmarks.fa3_compare [--probe-only] [--workloads W1,W2]
 
 Probe: small ragged batches (GQA, an empty sequence, capacity padding, rows cut by max_seqlen, seqused)
-through implementation="fa3" under each of _fa3.py's buffer / grid switches, against implementation="xla"
+through implementation="fa3" (its flat log-sum-exp buffer and max_seqlen grids), against implementation="xla"
 in float32: out, both stats layouts, and the gradients of a loss of out and stats.
 
 Timing: for each workload, forward and forward+backward of ragged_attention(implementation="cudnn"),
@@ -80,30 +80,23 @@ def probe() -> bool:
                                              seqused_kv=np.array([100, 3, 150, 0, 90], np.int32)),
     }
     ok = True
-    switches = [("wheel", "capacity"), ("flat", "capacity"), ("flat", "max_seqlen")]
-    defaults = _fa3.LSE_BUFFER, _fa3.GRID_SEQLEN
     names = ("out", "stats", "dq", "dk", "dv")
     for case, options in cases.items():
         want = _run("xla", jnp.float32, args, options)
         scale = [max(np.abs(np.nan_to_num(w, neginf=0)).max(), 1e-6) for w in want]
-        for buffer, grid in switches:
-            _fa3.LSE_BUFFER, _fa3.GRID_SEQLEN = buffer, grid
-            jax.clear_caches()
-            try:
-                got = _run("fa3", jnp.bfloat16, args, options)
-            except Exception as error:  # noqa: BLE001 - report and go on
-                print(f"probe {case} [{buffer}, {grid}]: error {type(error).__name__}: {str(error)[:300]}")
-                ok = False
-                continue
-            errors = []
-            for name, g, w, s in zip(names, got, want, scale):
-                same_inf = np.array_equal(np.isneginf(g), np.isneginf(w))
-                err = np.abs(np.where(np.isfinite(w), g - w, 0)).max() / s if same_inf else np.inf
-                errors.append(f"{name} {err:.1e}" + ("" if np.isfinite(g[np.isfinite(w)]).all() else " NaN!"))
-                ok &= bool(err < 3e-2)
-            print(f"probe {case} [{buffer}, {grid}]: relative max error " + ", ".join(errors), flush=True)
-    _fa3.LSE_BUFFER, _fa3.GRID_SEQLEN = defaults
-    jax.clear_caches()
+        try:
+            got = _run("fa3", jnp.bfloat16, args, options)
+        except Exception as error:  # noqa: BLE001 - report and go on
+            print(f"probe {case}: error {type(error).__name__}: {str(error)[:300]}")
+            ok = False
+            continue
+        errors = []
+        for name, g, w, s in zip(names, got, want, scale):
+            same_inf = np.array_equal(np.isneginf(g), np.isneginf(w))
+            err = np.abs(np.where(np.isfinite(w), g - w, 0)).max() / s if same_inf else np.inf
+            errors.append(f"{name} {err:.1e}" + ("" if np.isfinite(g[np.isfinite(w)]).all() else " NaN!"))
+            ok &= bool(err < 3e-2)
+        print(f"probe {case}: relative max error " + ", ".join(errors), flush=True)
     return ok
 
 
@@ -160,23 +153,12 @@ def timing(names, inputs: str = "arguments") -> list[str]:
         d_out = jax.random.normal(jax.random.key(1), q.shape, q.dtype)
         scale = jnp.float32(1.0)  # traced, so XLA cannot fold x * scale away (inputs="computed")
         results = {}
-        variants = [(system, f, None) for system, f in _systems(workload).items()]
-        variants.append(("ours fa3 [wheel lse, capacity grid]", _systems(workload)["ours fa3"],
-                         ("wheel", "capacity")))
-        for system, f, switches in variants:
-            if switches is not None:
-                defaults = _fa3.LSE_BUFFER, _fa3.GRID_SEQLEN
-                _fa3.LSE_BUFFER, _fa3.GRID_SEQLEN = switches
-                jax.clear_caches()
+        for system, f in _systems(workload).items():
             try:
                 forward, both = steps(f, inputs)
                 results[system] = (_time(forward, q, k, v, cu, scale), _time(both, q, k, v, cu, scale, d_out))
             except Exception as error:  # noqa: BLE001
                 lines.append(f"{name:<10} {system:<34} error {type(error).__name__}: {str(error)[:200]}")
-            finally:
-                if switches is not None:
-                    _fa3.LSE_BUFFER, _fa3.GRID_SEQLEN = defaults
-                    jax.clear_caches()
         base = results.get("flash-attn3-jax", (None, None))[1]
         for system, (fwd, both) in results.items():
             ratio = f"{both / base:.3f}" if base else "-"

@@ -7,7 +7,6 @@ fa3_kvcache.num_splits' heuristic from measurements: one query per sequence, GQA
 from __future__ import annotations
 
 import sys
-from unittest import mock
 
 import numpy as np
 
@@ -15,6 +14,7 @@ from jax_ragged_attn import ragged_attention_with_kvcache
 from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
 from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.inputs.kvcache import kvcache_config
+from jax_ragged_attn.testing.private_config import config_overrides
 
 from benchmarks import decode
 
@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
         for layout, args in (("contiguous", (q, k, v, lengths, None)), ("paged", (q, paged_k, paged_v, lengths, table))):
             times = []
             for splits in SPLITS:
-                with mock.patch.object(fa3_kvcache, "NUM_SPLITS", splits):
+                with config_overrides(num_splits=splits):  # the private KVCacheConfig field
                     def ours(q, k, v, lengths, table):
                         return ragged_attention_with_kvcache(q, k, v, lengths, page_table=table, implementation="fa3")
                     times.append(decode._time(ours, args, 20, 5) * 1e3)

@@ -7,10 +7,6 @@
     ours-hm     ragged_attention(implementation="cudnn"), stats head-major [H, T]
     ours-tm     the same with stats token-major [T, H]
     ours-lean   ours-hm with strategy="lean_memory": the backward's intermediates sized by the token capacity
-    ours-memset ours-hm with whole outputs zeroed by the handler (JAX_RAGGED_ATTN_ROW_MASKING=memset) instead
-                of only the rows cuDNN does not write (unowned, the default: our row-zeroing kernel)
-    ours-where  ours-hm with those rows masked after the call (ROW_MASKING=where)
-    ours-zero-fill  the same with XLA's zero-filled output buffers (ROW_MASKING=zero_fill)
     jax-padded  jax.nn.dot_product_attention(implementation="cudnn") on the batch padded to
                 [B, max_len, H, D], with query/key_value_seq_lengths
     jax-packed  JAX's own packed cuDNN path (q_offsets / kv_offsets of
@@ -27,12 +23,10 @@ and measures one workload (`measure`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
 import math
-import os
 from typing import Callable
 
 import jax
@@ -41,7 +35,6 @@ import numpy as np
 
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.backends.cudnn import ragged as cudnn
-from jax_ragged_attn.backends.cudnn import launch
 from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.config import AttentionOptions, make_config
@@ -75,34 +68,14 @@ def _any_workload(_workload: Workload) -> None:
 
 
 def _jax_system(name: str, description: str, case: Callable[[Workload], JaxCase], unavailable,
-                unsupported=_any_workload, row_masking: str | None = None, runs_on_cpu: bool = False) -> System:
+                unsupported=_any_workload, runs_on_cpu: bool = False) -> System:
     def measure(workload: Workload, settings: Settings) -> list[Measurement]:
-        # The op reads its row masking when traced, and the backward is traced after the forward returns
-        # (when timing takes the pullback): the switch must hold for the whole measurement.
-        with _environment(launch.ROW_MASKING_ENV, row_masking):
-            return measure_jax(case(workload), workload, name, settings)
+        return measure_jax(case(workload), workload, name, settings)
 
     return System(name, description, functools.cache(unavailable), unsupported, measure, runs_on_cpu)
 
 
 # ---- this package ----------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _environment(name: str, value: str | None):
-    """os.environ[name] = value inside (unchanged for None); the op reads its switches when it is traced."""
-    if value is None:
-        yield
-        return
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
 
 
 def _ours_case(workload: Workload, *, implementation: str, stats_layout: str = "head_major",
@@ -259,15 +232,6 @@ SYSTEMS: dict[str, System] = {
         _jax_system("ours-lean", "the same with strategy='lean_memory' (backward sized by the token capacity)",
                     functools.partial(_ours_case, implementation="cudnn", strategy="lean_memory"),
                     extension.cudnn_unavailable_reason),
-        _jax_system("ours-memset", "ours-hm with whole outputs zeroed first (ROW_MASKING=memset)",
-                    functools.partial(_ours_case, implementation="cudnn"), extension.cudnn_unavailable_reason,
-                    row_masking="memset"),
-        _jax_system("ours-where", "ours-hm with the unowned rows masked after the call (ROW_MASKING=where)",
-                    functools.partial(_ours_case, implementation="cudnn"), extension.cudnn_unavailable_reason,
-                    row_masking="where"),
-        _jax_system("ours-zero-fill", "ours-hm with XLA's zero-filled outputs (ROW_MASKING=zero_fill)",
-                    functools.partial(_ours_case, implementation="cudnn"), extension.cudnn_unavailable_reason,
-                    row_masking="zero_fill"),
         _jax_system("ours-tm", "ragged_attention(implementation='cudnn'), stats token-major",
                     functools.partial(_ours_case, implementation="cudnn", stats_layout="token_major"),
                     extension.cudnn_unavailable_reason),

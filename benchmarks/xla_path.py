@@ -139,7 +139,7 @@ def main(argv=None) -> int:
         print(f"\n{shape}: {len(lengths)} sequences of {min(lengths)}..{max(lengths)} ({total:,} tokens), "
               f"{heads} heads, head dim {dim}, causal")
         # What "xla" runs with, as xla.py resolves it at trace time (settings: jax_ragged_attn/backends/xla/memory.py).
-        print(f"xla: {'fused' if xla_memory.fused_backward() else 'two_pass'} backward, "
+        print(f"xla: {'fused' if xla_memory.fused_backward(config) else 'two_pass'} backward, "
               f"{xla_memory.matmul_dtype(config)} matmul operands, blocks {xla_memory.block_sizes(config)}")
         wanted = args.directions.split(",")
         entries = {}

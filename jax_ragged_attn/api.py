@@ -56,6 +56,7 @@ def ragged_attention(
     seqused_q: jax.Array | None = None,
     seqused_kv: jax.Array | None = None,
     softcap: float | None = None,
+    xla_block_size: int | tuple[int, int] | None = None,
     **unknown,
 ):
     """Scaled dot-product attention over sequences packed into one token buffer (the THD / varlen layout).
@@ -128,6 +129,11 @@ def ragged_attention(
         carries the cap's derivative. A negative or non-finite value is a ValueError. cuDNN serves it through
         its graph's score modifier where the loaded cuDNN builds one (else implementation=None falls back to
         xla); FlashAttention-3's wheel has no softcap and declines.
+      xla_block_size: the xla path's query and key block rows, (block_q, block_kv) or an int for both; None:
+        128 on a GPU, 64 on a CPU. Its working set grows with block_kv (a step holds Tq * Hq * block_kv float32
+        scores): smaller blocks are the way out of its WorkingSetTooLargeError; one-query-per-sequence calls
+        run faster with a small block_q ((8, 128): 52 against 83 ms on 64 queries over 64 x 512 keys, 2-core
+        CPU). Part of the static config (a jit cache key); the GPU kernels ignore it.
       return_overflow: also return an overflow.Overflow of int32 scalars counting what this call dropped
         (truncated_rows_q, truncated_rows_kv, invalid_cu_seqlens; dropped_segments is 0 here), computed on
         the device with no host round trip; all zero when nothing was lost. They carry no gradient.
@@ -143,7 +149,7 @@ def ragged_attention(
                                local_window_size=local_window_size, stats_layout=stats_layout,
                                return_stats=return_stats, implementation=implementation,
                                deterministic=deterministic, check=check, autotune=autotune,
-                               strategy=strategy, softcap=softcap)
+                               strategy=strategy, softcap=softcap, xla_block_size=xla_block_size)
     return attend((q, k, v), cu_seqlens_q, cu_seqlens_kv, options, max_seqlen_q=max_seqlen_q,
                   max_seqlen_kv=max_seqlen_kv, sinks=sinks, return_overflow=return_overflow, seqused_q=seqused_q,
                   seqused_kv=seqused_kv)

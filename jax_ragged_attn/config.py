@@ -88,7 +88,16 @@ class AttentionConfig(MaskedConfig):
     # The tokens per sequence implementation=None chooses a kernel by (backends/policy.py), when not this
     # call's own capacity_q / num_seqs: AttentionOptions.policy_tokens_per_sequence.
     policy_tokens_per_sequence: int | None = None
-
+    # The xla path's (block_q, block_kv) rows (AttentionOptions.xla_block_size); None: its default, 128 each on
+    # a GPU and 64 on a CPU (backends/xla/memory.py). The other backends ignore it.
+    xla_block_size: tuple[int, int] | None = None
+    # For tests only, set through testing.config_overrides (no keyword reaches them):
+    # poison_outputs: the cuDNN handler fills every output with NaN before it zeroes the rows no sequence owns,
+    # so a row cuDNN should write but skips reads NaN (backends/cudnn/launch.py);
+    # xla_fused_backward: the xla path's backward as one fused pass (True) or two passes (False); None: fused
+    # on a CPU only (backends/xla/memory.py fused_backward).
+    poison_outputs: bool = False
+    xla_fused_backward: bool | None = None
 
 
 def check_implementation(implementation) -> None:
@@ -124,6 +133,7 @@ class AttentionOptions:
     # chooses by, its whole batch's T / B. A context-parallel device's call holds 2B slots for its pieces, most
     # of them empty, so its own T / B would put long documents in the short-sequence class (policy.py).
     policy_tokens_per_sequence: int | None = None
+    xla_block_size: int | tuple[int, int] | None = None  # None, or (block_q, block_kv) rows; an int b: (b, b)
 
     def __post_init__(self):
         check_implementation(self.implementation)
@@ -153,6 +163,7 @@ class AttentionOptions:
             raise ValueError(f"policy_tokens_per_sequence must be a positive int or None, got {hint!r}")
         if hint is not None:
             object.__setattr__(self, "policy_tokens_per_sequence", int(hint))
+        object.__setattr__(self, "xla_block_size", _xla_block_size(self.xla_block_size))
 
     @classmethod
     def split(cls, kwargs: dict) -> tuple[AttentionOptions, dict]:
@@ -205,6 +216,19 @@ def _static_int(value, name: str, minimum: int | None) -> int:
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
+
+
+def _xla_block_size(block) -> tuple[int, int] | None:
+    """None, or (block_q, block_kv) of ints >= 1: 64 -> (64, 64), (8, 128) -> (8, 128)."""
+    if block is None:
+        return None
+    if isinstance(block, (tuple, list)) and len(block) == 2:
+        q, kv = block
+    elif isinstance(block, (tuple, list)):
+        raise ValueError(f"xla_block_size must be None, an int or a (block_q, block_kv) pair, got {block!r}")
+    else:
+        q = kv = block
+    return (_static_int(q, "xla_block_size[0] (block_q)", 1), _static_int(kv, "xla_block_size[1] (block_kv)", 1))
 
 
 def _normalize_window(local_window_size) -> tuple[int | None, int | None] | None:
@@ -340,5 +364,6 @@ def make_config(
         packing=packing,
         has_sinks=sinks is not None,
         policy_tokens_per_sequence=options.policy_tokens_per_sequence,
+        xla_block_size=options.xla_block_size,
         **masked_fields(options, dqk),
     )

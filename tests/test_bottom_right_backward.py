@@ -1,5 +1,5 @@
-"""The split bottom-right causal backward (backends/cudnn/launch.py _backward) against the one-call backward
-and the float64 reference: a rectangle call (each sequence's queries against the keys left of its band), then
+"""The split bottom-right causal backward (backends/cudnn/launch.py _backward) against the float64 reference:
+a rectangle call (each sequence's queries against the keys left of its band), then
 a top-left square call that writes its dK/dV rows into the rectangle's buffers (dQ is summed).
 
 One batch serves every test: sequences with more keys than queries (a rectangle), fewer (rows without keys),
@@ -9,8 +9,8 @@ seqused) is NaN in q, k, v and the output cotangent, and must get a gradient of 
 
 On a CUDA GPU (skipped elsewhere, with the reason) the real kernels run, for packing "none" and "kv" and both
 stats layouts. On a CPU the stand-in of test_stats_grad.py, which does cuDNN's arithmetic on the buffers it is
-handed and writes only the rows it owns, runs the same batch through every row masking and check mode, and the
-calls are checked: which backward call gets initial buffers aliased to its results.
+handed and writes only the rows it owns, runs the same batch plainly, with poisoned outputs and in check mode,
+and the calls are checked: which backward call gets initial buffers aliased to its results.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from jax_ragged_attn.backends.cudnn import graphs, launch
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked
 from jax_ragged_attn.testing import assert_close, reference_attention
+from jax_ragged_attn.testing.private_config import config_overrides
 from test_stats_grad import CudnnArithmetic  # tests/ is on sys.path under pytest
 
 _REASON = extension.cudnn_unavailable_reason()
@@ -140,7 +141,7 @@ def _unpacked(grads, packing: str):
 
 def _gpu_grads(batch: Batch, packing: str, layout: str, with_stats: bool):
     """jax.vjp of the public op (ragged_attention or ragged_attention_kvpacked) on cuDNN, traced afresh per
-    call (the split setting is read at trace time). Without a stats cotangent only `out` is differentiated."""
+    call (testing.config_overrides applies). Without a stats cotangent only `out` is differentiated."""
     q, k, v, cu_q, cu_kv, used_q, used_kv = batch.args()
     d_out, d_stats = _cotangents(batch, layout, with_stats)
     op = ragged_attention if packing == "none" else ragged_attention_kvpacked
@@ -160,43 +161,35 @@ def _gpu_grads(batch: Batch, packing: str, layout: str, with_stats: bool):
 @pytest.mark.parametrize("packing", ["none", "kv"])
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])
 @pytest.mark.parametrize("with_stats", [False, True], ids=["d_out", "d_out_and_d_stats"])
-def test_split_matches_the_single_call_and_the_reference_on_cudnn(monkeypatch, packing, layout, with_stats):
+def test_split_matches_the_reference_on_cudnn(packing, layout, with_stats):
     """Without a stats cotangent the backward runs in the packed buffers (the kv packing's square writes its
     rows into the rectangle's dkv); with one, on widened unpacked value columns (stats_grad.py)."""
     batch = _batch(101, (8, 2), 64, "bfloat16")
     split = _gpu_grads(batch, packing, layout, with_stats)
-    monkeypatch.setenv(launch.BOTTOM_RIGHT_BACKWARD_ENV, "single")
-    single = _gpu_grads(batch, packing, layout, with_stats)
-    expected = _expected(batch, with_stats)
-    _check(split, expected, batch, f"split {packing} {layout}: ")
-    _check(single, expected, batch, f"single {packing} {layout}: ")
-    for name, a, b in zip(("dq", "dk", "dv"), split, single):
-        assert_close(np.asarray(a, np.float64), np.asarray(b, np.float64), batch.dtype, f"{name}: split vs single")
+    _check(split, _expected(batch, with_stats), batch, f"split {packing} {layout}: ")
 
 
 @pytest.mark.gpu
 @needs_cudnn
-@pytest.mark.parametrize("row_masking", ["zero_fill", "memset", "where", "poisoned"])
-def test_every_row_masking_gives_the_default_split_results_on_cudnn(monkeypatch, row_masking):
-    """unowned (the default), memset and zero_fill write the square's dK/dV rows into the rectangle's
-    buffers; where and poisoned sum two separately masked calls, and poisoned (NaN first, unowned rows
-    zeroed) shows each call writes every row it owns. All agree with the default and the reference."""
+def test_poisoned_outputs_give_the_default_split_results_on_cudnn():
+    """The default writes the square's dK/dV rows into the rectangle's buffers; with poisoned outputs (NaN
+    first, unowned rows zeroed) the two calls are masked and summed separately, which shows each call writes
+    every row it owns. Both agree with each other and the reference."""
     batch = _batch(102, (8, 2), 64, "bfloat16")
     default = _gpu_grads(batch, "none", "head_major", False)
-    monkeypatch.setenv(launch.ROW_MASKING_ENV, row_masking)
-    other = _gpu_grads(batch, "none", "head_major", False)
-    _check(other, _expected(batch, False), batch, f"{row_masking}: ")
+    with config_overrides(poison_outputs=True):
+        other = _gpu_grads(batch, "none", "head_major", False)
+    _check(other, _expected(batch, False), batch, "poisoned: ")
     for name, a, b in zip(("dq", "dk", "dv"), other, default):
-        assert_close(np.asarray(a, np.float64), np.asarray(b, np.float64), batch.dtype, f"{name}: vs unowned")
+        assert_close(np.asarray(a, np.float64), np.asarray(b, np.float64), batch.dtype, f"{name}: vs default")
 
 
 @pytest.mark.gpu
 @needs_cudnn
 @pytest.mark.parametrize("packing", ["none", "kv"])
-def test_the_square_call_takes_the_rectangles_gradients_aliased_on_cudnn(monkeypatch, packing):
+def test_the_square_call_takes_the_rectangles_gradients_aliased_on_cudnn(packing):
     """In the lowered program the split's second backward call gets its initial buffers aliased to its results
-    and the first does not (row masking "unowned"): dK/dV are written, not summed."""
-    monkeypatch.setenv(launch.ROW_MASKING_ENV, "unowned")
+    and the first does not: dK/dV are written, not summed."""
     batch = _batch(103, (8, 2), 64, "bfloat16")
     q, k, v, cu_q, cu_kv, used_q, used_kv = batch.args()
     options = dict(max_seqlen_q=MAX_SEQLEN_Q, max_seqlen_kv=MAX_SEQLEN_KV, seqused_q=used_q, seqused_kv=used_kv,
@@ -231,12 +224,13 @@ class RecordingArithmetic(CudnnArithmetic):
         return call
 
 
-def _stand_in_grads(monkeypatch, batch: Batch, packing: str, layout: str, with_stats: bool, check: bool):
+def _stand_in_grads(monkeypatch, batch: Batch, packing: str, layout: str, with_stats: bool, check: bool,
+                    poison: bool = False):
     """jax.vjp of launch.attention with the stand-in kernel; returns (dq, dk, dv), the stand-in, the config."""
     q, k, v, cu_q, cu_kv, used_q, used_kv = batch.args()
     config = make_config(q, k, v, cu_q, cu_kv, AttentionOptions(stats_layout=layout, **CAUSAL),
                          max_seqlen_q=MAX_SEQLEN_Q, max_seqlen_kv=MAX_SEQLEN_KV)
-    config = dataclasses.replace(config, packing=packing, guard_workspace=check)
+    config = dataclasses.replace(config, packing=packing, guard_workspace=check, poison_outputs=poison)
     kernel = RecordingArithmetic(config)
     monkeypatch.setattr(jax.ffi, "ffi_call", kernel)
     monkeypatch.setattr(launch, "graph_info", lambda direction, config, layout=None: {"workspace_bytes": 64})
@@ -253,32 +247,24 @@ def _stand_in_grads(monkeypatch, batch: Batch, packing: str, layout: str, with_s
     return _unpacked(jax.jit(grads)(buffers, d_out, d_stats), packing), kernel, config
 
 
-# The backward calls' (initial buffers aliased?, zero_outputs: graphs.ZERO_OUTPUTS' index) per row masking,
-# plain backward in packing none or kv: wherever the rectangle's call leaves its unowned rows 0, the square's
-# takes the rectangle's dK/dV (and a zero dQ) and zeroes nothing, or it would zero the rectangle's rows.
-NO, ALL, UNOWNED, POISONED = (graphs.ZERO_OUTPUTS.index(m) for m in ("no", "all", "unowned", "poisoned"))
-BACKWARD_CALLS = {"unowned": [(False, UNOWNED), (True, NO)], "memset": [(False, ALL), (True, NO)],
-                  "zero_fill": [(True, NO), (True, NO)], "where": [(False, NO), (False, NO)],
-                  "poisoned": [(False, POISONED), (False, POISONED)], "check": [(True, NO), (True, NO)]}
+# The backward calls' (initial buffers aliased?, zero_outputs: graphs.ZERO_OUTPUTS' index) plainly, with
+# poisoned outputs and in check mode, plain backward in packing none or kv: where the rectangle's call leaves
+# its unowned rows 0, the square's takes the rectangle's dK/dV (and a zero dQ) and zeroes nothing, or it would
+# zero the rectangle's rows.
+NO, UNOWNED, POISONED = (graphs.ZERO_OUTPUTS.index(m) for m in ("no", "unowned", "poisoned"))
+BACKWARD_CALLS = {"unowned": [(False, UNOWNED), (True, NO)], "poisoned": [(False, POISONED), (False, POISONED)],
+                  "check": [(True, NO), (True, NO)]}
 
 
 @pytest.mark.parametrize("mode", sorted(BACKWARD_CALLS))
 @pytest.mark.parametrize("packing", ["none", "kv"])
 def test_split_on_the_stand_in_writes_key_rows_in_place_where_it_can(monkeypatch, packing, mode):
-    check = mode == "check"
-    if not check:
-        monkeypatch.setenv(launch.ROW_MASKING_ENV, mode)
     batch = _batch(7, (4, 2), 16, "bfloat16")
-    split, kernel, config = _stand_in_grads(monkeypatch, batch, packing, "head_major", False, check)
+    split, kernel, config = _stand_in_grads(monkeypatch, batch, packing, "head_major", False, mode == "check",
+                                            poison=mode == "poisoned")
     assert kernel.backward_calls == BACKWARD_CALLS[mode]
-    assert launch._writes_key_rows_in_place(config) == (mode in ("unowned", "memset", "zero_fill"))
-    expected = _expected(batch, False)
-    _check(split, expected, batch, f"split {packing} {mode}: ")
-    monkeypatch.setenv(launch.BOTTOM_RIGHT_BACKWARD_ENV, "single")
-    single, kernel, _ = _stand_in_grads(monkeypatch, batch, packing, "head_major", False, check)
-    assert len(kernel.backward_calls) == 1
-    for name, a, b in zip(("dq", "dk", "dv"), split, single):
-        assert_close(np.asarray(a, np.float64), np.asarray(b, np.float64), batch.dtype, f"{name}: split vs single")
+    assert launch._writes_key_rows_in_place(config) == (mode == "unowned")
+    _check(split, _expected(batch, False), batch, f"split {packing} {mode}: ")
 
 
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])

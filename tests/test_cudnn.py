@@ -21,9 +21,9 @@ import pytest
 import jax_ragged_attn as jra
 from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.shared import extension
-from jax_ragged_attn.backends.cudnn import launch
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.testing import assert_close, packed_batch, reference_attention
+from jax_ragged_attn.testing.private_config import config_overrides
 
 _REASON = extension.cudnn_unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=f"cuDNN path unavailable: {_REASON}")]
@@ -184,22 +184,19 @@ def test_strategy_picks_the_backward_layout_and_changes_no_result(layout):
 @pytest.mark.parametrize("case", [Case(heads=(8, 2), is_causal=True, empty=(2,)),
                                   Case(is_causal=True, alignment="bottom_right", window=(16, 0))],
                          ids=["causal-empty-sequence", "bottom-right-window"])
-@pytest.mark.parametrize("row_masking", ["memset", "zero_fill", "where", "poisoned"])
-def test_every_row_masking_gives_the_default_results(monkeypatch, row_masking, case):
-    """The rows cuDNN does not write read 0 whether the handler zeroes them first (the default, "unowned",
-    with its row-zeroing kernel), or whole outputs ("memset"), XLA hands it zero-filled buffers, or the
-    wrapper masks them after the call; "poisoned" (NaN first, then the unowned rows zeroed) shows that cuDNN
-    writes every row the default leaves to it. Bottom-right
-    alignment leaves the first rows of a sequence with more queries than keys without a key: cuDNN writes
-    those rows itself, and only "where" masks them after the call, so the modes agree only if it writes 0."""
+def test_poisoned_outputs_give_the_default_results(case):
+    """The handler zeroes the rows cuDNN does not own before the graph runs (its row-zeroing kernel); with
+    poison_outputs it fills every output with NaN first, so the results agree only if cuDNN writes every row
+    the default leaves to it. Bottom-right alignment leaves the first rows of a sequence with more queries
+    than keys without a key: cuDNN owns those rows, so they must read 0 from cuDNN itself."""
     batch, d_out = _batch(case, 41)
     default = _run(case, batch, d_out)
-    monkeypatch.setenv(launch.ROW_MASKING_ENV, row_masking)
-    other = _run(case, batch, d_out)
+    with config_overrides(poison_outputs=True):
+        other = _run(case, batch, d_out)
     np.testing.assert_array_equal(other[0], default[0])
     np.testing.assert_array_equal(other[1], default[1])
     for name, a, b in zip(("dq", "dk", "dv"), other[2], default[2]):
-        assert_close(a, b, case.dtype, f"{name}: {row_masking} vs unowned")
+        assert_close(a, b, case.dtype, f"{name}: poisoned vs default")
         assert np.all(a[batch.padding_q if name == "dq" else batch.padding_kv] == 0), name
 
 
@@ -289,10 +286,10 @@ def test_stats_cotangent_past_the_head_dim_limit_raises():
 
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])
 @pytest.mark.parametrize("check", [False, True], ids=["plain", "check"])
-def test_split_bottom_right_backward_matches_the_reference_and_the_single_call(monkeypatch, layout, check):
+def test_split_bottom_right_backward_matches_the_reference(layout, check):
     """A causal bottom-right backward runs as rectangle + top-left square (launch._backward). Against the
-    float64 reference and the one-call backward: sequences with more keys than queries (a rectangle), fewer
-    (rows without keys), equal, and empty ones; a stats cotangent too (the widened backward splits as well)."""
+    float64 reference: sequences with more keys than queries (a rectangle), fewer (rows without keys), equal,
+    and empty ones; a stats cotangent too (the widened backward splits as well)."""
     case = Case(heads=(8, 2), is_causal=True, alignment="bottom_right", layout=layout, empty=(3,))
     batch, d_out = _batch(case, 77)
     rng = np.random.default_rng(78)
@@ -310,8 +307,6 @@ def test_split_bottom_right_backward_matches_the_reference_and_the_single_call(m
         return [np.asarray(g, np.float64) for g in step(*batch.args, jnp.asarray(d_out), jnp.asarray(d_stats))]
 
     split = grads()
-    monkeypatch.setenv(launch.BOTTOM_RIGHT_BACKWARD_ENV, "single")
-    single = grads()
     reference = reference_attention(*batch.reference_args, max_seqlen_q=MAX_SEQLEN_Q,
                                                 max_seqlen_kv=MAX_SEQLEN_KV, is_causal=True,
                                                 diagonal_alignment="bottom_right",
@@ -319,14 +314,8 @@ def test_split_bottom_right_backward_matches_the_reference_and_the_single_call(m
                                                 d_stats=d_stats.astype(np.float64) * ~batch.padding_q[:, None])
     lengths_q, lengths_kv = np.array(batch.seqlens_q), np.array(batch.seqlens_kv)
     assert np.any(lengths_kv > lengths_q) and np.any((lengths_q > lengths_kv) & (lengths_kv > 0))
-    for name, a, b in zip(("dq", "dk", "dv"), split, single):
+    for name, a in zip(("dq", "dk", "dv"), split):
         assert np.abs(a).max() > 0, name
-        assert_close(a, b, case.dtype, f"{name}: split vs single bottom-right backward")
         assert_close(a, reference[name], case.dtype, f"{name}: split vs float64 reference")
         assert np.all(a[batch.padding_q if name == "dq" else batch.padding_kv] == 0), name
 
-
-def test_bottom_right_backward_setting_is_validated(monkeypatch):
-    monkeypatch.setenv(launch.BOTTOM_RIGHT_BACKWARD_ENV, "fast")
-    with pytest.raises(ValueError, match=launch.BOTTOM_RIGHT_BACKWARD_ENV):
-        launch.bottom_right_backward()

@@ -103,9 +103,10 @@ class StandInKernel:
 @pytest.fixture(autouse=True)
 def single_bottom_right_backward(monkeypatch):
     """This stand-in recomputes the forward from the whole band instead of reading the passed out and stats,
-    so it cannot serve a split backward's two partial calls; test_stats_grad.py's stand-in, which does
-    cuDNN's arithmetic on the passed buffers, tests the split."""
-    monkeypatch.setenv(launch.BOTTOM_RIGHT_BACKWARD_ENV, "single")
+    so it cannot serve a split backward's two partial calls: the backward runs as one bottom-right call here
+    (launch._backward's path for masks it does not split). test_stats_grad.py's stand-in, which does cuDNN's
+    arithmetic on the passed buffers, tests the split."""
+    monkeypatch.setattr(launch, "_splits_bottom_right", lambda config: False)
 
 
 @pytest.fixture
@@ -129,15 +130,12 @@ def _config(batch, layout="head_major", **changes):
     return dataclasses.replace(config, **changes)
 
 
-@pytest.mark.parametrize("row_masking", launch.ROW_MASKINGS)
+@pytest.mark.parametrize("poison_outputs", [False, True], ids=["unowned", "poisoned"])
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])
-def test_outputs_and_gradients_match_the_xla_path_with_padding_cleaned(monkeypatch, batch, layout, row_masking):
-    """unowned, memset, poisoned: the handler zeroes the rows it does not own first (the stand-in starts
-    from zeros when asked); zero_fill:
-    the kernel gets zero-filled buffers and leaves their unowned rows alone; where: it gets fresh (NaN)
-    buffers and the wrapper masks those rows after it."""
-    monkeypatch.setenv(launch.ROW_MASKING_ENV, row_masking)
-    config = _config(batch, layout)
+def test_outputs_and_gradients_match_the_xla_path_with_padding_cleaned(monkeypatch, batch, layout, poison_outputs):
+    """The handler zeroes the rows it does not own first, with or without filling the outputs with NaN before
+    (the stand-in starts from zeros when asked, and writes every row it owns)."""
+    config = _config(batch, layout, poison_outputs=poison_outputs)
     kernel = _install(monkeypatch, config)
     d_out = jnp.asarray(np.random.default_rng(1).standard_normal((batch.q.shape[0], 4, 8)), jnp.bfloat16)
 
@@ -155,15 +153,7 @@ def test_outputs_and_gradients_match_the_xla_path_with_padding_cleaned(monkeypat
         assert_close(np.asarray(g, np.float64), np.asarray(r, np.float64), "bfloat16", name)
     assert np.all(np.asarray(grads[0])[batch.padding_q] == 0)
     assert np.all(np.asarray(grads[1])[batch.padding_kv] == 0)
-    assert {aliased for _, aliased in kernel.targets} == {row_masking == "zero_fill"}
-
-
-def test_an_unknown_row_masking_is_refused_naming_the_variable(monkeypatch, batch):
-    monkeypatch.setenv(launch.ROW_MASKING_ENV, "memcpy")
-    config = _config(batch)
-    _install(monkeypatch, config)
-    with pytest.raises(ValueError, match="JAX_RAGGED_ATTN_ROW_MASKING must be one of"):
-        cudnn.attention_cudnn(*batch.args, config)
+    assert {aliased for _, aliased in kernel.targets} == {False}
 
 
 def test_rows_without_keys_read_zero_and_minus_inf(monkeypatch, batch):

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import zlib
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +34,7 @@ from jax_ragged_attn import (flash_attn_varlen_func, flash_attn_with_kvcache, ra
                              ragged_attention_with_kvcache)
 from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.testing import assert_close, declines, packed_batch, reference_attention
+from jax_ragged_attn.testing.private_config import config_overrides
 
 
 def fa_attention(q, k, v, cu_q, cu_k, *, causal, window_size, scale=None, softcap=0.0):
@@ -235,7 +234,7 @@ class XlaFlashAttnCompatTest(FlashAttnCompatTest):
 
     def setUp(self):
         super().setUp()
-        self.enter_context(mock.patch.dict(os.environ, {"JAX_RAGGED_ATTN_XLA_BLOCK": "8,5"}))
+        self.enter_context(config_overrides(xla_block_size=(8, 5)))
 
     def compiler_options(self) -> dict:
         # Compiling dominates on the CPU; LLVM's -O0 about halves it and leaves XLA's HLO passes as they are.

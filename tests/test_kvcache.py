@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import zlib
 from unittest import mock
 
@@ -28,12 +27,12 @@ import jax_ragged_attn
 from jax_ragged_attn import kvcache_append, ragged_attention_with_kvcache
 from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
-from jax_ragged_attn.backends.shared import cache_attention
 from jax_ragged_attn.backends.xla import kvcache as xla_kvcache
 from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
 from jax_ragged_attn.testing import assert_close, declines
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
+from jax_ragged_attn.testing.private_config import config_overrides
 
 # name -> keywords of one case: heads (Hq, Hkv), Sq, paged, options.
 CASES = {
@@ -253,12 +252,10 @@ class XlaKVCacheTest(KVCacheTest):
     def setUp(self):
         super().setUp()
         # Blocks of 8 rows (2 pages): sequences straddle blocks, and the last block is shifted back.
-        patcher = mock.patch.object(cache_attention, "BLOCK_ROWS", 8)
-        patcher.start()
-        self.addCleanup(patcher.stop)
+        self.enter_context(config_overrides(block_rows=8))
 
     def test_one_block_by_default(self):
-        with mock.patch.object(cache_attention, "BLOCK_ROWS", None):
+        with config_overrides(block_rows=None):
             self.check(self.make(paged=True, seqlen_q=2))
             self.check(self.make(seqlen_q=2))
 
@@ -384,9 +381,7 @@ class Fa3HeadTailKVCacheTest(Fa3KVCacheTest):
 
     def setUp(self):
         super().setUp()
-        patcher = mock.patch.dict(os.environ, {fa3_kvcache.ROUTE_VARIABLE: "head_tail"})
-        patcher.start()
-        self.addCleanup(patcher.stop)
+        self.enter_context(config_overrides(route="head_tail"))
 
 
 def _fa3_stand_in(q, k_cache, v_cache, lengths, page_table, config, window):
@@ -405,7 +400,7 @@ class Fa3OneCallKVCacheTest(KVCacheTest):
 
     __test__ = True
     implementation = "fa3"
-    route = "auto"
+    route = None  # the route fa3_kvcache.route picks
 
     def setUp(self):
         super().setUp()
@@ -413,10 +408,10 @@ class Fa3OneCallKVCacheTest(KVCacheTest):
             (fa3_kvcache, "_fa3_call", _fa3_stand_in), (fa3_kvcache, "TAIL", 7),
             (_fa3, "unavailable_reason", lambda: None), (_fa3, "FA3_DTYPES", ("float32",)),
             (_fa3, "FA3_HEAD_DIM", self.head_dim))]
-        patchers.append(mock.patch.dict(os.environ, {fa3_kvcache.ROUTE_VARIABLE: self.route}))
         for patcher in patchers:
             patcher.start()
             self.addCleanup(patcher.stop)
+        self.enter_context(config_overrides(route=self.route))
 
 
 class Fa3SplitKVCacheTest(Fa3OneCallKVCacheTest):
@@ -425,7 +420,7 @@ class Fa3SplitKVCacheTest(Fa3OneCallKVCacheTest):
     route = "head_tail"
 
 
-def test_fa3_routes_by_query_rows(monkeypatch):
+def test_fa3_routes_by_query_rows():
     config = lambda seqlen_q, heads_q: KVCacheConfig(  # noqa: E731
         batch=4, seqlen_q=seqlen_q, num_heads_q=heads_q, num_heads_kv=8, head_dim_qk=128, head_dim_v=128,
         dtype="bfloat16", paged=False, page_size=2048, num_pages=4, max_pages=1, scale=1.0, is_causal=True,
@@ -433,11 +428,9 @@ def test_fa3_routes_by_query_rows(monkeypatch):
     assert fa3_kvcache.route(config(1, 32)) == "one_call"  # decode, GQA 32/8: 4 rows
     assert fa3_kvcache.route(config(16, 32)) == "one_call"  # 64 rows: FA3 still reads without TMA
     assert fa3_kvcache.route(config(17, 32)) == "head_tail"  # 68: FA3 may take TMA, which reads past lengths
-    monkeypatch.setenv(fa3_kvcache.ROUTE_VARIABLE, "head_tail")
-    assert fa3_kvcache.route(config(1, 32)) == "head_tail"
-    monkeypatch.setenv(fa3_kvcache.ROUTE_VARIABLE, "one_call")
-    with pytest.raises(ValueError, match=fa3_kvcache.ROUTE_VARIABLE):
-        fa3_kvcache.route(config(1, 32))
+    assert fa3_kvcache.route(dataclasses.replace(config(1, 32), route="head_tail")) == "head_tail"  # pinned
+    with pytest.raises(ValueError, match="route must be None or one of"):  # one call where it does not serve
+        dataclasses.replace(config(1, 32), route="one_call")
 
 
 @pytest.mark.skipif(_CUDNN_REASON is not None, reason=f"cuDNN path unavailable: {_CUDNN_REASON}")
@@ -455,9 +448,7 @@ class CudnnKVCacheTest(KVCacheTest):
 
     def setUp(self):
         super().setUp()
-        patcher = mock.patch.dict(os.environ, {"JAX_RAGGED_ATTN_CUDNN_KVCACHE_ROUTE": "ragged"})
-        patcher.start()
-        self.addCleanup(patcher.stop)
+        self.enter_context(config_overrides(route="ragged"))
 
 
 def test_decode_bench_quick_runs(capsys):

@@ -35,6 +35,7 @@ from jax_ragged_attn.backends.cudnn import paged
 from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
 from jax_ragged_attn.testing import assert_close
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
+from jax_ragged_attn.testing.private_config import config_overrides
 
 _CUDNN_REASON = jax_ragged_attn.cudnn_unavailable_reason()
 gpu_only = pytest.mark.skipif(_CUDNN_REASON is not None, reason=f"cuDNN path unavailable: {_CUDNN_REASON}")
@@ -126,15 +127,14 @@ def test_without_cudnn_the_reason_is_that_first():
 
 
 def test_route_pinning():
+    """Tests pin a route through the private config field (testing.config_overrides)."""
     contiguous = _config(paged=False, page_size=64, num_pages=3, max_pages=1)
-    with mock.patch.dict("os.environ", {cudnn_kvcache.ROUTE_ENV: "paged"}):
-        assert cudnn_kvcache.route(contiguous) == "paged"
-    with mock.patch.dict("os.environ", {cudnn_kvcache.ROUTE_ENV: "ragged"}):
-        assert cudnn_kvcache.route(contiguous) == "ragged"
-        assert cudnn_kvcache.route(_config()) == "paged"  # a paged cache has one route
-    with mock.patch.dict("os.environ", {cudnn_kvcache.ROUTE_ENV: "fast"}):
-        with pytest.raises(ValueError, match="must be one of"):
-            cudnn_kvcache.route(contiguous)
+    assert cudnn_kvcache.route(dataclasses.replace(contiguous, route="paged")) == "paged"
+    assert cudnn_kvcache.route(dataclasses.replace(contiguous, route="ragged")) == "ragged"
+    assert cudnn_kvcache.route(_config(route="ragged")) == "paged"  # a paged cache has one route
+    assert cudnn_kvcache.pinned_route(dataclasses.replace(contiguous, route="head_tail")) is None  # FA3's
+    with pytest.raises(ValueError, match="must be None or one of"):
+        dataclasses.replace(contiguous, route="fast")
 
 
 # ---- the extension: its field list and the handler's checks, on a CPU ----------------------------------------
@@ -226,14 +226,12 @@ class _CudnnKVCacheCases(KVCacheTest):
     # capacity 640: past cudnn_kvcache.TAIL (256), so the paged graph reads heads of several tiles, and
     # short sequences go to the xla tail alone; contiguous: 5 pages of 128 rows a sequence
     max_pages = 40
-    route = "auto"
+    route = None  # the route cudnn_kvcache.route picks
     bit_reproducible = False  # decode graphs (s_q = 1): stats one float32 ulp apart between two H200 runs
 
     def setUp(self):
         super().setUp()
-        patcher = mock.patch.dict("os.environ", {cudnn_kvcache.ROUTE_ENV: self.route})
-        patcher.start()
-        self.addCleanup(patcher.stop)
+        self.enter_context(config_overrides(route=self.route))
 
     def make(self, **kwargs):
         """As KVCacheTest.make, with page 0 an unused, all-NaN page wherever one exists: entries outside the
@@ -326,7 +324,7 @@ def test_contiguous_routes_agree():
     lengths = jnp.asarray([96, 50, 1, 0], jnp.int32)  # L = 96: the paged view takes pages of 32
     outs = {}
     for route in ("ragged", "paged"):
-        with mock.patch.dict("os.environ", {cudnn_kvcache.ROUTE_ENV: route}):
+        with config_overrides(route=route):
             outs[route] = ragged_attention_with_kvcache(q, k, v, lengths, implementation="cudnn", return_stats=True)
     expected = reference_kvcache_attention(q, k, v, lengths)
     for route, (out, stats) in outs.items():
@@ -362,10 +360,10 @@ class CudnnPagedRouteStandInTest(KVCacheTest):
             (extension, "cudnn_unavailable_reason", lambda: None),
             (paged, "unsupported_reason", lambda config, bounds=None: paged.static_reason(config)),
             (paged, "CUDNN_DTYPES", ("float32",)))]
-        patchers.append(mock.patch.dict("os.environ", {cudnn_kvcache.ROUTE_ENV: "paged"}))
         for patcher in patchers:
             patcher.start()
             self.addCleanup(patcher.stop)
+        self.enter_context(config_overrides(route="paged"))
 
     def test_the_stand_in_is_what_runs(self):
         q, k, v, lengths, table = self.make(paged=True, seqlen_q=2)

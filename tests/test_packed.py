@@ -24,6 +24,7 @@ from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.index import cu_seqlens_from_lengths
 from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.testing import assert_close
+from jax_ragged_attn.testing.private_config import config_overrides
 
 OPTIONS = dict(is_causal=True, diagonal_alignment="bottom_right")
 
@@ -129,16 +130,15 @@ def test_malformed_packed_inputs_name_the_argument(call, message):
         call()
 
 
-def _lowered_cudnn_grad(monkeypatch, layout, guard=False, row_masking="unowned"):
+def _lowered_cudnn_grad(monkeypatch, layout, guard=False, poison=False):
     """The StableHLO of jax.grad through the cuDNN path (lowering needs no GPU; graph_info is stubbed)."""
     monkeypatch.setattr(launch, "graph_info", lambda direction, config, layout=None: {"workspace_bytes": 64})
-    monkeypatch.setenv(launch.ROW_MASKING_ENV, row_masking)
     t, h, d = 32, 4, 16
     cu = jnp.array([0, 10, 20, 25], jnp.int32)
     view = jax.ShapeDtypeStruct((t, h, d), jnp.bfloat16)
     config = make_config(view, view, view, cu, cu, AttentionOptions(is_causal=True), max_seqlen_q=16,
                          max_seqlen_kv=16, packing=layout)
-    config = dataclasses.replace(config, guard_workspace=guard)
+    config = dataclasses.replace(config, guard_workspace=guard, poison_outputs=poison)
     if layout == "qkv":
         args = (jnp.zeros((t, 3, h, d), jnp.bfloat16),)
     elif layout == "kv":
@@ -175,18 +175,17 @@ def test_cudnn_path_hands_the_packed_buffer_to_the_kernels_and_never_concatenate
     assert not slices, slices  # nor does it split the packed buffer
 
 
-@pytest.mark.parametrize("mode", ["unowned", "memset", "zero_fill", "where", "check_mode"])
+@pytest.mark.parametrize("mode", ["unowned", "poisoned", "check_mode"])
 @pytest.mark.parametrize("layout", ["none", "kv", "qkv"])
 def test_every_packing_calls_the_two_handlers_with_one_gradient_per_input(monkeypatch, layout, mode):
     """The handlers' contract (ffi/handlers.cc): one forward and one backward target for every packing and
     mode. Their arguments are q, k, v (the buffer holding each) [, out, d_out, stats], 7 index arrays, then
-    initial buffers aliased to results: none by default (row masking "unowned": the zero_outputs attribute
-    has the handler zero the rows it does not own), with "memset" or with "where", one zero-filled buffer per result but the workspace with
-    "zero_fill", and in check mode a canary-filled workspace and one larger canary-filled
-    buffer per result; the backward's results are one gradient per input buffer in its shape, then the
-    workspace."""
+    initial buffers aliased to results: none unguarded (the zero_outputs attribute has the handler zero the
+    rows it does not own, with poison_outputs after filling every output with NaN), and in check mode a
+    canary-filled workspace and one larger canary-filled buffer per result; the backward's results are one
+    gradient per input buffer in its shape, then the workspace."""
     guard = mode == "check_mode"
-    text = _lowered_cudnn_grad(monkeypatch, layout, guard, row_masking="unowned" if guard else mode)
+    text = _lowered_cudnn_grad(monkeypatch, layout, guard, poison=mode == "poisoned")
     calls = re.findall(r"custom_call @(jax_ragged_attn_\w+)\(([^)]*)\)(.*)", text)
     assert sorted(target for target, _, _ in calls) == sorted([extension.FORWARD_TARGET, extension.BACKWARD_TARGET])
     gradients = {"none": ["32x4x16xbf16"] * 3, "kv": ["32x4x16xbf16", "32x2x4x16xbf16"],
@@ -198,23 +197,20 @@ def test_every_packing_calls_the_two_handlers_with_one_gradient_per_input(monkey
             expected = [g.replace("32x", f"{rows}x", 1) for g in gradients]
             assert results[:-1] == expected and results[-1].endswith("xui8"), results
         plain = (3 if target == extension.FORWARD_TARGET else 6) + 7
-        initial = {"unowned": 0, "memset": 0, "zero_fill": len(results) - 1, "where": 0,
-                   "check_mode": len(results)}[mode]
+        initial = {"unowned": 0, "poisoned": 0, "check_mode": len(results)}[mode]
         assert len(operands.split(", ")) == plain + initial, (target, operands)
         aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", rest)
         # Check mode: the workspace (the last result) is the first guarded argument, then one per result in
-        # order. Zero-filled: one per result but the workspace, which is never filled.
+        # order.
         expected_aliases = {
             "unowned": set(),
-            "memset": set(),
-            "zero_fill": {(i, plain + i) for i in range(len(results) - 1)},
-            "where": set(),
+            "poisoned": set(),
             "check_mode": {(len(results) - 1, plain)} | {(i, plain + 1 + i) for i in range(len(results) - 1)},
         }[mode]
         assert {(int(r), int(o)) for r, o in aliases} == expected_aliases, (target, aliases)
-        # unowned / memset: the handler zeroes the rows it does not own / whole outputs itself (the
-        # zero_outputs attribute, graphs.ZERO_OUTPUTS); the others leave that to XLA or to Python.
-        expected_zeroing = graphs.ZERO_OUTPUTS.index({"unowned": "unowned", "memset": "all"}.get(mode, "no"))
+        # Unguarded, the handler zeroes the rows it does not own itself (the zero_outputs attribute,
+        # graphs.ZERO_OUTPUTS); check mode leaves that to Python.
+        expected_zeroing = graphs.ZERO_OUTPUTS.index({"check_mode": "no"}.get(mode, mode))
         assert f"zero_outputs = {expected_zeroing}" in rest, (target, rest)
 
 
@@ -256,7 +252,7 @@ def _fuzz_cases(count: int):
                           dtype=str(rng.choice(["bfloat16", "float16"])), check=bool(seed % 5 == 0),
                           autotune=bool(seed % 4 == 1),
                           # NaN in every output row cuDNN is trusted to write, both packings, both sides
-                          row_masking="poisoned" if seed % 3 == 1 else "unowned"))
+                          poison_outputs=seed % 3 == 1))
     return cases
 
 
@@ -268,16 +264,16 @@ def test_cudnn_packed_strides_match_the_reference(case, monkeypatch, tmp_path):
     from jax_ragged_attn.backends.cudnn import autotune
 
     monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "autotune.json"))  # autotune measures packed graphs
-    monkeypatch.setenv(launch.ROW_MASKING_ENV, case["row_masking"])
     rng = np.random.default_rng([case["seed"], 1])
     arrays, ref_qkv, cu_q, cu_kv = _packed_inputs(rng, case["lengths_q"], case["lengths_kv"], *case["heads"],
                                                   case["dim"], case["dtype"], case["slack"], case["layout"])
     max_q = max(max(case["lengths_q"]), 1)
     max_kv = max(max(case["lengths_kv"]), 1)
     try:
-        _check_against_reference(case["layout"], arrays, ref_qkv, cu_q, cu_kv, max_q, max_kv, case["dtype"],
-                                 case["stats_layout"], rng, implementation="cudnn", check=case["check"],
-                                 autotune=case["autotune"])
+        with config_overrides(poison_outputs=case["poison_outputs"]):
+            _check_against_reference(case["layout"], arrays, ref_qkv, cu_q, cu_kv, max_q, max_kv, case["dtype"],
+                                     case["stats_layout"], rng, implementation="cudnn", check=case["check"],
+                                     autotune=case["autotune"])
     except AssertionError as error:
         raise AssertionError(f"{case}: {error}") from None
 

@@ -28,9 +28,7 @@ and the rows that attend nothing to exact 0 / -inf.
 from __future__ import annotations
 
 import dataclasses
-import os
 import zlib
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +40,8 @@ import jax_ragged_attn
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.testing import PackedBatch, assert_close, packed_batch, reference_attention
 from jax_ragged_attn.backends.fa3 import ragged as _fa3
-from jax_ragged_attn.backends.cudnn import launch
 from jax_ragged_attn.testing import declines, fa3_emulator
+from jax_ragged_attn.testing.private_config import config_overrides
 
 LAYOUTS = ("head_major", "token_major")
 
@@ -475,12 +473,13 @@ class XlaTest(SemanticsTest):
     # Query / key block rows of its online softmax. At the default (128) every buffer here would be one
     # block; small blocks that divide no capacity make sequences straddle blocks, blocks hold pieces of
     # several sequences, the last block is partial and some tiles are masked whole.
-    blocks = "8,5"
+    blocks = (8, 5)
 
     def setUp(self):
         super().setUp()
-        # Read when the op is traced; every test traces its own functions.
-        self.enter_context(mock.patch.dict(os.environ, {"JAX_RAGGED_ATTN_XLA_BLOCK": self.blocks}))
+        # Every call builds its config with these blocks (ragged_attention's xla_block_size); every test traces
+        # its own functions.
+        self.enter_context(config_overrides(xla_block_size=self.blocks))
 
     def compiler_options(self) -> dict:
         # These tests spend most of their time compiling; on the CPU, LLVM's -O0 about halves that and leaves
@@ -502,12 +501,12 @@ class CudnnTest(SemanticsTest):
 
 class CudnnPoisonedOutputsTest(CudnnTest):
     """cuDNN with every output filled with NaN before the graph runs and then only the rows no sequence owns
-    zeroed (row masking "poisoned"): the default ("unowned") leaves the owned rows to cuDNN, so a row cuDNN
-    should write but skips would hold stale memory there; here it reads NaN and every check fails on it."""
+    zeroed (the private config field poison_outputs): the shipped launch leaves the owned rows to cuDNN, so a row
+    cuDNN should write but skips would hold stale memory there; here it reads NaN and every check fails on it."""
 
     def setUp(self):
         super().setUp()
-        self.enter_context(mock.patch.dict(os.environ, {launch.ROW_MASKING_ENV: "poisoned"}))
+        self.enter_context(config_overrides(poison_outputs=True))
 
 
 class CudnnLeanMemoryTest(CudnnTest):

@@ -11,9 +11,6 @@ A failure reproduces with `pytest tests/test_softcap.py -k 'XlaTest and test_eve
 
 from __future__ import annotations
 
-import os
-from unittest import mock
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +25,7 @@ from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_atte
 from jax_ragged_attn.inputs.segments import ragged_attention_segments
 from jax_ragged_attn.parallel.sharding import sharded_ragged_attention
 from jax_ragged_attn.testing import assert_close, packed_batch, reference_attention
+from jax_ragged_attn.testing.private_config import config_overrides
 
 _CUDNN_REASON = extension.cudnn_unavailable_reason()
 LAYOUTS = ("head_major", "token_major")
@@ -161,7 +159,7 @@ class XlaTest(SoftcapTest):
     def setUp(self):
         super().setUp()
         # Small blocks that divide no capacity: sequences straddle blocks, some tiles are masked whole.
-        self.enter_context(mock.patch.dict(os.environ, {"JAX_RAGGED_ATTN_XLA_BLOCK": "8,5"}))
+        self.enter_context(config_overrides(xla_block_size=(8, 5)))
 
     def test_bfloat16(self):
         """bfloat16 operands in the tiles' matmuls, capped scores in float32."""

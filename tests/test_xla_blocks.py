@@ -4,7 +4,7 @@ At the default 128-row blocks every test batch fits in one tile, so the online s
 the backward (fused on the CPU; its two-pass form, a GPU's default, has a test of its own) would only ever
 see one step. Here blocks of 1 to 5 rows make every sequence span
 several tiles, tiles straddle sequence boundaries, and the last tile of a range is partial. Blocks are set
-through JAX_RAGGED_ATTN_XLA_BLOCK, the user's knob, read when the call is traced.
+through ragged_attention's xla_block_size, the user's knob, which enters the static config.
 
 Each case draws fresh inputs from a seed derived from its test id (`pytest tests/test_xla_blocks.py -k '<id>'`
 reproduces it); padding rows are NaN-poisoned and their cotangents are random, so a leak shows.
@@ -23,7 +23,9 @@ import pytest
 
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.backends.xla import memory as xla_memory
+from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.testing import assert_close, packed_batch, random_lengths
+from jax_ragged_attn.testing.private_config import config_overrides
 from jax_ragged_attn.testing.reference import reference_attention
 
 
@@ -80,8 +82,8 @@ def rng(request) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
-def _run_case(rng, monkeypatch, case: Case, dtype: str, blocks, layout: str):
-    monkeypatch.setenv(xla_memory.BLOCK_ENV, f"{blocks[0]},{blocks[1]}")
+def _run_case(rng, case: Case, dtype: str, blocks, layout: str, **private):
+    """private: the private config fields to set (testing.private_config), e.g. xla_fused_backward."""
     seqlens_kv = case.seqlens_q if case.seqlens_kv is None else case.seqlens_kv
     batch = packed_batch(rng, case.seqlens_q, seqlens_kv, num_heads_q=case.heads[0], num_heads_kv=case.heads[1],
                          head_dim_qk=case.dims[0], head_dim_v=case.dims[1], dtype=jnp.dtype(dtype),
@@ -98,7 +100,7 @@ def _run_case(rng, monkeypatch, case: Case, dtype: str, blocks, layout: str):
     def attention(q, k, v, sinks):
         return ragged_attention(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_kv, max_seqlen_q=max_q,
                                 max_seqlen_kv=max_kv, stats_layout=layout, return_stats=True,
-                                implementation="xla", sinks=sinks, **case.options())
+                                implementation="xla", sinks=sinks, xla_block_size=blocks, **case.options())
 
     def forward_and_vjp(primals, cotangent):
         outputs, vjp = jax.vjp(attention, *primals)
@@ -107,7 +109,8 @@ def _run_case(rng, monkeypatch, case: Case, dtype: str, blocks, layout: str):
     stats_cotangent = d_stats if layout == "token_major" else d_stats.T
     cotangent = (jnp.asarray(d_out, batch.q.dtype), jnp.asarray(stats_cotangent, jnp.float32))
     primals = (batch.q, batch.k, batch.v, None if sinks is None else jnp.asarray(sinks))
-    (out, stats), grads = jax.jit(forward_and_vjp)(primals, cotangent)
+    with config_overrides(**private):
+        (out, stats), grads = jax.jit(forward_and_vjp)(primals, cotangent)
     return batch, expected, out, stats if layout == "token_major" else stats.T, grads
 
 
@@ -135,42 +138,37 @@ def _check(batch, expected, out, stats, grads, dtype, what=""):
 
 
 @pytest.mark.parametrize("case_name, dtype, blocks", PARAMS)
-def test_small_blocks_match_the_reference(rng, monkeypatch, case_name, dtype, blocks):
+def test_small_blocks_match_the_reference(rng, case_name, dtype, blocks):
     case = CASES[case_name]
     layout = ("token_major", "head_major")[zlib.crc32(case_name.encode()) % 2]
-    batch, expected, out, stats, grads = _run_case(rng, monkeypatch, case, dtype, blocks, layout)
+    batch, expected, out, stats, grads = _run_case(rng, case, dtype, blocks, layout)
     _check(batch, expected, out, stats, grads, dtype, f"{layout} blocks {blocks}: ")
 
 
 @pytest.mark.parametrize("case_name", list(CASES))
-def test_the_two_pass_backward_matches_the_reference(rng, monkeypatch, case_name):
-    """The backward a GPU runs by default (a dQ pass and a dK/dV pass, no scatter-add), here on the CPU, whose
-    default is the fused pass the other tests run."""
-    monkeypatch.setenv(xla_memory.BACKWARD_ENV, "two_pass")
+def test_the_two_pass_backward_matches_the_reference(rng, case_name):
+    """The backward a GPU runs (a dQ pass and a dK/dV pass, no scatter-add), here on the CPU, whose default is
+    the fused pass the other tests run."""
     blocks = BLOCKS[zlib.crc32(case_name.encode()) % len(BLOCKS)]
-    batch, expected, out, stats, grads = _run_case(rng, monkeypatch, CASES[case_name], "float32", blocks, "token_major")
+    batch, expected, out, stats, grads = _run_case(rng, CASES[case_name], "float32", blocks, "token_major",
+                                                   xla_fused_backward=False)
     _check(batch, expected, out, stats, grads, "float32", f"two passes, blocks {blocks}: ")
 
 
-def test_the_fused_backward_is_the_cpu_default_and_the_setting_is_validated(monkeypatch):
-    monkeypatch.delenv(xla_memory.BACKWARD_ENV, raising=False)
-    assert xla_memory.fused_backward() == (jax.default_backend() == "cpu")
-    monkeypatch.setenv(xla_memory.BACKWARD_ENV, "two_pass")
-    assert not xla_memory.fused_backward()
-    monkeypatch.setenv(xla_memory.BACKWARD_ENV, "Fused")
-    assert xla_memory.fused_backward()
-    monkeypatch.setenv(xla_memory.BACKWARD_ENV, "fast")
-    with pytest.raises(ValueError, match=xla_memory.BACKWARD_ENV):
-        xla_memory.fused_backward()
+def test_the_fused_backward_is_the_cpu_default():
+    batch = packed_batch(np.random.default_rng(0), (3,), (3,), num_heads_q=1, num_heads_kv=1, head_dim_qk=8,
+                         head_dim_v=8, dtype=jnp.float32)
+    config = make_config(*batch.args, max_seqlen_q=3, max_seqlen_kv=3)
+    assert xla_memory.fused_backward(config) == (jax.default_backend() == "cpu")
+    assert not xla_memory.fused_backward(dataclasses.replace(config, xla_fused_backward=False))
+    assert xla_memory.fused_backward(dataclasses.replace(config, xla_fused_backward=True))
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_gradients_are_bit_identical_run_to_run(monkeypatch, deterministic):
+def test_gradients_are_bit_identical_run_to_run(deterministic):
     """The xla path's gradients are bit-identical run to run whatever `deterministic` says (on a GPU by its
     default two passes: no atomic scatter-add). Many sequences of several small tiles, so tiles of
     different lanes add into the same query rows."""
-    monkeypatch.delenv(xla_memory.BACKWARD_ENV, raising=False)
-    monkeypatch.setenv(xla_memory.BLOCK_ENV, "4")
     rng = np.random.default_rng(zlib.crc32(b"deterministic"))
     lengths = (9, 14, 5, 11, 7, 13)
     batch = packed_batch(rng, lengths, lengths, num_heads_q=4, num_heads_kv=2, head_dim_qk=8, head_dim_v=8,
@@ -181,7 +179,7 @@ def test_gradients_are_bit_identical_run_to_run(monkeypatch, deterministic):
         def loss(q, k, v):
             out = ragged_attention(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_kv, max_seqlen_q=batch.max_seqlen_q,
                                    max_seqlen_kv=batch.max_seqlen_kv, is_causal=True, implementation="xla",
-                                   deterministic=deterministic)
+                                   deterministic=deterministic, xla_block_size=4)
             return jnp.sum(out.astype(jnp.float32) * cotangent)
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
@@ -206,22 +204,22 @@ def _random_case(rng) -> Case:
 
 
 @pytest.mark.parametrize("draw", range(6))
-def test_random_configuration_and_blocks(rng, monkeypatch, draw):
+def test_random_configuration_and_blocks(rng, draw):
     """A failure message starts with the Case and blocks to paste."""
     case = _random_case(rng)
     blocks = (int(rng.integers(1, 7)), int(rng.integers(1, 7)))
     dtype = ("float32", "bfloat16")[draw % 2]
     layout = ("token_major", "head_major")[draw // 2 % 2]
-    batch, expected, out, stats, grads = _run_case(rng, monkeypatch, case, dtype, blocks, layout)
+    batch, expected, out, stats, grads = _run_case(rng, case, dtype, blocks, layout)
     _check(batch, expected, out, stats, grads, dtype, f"{case} blocks {blocks} {dtype} {layout}: ")
 
 
-def test_block_size_changes_only_rounding(rng, monkeypatch):
+def test_block_size_changes_only_rounding(rng):
     """Tiles of 1, 3 and 128 rows give the same results to float32 rounding (the last is one tile)."""
     case = CASES["window_tuple_causal"]
     results = []
     for blocks in ((1, 1), (3, 3), (128, 128)):
-        results.append(_run_case(np.random.default_rng(7), monkeypatch, case, "float32", blocks, "token_major"))
+        results.append(_run_case(np.random.default_rng(7), case, "float32", blocks, "token_major"))
     _, _, *base = results[0]
     for _, _, *other in results[1:]:
         pairs = [(other[0], base[0], "out"), (other[1], base[1], "stats")]
@@ -230,10 +228,9 @@ def test_block_size_changes_only_rounding(rng, monkeypatch):
             assert_close(np.asarray(got, np.float64), np.asarray(want, np.float64), "float32", name)
 
 
-def test_vmap_with_small_blocks(rng, monkeypatch):
+def test_vmap_with_small_blocks(rng):
     """Two batches whose ranges need different numbers of steps, under one vmap: the while loop runs
     until the longer one is done and the shorter one's extra steps must change nothing."""
-    monkeypatch.setenv(xla_memory.BLOCK_ENV, "2,3")
     batches = [packed_batch(rng, lengths, lengths, num_heads_q=2, num_heads_kv=1, head_dim_qk=8, head_dim_v=8,
                             dtype=jnp.float32, slack_q=slack, slack_kv=slack)
                for lengths, slack in (((3, 14, 0), 1), ((6, 5, 6), 1))]
@@ -241,7 +238,8 @@ def test_vmap_with_small_blocks(rng, monkeypatch):
 
     def f(q, k, v, cu):
         return ragged_attention(q, k, v, cu, cu, max_seqlen_q=max_len, max_seqlen_kv=max_len, is_causal=True,
-                                stats_layout="token_major", return_stats=True, implementation="xla")
+                                stats_layout="token_major", return_stats=True, implementation="xla",
+                                xla_block_size=(2, 3))
 
     stacked = [jnp.stack(parts) for parts in zip(*((b.q, b.k, b.v, b.cu_seqlens_q) for b in batches))]
     d_out = rng.standard_normal((2,) + batches[0].q.shape).astype(np.float32)
@@ -258,11 +256,14 @@ def test_vmap_with_small_blocks(rng, monkeypatch):
         _check(batch, expected, out[i], stats[i], [g[i] for g in grads], "float32", f"batch {i}: ")
 
 
-def test_block_setting_is_validated(monkeypatch):
+def test_block_setting_is_validated():
     batch = packed_batch(np.random.default_rng(0), (3,), (3,), num_heads_q=1, num_heads_kv=1, head_dim_qk=8,
                          head_dim_v=8, dtype=jnp.float32)
     call = functools.partial(ragged_attention, *batch.args, max_seqlen_q=3, max_seqlen_kv=3, implementation="xla")
-    for bad in ("0", "a", "1,2,3", "-4"):
-        monkeypatch.setenv(xla_memory.BLOCK_ENV, bad)
-        with pytest.raises(ValueError, match=xla_memory.BLOCK_ENV):
-            call()
+    for bad in (0, "a", (1, 2, 3), -4, (2, 0), 1.5, True):
+        with pytest.raises(ValueError, match="xla_block_size"):
+            call(xla_block_size=bad)
+    # A block larger than a capacity is capped at it; an int means both.
+    config = make_config(*batch.args, AttentionOptions(xla_block_size=(2, 64)), max_seqlen_q=3, max_seqlen_kv=3)
+    assert xla_memory.block_sizes(config) == (2, 3)
+    assert AttentionOptions(xla_block_size=5).xla_block_size == (5, 5)

@@ -117,11 +117,10 @@ def _compiled_bytes(config, q, k, cu, direction: str) -> int:
     dict(lengths=[40] * 30 + [800], heads=(2, 2), dim=64, dtype=jnp.float32),
     dict(lengths=[700, 700], heads=(8, 1), dim=16, dtype=jnp.float16, local_window_size=(64, 0)),
 ], ids=["w1_like_bf16", "many_short_f32", "mqa_window_f16"])
-@pytest.mark.parametrize("blocks", ["128", "32,64"])
-def test_the_estimate_bounds_what_xla_allocates(monkeypatch, shape, blocks):
+@pytest.mark.parametrize("blocks", [128, (32, 64)])
+def test_the_estimate_bounds_what_xla_allocates(shape, blocks):
     """An upper bound, and not a wild one: within 4x of XLA's own accounting on the CPU."""
-    monkeypatch.setenv(xla_memory.BLOCK_ENV, blocks)
-    config, q, k, cu = _config(**shape)
+    config, q, k, cu = _config(**shape, xla_block_size=blocks)
     block_q, block_kv = xla_memory.block_sizes(config)
     for direction in ("forward", "backward"):
         estimate = xla_memory.estimate_bytes(config, block_q, block_kv, direction)
@@ -145,17 +144,17 @@ def test_a_working_set_past_the_bound_raises_before_compiling(monkeypatch):
     backward = xla_memory.estimate_bytes(config, 128, 128, "backward")
     assert forward < backward
 
-    def call(q):
-        return ragged_attention(q, *batch.args[1:], max_seqlen_q=300, max_seqlen_kv=300, implementation="xla")
+    def call(q):  # 128-row blocks: the estimates above (the CPU's default is 64)
+        return ragged_attention(q, *batch.args[1:], max_seqlen_q=300, max_seqlen_kv=300, implementation="xla",
+                                xla_block_size=128)
 
-    monkeypatch.setenv(xla_memory.BLOCK_ENV, "128")  # the estimates above (the CPU's default is 64)
     monkeypatch.setenv(xla_memory.MEMORY_LIMIT_ENV, "1MiB")
     with pytest.raises(WorkingSetTooLargeError) as error:
         jax.jit(call).lower(batch.q)  # tracing is enough: nothing is compiled or allocated
     message = str(error.value)
     assert isinstance(error.value, MemoryError)
     for fragment in ("forward", "Tq=500", "Hq=4", "blocks 128x128", "bound of 1 MiB",
-                     xla_memory.BLOCK_ENV, "implementation='cudnn'", "split the batch", xla_memory.MEMORY_LIMIT_ENV):
+                     "xla_block_size=16", "implementation='cudnn'", "split the batch", xla_memory.MEMORY_LIMIT_ENV):
         assert fragment in message, (fragment, message)
 
     # A bound between the two: the forward runs, the gradient is refused when its backward is traced.

@@ -175,8 +175,9 @@ def stand_in_handler_args(args: tuple, result_types: tuple, aliases: dict | None
     stand-in gets a fresh workspace and NaN results, like uninitialised memory, or zeros where the
     zero_outputs attribute asks the handler to zero the rows it does not own (whole outputs, or the unowned
     rows, which a stand-in that writes every row it owns cannot tell apart; "poisoned" NaN in owned rows
-    checks cuDNN's writes and is for the GPU); one initial buffer per result but the workspace
-    (XLA's zero-filled outputs), and a fresh workspace; or check mode's workspace then one per result."""
+    checks cuDNN's writes and is for the GPU); one initial buffer per result but the workspace (the split
+    bottom-right backward's second call, launch._backward_into), and a fresh workspace; or check mode's
+    workspace then one per result."""
     num_results = len(result_types) - 1
     if not aliases:
         workspace = jnp.zeros(result_types[-1].shape, jnp.uint8)

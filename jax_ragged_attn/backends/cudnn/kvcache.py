@@ -22,17 +22,14 @@ A contiguous cache takes the paged route where it serves the call, else the ragg
 H200 (cuDNN 9.19, decode: one query, GQA 32/8, d 128, bf16, plain loop of jitted calls), paged / ragged in
 ms: 8 x 2k 0.095 / 0.085, 8 x 32k 0.675 / 0.824, 64 x 2k 0.247 / 0.470, 256 x 8k 2.06 / 9.97, 64 x 32k
 2.05 / 10.16, 256 x 32k 7.55 / out of memory. The ragged kernel zeroes the rows past each length in place,
-which on a cache XLA must keep (a jit argument) is a copy of the whole cache per call.
-ROUTE_ENV pins either,
-for the decode benchmark's comparison (benchmarks/decode.py) and the tests.
+which on a cache XLA must keep (a jit argument) is a copy of the whole cache per call. Tests pin either
+through the private config field `route` (testing.config_overrides).
 
 The ragged kernel keeps NaN in rows past seqused out of its results (tests/test_kvcache.py's
 CudnnKVCacheTest, NaN-poisoned caches); tests/test_kvcache_cudnn.py checks the paged route the same way.
 """
 
 from __future__ import annotations
-
-import os
 
 import jax
 import jax.numpy as jnp
@@ -47,19 +44,15 @@ from jax_ragged_attn.config import AttentionConfig, AttentionOptions, make_confi
 from jax_ragged_attn.index import RaggedIndex
 
 NAME = "cudnn"
-ROUTE_ENV = "JAX_RAGGED_ATTN_CUDNN_KVCACHE_ROUTE"
-ROUTES = ("auto", "paged", "ragged")
+ROUTES = ("paged", "ragged")  # config.route values this backend reads (tests); others' are not its own
 # Rows of each sequence's end the paged kernel never reads (shared/head_tail.py): at least cuDNN's widest key
 # tile (128 rows on Hopper), twice that for margin.
 TAIL = 256
 
 
-def pinned_route() -> str:
-    """ROUTE_ENV's value, read at trace time: "auto" (the default), "paged" or "ragged" (contiguous caches)."""
-    value = os.environ.get(ROUTE_ENV, "auto")
-    if value not in ROUTES:
-        raise ValueError(f"{ROUTE_ENV} must be one of {ROUTES}, got {value!r}")
-    return value
+def pinned_route(config: KVCacheConfig) -> str | None:
+    """The route the tests pinned (config.route "paged" or "ragged", contiguous caches), or None."""
+    return config.route if config.route in ROUTES else None
 
 
 def ragged_config(config: KVCacheConfig) -> AttentionConfig:
@@ -82,7 +75,7 @@ def ragged_config(config: KVCacheConfig) -> AttentionConfig:
 
 def route(config: KVCacheConfig) -> str:
     """"paged" or "ragged": how this call runs (see the module docstring)."""
-    pin = pinned_route()
+    pin = pinned_route(config)
     if config.paged or pin == "paged":
         return "paged"
     if pin == "ragged":
@@ -125,7 +118,7 @@ def unsupported_reason(config: KVCacheConfig) -> str | None:
     if route(config) == "ragged":
         return cudnn.unsupported_reason(ragged_config(config))
     reason = paged_reason(config)
-    if reason is not None and not config.paged and pinned_route() == "auto":
+    if reason is not None and not config.paged and pinned_route(config) is None:
         ragged = cudnn.unsupported_reason(ragged_config(config))
         return f"neither cuDNN route serves this contiguous cache: the ragged kernel ({ragged}) nor the paged graph " \
                f"({reason})"

@@ -3,16 +3,21 @@
 At trace time the extension builds (or finds) the exact cuDNN graph and tells us its workspace size, which
 becomes an extra uint8 output of the call: XLA allocates it like any buffer and the wrapper drops it.
 There are two handlers, extension.FORWARD_TARGET and extension.BACKWARD_TARGET; the packing (packings.py)
-is an attribute. By default the handler zeroes the rows it does not own itself (row_masking "unowned"); initial buffers
-aliased to the results may follow the index arrays instead: XLA's zero-filled outputs (row masking
-"zero_fill"), or check mode's guarded workspace and outputs; the handlers accept either.
+is an attribute. The handler zeroes the rows the graph does not own itself, with its own small kernel, before
+the graph runs (zero_outputs "unowned"); initial buffers aliased to the results may follow the index arrays
+instead (check mode's guarded workspace and outputs, the split bottom-right backward's second call).
+
+How those rows become 0 was measured four ways on the H200 (docs/PERFORMANCE.md, issue 13): zeroing only the
+unowned rows won over a cudaMemsetAsync of each whole output (forward+backward 0.967 against 1.027 ms on 512
+short sequences, 2.603 against 2.797 on 119 medium ones), and that memset over XLA's zero-filled outputs
+aliased to the results and a `where` over each output after the call (W1 forward 0.879 against 0.890 and
+0.904 ms); the three losers were removed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -58,20 +63,12 @@ def _launch(direction: str, inputs, result_specs, names, cu_q, cu_kv, config: At
         types = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in result_specs(config))
         types += (jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),)
         args = (*(x for x, _ in inputs), *_index_arrays(cu_q, cu_kv, config, seqused))
-        masking = _unguarded_row_masking()
-        if masking != "zero_fill":
-            # unowned / memset / poisoned: the handler zeroes on the stream, before the graph runs, the rows
-            # no sequence owns (its own small kernel) or each whole output (a copy-engine write, ~2x XLA's
-            # zero-writing fusion); where: raw results, masked by the caller.
-            call = jax.ffi.ffi_call(target, types, vmap_method="sequential")
-            *results, _ = call(*args, **ffi_kwargs(config, direction, zero_outputs=_zero_outputs(masking)))
-            return results, jnp.bool_(True)
-        # zero_fill: the kernel writes only the rows it owns, so give it zero-filled outputs made by XLA
-        # (aliased to the results; the workspace stays an ordinary result, never filled).
-        zeros = tuple(jnp.zeros(t.shape, t.dtype) for t in types[:-1])
-        aliases = {len(args) + i: i for i in range(len(zeros))}
-        call = jax.ffi.ffi_call(target, types, vmap_method="sequential", input_output_aliases=aliases)
-        *results, _ = call(*args, *zeros, **ffi_kwargs(config, direction))
+        # The handler zeroes, on the stream before the graph runs, the rows no sequence owns (its own small
+        # kernel; whole outputs where that kernel cannot load). config.poison_outputs (tests) fills every
+        # output with NaN first, so a row cuDNN should write but skips reads NaN, not 0.
+        call = jax.ffi.ffi_call(target, types, vmap_method="sequential")
+        zero_outputs = "poisoned" if config.poison_outputs else "unowned"
+        *results, _ = call(*args, **ffi_kwargs(config, direction, zero_outputs=zero_outputs))
         return results, jnp.bool_(True)
 
     rows = checks.GUARD_ROWS
@@ -104,43 +101,10 @@ def _debugging_floats() -> bool:
     return bool(jax.config.jax_debug_nans or jax.config.jax_debug_infs)
 
 
-ROW_MASKING_ENV = "JAX_RAGGED_ATTN_ROW_MASKING"
-ROW_MASKINGS = ("unowned", "memset", "zero_fill", "where", "poisoned")
-
-
-def row_masking() -> str:
-    """How the rows cuDNN does not write (padding, rows past max_seqlen, sequences without keys) become 0:
-    "unowned" (the default) has the handler zero just those rows with its own small kernel before the graph
-    runs (whole outputs with cudaMemsetAsync where that kernel cannot load), "memset" always zeroes whole
-    outputs that way, "zero_fill" hands the kernel zero-filled buffers XLA writes, "where" masks each output
-    after the call (a read-and-write pass). "poisoned" is for tests: the handler fills every output with NaN
-    and then zeroes the unowned rows, so a row cuDNN should write but does not reads NaN instead of 0 (it
-    checks the ownership rule the default relies on). Read at trace time from JAX_RAGGED_ATTN_ROW_MASKING, so
-    the benchmark can compare them (docs/PERFORMANCE.md); results are identical."""
-    value = os.environ.get(ROW_MASKING_ENV, "unowned")
-    if value not in ROW_MASKINGS:
-        raise ValueError(f"{ROW_MASKING_ENV} must be one of {ROW_MASKINGS}, got {value!r}")
-    return value
-
-
-def _zero_outputs(masking: str) -> str:
-    """The handler's zero_outputs attribute (graphs.ZERO_OUTPUTS) for a row masking it carries out itself.
-    The row-zeroing kernel is readied on each GPU with the graphs at trace time (graph_info); where it cannot
-    run, "unowned" zeroes whole outputs and "poisoned" fails with the reason."""
-    return {"unowned": "unowned", "poisoned": "poisoned", "memset": "all", "where": "no"}[masking]
-
-
-def _unguarded_row_masking() -> str:
-    """The row masking an unguarded launch uses: row_masking(), but "where" becomes "zero_fill" under
-    jax.debug_nans / debug_infs, where an eager call checks the kernel's raw results and rows it does not
-    own must already be finite."""
-    masking = row_masking()
-    return "zero_fill" if masking == "where" and _debugging_floats() else masking
-
-
 def _zero_filled(config: AttentionConfig) -> bool:
-    """Whether the results of an unguarded launch are already 0 in every row the kernel does not own."""
-    return not config.guard_workspace and _unguarded_row_masking() != "where"
+    """Whether the results of a launch are already 0 in every row the kernel does not own: unguarded ones
+    (the handler zeroed them); check mode's guarded launch leaves them to the caller's masks."""
+    return not config.guard_workspace
 
 
 def _run(fn, config_argnum: int, *args):
@@ -231,25 +195,9 @@ def _forward(buffers, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, sequ
     return out, stats, raw_stats
 
 
-BOTTOM_RIGHT_BACKWARD_ENV = "JAX_RAGGED_ATTN_BOTTOM_RIGHT_BACKWARD"
-BOTTOM_RIGHT_BACKWARDS = ("split", "single")
-
-
-def bottom_right_backward() -> str:
-    """How the backward of a bottom-right causal call runs: "split" (the default) as two cuDNN backward calls
-    that together cost the causal area, "single" as one bottom-right call. Read at trace time from
-    JAX_RAGGED_ATTN_BOTTOM_RIGHT_BACKWARD so the benchmarks can compare them; results are identical up to the
-    order of a float32 sum (dQ and rows of dK/dV shared by no call are exact)."""
-    value = os.environ.get(BOTTOM_RIGHT_BACKWARD_ENV, "split")
-    if value not in BOTTOM_RIGHT_BACKWARDS:
-        raise ValueError(f"{BOTTOM_RIGHT_BACKWARD_ENV} must be one of {BOTTOM_RIGHT_BACKWARDS}, got {value!r}")
-    return value
-
-
 def _splits_bottom_right(config: AttentionConfig) -> bool:
     """A causal bottom-right mask without a left window: the backward can run as rectangle + square."""
-    return (config.diagonal_alignment == "bottom_right" and config.right_bound == 0 and config.left_bound is None
-            and bottom_right_backward() == "split")
+    return config.diagonal_alignment == "bottom_right" and config.right_bound == 0 and config.left_bound is None
 
 
 def _backward(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config: AttentionConfig,
@@ -271,7 +219,8 @@ def _backward(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, confi
     no configuration proves it at trace time, and branching on the lengths would copy them to the host. The
     one provable case, one array serving as both cu_seqlens with the same seqused and bounds, never gets here:
     features/bottom_right.py runs it as top-left. An empty rectangle costs a launch whose every sequence
-    has 0 keys.
+    has 0 keys. Measured on the H200 (docs/PERFORMANCE.md, issue 22): 0.64-0.74x the one bottom-right call's
+    forward+backward, which was removed as an option.
     """
     if not _splits_bottom_right(config):
         return _backward_call(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config, seqused)
@@ -306,12 +255,11 @@ def _writes_key_rows_in_place(config: AttentionConfig) -> bool:
     - a gradient buffer that holds key rows only: dk and dv (packing "none"), dkv ("kv"). The qkv packing's
       one gradient holds dQ too, whose rows both calls write, so it is summed whole (as before).
     - an unguarded launch whose rectangle leaves the rows it does not own 0 and that trusts cuDNN to write no
-      row the graph does not own (row masking "unowned", "memset", "zero_fill"). "where" trusts nothing and
-      masks every output after its call, check mode pads every buffer with guard rows and verifies each
-      call's own canary bands, and "poisoned" exists to show that each call writes every row it owns, which
-      rows the rectangle already zeroed would hide: these three keep the sum of two separately masked calls.
+      row the graph does not own. Check mode pads every buffer with guard rows and verifies each call's own
+      canary bands, and config.poison_outputs exists to show that each call writes every row it owns, which
+      rows the rectangle already zeroed would hide: these two keep the sum of two separately masked calls.
     """
-    if config.guard_workspace or _unguarded_row_masking() not in ("unowned", "memset", "zero_fill"):
+    if config.guard_workspace or config.poison_outputs:
         return False
     return any("q" not in b.holds for b in TABLE[config.packing].buffers)
 

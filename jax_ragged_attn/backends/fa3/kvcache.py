@@ -30,14 +30,14 @@ and attributes the wheel's lowering passes. Forward only (the wheel has no kvcac
 
 Declined, with the reason: dtypes other than bfloat16/float16, head dims other than 128 (the wheel's kernels),
 softcap, a left window in (TAIL - Sq, TAIL) on the head / tail route, the wheel not installed, no Hopper GPU.
-JAX_RAGGED_ATTN_FA3_KVCACHE_ROUTE=head_tail pins the head / tail route (to measure one against the other).
+Tests pin the head / tail route through the private config field route="head_tail" (testing.config_overrides).
+The one call won where both serve (H200 decode, docs/PERFORMANCE.md: 64 x 2k 0.134 against 0.224 ms).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -51,8 +51,6 @@ NAME = "fa3"
 # implementation=None picks FA3's kvcache kernels wherever they serve the call: the issue's measurements put
 # them at 70-81 % of the H200's bandwidth, 2-4x the ragged cuDNN kernel over a flat cache.
 AUTO = True
-# Splits of the keys (flash decoding); None: the heuristic below.
-NUM_SPLITS: int | None = None
 NUM_SMS = 132  # H200
 BLOCK_M, BLOCK_N = 128, 128  # FA3's tile for head dim 128 (query rows packed across a GQA group)
 MAX_SPLITS = 128
@@ -63,16 +61,12 @@ TAIL = 256
 # zero-filling rows past each length: below its smallest query tile (64 with one MMA warpgroup, else 128), so
 # get_pagedkv_tma is false whatever the page size.
 ZERO_FILL_MAX_ROWS = 64
-ROUTE_VARIABLE = "JAX_RAGGED_ATTN_FA3_KVCACHE_ROUTE"
-ROUTES = ("auto", "head_tail")
 
 
 def route(config: KVCacheConfig) -> str:
-    """"one_call" where FA3's zero-filling paged loader serves the call (module docstring), else "head_tail"."""
-    pinned = os.environ.get(ROUTE_VARIABLE, "auto")
-    if pinned not in ROUTES:
-        raise ValueError(f"{ROUTE_VARIABLE}={pinned!r}: expected one of {ROUTES}")
-    if pinned == "auto" and config.seqlen_q * config.group_size <= ZERO_FILL_MAX_ROWS:
+    """"one_call" where FA3's zero-filling paged loader serves the call (module docstring), else "head_tail"
+    (also where a test pinned it: config.route)."""
+    if config.route != "head_tail" and config.seqlen_q * config.group_size <= ZERO_FILL_MAX_ROWS:
         return "one_call"
     return "head_tail"
 
@@ -104,9 +98,9 @@ def auto_candidate(config: KVCacheConfig) -> bool:
 def num_splits(config: KVCacheConfig) -> int:
     """Key splits so that B x Hkv x query tiles x splits fills the SMs in one wave (1 where the tiles alone
     come near): a second, partial wave cost more than it split (H200, 8 x 32k decode: 2 splits 0.249 ms,
-    3 splits 0.299, benchmarks/sweep_decode_splits.py)."""
-    if NUM_SPLITS is not None:
-        return NUM_SPLITS
+    3 splits 0.299, benchmarks/sweep_decode_splits.py, which sets config.num_splits)."""
+    if config.num_splits is not None:
+        return config.num_splits
     tiles = config.batch * config.num_heads_kv * math.ceil(config.seqlen_q * config.group_size / BLOCK_M)
     if tiles >= 0.8 * NUM_SMS:
         return 1

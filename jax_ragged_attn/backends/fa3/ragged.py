@@ -191,25 +191,21 @@ def _window(config: AttentionConfig) -> tuple[bool, int, int]:
     return left < 0 and right == 0, left, right
 
 
-# The log-sum-exp buffer the forward is handed: "wheel", the wheel's own declaration [B, Hq, max_seqlen_q]
-# with max_seqlen_q = Tq, or "flat", [1, Hq, Tq] (B times smaller). FA3 writes the varlen log-sum-exp
-# head-major, row cu_seqlens_q[b] + i of head h at h * Tq + cu_seqlens_q[b] + i, within either.
-# Measured on the H200 (benchmarks/fa3_compare.py's probe): FA3 writes the same values into either, also
-# with max_seqlen grids below the capacity, so "flat".
-LSE_BUFFER = "flat"
-# The max_seqlen_q / max_seqlen_k attributes that size FA3's grids: "capacity" (Tq, Tkv: what the wheel's
-# wrapper passes by default) or "max_seqlen" (the caller's bounds, clamped to the capacities). Measured on the
-# H200, W1 fwd+bwd: 3.57 ms with "capacity", 3.19 ms with "max_seqlen" (results identical): "max_seqlen".
-GRID_SEQLEN = "max_seqlen"
+# The log-sum-exp buffer the forward is handed is [1, Hq, Tq], B times smaller than the wheel's own declaration
+# [B, Hq, max_seqlen_q] with max_seqlen_q = Tq: FA3 writes the varlen log-sum-exp head-major, row
+# cu_seqlens_q[b] + i of head h at h * Tq + cu_seqlens_q[b] + i, within either. Measured on the H200
+# (benchmarks/fa3_compare.py's probe): FA3 writes the same values into either, also with max_seqlen grids
+# below the capacity.
+# FA3's grids are sized by the caller's max_seqlen bounds (clamped to the capacities), not by Tq, Tkv as the
+# wheel's wrapper passes by default. Measured on the H200, W1 fwd+bwd: 3.19 ms against 3.57 ms with the
+# capacities (results identical).
 
 
 def _lse_shape(config: AttentionConfig) -> tuple[int, int, int]:
-    return (config.num_seqs if LSE_BUFFER == "wheel" else 1, config.num_heads_q, config.capacity_q)
+    return (1, config.num_heads_q, config.capacity_q)
 
 
 def _grid_seqlens(config: AttentionConfig) -> tuple[int, int]:
-    if GRID_SEQLEN == "capacity":
-        return config.capacity_q, config.capacity_kv
     return config.max_seqlen_q, config.max_seqlen_kv
 
 

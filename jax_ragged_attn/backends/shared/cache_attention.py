@@ -34,8 +34,6 @@ from jax_ragged_attn.backends.shared.kvcache_config import (KVCacheConfig, band,
 
 # float32 scores one step may hold ([B, Hq, Sq, rows]); the block's rows follow from it.
 SCORES_BUDGET_BYTES = 256 << 20
-# Rows per step instead of the budget's (tests set it small, so sequences straddle blocks).
-BLOCK_ROWS: int | None = None
 # Packed queries: consecutive queries of one sequence per tile (the module docstring).
 QUERY_TILE = 16
 
@@ -44,7 +42,8 @@ def block_rows(config: KVCacheConfig, row_bytes: int | None = None) -> int:
     """Rows of the cache one step reads: whole pages of a paged cache, at most the capacity. row_bytes: what
     one cache row of a step costs (default its float32 scores, [B, Hq, Sq])."""
     row_bytes = row_bytes or 4 * config.batch * config.num_heads_q * config.seqlen_q
-    rows = BLOCK_ROWS or SCORES_BUDGET_BYTES // row_bytes
+    # config.block_rows: tests set it small, so that sequences straddle blocks.
+    rows = config.block_rows or SCORES_BUDGET_BYTES // row_bytes
     pages = min(max(rows // config.page_size, 1), config.max_pages)
     return pages * config.page_size if config.paged else min(max(rows, 1), config.capacity)
 

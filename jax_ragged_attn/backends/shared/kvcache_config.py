@@ -38,6 +38,10 @@ from jax_ragged_attn.config import MaskedConfig
 from jax_ragged_attn.index import row_positions, sanitize_cu_seqlens, sequence_lengths
 
 
+# The routes a test may pin (KVCacheConfig.route): cuDNN's two, FA3's head / tail split.
+PINNED_ROUTES = ("paged", "ragged", "head_tail")
+
+
 @dataclasses.dataclass(frozen=True)
 class KVCacheConfig(MaskedConfig):
     """Shapes and options of one ragged_attention_with_kvcache call (hashable: a nondiff argument)."""
@@ -60,6 +64,17 @@ class KVCacheConfig(MaskedConfig):
     has_sinks: bool = False  # sinks are an epilogue of the op layer: backends never see them
     softcap: float = 0.0  # scores become softcap * tanh(score / softcap) before the softmax; 0: no cap
     total_q: int = 0  # packed queries: q [T, Hq, D] over cu_seqlens_q, seqlen_q being max_seqlen_q; 0: [B, Sq]
+    # For tests and benchmarks only, set through testing.config_overrides (no keyword reaches them); None: the
+    # backend decides. route: a kernel's route, "paged" / "ragged" on cuDNN (cudnn/kvcache.py), "head_tail" on
+    # FA3 (fa3/kvcache.py), each backend ignoring the other's; block_rows: the xla path's cache rows a step
+    # (shared/cache_attention.py); num_splits: FA3's key splits (fa3/kvcache.py num_splits).
+    route: str | None = None
+    block_rows: int | None = None
+    num_splits: int | None = None
+
+    def __post_init__(self):
+        if self.route not in (None, *PINNED_ROUTES):
+            raise ValueError(f"route must be None or one of {PINNED_ROUTES}, got {self.route!r}")
 
     @property
     def capacity(self) -> int:

@@ -5,23 +5,19 @@ axis, so its working set is set by the block sizes and the capacities Tq, Tkv, n
 number of sequences. `estimate_bytes` says how much, before anything is compiled; `check_working_set`
 raises `WorkingSetTooLargeError` when that passes the bound, instead of letting the process die.
 
-Settings, read when a call is traced (so a jitted function keeps the values it was traced with):
+Settings: the block rows are the static config's xla_block_size (ragged_attention's keyword; default 128
+on a GPU, 64 on a CPU); the bound on the estimate is read when a call is traced from
 
-  JAX_RAGGED_ATTN_XLA_BLOCK          query and key block rows (default "128" on a GPU, "64" on a CPU);
-                                     "64,256" sets block_q, block_kv
-  JAX_RAGGED_ATTN_XLA_BACKWARD       "fused" or "two_pass" (default: fused on a CPU, two passes elsewhere;
-                                     see fused_backward)
-  JAX_RAGGED_ATTN_XLA_MATMUL         "input" or "float32": the dtype of the tiles' matmul operands for
-                                     bfloat16 / float16 inputs (default "input"; see matmul_dtype)
-  JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT   the bound on the estimate: "50%" (default: half the device's memory;
-                                     on a CPU, of physical RAM), a size ("8GiB", "512MB", "3e9" bytes),
-                                     or "off"
+  JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT   "50%" (default: half the device's memory; on a CPU, of physical RAM),
+                                     a size ("8GiB", "512MB", "3e9" bytes), or "off"
+
+(it changes whether a call is refused, never what is lowered).
 
 A step's scores are Tq * Hq * block_kv float32 (the backward keeps four such tensors, the forward two),
 so block_kv is the knob that trades memory for fewer, larger steps; block_q sets how finely the key range
 each query block walks is cut (rows of one block share one range). Decode-like calls (one query row per
-sequence) gain from a small block_q: "8,128" ran 64 queries over 64 x 512 keys in 52 ms against 83 ms
-at "128" on the 2-core CPU, since a 128-row block walks every sequence's keys.
+sequence) gain from a small block_q: (8, 128) ran 64 queries over 64 x 512 keys in 52 ms against 83 ms
+at 128 on the 2-core CPU, since a 128-row block walks every sequence's keys.
 """
 
 from __future__ import annotations
@@ -36,48 +32,41 @@ import numpy as np
 
 from jax_ragged_attn.config import AttentionConfig
 
-BLOCK_ENV = "JAX_RAGGED_ATTN_XLA_BLOCK"
 MEMORY_LIMIT_ENV = "JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT"
-# "fused": one pass over the key blocks computes P and dP once per tile and yields dK, dV and dQ (five
-# matmuls a tile), adding each tile's dQ rows with a scatter-add. "two_pass": a dQ pass and a dK/dV pass
-# (seven matmuls a tile: P and dP twice) that add nothing with a scatter. Default: fused where XLA runs a
-# scatter-add in order (the CPU), so dQ stays deterministic; two passes elsewhere (a GPU's scatter-add
+# The backward (fused_backward): "fused", one pass over the key blocks, computes P and dP once per tile and
+# yields dK, dV and dQ (five matmuls a tile), adding each tile's dQ rows with a scatter-add; "two passes", a
+# dQ pass and a dK/dV pass (seven matmuls a tile: P and dP twice), add nothing with a scatter. Fused where XLA
+# runs a scatter-add in order (the CPU), so dQ stays deterministic; two passes elsewhere (a GPU's scatter-add
 # of overlapping rows uses atomics, whose order varies run to run, and the xla path promises bit-identical
 # gradients whatever `deterministic` says). What determinism costs on the H200's W1 (bf16, balanced
-# forward): fwd+bwd 70.5 ms two-pass against 54.6 ms fused ("fused" opts in).
-BACKWARD_ENV = "JAX_RAGGED_ATTN_XLA_BACKWARD"
+# forward): fwd+bwd 70.5 ms two-pass against 54.6 ms fused. Tests run either through the private config
+# field xla_fused_backward.
 
 # 128 x 128 blocks on a GPU: a step of W1 (32k tokens, 16 heads) holds 256 MiB of float32 scores, small
 # beside an H200, and large enough that a step's matmuls keep the device busy. 64 x 64 on the CPU: with the
 # fused backward, fwd+bwd measured 299 against 377 ms on cpu-4k (fewer half-masked diagonal tiles and
 # blocks straddling two sequences) and 3.52 against 3.76 s on cpu-8k (benchmarks/xla_path.py, 2 cores).
-# "input": bfloat16 / float16 inputs enter the tiles' matmuls in their own dtype, as do the probabilities
-# and dS (cast down), with float32 accumulation and a float32 softmax: what jax.nn's xla attention and the
-# fused kernels (cuDNN, FlashAttention) do, at the tensor cores' rate. "float32": every operand float32 at
-# precision HIGHEST (float32 FMA on a GPU: on the H200's W1, 47 ms forward against jax.nn's 25 ms).
+# Matmul operands (matmul_dtype): bfloat16 / float16 inputs enter the tiles' matmuls in their own dtype, as do
+# the probabilities and dS (cast down), with float32 accumulation and a float32 softmax: what jax.nn's xla
+# attention and the fused kernels (cuDNN, FlashAttention) do, at the tensor cores' rate. Every operand float32
+# at precision HIGHEST lost on the H200's W1 (float32 FMA: 47.2 ms forward against 26.5 ms, PERFORMANCE.md).
 # float32 and float64 inputs always run float32 at HIGHEST (no TF32).
-MATMUL_ENV = "JAX_RAGGED_ATTN_XLA_MATMUL"
 DEFAULT_BLOCK = 128
 DEFAULT_CPU_BLOCK = 64
 DEFAULT_MEMORY_FRACTION = 0.5
 _F32 = 4
 
 
-def fused_backward() -> bool:
-    """Whether the backward being traced runs the fused pass (BACKWARD_ENV, else the backend decides)."""
-    choice = os.environ.get(BACKWARD_ENV, "").strip().lower()
-    if choice not in ("", "fused", "two_pass"):
-        raise ValueError(f"{BACKWARD_ENV} must be 'fused' or 'two_pass', got {choice!r}")
-    return choice == "fused" if choice else jax.default_backend() == "cpu"
+def fused_backward(config: AttentionConfig) -> bool:
+    """Whether this call's backward runs the fused pass: config.xla_fused_backward (tests), else on a CPU only."""
+    if config.xla_fused_backward is not None:
+        return config.xla_fused_backward
+    return jax.default_backend() == "cpu"
 
 
 def matmul_dtype(config: AttentionConfig) -> str:
-    """The dtype of the xla path's matmul operands for this call (MATMUL_ENV; accumulation is float32)."""
-    choice = os.environ.get(MATMUL_ENV, "").strip().lower()
-    if choice not in ("", "input", "float32"):
-        raise ValueError(f"{MATMUL_ENV} must be 'input' or 'float32', got {choice!r}")
-    low_precision = config.dtype in ("bfloat16", "float16")
-    return config.dtype if low_precision and choice != "float32" else "float32"
+    """The dtype of the xla path's matmul operands for this call (accumulation is float32)."""
+    return config.dtype if config.dtype in ("bfloat16", "float16") else "float32"
 
 
 class WorkingSetTooLargeError(MemoryError):
@@ -89,27 +78,17 @@ class CudnnFallbackWarning(UserWarning):
 
 
 def block_sizes(config: AttentionConfig, block_q: int | None = None, block_kv: int | None = None) -> tuple[int, int]:
-    """(block_q, block_kv) for this call: the arguments, else JAX_RAGGED_ATTN_XLA_BLOCK, else 128 each (64 on a
+    """(block_q, block_kv) for this call: the arguments, else config.xla_block_size, else 128 each (64 on a
     CPU), each capped at its capacity (a block never needs more rows than the buffer has)."""
     if block_q is None or block_kv is None:
-        env_q, env_kv = _env_blocks()
-        block_q = env_q if block_q is None else block_q
-        block_kv = env_kv if block_kv is None else block_kv
+        default = DEFAULT_CPU_BLOCK if jax.default_backend() == "cpu" else DEFAULT_BLOCK
+        config_q, config_kv = config.xla_block_size or (default, default)
+        block_q = config_q if block_q is None else block_q
+        block_kv = config_kv if block_kv is None else block_kv
     for name, value in (("block_q", block_q), ("block_kv", block_kv)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     return min(int(block_q), config.capacity_q), min(int(block_kv), config.capacity_kv)
-
-
-def _env_blocks() -> tuple[int, int]:
-    value = os.environ.get(BLOCK_ENV, "").strip()
-    if not value:
-        block = DEFAULT_CPU_BLOCK if jax.default_backend() == "cpu" else DEFAULT_BLOCK
-        return block, block
-    parts = [p.strip() for p in value.split(",")]
-    if len(parts) in (1, 2) and all(p.isdigit() and int(p) > 0 for p in parts):
-        return int(parts[0]), int(parts[-1])
-    raise ValueError(f"{BLOCK_ENV} must be a positive int or 'block_q,block_kv' (e.g. '64,256'), got {value!r}")
 
 
 def estimate_bytes(config: AttentionConfig, block_q: int, block_kv: int, direction: str) -> int:
@@ -153,7 +132,7 @@ def estimate_bytes(config: AttentionConfig, block_q: int, block_kv: int, directi
                 + (tq + block_q) * hq * (dqk + dv + 2) * _F32  # q, dO, lse, delta padded for the slices
                 + 6 * tkv_pad * hkv * (dqk + dv) * _F32)  # k, v tiles, a step's copy, running sums, slots, sums
     grads = (tq * hq * dqk + tkv * hkv * (dqk + dv)) * (_F32 + item)
-    if fused_backward():  # one pass over the key blocks, adding dQ into a float32 buffer it carries
+    if fused_backward(config):  # one pass over the key blocks, adding dQ into a float32 buffer it carries
         return int(live + dkv_pass + 2 * (tq + block_q) * hq * dqk * _F32 + grads)
     return int(live + max(dq_pass, dkv_pass) + grads)
 
@@ -207,7 +186,7 @@ def check_working_set(config: AttentionConfig, block_q: int, block_kv: int, dire
     if bound is None or need <= bound:
         return need
     smallest = estimate_bytes(config, min(16, block_q), min(16, block_kv), direction)
-    smaller = (f"smaller blocks ({BLOCK_ENV}=16 brings it to {_size(smallest)})" if smallest < need else
+    smaller = (f"smaller blocks (xla_block_size=16 brings it to {_size(smallest)})" if smallest < need else
                "smaller blocks cannot help: the float32 accumulators alone are that large")
     raise WorkingSetTooLargeError(
         f"the xla attention {direction} would need about {_size(need)} of working memory (Tq={config.capacity_q}, "
@@ -240,7 +219,7 @@ def warn_cudnn_fallback(reason: str, config: AttentionConfig) -> None:
     warnings.warn(
         f"ragged_attention(implementation=None) runs the portable xla path on this GPU, not cuDNN: {reason}. "
         f"It is several times slower; its working set here is about {_size(forward)} forward and {_size(backward)} "
-        f"backward (blocks {block_q}x{block_kv}, {BLOCK_ENV}). Pass implementation='xla' to choose it "
+        f"backward (blocks {block_q}x{block_kv}, xla_block_size). Pass implementation='xla' to choose it "
         f"explicitly (and silence this), or remove the reason to run cuDNN. Shown once per reason.",
         CudnnFallbackWarning,
         stacklevel=5,  # warn <- backends.choose <- api.attend <- entry point <- the caller

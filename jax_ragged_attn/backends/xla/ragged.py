@@ -137,7 +137,7 @@ def attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig,
     seqused_q, seqused_kv: None or int32 [B]: sequence b uses only the first seqused[b] rows of its slot.
     return_stats: None reads config.return_stats (api.attend sets it); False returns stats None, and then no
     -inf is computed anywhere; "raw" returns them with 0 instead of -inf on rows without keys.
-    block_q, block_kv, memory_limit: override JAX_RAGGED_ATTN_XLA_BLOCK / JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT
+    block_q, block_kv, memory_limit: override config.xla_block_size / JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT
     (xla_memory.py). Raises WorkingSetTooLargeError (a MemoryError) at trace time when the estimated
     working set of the forward, or of the backward when it is traced, exceeds the bound.
     """
@@ -341,7 +341,7 @@ def _attention_bwd(plan: _Plan, residuals, cotangents):
     k_clean = _clean(k, bands.key_valid, plan.operand)
     v_clean = _clean(v, bands.key_valid, plan.operand)
 
-    if xla_memory.fused_backward():
+    if xla_memory.fused_backward(c):
         d_k, d_v, d_q = _dkv_pass(plan, q_clean, k_clean, v_clean, d_out, lse, delta, bands, with_dq=True)
     else:
         d_q = _dq_pass(plan, q_clean, k_clean, v_clean, d_out, lse, delta, bands)
