@@ -23,16 +23,18 @@ if ls "$src"/.gpu/_ext*.so >/dev/null 2>&1; then cp "$src"/.gpu/_ext*.so jax_rag
   cp jax_ragged_attn/_ext*.so "$out/"
 fi
 echo "extension ready after $(( $(date +%s) - t0 )) s"
-# CUDNN_PARTS=DIR CUDNN_SHA=SHA256: another cuDNN, brought as parts of a tar.xz of nvidia/cudnn/lib (the host
-# takes 64 MiB a call): joined, checked, unpacked once, and put before the installed one (JAX's plugin loads
-# cuDNN from the first nvidia/cudnn on the path; the self-check prints which library the process mapped).
+# CUDNN_PARTS=DIR (CUDNN_SHA=SHA256, default DIR/SHA256): another cuDNN, brought as parts of a tar.xz of
+# nvidia/cudnn/lib (the host takes 64 MiB a call; scripts/bring_cudnn.sh makes them): joined, checked, unpacked
+# once per DIR, and put before the installed one (JAX's plugin loads cuDNN from the first nvidia/cudnn on the
+# path; the self-check prints which library the process mapped).
 if [ -n "$CUDNN_PARTS" ]; then
-  if [ ! -d /tmp/cudnn_parts/nvidia ]; then
+  cudnn_dir=/tmp/cudnn_parts/$(basename "$CUDNN_PARTS")
+  if [ ! -d "$cudnn_dir/nvidia" ]; then
     cat "$src/$CUDNN_PARTS"/p? > /tmp/cudnn_parts.tar.xz || exit 1
-    echo "$CUDNN_SHA  /tmp/cudnn_parts.tar.xz" | sha256sum -c || exit 1
-    mkdir -p /tmp/cudnn_parts && tar -xJf /tmp/cudnn_parts.tar.xz -C /tmp/cudnn_parts || exit 1
+    echo "${CUDNN_SHA:-$(cat "$src/$CUDNN_PARTS/SHA256")}  /tmp/cudnn_parts.tar.xz" | sha256sum -c || exit 1
+    mkdir -p "$cudnn_dir" && tar -xJf /tmp/cudnn_parts.tar.xz -C "$cudnn_dir" && rm /tmp/cudnn_parts.tar.xz || exit 1
   fi
-  export PYTHONPATH=/tmp/cudnn_parts:$PYTHONPATH LD_LIBRARY_PATH=/tmp/cudnn_parts/nvidia/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export PYTHONPATH=$cudnn_dir:$PYTHONPATH LD_LIBRARY_PATH=$cudnn_dir/nvidia/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   python3 -c "import jax; from jax_ragged_attn.backends.shared import extension as e; from jax_ragged_attn.tools.selfcheck \
 import library_lines; print(e.cudnn_unavailable_reason(), e.versions()); print(*library_lines(True), sep='\n')" 2>&1 | tail -4
 fi
