@@ -20,10 +20,12 @@ The layout, in layers that import only downwards (tests/test_layout.py holds it)
 
 import jax as _jax
 
-# jax.shard_map(check_vma=) and jax.reshard arrived in jax 0.10: with an older jax (installed with --no-deps, or
-# pinned by another package) say so here rather than fail later inside the op.
-if tuple(int(part) for part in _jax.__version__.split(".")[:2]) < (0, 10):
-    raise ImportError(f"jax_ragged_attn needs jax 0.10 or newer, found {_jax.__version__}: pip install -U 'jax>=0.10'")
+# jax.shard_map(check_vma=) and jax.reshard arrived in jax 0.10, and 0.10.2 is the oldest release tested
+# (docs/INSTALL.md's table): with an older jax (installed with --no-deps, or pinned by another package) say so
+# here rather than fail later inside the op.
+if tuple(int(part) for part in _jax.__version__.split(".")[:3] if part.isdigit()) < (0, 10, 2):
+    raise ImportError(f"jax_ragged_attn needs jax 0.10.2 or newer, found {_jax.__version__}: "
+                      "pip install -U 'jax>=0.10.2'")
 
 from jax_ragged_attn.api import ragged_attention  # noqa: E402
 from jax_ragged_attn.backends.shared.extension import cudnn_unavailable_reason  # noqa: E402
