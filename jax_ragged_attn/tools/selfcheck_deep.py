@@ -312,8 +312,8 @@ def _first_line(text: str, width: int = 300) -> str:
 
 
 def table_lines(rows: list[Row]) -> list[str]:
-    """The feature x backend table, then each failure and each decline's reason (one line for a backend that
-    declined every row for the same reason)."""
+    """The feature x backend table, then each failure and each decline's reason (a backend's most common reason
+    once, for all the rows it declined with it)."""
     backends = list(dict.fromkeys(row.backend for row in rows))
     features = list(dict.fromkeys((row.op, row.feature) for row in rows))
     cell = {(row.op, row.feature, row.backend): row for row in rows}
@@ -330,11 +330,17 @@ def table_lines(rows: list[Row]) -> list[str]:
     lines.append("declined:")
     for backend in backends:
         declined = [row for row in rows if row.backend == backend and row.status == "declined"]
-        mine = [row for row in rows if row.backend == backend]
-        if declined and len(declined) == len(mine) and len({r.detail for r in declined}) == 1:
-            lines.append(f"  {backend}, every row: {_first_line(declined[0].detail)}")
+        if not declined:
             continue
-        lines += [f"  {backend}, {r.op}: {r.feature}: {_first_line(r.detail)}" for r in declined]
+        details = [row.detail for row in declined]
+        common = max(set(details), key=details.count) if len(details) > len(set(details)) else None
+        lines += [f"  {backend}, {r.op}: {r.feature}: {_first_line(r.detail)}" for r in declined if r.detail != common]
+        shared = details.count(common)
+        if not shared:  # every reason its own: each row named above
+            continue
+        which = ("every row" if shared == sum(row.backend == backend for row in rows) else
+                 f"{'the other ' if shared < len(declined) else ''}{shared} declined row{'s' * (shared > 1)}")
+        lines.append(f"  {backend}, {which}: {_first_line(common)}")
     return lines
 
 
