@@ -105,6 +105,18 @@ SLOW_TESTS = (  # node-id prefixes
     "tests/test_cudnn_wrapper.py::test_quiet_under_jax_debug_flags_eagerly",  # as test_debug_infs.py
     # every feature of the deep self-check (a few of them stay fast: test_deep_check_of_a_few_features_...)
     "tests/test_selfcheck.py::test_deep_check_of_every_feature",
+    # packed queries over a KV cache: FA3's tiles on a stand-in, and the xla path's extra mixes, dtypes, vmap
+    # (every case on the xla path, the appends and the tiles' arithmetic stay fast)
+    "tests/test_kvcache_varlen.py::Fa3TilesStandInTest",
+    "tests/test_kvcache_varlen.py::XlaPackedTest::test_random_mixes",
+    "tests/test_kvcache_varlen.py::XlaPackedTest::test_half_precision",
+    "tests/test_kvcache_varlen.py::XlaPackedTest::test_vmap",
+    "tests/test_kvcache_varlen.py::XlaPackedTest::test_default_tiles_and_blocks",
+    "tests/test_kvcache_varlen.py::XlaPackedTest::test_sinks_gradient",
+    "tests/test_kvcache_varlen.py::test_mixed_bench_quick_runs",
+    # serving's schedule-independence and report (its bytes against the fixed batches' stay fast)
+    "tests/test_serving.py::test_draws_follow_the_request_not_the_schedule",
+    "tests/test_serving.py::test_report_prints_both_side_by_side",
 )
 
 

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from jax_ragged_attn.backends.fa3 import ragged as fa3
 from jax_ragged_attn.backends.shared import head_tail as kvcache_head_tail
-from jax_ragged_attn.backends.shared.kvcache_config import (KVCacheConfig, band, query_tiles, rows_with_keys,
+from jax_ragged_attn.backends.shared.kvcache_config import (KVCacheConfig, query_tiles, rows_with_keys,
                                                            safe_page_table)
 
 NAME = "fa3"
@@ -113,7 +113,11 @@ def _fa3_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, w
     [B], FA3's seqused_q: sequence b's queries are its first used_q[b] rows, aligned bottom-right on them."""
     batch, seqlen_q, heads_q, dim = q.shape
     is_causal, left, right = window
-    splits = num_splits(config)
+    # With seqused_q (packed tiles), FA3's split-KV gave results that differed run to run on the H200
+    # (flash-attn3-jax 0.2.3: 13 % of a decode-row call's outputs, and NaN from NaN-poisoned caches in some
+    # runs, none with the same call without seqused_q): one split there. A mixed step's tiles fill the GPU
+    # without splits (num_splits' heuristic gives 1 there anyway); decode rows alone take the fixed form.
+    splits = 1 if used_q is not None else num_splits(config)
     empty_i32, empty_f32, empty_like_q = (jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32),
                                           jnp.zeros((0,), q.dtype))
     table = empty_i32 if page_table is None else safe_page_table(page_table, config)
@@ -201,6 +205,9 @@ def _head_tail(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
 # Cutting a sequence's keys at its tile's last query keeps every key a causal query attends (none lies right
 # of it). A mask with keys right of the diagonal (non-causal, a right window) cannot be cut so: there each
 # sequence is one tile (size = max_seqlen_q), served where max_seqlen_q x group fits one query tile.
+#
+# Decode rows only (max_seqlen_q = 1): the tiles are the sequences that have a query, run through the fixed
+# form's attend (q [N, 1, Hq, D], N <= B: today's decode call, its split-KV heuristic included).
 
 # FA3's query tile for head dim 128 (tile_size_fwd_sm90: kBlockM = 128 for bf16/fp16).
 PACKED_TILE_ROWS = 128
@@ -232,6 +239,10 @@ def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config
     tiles = query_tiles(cu_seqlens_q, lengths, config, size)
     k_cache, v_cache, page_table, paged = _as_paged(k_cache, v_cache, page_table, config)
     length = lengths[tiles.sequence]
+    if config.seqlen_q == 1:  # decode rows only: the fixed form's call (today's decode kernel) on the tiles
+        tile_config = dataclasses.replace(paged, batch=tiles.count, seqlen_q=1, total_q=0)
+        out, lse = attend(tiles.gather(q), k_cache, v_cache, length, page_table[tiles.sequence], tile_config)
+        return tiles.to_rows(out, 0), tiles.to_rows(lse.transpose(0, 2, 1), -jnp.inf).T
     # The tile's keys end at its last query's position (causal), or at the sequence's end (one tile each).
     keys = length if config.right_bound != 0 else jnp.clip(tiles.first_position + tiles.used, 0, length)
     tile_config = dataclasses.replace(paged, batch=tiles.count, seqlen_q=size, total_q=0)
@@ -239,8 +250,6 @@ def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config
     window = (left is None and right == 0, -1 if left is None else left, -1 if right is None else right)
     out, lse = _fa3_call(tiles.gather(q), k_cache, v_cache, keys, page_table[tiles.sequence], tile_config, window,
                          used_q=tiles.used)
-    first, last = band(tiles.positions(), length[:, None], config)
-    has_keys = tiles.slot_used() & (first <= last)  # [N, size]; FA3's lse is +inf where a query has none
-    out = jnp.where(has_keys[:, :, None, None], out, jnp.zeros((), out.dtype))
-    lse = jnp.where(has_keys[:, :, None], lse.transpose(0, 2, 1), -jnp.inf)
-    return tiles.scatter(out, config.total_q, 0), tiles.scatter(lse, config.total_q, -jnp.inf).T
+    # A query without keys holds FA3's lse +inf and anything in out: the op layer masks those rows (the
+    # backend Protocol), so the rows are gathered as they come.
+    return tiles.to_rows(out, 0), tiles.to_rows(lse.transpose(0, 2, 1), -jnp.inf).T

@@ -109,9 +109,7 @@ def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config
                  + groups * config.num_heads_kv * (config.head_dim_qk + config.head_dim_v) * itemsize)
     out, lse = _blocked(tiles.gather(q), k_cache, v_cache, lengths[tiles.sequence], first, last, table, config,
                         block_rows(config, row_bytes), sequence=None if config.paged else tiles.sequence)
-    out = tiles.scatter(out, config.total_q, 0)
-    lse = tiles.scatter(lse.transpose(0, 2, 1), config.total_q, -jnp.inf)  # [T, Hq]
-    return out, lse.T
+    return tiles.to_rows(out, 0), tiles.to_rows(lse.transpose(0, 2, 1), -jnp.inf).T  # lse [Hq, T]
 
 
 def _blocked(q, k_cache, v_cache, lengths, first, last, page_table, config: KVCacheConfig, size: int,

@@ -178,6 +178,9 @@ class QueryTiles:
     first_row: jax.Array  # int32 [count]: its first row of q (may be T or past: then used is 0)
     used: jax.Array  # int32 [count]: its query rows, 0 .. size
     first_position: jax.Array  # int32 [count]: the position of its first query
+    row_tile: jax.Array  # int32 [T]: the tile holding row t of q (any tile where row_owned is False) ...
+    row_slot: jax.Array  # int32 [T]: ... and its slot there
+    row_owned: jax.Array  # bool [T]: row t is a query
 
     def rows(self) -> jax.Array:
         """int32 [count, size]: the rows of q each tile holds (unused slots may point anywhere in [0, T])."""
@@ -195,11 +198,12 @@ class QueryTiles:
         """x [T, ...] -> [count, size, ...]: each slot's row of x (an unused slot holds any row)."""
         return x[jnp.clip(self.rows(), 0, x.shape[0] - 1)]
 
-    def scatter(self, values: jax.Array, total: int, fill) -> jax.Array:
-        """values [count, size, ...] -> [total, ...]: each used slot's value at its row, `fill` elsewhere."""
-        index = jnp.where(self.slot_used(), self.rows(), total).reshape(-1)  # total: out of bounds, dropped
-        base = jnp.full((total,) + values.shape[2:], fill, values.dtype)
-        return base.at[index].set(values.reshape((-1,) + values.shape[2:]), mode="drop")
+    def to_rows(self, values: jax.Array, fill) -> jax.Array:
+        """values [count, size, ...] -> [T, ...]: row t reads its tile slot's value, a row that is no query
+        `fill` (a gather, not a scatter: each row knows its slot)."""
+        picked = values[self.row_tile, self.row_slot]
+        owned = self.row_owned.reshape(self.row_owned.shape + (1,) * (picked.ndim - 1))
+        return jnp.where(owned, picked, jnp.asarray(fill, values.dtype))
 
 
 def tile_count(config: KVCacheConfig, size: int) -> int:
@@ -221,5 +225,9 @@ def query_tiles(cu_seqlens_q: jax.Array, lengths: jax.Array, config: KVCacheConf
     local = tile - (ends - per_sequence)[sequence]  # the tile's index within its sequence
     offset = local * size
     used = jnp.where(tile < ends[-1], jnp.clip(counts[sequence] - offset, 0, size), 0)
+    row_sequence, row_offset, row_owned = row_positions(cu, config.total_q, config.seqlen_q)
+    row_sequence = jnp.minimum(row_sequence, config.batch - 1)
+    row_tile = jnp.clip((ends - per_sequence)[row_sequence] + row_offset // size, 0, count - 1)
     return QueryTiles(size=size, count=count, sequence=sequence, first_row=cu[sequence] + offset, used=used,
-                      first_position=lengths[sequence] - counts[sequence] + offset)
+                      first_position=lengths[sequence] - counts[sequence] + offset, row_tile=row_tile,
+                      row_slot=jnp.clip(row_offset, 0, None) % size, row_owned=row_owned)

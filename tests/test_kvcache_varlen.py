@@ -1,0 +1,538 @@
+"""Packed queries over a KV cache (ragged_attention_with_kvcache with cu_seqlens_q) and kvcache_append with
+cu_seqlens_k_new, against the float64 reference (testing/kvcache_reference.py).
+
+Every case is a random mix drawn from a seed derived from the test's id: prefill chunks, decode rows, empty
+sequences, chunks longer than their cache (queries at positions below 0), sequences whose page tables share
+prefix pages, NaN in every cache row and page no sequence uses and in q's rows past cu_seqlens_q[-1]. A NaN in
+a result proves such a row leaked; padded rows must read exactly 0 (out) and -inf (stats).
+
+`PackedKVCacheTest` holds the cases, through the public API only; each subclass runs them on one
+implementation: `XlaPackedTest` on the portable path (tiles of 2 queries and blocks of 8 rows, so sequences
+straddle both), `Fa3TilesStandInTest` on FA3's tile arithmetic with the kernel call replaced by the xla path
+with FA3's masks (any machine), `Fa3PackedTest` on FlashAttention-3 (Hopper GPU with the flash-attn3-jax
+wheel; skipped elsewhere with the reason; `pytest -m "not soak" tests/test_kvcache_varlen.py -k Fa3PackedTest`
+on the H200). cuDNN declines packed queries with the reason (`test_cudnn_declines`). The GPU class's "two runs
+differ" check is what caught FA3's split-KV with seqused_q differing run to run (fa3/kvcache.py _fa3_call).
+
+    pytest tests/test_kvcache_varlen.py -k 'XlaPackedTest and test_attention_window_paged'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+from jax_ragged_attn import kvcache_append, ragged_attention_with_kvcache
+from jax_ragged_attn.backends.cudnn import kvcache as cudnn_kvcache
+from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
+from jax_ragged_attn.backends.fa3 import ragged as _fa3
+from jax_ragged_attn.backends.shared import cache_attention
+from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, band, query_tiles
+from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
+from jax_ragged_attn.testing import assert_close, declines
+from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention_packed
+from jax_ragged_attn.testing.private_config import config_overrides
+
+# name -> keywords of one case: heads (Hq, Hkv), max_seqlen_q, paged, options.
+CASES = {
+    "causal": dict(),
+    "mqa": dict(heads=(4, 1)),
+    "mha": dict(heads=(2, 2)),
+    "decode_only": dict(max_seqlen_q=1),
+    "window": dict(local_window_size=(3, 0)),
+    "non_causal": dict(is_causal=False),
+    "window_non_causal": dict(is_causal=False, local_window_size=(2, 1)),
+    "sinks": dict(sinks=True),
+    "scale": dict(scale=0.3),
+    "softcap": dict(softcap=2.0, scale=1.5),
+    "softcap_window_sinks": dict(softcap=1.0, local_window_size=(3, 0), sinks=True),
+}
+
+
+class PackedKVCacheTest(parameterized.TestCase):
+    __test__ = False  # the subclasses run these, each against its implementation
+    implementation: str
+    dtype = jnp.float32
+    head_dim = 16
+    page_size = 4
+    max_pages = 6
+    max_seqlen_q = 7
+    bit_reproducible = True
+
+    def setUp(self):
+        super().setUp()
+        self.rng = np.random.default_rng(zlib.crc32(self.id().encode()))
+
+    @property
+    def capacity(self) -> int:
+        return self.max_pages * self.page_size
+
+    def mix(self, *, max_seqlen_q=None, heads=(4, 2), paged=True, batch=7, spare_rows=3, share=True):
+        """(q [T, Hq, D], k_cache, v_cache, cache_seqlens, cu_seqlens_q, max_seqlen_q, page_table): sequence 0
+        a prefill chunk, 1 a decode row, 2 empty, 3 a chunk longer than its cache (positions below 0), 4 a full
+        cache, the rest drawn; with `share`, sequences 5 and 6 point at sequence 4's first pages."""
+        max_q = self.max_seqlen_q if max_seqlen_q is None else max_seqlen_q
+        hq, hkv = heads
+        d, rng = self.head_dim, self.rng
+        counts = [min(max_q, 5), 1, 0, max_q, min(2, max_q)] + list(rng.integers(0, max_q + 1, batch - 5))
+        counts = np.asarray(counts[:batch], np.int64)
+        lengths = [int(rng.integers(counts[0], self.capacity + 1)), int(rng.integers(1, self.capacity + 1)), 0,
+                   max(0, max_q - 3), self.capacity] + [int(rng.integers(counts[b], self.capacity + 1))
+                                                        for b in range(5, batch)]
+        lengths = np.asarray(lengths[:batch], np.int64)
+        total = int(counts.sum()) + spare_rows
+        cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        q = rng.standard_normal((total, hq, d))
+        q[cu[-1]:] = np.nan  # rows past cu_seqlens_q[-1]: never read
+        if not paged:
+            k = rng.standard_normal((batch, self.capacity, hkv, d))
+            v = rng.standard_normal((batch, self.capacity, hkv, d))
+            unused = np.arange(self.capacity)[None, :] >= lengths[:, None]
+            k[unused], v[unused] = np.nan, np.nan
+            table = None
+        else:
+            used = [math.ceil(n / self.page_size) for n in lengths]
+            shared = min(2, used[4]) if share and batch > 6 else 0  # sequence 4's first pages, read by 5 and 6
+            if shared:
+                for b in (5, 6):
+                    lengths[b] = max(lengths[b], shared * self.page_size)
+                    used[b] = math.ceil(lengths[b] / self.page_size)
+            own = [u - (shared if b in (5, 6) and shared else 0) for b, u in enumerate(used)]
+            num_pages = sum(own) + 2
+            order = rng.permutation(num_pages)
+            k = np.full((num_pages, self.page_size, hkv, d), np.nan)
+            v = np.full((num_pages, self.page_size, hkv, d), np.nan)
+            table = np.full((batch, self.max_pages), -1, np.int64)
+            for b in range(0, batch, 3):  # an entry past the cache on an unused page: never read
+                if used[b] < self.max_pages:
+                    table[b, -1] = num_pages + 7
+            at = 0
+            for b, n in enumerate(lengths):
+                for p in range(used[b]):
+                    if shared and b in (5, 6) and p < shared:
+                        table[b, p] = table[4, p]
+                        continue
+                    page = order[at]
+                    at += 1
+                    table[b, p] = page
+                    rows = min(self.page_size, n - p * self.page_size)
+                    k[page, :rows] = rng.standard_normal((rows, hkv, d))
+                    v[page, :rows] = rng.standard_normal((rows, hkv, d))
+            table = table.astype(np.int32)
+        cast = lambda x: jnp.asarray(x, self.dtype)  # noqa: E731
+        return (cast(q), cast(k), cast(v), jnp.asarray(lengths, jnp.int32), jnp.asarray(cu), max_q,
+                None if table is None else jnp.asarray(table))
+
+    def attend(self, q, k, v, lengths, cu, max_q, table, **kwargs):
+        """The op through self.implementation; a decline testing/declines.py lists is a skip naming the reason,
+        any other fails."""
+        return declines.call(self.implementation, ragged_attention_with_kvcache, q, k, v, lengths, cu_seqlens_q=cu,
+                             max_seqlen_q=max_q, page_table=table, implementation=self.implementation,
+                             skip=self.skipTest, **kwargs)
+
+    def check(self, args, *, sinks=None, **options):
+        """Runs the op twice (bit-identical), both stats layouts, against the reference."""
+        q, k, v, lengths, cu, max_q, table = args
+        if sinks is True:
+            sinks = jnp.asarray(self.rng.standard_normal(q.shape[1]), jnp.float32)
+        out, stats = self.attend(*args, sinks=sinks, return_stats=True, **options)
+        again, token_major = self.attend(*args, sinks=sinks, return_stats=True, stats_layout="token_major",
+                                         **options)
+        pairs = ((np.asarray(out, np.float32), np.asarray(again, np.float32), "two runs differ"),
+                 (np.asarray(stats), np.asarray(token_major).T, "token_major is not the head-major stats transposed"))
+        for first, second, message in pairs:
+            if self.bit_reproducible:
+                np.testing.assert_array_equal(first, second, message)
+            else:
+                assert_close(second, first, self.dtype, message)
+        expected = reference_kvcache_attention_packed(q, k, v, lengths, cu, max_q, page_table=table, sinks=sinks,
+                                                      **options)
+        self.assertEqual(out.dtype, q.dtype)
+        self.assertEqual(out.shape, q.shape[:2] + (v.shape[-1],))
+        self.assertEqual(stats.shape, (q.shape[1], q.shape[0]))
+        assert_close(out, expected["out"], self.dtype, "out")
+        assert_close(stats, expected["stats"], self.dtype, "stats")
+        padding = np.arange(q.shape[0]) >= int(cu[-1])
+        self.assertTrue((np.asarray(out, np.float32)[padding] == 0).all(), "a row past cu_seqlens_q[-1] is not 0")
+        self.assertTrue(np.isneginf(np.asarray(stats)[:, padding]).all(),
+                        "a row past cu_seqlens_q[-1] has stats other than -inf (sinks or not: it is no query)")
+        no_keys = np.isneginf(expected["stats"]).T  # [T, Hq]
+        self.assertTrue((np.asarray(out, np.float32)[no_keys] == 0).all(), "a query without keys is not 0")
+        return out
+
+    # ---- attention -------------------------------------------------------------------------------------------
+
+    @parameterized.named_parameters(
+        [dict(case, testcase_name=f"{name}_{'paged' if paged else 'contiguous'}", paged=paged)
+         for name, case in CASES.items() for paged in (False, True)])
+    def test_attention(self, paged, heads=(4, 2), max_seqlen_q=None, **options):
+        self.check(self.mix(paged=paged, heads=heads, max_seqlen_q=max_seqlen_q), **options)
+
+    def test_random_mixes(self):
+        for _ in range(3):
+            batch = int(self.rng.integers(7, 12))
+            self.check(self.mix(batch=batch, spare_rows=int(self.rng.integers(0, 5))))
+
+    def test_jit(self):
+        args = self.mix()
+        q, k, v, lengths, cu, max_q, table = args
+        self.attend(*args)  # skips where declined
+        run = jax.jit(lambda q, k, v, n, cu, t: ragged_attention_with_kvcache(
+            q, k, v, n, cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=t, implementation=self.implementation))
+        expected = reference_kvcache_attention_packed(q, k, v, lengths, cu, max_q, page_table=table)
+        assert_close(run(q, k, v, lengths, cu, table), expected["out"], self.dtype, "out under jit")
+
+    def test_slots_longer_than_max_seqlen_q_keep_their_first_rows(self):
+        # A slot of 6 rows with max_seqlen_q = 4: its first 4 rows are the queries (the newest positions), its
+        # last 2 are no query (out 0), as ragged_attention cuts at max_seqlen.
+        q, k, v, lengths, _, _, table = self.mix(max_seqlen_q=6, batch=7)
+        cu = jnp.asarray([0, 6, 7, 7, 9, 10, 12, 12], jnp.int32)
+        self.check((q, k, v, lengths, cu, 4, table))
+
+    def test_invalid_page_entries_are_never_read(self):
+        q, k, v, lengths, cu, max_q, table = self.mix(share=False)
+        table = table.at[0, 0].set(-5)  # sequence 0's first page: outside the cache
+        expected = reference_kvcache_attention_packed(q, k, v, lengths, cu, max_q, page_table=table)
+        out = self.attend(q, k, v, lengths, cu, max_q, table)
+        rows = np.arange(q.shape[0]) >= int(cu[1])  # a kernel reads page 0 instead: compare the others
+        compare = slice(None) if self.implementation == "xla" else rows
+        assert_close(np.asarray(out)[compare], expected["out"][compare], self.dtype, "out")
+
+    # ---- check mode ------------------------------------------------------------------------------------------
+
+    def test_check_names_the_argument_sequence_and_value(self):
+        q, k, v, lengths, cu, max_q, table = self.mix(share=False)
+        self.attend(q, k, v, lengths, cu, max_q, table, check=True)  # valid: no error
+        for bad, message in [
+            (dict(cu=cu.at[2].set(cu[1] - 1)), r"cu_seqlens_q is invalid.*decreases at index 2"),
+            (dict(cu=cu.at[-1].set(q.shape[0] + 1)), r"cu_seqlens_q\[7\] = %d is past the capacity" % (q.shape[0] + 1)),
+            (dict(max_q=max_q - 1), r"sequence 3 has %d tokens .* more than max_seqlen_q = %d" % (max_q, max_q - 1)),
+            (dict(lengths=lengths.at[1].set(self.capacity + 2)), r"cache_seqlens\[1\] = %d" % (self.capacity + 2)),
+            (dict(table=table.at[4, 0].set(-2)), r"page_table\[4, 0\] = -2"),
+        ]:
+            call = {**dict(cu=cu, max_q=max_q, lengths=lengths, table=table), **bad}
+            with self.assertRaisesRegex(RaggedAttentionInputError, message):
+                self.attend(q, k, v, call["lengths"], call["cu"], call["max_q"], call["table"], check=True)
+        run = jax.jit(lambda cu: ragged_attention_with_kvcache(q, k, v, lengths, cu_seqlens_q=cu, max_seqlen_q=max_q,
+                                                               page_table=table, check=True,
+                                                               implementation=self.implementation))
+        with self.assertRaisesRegex(RaggedAttentionInputError, r"cu_seqlens_q"), input_errors():
+            jax.block_until_ready(run(cu.at[2].set(cu[1] - 1)))
+        jax.block_until_ready(run(cu))
+
+    def test_gradient_raises(self):
+        q, k, v, lengths, cu, max_q, table = self.mix()
+        q = jnp.nan_to_num(q)
+        self.attend(q, k, v, lengths, cu, max_q, table)  # skips where declined
+        loss = lambda q: ragged_attention_with_kvcache(  # noqa: E731
+            q, k, v, lengths, cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=table,
+            implementation=self.implementation).astype(jnp.float32).sum()
+        with self.assertRaisesRegex(NotImplementedError, "forward-only"):
+            jax.grad(loss)(q)
+
+
+class XlaPackedTest(PackedKVCacheTest):
+    __test__ = True
+    implementation = "xla"
+
+    def setUp(self):
+        super().setUp()
+        # Tiles of 2 queries and blocks of 8 rows (2 pages): chunks straddle tiles, sequences straddle blocks.
+        self.enter_context(mock.patch.object(cache_attention, "QUERY_TILE", 2))
+        self.enter_context(config_overrides(block_rows=8))
+
+    def test_default_tiles_and_blocks(self):
+        with mock.patch.object(cache_attention, "QUERY_TILE", 16), config_overrides(block_rows=None):
+            self.check(self.mix())
+            self.check(self.mix(paged=False))
+
+    @parameterized.parameters(jnp.bfloat16, jnp.float16)
+    def test_half_precision(self, dtype):
+        with mock.patch.object(self, "dtype", dtype):
+            self.check(self.mix(), local_window_size=(4, 0))
+
+    def test_vmap(self):
+        parts = [self.mix(share=False, batch=7, spare_rows=2) for _ in range(2)]
+        pages = max(p[1].shape[0] for p in parts)
+        total = max(p[0].shape[0] for p in parts)
+        parts = [(jnp.pad(q, ((0, total - q.shape[0]), (0, 0), (0, 0))),
+                  jnp.pad(k, ((0, pages - k.shape[0]),) + ((0, 0),) * 3, constant_values=np.nan),
+                  jnp.pad(v, ((0, pages - v.shape[0]),) + ((0, 0),) * 3, constant_values=np.nan), n, cu, m, t)
+                 for q, k, v, n, cu, m, t in parts]
+        max_q = parts[0][5]
+        stacked = [jnp.stack([p[i] for p in parts]) for i in (0, 1, 2, 3, 4, 6)]
+        out = jax.vmap(lambda q, k, v, n, cu, t: ragged_attention_with_kvcache(
+            q, k, v, n, cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=t, implementation="xla"))(*stacked)
+        for i, (q, k, v, n, cu, m, t) in enumerate(parts):
+            expected = reference_kvcache_attention_packed(q, k, v, n, cu, m, page_table=t)
+            assert_close(out[i], expected["out"], self.dtype, f"vmapped element {i}")
+
+    def test_sinks_gradient(self):
+        q, k, v, lengths, cu, max_q, table = self.mix()
+        sinks = jnp.asarray(self.rng.standard_normal(4), jnp.float32)
+        loss = lambda s: ragged_attention_with_kvcache(  # noqa: E731
+            q, k, v, lengths, cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=table, sinks=s,
+            implementation="xla")[:int(cu[-1])].sum()
+        grad = jax.grad(loss)(sinks)
+        step = 1e-3
+        numeric = [(loss(sinks.at[h].add(step)) - loss(sinks.at[h].add(-step))) / (2 * step) for h in range(4)]
+        np.testing.assert_allclose(grad, numeric, rtol=2e-2, atol=1e-3)
+
+    def test_auto_picks_what_serves(self):
+        args = self.mix()
+        q, k, v, lengths, cu, max_q, table = args
+        out = ragged_attention_with_kvcache(q, k, v, lengths, cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=table)
+        expected = reference_kvcache_attention_packed(q, k, v, lengths, cu, max_q, page_table=table)
+        assert_close(out, expected["out"], self.dtype, "out")
+
+    def test_validation_names_the_argument(self):
+        q, k, v, lengths, cu, max_q, table = self.mix()
+        packed = dict(cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=table)
+        for call, message in [
+            (lambda: ragged_attention_with_kvcache(q, k, v, lengths, cu_seqlens_q=cu, page_table=table),
+             "max_seqlen_q"),
+            (lambda: ragged_attention_with_kvcache(q[None], k, v, lengths, **packed), "q must have rank 3"),
+            (lambda: ragged_attention_with_kvcache(q, k, v, lengths[:3], **packed), "cache_seqlens must be"),
+            (lambda: ragged_attention_with_kvcache(q, k, v, lengths, cu_seqlens_q=cu[:4], max_seqlen_q=max_q,
+                                                   page_table=table), "cu_seqlens_q must be"),
+            (lambda: ragged_attention_with_kvcache(q, k, v, lengths, cu_seqlens_q=cu, max_seqlen_q=0,
+                                                   page_table=table), "max_seqlen_q"),
+            (lambda: ragged_attention_with_kvcache(q, k, v, lengths, cu_seqlens_q=cu.astype(jnp.float32),
+                                                   max_seqlen_q=max_q, page_table=table),
+             "cu_seqlens_q must have an integer dtype"),
+        ]:
+            with self.assertRaisesRegex(ValueError, message):
+                call()
+
+
+def _fa3_tile_stand_in(q, k_cache, v_cache, lengths, page_table, config, window, used_q=None):
+    """FA3's call as fa3_kvcache makes it for packed tiles, computed by the xla path: batch mode, each tile's
+    first used_q rows aligned bottom-right on its `lengths` rows, FA3's window (is_causal, left, right)."""
+    is_causal, left, right = window
+    config = dataclasses.replace(config, is_causal=is_causal, window_left=None if left < 0 else left,
+                                 window_right=None if right < 0 else right)
+    used = jnp.full((q.shape[0],), q.shape[1], jnp.int32) if used_q is None else used_q
+    position = lengths[:, None] - used[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
+    first, last = band(position, lengths[:, None], config)
+    last = jnp.where(jnp.arange(q.shape[1])[None, :] < used[:, None], last, -1)
+    out, lse = cache_attention._blocked(q, k_cache, v_cache, lengths, first, last, page_table, config,
+                                        cache_attention.block_rows(config))
+    return out, jnp.where(jnp.isneginf(lse), jnp.inf, lse)  # FA3's lse of a query without keys
+
+
+class Fa3TilesStandInTest(PackedKVCacheTest):
+    """fa3_kvcache.attend_packed on any backend: the tiles, seqused_q / seqused_k and masks it hands FA3, the
+    kernel call replaced by _fa3_tile_stand_in; tiles of 2 query rows (PACKED_TILE_ROWS patched), so chunks
+    span several."""
+
+    __test__ = True
+    implementation = "fa3"
+
+    def setUp(self):
+        super().setUp()
+        patchers = [mock.patch.object(target, name, value) for target, name, value in (
+            (fa3_kvcache, "_fa3_call", _fa3_tile_stand_in), (fa3_kvcache, "PACKED_TILE_ROWS", 4),
+            (_fa3, "unavailable_reason", lambda: None), (_fa3, "FA3_DTYPES", ("float32",)),
+            (_fa3, "FA3_HEAD_DIM", self.head_dim))]
+        for patcher in patchers:
+            patcher.start()
+            self.addCleanup(patcher.stop)
+
+    @parameterized.parameters(False, True)
+    def test_non_causal_one_tile_per_sequence(self, paged):
+        # Keys right of the diagonal: each sequence one tile of max_seqlen_q queries (2 x group 2 = 4 rows).
+        args = self.mix(max_seqlen_q=2, paged=paged)
+        self.check(args, is_causal=False)
+        self.check(args, is_causal=False, local_window_size=(2, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_fa3.unavailable_reason() is not None,
+                    reason=f"FlashAttention-3 unavailable: {_fa3.unavailable_reason()}")
+class Fa3PackedTest(PackedKVCacheTest):
+    """FA3's kernel (one call over tiles of 128 / group queries); pages of 40 rows (FA3 key tiles of 128 and
+    pages straddle), unused rows and pages NaN, chunks of up to 70 queries (several tiles with GQA 4)."""
+
+    __test__ = True
+    implementation = "fa3"
+    dtype = jnp.bfloat16
+    head_dim = 128
+    page_size = 40
+    max_pages = 16
+    max_seqlen_q = 70
+
+
+def test_cudnn_declines_packed_queries_with_the_reason():
+    q = jnp.zeros((5, 4, 64), jnp.bfloat16)
+    cache = jnp.zeros((3, 16, 2, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="implementation='cudnn' cannot serve.*ragged offsets on its Q "
+                                                  "and O"):
+        ragged_attention_with_kvcache(q, cache, cache, jnp.array([4, 2], jnp.int32), cu_seqlens_q=jnp.array(
+            [0, 3, 5], jnp.int32), max_seqlen_q=3, page_table=jnp.zeros((2, 2), jnp.int32), implementation="cudnn")
+    assert "ffi/paged_graph.cc" in cudnn_kvcache.PACKED_REASON
+
+
+def test_fa3_declines_what_one_tile_per_sequence_cannot_hold():
+    config = KVCacheConfig(batch=4, seqlen_q=64, num_heads_q=32, num_heads_kv=8, head_dim_qk=128, head_dim_v=128,
+                           dtype="bfloat16", paged=True, page_size=256, num_pages=64, max_pages=8, scale=1.0,
+                           is_causal=False, window_left=None, window_right=None, total_q=100)
+    assert "max_seqlen_q x (Hq / Hkv) <= 128" in fa3_kvcache.packed_reason(config)
+    assert fa3_kvcache.packed_reason(dataclasses.replace(config, is_causal=True)) is None
+    assert fa3_kvcache.packed_tile(dataclasses.replace(config, is_causal=True)) == 32  # 128 rows / group 4
+    assert fa3_kvcache.packed_reason(dataclasses.replace(config, seqlen_q=32)) is None
+
+
+def test_query_tiles_cover_every_query_once():
+    rng = np.random.default_rng(0)
+    batch, max_q, total = 6, 7, 44  # one shape for every draw: the op-by-op arithmetic compiles once per size
+    config = KVCacheConfig(batch=batch, seqlen_q=max_q, num_heads_q=2, num_heads_kv=1, head_dim_qk=8, head_dim_v=8,
+                           dtype="float32", paged=False, page_size=50, num_pages=batch, max_pages=1, scale=1.0,
+                           is_causal=True, window_left=None, window_right=None, total_q=total)
+    for size in (1, 2, 3, 7):
+        for _ in range(3):
+            counts = rng.integers(0, max_q + 1, batch)
+            cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+            lengths = rng.integers(0, 50, batch).astype(np.int32)
+            tiles = query_tiles(jnp.asarray(cu), jnp.asarray(lengths), config, size)
+            used, rows, positions = (np.asarray(x) for x in (tiles.slot_used(), tiles.rows(), tiles.positions()))
+            np.testing.assert_array_equal(np.sort(rows[used]), np.arange(cu[-1]))  # every query row once
+            sequence = np.asarray(tiles.sequence)
+            for n, i in zip(*np.nonzero(used)):
+                b = sequence[n]
+                assert cu[b] <= rows[n, i] < cu[b + 1]
+                assert positions[n, i] == lengths[b] - counts[b] + rows[n, i] - cu[b]
+
+
+# ---- kvcache_append with cu_seqlens_k_new (implementation-independent) -----------------------------------------
+
+
+class PackedAppendTest(parameterized.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.rng = np.random.default_rng(zlib.crc32(self.id().encode()))
+
+    def expected(self, k, k_new, lengths, cu, table=None):
+        """The NumPy append: row t of sequence b to cache row lengths[b] + t - cu[b] where that row exists."""
+        want = k.copy()
+        for b in range(len(cu) - 1):
+            for t in range(cu[b], cu[b + 1]):
+                row = lengths[b] + t - cu[b]
+                if table is None:
+                    if row < k.shape[1]:
+                        want[b, row] = k_new[t]
+                else:
+                    page_size = k.shape[1]
+                    if row < table.shape[1] * page_size and 0 <= table[b, row // page_size] < k.shape[0]:
+                        want[table[b, row // page_size], row % page_size] = k_new[t]
+        return want
+
+    def test_contiguous(self):
+        k = self.rng.standard_normal((3, 6, 2, 4)).astype(np.float32)
+        k_new = self.rng.standard_normal((9, 2, 4)).astype(np.float32)
+        lengths = np.array([0, 4, 5], np.int32)  # 4 + 3 rows: the last past the capacity of 6
+        cu = np.array([0, 3, 6, 8], np.int32)  # row 8: past cu[-1], never written
+        k2, v2 = kvcache_append(jnp.asarray(k), jnp.asarray(-k), jnp.asarray(k_new), jnp.asarray(-k_new), lengths,
+                                cu_seqlens_k_new=cu)
+        want = self.expected(k, k_new, lengths, cu)
+        np.testing.assert_array_equal(k2, want)
+        np.testing.assert_array_equal(v2, -want)
+
+    def test_paged_overflow_and_bad_entries_are_never_written(self):
+        k = self.rng.standard_normal((6, 2, 1, 3)).astype(np.float32)  # 6 pages of 2 rows
+        k_new = self.rng.standard_normal((10, 1, 3)).astype(np.float32)
+        table = np.array([[4, 1, -1], [0, 99, 2], [3, 5, 5]], np.int32)
+        lengths = np.array([1, 2, 5], np.int32)
+        cu = np.array([0, 3, 6, 9], np.int32)
+        # sequence 0: rows 1-3 on pages 4, 1, 1; sequence 1: rows 2-3 on page 99 (outside: dropped), row 4 on
+        # page 2; sequence 2: row 5 on page 5, rows 6-7 past its capacity of 6 (dropped).
+        k2, _ = kvcache_append(jnp.asarray(k), jnp.asarray(k), jnp.asarray(k_new), jnp.asarray(k_new), lengths,
+                               cu_seqlens_k_new=cu, page_table=table)
+        want = self.expected(k, k_new, lengths, cu, table)
+        np.testing.assert_array_equal(k2, want)
+        untouched = [p for p in range(6) if p not in (4, 1, 2, 5)]
+        np.testing.assert_array_equal(np.asarray(k2)[untouched], k[untouched])  # no other page changes
+
+    def test_random_appends_then_attend(self):
+        page_size, max_pages = 4, 5
+        batch = 6
+        counts = self.rng.integers(0, 6, batch)
+        lengths = self.rng.integers(0, 18, batch).astype(np.int32)
+        num_pages = batch * max_pages
+        table = self.rng.permutation(num_pages).reshape(batch, max_pages).astype(np.int32)
+        k = self.rng.standard_normal((num_pages, page_size, 2, 8)).astype(np.float32)
+        cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        k_new = self.rng.standard_normal((int(cu[-1]) + 2, 2, 8)).astype(np.float32)
+        k2, v2 = kvcache_append(jnp.asarray(k), jnp.asarray(k), jnp.asarray(k_new), jnp.asarray(k_new), lengths,
+                                cu_seqlens_k_new=cu, page_table=table)
+        np.testing.assert_array_equal(k2, self.expected(k, k_new, lengths, cu, table))
+        q = jnp.asarray(self.rng.standard_normal((k_new.shape[0], 4, 8)), jnp.float32)
+        out = ragged_attention_with_kvcache(q, k2, v2, lengths + counts, cu_seqlens_q=cu, max_seqlen_q=6,
+                                            page_table=table, implementation="xla")
+        expected = reference_kvcache_attention_packed(q, k2, v2, lengths + counts, cu, 6, page_table=table)
+        assert_close(out, expected["out"], jnp.float32, "out after the append")
+
+    def test_check_names_the_rows_never_written(self):
+        k = jnp.zeros((6, 2, 1, 3), jnp.float32)
+        k_new = jnp.ones((9, 1, 3), jnp.float32)
+        table = jnp.asarray([[4, 1, -1], [0, 99, 2], [3, 5, 5]], jnp.int32)
+        cu = jnp.asarray([0, 3, 6, 8], jnp.int32)
+        kvcache_append(k, k, k_new, k_new, jnp.asarray([1, 2, 2], jnp.int32), cu_seqlens_k_new=cu,
+                       page_table=table.at[1, 1].set(3), check=True)  # valid
+        for lengths, bad_table, message in [
+            ([1, 2, 2], table, r"page_table\[1, 1\] = 99.*sequence 1"),
+            ([1, 2, 5], table.at[1, 1].set(3), r"sequence 2.*cache_seqlens\[2\] = 5.*2 new rows.*capacity 6"),
+        ]:
+            with self.assertRaisesRegex(RaggedAttentionInputError, message):
+                kvcache_append(k, k, k_new, k_new, jnp.asarray(lengths, jnp.int32), cu_seqlens_k_new=cu,
+                               page_table=bad_table, check=True)
+        with self.assertRaisesRegex(RaggedAttentionInputError, r"cu_seqlens_k_new"):
+            kvcache_append(k, k, k_new, k_new, jnp.asarray([1, 2, 2], jnp.int32), cu_seqlens_k_new=cu.at[1].set(7),
+                           page_table=table.at[1, 1].set(3), check=True)
+
+    def test_validation_names_the_argument(self):
+        k = jnp.zeros((3, 6, 2, 4), jnp.float32)
+        lengths = jnp.zeros(3, jnp.int32)
+        for call, message in [
+            (lambda: kvcache_append(k, k, jnp.zeros((5, 2, 4)), jnp.zeros((5, 2, 4)), lengths), "k_new must have rank 4"),
+            (lambda: kvcache_append(k, k, jnp.zeros((5, 2, 4)), jnp.zeros((5, 2, 4)), lengths,
+                                    cu_seqlens_k_new=jnp.zeros(3, jnp.int32)), "cu_seqlens_k_new must be"),
+            (lambda: kvcache_append(k, k, jnp.zeros((5, 3, 4)), jnp.zeros((5, 3, 4)), lengths,
+                                    cu_seqlens_k_new=jnp.zeros(4, jnp.int32)), "k_new must be"),
+        ]:
+            with self.assertRaisesRegex(ValueError, message):
+                call()
+
+    @parameterized.parameters(False, True)
+    def test_in_place_when_donated(self, paged):
+        k = jnp.zeros((64, 16, 4, 32) if paged else (8, 128, 4, 32), jnp.float32)  # 1 MiB each
+        k_new = jnp.ones((12, 4, 32), jnp.float32)
+        lengths = jnp.arange(8, dtype=jnp.int32)
+        cu = jnp.asarray([0, 1, 1, 3, 4, 8, 9, 10, 10], jnp.int32)
+        table = jnp.arange(64, dtype=jnp.int32).reshape(8, 8) if paged else None
+        step = jax.jit(lambda k, v, k_new, lengths, cu, table: kvcache_append(
+            k, v, k_new, k_new, lengths, cu_seqlens_k_new=cu, page_table=table), donate_argnums=(0, 1))
+        compiled = step.lower(k, k, k_new, lengths, cu, table).compile()
+        memory = compiled.memory_analysis()
+        cache_bytes = k.size * 4
+        self.assertEqual(memory.alias_size_in_bytes, 2 * cache_bytes)  # both caches are the outputs' buffers
+        self.assertLess(memory.temp_size_in_bytes, cache_bytes // 4)  # and no copy of either is made
+        k2, _ = step(k, jnp.zeros_like(k), k_new, lengths, cu, table)
+        self.assertTrue(k.is_deleted())
+        self.assertEqual(float(k2.sum()), 10 * 4 * 32)  # the 10 rows of cu[-1], each written once
+
+
+def test_mixed_bench_quick_runs(capsys):
+    from benchmarks import kvcache_mixed
+
+    assert kvcache_mixed.main(["--quick", "--calls", "1", "--repetitions", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "ours-xla" in out and "ours-xla-packed" in out, out
