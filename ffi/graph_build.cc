@@ -307,11 +307,16 @@ BuildSettings current_build_settings(Direction direction) {
   BuildSettings settings;
   if (direction == Direction::kForward) return settings;
   settings.full_extent_fallback = full_extent_fallback_enabled.load();
-  // Read on every backward lookup, as the frontend reads it on every build: Python may change it between traces.
-  if (const char* limit = std::getenv("CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT")) {
-    settings.dp_workspace_limit_set = true;
-    settings.dp_workspace_limit = limit;
-  }
+  // Read once, at the first backward lookup, not at every launch: a getenv per launch would race Python's
+  // setenv (undefined behaviour in glibc), cost a scan of the environment in the hot path, and let a value
+  // changed after tracing build a graph whose workspace differs from the one XLA allocated. Set it before the
+  // first cuDNN call of the process (docs/ENVIRONMENT.md).
+  static const std::pair<bool, std::string> dp_limit = [] {
+    const char* limit = std::getenv("CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT");
+    return std::make_pair(limit != nullptr, std::string(limit ? limit : ""));
+  }();
+  settings.dp_workspace_limit_set = dp_limit.first;
+  settings.dp_workspace_limit = dp_limit.second;
   return settings;
 }
 

@@ -117,9 +117,12 @@ class LruGraphCache {
 
   template <typename Build>
   static Outcome run(Build&& build) {
-    auto value = std::make_shared<Value>();
+    // The value is made inside the try too: whatever throws (a bad_alloc included) becomes an error that
+    // releases every waiter and forgets the slot, never an exception out of get() with the promise unset.
+    std::shared_ptr<Value> value;
     xla::ffi::Error status;
     try {
+      value = std::make_shared<Value>();
       status = build(value.get());
     } catch (const std::exception& e) {
       status = xla::ffi::Error(xla::ffi::ErrorCode::kInternal, std::string("building the graph threw: ") + e.what());

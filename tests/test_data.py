@@ -217,6 +217,7 @@ def test_pad_id_fills_padding():
                          ids=["in_order", "shuffled", "context_parallel"])
 def test_every_pass_gives_the_same_batches(kwargs):
     docs = _random_docs(np.random.default_rng(3), 60, 40)
+    before = copy.deepcopy(kwargs.get("rng"))  # the caller's generator as it was before the packer drew from it
     packer = pack_documents(docs, 48, max_seqs=6, max_seqlen=24, buffer_size=16, **kwargs)
     first = list(packer)
     assert len(first) > 5
@@ -225,10 +226,14 @@ def test_every_pass_gives_the_same_batches(kwargs):
     one, two = iter(packer), iter(packer)
     _assert_same_batches([next(one), next(two), next(one)], [first[0], first[0], first[1]])
     rng = kwargs.get("rng")
-    if rng is not None:  # the caller's Generator is not advanced by the passes
-        again = pack_documents(docs, 48, max_seqs=6, max_seqlen=24, buffer_size=16,
-                               **{**kwargs, "rng": copy.deepcopy(rng)})
+    if rng is not None:
+        # The packer drew once from the caller's generator when it was made, never during passes: one made
+        # from the generator's earlier state packs the same batches, and the next packer made from the
+        # advanced generator (a new epoch) packs them in another order.
+        again = pack_documents(docs, 48, max_seqs=6, max_seqlen=24, buffer_size=16, **{**kwargs, "rng": before})
         _assert_same_batches(list(again), first)
+        next_epoch = list(pack_documents(docs, 48, max_seqs=6, max_seqlen=24, buffer_size=16, **kwargs))
+        assert any(not np.array_equal(a.arrays()["tokens"], b.arrays()["tokens"]) for a, b in zip(next_epoch, first))
 
 
 def test_fill_rate_and_counts_are_known_before_iterating():

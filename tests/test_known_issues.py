@@ -69,7 +69,7 @@ def test_every_entry_is_complete():
 
 
 @pytest.mark.parametrize("version, affected", [((9, 25, 1), False), ((9, 26, 0), True), ((9, 27, 0), True),
-                                               ((9, 27, 99), True), ((9, 28, 0), False), ((9, 28, 1), False),
+                                               ((9, 27, 99), True), ((9, 28, 0), True), ((9, 28, 1), False),
                                                (None, False)])
 def test_version_range_is_half_open(version, affected):
     assert _issue("cudnn-frontend#1083", "kvcache").affects(Versions(cudnn=version)) is affected
@@ -92,7 +92,7 @@ def test_architectures_narrow_an_entry():
 def test_the_fence_names_the_report_and_the_fixed_release():
     reason = known_issues.fence("cudnn", "kvcache", _kv_config(), Versions(cudnn=(9, 27, 0)))
     assert "cudnn-frontend#1083" in reason and "https://github.com/NVIDIA/cudnn-frontend/issues/1083" in reason
-    assert "cuDNN 9.27.0" in reason and "fixed in cuDNN 9.28.0" in reason
+    assert "cuDNN 9.27.0" in reason and "fixed in cuDNN 9.28.1" in reason
 
 
 @pytest.mark.parametrize("overrides", [dict(seqlen_q=2), dict(num_heads_q=2), dict(num_heads_kv=8)],
@@ -159,7 +159,7 @@ def test_the_warning_names_the_fenced_features_once(monkeypatch):
     with pytest.warns(known_issues.KnownIssueWarning) as caught:
         known_issues.warn_once()
     text = str(caught[0].message)
-    assert "cuDNN 9.27.0" in text and "cudnn-frontend#1083" in text and "fixed in cuDNN 9.28.0" in text, text
+    assert "cuDNN 9.27.0" in text and "cudnn-frontend#1083" in text and "fixed in cuDNN 9.28.1" in text, text
     assert "cudnn-frontend#462" not in text  # worked around: nothing to warn about
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -169,7 +169,10 @@ class DocumentPacker(Iterable[PackedDocuments]):
             raise ValueError(f"pad_id must fit int32, got {self.pad_id}")
         if rng is not None and not isinstance(rng, np.random.Generator):
             raise ValueError(f"rng must be a numpy.random.Generator or None, got {type(rng).__name__}")
-        self._rng = copy.deepcopy(rng)  # every pass starts from this state: the same batches each time
+        # One draw from the caller's generator seeds this packer's own: every pass of this packer starts from
+        # the same state (the same batches each time), while a caller who builds a packer per epoch from one
+        # generator still gets a new order each epoch, as when the packer drew from it directly.
+        self._rng = None if rng is None else np.random.default_rng(int(rng.integers(0, 2**63 - 1)))
         self.rng = rng
         self.context_parallel_devices = (None if context_parallel_devices is None
                                          else _positive_int(context_parallel_devices, "context_parallel_devices"))
