@@ -9,7 +9,6 @@ aligned differently, so a quiet rename could change results); the message names 
 
 from __future__ import annotations
 
-import difflib
 import inspect
 
 # FlashAttention's keyword -> (ours or None, what to know when switching). A replacement is offered only where
@@ -19,8 +18,10 @@ NAMES = {
                                          "{alignment}"),
     "softmax_scale": ("scale", None),
     "causal": ("is_causal", "{alignment}"),
-    "return_softmax_lse": ("return_stats", "returns (out, lse), lse [H, T] float32 as FlashAttention's"),
-    "return_attn_probs": ("return_stats", "returns (out, lse), lse [H, T] float32; no probabilities"),
+    "return_softmax_lse": ("return_stats", "returns (out, lse), lse float32 and head-major as FlashAttention's "
+                                           "([H, T] packed, [B, H, Sq] over a cache)"),
+    "return_attn_probs": ("return_stats", "returns (out, lse), lse float32 and head-major ([H, T] packed, "
+                                          "[B, H, Sq] over a cache); no probabilities"),
     "cu_seqlens_k": ("cu_seqlens_kv", None),
     "max_seqlen_k": ("max_seqlen_kv", None),
     "seqused_k": ("seqused_kv", None),
@@ -51,6 +52,8 @@ def hint(name: str, parameters) -> str:
         return f"pass {ours}= instead" + (f" ({note})" if note else "")
     if ours is None and note is not None:
         return note
+    import difflib  # only on the error path: not an import-time cost of the package
+
     close = difflib.get_close_matches(name, parameters, n=1)
     return f"did you mean {close[0]}=?" if close else "see the function's docstring for its keywords"
 
