@@ -6,6 +6,7 @@ import jax
 import pytest
 
 from jax_ragged_attn.backends.shared import extension
+from jax_ragged_attn.testing import declines
 from jax_ragged_attn.tools import selfcheck
 
 # A fabricated /proc/self/maps: two mappings of one library, a sub-library, a deleted file, a path with a
@@ -81,6 +82,19 @@ def _assert_rows_passed_or_declined(rows):
     if jax.default_backend() != "gpu":  # a CPU checks the xla path; the GPU backends say why not
         assert all(row.status == "passed" for row in rows if row.backend == "xla"), rows
         assert all(row.status == "declined" for row in rows if row.backend != "xla"), rows
+        return
+    # On a GPU a declined row is a backend that cannot run here at all (no wheel), or a decline the list of
+    # expected ones names (testing/declines.py, the known-issues fences included): anything else is a kernel
+    # that started declining, which must fail rather than read as a quiet "declined".
+    for row in rows:
+        if row.status != "declined":
+            continue
+        unavailable = declines.unavailable_reason(row.backend)
+        listed = any(entry.backend == row.backend and entry.op == row.op and entry.says in row.detail
+                     for entry in declines.EXPECTED)
+        assert (unavailable is not None and unavailable in row.detail) or listed, (
+            f"{row.backend}, {row.op}: {row.feature} declined for a reason testing/declines.py does not list: "
+            f"{row.detail}")
 
 
 def test_deep_check_of_a_few_features_on_every_backend():
