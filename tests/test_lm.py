@@ -47,7 +47,8 @@ def test_main_learns_reports_plots_and_fails_above_the_bound(tmp_path, capsys):
     assert re.search(r"generation, 3 prompts x 40 bytes: paged KV cache \(ragged_attention_with_kvcache, pages of 64 "
                      r"rows\) [0-9,]+ bytes/s; full forward over \[3, 128\] per byte [0-9,]+ bytes/s", out), out
     # Serving: 2 requests (the first with 3 continuations of --prompt), continuous batching beside fixed batches.
-    assert re.search(r"serving 2 requests \(4 continuations, .*\), 2 slots:\n  continuous batching: [0-9,]+ "
+    assert re.search(r"serving 2 requests \(4 continuations, .*\), 2 slots, packed attention by xla:\n  "
+                     r"continuous batching: [0-9,]+ "
                      r"bytes/s, latency p50 [0-9.]+ s / p99 [0-9.]+ s \([0-9]+ steps of <= 8 tokens, 1 compilation",
                      out), out
     assert re.search(r"fixed batches of 2 \(generation.generate\): [0-9,]+ bytes/s", out), out

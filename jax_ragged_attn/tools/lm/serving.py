@@ -39,8 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_ragged_attn import backends
+from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.index import row_positions
-from jax_ragged_attn.inputs.kvcache import kvcache_append, ragged_attention_with_kvcache
+from jax_ragged_attn.inputs.kvcache import kvcache_append, kvcache_config, ragged_attention_with_kvcache
 from jax_ragged_attn.tools.lm.generation import empty_caches, generate
 from jax_ragged_attn.tools.lm.model import ByteLM, Setup, split_heads
 
@@ -360,6 +362,23 @@ def make_requests(prompt: bytes, files: list[bytes], count: int, setup: Setup, m
     return requests
 
 
+def packed_implementation(model: ByteLM, config: ServingConfig) -> str:
+    """The backend implementation=None gives a serving step's packed attention call (FA3 on Hopper for head
+    dim 128; cuDNN declines packed queries; else the xla path), or why none is known."""
+    attention = model.blocks[0].attention
+    dtype = model.dtype
+    struct = jax.ShapeDtypeStruct
+    cache = struct((config.num_pages, config.page_size, attention.num_kv_heads, attention.head_dim), dtype)
+    try:
+        call = kvcache_config(struct((config.budget, attention.num_heads, attention.head_dim), dtype), cache, cache,
+                              struct((config.slots,), jnp.int32), struct((config.slots, config.max_pages), jnp.int32),
+                              AttentionOptions(), cu_seqlens_q=struct((config.slots + 1,), jnp.int32),
+                              max_seqlen_q=config.budget)
+        return backends.choose(None, call, None, op="kvcache").NAME
+    except Exception as error:  # noqa: BLE001 - a report line, not a failure
+        return f"unknown ({type(error).__name__}: {error})"
+
+
 def serve_and_compare(model: ByteLM, setup: Setup, requests: list[Request], config: ServingConfig, seed: int,
                       temperature: float = 0.7) -> tuple[Served, Served | None]:
     """Prints continuous batching beside the fixed-batch generation on the same requests (a failure of either
@@ -381,7 +400,8 @@ def serve_and_compare(model: ByteLM, setup: Setup, requests: list[Request], conf
     total = sum(r.samples for r in requests)
     print(f"serving {len(requests)} requests ({total} continuations, prompts of {min(len(r.prompt) for r in requests)}"
           f"-{max(len(r.prompt) for r in requests)} bytes, {min(r.max_new for r in requests)}-"
-          f"{max(r.max_new for r in requests)} new bytes each), {config.slots} slots:")
+          f"{max(r.max_new for r in requests)} new bytes each), {config.slots} slots, packed attention by "
+          f"{packed_implementation(model, config)}:")
 
     def line(name, result, failure):
         if result is None:
