@@ -339,6 +339,18 @@ def checked_segment_ids(segment_ids: jax.Array, *, max_segments: int, max_seqlen
     return _checked((segment_ids,), (2,), _named("segment_ids", problems_of))[0]
 
 
+def _lengths_outside(lengths: np.ndarray, capacity: int, what: str) -> list[str]:
+    """The first cache_seqlens entry outside [0, capacity], as a problem sentence (none: [])."""
+    return [f"cache_seqlens[{b}] = {lengths[b]} is outside [0, {capacity}] ({what})"
+            for b in np.flatnonzero((lengths < 0) | (lengths > capacity))[:1]]
+
+
+def _first_bad_entry(page_table: np.ndarray, touched: np.ndarray, num_pages: int) -> tuple[int, int] | None:
+    """(b, p) of the first page-table entry outside [0, num_pages) among those `touched` marks, or None."""
+    bad = touched & ((page_table < 0) | (page_table >= num_pages))
+    return tuple(int(i) for i in np.argwhere(bad)[0]) if bad.any() else None
+
+
 def cache_index_problems(lengths: np.ndarray, page_table: np.ndarray | None, config) -> list[str]:
     """What is wrong with one ragged_attention_with_kvcache call's cache_seqlens [B] and page_table
     [B, max_pages] (None: contiguous); config its KVCacheConfig (backends/shared/kvcache_config.py)."""
@@ -346,15 +358,13 @@ def cache_index_problems(lengths: np.ndarray, page_table: np.ndarray | None, con
     lengths = lengths.astype(np.int64)
     where = "k_cache.shape[1]" if not config.paged else f"page_table.shape[1] * page_size = {config.max_pages} * " \
                                                         f"{config.page_size}"
-    for b in np.flatnonzero((lengths < 0) | (lengths > config.capacity))[:1]:
-        problems.append(f"cache_seqlens[{b}] = {lengths[b]} is outside [0, {config.capacity}] (the capacity, "
-                        f"{where})")
+    problems += _lengths_outside(lengths, config.capacity, f"the capacity, {where}")
     if page_table is not None:
         used = (np.clip(lengths, 0, config.capacity) + config.page_size - 1) // config.page_size  # [B]
         needed = np.arange(config.max_pages)[None, :] < used[:, None]
-        bad = needed & ((page_table < 0) | (page_table >= config.num_pages))
-        if bad.any():
-            b, p = (int(i) for i in np.argwhere(bad)[0])
+        bad = _first_bad_entry(page_table, needed, config.num_pages)
+        if bad is not None:
+            b, p = bad
             problems.append(f"page_table[{b}, {p}] = {page_table[b, p]} is outside [0, num_pages = "
                             f"{config.num_pages}) (k_cache.shape[0]) and holds rows {p * config.page_size}.."
                             f"{(p + 1) * config.page_size - 1} that sequence {b} uses (cache_seqlens[{b}] = "
@@ -524,9 +534,7 @@ def append_index_problems(lengths: np.ndarray, page_table: np.ndarray | None, cu
         counts = np.full(lengths.shape, new_rows, np.int64)
     else:
         counts = np.diff(np.clip(np.maximum.accumulate(cu.astype(np.int64)), 0, new_rows))
-    problems = []
-    for b in np.flatnonzero((lengths < 0) | (lengths > capacity))[:1]:
-        problems.append(f"cache_seqlens[{b}] = {lengths[b]} is outside [0, {capacity}] (the capacity)")
+    problems = _lengths_outside(lengths, capacity, "the capacity")
     start = np.clip(lengths, 0, capacity)
     end = start + counts  # rows start .. end - 1 are written
     for b in np.flatnonzero(end > capacity)[:1]:
@@ -536,9 +544,9 @@ def append_index_problems(lengths: np.ndarray, page_table: np.ndarray | None, cu
     if page_table is not None:
         pages = np.arange(page_table.shape[1])[None, :]
         written = (pages * page_size < np.minimum(end, capacity)[:, None]) & ((pages + 1) * page_size > start[:, None])
-        bad = written & ((page_table < 0) | (page_table >= num_pages))
-        if bad.any():
-            b, p = (int(i) for i in np.argwhere(bad)[0])
+        bad = _first_bad_entry(page_table, written, num_pages)
+        if bad is not None:
+            b, p = bad
             problems.append(f"page_table[{b}, {p}] = {page_table[b, p]} is outside [0, num_pages = {num_pages}) "
                             f"(k_cache.shape[0]) and would receive rows {max(start[b], p * page_size)}.."
                             f"{min(end[b], (p + 1) * page_size) - 1} of sequence {b} (cache_seqlens[{b}] = "
