@@ -41,7 +41,11 @@ def apply_sinks(out, stats, sinks, real_rows, rows_with_keys, stats_layout: str,
     s = sinks.astype(jnp.float32)
     head_major = stats_layout == "head_major"
     as_stats = (lambda rows: rows[..., None, :]) if head_major else (lambda rows: rows[..., None])
-    with_sink, weight = sink_terms(stats, s[:, None] if head_major else s, as_stats(rows_with_keys))
+    # The sinks at the stats' own rank ([..., Hq, 1] or [..., 1, Hq]): jax_numpy_rank_promotion="raise" refuses
+    # an implicit broadcast, and a KV-cache call's stats carry a leading batch axis.
+    lead = (1,) * (stats.ndim - 2)
+    s_rows = s.reshape(lead + ((-1, 1) if head_major else (1, -1)))
+    with_sink, weight = sink_terms(stats, s_rows, as_stats(rows_with_keys))
     weight = jnp.swapaxes(weight, -1, -2) if head_major else weight  # [..., T, Hq]
     out = (out.astype(jnp.float32) * weight[..., None]).astype(out.dtype)
     if not return_stats:
