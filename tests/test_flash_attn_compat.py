@@ -364,6 +364,37 @@ class FlashAttnKVCacheCompatTest(parameterized.TestCase):
                 np.testing.assert_array_equal(np.asarray(k_cache[at], np.float64), rows_k[b][r])
                 np.testing.assert_array_equal(np.asarray(v_cache[at], np.float64), rows_v[b][r])
 
+    @parameterized.named_parameters(
+        [dict(testcase_name=f"{name}_{'paged' if paged else 'contiguous'}", paged=paged, causal=causal)
+         for name, causal in (("causal", True), ("not_causal", False)) for paged in (False, True)])
+    def test_packed_queries_and_new_keys(self, paged, causal):
+        """FlashAttention 3's varlen form (a serving step): sequence b appends m_b packed rows (cu_seqlens_k_new)
+        and its m_b queries (cu_seqlens_q) attend the appended cache; out [T, Hq, Dv], softmax_lse [Hq, T]."""
+        new = np.array([3, 1, 0, 2, 1])  # a prefill chunk, decode rows, a sequence with nothing this step
+        arguments, (q, rows_k, rows_v) = self.make(paged=paged, new_rows=int(new.max()), seqlen_q=int(new.max()))
+        before = np.asarray(arguments["cache_seqlens"])
+        cu = jnp.asarray(np.concatenate([[0], np.cumsum(new)]), jnp.int32)
+        pack = lambda x: jnp.concatenate([x[b, :m] for b, m in enumerate(new)])  # noqa: E731
+        out, lse, k_cache, _ = self.call(dict(arguments, q=pack(arguments["q"]), k=pack(arguments["k"]),
+                                              v=pack(arguments["v"])),
+                                         cu_seqlens_q=cu, cu_seqlens_k_new=cu, max_seqlen_q=int(new.max()),
+                                         return_softmax_lse=True, causal=causal)
+        self.assertEqual(out.shape, (int(new.sum()),) + q.shape[2:])
+        self.assertEqual(lse.shape, (q.shape[2], int(new.sum())))  # [Hq, T]
+        for b, m in enumerate(new):
+            if not m:
+                continue
+            rows = slice(int(cu[b]), int(cu[b + 1]))
+            expected_out, expected_lse = fa_kvcache_attention(q[b:b + 1, :m], [rows_k[b][:before[b] + m]],
+                                                              [rows_v[b][:before[b] + m]], causal=causal,
+                                                              window_size=(-1, -1))
+            assert_close(out[rows], expected_out[0], self.dtype, f"out of sequence {b}")
+            assert_close(lse[:, rows], expected_lse[0], self.dtype, f"softmax_lse of sequence {b}")
+            table = arguments["table"]
+            for r in range(before[b], before[b] + m):  # the appended rows, from the returned cache
+                at = (b, r) if table is None else (int(table[b, r // self.page_size]), r % self.page_size)
+                np.testing.assert_array_equal(np.asarray(k_cache[at], np.float64), rows_k[b][r])
+
     @parameterized.parameters(False, True)
     def test_without_new_keys_returns_out_alone(self, paged):
         arguments, (q, rows_k, rows_v) = self.make(paged=paged, new_rows=0, seqlen_q=1)
@@ -456,8 +487,8 @@ def test_kvcache_unsupported_arguments_raise_naming_them(keywords, argument):
 
 
 def test_kvcache_argument_errors():
-    q, cache = jnp.ones((2, 1, 2, 8)), jnp.ones((2, 8, 2, 8))
-    new = jnp.ones((2, 1, 2, 8))
+    q, cache = jnp.ones((2, 1, 2, 8), jnp.float32), jnp.ones((2, 8, 2, 8), jnp.float32)
+    new = jnp.ones((2, 1, 2, 8), jnp.float32)
     with pytest.raises(ValueError, match="k and v come together"):
         flash_attn_with_kvcache(q, cache, cache, k=new, cache_seqlens=3)
     with pytest.raises(ValueError, match="cache_seqlens is required with k and v"):

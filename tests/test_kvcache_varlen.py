@@ -36,7 +36,9 @@ from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
 from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.backends.shared import cache_attention
 from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, band, query_tiles
+from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
+from jax_ragged_attn.inputs import kvcache as kvcache_inputs
 from jax_ragged_attn.testing import assert_close, declines
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention_packed
 from jax_ragged_attn.testing.private_config import config_overrides
@@ -196,6 +198,17 @@ class PackedKVCacheTest(parameterized.TestCase):
         q, k, v, lengths, _, _, table = self.mix(max_seqlen_q=6, batch=7)
         cu = jnp.asarray([0, 6, 7, 7, 9, 10, 12, 12], jnp.int32)
         self.check((q, k, v, lengths, cu, 4, table))
+
+    def test_max_seqlen_q_past_the_token_count_is_the_token_count(self):
+        # No sequence can have more than T queries: a looser static bound serves the same call (the tiles a
+        # backend cuts stay bounded by T instead of growing with the bound).
+        q, k, v, lengths, cu, _, table = self.mix()
+        loose = self.check((q, k, v, lengths, cu, 1000 * q.shape[0], table))
+        tight = self.check((q, k, v, lengths, cu, q.shape[0], table))
+        np.testing.assert_array_equal(np.asarray(loose, np.float32), np.asarray(tight, np.float32))
+        config = kvcache_inputs.kvcache_config(q, k, v, lengths, table, AttentionOptions(is_causal=True), None,
+                                               cu_seqlens_q=cu, max_seqlen_q=1000 * q.shape[0])
+        self.assertEqual(config.seqlen_q, q.shape[0], "max_seqlen_q is not clamped to the token count")
 
     def test_invalid_page_entries_are_never_read(self):
         q, k, v, lengths, cu, max_q, table = self.mix(share=False)
@@ -502,10 +515,10 @@ class PackedAppendTest(parameterized.TestCase):
         k = jnp.zeros((3, 6, 2, 4), jnp.float32)
         lengths = jnp.zeros(3, jnp.int32)
         for call, message in [
-            (lambda: kvcache_append(k, k, jnp.zeros((5, 2, 4)), jnp.zeros((5, 2, 4)), lengths), "k_new must have rank 4"),
-            (lambda: kvcache_append(k, k, jnp.zeros((5, 2, 4)), jnp.zeros((5, 2, 4)), lengths,
+            (lambda: kvcache_append(k, k, jnp.zeros((5, 2, 4), k.dtype), jnp.zeros((5, 2, 4), k.dtype), lengths), "k_new must have rank 4"),
+            (lambda: kvcache_append(k, k, jnp.zeros((5, 2, 4), k.dtype), jnp.zeros((5, 2, 4), k.dtype), lengths,
                                     cu_seqlens_k_new=jnp.zeros(3, jnp.int32)), "cu_seqlens_k_new must be"),
-            (lambda: kvcache_append(k, k, jnp.zeros((5, 3, 4)), jnp.zeros((5, 3, 4)), lengths,
+            (lambda: kvcache_append(k, k, jnp.zeros((5, 3, 4), k.dtype), jnp.zeros((5, 3, 4), k.dtype), lengths,
                                     cu_seqlens_k_new=jnp.zeros(4, jnp.int32)), "k_new must be"),
         ]:
             with self.assertRaisesRegex(ValueError, message):

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn.api import ragged_attention
-from jax_ragged_attn.index import as_int32
+from jax_ragged_attn.index import as_int32, sanitize_cu_seqlens
 from jax_ragged_attn.inputs.kvcache import kvcache_append, ragged_attention_with_kvcache
 
 
@@ -82,7 +82,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            page_table=None, implementation=None):
+                            page_table=None, cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None,
+                            implementation=None):
     """FlashAttention's `flash_attn_with_kvcache` on `kvcache_append` and `ragged_attention_with_kvcache`.
 
     FlashAttention writes k and v into the caches in place. JAX arrays are immutable, so here the updated caches
@@ -91,10 +92,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Under jax.jit with the caches donated (donate_argnums), XLA writes them in place, with no copy.
 
     Args:
-      q: [B, Sq, Hq, Dqk], each sequence's newest Sq queries.
+      q: [B, Sq, Hq, Dqk], each sequence's newest Sq queries; with cu_seqlens_q, packed [T, Hq, Dqk].
       k_cache, v_cache: contiguous [B, L, Hkv, D], or paged [num_pages, page_size, Hkv, D] with block_table.
       k, v: None, or [B, Sn, Hkv, D]: new keys and values, written at rows cache_seqlens[b] .. + Sn - 1 of
-        sequence b's cache before the attention (rows past the capacity are dropped).
+        sequence b's cache before the attention (rows past the capacity are dropped); with cu_seqlens_k_new,
+        packed [T_new, Hkv, D], sequence b's being rows cu_seqlens_k_new[b] .. cu_seqlens_k_new[b + 1] - 1.
       cache_seqlens: int or integer [B]: the rows of each cache in use BEFORE k and v are appended (FlashAttention's
         meaning); the queries attend cache_seqlens + Sn keys. None: the whole capacity (L, or max_pages *
         page_size), which needs k and v to be None.
@@ -108,6 +110,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         (the default): NotImplementedError naming the argument otherwise. rotary_interleaved only matters
         with rotary_cos, and is ignored.
       return_softmax_lse: also return softmax_lse [B, Hq, Sq] float32, -inf for a query without keys.
+      cu_seqlens_q, max_seqlen_q: keyword-only, FlashAttention 3's varlen queries (a serving step: prefill
+        chunks and decode rows in one call): integer [B + 1] over q [T, Hq, Dqk], sequence b's queries being
+        its newest positions; max_seqlen_q (a static int) is required with it. out is then [T, Hq, Dv] and
+        softmax_lse [Hq, T] (FlashAttention 3's varlen layout).
+      cu_seqlens_k_new: keyword-only, integer [B + 1]: k and v are packed (above). Sequence b attends
+        cache_seqlens[b] + its new rows.
       implementation: keyword-only, as `ragged_attention_with_kvcache`'s.
     """
     _unsupported(
@@ -125,8 +133,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if (k is None) != (v is None):
         raise ValueError(f"k and v come together: got k {'None' if k is None else 'an array'} and v "
                          f"{'None' if v is None else 'an array'}")
+    if cu_seqlens_k_new is not None and k is None:
+        raise ValueError("cu_seqlens_k_new describes packed k and v: pass them, or leave it None")
     q = jnp.asarray(q) if isinstance(q, np.ndarray) else q
-    batch = q.shape[0]
+    # The sequences: q's first dim, or (packed queries) cu_seqlens_q's entries less one.
+    batch = q.shape[0] if cu_seqlens_q is None else np.shape(cu_seqlens_q)[0] - 1
     if cache_seqlens is None:
         if k is not None:
             raise ValueError("cache_seqlens is required with k and v: it says where in each cache they are written")
@@ -138,9 +149,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = as_int32(cache_seqlens, "cache_seqlens")
     lengths = cache_seqlens
     if k is not None:
-        k_cache, v_cache = kvcache_append(k_cache, v_cache, k, v, cache_seqlens, page_table=page_table)
-        lengths = jnp.asarray(cache_seqlens) + k.shape[1]
-    result = ragged_attention_with_kvcache(q, k_cache, v_cache, lengths, page_table=page_table,
+        k_cache, v_cache = kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cu_seqlens_k_new=cu_seqlens_k_new,
+                                          page_table=page_table)
+        if cu_seqlens_k_new is None:
+            lengths = jnp.asarray(cache_seqlens) + k.shape[1]
+        else:  # each sequence's new rows: its slot of cu_seqlens_k_new, clamped as kvcache_append clamps it
+            cu = sanitize_cu_seqlens(jnp.asarray(as_int32(cu_seqlens_k_new, "cu_seqlens_k_new")), k.shape[0])
+            lengths = jnp.asarray(cache_seqlens) + (cu[1:] - cu[:-1])
+    result = ragged_attention_with_kvcache(q, k_cache, v_cache, lengths, cu_seqlens_q=cu_seqlens_q,
+                                           max_seqlen_q=max_seqlen_q, page_table=page_table,
                                            scale=softmax_scale, is_causal=_flag(causal, "causal"),
                                            local_window_size=_window(window_size), softcap=_softcap(softcap),
                                            return_stats=_flag(return_softmax_lse, "return_softmax_lse"),

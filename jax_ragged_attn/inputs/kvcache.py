@@ -264,8 +264,9 @@ def kvcache_config(q, k_cache, v_cache, cache_seqlens, page_table, options: Atte
         if max_seqlen_q is None:
             raise ValueError("max_seqlen_q (a static int >= 1: the most queries a sequence has) is required with "
                              "cu_seqlens_q, as in FlashAttention's varlen calls")
-        seqlen_q = _static_int(max_seqlen_q, "max_seqlen_q", 1)
         total_q, heads_q, dqk = q.shape
+        # No sequence has more than T queries: a larger bound only widens the tiles (as ragged_attention clamps).
+        seqlen_q = min(_static_int(max_seqlen_q, "max_seqlen_q", 1), int(total_q))
         batch = _cache_batch(k_cache, page_table)
         if tuple(cu_seqlens_q.shape) != (batch + 1,):
             raise ValueError(f"cu_seqlens_q must be [B + 1 = {batch + 1}] (B sequences: {_batch_source(page_table)}), "

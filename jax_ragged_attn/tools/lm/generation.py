@@ -57,7 +57,7 @@ def prefill(model: ByteLM, tokens, cu_seqlens, max_seqlen: int, caches: tuple, p
     batch = lengths.shape[0]
     positions = jnp.arange(tokens.shape[0], dtype=jnp.int32) - jnp.repeat(
         cu_seqlens[:-1], lengths, total_repeat_length=tokens.shape[0])
-    rows = cu_seqlens[:-1, None] + jnp.minimum(jnp.arange(max_seqlen)[None, :], lengths[:, None] - 1)  # [B, S]
+    rows = cu_seqlens[:-1, None] + jnp.minimum(jnp.arange(max_seqlen, dtype=jnp.int32)[None, :], lengths[:, None] - 1)  # [B, S]
     layers = iter(caches)
     written = []
 
