@@ -19,7 +19,7 @@ namespace jax_ragged_attn {
 // X(type, name, label in describe()). The order is the struct's and the exported list's.
 #define JAX_RAGGED_ATTN_PAGED_FIELDS(X)                                                                        \
   X(int64_t, num_seqs, "B")                                                                                    \
-  X(int64_t, seqlen_q, "Sq")          /* query rows per sequence as the graph sees them (Python pads to >= 2) */ \
+  X(int64_t, seqlen_q, "Sq")          /* query rows per sequence as the graph sees them (packed: max_seqlen_q) */ \
   X(int64_t, num_heads_q, "Hq")                                                                                \
   X(int64_t, num_heads_kv, "Hkv")                                                                              \
   X(int64_t, head_dim_qk, "Dqk")                                                                               \
@@ -31,7 +31,8 @@ namespace jax_ragged_attn {
   X(float, scale, "scale")                                                                                     \
   X(float, softcap, "softcap")        /* > 0: scores capped to softcap * tanh(s / softcap); 0: no cap */         \
   X(int64_t, left_bound, "left_bound")   /* keys at most this far left of the query's position; -1 unbounded */ \
-  X(int64_t, right_bound, "right_bound") /* at most this far right (0: causal); -1 unbounded */
+  X(int64_t, right_bound, "right_bound") /* at most this far right (0: causal); -1 unbounded */ \
+  X(int64_t, total_q, "T")            /* packed queries: q, o [T, Hq, D] at ragged offsets; 0: dense [B, Sq, Hq, D] */
 
 struct PagedConfig {
 #define JAX_RAGGED_ATTN_PAGED_MEMBER(type, name, label) type name = 0;
@@ -48,6 +49,9 @@ struct PagedConfig {
   bool operator==(const PagedConfig& other) const { return key() == other.key(); }
 
   int64_t max_seq_len_kv() const { return max_pages * page_size; }
+  bool packed() const { return total_q > 0; }
+  // Rows of the q and o buffers: T packed, B * Sq dense.
+  int64_t query_rows() const { return packed() ? total_q : num_seqs * seqlen_q; }
 
   // "paged B=2 Sq=2 ...": every field, for error messages.
   std::string describe() const {

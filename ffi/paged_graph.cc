@@ -23,19 +23,23 @@ fe::DataType_t io_data_type(const PagedConfig& c) {
   return c.dtype == static_cast<int64_t>(DType::kFloat16) ? fe::DataType_t::HALF : fe::DataType_t::BFLOAT16;
 }
 
+// `ragged_offset`: null for a dense tensor; else the packed rows' offsets (paged_graph.h).
 TensorPtr input(fe::graph::Graph& g, PagedUid id, const char* name, std::vector<int64_t> dim,
-                std::vector<int64_t> stride, fe::DataType_t type) {
-  return g.tensor(fe::graph::Tensor_attributes()
-                      .set_name(name)
-                      .set_uid(uid(id))
-                      .set_dim(std::move(dim))
-                      .set_stride(std::move(stride))
-                      .set_data_type(type));
+                std::vector<int64_t> stride, fe::DataType_t type, const TensorPtr& ragged_offset = nullptr) {
+  auto attributes = fe::graph::Tensor_attributes()
+                        .set_name(name)
+                        .set_uid(uid(id))
+                        .set_dim(std::move(dim))
+                        .set_stride(std::move(stride))
+                        .set_data_type(type);
+  if (ragged_offset) attributes.set_ragged_offset(ragged_offset);
+  return g.tensor(attributes);
 }
 
 void mark_output(const TensorPtr& t, PagedUid id, std::vector<int64_t> dim, std::vector<int64_t> stride,
-                 fe::DataType_t type) {
+                 fe::DataType_t type, const TensorPtr& ragged_offset = nullptr) {
   t->set_output(true).set_uid(uid(id)).set_dim(std::move(dim)).set_stride(std::move(stride)).set_data_type(type);
+  if (ragged_offset) t->set_ragged_offset(ragged_offset);
 }
 
 // The fields apply_forward_masks reads, from the paged configuration: always bottom-right (a query's position
@@ -61,8 +65,14 @@ xla::ffi::Error build_paged(cudnnHandle_t handle, const PagedConfig& c, CachedGr
   const int64_t b = c.num_seqs, s = c.seqlen_q, hq = c.num_heads_q, hkv = c.num_heads_kv;
   const int64_t dqk = c.head_dim_qk, dv = c.head_dim_v, pages = c.num_pages, rows = c.page_size;
 
-  // Row-major [B, Sq, Hq, D] and [pages, page_size, Hkv, D] arrays, seen as cuDNN's (b, h, s, d).
-  auto q = input(*g, PagedUid::kQ, "q", {b, hq, s, dqk}, {s * hq * dqk, dqk, hq * dqk, 1}, io);
+  // Row-major [B, Sq, Hq, D] (packed: [T, Hq, D] at ragged offsets, the batch stride then unused) and
+  // [pages, page_size, Hkv, D] arrays, seen as cuDNN's (b, h, s, d).
+  TensorPtr offset_q, offset_o;
+  if (c.packed()) {
+    offset_q = input(*g, PagedUid::kOffsetQ, "offset_q", {b + 1, 1, 1, 1}, {1, 1, 1, 1}, fe::DataType_t::INT32);
+    offset_o = input(*g, PagedUid::kOffsetO, "offset_o", {b + 1, 1, 1, 1}, {1, 1, 1, 1}, fe::DataType_t::INT32);
+  }
+  auto q = input(*g, PagedUid::kQ, "q", {b, hq, s, dqk}, {s * hq * dqk, dqk, hq * dqk, 1}, io, offset_q);
   auto k = input(*g, PagedUid::kK, "k_cache", {pages, hkv, rows, dqk}, {rows * hkv * dqk, dqk, hkv * dqk, 1}, io);
   auto v = input(*g, PagedUid::kV, "v_cache", {pages, hkv, rows, dv}, {rows * hkv * dv, dv, hkv * dv, 1}, io);
   auto table = input(*g, PagedUid::kPageTable, "page_table", {b, 1, c.max_pages, 1},
@@ -81,7 +91,7 @@ xla::ffi::Error build_paged(cudnnHandle_t handle, const PagedConfig& c, CachedGr
       .set_paged_attention_max_seq_len_kv(static_cast<int>(c.max_seq_len_kv()));
   apply_forward_masks(attributes, mask_config(c), seq_len_q, seq_len_kv);
   auto [o, stats] = g->sdpa(q, k, v, attributes);
-  mark_output(o, PagedUid::kO, {b, hq, s, dv}, {s * hq * dv, dv, hq * dv, 1}, io);
+  mark_output(o, PagedUid::kO, {b, hq, s, dv}, {s * hq * dv, dv, hq * dv, 1}, io, offset_o);
   mark_output(stats, PagedUid::kStats, {b, hq, s, 1}, {hq * s, s, 1, 1}, fe::DataType_t::FLOAT);
 
   FFI_RETURN_IF_ERROR(finalize_graph(*g, handle, /*plan_index=*/-1, c.describe(), /*tuning=*/false, out));
@@ -109,6 +119,10 @@ std::string paged_config_problem(const PagedConfig& c) {
     s << "left_bound and right_bound must be -1 (unbounded) or >= 0";
   } else if (c.max_pages > INT_MAX / c.page_size) {
     s << "max_pages * page_size must fit cuDNN's int max_seq_len_kv";
+  } else if (c.total_q < 0) {
+    s << "total_q must be 0 (dense queries) or the packed queries' rows";
+  } else if (c.packed() && c.total_q > INT_MAX / (c.num_heads_q * std::max(c.head_dim_qk, c.head_dim_v))) {
+    s << "packed queries' offsets (T * Hq * D elements) must fit int32";
   } else {
     return "";
   }

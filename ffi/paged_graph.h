@@ -11,6 +11,14 @@
 //   o        [B, Sq, Hq, Dv]                   like q
 //   stats    float32 [B, Hq, Sq]               natural-log log-sum-exp
 //
+// Packed queries (total_q = T > 0, a serving step's prefill chunks and decode rows in one call): q and o are
+// [T, Hq, D] with cuDNN's ragged offsets, sequence b's queries at rows cu[b] .. cu[b] + seq_len_q[b] - 1
+// (offset_q = cu * Hq * Dqk, offset_o = cu * Hq * Dv, int32 [B + 1], elements), Sq being max_seqlen_q; the
+// stats stay dense [B, Hq, Sq] (query i of sequence b at column i). cuDNN takes ragged Q/O beside page tables
+// from 9.7 (cudnn-frontend's sdpa_support_surface.h); TransformerEngine's paged THD layouts are this graph.
+// The caller keeps seq_len_q[b] <= cu[b + 1] - cu[b] and cu within [0, T], so no row outside q or o is
+// addressed (Python's sanitised cu_seqlens_q).
+//
 // A contiguous cache [B, L, Hkv, D] is the container with one page per sequence (num_pages = B, page_size = L,
 // table[b] = b). cuDNN reads every table entry of a sequence's first ceil(seq_len_kv / page_size) pages: the
 // caller keeps them inside [0, num_pages) (Python's safe_page_table).
@@ -36,10 +44,13 @@ enum class PagedUid : int64_t {
   kPageTable,
   kSeqLenQ,
   kSeqLenKV,
+  kOffsetQ,  // packed queries only: cu_seqlens_q * Hq * Dqk
+  kOffsetO,  // cu_seqlens_q * Hq * Dv
 };
 
 // Why `config` describes no valid call ("" when it does): sizes below 1, Hq not a multiple of Hkv, an
-// unknown dtype, bounds below -1, a capacity past cuDNN's int32 max_seq_len_kv.
+// unknown dtype, bounds below -1, a capacity past cuDNN's int32 max_seq_len_kv, a negative total_q, packed
+// offsets past int32.
 std::string paged_config_problem(const PagedConfig& config);
 
 // The cached graph for `config` on `device`, built first on a miss (with the thread in relaxed stream-capture

@@ -3,11 +3,12 @@
 // and synchronises nothing: the workspace is an ordinary XLA result whose size Python asked for at trace
 // time (paged_graph_info), so it is safe inside XLA's command buffers.
 //
-//   args:       q [B, Sq, Hq, Dqk], k_cache [num_pages, page_size, Hkv, Dqk], v_cache [num_pages, page_size,
-//               Hkv, Dv] (bfloat16 or float16, all alike), page_table int32 [B, max_pages] (every entry a
-//               sequence uses inside [0, num_pages)), seq_len_q int32 [B] (<= Sq), seq_len_kv int32 [B]
-//               (<= max_pages * page_size)
-//   results:    o [B, Sq, Hq, Dv], stats float32 [B, Hq, Sq], workspace uint8
+//   args:       q [B, Sq, Hq, Dqk] (packed: [T, Hq, Dqk]), k_cache [num_pages, page_size, Hkv, Dqk], v_cache
+//               [num_pages, page_size, Hkv, Dv] (bfloat16 or float16, all alike), page_table int32 [B, max_pages]
+//               (every entry a sequence uses inside [0, num_pages)), seq_len_q int32 [B] (<= Sq; packed: also
+//               <= the sequence's rows), seq_len_kv int32 [B] (<= max_pages * page_size), offset_q and offset_o
+//               int32 [B + 1] (packed: the rows' ragged offsets, paged_graph.h; dense: [0], unused)
+//   results:    o like q with Dv, stats float32 [B, Hq, Sq], workspace uint8
 //   attributes: the PagedConfig fields (paged_config.h), by name
 //
 // cuDNN writes the rows of each sequence's first seq_len_q queries that have keys; the others are left as
@@ -58,14 +59,19 @@ ffi::Error check_buffer(const char* name, ffi::DataType type, ffi::Span<const in
 ffi::Error paged_forward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                               ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> page_table,
                               ffi::Buffer<ffi::S32> seq_len_q, ffi::Buffer<ffi::S32> seq_len_kv,
+                              ffi::Buffer<ffi::S32> offset_q, ffi::Buffer<ffi::S32> offset_o,
                               ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> stats,
                               ffi::Result<ffi::Buffer<ffi::U8>> workspace, PagedConfig c) {
   const std::string problem = paged_config_problem(c);
   FFI_CHECK(problem.empty()) << problem;
   const ffi::DataType t = c.dtype == static_cast<int64_t>(DType::kFloat16) ? ffi::DataType::F16 : ffi::DataType::BF16;
   const int64_t b = c.num_seqs;
-  FFI_RETURN_IF_ERROR(check_buffer("q", q.element_type(), q.dimensions(), t,
-                                   {b, c.seqlen_q, c.num_heads_q, c.head_dim_qk}, c));
+  // Packed: [T, Hq, D] rows; dense: [B, Sq, Hq, D].
+  const auto rows_of = [&](int64_t dim) {
+    return c.packed() ? std::vector<int64_t>{c.total_q, c.num_heads_q, dim}
+                      : std::vector<int64_t>{b, c.seqlen_q, c.num_heads_q, dim};
+  };
+  FFI_RETURN_IF_ERROR(check_buffer("q", q.element_type(), q.dimensions(), t, rows_of(c.head_dim_qk), c));
   FFI_RETURN_IF_ERROR(check_buffer("k_cache", k_cache.element_type(), k_cache.dimensions(), t,
                                    {c.num_pages, c.page_size, c.num_heads_kv, c.head_dim_qk}, c));
   FFI_RETURN_IF_ERROR(check_buffer("v_cache", v_cache.element_type(), v_cache.dimensions(), t,
@@ -76,8 +82,12 @@ ffi::Error paged_forward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
       check_buffer("seq_len_q", ffi::DataType::S32, seq_len_q.dimensions(), ffi::DataType::S32, {b}, c));
   FFI_RETURN_IF_ERROR(
       check_buffer("seq_len_kv", ffi::DataType::S32, seq_len_kv.dimensions(), ffi::DataType::S32, {b}, c));
-  FFI_RETURN_IF_ERROR(check_buffer("o", o->element_type(), o->dimensions(), t,
-                                   {b, c.seqlen_q, c.num_heads_q, c.head_dim_v}, c));
+  const int64_t offsets = c.packed() ? b + 1 : 0;
+  FFI_RETURN_IF_ERROR(
+      check_buffer("offset_q", ffi::DataType::S32, offset_q.dimensions(), ffi::DataType::S32, {offsets}, c));
+  FFI_RETURN_IF_ERROR(
+      check_buffer("offset_o", ffi::DataType::S32, offset_o.dimensions(), ffi::DataType::S32, {offsets}, c));
+  FFI_RETURN_IF_ERROR(check_buffer("o", o->element_type(), o->dimensions(), t, rows_of(c.head_dim_v), c));
   FFI_RETURN_IF_ERROR(check_buffer("stats", ffi::DataType::F32, stats->dimensions(), ffi::DataType::F32,
                                    {b, c.num_heads_q, c.seqlen_q}, c));
   FFI_CHECK(workspace->dimensions().size() == 1) << "the workspace must be a 1-D uint8 buffer [" << c.describe() << "]";
@@ -98,6 +108,10 @@ ffi::Error paged_forward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
       {static_cast<int64_t>(PagedUid::kSeqLenQ), seq_len_q.untyped_data()},
       {static_cast<int64_t>(PagedUid::kSeqLenKV), seq_len_kv.untyped_data()},
   };
+  if (c.packed()) {
+    pack[static_cast<int64_t>(PagedUid::kOffsetQ)] = offset_q.untyped_data();
+    pack[static_cast<int64_t>(PagedUid::kOffsetO)] = offset_o.untyped_data();
+  }
   return execute_graph(device, *graph, stream, pack, workspace->untyped_data());
 }
 
@@ -114,6 +128,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnPagedForward, jax_ragged_attn::paged_
                                   .Arg<ffi::Buffer<ffi::S32>>()       // page_table
                                   .Arg<ffi::Buffer<ffi::S32>>()       // seq_len_q
                                   .Arg<ffi::Buffer<ffi::S32>>()       // seq_len_kv
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // offset_q
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // offset_o
                                   .Ret<ffi::AnyBuffer>()              // o
                                   .Ret<ffi::Buffer<ffi::F32>>()       // stats
                                   .Ret<ffi::Buffer<ffi::U8>>()        // workspace

@@ -79,8 +79,6 @@ EXAMPLES = {
         fa3_kvcache.unsupported_reason, _kvcache(total_q=20, seqlen_q=4, num_heads_q=2 * 129)),
     ("fa3", "kvcache", "packed queries with keys right of the diagonal"): (
         fa3_kvcache.unsupported_reason, _kvcache(total_q=100, seqlen_q=64, is_causal=False)),
-    ("cudnn", "kvcache", "cuDNN cannot serve packed queries"): (cudnn_kvcache.unsupported_reason,
-                                                                 _kvcache(total_q=20, seqlen_q=4)),
 }
 
 

@@ -54,7 +54,7 @@ def _config(**overrides) -> KVCacheConfig:
 def test_attributes_of_a_paged_call():
     assert paged.attributes(_config(window_left=5)) == dict(
         num_seqs=3, seqlen_q=2, num_heads_q=8, num_heads_kv=2, head_dim_qk=64, head_dim_v=64, num_pages=10,
-        page_size=16, max_pages=4, dtype=0, scale=0.125, softcap=0.0, left_bound=5, right_bound=0)
+        page_size=16, max_pages=4, dtype=0, scale=0.125, softcap=0.0, left_bound=5, right_bound=0, total_q=0)
 
 
 @pytest.mark.parametrize("overrides, expected", [
@@ -64,6 +64,7 @@ def test_attributes_of_a_paged_call():
     (dict(dtype="float16", softcap=2.5), dict(dtype=1, softcap=2.5)),
     (dict(seqlen_q=1), dict(seqlen_q=1)),  # a true decode graph
     (dict(seqlen_q=5), dict(seqlen_q=5)),
+    (dict(seqlen_q=7, total_q=30), dict(seqlen_q=7, total_q=30)),  # packed: ragged Q / O, max_seqlen_q rows
 ])
 def test_attributes_carry_masks_dtype_and_padded_queries(overrides, expected):
     got = paged.attributes(_config(**overrides))
@@ -166,8 +167,13 @@ B, SQ, HQ, HKV, D, PAGES, PAGE, MAX_PAGES = 2, 2, 4, 2, 64, 6, 16, 3
 ATTRIBUTES = paged.attributes(_config(batch=B, seqlen_q=SQ, num_heads_q=HQ, num_heads_kv=HKV, head_dim_qk=D,
                                       head_dim_v=D, num_pages=PAGES, page_size=PAGE, max_pages=MAX_PAGES))
 ARGS = [(BF16, (B, SQ, HQ, D)), (BF16, (PAGES, PAGE, HKV, D)), (BF16, (PAGES, PAGE, HKV, D)),
-        (S32, (B, MAX_PAGES)), (S32, (B,)), (S32, (B,))]
+        (S32, (B, MAX_PAGES)), (S32, (B,)), (S32, (B,)), (S32, (0,)), (S32, (0,))]  # dense: no offsets
 RESULTS = [(BF16, (B, SQ, HQ, D)), (F32, (B, HQ, SQ)), (U8, (4096,))]
+# Packed queries: q and o [T, Hq, D] at ragged offsets [B + 1] (paged_graph.h).
+T = 5
+PACKED_ATTRIBUTES = {**ATTRIBUTES, "total_q": T}
+PACKED_ARGS = [(BF16, (T, HQ, D)), *ARGS[1:6], (S32, (B + 1,)), (S32, (B + 1,))]
+PACKED_RESULTS = [(BF16, (T, HQ, D)), *RESULTS[1:]]
 
 
 def _call(harness, args, results, attributes):  # noqa: F811 - harness is the imported fixture
@@ -193,8 +199,9 @@ def _call(harness, args, results, attributes):  # noqa: F811 - harness is the im
 
 
 def test_the_handler_passes_every_check_of_a_valid_call(harness):  # noqa: F811
-    code, message = _call(harness, ARGS, RESULTS, ATTRIBUTES)
-    assert code != 0 and "cuDNN is not loaded" in message, (code, message)
+    for args, results, attributes in ((ARGS, RESULTS, ATTRIBUTES), (PACKED_ARGS, PACKED_RESULTS, PACKED_ATTRIBUTES)):
+        code, message = _call(harness, args, results, attributes)
+        assert code != 0 and "cuDNN is not loaded" in message, (code, message)
     traits = harness.harness_traits(ctypes.c_void_p(ctypes.pythonapi.PyCapsule_GetPointer(
         _ext().paged_registration()[1], None)))
     assert traits & 1, "XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE"
@@ -205,11 +212,18 @@ def test_the_handler_passes_every_check_of_a_valid_call(harness):  # noqa: F811
     ([ARGS[0], (F16, (PAGES, PAGE, HKV, D)), *ARGS[2:]], RESULTS, ATTRIBUTES, "k_cache is"),
     ([*ARGS[:2], (BF16, (PAGES, PAGE, HKV, 32)), *ARGS[3:]], RESULTS, ATTRIBUTES, "v_cache is [6, 16, 2, 32]"),
     ([*ARGS[:3], (S32, (B, MAX_PAGES + 1)), *ARGS[4:]], RESULTS, ATTRIBUTES, "page_table is [2, 4]"),
-    ([*ARGS[:4], (S32, (B + 1,)), ARGS[5]], RESULTS, ATTRIBUTES, "seq_len_q is [3]"),
+    ([*ARGS[:4], (S32, (B + 1,)), *ARGS[5:]], RESULTS, ATTRIBUTES, "seq_len_q is [3]"),
+    ([*ARGS[:6], (S32, (B + 1,)), ARGS[7]], RESULTS, ATTRIBUTES, "offset_q is [3]"),  # dense: offsets unused
+    ([(BF16, (T + 1, HQ, D)), *PACKED_ARGS[1:]], PACKED_RESULTS, PACKED_ATTRIBUTES, "q is [6, 4, 64]"),
+    (ARGS, RESULTS, PACKED_ATTRIBUTES, "q is [2, 2, 4, 64]"),  # packed attributes, dense buffers
+    ([*PACKED_ARGS[:7], (S32, (B,))], PACKED_RESULTS, PACKED_ATTRIBUTES, "offset_o is [2]"),
+    (PACKED_ARGS, [(BF16, (T, HQ, 32)), *PACKED_RESULTS[1:]], PACKED_ATTRIBUTES, "o is [5, 4, 32]"),
+    (PACKED_ARGS, PACKED_RESULTS, {**PACKED_ATTRIBUTES, "total_q": -1}, "total_q must be 0"),
     (ARGS, [RESULTS[0], (F32, (B, SQ, HQ)), RESULTS[2]], ATTRIBUTES, "stats is [2, 2, 4]"),
     (ARGS, RESULTS, {**ATTRIBUTES, "dtype": 2}, "dtype must be 0 (bfloat16) or 1 (float16)"),
     (ARGS, RESULTS, {**ATTRIBUTES, "left_bound": -3}, "left_bound and right_bound"),
-], ids=["q", "k-dtype", "v-dim", "table", "seq_len_q", "stats-layout", "dtype", "bounds"])
+], ids=["q", "k-dtype", "v-dim", "table", "seq_len_q", "dense-offsets", "packed-q", "packed-attributes",
+        "packed-offset-o", "packed-o", "total-q", "stats-layout", "dtype", "bounds"])
 def test_the_handler_names_what_is_wrong(harness, args, results, attributes, message):  # noqa: F811
     code, got = _call(harness, args, results, attributes)
     assert code != 0 and message in got, (code, got)

@@ -11,7 +11,8 @@ implementation: `XlaPackedTest` on the portable path (tiles of 2 queries and blo
 straddle both), `Fa3TilesStandInTest` on FA3's tile arithmetic with the kernel call replaced by the xla path
 with FA3's masks (any machine), `Fa3PackedTest` on FlashAttention-3 (Hopper GPU with the flash-attn3-jax
 wheel; skipped elsewhere with the reason; `pytest -m "not soak" tests/test_kvcache_varlen.py -k Fa3PackedTest`
-on the H200). cuDNN declines packed queries with the reason (`test_cudnn_declines`). The GPU class's "two runs
+on the H200); `CudnnPackedStandInTest` on cuDNN's packed paged route with the FFI handler replaced by its
+contract in jnp (any machine), `CudnnPackedTest` on cuDNN's graph (a CUDA GPU). The GPU classes' "two runs
 differ" check is what caught FA3's split-KV with seqused_q differing run to run (fa3/kvcache.py _fa3_call).
 
     pytest tests/test_kvcache_varlen.py -k 'XlaPackedTest and test_attention_window_paged'
@@ -31,10 +32,12 @@ import pytest
 from absl.testing import parameterized
 
 from jax_ragged_attn import kvcache_append, ragged_attention_with_kvcache
+import jax_ragged_attn
 from jax_ragged_attn.backends.cudnn import kvcache as cudnn_kvcache
+from jax_ragged_attn.backends.cudnn import paged
 from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
 from jax_ragged_attn.backends.fa3 import ragged as _fa3
-from jax_ragged_attn.backends.shared import cache_attention
+from jax_ragged_attn.backends.shared import cache_attention, extension, known_issues
 from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, band, query_tiles
 from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
@@ -383,14 +386,102 @@ class Fa3PackedTest(PackedKVCacheTest):
     max_seqlen_q = 70
 
 
-def test_cudnn_declines_packed_queries_with_the_reason():
-    q = jnp.zeros((5, 4, 64), jnp.bfloat16)
-    cache = jnp.zeros((3, 16, 2, 64), jnp.bfloat16)
-    with pytest.raises(NotImplementedError, match="implementation='cudnn' cannot serve.*ragged offsets on its Q "
-                                                  "and O"):
-        ragged_attention_with_kvcache(q, cache, cache, jnp.array([4, 2], jnp.int32), cu_seqlens_q=jnp.array(
-            [0, 3, 5], jnp.int32), max_seqlen_q=3, page_table=jnp.zeros((2, 2), jnp.int32), implementation="cudnn")
-    assert "ffi/paged_graph.cc" in cudnn_kvcache.PACKED_REASON
+def _paged_handler_stand_in(q, k_cache, v_cache, table, seq_len_q, seq_len_kv, offset_q, offset_o, *, types,
+                            **attributes):
+    """What ffi/paged_handler.cc promises for packed queries, in jnp: the buffer contract it checks (shapes,
+    offsets [B + 1], total_q), then sequence b's seq_len_q[b] queries at rows offset_q[b] / (Hq * Dqk) on, over
+    rows [0, seq_len_kv[b]) of its pages, query i on diagonal seq_len_kv[b] - seq_len_q[b] + i with the bounds.
+    Rows cuDNN does not write (no keys, no query) and their stats are NaN: the callers must mask them."""
+    batch, heads_q, dqk = attributes["num_seqs"], attributes["num_heads_q"], attributes["head_dim_qk"]
+    rows, dv, total = attributes["seqlen_q"], attributes["head_dim_v"], attributes["total_q"]
+    assert total == q.shape[0] > 0 and q.shape[1:] == (heads_q, dqk), (q.shape, attributes)
+    assert offset_q.shape == offset_o.shape == (batch + 1,) and table.shape == (batch, attributes["max_pages"])
+    assert [t.shape for t in types][:2] == [(total, heads_q, dv), (batch, heads_q, rows)]
+    cu = offset_q // (heads_q * dqk)
+    if not isinstance(cu, jax.core.Tracer):  # the values' contract, where they are known (not under jit)
+        np.testing.assert_array_equal(np.asarray(offset_o), np.asarray(cu * heads_q * dv))
+        assert bool(jnp.all(seq_len_q <= cu[1:] - cu[:-1])) and bool(jnp.all((cu >= 0) & (cu <= total)))
+    slot = jnp.arange(rows, dtype=jnp.int32)
+    live = slot[None, :] < seq_len_q[:, None]  # [B, Sq]
+    q_rows = jnp.clip(cu[:-1, None] + slot[None, :], 0, total - 1)
+    pages = k_cache.shape[1]
+    key_row = jnp.arange(table.shape[1] * pages, dtype=jnp.int32)
+    k = k_cache[table].reshape(batch, -1, *k_cache.shape[2:])  # [B, capacity, Hkv, D]
+    v = v_cache[table].reshape(batch, -1, *v_cache.shape[2:])
+    group = heads_q // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q[q_rows].astype(jnp.float32), k.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST) * attributes["scale"]
+    if attributes["softcap"] > 0:  # before the masks, as the graph's score modifier caps
+        s = attributes["softcap"] * jnp.tanh(s / attributes["softcap"])
+    position = seq_len_kv[:, None] - seq_len_q[:, None] + slot[None, :]  # [B, Sq]
+    keep = key_row[None, None, :] < seq_len_kv[:, None, None]
+    if attributes["left_bound"] >= 0:
+        keep &= key_row[None, None, :] >= position[:, :, None] - attributes["left_bound"]
+    if attributes["right_bound"] >= 0:
+        keep &= key_row[None, None, :] <= position[:, :, None] + attributes["right_bound"]
+    s = jnp.where(keep[:, None], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)  # [B, Hq, Sq]
+    written = live & jnp.any(keep, axis=-1)  # [B, Sq]
+    p = jnp.where(keep[:, None], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    v = jnp.where(key_row[None, :, None, None] < seq_len_kv[:, None, None, None], v, 0.0)
+    out = jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    o = jnp.full((total, heads_q, dv), jnp.nan, q.dtype)
+    o = o.at[jnp.where(written, q_rows, total)].set(out.astype(q.dtype), mode="drop")
+    stats = jnp.where(written[:, None, :], lse, jnp.nan)
+    return o, stats, jnp.zeros(types[2].shape, jnp.uint8)
+
+
+class CudnnPackedStandInTest(PackedKVCacheTest):
+    """cudnn_kvcache.attend_packed on any machine: paged.attend_packed's offsets, seq_len_q and stats gather,
+    the head / tail split per row and its merge, the contiguous cache's page view; the FFI handler replaced by
+    _paged_handler_stand_in (its buffer contract asserted), TAIL small so heads and tails both carry keys."""
+
+    __test__ = True
+    implementation = "cudnn"
+
+    def setUp(self):
+        super().setUp()
+        real_ffi_call = jax.ffi.ffi_call
+
+        def ffi_call(target, types, **kwargs):
+            if target != paged.TARGET:
+                return real_ffi_call(target, types, **kwargs)
+            return lambda *args, **attributes: _paged_handler_stand_in(*args, types=types, **attributes)
+
+        patchers = [mock.patch.object(target, name, value) for target, name, value in (
+            (jax.ffi, "ffi_call", ffi_call), (cudnn_kvcache, "TAIL", 7),
+            (paged, "graph_info", lambda config, bounds=None: {"workspace_bytes": 16}),
+            (paged, "ffi_kwargs", paged.attributes),
+            (extension, "cudnn_unavailable_reason", lambda: None),
+            (paged, "unsupported_reason", lambda config, bounds=None: paged.static_reason(config)),
+            (paged, "CUDNN_DTYPES", ("float32",)),
+            (known_issues, "fence", lambda *args, **kwargs: None))]
+        for patcher in patchers:
+            patcher.start()
+            self.addCleanup(patcher.stop)
+
+    def test_the_stand_in_is_what_runs(self):
+        with mock.patch.object(paged, "attend_packed", wraps=paged.attend_packed) as spy:
+            self.check(self.mix())
+        self.assertTrue(spy.called)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax_ragged_attn.cudnn_unavailable_reason() is not None,
+                    reason=f"cuDNN path unavailable: {jax_ragged_attn.cudnn_unavailable_reason()}")
+class CudnnPackedTest(PackedKVCacheTest):
+    """cuDNN's paged graph with ragged Q / O (ffi/paged_graph.h), bf16, head dim 128; pages of 32 rows, so the
+    kernel's key tiles straddle pages; unused rows and pages NaN; chunks of up to 70 queries."""
+
+    __test__ = True
+    implementation = "cudnn"
+    dtype = jnp.bfloat16
+    head_dim = 128
+    page_size = 32
+    max_pages = 24
+    max_seqlen_q = 70
+    bit_reproducible = False  # the paged graphs' stats once differed by a float32 ulp between runs (paged.py)
 
 
 def test_fa3_declines_what_one_tile_per_sequence_cannot_hold():

@@ -80,7 +80,7 @@ def test_dew_column_calls_its_varlen_api_and_declines_unequal_head_dims(monkeypa
 
     def flash_mha_varlen(query, key, value, cu_seqlens, max_seqlen, softmax_scale=None, is_causal=False,
                          window_size=(-1, -1), sinks=None, key_cu_seqlens=None, key_max_seqlen=None):
-        # dew's signature (dew_flash_attn/__init__.py, 0.3.6); one cu_seqlens, a static max_seqlen
+        # dew's signature (the wheel's package __init__, 0.3.6); one cu_seqlens, a static max_seqlen
         assert isinstance(max_seqlen, int) and key.shape == value.shape
         calls.append((query.shape, key.shape, max_seqlen, is_causal))
         return ragged_attention(query, key, value, cu_seqlens, cu_seqlens, max_seqlen_q=max_seqlen,

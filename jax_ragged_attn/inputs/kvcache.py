@@ -76,8 +76,8 @@ def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, cu_seql
         packed: [Hq, T] or [T, Hq].
       implementation: None picks the first that serves the call of "fa3" (flash-attn3-jax's kvcache kernels:
         Hopper, bf16/fp16, head dim 128), "cudnn" (its paged SDPA graph, or the ragged kernel over a contiguous
-        cache; packed queries declined) and "xla" (portable, everywhere); a named one that cannot serve it
-        raises NotImplementedError with the reason.
+        cache; packed queries only when named, until they have run on a GPU) and "xla" (portable,
+        everywhere); a named one that cannot serve it raises NotImplementedError with the reason.
       check: validate cache_seqlens (within [0, capacity]), the page-table entries of the pages each
         sequence uses (within [0, num_pages)) and cu_seqlens_q (from 0, never decreasing, within [0, T], no
         sequence over max_seqlen_q) at run time; a violation raises RaggedAttentionInputError naming the

@@ -181,8 +181,6 @@ EXPECTED = (
     Decline("fa3", "kvcache", "packed queries with keys right of the diagonal",
             lambda c: c.packed and c.right_bound != 0 and c.seqlen_q * c.group_size > _fa3_packed_tile_rows(),
             _FA3_PACKED),
-    Decline("cudnn", "kvcache", "cuDNN cannot serve packed queries", lambda c: c.packed,
-            "backends/cudnn/kvcache.py PACKED_REASON (ragged Q / O offsets in ffi/paged_graph.cc: C++ work)"),
 )
 
 
@@ -192,7 +190,7 @@ def expected(backend: str, op: str, config, reason: str) -> Decline | None:
     for entry in EXPECTED:
         if (entry.backend, entry.op) == (backend, op) and entry.says in reason and entry.when(config):
             return entry
-    if (backend, op) == ("cudnn", "kvcache") and not config.paged:
+    if (backend, op) == ("cudnn", "kvcache") and not config.paged and not config.packed:
         return expected("cudnn", "ragged", _as_ragged(config), reason)
     return None
 

@@ -18,6 +18,11 @@ Two routes, both forward only:
 
     B = 2, Sq = 1, L = 4, cache_seqlens [3, 1] -> cu_seqlens_q [0, 1, 2], cu_seqlens_kv [0, 4, 8], seqused_kv [3, 1]
 
+Packed queries (q [T, Hq, D] over cu_seqlens_q, a serving step) take the paged route, with ragged offsets on
+the graph's Q and O (paged.attend_packed) and the same head / tail split per row (head_tail.attend_packed); a
+contiguous cache through its page view. Not yet run on a GPU (no device was lent the session that built it):
+tests/test_kvcache_varlen.py's CudnnPackedTest is the check to run.
+
 A contiguous cache takes the paged route where it serves the call, else the ragged one. Measured on the
 H200 (cuDNN 9.19, decode: one query, GQA 32/8, d 128, bf16, plain loop of jitted calls), paged / ragged in
 ms: 8 x 2k 0.095 / 0.085, 8 x 32k 0.675 / 0.824, 64 x 2k 0.247 / 0.470, 256 x 8k 2.06 / 9.97, 64 x 32k
@@ -74,9 +79,9 @@ def ragged_config(config: KVCacheConfig) -> AttentionConfig:
 
 
 def route(config: KVCacheConfig) -> str:
-    """"paged" or "ragged": how this call runs (see the module docstring)."""
+    """"paged" or "ragged": how this call runs (see the module docstring). Packed queries: "paged" always."""
     pin = pinned_route(config)
-    if config.paged or pin == "paged":
+    if config.paged or config.packed or pin == "paged":
         return "paged"
     if pin == "ragged":
         return "ragged"
@@ -96,25 +101,29 @@ def paged_reason(config: KVCacheConfig) -> str | None:
     return reason
 
 
-# Packed queries (q [T, Hq, D] over cu_seqlens_q) are declined: what serving them takes is C++ work.
-PACKED_REASON = (
-    "cuDNN cannot serve packed queries (cu_seqlens_q) here: this package's paged SDPA graph (ffi/paged_graph.cc) "
-    "builds dense queries [B, Sq, Hq, D] with a padding mask, and packed ones need ragged offsets on its Q and O "
-    "tensors (cuDNN's ragged layout, beside the page tables), which the C++ graph does not set; the ragged "
-    "training graph takes ragged Q but no page table. Use implementation='fa3' or 'xla'")
-
-
 def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config: KVCacheConfig):
-    """Declined (PACKED_REASON): unsupported_reason names it before this is ever called."""
-    raise NotImplementedError(PACKED_REASON)
+    """(out [T, Hq, Dv], lse [Hq, T]) of packed queries (a serving step): the paged graph with ragged Q and O
+    over each sequence's head (a contiguous cache through its page view), the xla path over its last TAIL rows,
+    merged per row (shared/head_tail.py attend_packed), as the fixed form's paged route."""
+    def head_call(q, k_cache, v_cache, head, cu_seqlens_q, page_table, config, left, right):
+        return paged.attend_packed(q, k_cache, v_cache, head, cu_seqlens_q, page_table, config, bounds=(left, right))
+
+    return kvcache_head_tail.attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config, head_call,
+                                           TAIL)
+
+
+def auto_candidate(config: KVCacheConfig) -> bool:
+    """implementation=None may pick cuDNN for every fixed-form call; packed queries only once their graph has
+    run on a GPU (CudnnPackedTest, not yet: see the module docstring), until then implementation='cudnn'."""
+    return not config.packed
 
 
 def unsupported_reason(config: KVCacheConfig) -> str | None:
-    if config.packed:
-        return PACKED_REASON
     reason = extension.cudnn_unavailable_reason() or paged.static_reason(config)
     if reason is not None:
         return reason
+    if config.packed:  # the paged graph with ragged Q / O, for a contiguous cache too (its page view)
+        return paged_reason(config)
     if route(config) == "ragged":
         return cudnn.unsupported_reason(ragged_config(config))
     reason = paged_reason(config)

@@ -1,5 +1,7 @@
 """cuDNN's paged SDPA forward (ffi/paged_graph.h) for ragged_attention_with_kvcache: dense queries against
-K/V caches read through a page table, one FFI handler of its own (ffi/paged_handler.cc).
+K/V caches read through a page table, one FFI handler of its own (ffi/paged_handler.cc). Packed queries
+(`attend_packed`, a serving step's prefill chunks and decode rows) run the same graph with ragged offsets on Q
+and O: offset_q[b] = cu_seqlens_q[b] * Hq * Dqk, seq_len_q[b] = n_b, the stats dense [B, Hq, max_seqlen_q].
 
 A paged cache [num_pages, page_size, Hkv, D] is cuDNN's page container as it is (cuDNN takes page sizes that
 are powers of 2); a contiguous one [B, L, Hkv, D] is the same viewed as pages of P rows, P the largest power of
@@ -38,6 +40,7 @@ import numpy as np
 from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.backends.cudnn.graphs import CUDNN_DTYPES, MAX_HEAD_DIM, device_ordinal
 from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, safe_page_table
+from jax_ragged_attn.index import row_positions, sanitize_cu_seqlens, sequence_lengths
 
 TARGET = "jax_ragged_attn_paged_forward"  # ffi/module.cc's kPagedTarget
 # Query rows the graph is built for at least (see the module docstring): 1, true decode graphs.
@@ -95,6 +98,7 @@ def attributes(config: KVCacheConfig, bounds: tuple | None = None) -> dict:
         softcap=float(config.softcap),
         left_bound=-1 if left is None else int(left),
         right_bound=-1 if right is None else int(right),
+        total_q=config.total_q,
     )
 
 
@@ -180,6 +184,35 @@ def attend(q, k_cache, v_cache, lengths, page_table_, config: KVCacheConfig, bou
              jax.ShapeDtypeStruct((workspace,), jnp.uint8))
     seq_len_q, seq_len_kv = seq_lens(lengths, config)
     call = jax.ffi.ffi_call(TARGET, types, vmap_method="sequential")
-    out, lse, _ = call(q, k_cache, v_cache, page_table(page_table_, config), seq_len_q, seq_len_kv,
-                       **ffi_kwargs(config, bounds))
+    no_offsets = jnp.zeros((0,), jnp.int32)  # dense queries: the handler's offsets are unused
+    out, lse, _ = call(q, k_cache, v_cache, page_table(page_table_, config), seq_len_q, seq_len_kv, no_offsets,
+                       no_offsets, **ffi_kwargs(config, bounds))
     return out[:, :config.seqlen_q], lse[:, :, :config.seqlen_q]
+
+
+def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table_, config: KVCacheConfig,
+                  bounds: tuple | None = None):
+    """(out [T, Hq, Dv], lse [Hq, T] float32) of packed queries q [T, Hq, D] (config.packed) from the paged
+    graph with ragged Q and O (ffi/paged_graph.h): sequence b's n_b queries (its slot of the sanitised
+    cu_seqlens_q, at most max_seqlen_q) over `lengths` rows, bottom-right on them (query i on diagonal
+    lengths[b] - n_b + i) with `bounds`. Rows of queries without keys, and rows that are no query, hold
+    anything in out (cuDNN leaves them unwritten) and -inf in lse."""
+    total, heads_q = config.total_q, config.num_heads_q
+    rows = graph_seqlen_q(config)
+    workspace = graph_info(config, bounds)["workspace_bytes"]
+    k_cache, v_cache = cache_view(k_cache, v_cache, config)
+    cu = sanitize_cu_seqlens(cu_seqlens_q.astype(jnp.int32), total)
+    counts = sequence_lengths(cu, config.seqlen_q)  # <= cu[b + 1] - cu[b]: no row past q or o is addressed
+    lengths = lengths.astype(jnp.int32)
+    seq_len_q = jnp.where(lengths > 0, counts, jnp.int32(0))  # no keys: no softmax to take
+    types = (jax.ShapeDtypeStruct((total, heads_q, config.head_dim_v), q.dtype),
+             jax.ShapeDtypeStruct((config.batch, heads_q, rows), jnp.float32),
+             jax.ShapeDtypeStruct((workspace,), jnp.uint8))
+    call = jax.ffi.ffi_call(TARGET, types, vmap_method="sequential")
+    out, lse, _ = call(q, k_cache, v_cache, page_table(page_table_, config), seq_len_q, lengths,
+                       cu * (heads_q * config.head_dim_qk), cu * (heads_q * config.head_dim_v),
+                       **ffi_kwargs(config, bounds))
+    # The stats are dense [B, Hq, Sq]: row t (query i of sequence b) reads column i of sequence b's.
+    sequence, slot, owned = row_positions(cu, total, config.seqlen_q)
+    picked = lse[jnp.minimum(sequence, config.batch - 1), :, jnp.clip(slot, 0, rows - 1)]  # [T, Hq]
+    return out, jnp.where(owned[:, None], picked, -jnp.inf).T

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_ragged_attn.backends.shared import cache_attention
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, key_band, safe_page_table
+from jax_ragged_attn.backends.shared.kvcache_config import (KVCacheConfig, band, key_band, packed_query_rows,
+                                                           safe_page_table)
 
 # head_call(q, k_cache, v_cache, head_lengths, page_table, config, left, right) -> (out [B, Sq, Hq, Dv],
 # lse [B, Hq, Sq]): the kernel bottom-right over head_lengths rows with bounds left / right (None: no bound);
@@ -86,8 +87,42 @@ def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, head
     # Queries and keys both shift by `head`, so the tail's bottom-right masks and windows keep their meaning,
     # and the head's keys fall before its first row.
     out_t, lse_t = cache_attention.attend(q, k_t, v_t, lengths - head, None, config_t)
+    return merge(out_h, lse_h, out_t, lse_t, q.dtype)
+
+
+# head_call_packed(q, k_cache, v_cache, head_lengths, cu_seqlens_q, page_table, config, left, right) -> (out
+# [T, Hq, Dv], lse [Hq, T]): HeadCall for packed queries, sequence b's n_b queries bottom-right on its head.
+HeadCallPacked = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config: KVCacheConfig,
+                  head_call: HeadCallPacked, tail: int):
+    """(out [T, Hq, Dv], lse [Hq, T]) of packed queries q [T, Hq, D] (config.packed): `head_call` over each
+    sequence's head, the xla path's packed form over its last `tail` rows, merged per row. A sequence's query i
+    sits at len - n + i, the kernel's diagonal over the head (head - n + i) `tail` rows left of it, as above."""
+    head = jnp.maximum(lengths - tail, 0)
+    sequence, position, owned = packed_query_rows(cu_seqlens_q, lengths, config)  # [T]
+    first, last = band(position, lengths[sequence], config)
+    own_head = head[sequence]
+    has_head = owned & (own_head > 0) & (first < own_head) & (first <= last)
+    bounds = head_bounds(config, tail)
+    if bounds is None:
+        out_h = jnp.zeros((config.total_q, config.num_heads_q, config.head_dim_v), q.dtype)
+        lse_h = jnp.full((config.num_heads_q, config.total_q), -jnp.inf, jnp.float32)
+    else:
+        out_h, lse_h = head_call(q, k_cache, v_cache, head, cu_seqlens_q, page_table, config, *bounds)
+        lse_h = jnp.where(has_head[None, :], lse_h, -jnp.inf)
+        out_h = jnp.where(has_head[:, None, None], out_h, jnp.zeros((), out_h.dtype))
+    k_t, v_t, config_t = tail_cache(k_cache, v_cache, head, page_table, config, tail)
+    out_t, lse_t = cache_attention.attend_packed(q, k_t, v_t, lengths - head, cu_seqlens_q, None, config_t)
+    return merge(out_h, lse_h, out_t, lse_t, q.dtype)
+
+
+def merge(out_h, lse_h, out_t, lse_t, dtype):
+    """The head's and the tail's attention as one softmax, through their log-sum-exps: out [..., Hq, Dv] with
+    lse [..., Hq, rows] ([B, Sq, Hq, Dv] with [B, Hq, Sq], or packed [T, Hq, Dv] with [Hq, T])."""
     lse = jnp.logaddexp(lse_h, lse_t)
     safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    weight = lambda part: jnp.exp(part - safe).transpose(0, 2, 1)[..., None]  # [B, Sq, Hq, 1]  # noqa: E731
+    weight = lambda part: jnp.swapaxes(jnp.exp(part - safe), -1, -2)[..., None]  # noqa: E731 ([.., rows, Hq, 1])
     out = weight(lse_h) * out_h.astype(jnp.float32) + weight(lse_t) * out_t.astype(jnp.float32)
-    return out.astype(q.dtype), lse
+    return out.astype(dtype), lse

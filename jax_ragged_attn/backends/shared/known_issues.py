@@ -121,8 +121,11 @@ def cudnn_version_tuple(encoded: int) -> Version | None:
 
 
 def _decode_with_grouped_heads(op: str, config) -> bool:
-    # The paged graph is built for max(Sq, paged.MIN_SEQLEN_Q) query rows, 1 for a decode step.
-    return op == "kvcache" and config.seqlen_q == 1 and config.num_heads_q > config.num_heads_kv
+    # The paged graph is built for max(Sq, paged.MIN_SEQLEN_Q) query rows, 1 for a decode step. Packed queries:
+    # any call, since its decode rows are sequences with one query (seq_len_q = 1) whatever max_seqlen_q is,
+    # and the report names ragged Q (not verified on an affected release: fenced to be safe).
+    return (op == "kvcache" and (config.seqlen_q == 1 or config.packed)
+            and config.num_heads_q > config.num_heads_kv)
 
 
 def _ragged_single_query_grouped_heads(op: str, config) -> bool:

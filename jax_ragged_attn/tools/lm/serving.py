@@ -364,7 +364,7 @@ def make_requests(prompt: bytes, files: list[bytes], count: int, setup: Setup, m
 
 def packed_implementation(model: ByteLM, config: ServingConfig) -> str:
     """The backend implementation=None gives a serving step's packed attention call (FA3 on Hopper for head
-    dim 128; cuDNN declines packed queries; else the xla path), or why none is known."""
+    dim 128; cuDNN only when named; else the xla path), or why none is known."""
     attention = model.blocks[0].attention
     dtype = model.dtype
     struct = jax.ShapeDtypeStruct
