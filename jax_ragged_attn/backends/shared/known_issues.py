@@ -33,6 +33,12 @@ Considered and left out, because no path of this package reaches them (re-read o
 - TransformerEngine#2344's other half (an illegal memory access under CUDA-graph capture, 9.13-9.14, keys past
   1024): a crash, not a silent error.
 - pytorch#193893 (B200, fewer than 8 KV heads, cuDNN 9.19-9.20, open, cause unknown): no trigger confirmed.
+- cuDNN 9.18.1 release notes, known issues (no public report to cite; the stored text is cut off after "the
+  result"): decode-phase SDPA "run with causal masking turned on" with Q head count != K/V head count. The
+  paged graphs here never carry a causal right bound: the head / tail split hands them `right + TAIL` (256
+  rows past the diagonal, shared/head_tail.py head_bounds), which for one query row removes no key; the
+  ragged route's graphs have at least 2 query rows (graphs.MIN_GRAPH_SEQLEN), not the decode phase. The GPU
+  suite's GQA decode cases (stats against the float64 reference) passed on 9.19 and 9.28.1.
 """
 
 from __future__ import annotations
