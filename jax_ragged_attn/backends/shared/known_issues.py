@@ -38,7 +38,7 @@ Considered and left out, because no path of this package reaches them (re-read o
   paged graphs here never carry a causal right bound: the head / tail split hands them `right + TAIL` (256
   rows past the diagonal, shared/head_tail.py head_bounds), which for one query row removes no key; the
   ragged route's graphs have at least 2 query rows (graphs.MIN_GRAPH_SEQLEN), not the decode phase. The GPU
-  suite's GQA decode cases (stats against the float64 reference) passed on 9.19 and 9.28.1.
+  suite's GQA decode cases (stats against the float64 reference) passed on 9.19.
 """
 
 from __future__ import annotations
