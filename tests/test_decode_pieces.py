@@ -1,0 +1,38 @@
+"""benchmarks/decode_pieces.py: the page-table pieces and their merge give the one-call result (xla path, any
+machine), so the GPU table's P > 1 rows time the same attention; and the quick run prints every row."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ragged_attn import ragged_attention_with_kvcache
+from jax_ragged_attn.testing import assert_close
+
+from benchmarks import decode_pieces
+
+
+@pytest.mark.parametrize("pieces", [2, 3, 6])
+def test_pieces_merge_to_the_one_call_result(pieces):
+    rng = np.random.default_rng(pieces)
+    batch, max_pages, page, hq, hkv, d = 3, 6, 8, 4, 2, 16
+    lengths = jnp.asarray([max_pages * page, 1, 29], jnp.int32)  # full, one row, a piece boundary inside a page
+    table = jnp.asarray(rng.permutation(batch * max_pages + 2)[:batch * max_pages].reshape(batch, max_pages),
+                        jnp.int32)
+    q = jnp.asarray(rng.standard_normal((batch, 1, hq, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((batch * max_pages + 2, page, hkv, d)), jnp.float32) for _ in range(2))
+    expected = ragged_attention_with_kvcache(q, k, v, lengths, page_table=table, implementation="xla")
+    got = decode_pieces.pieces_call(q, k, v, lengths, table, pieces, implementation="xla")
+    assert_close(got, np.asarray(expected, np.float64), jnp.float32, f"{pieces} pieces")
+    with pytest.raises(ValueError, match="not a multiple of pieces"):
+        decode_pieces.pieces_call(q, k, v, lengths, table, 4, implementation="xla")
+
+
+def test_quick_run_prints_a_row_per_variant(capsys):
+    assert decode_pieces.main(["--quick"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "x" in line]
+    rows = [line for line in lines if not line.startswith("| shape")]
+    assert len(rows) == 2 * 3, lines  # two shapes x pieces 1, 2, 4 on the xla path
+    assert all(float(row.split("|")[-2]) < 1e-4 for row in rows), rows  # each merge matches P = 1
