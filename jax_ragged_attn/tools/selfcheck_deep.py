@@ -31,7 +31,7 @@ from jax_ragged_attn import ragged_attention, ragged_attention_with_kvcache
 from jax_ragged_attn.backends.shared import extension, known_issues
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 from jax_ragged_attn.testing import assert_close, reference_attention
-from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
+from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention, reference_kvcache_attention_packed
 
 BACKENDS = ("cudnn", "fa3", "xla")
 DTYPE = "bfloat16"
@@ -100,6 +100,8 @@ class CacheCase:
     heads: tuple[int, int] = (8, 2)
     lengths: tuple[int, ...] = (512, 300, 17, 0)  # past the kernels' tail of 256 rows, so their heads are read
     options: tuple = ()
+    # Packed queries (cu_seqlens_q, a serving step): each sequence's query count; None: q [B, seqlen_q, ...].
+    queries: tuple[int, ...] | None = None
 
 
 CACHE_CASES = (
@@ -108,6 +110,8 @@ CACHE_CASES = (
     CacheCase("chunked prefill (4 queries), paged, window (20, 0)", seqlen_q=4,
               options=(("local_window_size", (20, 0)),)),
     CacheCase("decode, paged, softcap 2.0", options=(("softcap", 2.0),)),
+    # A prefill chunk longer than its cache (positions below 0), a decode row, a short chunk, an empty sequence.
+    CacheCase("serving step: packed chunks and decode rows, paged", queries=(70, 1, 20, 0)),
 )
 PAGE_SIZE, MAX_PAGES = 16, 32  # capacity 512
 
@@ -226,7 +230,12 @@ def _cache_inputs(case: CacheCase) -> dict:
     rng = _rng("kvcache", case.feature)
     (hq, hkv), d, batch = case.heads, 128, len(case.lengths)
     lengths = np.asarray(case.lengths, np.int32)
-    q = _rounded(rng.standard_normal((batch, case.seqlen_q, hq, d)))
+    cu = None
+    if case.queries is None:
+        q = _rounded(rng.standard_normal((batch, case.seqlen_q, hq, d)))
+    else:  # packed rows, 3 rows of NaN past the last sequence's (never read)
+        cu = np.concatenate([[0], np.cumsum(case.queries)]).astype(np.int32)
+        q = _rounded(_poisoned(rng, np.arange(cu[-1]), int(cu[-1]) + 3, hq, d))
     capacity = PAGE_SIZE * MAX_PAGES
     table = None
     if not case.paged:
@@ -245,15 +254,23 @@ def _cache_inputs(case: CacheCase) -> dict:
                 rows = min(PAGE_SIZE, int(n) - p * PAGE_SIZE)
                 k[table[b, p], :rows], v[table[b, p], :rows] = rng.standard_normal((2, rows, hkv, d))
     k, v = _rounded(k), _rounded(v)
-    expected = reference_kvcache_attention(q, k, v, lengths, page_table=table, **dict(case.options))
-    return dict(q=q, k=k, v=v, lengths=lengths, table=table, expected=expected)
+    if cu is None:
+        expected = reference_kvcache_attention(q, k, v, lengths, page_table=table, **dict(case.options))
+    else:
+        expected = reference_kvcache_attention_packed(q, k, v, lengths, cu, max(case.queries), page_table=table,
+                                                      **dict(case.options))
+    return dict(q=q, k=k, v=v, lengths=lengths, table=table, cu=cu, expected=expected)
 
 
 def _cache_run(case: CacheCase, backend: str, x: dict) -> dict:
     table = None if x["table"] is None else jnp.asarray(x["table"])
-    call = jax.jit(lambda q, k, v, lengths, table: ragged_attention_with_kvcache(
-        q, k, v, lengths, page_table=table, return_stats=True, implementation=backend, **dict(case.options)))
-    out, stats = call(*(jnp.asarray(x[name], DTYPE) for name in ("q", "k", "v")), jnp.asarray(x["lengths"]), table)
+    cu = None if x["cu"] is None else jnp.asarray(x["cu"])
+    packed = {} if cu is None else dict(max_seqlen_q=max(case.queries))
+    call = jax.jit(lambda q, k, v, lengths, table, cu: ragged_attention_with_kvcache(
+        q, k, v, lengths, cu_seqlens_q=cu, page_table=table, return_stats=True, implementation=backend, **packed,
+        **dict(case.options)))
+    out, stats = call(*(jnp.asarray(x[name], DTYPE) for name in ("q", "k", "v")), jnp.asarray(x["lengths"]), table,
+                      cu)
     return dict(out=out, stats=stats)
 
 
