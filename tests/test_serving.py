@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import numpy as np
 import pytest
 
@@ -100,3 +101,17 @@ def test_report_prints_both_side_by_side(tiny, capsys):
                      r"of <= 8 tokens, 1 compilation; pages of 8 rows", out), out
     assert re.search(r"fixed batches of 2 \(generation.generate\): [0-9,]+ bytes/s, latency p50", out), out
     assert re.search(r"continuous / fixed: [0-9.]+x the throughput, p99 latency [0-9.]+x", out), out
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="shows the fallback where cuDNN cannot run (a CPU)")
+def test_a_named_implementation_reaches_the_step(tiny, capsys):
+    """--serve-implementation: the named backend runs the packed attention; where it cannot (cuDNN on a CPU)
+    the report says so and serves with xla."""
+    model, setup = tiny
+    _, held_out, _ = lm.stdlib_files()
+    requests = serving.make_requests(b"import os\n", held_out, 2, setup, (4, 8), samples=1, seed=2)
+    config = serving.ServingConfig.for_setup(setup, slots=2, budget=8, page_size=8)
+    served, _ = serving.serve_and_compare(model, setup, requests, config, seed=0, implementation="cudnn")
+    out = capsys.readouterr().out
+    assert served is not None, out
+    assert "packed attention by cudnn:" in out and "(implementation cudnn failed: NotImplementedError" in out, out

@@ -143,6 +143,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Setup]:
                         f"{SERVING['gpu']['budget']})")
     parser.add_argument("--serve-page-size", type=int, default=None, help="cache rows a page (cpu preset "
                         f"{SERVING['cpu']['page_size']}, gpu {SERVING['gpu']['page_size']})")
+    parser.add_argument("--serve-implementation", choices=("cudnn", "fa3", "xla"), default=None,
+                        help="the serving step's packed attention (default: the op's choice; cuDNN's packed "
+                             "queries are taken only when named until they have run on a GPU)")
     parser.add_argument("--plot", default="lm_loss.png", help="where to write the loss curve ('' for none)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
@@ -225,7 +228,7 @@ def main(argv=None) -> int:
         requests = make_requests(args.prompt.encode(), held_out_files, args.serve_requests, setup, args.serve_max_new,
                                  seed=args.seed)
         config = ServingConfig.for_setup(setup, args.serve_slots, args.serve_budget, args.serve_page_size)
-        serve_and_compare(model, setup, requests, config, args.seed)
+        serve_and_compare(model, setup, requests, config, args.seed, implementation=args.serve_implementation)
     if args.compare_steps > 0:
         side_by_side(setup, train_files, args.seed, timing, args.compare_systems,
                      label=f" ({args.preset} preset)")

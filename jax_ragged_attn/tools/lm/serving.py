@@ -380,19 +380,20 @@ def packed_implementation(model: ByteLM, config: ServingConfig) -> str:
 
 
 def serve_and_compare(model: ByteLM, setup: Setup, requests: list[Request], config: ServingConfig, seed: int,
-                      temperature: float = 0.7) -> tuple[Served, Served | None]:
+                      temperature: float = 0.7, implementation: str | None = None) -> tuple[Served, Served | None]:
     """Prints continuous batching beside the fixed-batch generation on the same requests (a failure of either
-    is printed, not raised)."""
+    is printed, not raised). implementation: the packed attention's (None: the op's choice)."""
     def attempt(run, **options):
         try:
             return run(**options), None
         except Exception as error:  # noqa: BLE001 - the report goes on
             return None, f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
 
-    served, error = attempt(functools.partial(serve, model, setup, requests, config, seed, temperature))
+    served, error = attempt(functools.partial(serve, model, setup, requests, config, seed, temperature,
+                                              implementation=implementation))
     note = ""
     if error:
-        note = f" (the default implementation failed: {error}; xla instead)"
+        note = f" (implementation {implementation or 'None'} failed: {error}; xla instead)"
         served, error = attempt(functools.partial(serve, model, setup, requests, config, seed, temperature,
                                                   implementation="xla"))
     fixed, fixed_error = attempt(functools.partial(serve_fixed, model, setup, requests, config.slots, seed,
@@ -401,7 +402,7 @@ def serve_and_compare(model: ByteLM, setup: Setup, requests: list[Request], conf
     print(f"serving {len(requests)} requests ({total} continuations, prompts of {min(len(r.prompt) for r in requests)}"
           f"-{max(len(r.prompt) for r in requests)} bytes, {min(r.max_new for r in requests)}-"
           f"{max(r.max_new for r in requests)} new bytes each), {config.slots} slots, packed attention by "
-          f"{packed_implementation(model, config)}:")
+          f"{implementation or packed_implementation(model, config)}:")
 
     def line(name, result, failure):
         if result is None:
