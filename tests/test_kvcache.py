@@ -405,13 +405,13 @@ class Fa3OneCallKVCacheTest(KVCacheTest):
     def setUp(self):
         super().setUp()
         patchers = [mock.patch.object(target, name, value) for target, name, value in (
-            (fa3_kvcache, "_fa3_call", _fa3_stand_in), (fa3_kvcache, "TAIL", 7),
+            (fa3_kvcache, "_fa3_call", _fa3_stand_in),
             (_fa3, "unavailable_reason", lambda: None), (_fa3, "FA3_DTYPES", ("float32",)),
             (_fa3, "FA3_HEAD_DIM", self.head_dim))]
         for patcher in patchers:
             patcher.start()
             self.addCleanup(patcher.stop)
-        self.enter_context(config_overrides(route=self.route))
+        self.enter_context(config_overrides(route=self.route, tail_rows=7))
 
 
 class Fa3SplitKVCacheTest(Fa3OneCallKVCacheTest):

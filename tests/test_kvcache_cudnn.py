@@ -370,20 +370,22 @@ class CudnnPagedRouteStandInTest(KVCacheTest):
     def setUp(self):
         super().setUp()
         patchers = [mock.patch.object(target, name, value) for target, name, value in (
-            (paged, "attend", _paged_stand_in), (cudnn_kvcache, "TAIL", 7),
+            (paged, "attend", _paged_stand_in),
             (extension, "cudnn_unavailable_reason", lambda: None),
             (paged, "unsupported_reason", lambda config, bounds=None: paged.static_reason(config)),
             (paged, "CUDNN_DTYPES", ("float32",)))]
         for patcher in patchers:
             patcher.start()
             self.addCleanup(patcher.stop)
-        self.enter_context(config_overrides(route="paged"))
+        self.enter_context(config_overrides(route="paged", tail_rows=7))
 
     def test_the_stand_in_is_what_runs(self):
         q, k, v, lengths, table = self.make(paged=True, seqlen_q=2)
         with mock.patch.object(paged, "attend", wraps=_paged_stand_in) as spy:
             self.check((q, k, v, lengths, table))
         self.assertTrue(spy.called)
+        heads = np.asarray(spy.call_args.args[3])  # the rows the graph reads: all but the tail of 7 (tail_rows)
+        self.assertTrue((heads > 0).any(), f"no sequence reached the graph (heads {heads})")
 
 
 def test_contiguous_caches_take_the_paged_route_where_it_serves():

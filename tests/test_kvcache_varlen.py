@@ -262,11 +262,10 @@ class XlaPackedTest(PackedKVCacheTest):
     def setUp(self):
         super().setUp()
         # Tiles of 2 queries and blocks of 8 rows (2 pages): chunks straddle tiles, sequences straddle blocks.
-        self.enter_context(mock.patch.object(cache_attention, "QUERY_TILE", 2))
-        self.enter_context(config_overrides(block_rows=8))
+        self.enter_context(config_overrides(query_tile=2, block_rows=8))
 
     def test_default_tiles_and_blocks(self):
-        with mock.patch.object(cache_attention, "QUERY_TILE", 16), config_overrides(block_rows=None):
+        with config_overrides(query_tile=None, block_rows=None):  # cache_attention.QUERY_TILE, the budget's rows
             self.check(self.mix())
             self.check(self.mix(paged=False))
 
@@ -346,7 +345,7 @@ def _fa3_tile_stand_in(q, k_cache, v_cache, lengths, page_table, config, window,
 
 class Fa3TilesStandInTest(PackedKVCacheTest):
     """fa3_kvcache.attend_packed on any backend: the tiles, seqused_q / seqused_k and masks it hands FA3, the
-    kernel call replaced by _fa3_tile_stand_in; tiles of 2 query rows (PACKED_TILE_ROWS patched), so chunks
+    kernel call replaced by _fa3_tile_stand_in; tiles of 2 query rows (packed_tile_rows 4, group 2), so chunks
     span several."""
 
     __test__ = True
@@ -355,12 +354,13 @@ class Fa3TilesStandInTest(PackedKVCacheTest):
     def setUp(self):
         super().setUp()
         patchers = [mock.patch.object(target, name, value) for target, name, value in (
-            (fa3_kvcache, "_fa3_call", _fa3_tile_stand_in), (fa3_kvcache, "PACKED_TILE_ROWS", 4),
+            (fa3_kvcache, "_fa3_call", _fa3_tile_stand_in),
             (_fa3, "unavailable_reason", lambda: None), (_fa3, "FA3_DTYPES", ("float32",)),
             (_fa3, "FA3_HEAD_DIM", self.head_dim))]
         for patcher in patchers:
             patcher.start()
             self.addCleanup(patcher.stop)
+        self.enter_context(config_overrides(packed_tile_rows=4))
 
     @parameterized.parameters(False, True)
     def test_non_causal_one_tile_per_sequence(self, paged):
@@ -450,7 +450,7 @@ class CudnnPackedStandInTest(PackedKVCacheTest):
             return lambda *args, **attributes: _paged_handler_stand_in(*args, types=types, **attributes)
 
         patchers = [mock.patch.object(target, name, value) for target, name, value in (
-            (jax.ffi, "ffi_call", ffi_call), (cudnn_kvcache, "TAIL", 7),
+            (jax.ffi, "ffi_call", ffi_call),
             (paged, "graph_info", lambda config, bounds=None: {"workspace_bytes": 16}),
             (paged, "ffi_kwargs", paged.attributes),
             (extension, "cudnn_unavailable_reason", lambda: None),
@@ -460,11 +460,14 @@ class CudnnPackedStandInTest(PackedKVCacheTest):
         for patcher in patchers:
             patcher.start()
             self.addCleanup(patcher.stop)
+        self.enter_context(config_overrides(tail_rows=7))
 
     def test_the_stand_in_is_what_runs(self):
         with mock.patch.object(paged, "attend_packed", wraps=paged.attend_packed) as spy:
             self.check(self.mix())
         self.assertTrue(spy.called)
+        heads = np.asarray(spy.call_args.args[3])  # the rows the graph reads: all but the tail of 7 (tail_rows)
+        self.assertTrue((heads > 0).any(), f"no sequence reached the graph (heads {heads})")
 
 
 @pytest.mark.gpu

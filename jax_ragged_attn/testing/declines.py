@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 from unittest import mock
 
 from jax_ragged_attn import backends
@@ -72,25 +72,25 @@ def _cudnn_stats_gradient_too_wide(config) -> bool:
     return config.head_dim_v + EXTRA_COLUMNS > MAX_HEAD_DIM
 
 
-def _window_splits_badly(tail: Callable[[], int]) -> Callable:
-    """A left window that reaches past a sequence's head into its last `tail()` rows but not through them
-    (shared/head_tail.py window_reason's condition; `tail` read when asked, as tests patch it)."""
+def _window_splits_badly(tail: Callable[[Any], int]) -> Callable:
+    """A left window that reaches past a sequence's head into its last `tail(config)` rows but not through them
+    (shared/head_tail.py window_reason's condition)."""
     def when(config) -> bool:
         left = config.left_bound
-        return left is not None and left < tail() < left + config.seqlen_q
+        return left is not None and left < tail(config) < left + config.seqlen_q
     return when
 
 
-def _cudnn_kvcache_tail() -> int:
+def _cudnn_kvcache_tail(config) -> int:
     from jax_ragged_attn.backends.cudnn import kvcache
 
-    return kvcache.TAIL
+    return kvcache.tail(config)
 
 
-def _fa3_kvcache_tail() -> int:
+def _fa3_kvcache_tail(config) -> int:
     from jax_ragged_attn.backends.fa3 import kvcache
 
-    return kvcache.TAIL
+    return kvcache.tail(config)
 
 
 def _fa3_module():
@@ -132,10 +132,10 @@ def _fa3_head_dims(config) -> bool:
     return _fa3_module().FA3_HEAD_DIM != config.head_dim_qk or _fa3_module().FA3_HEAD_DIM != config.head_dim_v
 
 
-def _fa3_packed_tile_rows() -> int:
+def _fa3_packed_tile_rows(config) -> int:
     from jax_ragged_attn.backends.fa3 import kvcache
 
-    return kvcache.PACKED_TILE_ROWS
+    return kvcache.packed_tile_rows(config)
 
 
 _CUDNN = "backends/cudnn/graphs.py unsupported_reason"
@@ -177,9 +177,9 @@ EXPECTED = (
             "backends/fa3/kvcache.py unsupported_reason (shared/head_tail.py window_reason)"),
     # Packed queries (cu_seqlens_q) of the KV-cache op
     Decline("fa3", "kvcache", "FA3 serves packed queries in tiles of at most",
-            lambda c: c.packed and c.group_size > _fa3_packed_tile_rows(), _FA3_PACKED),
+            lambda c: c.packed and c.group_size > _fa3_packed_tile_rows(c), _FA3_PACKED),
     Decline("fa3", "kvcache", "packed queries with keys right of the diagonal",
-            lambda c: c.packed and c.right_bound != 0 and c.seqlen_q * c.group_size > _fa3_packed_tile_rows(),
+            lambda c: c.packed and c.right_bound != 0 and c.seqlen_q * c.group_size > _fa3_packed_tile_rows(c),
             _FA3_PACKED),
 )
 

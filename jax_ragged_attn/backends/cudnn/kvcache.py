@@ -55,6 +55,11 @@ ROUTES = ("paged", "ragged")  # config.route values this backend reads (tests); 
 TAIL = 256
 
 
+def tail(config: KVCacheConfig) -> int:
+    """TAIL, or the tests' smaller one (config.tail_rows)."""
+    return config.tail_rows or TAIL
+
+
 def pinned_route(config: KVCacheConfig) -> str | None:
     """The route the tests pinned (config.route "paged" or "ragged", contiguous caches), or None."""
     return config.route if config.route in ROUTES else None
@@ -92,8 +97,8 @@ def route(config: KVCacheConfig) -> str:
 
 def paged_reason(config: KVCacheConfig) -> str | None:
     """Why the paged route (the graph over each sequence's head, shared/head_tail.py) cannot serve `config`."""
-    reason = kvcache_head_tail.window_reason(config, TAIL, "cuDNN's paged graph")
-    bounds = kvcache_head_tail.head_bounds(config, TAIL)
+    reason = kvcache_head_tail.window_reason(config, tail(config), "cuDNN's paged graph")
+    bounds = kvcache_head_tail.head_bounds(config, tail(config))
     if reason is None and bounds is not None:
         # Upstream bugs of the loaded cuDNN in the paged graph (known_issues.py): a contiguous cache then takes
         # the ragged route, a paged one another backend.
@@ -109,7 +114,7 @@ def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config
         return paged.attend_packed(q, k_cache, v_cache, head, cu_seqlens_q, page_table, config, bounds=(left, right))
 
     return kvcache_head_tail.attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config, head_call,
-                                           TAIL)
+                                           tail(config))
 
 
 def auto_candidate(config: KVCacheConfig) -> bool:
@@ -140,7 +145,7 @@ def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
         def head_call(q, k_cache, v_cache, head, page_table, config, left, right):
             return paged.attend(q, k_cache, v_cache, head, page_table, config, bounds=(left, right))
 
-        return kvcache_head_tail.attend(q, k_cache, v_cache, lengths, page_table, config, head_call, TAIL)
+        return kvcache_head_tail.attend(q, k_cache, v_cache, lengths, page_table, config, head_call, tail(config))
     return _ragged_attend(q, k_cache, v_cache, lengths, config)
 
 

@@ -63,6 +63,11 @@ TAIL = 256
 ZERO_FILL_MAX_ROWS = 64
 
 
+def tail(config: KVCacheConfig) -> int:
+    """TAIL, or the tests' smaller one (config.tail_rows)."""
+    return config.tail_rows or TAIL
+
+
 def route(config: KVCacheConfig) -> str:
     """"one_call" where FA3's zero-filling paged loader serves the call (module docstring), else "head_tail"
     (also where a test pinned it: config.route)."""
@@ -85,7 +90,7 @@ def unsupported_reason(config: KVCacheConfig) -> str | None:
         return (f"the {fa3.WHEEL} wheel's kernels are called with softcap 0 (its binding hard-codes it), got "
                 f"softcap={config.softcap}")
     if not config.packed and route(config) == "head_tail":
-        reason = kvcache_head_tail.window_reason(config, TAIL, "FA3")
+        reason = kvcache_head_tail.window_reason(config, tail(config), "FA3")
         if reason is not None:
             return reason
     return fa3.unavailable_reason()
@@ -185,7 +190,7 @@ def _head_tail(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
         window = (False, -1 if left is None else left, -1 if right is None else right)
         return _fa3_call(q, k_cache, v_cache, head, page_table, config, window)
 
-    return kvcache_head_tail.attend(q, k_cache, v_cache, lengths, page_table, config, head_call, TAIL)
+    return kvcache_head_tail.attend(q, k_cache, v_cache, lengths, page_table, config, head_call, tail(config))
 
 
 # ---- packed queries (config.packed) ------------------------------------------------------------------------
@@ -213,21 +218,27 @@ def _head_tail(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
 PACKED_TILE_ROWS = 128
 
 
+def packed_tile_rows(config: KVCacheConfig) -> int:
+    """PACKED_TILE_ROWS, or the tests' smaller one (config.packed_tile_rows)."""
+    return config.packed_tile_rows or PACKED_TILE_ROWS
+
+
 def packed_tile(config: KVCacheConfig) -> int:
     """Queries per tile of a packed call (see above)."""
     if config.right_bound != 0:
         return config.seqlen_q
-    return max(1, min(config.seqlen_q, PACKED_TILE_ROWS // config.group_size))
+    return max(1, min(config.seqlen_q, packed_tile_rows(config) // config.group_size))
 
 
 def packed_reason(config: KVCacheConfig) -> str | None:
     """Why FA3 cannot serve packed queries with this config (beyond unsupported_reason's), or None."""
-    if config.group_size > PACKED_TILE_ROWS:
-        return (f"FA3 serves packed queries in tiles of at most {PACKED_TILE_ROWS} query rows with the GQA group "
+    rows = packed_tile_rows(config)
+    if config.group_size > rows:
+        return (f"FA3 serves packed queries in tiles of at most {rows} query rows with the GQA group "
                 f"packed in; a group of {config.group_size} query heads per kv head does not fit one")
-    if config.right_bound != 0 and config.seqlen_q * config.group_size > PACKED_TILE_ROWS:
+    if config.right_bound != 0 and config.seqlen_q * config.group_size > rows:
         return (f"packed queries with keys right of the diagonal (is_causal=False or a right window) run on FA3 "
-                f"as one tile per sequence, which needs max_seqlen_q x (Hq / Hkv) <= {PACKED_TILE_ROWS} (beyond it "
+                f"as one tile per sequence, which needs max_seqlen_q x (Hq / Hkv) <= {rows} (beyond it "
                 f"FA3 loads whole key tiles with TMA and a NaN in an unused cache row would reach the result), got "
                 f"{config.seqlen_q} x {config.group_size}; use is_causal=True or implementation='xla'")
     return None

@@ -34,7 +34,8 @@ from jax_ragged_attn.backends.shared.kvcache_config import (KVCacheConfig, band,
 
 # float32 scores one step may hold ([B, Hq, Sq, rows]); the block's rows follow from it.
 SCORES_BUDGET_BYTES = 256 << 20
-# Packed queries: consecutive queries of one sequence per tile (the module docstring).
+# Packed queries: consecutive queries of one sequence per tile (the module docstring); tests set a smaller one
+# through the private config field query_tile.
 QUERY_TILE = 16
 
 
@@ -97,7 +98,7 @@ def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
 def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config: KVCacheConfig):
     """(out [T, Hq, Dv] in q's dtype, lse [Hq, T] float32) of packed queries q [T, Hq, D] (config.packed):
     rows that are no query read out 0 and lse -inf. lengths: clamped cache_seqlens [B]."""
-    tiles = query_tiles(cu_seqlens_q, lengths, config, min(QUERY_TILE, config.seqlen_q))
+    tiles = query_tiles(cu_seqlens_q, lengths, config, min(config.query_tile or QUERY_TILE, config.seqlen_q))
     used = tiles.slot_used()  # [N, M]
     first, last = band(tiles.positions(), lengths[tiles.sequence][:, None], config)
     first, last = jnp.where(used, first, 1), jnp.where(used, last, 0)  # no query: an empty band

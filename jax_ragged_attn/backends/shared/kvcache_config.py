@@ -67,10 +67,16 @@ class KVCacheConfig(MaskedConfig):
     # For tests and benchmarks only, set through testing.config_overrides (no keyword reaches them); None: the
     # backend decides. route: a kernel's route, "paged" / "ragged" on cuDNN (cudnn/kvcache.py), "head_tail" on
     # FA3 (fa3/kvcache.py), each backend ignoring the other's; block_rows: the xla path's cache rows a step
-    # (shared/cache_attention.py); num_splits: FA3's key splits (fa3/kvcache.py num_splits).
+    # (shared/cache_attention.py); num_splits: FA3's key splits (fa3/kvcache.py num_splits); tail_rows: the
+    # head / tail split's tail on FA3 and cuDNN (their TAIL; tests make it small so that heads and tails both
+    # carry keys); query_tile: the xla path's queries a packed tile (cache_attention.QUERY_TILE);
+    # packed_tile_rows: FA3's query rows a packed tile (fa3/kvcache.py PACKED_TILE_ROWS).
     route: str | None = None
     block_rows: int | None = None
     num_splits: int | None = None
+    tail_rows: int | None = None
+    query_tile: int | None = None
+    packed_tile_rows: int | None = None
 
     def __post_init__(self):
         if self.route not in (None, *PINNED_ROUTES):
