@@ -39,7 +39,7 @@ from jax_ragged_attn.inputs.kvcache import ragged_attention_with_kvcache
 from benchmarks.timing import plain_loop_seconds
 
 FULL = dict(prefill=4, chunk=512, decode=60, contexts=(2048, 16384), heads=(32, 8), head_dim=128, page_size=256,
-            dtype="bfloat16", implementations=("fa3", "xla"), decode_batches=(8, 64, 256),
+            dtype="bfloat16", implementations=("fa3", "cudnn", "xla"), decode_batches=(8, 64, 256),
             decode_contexts=(2048, 8192))
 QUICK = dict(prefill=2, chunk=16, decode=6, contexts=(64, 256), heads=(4, 2), head_dim=32, page_size=16,
              dtype="float32", implementations=("xla",), decode_batches=(4,), decode_contexts=(128,))
@@ -176,7 +176,7 @@ def decode_only(shape: dict, calls: int, repetitions: int) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small shapes, xla only (runs on a CPU in seconds)")
-    parser.add_argument("--implementations", default=None, help="comma-separated subset of fa3,xla")
+    parser.add_argument("--implementations", default=None, help="comma-separated subset of fa3,cudnn,xla")
     parser.add_argument("--calls", type=int, default=None, help="jitted calls per timed loop (default 30; quick 2)")
     parser.add_argument("--repetitions", type=int, default=None, help="timed loops; the median is reported")
     parser.add_argument("--no-decode", action="store_true", help="the mixed step only")
