@@ -56,7 +56,11 @@ AttentionConfig mask_config(const PagedConfig& c) {
   return m;
 }
 
-xla::ffi::Error build_paged(cudnnHandle_t handle, const PagedConfig& c, CachedGraph* out) {
+// implementation: the frontend's AUTO (its unified SDPA node where that accepts the graph, cuDNN >= 9.15) or
+// COMPOSITE, which paged_graph() retries with where AUTO's pick declines packed queries (the combination the
+// frontend's paged-prefill sample runs on the composite node).
+xla::ffi::Error build_paged(cudnnHandle_t handle, const PagedConfig& c, fe::AttentionImplementation_t implementation,
+                            CachedGraph* out) {
   auto g = std::make_shared<InspectableGraph>();
   const fe::DataType_t io = io_data_type(c);
   g->set_io_data_type(io)
@@ -67,10 +71,12 @@ xla::ffi::Error build_paged(cudnnHandle_t handle, const PagedConfig& c, CachedGr
 
   // Row-major [B, Sq, Hq, D] (packed: [T, Hq, D] at ragged offsets, the batch stride then unused) and
   // [pages, page_size, Hkv, D] arrays, seen as cuDNN's (b, h, s, d).
-  TensorPtr offset_q, offset_o;
+  TensorPtr offset_q, offset_o, offset_stats;
   if (c.packed()) {
     offset_q = input(*g, PagedUid::kOffsetQ, "offset_q", {b + 1, 1, 1, 1}, {1, 1, 1, 1}, fe::DataType_t::INT32);
     offset_o = input(*g, PagedUid::kOffsetO, "offset_o", {b + 1, 1, 1, 1}, {1, 1, 1, 1}, fe::DataType_t::INT32);
+    offset_stats =
+        input(*g, PagedUid::kOffsetStats, "offset_stats", {b + 1, 1, 1, 1}, {1, 1, 1, 1}, fe::DataType_t::INT32);
   }
   auto q = input(*g, PagedUid::kQ, "q", {b, hq, s, dqk}, {s * hq * dqk, dqk, hq * dqk, 1}, io, offset_q);
   auto k = input(*g, PagedUid::kK, "k_cache", {pages, hkv, rows, dqk}, {rows * hkv * dqk, dqk, hkv * dqk, 1}, io);
@@ -88,15 +94,31 @@ xla::ffi::Error build_paged(cudnnHandle_t handle, const PagedConfig& c, CachedGr
       .set_paged_attention_v_table(table)
       // Set, not inferred from the table: the frontend warns when it has to guess (and paged_config_problem
       // keeps the product within int).
-      .set_paged_attention_max_seq_len_kv(static_cast<int>(c.max_seq_len_kv()));
+      .set_paged_attention_max_seq_len_kv(static_cast<int>(c.max_seq_len_kv()))
+      .set_implementation(implementation);
   apply_forward_masks(attributes, mask_config(c), seq_len_q, seq_len_kv);
   auto [o, stats] = g->sdpa(q, k, v, attributes);
   mark_output(o, PagedUid::kO, {b, hq, s, dv}, {s * hq * dv, dv, hq * dv, 1}, io, offset_o);
-  mark_output(stats, PagedUid::kStats, {b, hq, s, 1}, {hq * s, s, 1, 1}, fe::DataType_t::FLOAT);
+  if (c.packed()) {  // token-major rows [T, Hq] at offset_stats
+    mark_output(stats, PagedUid::kStats, {b, hq, s, 1}, {s * hq, 1, hq, 1}, fe::DataType_t::FLOAT, offset_stats);
+  } else {  // dense [B, Hq, Sq]
+    mark_output(stats, PagedUid::kStats, {b, hq, s, 1}, {hq * s, s, 1, 1}, fe::DataType_t::FLOAT);
+  }
 
   FFI_RETURN_IF_ERROR(finalize_graph(*g, handle, /*plan_index=*/-1, c.describe(), /*tuning=*/false, out));
   out->graph = std::move(g);
   return xla::ffi::Error::Success();
+}
+
+// build_paged, with a frontend exception reported as an error.
+xla::ffi::Error build_paged_guarded(cudnnHandle_t handle, const PagedConfig& c,
+                                    fe::AttentionImplementation_t implementation, CachedGraph* out) {
+  try {
+    return build_paged(handle, c, implementation, out);
+  } catch (const std::exception& e) {
+    return ErrorStream(xla::ffi::ErrorCode::kInternal)
+           << "building the paged cuDNN graph threw: " << e.what() << " [" << c.describe() << "]";
+  }
 }
 
 // Bounded like graph_cache.cc's (a server's batch sizes and table widths vary), by the same cache template;
@@ -134,17 +156,19 @@ xla::ffi::Error paged_graph(int device, const PagedConfig& c, std::shared_ptr<co
   const std::string problem = paged_config_problem(c);
   FFI_CHECK(problem.empty()) << problem;
   FFI_CHECK(cudnn_loaded()) << "cuDNN is not loaded; import jax_ragged_attn on a CUDA backend first";
+  // T only sizes the buffers (paged_graph.h): one graph serves every T of a packed configuration.
+  PagedConfig key = c;
+  key.total_q = c.packed() ? 1 : 0;
   return paged_graphs.get(
-      std::make_pair(device, c),
+      std::make_pair(device, key),
       [&](CachedGraph* graph) -> xla::ffi::Error {
         RelaxedStreamCapture relaxed;
         return with_cudnn_handle(device, [&](cudnnHandle_t handle) -> xla::ffi::Error {
-          try {
-            return build_paged(handle, c, graph);
-          } catch (const std::exception& e) {
-            return ErrorStream(xla::ffi::ErrorCode::kInternal)
-                   << "building the paged cuDNN graph threw: " << e.what() << " [" << c.describe() << "]";
+          xla::ffi::Error built = build_paged_guarded(handle, c, fe::AttentionImplementation_t::AUTO, graph);
+          if (built.failure() && c.packed() && built.errc() == xla::ffi::ErrorCode::kUnimplemented) {
+            return build_paged_guarded(handle, c, fe::AttentionImplementation_t::COMPOSITE, graph);
           }
+          return built;
         });
       },
       out);

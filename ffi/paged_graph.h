@@ -11,13 +11,15 @@
 //   o        [B, Sq, Hq, Dv]                   like q
 //   stats    float32 [B, Hq, Sq]               natural-log log-sum-exp
 //
-// Packed queries (total_q = T > 0, a serving step's prefill chunks and decode rows in one call): q and o are
-// [T, Hq, D] with cuDNN's ragged offsets, sequence b's queries at rows cu[b] .. cu[b] + seq_len_q[b] - 1
-// (offset_q = cu * Hq * Dqk, offset_o = cu * Hq * Dv, int32 [B + 1], elements), Sq being max_seqlen_q; the
-// stats stay dense [B, Hq, Sq] (query i of sequence b at column i). cuDNN takes ragged Q/O beside page tables
-// from 9.7 (cudnn-frontend's sdpa_support_surface.h); TransformerEngine's paged THD layouts are this graph.
-// The caller keeps seq_len_q[b] <= cu[b + 1] - cu[b] and cu within [0, T], so no row outside q or o is
-// addressed (Python's sanitised cu_seqlens_q).
+// Packed queries (total_q = T > 0, a serving step's prefill chunks and decode rows in one call): q, o and the
+// stats are token-major rows with cuDNN's ragged offsets, q [T, Hq, Dqk], o [T, Hq, Dv], stats float32 [T, Hq],
+// sequence b's queries at rows cu[b] .. cu[b] + seq_len_q[b] - 1 (offset_q = cu * Hq * Dqk, offset_o =
+// cu * Hq * Dv, offset_stats = cu * Hq, int32 [B + 1], elements), Sq being max_seqlen_q. cuDNN takes ragged
+// Q/O beside page tables from 9.7 (cudnn-frontend's sdpa_support_surface.h; its sample from 9.8) and ragged
+// stats from 9.6: TransformerEngine's paged THD attention is this graph. The caller keeps seq_len_q[b] <=
+// cu[b + 1] - cu[b] and cu within the real rows, and gives the buffers rows to spare past them (Python pads
+// q by PACKED_SPARE_ROWS): cuDNN is never told T, and a query tile of the last sequence may load rows past its
+// end. T only sizes the buffers: the graph cache keys on whether the queries are packed, not on T.
 //
 // A contiguous cache [B, L, Hkv, D] is the container with one page per sequence (num_pages = B, page_size = L,
 // table[b] = b). cuDNN reads every table entry of a sequence's first ceil(seq_len_kv / page_size) pages: the
@@ -46,6 +48,7 @@ enum class PagedUid : int64_t {
   kSeqLenKV,
   kOffsetQ,  // packed queries only: cu_seqlens_q * Hq * Dqk
   kOffsetO,  // cu_seqlens_q * Hq * Dv
+  kOffsetStats,  // cu_seqlens_q * Hq
 };
 
 // Why `config` describes no valid call ("" when it does): sizes below 1, Hq not a multiple of Hkv, an

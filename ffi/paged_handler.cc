@@ -6,9 +6,9 @@
 //   args:       q [B, Sq, Hq, Dqk] (packed: [T, Hq, Dqk]), k_cache [num_pages, page_size, Hkv, Dqk], v_cache
 //               [num_pages, page_size, Hkv, Dv] (bfloat16 or float16, all alike), page_table int32 [B, max_pages]
 //               (every entry a sequence uses inside [0, num_pages)), seq_len_q int32 [B] (<= Sq; packed: also
-//               <= the sequence's rows), seq_len_kv int32 [B] (<= max_pages * page_size), offset_q and offset_o
-//               int32 [B + 1] (packed: the rows' ragged offsets, paged_graph.h; dense: [0], unused)
-//   results:    o like q with Dv, stats float32 [B, Hq, Sq], workspace uint8
+//               <= the sequence's rows), seq_len_kv int32 [B] (<= max_pages * page_size), offset_q, offset_o
+//               and offset_stats int32 [B + 1] (packed: the rows' ragged offsets, paged_graph.h; dense: [0])
+//   results:    o like q with Dv, stats float32 [B, Hq, Sq] (packed: [T, Hq]), workspace uint8
 //   attributes: the PagedConfig fields (paged_config.h), by name
 //
 // cuDNN writes the rows of each sequence's first seq_len_q queries that have keys; the others are left as
@@ -60,6 +60,7 @@ ffi::Error paged_forward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> page_table,
                               ffi::Buffer<ffi::S32> seq_len_q, ffi::Buffer<ffi::S32> seq_len_kv,
                               ffi::Buffer<ffi::S32> offset_q, ffi::Buffer<ffi::S32> offset_o,
+                              ffi::Buffer<ffi::S32> offset_stats,
                               ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> stats,
                               ffi::Result<ffi::Buffer<ffi::U8>> workspace, PagedConfig c) {
   const std::string problem = paged_config_problem(c);
@@ -87,9 +88,13 @@ ffi::Error paged_forward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
       check_buffer("offset_q", ffi::DataType::S32, offset_q.dimensions(), ffi::DataType::S32, {offsets}, c));
   FFI_RETURN_IF_ERROR(
       check_buffer("offset_o", ffi::DataType::S32, offset_o.dimensions(), ffi::DataType::S32, {offsets}, c));
+  FFI_RETURN_IF_ERROR(check_buffer("offset_stats", ffi::DataType::S32, offset_stats.dimensions(), ffi::DataType::S32,
+                                   {offsets}, c));
   FFI_RETURN_IF_ERROR(check_buffer("o", o->element_type(), o->dimensions(), t, rows_of(c.head_dim_v), c));
   FFI_RETURN_IF_ERROR(check_buffer("stats", ffi::DataType::F32, stats->dimensions(), ffi::DataType::F32,
-                                   {b, c.num_heads_q, c.seqlen_q}, c));
+                                   c.packed() ? std::vector<int64_t>{c.total_q, c.num_heads_q}
+                                              : std::vector<int64_t>{b, c.num_heads_q, c.seqlen_q},
+                                   c));
   FFI_CHECK(workspace->dimensions().size() == 1) << "the workspace must be a 1-D uint8 buffer [" << c.describe() << "]";
 
   std::shared_ptr<const CachedGraph> graph;
@@ -111,6 +116,7 @@ ffi::Error paged_forward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   if (c.packed()) {
     pack[static_cast<int64_t>(PagedUid::kOffsetQ)] = offset_q.untyped_data();
     pack[static_cast<int64_t>(PagedUid::kOffsetO)] = offset_o.untyped_data();
+    pack[static_cast<int64_t>(PagedUid::kOffsetStats)] = offset_stats.untyped_data();
   }
   return execute_graph(device, *graph, stream, pack, workspace->untyped_data());
 }
@@ -130,6 +136,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnPagedForward, jax_ragged_attn::paged_
                                   .Arg<ffi::Buffer<ffi::S32>>()       // seq_len_kv
                                   .Arg<ffi::Buffer<ffi::S32>>()       // offset_q
                                   .Arg<ffi::Buffer<ffi::S32>>()       // offset_o
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // offset_stats
                                   .Ret<ffi::AnyBuffer>()              // o
                                   .Ret<ffi::Buffer<ffi::F32>>()       // stats
                                   .Ret<ffi::Buffer<ffi::U8>>()        // workspace

@@ -60,6 +60,8 @@ EXAMPLES = {
     ("cudnn", "kvcache", "of at most 2**31 - 1 rows"): (cudnn_kvcache.unsupported_reason,
                                                          _kvcache(page_size=2**16, max_pages=2**15)),
     ("cudnn", "kvcache", "which has a known bug there"): (cudnn_kvcache.unsupported_reason, _kvcache()),
+    ("cudnn", "kvcache", "packed queries (cu_seqlens_q) over a paged cache take cuDNN"): (
+        cudnn_kvcache.unsupported_reason, _kvcache(total_q=20, seqlen_q=4, num_heads_q=2)),
     ("cudnn", "kvcache", "reaches into the rows cuDNN's paged graph reads"): (
         cudnn_kvcache.unsupported_reason, _kvcache(seqlen_q=10, window_left=cudnn_kvcache.TAIL - 5)),
     ("fa3", "ragged", "called with softcap 0"): (fa3.unsupported_reason, _ragged(softcap=1.0)),
@@ -87,8 +89,10 @@ def test_every_entry_is_what_its_backend_says_for_a_configuration_it_covers(monk
     assert set(EXAMPLES) == {(e.backend, e.op, e.says) for e in declines.EXPECTED}
     for (backend, op, says), (check, config) in EXAMPLES.items():
         # The fence's examples on cuDNN 9.10.0, which known_issues.py fences off for every call
-        # (TransformerEngine#1937); the others with no cuDNN loaded, so that no fence comes first.
-        versions = known_issues.Versions(cudnn=(9, 10, 0) if "known bug" in says else None)
+        # (TransformerEngine#1937); the packed-queries floor on 9.7.1; the others with no cuDNN loaded, so that
+        # no fence comes first.
+        loaded = (9, 10, 0) if "known bug" in says else (9, 7, 1) if "take cuDNN" in says else None
+        versions = known_issues.Versions(cudnn=loaded)
         monkeypatch.setattr(known_issues, "loaded_versions", lambda: versions)
         reason = check(config)
         assert reason is not None and says in reason, (backend, op, says, reason)

@@ -167,13 +167,13 @@ B, SQ, HQ, HKV, D, PAGES, PAGE, MAX_PAGES = 2, 2, 4, 2, 64, 6, 16, 3
 ATTRIBUTES = paged.attributes(_config(batch=B, seqlen_q=SQ, num_heads_q=HQ, num_heads_kv=HKV, head_dim_qk=D,
                                       head_dim_v=D, num_pages=PAGES, page_size=PAGE, max_pages=MAX_PAGES))
 ARGS = [(BF16, (B, SQ, HQ, D)), (BF16, (PAGES, PAGE, HKV, D)), (BF16, (PAGES, PAGE, HKV, D)),
-        (S32, (B, MAX_PAGES)), (S32, (B,)), (S32, (B,)), (S32, (0,)), (S32, (0,))]  # dense: no offsets
+        (S32, (B, MAX_PAGES)), (S32, (B,)), (S32, (B,)), (S32, (0,)), (S32, (0,)), (S32, (0,))]  # dense: no offsets
 RESULTS = [(BF16, (B, SQ, HQ, D)), (F32, (B, HQ, SQ)), (U8, (4096,))]
-# Packed queries: q and o [T, Hq, D] at ragged offsets [B + 1] (paged_graph.h).
+# Packed queries: q, o [T, Hq, D] and stats [T, Hq] at ragged offsets [B + 1] (paged_graph.h).
 T = 5
 PACKED_ATTRIBUTES = {**ATTRIBUTES, "total_q": T}
-PACKED_ARGS = [(BF16, (T, HQ, D)), *ARGS[1:6], (S32, (B + 1,)), (S32, (B + 1,))]
-PACKED_RESULTS = [(BF16, (T, HQ, D)), *RESULTS[1:]]
+PACKED_ARGS = [(BF16, (T, HQ, D)), *ARGS[1:6], (S32, (B + 1,)), (S32, (B + 1,)), (S32, (B + 1,))]
+PACKED_RESULTS = [(BF16, (T, HQ, D)), (F32, (T, HQ)), RESULTS[2]]
 
 
 def _call(harness, args, results, attributes):  # noqa: F811 - harness is the imported fixture
@@ -213,17 +213,20 @@ def test_the_handler_passes_every_check_of_a_valid_call(harness):  # noqa: F811
     ([*ARGS[:2], (BF16, (PAGES, PAGE, HKV, 32)), *ARGS[3:]], RESULTS, ATTRIBUTES, "v_cache is [6, 16, 2, 32]"),
     ([*ARGS[:3], (S32, (B, MAX_PAGES + 1)), *ARGS[4:]], RESULTS, ATTRIBUTES, "page_table is [2, 4]"),
     ([*ARGS[:4], (S32, (B + 1,)), *ARGS[5:]], RESULTS, ATTRIBUTES, "seq_len_q is [3]"),
-    ([*ARGS[:6], (S32, (B + 1,)), ARGS[7]], RESULTS, ATTRIBUTES, "offset_q is [3]"),  # dense: offsets unused
+    ([*ARGS[:6], (S32, (B + 1,)), *ARGS[7:]], RESULTS, ATTRIBUTES, "offset_q is [3]"),  # dense: offsets unused
     ([(BF16, (T + 1, HQ, D)), *PACKED_ARGS[1:]], PACKED_RESULTS, PACKED_ATTRIBUTES, "q is [6, 4, 64]"),
     (ARGS, RESULTS, PACKED_ATTRIBUTES, "q is [2, 2, 4, 64]"),  # packed attributes, dense buffers
-    ([*PACKED_ARGS[:7], (S32, (B,))], PACKED_RESULTS, PACKED_ATTRIBUTES, "offset_o is [2]"),
+    ([*PACKED_ARGS[:7], (S32, (B,)), PACKED_ARGS[8]], PACKED_RESULTS, PACKED_ATTRIBUTES, "offset_o is [2]"),
+    ([*PACKED_ARGS[:8], (S32, (B + 2,))], PACKED_RESULTS, PACKED_ATTRIBUTES, "offset_stats is [4]"),
+    (PACKED_ARGS, [PACKED_RESULTS[0], (F32, (B, HQ, SQ)), RESULTS[2]], PACKED_ATTRIBUTES, "stats is [2, 4, 2]"),
     (PACKED_ARGS, [(BF16, (T, HQ, 32)), *PACKED_RESULTS[1:]], PACKED_ATTRIBUTES, "o is [5, 4, 32]"),
     (PACKED_ARGS, PACKED_RESULTS, {**PACKED_ATTRIBUTES, "total_q": -1}, "total_q must be 0"),
     (ARGS, [RESULTS[0], (F32, (B, SQ, HQ)), RESULTS[2]], ATTRIBUTES, "stats is [2, 2, 4]"),
     (ARGS, RESULTS, {**ATTRIBUTES, "dtype": 2}, "dtype must be 0 (bfloat16) or 1 (float16)"),
     (ARGS, RESULTS, {**ATTRIBUTES, "left_bound": -3}, "left_bound and right_bound"),
 ], ids=["q", "k-dtype", "v-dim", "table", "seq_len_q", "dense-offsets", "packed-q", "packed-attributes",
-        "packed-offset-o", "packed-o", "total-q", "stats-layout", "dtype", "bounds"])
+        "packed-offset-o", "packed-offset-stats", "packed-dense-stats", "packed-o", "total-q", "stats-layout",
+        "dtype", "bounds"])
 def test_the_handler_names_what_is_wrong(harness, args, results, attributes, message):  # noqa: F811
     code, got = _call(harness, args, results, attributes)
     assert code != 0 and message in got, (code, got)

@@ -386,21 +386,35 @@ class Fa3PackedTest(PackedKVCacheTest):
     max_seqlen_q = 70
 
 
-def _paged_handler_stand_in(q, k_cache, v_cache, table, seq_len_q, seq_len_kv, offset_q, offset_o, *, types,
-                            **attributes):
+class Fa3PackedWholeTilePagesTest(Fa3PackedTest):
+    """The same with pages of 128 rows, a multiple of FA3's key tile: the pages where FA3 would take its TMA
+    loader (which loads whole key tiles, unused rows included) if a packed tile held more query rows than its
+    query tile (fa3/kvcache.py zero_fill_rows); unused rows and pages NaN."""
+
+    page_size = 128
+    max_pages = 6
+
+
+def _paged_handler_stand_in(q, k_cache, v_cache, table, seq_len_q, seq_len_kv, offset_q, offset_o, offset_stats, *,
+                            types, **attributes):
     """What ffi/paged_handler.cc promises for packed queries, in jnp: the buffer contract it checks (shapes,
     offsets [B + 1], total_q), then sequence b's seq_len_q[b] queries at rows offset_q[b] / (Hq * Dqk) on, over
-    rows [0, seq_len_kv[b]) of its pages, query i on diagonal seq_len_kv[b] - seq_len_q[b] + i with the bounds.
-    Rows cuDNN does not write (no keys, no query) and their stats are NaN: the callers must mask them."""
+    rows [0, seq_len_kv[b]) of its pages, query i on diagonal seq_len_kv[b] - seq_len_q[b] + i with the bounds,
+    stats token-major [T, Hq]. Rows cuDNN does not write (no keys, no query) hold NaN: the callers must mask
+    them. The spare rows past the last query (paged.PACKED_SPARE_ROWS) must be there and zero in q."""
     batch, heads_q, dqk = attributes["num_seqs"], attributes["num_heads_q"], attributes["head_dim_qk"]
     rows, dv, total = attributes["seqlen_q"], attributes["head_dim_v"], attributes["total_q"]
-    assert total == q.shape[0] > 0 and q.shape[1:] == (heads_q, dqk), (q.shape, attributes)
-    assert offset_q.shape == offset_o.shape == (batch + 1,) and table.shape == (batch, attributes["max_pages"])
-    assert [t.shape for t in types][:2] == [(total, heads_q, dv), (batch, heads_q, rows)]
+    assert total == q.shape[0] > paged.PACKED_SPARE_ROWS and q.shape[1:] == (heads_q, dqk), (q.shape, attributes)
+    assert offset_q.shape == offset_o.shape == offset_stats.shape == (batch + 1,)
+    assert table.shape == (batch, attributes["max_pages"])
+    assert [t.shape for t in types][:2] == [(total, heads_q, dv), (total, heads_q)]
     cu = offset_q // (heads_q * dqk)
     if not isinstance(cu, jax.core.Tracer):  # the values' contract, where they are known (not under jit)
         np.testing.assert_array_equal(np.asarray(offset_o), np.asarray(cu * heads_q * dv))
-        assert bool(jnp.all(seq_len_q <= cu[1:] - cu[:-1])) and bool(jnp.all((cu >= 0) & (cu <= total)))
+        np.testing.assert_array_equal(np.asarray(offset_stats), np.asarray(cu * heads_q))
+        real = total - paged.PACKED_SPARE_ROWS
+        assert bool(jnp.all(seq_len_q <= cu[1:] - cu[:-1])) and bool(jnp.all((cu >= 0) & (cu <= real)))
+        assert not np.asarray(q[real:], np.float32).any(), "the spare rows are not zero"
     slot = jnp.arange(rows, dtype=jnp.int32)
     live = slot[None, :] < seq_len_q[:, None]  # [B, Sq]
     q_rows = jnp.clip(cu[:-1, None] + slot[None, :], 0, total - 1)
@@ -428,7 +442,8 @@ def _paged_handler_stand_in(q, k_cache, v_cache, table, seq_len_q, seq_len_kv, o
     out = jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     o = jnp.full((total, heads_q, dv), jnp.nan, q.dtype)
     o = o.at[jnp.where(written, q_rows, total)].set(out.astype(q.dtype), mode="drop")
-    stats = jnp.where(written[:, None, :], lse, jnp.nan)
+    stats = jnp.full((total, heads_q), jnp.nan, jnp.float32)
+    stats = stats.at[jnp.where(written, q_rows, total)].set(lse.transpose(0, 2, 1), mode="drop")
     return o, stats, jnp.zeros(types[2].shape, jnp.uint8)
 
 
@@ -491,10 +506,25 @@ def test_fa3_declines_what_one_tile_per_sequence_cannot_hold():
     config = KVCacheConfig(batch=4, seqlen_q=64, num_heads_q=32, num_heads_kv=8, head_dim_qk=128, head_dim_v=128,
                            dtype="bfloat16", paged=True, page_size=256, num_pages=64, max_pages=8, scale=1.0,
                            is_causal=False, window_left=None, window_right=None, total_q=100)
-    assert "max_seqlen_q x (Hq / Hkv) <= 128" in fa3_kvcache.packed_reason(config)
-    assert fa3_kvcache.packed_reason(dataclasses.replace(config, is_causal=True)) is None
-    assert fa3_kvcache.packed_tile(dataclasses.replace(config, is_causal=True)) == 32  # 128 rows / group 4
-    assert fa3_kvcache.packed_reason(dataclasses.replace(config, seqlen_q=32)) is None
+    with mock.patch.object(known_issues, "fa3_version", lambda: fa3_kvcache.AUDITED_WHEEL):
+        assert "max_seqlen_q x (Hq / Hkv) <= 128" in fa3_kvcache.packed_reason(config)
+        assert fa3_kvcache.packed_reason(dataclasses.replace(config, is_causal=True)) is None
+        assert fa3_kvcache.packed_tile(dataclasses.replace(config, is_causal=True)) == 32  # 128 rows / group 4
+        assert fa3_kvcache.packed_reason(dataclasses.replace(config, seqlen_q=32)) is None
+
+
+@pytest.mark.parametrize("version, rows", [((0, 2, 3), 128), ((0, 2, 4), 64), ((0, 3, 0), 64), (None, 64)])
+def test_fa3_tiles_hold_128_query_rows_only_on_the_audited_wheel(version, rows):
+    """Up to 128 query rows keep FA3 off TMA (its zero-filling loader) only where its head-dim-128 query tile is
+    128 rows, as in flash-attn3-jax 0.2.3; upstream FA3 also has a 64-row tile, so any other wheel gets 64."""
+    config = KVCacheConfig(batch=4, seqlen_q=64, num_heads_q=32, num_heads_kv=8, head_dim_qk=128, head_dim_v=128,
+                           dtype="bfloat16", paged=True, page_size=256, num_pages=64, max_pages=8, scale=1.0,
+                           is_causal=True, window_left=None, window_right=None, total_q=100)
+    with mock.patch.object(known_issues, "fa3_version", lambda: version):
+        assert fa3_kvcache.zero_fill_rows() == rows
+        assert fa3_kvcache.packed_tile(config) == rows // 4
+        assert fa3_kvcache.route(dataclasses.replace(config, total_q=0, seqlen_q=16)) == "one_call"  # 64 rows
+        assert fa3_kvcache.route(dataclasses.replace(config, total_q=0, seqlen_q=17)) == "head_tail"
 
 
 def test_query_tiles_cover_every_query_once():

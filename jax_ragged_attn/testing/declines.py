@@ -161,6 +161,8 @@ EXPECTED = (
     Decline("cudnn", "kvcache", "of at most 2**31 - 1 rows", lambda c: c.capacity > 2**31 - 1, _CUDNN_KVCACHE),
     Decline("cudnn", "kvcache", "which has a known bug there", _fenced("cudnn", "kvcache"),
             "backends/cudnn/kvcache.py paged_reason (shared/known_issues.py fence)"),
+    Decline("cudnn", "kvcache", "packed queries (cu_seqlens_q) over a paged cache take cuDNN",
+            lambda c: c.packed, "backends/cudnn/kvcache.py packed_version_reason (cuDNN < 9.8)"),
     Decline("cudnn", "kvcache", "reaches into the rows cuDNN's paged graph reads", _cudnn_paged_window,
             "backends/cudnn/kvcache.py paged_reason (shared/head_tail.py window_reason)"),
     # FlashAttention-3, ragged_attention

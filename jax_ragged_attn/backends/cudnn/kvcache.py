@@ -117,6 +117,20 @@ def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config
                                            tail(config))
 
 
+# cuDNN takes ragged Q / O beside page tables from 9.7 (cudnn-frontend's sdpa_support_surface.h); the frontend's
+# own paged-prefill sample runs the combination from 9.8.0 only, so below that it is not taken here.
+PACKED_MIN_CUDNN = (9, 8, 0)
+
+
+def packed_version_reason() -> str | None:
+    """Why the loaded cuDNN is too old for packed queries over pages, or None."""
+    loaded = known_issues.loaded_versions().cudnn
+    if loaded is not None and loaded < PACKED_MIN_CUDNN:
+        return (f"cuDNN {known_issues.format_version(loaded)} is loaded; packed queries (cu_seqlens_q) over a paged "
+                f"cache take cuDNN {known_issues.format_version(PACKED_MIN_CUDNN)} or newer here")
+    return None
+
+
 def auto_candidate(config: KVCacheConfig) -> bool:
     """implementation=None may pick cuDNN for every fixed-form call; packed queries only once their graph has
     run on a GPU (CudnnPackedTest, not yet: see the module docstring), until then implementation='cudnn'."""
@@ -128,7 +142,7 @@ def unsupported_reason(config: KVCacheConfig) -> str | None:
     if reason is not None:
         return reason
     if config.packed:  # the paged graph with ragged Q / O, for a contiguous cache too (its page view)
-        return paged_reason(config)
+        return packed_version_reason() or paged_reason(config)
     if route(config) == "ragged":
         return cudnn.unsupported_reason(ragged_config(config))
     reason = paged_reason(config)

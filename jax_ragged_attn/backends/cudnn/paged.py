@@ -1,7 +1,10 @@
 """cuDNN's paged SDPA forward (ffi/paged_graph.h) for ragged_attention_with_kvcache: dense queries against
 K/V caches read through a page table, one FFI handler of its own (ffi/paged_handler.cc). Packed queries
-(`attend_packed`, a serving step's prefill chunks and decode rows) run the same graph with ragged offsets on Q
-and O: offset_q[b] = cu_seqlens_q[b] * Hq * Dqk, seq_len_q[b] = n_b, the stats dense [B, Hq, max_seqlen_q].
+(`attend_packed`, a serving step's prefill chunks and decode rows) run the same graph with ragged offsets on Q,
+O and the stats (token-major [T, Hq], as TransformerEngine's paged THD attention): offset_q[b] =
+cu_seqlens_q[b] * Hq * Dqk, seq_len_q[b] = n_b. cuDNN is never told T, and a query tile of the last sequence may
+load rows past its end (the frontend's own tests over-allocate packed buffers): q is padded by
+PACKED_SPARE_ROWS zero rows and o and the stats get as many, sliced off after.
 
 A paged cache [num_pages, page_size, Hkv, D] is cuDNN's page container as it is (cuDNN takes page sizes that
 are powers of 2); a contiguous one [B, L, Hkv, D] is the same viewed as pages of P rows, P the largest power of
@@ -46,6 +49,9 @@ TARGET = "jax_ragged_attn_paged_forward"  # ffi/module.cc's kPagedTarget
 # Query rows the graph is built for at least (see the module docstring): 1, true decode graphs.
 MIN_SEQLEN_Q = 1
 INT_MAX = 2**31 - 1  # cuDNN's max_seq_len_kv is an int
+# Rows past the last query that q, o and the stats of a packed call carry: at least cuDNN's widest query tile
+# (128 rows on Hopper), twice it for margin (see the module docstring).
+PACKED_SPARE_ROWS = 256
 _ATTRIBUTE_TYPES = {"int64": np.int64, "float32": np.float32}
 
 
@@ -186,7 +192,7 @@ def attend(q, k_cache, v_cache, lengths, page_table_, config: KVCacheConfig, bou
     call = jax.ffi.ffi_call(TARGET, types, vmap_method="sequential")
     no_offsets = jnp.zeros((0,), jnp.int32)  # dense queries: the handler's offsets are unused
     out, lse, _ = call(q, k_cache, v_cache, page_table(page_table_, config), seq_len_q, seq_len_kv, no_offsets,
-                       no_offsets, **ffi_kwargs(config, bounds))
+                       no_offsets, no_offsets, **ffi_kwargs(config, bounds))
     return out[:, :config.seqlen_q], lse[:, :, :config.seqlen_q]
 
 
@@ -198,21 +204,19 @@ def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table_, confi
     lengths[b] - n_b + i) with `bounds`. Rows of queries without keys, and rows that are no query, hold
     anything in out (cuDNN leaves them unwritten) and -inf in lse."""
     total, heads_q = config.total_q, config.num_heads_q
-    rows = graph_seqlen_q(config)
-    workspace = graph_info(config, bounds)["workspace_bytes"]
+    padded = dataclasses.replace(config, total_q=total + PACKED_SPARE_ROWS)  # the buffers' rows
+    workspace = graph_info(padded, bounds)["workspace_bytes"]
     k_cache, v_cache = cache_view(k_cache, v_cache, config)
     cu = sanitize_cu_seqlens(cu_seqlens_q.astype(jnp.int32), total)
-    counts = sequence_lengths(cu, config.seqlen_q)  # <= cu[b + 1] - cu[b]: no row past q or o is addressed
+    counts = sequence_lengths(cu, config.seqlen_q)  # <= cu[b + 1] - cu[b]: no row past the real ones is a query
     lengths = lengths.astype(jnp.int32)
     seq_len_q = jnp.where(lengths > 0, counts, jnp.int32(0))  # no keys: no softmax to take
-    types = (jax.ShapeDtypeStruct((total, heads_q, config.head_dim_v), q.dtype),
-             jax.ShapeDtypeStruct((config.batch, heads_q, rows), jnp.float32),
+    types = (jax.ShapeDtypeStruct((padded.total_q, heads_q, config.head_dim_v), q.dtype),
+             jax.ShapeDtypeStruct((padded.total_q, heads_q), jnp.float32),
              jax.ShapeDtypeStruct((workspace,), jnp.uint8))
     call = jax.ffi.ffi_call(TARGET, types, vmap_method="sequential")
-    out, lse, _ = call(q, k_cache, v_cache, page_table(page_table_, config), seq_len_q, lengths,
-                       cu * (heads_q * config.head_dim_qk), cu * (heads_q * config.head_dim_v),
-                       **ffi_kwargs(config, bounds))
-    # The stats are dense [B, Hq, Sq]: row t (query i of sequence b) reads column i of sequence b's.
-    sequence, slot, owned = row_positions(cu, total, config.seqlen_q)
-    picked = lse[jnp.minimum(sequence, config.batch - 1), :, jnp.clip(slot, 0, rows - 1)]  # [T, Hq]
-    return out, jnp.where(owned[:, None], picked, -jnp.inf).T
+    out, lse, _ = call(jnp.pad(q, ((0, PACKED_SPARE_ROWS), (0, 0), (0, 0))), k_cache, v_cache,
+                       page_table(page_table_, config), seq_len_q, lengths, cu * (heads_q * config.head_dim_qk),
+                       cu * (heads_q * config.head_dim_v), cu * heads_q, **ffi_kwargs(padded, bounds))
+    owned = row_positions(cu, total, config.seqlen_q)[2]  # rows that are queries (the others hold anything)
+    return out[:total], jnp.where(owned[:, None], lse[:total], -jnp.inf).T

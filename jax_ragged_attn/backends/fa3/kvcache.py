@@ -44,6 +44,7 @@ import jax.numpy as jnp
 
 from jax_ragged_attn.backends.fa3 import ragged as fa3
 from jax_ragged_attn.backends.shared import head_tail as kvcache_head_tail
+from jax_ragged_attn.backends.shared import known_issues
 from jax_ragged_attn.backends.shared.kvcache_config import (KVCacheConfig, query_tiles, rows_with_keys,
                                                            safe_page_table)
 
@@ -57,10 +58,21 @@ MAX_SPLITS = 128
 # Rows of each sequence's end that FA3 never reads (see the module docstring): at least FA3's widest key tile
 # (176 rows for head dim 128 on Hopper), so a tile that starts inside the head ends inside the sequence.
 TAIL = 256
-# Query rows (Sq x group, FA3 packs a GQA group into one tile) up to which FA3 reads a paged cache without TMA,
-# zero-filling rows past each length: below its smallest query tile (64 with one MMA warpgroup, else 128), so
-# get_pagedkv_tma is false whatever the page size.
+# Query rows (Sq x group: FA3 packs a GQA group into one query tile) up to which FA3 reads a paged cache without
+# TMA, zero-filling rows past each length. FA3 takes TMA only where Sq x group exceeds its query tile kBlockM
+# (get_pagedkv_tma, with a page size that is a multiple of its key tile). Upstream FA3 has a 64-row query tile for
+# head dim 128 (one MMA warpgroup, for short queries) beside the 128-row one, so 64 rows are safe on any build;
+# the audited flash-attn3-jax 0.2.3 has the 128-row tile only (its csrc/flash_attn/src/tile_size.h), so 128 rows
+# are safe there. The fixed form's one call keeps 64 (its routes were measured with it); the packed tiles take
+# zero_fill_rows(): 128 on the audited wheel, 64 on any other, where a smaller tile could turn TMA on and let a
+# NaN in an unused row reach the result.
 ZERO_FILL_MAX_ROWS = 64
+AUDITED_WHEEL, AUDITED_ZERO_FILL_ROWS = (0, 2, 3), 128
+
+
+def zero_fill_rows() -> int:
+    """The most query rows a tile may hold with FA3's zero-filling loader certain (see above)."""
+    return AUDITED_ZERO_FILL_ROWS if known_issues.fa3_version() == AUDITED_WHEEL else ZERO_FILL_MAX_ROWS
 
 
 def tail(config: KVCacheConfig) -> int:
@@ -201,7 +213,7 @@ def _head_tail(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
 # So the packed rows run in batch mode, as tiles (kvcache_config.query_tiles): tile n holds up to `size`
 # consecutive queries of one sequence, q [N, size, Hq, D] gathered from the packed rows, seqused_q = its
 # query count, its sequence's page-table row, and seqused_k = its last query's position + 1, so that FA3's
-# bottom-right diagonal (seqused_k - seqused_q + i) is each query's position. size x group <= PACKED_TILE_ROWS
+# bottom-right diagonal (seqused_k - seqused_q + i) is each query's position. size x group <= packed_tile_rows()
 # keeps every tile one of FA3's query tiles (GQA packed into it, as FA3's own varlen kernel packs it), so a
 # sequence's chunk of queries reads its keys once per 128 query rows, as in FA3's own varlen call, and FA3
 # takes its paged loader without TMA (get_pagedkv_tma: seqlen_q x group > kBlockM only), which zero-fills
@@ -214,13 +226,10 @@ def _head_tail(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
 # Decode rows only (max_seqlen_q = 1): the tiles are the sequences that have a query, run through the fixed
 # form's attend (q [N, 1, Hq, D], N <= B: today's decode call, its split-KV heuristic included).
 
-# FA3's query tile for head dim 128 (tile_size_fwd_sm90: kBlockM = 128 for bf16/fp16).
-PACKED_TILE_ROWS = 128
-
-
 def packed_tile_rows(config: KVCacheConfig) -> int:
-    """PACKED_TILE_ROWS, or the tests' smaller one (config.packed_tile_rows)."""
-    return config.packed_tile_rows or PACKED_TILE_ROWS
+    """Query rows a packed tile holds: zero_fill_rows() (FA3's 128-row query tile for head dim 128 on the audited
+    wheel), or the tests' smaller one (config.packed_tile_rows)."""
+    return config.packed_tile_rows or zero_fill_rows()
 
 
 def packed_tile(config: KVCacheConfig) -> int:

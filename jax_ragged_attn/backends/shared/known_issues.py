@@ -328,11 +328,12 @@ def loaded_versions() -> Versions:
         ext = None
     return Versions(cudnn=cudnn_version_tuple(ext.cudnn_version()) if ext else None,
                     cudnn_frontend=tuple(ext.frontend_version) if ext else None,
-                    fa3=_fa3_version(), arch=_arch())
+                    fa3=fa3_version(), arch=_arch())
 
 
 @functools.cache
-def _fa3_version() -> Version | None:
+def fa3_version() -> Version | None:
+    """The installed flash-attn3-jax wheel's version, e.g. (0, 2, 3); None where it is not installed."""
     try:
         text = importlib.metadata.version("flash-attn3-jax")
     except importlib.metadata.PackageNotFoundError:

@@ -70,7 +70,7 @@ class KVCacheConfig(MaskedConfig):
     # (shared/cache_attention.py); num_splits: FA3's key splits (fa3/kvcache.py num_splits); tail_rows: the
     # head / tail split's tail on FA3 and cuDNN (their TAIL; tests make it small so that heads and tails both
     # carry keys); query_tile: the xla path's queries a packed tile (cache_attention.QUERY_TILE);
-    # packed_tile_rows: FA3's query rows a packed tile (fa3/kvcache.py PACKED_TILE_ROWS).
+    # packed_tile_rows: FA3's query rows a packed tile (fa3/kvcache.py packed_tile_rows).
     route: str | None = None
     block_rows: int | None = None
     num_splits: int | None = None
