@@ -4,6 +4,7 @@
 # under its own time limit, in the order given. Logs go to $OUT; each step prints its tail.
 #
 #   STEPS="pytest soak mutation sweep bench demo autotune cb" bash benchmarks/gpu_run.sh
+#   STEPS=memcheck bash benchmarks/gpu_run.sh   # compute-sanitizer over a few cuDNN cases (MEMCHECK_TESTS)
 #
 # mutation: the proof that the sweep catches the head-major zero-gradient bug. It needs an extension built
 # against cudnn-frontend 1.27 in .prebuilt127/ (scripts/build_old_frontend.sh); the sweep must fail with the
@@ -76,6 +77,15 @@ for name in ${STEPS:-pytest bench demo sweep}; do
     bench) step bench "${BENCH_S:-150}" python3 -m benchmarks.attention ${BENCH_ARGS:---workloads W1,W2 --time-budget 100} \
              --out "$out" ;;
     demo) step demo "${DEMO_S:-45}" python3 examples/reversal.py --plot "$out/demo_loss.png" ;;
+    # Reads and writes outside any buffer, by compute-sanitizer's memcheck: each XLA buffer its own allocation
+    # (the platform allocator), so a kernel that loads past a packed buffer's last row (cuDNN is never told T)
+    # is reported instead of landing in the arena. A few small cases: memcheck runs kernels 10-100x slower.
+    memcheck) step memcheck "${MEMCHECK_S:-300}" env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+                "${COMPUTE_SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}" --tool memcheck --error-exitcode 9 \
+                python3 -m pytest -x -q -rs -p no:cacheprovider -p no:xdist ${MEMCHECK_TESTS:-\
+                tests/test_kvcache_varlen.py::CudnnPackedTest::test_attention_causal_paged \
+                tests/test_kvcache_varlen.py::CudnnPackedTest::test_random_mixes \
+                tests/test_cudnn.py::test_head_major_and_token_major_stats_give_the_same_gradients} ;;
     lm) step lm "${LM_S:-400}" python3 -m jax_ragged_attn ${LM_ARGS:-} --plot "$out/lm_loss.png" ;;  # the main job
     model) step model "${MODEL_S:-120}" python3 -m benchmarks.attention --model ${MODEL_ARGS:---time-budget 80} --out "$out" ;;
     bottom_right) step bottom_right "${BR_S:-90}" python3 -m benchmarks.bottom_right ;;
