@@ -62,8 +62,8 @@ TAIL = 256
 # TMA, zero-filling rows past each length. FA3 takes TMA only where Sq x group exceeds its query tile kBlockM
 # (get_pagedkv_tma, with a page size that is a multiple of its key tile). Upstream FA3 has a 64-row query tile for
 # head dim 128 (one MMA warpgroup, for short queries) beside the 128-row one, so 64 rows are safe on any build;
-# the audited flash-attn3-jax 0.2.3 has the 128-row tile only (its csrc/flash_attn/src/tile_size.h), so 128 rows
-# are safe there. The fixed form's one call keeps 64 (its routes were measured with it); the packed tiles take
+# the audited flash-attn3-jax 0.2.3 has the 128-row tile only (tile_size_fwd_sm90 in the wheel's sources), so
+# 128 rows are safe there. The fixed form's one call keeps 64 (its routes were measured with it); the packed tiles take
 # zero_fill_rows(): 128 on the audited wheel, 64 on any other, where a smaller tile could turn TMA on and let a
 # NaN in an unused row reach the result.
 ZERO_FILL_MAX_ROWS = 64
