@@ -99,9 +99,9 @@ def run(shape: dict, calls: int, repetitions: int) -> list[str]:
                 label = f"{batch} x {context // 1024}k" if context >= 1024 else f"{batch} x {context}"
                 try:
                     with config_overrides(num_splits=splits):
-                        seconds, out = _time(
-                            lambda q, k, v, n, t, p=pieces: pieces_call(q, k, v, n, t, p, implementation=implementation),
-                            (q, k, v, lengths, table), calls, repetitions)
+                        call = lambda q, k, v, n, t, p=pieces: pieces_call(  # noqa: E731
+                            q, k, v, n, t, p, implementation=implementation)
+                        seconds, out = _time(call, (q, k, v, lengths, table), calls, repetitions)
                 except NotImplementedError as error:
                     rows.append(f"| {label} | {implementation} | {pieces} | {splits or 'own'} | declined: "
                                 f"{str(error)[:90]} | | | |")

@@ -639,7 +639,8 @@ class PackedAppendTest(parameterized.TestCase):
         k = jnp.zeros((3, 6, 2, 4), jnp.float32)
         lengths = jnp.zeros(3, jnp.int32)
         for call, message in [
-            (lambda: kvcache_append(k, k, jnp.zeros((5, 2, 4), k.dtype), jnp.zeros((5, 2, 4), k.dtype), lengths), "k_new must have rank 4"),
+            (lambda: kvcache_append(k, k, jnp.zeros((5, 2, 4), k.dtype), jnp.zeros((5, 2, 4), k.dtype), lengths),
+             "k_new must have rank 4"),
             (lambda: kvcache_append(k, k, jnp.zeros((5, 2, 4), k.dtype), jnp.zeros((5, 2, 4), k.dtype), lengths,
                                     cu_seqlens_k_new=jnp.zeros(3, jnp.int32)), "cu_seqlens_k_new must be"),
             (lambda: kvcache_append(k, k, jnp.zeros((5, 3, 4), k.dtype), jnp.zeros((5, 3, 4), k.dtype), lengths,
