@@ -74,6 +74,10 @@ for name in ${STEPS:-pytest bench demo sweep}; do
     mutation) export -f mutation; export out; step mutation "${MUTATION_S:-240}" bash -c mutation ;;
     sweep) step sweep "${SWEEP_S:-40}" python3 -m benchmarks.sweep --tier gpu --num-tests "${SWEEP_N:-8}" \
              --seed "${SWEEP_SEED:-0}" --jobs "${JOBS:-1}" ;;
+    sweep_kv) for impl in ${SWEEP_KV_IMPLS:-cudnn fa3}; do
+                step "sweep_kv_$impl" "${SWEEP_KV_S:-120}" python3 -m benchmarks.sweep_kvcache --tier gpu \
+                  --implementation "$impl" --num-tests "${SWEEP_KV_N:-40}" --seed "${SWEEP_SEED:-0}"
+              done ;;
     bench) step bench "${BENCH_S:-150}" python3 -m benchmarks.attention ${BENCH_ARGS:---workloads W1,W2 --time-budget 100} \
              --out "$out" ;;
     demo) step demo "${DEMO_S:-45}" python3 examples/reversal.py --plot "$out/demo_loss.png" ;;
