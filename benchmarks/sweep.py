@@ -328,6 +328,14 @@ def _run_all(cases: list[dict], jobs: int):
         yield from pool.map(run_case, cases)
 
 
+def case_line(i: int, total: int, case: dict, status: str, message: str, description: str) -> str:
+    """One case's line of a sweep's log: its seed, status and description, a skip's reason, a failure's repro."""
+    line = f"[{i + 1}/{total}] seed={case['seed']} {status.upper():7} {description}"
+    if status == "skipped":
+        return line + f" ({message})"
+    return line + f"\n  {message}" if status == "failed" else line
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sweep", description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0, help="the first case's seed; case i uses seed + i")
@@ -348,14 +356,11 @@ def main(argv=None) -> int:
     counts, skips, failures = collections.Counter(), collections.Counter(), []
     for i, (case, (status, message)) in enumerate(zip(cases, _run_all(cases, args.jobs))):
         counts[status] += 1
-        line = f"[{i + 1}/{len(cases)}] seed={case['seed']} {status.upper():7} {describe(case)}"
         if status == "skipped":
             skips[message] += 1
-            line += f" ({message})"
         elif status == "failed":
             failures.append(case["seed"])
-            line += f"\n  {message}"
-        print(line, flush=True)
+        print(case_line(i, len(cases), case, status, message, describe(case)), flush=True)
 
     print(f"\n{len(cases)} cases: {counts['passed']} passed, {counts['skipped']} skipped, {counts['failed']} failed")
     for reason, n in skips.most_common():

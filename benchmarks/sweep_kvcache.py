@@ -30,6 +30,8 @@ from jax_ragged_attn import ragged_attention_with_kvcache
 from jax_ragged_attn.testing import assert_close, declines
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention, reference_kvcache_attention_packed
 
+from benchmarks.sweep import case_line
+
 # Per tier: dtypes, (Hq, Hkv), head dims (Dqk, Dv), page sizes, the most pages a sequence, the most queries a
 # sequence. The gpu tier's page sizes include multiples of FA3's and cuDNN's key tiles (128), where a kernel
 # loading whole tiles would read unused rows.
@@ -198,13 +200,9 @@ def main(argv=None) -> int:
     for i, case in enumerate(cases):
         status, message = run_case(case)
         counts[status] += 1
-        line = f"[{i + 1}/{len(cases)}] seed={case['seed']} {status.upper():7} {describe(case)}"
-        if status == "skipped":
-            line += f" ({message[:160]})"
-        elif status == "failed":
+        if status == "failed":
             failures.append(case["seed"])
-            line += f"\n  {message}"
-        print(line, flush=True)
+        print(case_line(i, len(cases), case, status, message, describe(case)), flush=True)
     print(f"\n{len(cases)} cases: {counts['passed']} passed, {counts['skipped']} skipped, {counts['failed']} failed")
     if failures:
         print(f"failed seeds: {failures}")
