@@ -19,7 +19,7 @@ Two routes, both forward only:
     B = 2, Sq = 1, L = 4, cache_seqlens [3, 1] -> cu_seqlens_q [0, 1, 2], cu_seqlens_kv [0, 4, 8], seqused_kv [3, 1]
 
 Packed queries (q [T, Hq, D] over cu_seqlens_q, a serving step) take the paged route, with ragged offsets on
-the graph's Q and O (paged.attend_packed) and the same head / tail split per row (head_tail.attend_packed); a
+the graph's Q, O and stats (paged.attend_packed) and the same head / tail split per row (head_tail.attend_packed); a
 contiguous cache through its page view. Not yet run on a GPU (no device was lent the session that built it):
 tests/test_kvcache_varlen.py's CudnnPackedTest is the check to run.
 
