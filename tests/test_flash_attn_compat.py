@@ -34,6 +34,7 @@ from jax_ragged_attn import (flash_attn_varlen_func, flash_attn_with_kvcache, ra
                              ragged_attention_with_kvcache)
 from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.testing import assert_close, declines, packed_batch, reference_attention
+from jax_ragged_attn.testing.helpers import SeededCacheCase
 from jax_ragged_attn.testing.private_config import config_overrides
 
 
@@ -281,7 +282,7 @@ def fa_kvcache_attention(q, k_rows, v_rows, *, causal, window_size, scale=None):
     return np.stack(outs), np.stack(lses)
 
 
-class FlashAttnKVCacheCompatTest(parameterized.TestCase):
+class FlashAttnKVCacheCompatTest(SeededCacheCase, parameterized.TestCase):
     """flash_attn_with_kvcache: cache_seqlens before the append, the append returned, bottom-right queries."""
 
     __test__ = False
@@ -292,13 +293,6 @@ class FlashAttnKVCacheCompatTest(parameterized.TestCase):
     max_pages: int
     contiguous_only = False
 
-    def setUp(self):
-        super().setUp()
-        self.rng = np.random.default_rng(zlib.crc32(self.id().encode()))
-
-    @property
-    def capacity(self) -> int:
-        return self.page_size * self.max_pages
 
     def make(self, *, paged, new_rows, seqlen_q=3, heads=(4, 2)):
         """q, the caches (NaN on every row no sequence uses yet, the rows to be appended included), the new k, v,

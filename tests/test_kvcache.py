@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import zlib
 from unittest import mock
 
 import jax
@@ -32,6 +31,7 @@ from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
 from jax_ragged_attn.testing import assert_close, declines
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
+from jax_ragged_attn.testing.helpers import SeededCacheCase
 from jax_ragged_attn.testing.private_config import config_overrides
 
 # name -> keywords of one case: heads (Hq, Hkv), Sq, paged, options.
@@ -54,7 +54,7 @@ CASES = {
 }
 
 
-class KVCacheTest(parameterized.TestCase):
+class KVCacheTest(SeededCacheCase, parameterized.TestCase):
     __test__ = False  # the subclasses run these, each against its implementation
     implementation: str
     dtype = jnp.float32
@@ -67,13 +67,6 @@ class KVCacheTest(parameterized.TestCase):
     # graphs: the stats of one H200 run differed from the next by one float32 ulp).
     bit_reproducible = True
 
-    def setUp(self):
-        super().setUp()
-        self.rng = np.random.default_rng(zlib.crc32(self.id().encode()))
-
-    @property
-    def capacity(self) -> int:
-        return self.max_pages * self.page_size
 
     def lengths(self, batch: int) -> np.ndarray:
         """A full cache, an empty one, one shorter than 5 queries, the rest at random."""

@@ -44,6 +44,7 @@ from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_err
 from jax_ragged_attn.inputs import kvcache as kvcache_inputs
 from jax_ragged_attn.testing import assert_close, declines
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention_packed
+from jax_ragged_attn.testing.helpers import SeededCacheCase
 from jax_ragged_attn.testing.private_config import config_overrides
 
 # name -> keywords of one case: heads (Hq, Hkv), max_seqlen_q, paged, options.
@@ -62,7 +63,7 @@ CASES = {
 }
 
 
-class PackedKVCacheTest(parameterized.TestCase):
+class PackedKVCacheTest(SeededCacheCase, parameterized.TestCase):
     __test__ = False  # the subclasses run these, each against its implementation
     implementation: str
     dtype = jnp.float32
@@ -72,13 +73,6 @@ class PackedKVCacheTest(parameterized.TestCase):
     max_seqlen_q = 7
     bit_reproducible = True
 
-    def setUp(self):
-        super().setUp()
-        self.rng = np.random.default_rng(zlib.crc32(self.id().encode()))
-
-    @property
-    def capacity(self) -> int:
-        return self.max_pages * self.page_size
 
     def mix(self, *, max_seqlen_q=None, heads=(4, 2), paged=True, batch=7, spare_rows=3, share=True):
         """(q [T, Hq, D], k_cache, v_cache, cache_seqlens, cu_seqlens_q, max_seqlen_q, page_table): sequence 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -186,3 +187,19 @@ def stand_in_handler_args(args: tuple, result_types: tuple, aliases: dict | None
     if num_results in aliases.values():  # the workspace (the last result) comes in too
         return args[:-num_results - 1], args[-num_results - 1], args[-num_results:]
     return args[:-num_results], jnp.zeros(result_types[-1].shape, jnp.uint8), args[-num_results:]
+
+
+class SeededCacheCase:
+    """A mixin for the KV-cache test bases: a generator seeded by the test's id (fresh inputs per test, the same
+    ones on a rerun, so a failure reproduces), and the cache capacity of the base's page_size x max_pages."""
+
+    page_size: int
+    max_pages: int
+
+    def setUp(self):
+        super().setUp()
+        self.rng = np.random.default_rng(zlib.crc32(self.id().encode()))
+
+    @property
+    def capacity(self) -> int:
+        return self.max_pages * self.page_size
