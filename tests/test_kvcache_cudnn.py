@@ -65,6 +65,8 @@ def test_attributes_of_a_paged_call():
     (dict(seqlen_q=1), dict(seqlen_q=1)),  # a true decode graph
     (dict(seqlen_q=5), dict(seqlen_q=5)),
     (dict(seqlen_q=7, total_q=30), dict(seqlen_q=7, total_q=30)),  # packed: ragged Q / O, max_seqlen_q rows
+    # packed decode rows: a graph of 2 query rows, never 1 (cudnn-frontend#1083's ragged stats, paged.py)
+    (dict(seqlen_q=1, total_q=30), dict(seqlen_q=2, total_q=30)),
 ])
 def test_attributes_carry_masks_dtype_and_padded_queries(overrides, expected):
     got = paged.attributes(_config(**overrides))

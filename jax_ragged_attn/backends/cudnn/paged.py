@@ -48,6 +48,13 @@ from jax_ragged_attn.index import row_positions, sanitize_cu_seqlens, sequence_l
 TARGET = "jax_ragged_attn_paged_forward"  # ffi/module.cc's kPagedTarget
 # Query rows the graph is built for at least (see the module docstring): 1, true decode graphs.
 MIN_SEQLEN_Q = 1
+# A packed graph's query dim (max_seqlen_q) is at least 2: its stats are ragged, and a ragged-stats graph of
+# one query row with grouped heads writes the stats of the first head of each KV group only (cudnn-frontend
+# #1083; the H200 showed it on cuDNN 9.19 too, as the ragged graphs did: graphs.MIN_GRAPH_SEQLEN). The merge
+# of head and tail reads those stats, so a decode-only packed step (max_seqlen_q = 1) came out wrong for every
+# head but the first of each group (CudnnPackedTest decode_only, 2026-12-05). The dim only bounds the rows:
+# seq_len_q and the ragged offsets keep each sequence to its own, and the spare rows cover a tile's overreach.
+PACKED_MIN_SEQLEN_Q = 2
 INT_MAX = 2**31 - 1  # cuDNN's max_seq_len_kv is an int
 # Rows past the last query that q, o and the stats of a packed call carry: at least cuDNN's widest query tile
 # (128 rows on Hopper), twice it for margin (see the module docstring).
@@ -56,8 +63,9 @@ _ATTRIBUTE_TYPES = {"int64": np.int64, "float32": np.float32}
 
 
 def graph_seqlen_q(config: KVCacheConfig) -> int:
-    """Query rows per sequence the graph sees: Sq, padded up to MIN_SEQLEN_Q."""
-    return max(config.seqlen_q, MIN_SEQLEN_Q)
+    """Query rows per sequence the graph sees: Sq, padded up to MIN_SEQLEN_Q; packed graphs at least
+    PACKED_MIN_SEQLEN_Q."""
+    return max(config.seqlen_q, PACKED_MIN_SEQLEN_Q if config.packed else MIN_SEQLEN_Q)
 
 
 def contiguous_page_size(capacity: int) -> int:
