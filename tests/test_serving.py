@@ -33,12 +33,14 @@ REQUESTS = [serving.Request(b"import os\nimport sys\n\ndef ", 12, samples=3),  #
             serving.Request(b"# comment\n", 9), serving.Request(b"for i in range(10):\n    print(i)\n", 16)]
 
 
-def test_continuous_batching_writes_the_fixed_batch_bytes(tiny):
+@pytest.mark.parametrize("steps_per_call", [1, 8])
+def test_continuous_batching_writes_the_fixed_batch_bytes(tiny, steps_per_call):
     # Greedy: each continuation is the fixed-batch generation's (generation.generate, prefilled as a phase of
     # its own, decoded in batches of 3), though here prompts are read in chunks of at most 7 rows beside other
-    # slots' decode rows, requests take slots as others finish, and the first prompt's pages are shared.
+    # slots' decode rows, requests take slots as others finish, and the first prompt's pages are shared; one
+    # step a call, or 8 (a scan, the last call filled with idle steps).
     model, setup = tiny
-    config = serving.ServingConfig.for_setup(setup, slots=3, budget=7, page_size=8)
+    config = serving.ServingConfig.for_setup(setup, slots=3, budget=7, page_size=8, steps_per_call=steps_per_call)
     served = serving.serve(model, setup, REQUESTS, config, seed=0, temperature=0)
     fixed = serving.serve_fixed(model, setup, REQUESTS, slots=3, seed=0, temperature=0)
     assert served.texts == fixed.texts
@@ -56,8 +58,9 @@ def test_draws_follow_the_request_not_the_schedule(tiny):
     # Sampled (temperature 0.7): a request's bytes depend on its keys alone, so two slots or four, a large
     # token budget or a small one, give the same continuations.
     model, setup = tiny
-    runs = [serving.serve(model, setup, REQUESTS, serving.ServingConfig.for_setup(setup, slots, budget, 8), seed=5)
-            for slots, budget in ((2, 2), (4, 40))]
+    runs = [serving.serve(model, setup, REQUESTS, serving.ServingConfig.for_setup(setup, slots, budget, 8, steps_per_call=n),
+                          seed=5)
+            for slots, budget, n in ((2, 2, 1), (4, 40, 5))]
     assert runs[0].texts == runs[1].texts
     assert runs[0].steps > runs[1].steps
     # Continuations of one prompt differ (their own keys), while reading the same pages.
@@ -85,6 +88,8 @@ def test_requests_that_do_not_fit_are_refused(tiny):
         serving.serve(model, setup, [serving.Request(b"x" * 100, 40)], config, seed=0)
     with pytest.raises(ValueError, match="the token budget \\(2\\) must be at least the slots \\(3\\)"):
         serving.ServingConfig.for_setup(setup, slots=3, budget=2, page_size=8)
+    with pytest.raises(ValueError, match="steps_per_call must be >= 1, got 0"):
+        serving.ServingConfig.for_setup(setup, slots=3, budget=4, page_size=8, steps_per_call=0)
 
 
 def test_report_prints_both_side_by_side(tiny, capsys):
@@ -98,7 +103,7 @@ def test_report_prints_both_side_by_side(tiny, capsys):
     assert served is not None and fixed is not None, out
     assert ", 2 slots, packed attention by xla:\n" in out, out  # FA3 is Hopper's, cuDNN only when named
     assert re.search(r"continuous batching: [0-9,]+ bytes/s, latency p50 [0-9.]+ s / p99 [0-9.]+ s \([0-9]+ steps "
-                     r"of <= 8 tokens, 1 compilation; pages of 8 rows", out), out
+                     r"of <= 8 tokens, 8 a call, 1 compilation; pages of 8 rows", out), out
     assert re.search(r"fixed batches of 2 \(generation.generate\): [0-9,]+ bytes/s, latency p50", out), out
     assert re.search(r"continuous / fixed: [0-9.]+x the throughput, p99 latency [0-9.]+x", out), out
 

@@ -143,6 +143,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Setup]:
                         f"{SERVING['gpu']['budget']})")
     parser.add_argument("--serve-page-size", type=int, default=None, help="cache rows a page (cpu preset "
                         f"{SERVING['cpu']['page_size']}, gpu {SERVING['gpu']['page_size']})")
+    parser.add_argument("--serve-steps-per-call", type=int, default=8,
+                        help="serving steps one jitted call runs (a scan; the host's cost of a call paid once for "
+                             "them, a request's latency taken at the end of its call; default 8)")
     parser.add_argument("--serve-implementation", choices=("cudnn", "fa3", "xla"), default=None,
                         help="the serving step's packed attention (default: the op's choice; cuDNN's packed "
                              "queries are taken only when named until they have run on a GPU)")
@@ -173,10 +176,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Setup]:
             setattr(args, f"serve_{name}", serving[name])
     args.serve_max_new = serving["max_new"]
     if (args.serve_requests < 0 or min(args.serve_slots, args.serve_page_size) < 1
-            or args.serve_budget < args.serve_slots):
-        parser.error(f"--serve-requests must be >= 0, --serve-slots and --serve-page-size >= 1, --serve-budget >= "
-                     f"--serve-slots, got {args.serve_requests}, {args.serve_slots}, {args.serve_page_size}, "
-                     f"{args.serve_budget}")
+            or args.serve_budget < args.serve_slots or args.serve_steps_per_call < 1):
+        parser.error(f"--serve-requests must be >= 0, --serve-slots, --serve-page-size and --serve-steps-per-call >= "
+                     f"1, --serve-budget >= --serve-slots, got {args.serve_requests}, {args.serve_slots}, "
+                     f"{args.serve_page_size}, {args.serve_steps_per_call}, {args.serve_budget}")
     if args.compare_steps is None:
         args.compare_steps = 10 if cudnn_unavailable_reason() is None else 0
     if args.compare_steps < 0 or args.compare_repeats < 1 or args.compare_warmup < 0:
@@ -227,7 +230,8 @@ def main(argv=None) -> int:
     if args.serve_requests > 0:
         requests = make_requests(args.prompt.encode(), held_out_files, args.serve_requests, setup, args.serve_max_new,
                                  seed=args.seed)
-        config = ServingConfig.for_setup(setup, args.serve_slots, args.serve_budget, args.serve_page_size)
+        config = ServingConfig.for_setup(setup, args.serve_slots, args.serve_budget, args.serve_page_size,
+                                         steps_per_call=args.serve_steps_per_call)
         serve_and_compare(model, setup, requests, config, args.seed, implementation=args.serve_implementation)
     if args.compare_steps > 0:
         side_by_side(setup, train_files, args.seed, timing, args.compare_systems,

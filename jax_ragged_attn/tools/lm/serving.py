@@ -22,9 +22,11 @@ continuation's first draw.
 
 Sampling keys follow the request, the continuation and the byte's index (not the slot or the step), so a
 request draws the same bytes however it is scheduled. Requests end after their number of bytes (no stop
-byte), so the host knows the whole schedule without reading a drawn byte: it dispatches steps without
-waiting for the device (a decode row's byte is its slot's last draw, read on the device), waits only where a
-request finishes (its latency), and reads every drawn byte back once at the end.
+byte), so the host knows the whole schedule without reading a drawn byte: it plans `steps_per_call` steps and
+dispatches them as one call (a lax.scan over their schedules) without waiting for the device (a decode row's
+byte is its slot's last draw, read on the device), waits only where a request finishes (its latency), and
+reads every drawn byte back once at the end. One call a step cost the H200 more on the host than the step
+itself (2026-12-05: 0.72x the fixed batches' bytes/s, whose decode loop runs on the device in one call).
 """
 
 from __future__ import annotations
@@ -133,21 +135,27 @@ class ServingConfig:
     page_size: int
     max_pages: int  # a slot's page-table entries: ceil(max_seqlen / page_size)
     num_pages: int  # the pool
+    # Steps one jitted call runs (a lax.scan over their schedules): the host's cost of a call (flattening the
+    # model's state, the transfers, the dispatch) is paid once per this many steps instead of every step.
+    steps_per_call: int = 8
 
     @classmethod
     def for_setup(cls, setup: Setup, slots: int, budget: int, page_size: int,
-                  num_pages: int | None = None) -> "ServingConfig":
+                  num_pages: int | None = None, steps_per_call: int = 8) -> "ServingConfig":
         if budget < slots:
             raise ValueError(f"the token budget ({budget}) must be at least the slots ({slots}): every slot that "
                              "is generating takes one row of each step")
+        if steps_per_call < 1:
+            raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
         max_pages = math.ceil(setup.max_seqlen / page_size)
-        return cls(slots, budget, page_size, max_pages, num_pages or slots * max_pages)
+        return cls(slots, budget, page_size, max_pages, num_pages or slots * max_pages, steps_per_call)
 
 
 def make_step(graphdef, config: ServingConfig, temperature: float, implementation=None):
-    """The jitted step (caches donated): (state, caches, last [S], tokens [budget], from_last [budget],
-    cu_seqlens [S + 1], cached [S], page_table [S, max_pages], key, ids [S], draws [S]) -> (bytes [S] int32,
-    caches). Slot b feeds rows cu[b] .. cu[b + 1] - 1, the rows cached[b] .. of its sequence: a row's byte is
+    """The jitted call of config.steps_per_call steps (caches donated): (state, caches, last [S], key, schedule)
+    -> (bytes [steps_per_call, S] int32, last [S], caches), where schedule stacks each step's (tokens [budget],
+    from_last [budget], cu_seqlens [S + 1], cached [S], page_table [S, max_pages], ids [S], draws [S]). In a
+    step, slot b feeds rows cu[b] .. cu[b + 1] - 1, the rows cached[b] .. of its sequence: a row's byte is
     tokens[row], or, where from_last[row] = b' >= 0, last[b'] (the byte slot b' drew the step before, still on
     the device: decode rows need no round trip to the host). Slot b's byte is drawn from its last row's
     logits with the key fold_in(fold_in(key, ids[b]), draws[b])."""
@@ -182,7 +190,19 @@ def make_step(graphdef, config: ServingConfig, temperature: float, implementatio
             drawn = jax.vmap(jax.random.categorical)(keys, logits / temperature)
         return drawn.astype(jnp.int32), tuple(written)
 
-    return jax.jit(step, donate_argnums=(1,))
+    def steps(state, caches, last, key, schedule):
+        """schedule: step's per-step arguments stacked on a leading axis of steps_per_call -> (bytes
+        [steps_per_call, S], the last step's bytes [S], caches)."""
+        def body(carry, arguments):
+            last, caches = carry
+            tokens, from_last, cu, cached, table, ids, draws = arguments
+            drawn, caches = step(state, caches, last, tokens, from_last, cu, cached, table, key, ids, draws)
+            return (drawn, caches), drawn
+
+        (last, caches), drawn = jax.lax.scan(body, (last, caches), schedule)
+        return drawn, last, caches
+
+    return jax.jit(steps, donate_argnums=(1,))
 
 
 def shared_rows(prompt_len: int, page_size: int) -> int:
@@ -196,9 +216,10 @@ def serve(model: ByteLM, setup: Setup, requests: list[Request], config: ServingC
     max_seqlen rows.
 
     Requests have no stop byte, so the whole schedule (which rows each step carries, when each request ends)
-    follows from the lengths: the host dispatches step after step without waiting for the device, the bytes
-    drawn stay there (a decode row reads its slot's last draw on the device) and come back once, at the end.
-    The host waits for a step only where a request finishes, to take its latency."""
+    follows from the lengths: the host plans config.steps_per_call steps at a time and dispatches them as one
+    call without waiting for the device, the bytes drawn stay there (a decode row reads its slot's last draw on
+    the device) and come back once, at the end. The host waits only for a call in which a request finishes,
+    to take its latency: a request's latency is the end of the call that carries its last step."""
     for r, request in enumerate(requests):
         if not request.prompt or len(request.prompt) + request.max_new > setup.max_seqlen or request.samples < 1:
             raise ValueError(f"request {r}: a prompt of 1 .. max_seqlen - max_new bytes and samples >= 1, got "
@@ -208,12 +229,14 @@ def serve(model: ByteLM, setup: Setup, requests: list[Request], config: ServingC
     step = make_step(graphdef, config, temperature, implementation)
     caches = empty_caches(model, config.num_pages, config.page_size)
     key = jax.random.key(seed)
-    slots_n, budget = config.slots, config.budget
+    slots_n, budget, per_call = config.slots, config.budget, config.steps_per_call
     last = jnp.zeros(slots_n, jnp.int32)
+    # A step no slot has rows in: nothing is written, nothing read. It fills the last call's schedule.
     idle = (np.zeros(budget, np.int32), np.full(budget, -1, np.int32), np.zeros(slots_n + 1, np.int32),
-            np.zeros(slots_n, np.int32), np.full((slots_n, config.max_pages), -1, np.int32), key,
+            np.zeros(slots_n, np.int32), np.full((slots_n, config.max_pages), -1, np.int32),
             np.zeros(slots_n, np.int32), np.zeros(slots_n, np.int32))
-    last, caches = step(state, caches, last, *idle)  # compiles (no slot has rows: nothing is written)
+    stacked = lambda schedule: tuple(np.stack(column) for column in zip(*schedule))  # noqa: E731
+    _, last, caches = step(state, caches, last, key, stacked([idle] * per_call))  # compiles
     jax.block_until_ready(caches)
 
     pool = PagePool(config.num_pages)
@@ -221,7 +244,7 @@ def serve(model: ByteLM, setup: Setup, requests: list[Request], config: ServingC
     first_pages: dict[int, list] = {}  # request -> the first continuation's pages (its prompt's, shared)
     prefilled: dict[int, int] = {}  # request -> rows its first continuation has written
     slots: list[_Slot | None] = [None] * slots_n
-    drawn_log = []  # per step: (its bytes [S] on the device, [(slot, request, sample)] that drew one)
+    drawn_log = []  # per call: (its bytes [steps_per_call, S] on the device, per step [(slot, request, sample)])
     left = [request.samples for request in requests]
     latency = np.zeros(len(requests))
     served = Served(texts=[], latency=latency, seconds=0.0, generated=0)
@@ -246,7 +269,9 @@ def serve(model: ByteLM, setup: Setup, requests: list[Request], config: ServingC
         return _Slot(r, s, request.prompt, request.max_new, first_pages[r][:shared] + own, own,
                      cached=shared * config.page_size)
 
-    while queue or any(slots):
+    def plan() -> tuple[tuple, list, list]:
+        """The next step's arguments, the slots that draw a byte in it and the requests it finishes; the
+        host's bookkeeping advanced as if it had run (nothing in it waits for the device)."""
         for b in range(slots_n):  # a free slot takes the first request in the queue that fits
             if slots[b] is None:
                 for i, (r, s) in enumerate(queue):
@@ -282,7 +307,6 @@ def serve(model: ByteLM, setup: Setup, requests: list[Request], config: ServingC
             table[b, :len(slot.pages)] = slot.pages
             ids[b] = slot.request * 1024 + slot.sample
             draws[b] = slot.drawn
-        last, caches = step(state, caches, last, tokens, from_last, cu, cached, table, key, ids, draws)
         served.steps += 1
         served.peak_pages = max(served.peak_pages, pool.in_use)
         drew, finished = [], []
@@ -304,17 +328,29 @@ def serve(model: ByteLM, setup: Setup, requests: list[Request], config: ServingC
                 if not left[slot.request]:
                     finished.append(slot.request)
                 slots[b] = None
-        drawn_log.append((last, drew))
-        if finished:  # the one wait of the host: when a request's last byte is there
-            jax.block_until_ready(last)
+        return (tokens, from_last, cu, cached, table, ids, draws), drew, finished
+
+    while queue or any(slots):
+        schedule, drew, finished = [], [], []
+        while len(schedule) < per_call and (queue or any(slots)):
+            arguments, step_drew, step_finished = plan()
+            schedule.append(arguments)
+            drew.append(step_drew)
+            finished += step_finished
+        schedule += [idle] * (per_call - len(schedule))  # the run's last call: idle steps after the work
+        drawn, last, caches = step(state, caches, last, key, stacked(schedule))
+        drawn_log.append((drawn, drew))
+        if finished:  # the one wait of the host: when the call with a request's last byte is done
+            jax.block_until_ready(drawn)
             latency[finished] = time.perf_counter() - start
     jax.block_until_ready(caches)
     served.seconds = time.perf_counter() - start
     served.compilations = step._cache_size()
     texts = [[bytearray(request.prompt) for _ in range(request.samples)] for request in requests]
     for values, (_, drew) in zip(jax.device_get([d for d, _ in drawn_log]), drawn_log):
-        for b, r, s in drew:
-            texts[r][s].append(int(values[b]))
+        for step_values, step_drew in zip(values, drew):
+            for b, r, s in step_drew:
+                texts[r][s].append(int(step_values[b]))
     served.texts = [[bytes(t) for t in row] for row in texts]
     return served
 
@@ -413,6 +449,7 @@ def serve_and_compare(model: ByteLM, setup: Setup, requests: list[Request], conf
     if served is not None:
         first = requests[0]
         print(line("continuous batching", served, error) + f" ({served.steps} steps of <= {config.budget} tokens, "
+              f"{config.steps_per_call} a call, "
               f"{served.compilations} compilation{'s' if served.compilations != 1 else ''}; pages of {config.page_size} rows, at most {served.peak_pages} of {config.num_pages} "
               f"in use; {first.samples} continuations of one {len(first.prompt)}-byte prompt read its "
               f"{shared_rows(len(first.prompt), config.page_size) // config.page_size} full pages in place){note}")
