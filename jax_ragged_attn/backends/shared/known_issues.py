@@ -191,7 +191,9 @@ TABLE: tuple[KnownIssue, ...] = (
         reproducer="tests/test_known_issues.py::test_reproduces_cudnn_frontend_1083_ragged",
         installable=_INSTALL_9_26_27,
         workaround=("ragged graphs are built for at least graphs.MIN_GRAPH_SEQLEN = 2 query rows on every cuDNN "
-                    "(s_q = 1 graphs wrote wrong or NaN stats on 9.19 too)"),
+                    "(s_q = 1 graphs wrote wrong or NaN stats on 9.19 too), and the KV-cache op's packed paged "
+                    "graphs, whose stats are ragged too, for at least paged.PACKED_MIN_SEQLEN_Q = 2 (a decode-only "
+                    "packed step with grouped heads came back wrong on 9.19 with 1)"),
     ),
     KnownIssue(
         key="TransformerEngine#2344",
