@@ -293,7 +293,6 @@ class FlashAttnKVCacheCompatTest(SeededCacheCase, parameterized.TestCase):
     max_pages: int
     contiguous_only = False
 
-
     def make(self, *, paged, new_rows, seqlen_q=3, heads=(4, 2)):
         """q, the caches (NaN on every row no sequence uses yet, the rows to be appended included), the new k, v,
         cache_seqlens before the append, the page table, and each sequence's key rows after the append."""

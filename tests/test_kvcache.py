@@ -67,7 +67,6 @@ class KVCacheTest(SeededCacheCase, parameterized.TestCase):
     # graphs: the stats of one H200 run differed from the next by one float32 ulp).
     bit_reproducible = True
 
-
     def lengths(self, batch: int) -> np.ndarray:
         """A full cache, an empty one, one shorter than 5 queries, the rest at random."""
         fixed = [self.capacity, 0, 3, self.capacity - 1]

@@ -73,7 +73,6 @@ class PackedKVCacheTest(SeededCacheCase, parameterized.TestCase):
     max_seqlen_q = 7
     bit_reproducible = True
 
-
     def mix(self, *, max_seqlen_q=None, heads=(4, 2), paged=True, batch=7, spare_rows=3, share=True):
         """(q [T, Hq, D], k_cache, v_cache, cache_seqlens, cu_seqlens_q, max_seqlen_q, page_table): sequence 0
         a prefill chunk, 1 a decode row, 2 empty, 3 a chunk longer than its cache (positions below 0), 4 a full

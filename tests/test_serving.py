@@ -58,9 +58,9 @@ def test_draws_follow_the_request_not_the_schedule(tiny):
     # Sampled (temperature 0.7): a request's bytes depend on its keys alone, so two slots or four, a large
     # token budget or a small one, give the same continuations.
     model, setup = tiny
-    runs = [serving.serve(model, setup, REQUESTS, serving.ServingConfig.for_setup(setup, slots, budget, 8, steps_per_call=n),
-                          seed=5)
-            for slots, budget, n in ((2, 2, 1), (4, 40, 5))]
+    configs = [serving.ServingConfig.for_setup(setup, slots, budget, 8, steps_per_call=n)
+               for slots, budget, n in ((2, 2, 1), (4, 40, 5))]
+    runs = [serving.serve(model, setup, REQUESTS, config, seed=5) for config in configs]
     assert runs[0].texts == runs[1].texts
     assert runs[0].steps > runs[1].steps
     # Continuations of one prompt differ (their own keys), while reading the same pages.

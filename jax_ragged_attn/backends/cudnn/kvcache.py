@@ -20,8 +20,9 @@ Two routes, both forward only:
 
 Packed queries (q [T, Hq, D] over cu_seqlens_q, a serving step) take the paged route, with ragged offsets on
 the graph's Q, O and stats (paged.attend_packed) and the same head / tail split per row (head_tail.attend_packed); a
-contiguous cache through its page view. Not yet run on a GPU (no device was lent the session that built it):
-tests/test_kvcache_varlen.py's CudnnPackedTest is the check to run.
+contiguous cache through its page view. On the H200 (2026-12-05) tests/test_kvcache_varlen.py's CudnnPackedTest
+passed but its decode-only cases, which the packed graphs' 2-row floor (paged.PACKED_MIN_SEQLEN_Q) fixes; that
+fix is not yet re-run there, so auto_candidate (below) keeps packed queries off implementation=None.
 
 A contiguous cache takes the paged route where it serves the call, else the ragged one. Measured on the
 H200 (cuDNN 9.19, decode: one query, GQA 32/8, d 128, bf16, plain loop of jitted calls), paged / ragged in

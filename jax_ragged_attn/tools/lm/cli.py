@@ -52,7 +52,7 @@ from jax_ragged_attn.tools.lm.corpus import stdlib_files
 from jax_ragged_attn.tools.lm.generation import sample_and_time, sample_prompts
 from jax_ragged_attn.tools.lm.model import ByteLM, Setup
 from jax_ragged_attn.tools.lm.profiling import Timing, profile
-from jax_ragged_attn.tools.lm.serving import ServingConfig, make_requests, serve_and_compare
+from jax_ragged_attn.tools.lm.serving import STEPS_PER_CALL, ServingConfig, make_requests, serve_and_compare
 from jax_ragged_attn.tools.lm.training import evaluate, train, unigram_bits_per_byte
 
 # Defaults per machine; any flag overrides. cpu: about 3 minutes on 2 cores. gpu: a larger model in bfloat16.
@@ -143,9 +143,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Setup]:
                         f"{SERVING['gpu']['budget']})")
     parser.add_argument("--serve-page-size", type=int, default=None, help="cache rows a page (cpu preset "
                         f"{SERVING['cpu']['page_size']}, gpu {SERVING['gpu']['page_size']})")
-    parser.add_argument("--serve-steps-per-call", type=int, default=8,
+    parser.add_argument("--serve-steps-per-call", type=int, default=STEPS_PER_CALL,
                         help="serving steps one jitted call runs (a scan; the host's cost of a call paid once for "
-                             "them, a request's latency taken at the end of its call; default 8)")
+                             f"them, a request's latency taken at the end of its call; default {STEPS_PER_CALL})")
     parser.add_argument("--serve-implementation", choices=("cudnn", "fa3", "xla"), default=None,
                         help="the serving step's packed attention (default: the op's choice; cuDNN's packed "
                              "queries are taken only when named until they have run on a GPU)")

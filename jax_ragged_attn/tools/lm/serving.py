@@ -128,6 +128,11 @@ class _Slot:
         return self.drawn >= self.max_new
 
 
+# Steps one jitted call runs (a lax.scan over their schedules): the host's cost of a call (flattening the model's
+# state, the transfers, the dispatch) is paid once per this many steps instead of every step.
+STEPS_PER_CALL = 8
+
+
 @dataclasses.dataclass(frozen=True)
 class ServingConfig:
     slots: int  # sequences a step carries
@@ -135,13 +140,11 @@ class ServingConfig:
     page_size: int
     max_pages: int  # a slot's page-table entries: ceil(max_seqlen / page_size)
     num_pages: int  # the pool
-    # Steps one jitted call runs (a lax.scan over their schedules): the host's cost of a call (flattening the
-    # model's state, the transfers, the dispatch) is paid once per this many steps instead of every step.
-    steps_per_call: int = 8
+    steps_per_call: int = STEPS_PER_CALL
 
     @classmethod
     def for_setup(cls, setup: Setup, slots: int, budget: int, page_size: int,
-                  num_pages: int | None = None, steps_per_call: int = 8) -> "ServingConfig":
+                  num_pages: int | None = None, steps_per_call: int = STEPS_PER_CALL) -> "ServingConfig":
         if budget < slots:
             raise ValueError(f"the token budget ({budget}) must be at least the slots ({slots}): every slot that "
                              "is generating takes one row of each step")
