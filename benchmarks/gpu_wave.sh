@@ -15,7 +15,11 @@ if [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$wheels" ]; then
 fi
 export PYTHONPATH=/tmp/site:$tree
 t0=$(date +%s)
-if ls "$src"/.gpu/_ext*.so >/dev/null 2>&1; then cp "$src"/.gpu/_ext*.so jax_ragged_attn/; else
+# EXT_SO=PATH (relative to the working tree): a prebuilt extension, e.g. a release wheel's, built against the
+# newest cuDNN headers as pip users' is (the frontend enables its newer paths by min(headers, library) version).
+ext_so=${EXT_SO:+$src/$EXT_SO}
+ext_so=${ext_so:-$(ls "$src"/.gpu/_ext*.so 2>/dev/null | head -1)}
+if [ -n "$ext_so" ]; then cp "$ext_so" jax_ragged_attn/_ext.abi3.so || exit 1; else
   CXX=/usr/bin/g++ python3 -m pip wheel --no-build-isolation --no-deps -q . -w /tmp/jra_wheel -C build-dir=/tmp/jra_build \
     2>&1 | grep -E "error|Error"
   python3 -c "import glob, zipfile; z = zipfile.ZipFile(sorted(glob.glob('/tmp/jra_wheel/*.whl'))[-1]); \

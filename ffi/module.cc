@@ -9,6 +9,7 @@
 
 #include "attention_config.h"
 #include "cudnn_frontend_version.h"
+#include "cudnn_version.h"
 #include "cudnn_library.h"
 #include "graph_cache.h"
 #include "handlers.h"
@@ -247,6 +248,10 @@ NB_MODULE(_ext, m) {
   m.def("cudnn_version", &cudnn_version);
   m.attr("frontend_version") = nb::make_tuple(CUDNN_FRONTEND_MAJOR_VERSION, CUDNN_FRONTEND_MINOR_VERSION,
                                               CUDNN_FRONTEND_PATCH_VERSION);
+  // The cuDNN headers the extension was compiled against (major * 10000 + minor * 100 + patch): the frontend
+  // turns on a feature only where both these and the loaded library have it (min of the two versions), so a
+  // build against older headers runs a newer cuDNN on the older paths.
+  m.attr("cudnn_header_version") = CUDNN_VERSION;
   m.def("graph_info", &graph_info, nb::arg("direction"), nb::arg("device"), nb::arg("config"));
   m.def("tune_plans", &tune, nb::arg("direction"), nb::arg("device"), nb::arg("config"));
   // "" when the row-zeroing kernel is loaded and readied on `device`, else why it cannot run there.

@@ -46,6 +46,11 @@ def test_extension_registers_one_forward_and_one_backward_handler(ext):
     assert all(type(c).__name__ == "PyCapsule" for c in capsules.values())
 
 
+def test_reports_the_cudnn_headers_it_was_built_against(ext):
+    # pyproject.toml's build requires nvidia-cudnn >= 9.8; the value is major * 10000 + minor * 100 + patch.
+    assert 90800 <= ext.cudnn_header_version < 100000
+
+
 def test_built_against_a_fixed_frontend(ext):
     # 1.28 is the first cudnn-frontend that sizes ragged intermediates from every axis.
     assert tuple(ext.frontend_version[:2]) >= (1, 28)

@@ -114,6 +114,8 @@ def versions() -> dict:
         "extension": "built",
         "cudnn_frontend": ".".join(map(str, ext.frontend_version)),
         "cudnn": ext.cudnn_version() or "not loaded",
+        # The frontend's newer paths need both these headers and the loaded library (ffi/module.cc).
+        "cudnn_headers": ext.cudnn_header_version,
         "cudnn_path": "usable" if reason is None else f"unusable: {reason}",
     }
 
