@@ -13,7 +13,9 @@ if [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$wheels" ]; then
     || exit 1
   echo "$wheels" > /tmp/site/.wheels
 fi
-export PYTHONPATH=/tmp/site:$tree
+# PREPEND_PATH=DIR: packages that go before the host's, e.g. another JAX installed by scripts/bring_jax.sh
+# --install (/tmp/jax-0.12.0.1), so the GPU suite runs on it with this extension (docs/INSTALL.md).
+export PYTHONPATH=${PREPEND_PATH:+$PREPEND_PATH:}/tmp/site:$tree
 t0=$(date +%s)
 # EXT_SO=PATH (relative to the working tree): a prebuilt extension, e.g. a release wheel's, built against the
 # newest cuDNN headers as pip users' is (the frontend enables its newer paths by min(headers, library) version).

@@ -148,7 +148,8 @@ xla::ffi::Error finalize(InspectableGraph& g, cudnnHandle_t handle, const Attent
   return finalize_graph(g, handle, c.plan_index, c.describe(), tuning, out);
 }
 
-xla::ffi::Error build_forward(cudnnHandle_t handle, const AttentionConfig& c, bool tuning, CachedGraph* out) {
+xla::ffi::Error build_forward(cudnnHandle_t handle, const AttentionConfig& c, bool tuning,
+                              fe::AttentionImplementation_t implementation, CachedGraph* out) {
   auto g = std::make_shared<InspectableGraph>();
   g->set_io_data_type(io_data_type(c))
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
@@ -156,7 +157,8 @@ xla::ffi::Error build_forward(cudnnHandle_t handle, const AttentionConfig& c, bo
   const GraphInputs in = declare_inputs(*g, c);
 
   fe::graph::SDPA_attributes attributes;
-  attributes.set_name("ragged_sdpa_forward").set_generate_stats(true).set_attn_scale(c.scale);
+  attributes.set_name("ragged_sdpa_forward").set_generate_stats(true).set_attn_scale(c.scale)
+      .set_implementation(implementation);
   apply_forward_masks(attributes, c, in.seq_len_q, in.seq_len_kv);
   auto [o, stats] = g->sdpa(in.q, in.k, in.v, attributes);
   mark_output(o, TensorUid::kO, o_layout(c), in.offset_o, io_data_type(c));
@@ -250,6 +252,23 @@ xla::ffi::Error frontend_status(fe::error_t status, const char* stage, const std
          << " [" << description << "]";
 }
 
+xla::ffi::Error build_forward_auto_then_composite(
+    const std::function<xla::ffi::Error(fe::AttentionImplementation_t)>& build) {
+  const auto attempt = [&build](fe::AttentionImplementation_t implementation) -> xla::ffi::Error {
+    try {
+      return build(implementation);
+    } catch (const std::exception& e) {
+      return ErrorStream(xla::ffi::ErrorCode::kInternal) << "cudnn-frontend threw: " << e.what();
+    }
+  };
+  xla::ffi::Error automatic = attempt(fe::AttentionImplementation_t::AUTO);
+  if (!automatic.failure()) return automatic;
+  xla::ffi::Error composite = attempt(fe::AttentionImplementation_t::COMPOSITE);
+  if (!composite.failure()) return composite;
+  return ErrorStream(composite.errc().value_or(xla::ffi::ErrorCode::kInternal))
+         << composite.message() << " (with the frontend's AUTO implementation: " << automatic.message() << ")";
+}
+
 // Validates the graph and asks cuDNN for candidate plans. Then builds one: the heuristic's first choice, or
 // the candidate plan_index names (an autotuned choice). When tuning, builds none: tune_plans builds
 // and times every candidate itself.
@@ -322,7 +341,11 @@ BuildSettings current_build_settings(Direction direction) {
 
 xla::ffi::Error build_graph(int device, cudnnHandle_t handle, Direction direction, const AttentionConfig& config,
                             const BuildSettings& settings, bool tuning, CachedGraph* out) {
-  if (direction == Direction::kForward) return build_forward(handle, config, tuning, out);
+  if (direction == Direction::kForward) {
+    return build_forward_auto_then_composite([&](fe::AttentionImplementation_t implementation) {
+      return build_forward(handle, config, tuning, implementation, out);
+    });
+  }
   return build_backward_checked(device, handle, config, settings, tuning, out);
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -94,6 +95,15 @@ xla::ffi::Error build_graph(int device, cudnnHandle_t handle, Direction directio
 // A frontend status as an FFI error: kUnimplemented where cuDNN does not support the graph, kInternal for
 // other failures, the message ending in `description` (the configuration).
 xla::ffi::Error frontend_status(cudnn_frontend::error_t status, const char* stage, const std::string& description);
+
+// Builds a forward SDPA graph with the frontend's AUTO implementation, and where that fails, with its COMPOSITE
+// node. With cuDNN 9.21 or newer as both headers and library (a pip build of this package and pip's cuDNN),
+// AUTO picks the unified SDPA node for every graph it accepts, softcap's score modifier included, and cuDNN
+// 9.28.1 has no Hopper engine for that one ("No valid engine configs", H200, 2026-12-05); the composite node,
+// which older headers always built, serves it. `build(implementation)` may throw: each attempt's exception
+// becomes its error. Where both fail: the composite's error code (kUnimplemented: not supported), both messages.
+xla::ffi::Error build_forward_auto_then_composite(
+    const std::function<xla::ffi::Error(cudnn_frontend::AttentionImplementation_t)>& build);
 
 // Validates `graph`, creates its candidate plans and builds one: the heuristic's first (plan_index -1) or
 // the candidate plan_index names; with `tuning`, none. Fills out's workspace size, plan index and name.

@@ -57,8 +57,9 @@ AttentionConfig mask_config(const PagedConfig& c) {
 }
 
 // implementation: the frontend's AUTO (its unified SDPA node where that accepts the graph, cuDNN >= 9.15) or
-// COMPOSITE, which paged_graph() retries with where AUTO's pick declines packed queries (the combination the
-// frontend's paged-prefill sample runs on the composite node).
+// COMPOSITE, which paged_graph() retries with where AUTO's build fails (build_forward_auto_then_composite):
+// packed queries, the combination the frontend's paged-prefill sample runs on the composite node, and softcap
+// on cuDNN 9.28.
 xla::ffi::Error build_paged(cudnnHandle_t handle, const PagedConfig& c, fe::AttentionImplementation_t implementation,
                             CachedGraph* out) {
   auto g = std::make_shared<InspectableGraph>();
@@ -164,11 +165,9 @@ xla::ffi::Error paged_graph(int device, const PagedConfig& c, std::shared_ptr<co
       [&](CachedGraph* graph) -> xla::ffi::Error {
         RelaxedStreamCapture relaxed;
         return with_cudnn_handle(device, [&](cudnnHandle_t handle) -> xla::ffi::Error {
-          xla::ffi::Error built = build_paged_guarded(handle, c, fe::AttentionImplementation_t::AUTO, graph);
-          if (built.failure() && c.packed() && built.errc() == xla::ffi::ErrorCode::kUnimplemented) {
-            return build_paged_guarded(handle, c, fe::AttentionImplementation_t::COMPOSITE, graph);
-          }
-          return built;
+          return build_forward_auto_then_composite([&](fe::AttentionImplementation_t implementation) {
+            return build_paged_guarded(handle, c, implementation, graph);
+          });
         });
       },
       out);
