@@ -8,6 +8,7 @@
 #include <optional>
 #include <vector>
 
+#include "build_fallback.h"
 #include "check.h"
 #include "cudnn_frontend_version.h"
 #include "cudnn_library.h"
@@ -254,19 +255,8 @@ xla::ffi::Error frontend_status(fe::error_t status, const char* stage, const std
 
 xla::ffi::Error build_forward_auto_then_composite(
     const std::function<xla::ffi::Error(fe::AttentionImplementation_t)>& build) {
-  const auto attempt = [&build](fe::AttentionImplementation_t implementation) -> xla::ffi::Error {
-    try {
-      return build(implementation);
-    } catch (const std::exception& e) {
-      return ErrorStream(xla::ffi::ErrorCode::kInternal) << "cudnn-frontend threw: " << e.what();
-    }
-  };
-  xla::ffi::Error automatic = attempt(fe::AttentionImplementation_t::AUTO);
-  if (!automatic.failure()) return automatic;
-  xla::ffi::Error composite = attempt(fe::AttentionImplementation_t::COMPOSITE);
-  if (!composite.failure()) return composite;
-  return ErrorStream(composite.errc().value_or(xla::ffi::ErrorCode::kInternal))
-         << composite.message() << " (with the frontend's AUTO implementation: " << automatic.message() << ")";
+  return build_first_that_works(build, fe::AttentionImplementation_t::AUTO, fe::AttentionImplementation_t::COMPOSITE,
+                                "the frontend's AUTO implementation");
 }
 
 // Validates the graph and asks cuDNN for candidate plans. Then builds one: the heuristic's first choice, or

@@ -127,18 +127,29 @@ def test_backward_intermediates_follow_packed_strides(ext):
     assert sizes["dk_fullhead"] == ((t - 1) * 2 * hq * d + hq * d) * 4  # kv token stride 2*Hkv*D, times 4 heads
 
 
+def _run_native_test(tmp_path, name: str, header: str) -> None:
+    """Builds tests/native/NAME.cc against ffi/HEADER and the XLA FFI headers, runs it and asserts it exits 0."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip(f"no C++ compiler to build tests/native/{name}.cc")
+    if not (ROOT / "ffi" / header).exists():  # tests run from an installed wheel, away from ffi/
+        pytest.skip(f"ffi/{header} is not beside these tests (tests copied away from the source tree)")
+    program = tmp_path / name
+    subprocess.run([compiler, "-std=c++17", "-pthread", f"-I{ROOT / 'ffi'}", "-isystem", jax.ffi.include_dir(),
+                    str(ROOT / "tests" / "native" / f"{name}.cc"), "-o", str(program)], check=True)
+    result = subprocess.run([str(program)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_graph_cache_template_builds_each_key_once_and_never_stalls_other_keys(tmp_path):
     """ffi/lru_graph_cache.h, which caches the ragged and the paged graphs, exercised by
     tests/native/lru_graph_cache_test.cc with stand-in builds that block until the test releases them: LRU
     order and counters, one build however many callers ask for a key at once, other keys found and built
     meanwhile, failures handed to every waiter and not cached."""
-    compiler = shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        pytest.skip("no C++ compiler to build tests/native/lru_graph_cache_test.cc")
-    if not (ROOT / "ffi" / "lru_graph_cache.h").exists():  # tests run from an installed wheel, away from ffi/
-        pytest.skip("ffi/lru_graph_cache.h is not beside these tests (tests copied away from the source tree)")
-    program = tmp_path / "lru_graph_cache_test"
-    subprocess.run([compiler, "-std=c++17", "-pthread", f"-I{ROOT / 'ffi'}", "-isystem", jax.ffi.include_dir(),
-                    str(ROOT / "tests" / "native" / "lru_graph_cache_test.cc"), "-o", str(program)], check=True)
-    result = subprocess.run([str(program)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
+    _run_native_test(tmp_path, "lru_graph_cache_test", "lru_graph_cache.h")
+
+
+def test_forward_graphs_fall_back_to_the_second_implementation_only_where_the_first_fails(tmp_path):
+    """ffi/build_fallback.h, how the forward and paged graphs try the frontend's AUTO implementation and then its
+    COMPOSITE node (cuDNN 9.28 has no Hopper engine for AUTO's softcap graphs), with stand-in builds."""
+    _run_native_test(tmp_path, "build_fallback_test", "build_fallback.h")
