@@ -101,11 +101,37 @@ def test_report_prints_both_side_by_side(tiny, capsys):
     served, fixed = serving.serve_and_compare(model, setup, requests, config, seed=0)
     out = capsys.readouterr().out
     assert served is not None and fixed is not None, out
-    assert ", 2 slots, packed attention by xla:\n" in out, out  # FA3 is Hopper's, cuDNN only when named
+    assert f", 2 slots, packed attention by {serving.packed_implementation(model, config)}:\n" in out, out
+    if jax.default_backend() == "cpu":
+        assert ", 2 slots, packed attention by xla:\n" in out, out  # FA3 and cuDNN are GPU kernels
     assert re.search(r"continuous batching: [0-9,]+ bytes/s, latency p50 [0-9.]+ s / p99 [0-9.]+ s \([0-9]+ steps "
                      r"of <= 8 tokens, 8 a call, 1 compilation; pages of 8 rows", out), out
     assert re.search(r"fixed batches of 2 \(generation.generate\): [0-9,]+ bytes/s, latency p50", out), out
     assert re.search(r"continuous / fixed: [0-9.]+x the throughput, p99 latency [0-9.]+x", out), out
+
+
+def test_the_reported_backend_is_chosen_for_the_steps_own_call(tiny, monkeypatch):
+    """The report's "packed attention by X" asks the op's policy about the call the step makes (causal, the
+    attention's scale), not a look-alike: a non-causal stand-in once named xla while FA3 ran."""
+    model, setup = tiny
+    config = serving.ServingConfig.for_setup(setup, slots=2, budget=8, page_size=8)
+    asked = []
+    choose = serving.backends.choose
+
+    def spy(implementation, call, index, **kwargs):
+        if kwargs.get("op") == "kvcache":
+            asked.append(call)
+        return choose(implementation, call, index, **kwargs)
+
+    monkeypatch.setattr(serving.backends, "choose", spy)
+    serving.packed_implementation(model, config)
+    _, held_out, _ = lm.stdlib_files()
+    requests = serving.make_requests(b"import os\n", held_out, 1, setup, (2, 3), samples=1, seed=3)
+    served, _ = serving.serve_and_compare(model, setup, requests, config, seed=0)
+    assert served is not None
+    reported, step_calls = asked[0], [call for call in asked[1:] if call.packed]  # not the fixed batches' decode
+    assert step_calls and all(call == reported for call in step_calls), (reported, step_calls)
+    assert reported.is_causal
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="shows the fallback where cuDNN cannot run (a CPU)")

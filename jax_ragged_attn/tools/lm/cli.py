@@ -147,8 +147,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Setup]:
                         help="serving steps one jitted call runs (a scan; the host's cost of a call paid once for "
                              f"them, a request's latency taken at the end of its call; default {STEPS_PER_CALL})")
     parser.add_argument("--serve-implementation", choices=("cudnn", "fa3", "xla"), default=None,
-                        help="the serving step's packed attention (default: the op's choice; cuDNN's packed "
-                             "queries are taken only when named until they have run on a GPU)")
+                        help="the serving step's packed attention (default: the op's choice)")
     parser.add_argument("--plot", default="lm_loss.png", help="where to write the loss curve ('' for none)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)

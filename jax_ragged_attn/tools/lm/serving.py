@@ -403,7 +403,8 @@ def make_requests(prompt: bytes, files: list[bytes], count: int, setup: Setup, m
 
 def packed_implementation(model: ByteLM, config: ServingConfig) -> str:
     """The backend implementation=None gives a serving step's packed attention call (FA3 on Hopper for head
-    dim 128; cuDNN only when named; else the xla path), or why none is known."""
+    dim 128, else cuDNN on a GPU, else the xla path), or why none is known. The call is the step's: causal (the
+    op's default) with the attention's scale."""
     attention = model.blocks[0].attention
     dtype = model.dtype
     struct = jax.ShapeDtypeStruct
@@ -411,7 +412,8 @@ def packed_implementation(model: ByteLM, config: ServingConfig) -> str:
     try:
         call = kvcache_config(struct((config.budget, attention.num_heads, attention.head_dim), dtype), cache, cache,
                               struct((config.slots,), jnp.int32), struct((config.slots, config.max_pages), jnp.int32),
-                              AttentionOptions(), cu_seqlens_q=struct((config.slots + 1,), jnp.int32),
+                              AttentionOptions(scale=attention.scale, is_causal=True),
+                              cu_seqlens_q=struct((config.slots + 1,), jnp.int32),
                               max_seqlen_q=config.budget)
         return backends.choose(None, call, None, op="kvcache").NAME
     except Exception as error:  # noqa: BLE001 - a report line, not a failure
