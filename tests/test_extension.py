@@ -128,7 +128,8 @@ def test_backward_intermediates_follow_packed_strides(ext):
 
 
 def _run_native_test(tmp_path, name: str, header: str) -> None:
-    """Builds tests/native/NAME.cc against ffi/HEADER and the XLA FFI headers, runs it and asserts it exits 0."""
+    """Builds the native test `name` (its .cc under tests/native) against ffi/`header` and the XLA FFI headers,
+    runs it and asserts it exits 0."""
     compiler = shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         pytest.skip(f"no C++ compiler to build tests/native/{name}.cc")
