@@ -31,10 +31,12 @@
 # jax_ragged_attn wheel among them is the one tested (e.g. the cp312-abi3 release wheel, built against jaxlib
 # 0.10's FFI headers); otherwise this tree is built into one with `pip wheel --no-build-isolation`, against the
 # environment's own jaxlib (the new JAX kept off PYTHONPATH: older FFI headers run on a newer jaxlib, docs/INSTALL.md
-# "Building"), with CXX=/usr/bin/g++ where that exists (the GPU host's default compiler builds an extension that
-# crashes). --no-extension builds it without the C++ extension (a CPU check of the offline path only). The main
-# job runs when flax is importable (--wheels .whl/flax on the host). --logs DIR keeps the build, pytest and main
-# job logs; --tests "" runs no tests (the main job alone); --workers N sets pytest's workers (2; 8 on a GPU, each
+# "Building"), with $CXX, else /usr/bin/g++ where that exists (on the GPU host name CXX=/usr/bin/g++: its
+# environment's CXX, /opt/gcc/bin/g++, builds an extension whose every cuDNN graph query segfaults, seen with
+# JAX 0.12.0.1 on 2026-12-05). --no-extension builds it without the C++ extension (a CPU check of the offline
+# path only). The main job runs when flax is importable (--wheels .whl/flax on the host). --logs DIR keeps the
+# build, pytest and main job logs; --tests "" runs no tests (the main job alone); --workers N sets pytest's
+# workers (2; 8 on a GPU, each
 # with XLA_PYTHON_CLIENT_PREALLOCATE=false, as the GPU suite has run at -n 8 and -n 12 without a cap; set
 # XLA_PYTHON_CLIENT_MEM_FRACTION to cap each); SUITE_S=seconds limits the GPU suite, whose failures then still
 # end with the table's line (and exit status 1).
