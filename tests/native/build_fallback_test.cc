@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "build_fallback.h"
+#include "expect.h"
 
 namespace {
 
@@ -15,16 +16,6 @@ using jax_ragged_attn::build_first_that_works;
 using jax_ragged_attn::ErrorStream;
 
 enum class Way { kFirst, kSecond };
-
-int failures = 0;
-
-#define EXPECT(cond)                                                           \
-  do {                                                                         \
-    if (!(cond)) {                                                             \
-      std::fprintf(stderr, "%s:%d: expected %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                              \
-    }                                                                          \
-  } while (0)
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
@@ -76,6 +67,7 @@ int main() {
     EXPECT(contains(e.message(), "second threw"));
     EXPECT(contains(e.message(), "first unsupported"));
   }
-  if (failures) std::fprintf(stderr, "%d checks failed\n", failures);
-  return failures ? 1 : 0;
+  const int failed = native_test::failures.load();
+  if (failed) std::fprintf(stderr, "%d checks failed\n", failed);
+  return failed ? 1 : 0;
 }

@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "expect.h"
 #include "lru_graph_cache.h"
 
 namespace {
@@ -26,16 +27,6 @@ struct Graph {
   int built_for = -1;
 };
 using Cache = LruGraphCache<int, Graph>;
-
-int failures = 0;
-
-#define EXPECT(cond)                                                        \
-  do {                                                                      \
-    if (!(cond)) {                                                          \
-      std::fprintf(stderr, "%s:%d: expected %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                           \
-    }                                                                       \
-  } while (0)
 
 // A one-shot gate: builds wait on it, the test opens it.
 class Gate {
@@ -266,8 +257,8 @@ int main() {
   failures_reach_every_waiter_and_are_forgotten();
   an_exception_is_an_error();
   evicting_a_build_in_progress_still_answers_its_callers();
-  if (failures) {
-    std::fprintf(stderr, "%d check(s) failed\n", failures);
+  if (const int failed = native_test::failures.load()) {
+    std::fprintf(stderr, "%d check(s) failed\n", failed);
     return 1;
   }
   std::printf("lru_graph_cache: every check passed\n");
