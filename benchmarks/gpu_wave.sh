@@ -1,11 +1,16 @@
 #!/bin/bash
 # One H200 call over a clean snapshot of a commit (the working tree may hold colleagues' unfinished edits):
 #   git archive HEAD | gzip > .gpu/tree.tgz; then on the host: bash benchmarks/gpu_wave.sh STEP...
-# (carry .gpu .whl/fa3 .whl/fe; CUDNN_PARTS below). Steps: suite (the GPU tests), fa3 (fa3_compare W1,W2), or NAME=COMMAND. Logs go to $OUT; a one-line summary per step is printed last.
+# (carry .gpu .whl/fa3 .whl/fe; CUDNN_PARTS below). Without .gpu/tree.tgz (the host keeps no .gpu between calls,
+# and a 56 MiB part leaves no room for it) the call's own working tree is the snapshot. Steps: suite (the GPU
+# tests), fa3 (fa3_compare W1,W2), or NAME=COMMAND. Logs go to $OUT; a one-line summary per step is printed last.
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 out=${OUT:-/tmp/gpu_wave}; mkdir -p "$out"
 src=$PWD
-tree=/tmp/tree; rm -rf "$tree"; mkdir -p "$tree"; tar -xzf "$src/.gpu/tree.tgz" -C "$tree"; cd "$tree" || exit 1
+tree=/tmp/tree; rm -rf "$tree"; mkdir -p "$tree"
+if [ -f "$src/.gpu/tree.tgz" ]; then tar -xzf "$src/.gpu/tree.tgz" -C "$tree" || exit 1
+else tar -cf - --exclude=./.whl --exclude=./.gpu --exclude=./.git . | tar -xf - -C "$tree" || exit 1; fi
+cd "$tree" || exit 1
 # Back-to-back calls on a warm machine keep /tmp: install the wheels once.
 wheels=$(find "$src/.whl" -type f -name "*.whl" | sort)
 if [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$wheels" ]; then
