@@ -35,6 +35,14 @@ def test_maps_parser_finds_the_libraries_and_their_file_versions():
     assert selfcheck.loaded_libraries(unversioned) == {"libcudart": ("/lib/libcudart.so", "")}
 
 
+def test_headers_note_only_where_the_library_is_newer_than_the_headers():
+    note = selfcheck.headers_note(92801, 91900)  # the GPU host's own build running pip's 9.28.1
+    assert "built against cuDNN 9.19.0 headers" in note and "libcudnn 9.28.1 on 9.19.0's paths" in note, note
+    assert selfcheck.headers_note(91900, 92801) is None  # a pip build on an older library: the library decides
+    assert selfcheck.headers_note(92801, 92800) is None  # the same minor version
+    assert selfcheck.headers_note(0, 92801) is None  # cuDNN not loaded
+
+
 def test_upgrade_note_only_below_the_fastest_measured_cudnn():
     assert "9.28" in selfcheck.upgrade_note(91900) and "9.19.0 is loaded" in selfcheck.upgrade_note(91900)
     assert selfcheck.upgrade_note(92801) is None

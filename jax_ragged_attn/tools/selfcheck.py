@@ -90,6 +90,16 @@ def upgrade_note(version: int) -> str | None:
     return None
 
 
+def headers_note(loaded: int, headers: int) -> str | None:
+    """The line for a cuDNN newer than the headers the extension was built against (minor versions), or None:
+    cudnn-frontend uses a feature only where both have it, so the library then runs on the headers' paths."""
+    if loaded and headers and headers // 100 < loaded // 100:
+        return (f"  note: the extension was built against cuDNN {_cudnn_version_text(headers)} headers, so "
+                f"cudnn-frontend keeps libcudnn {_cudnn_version_text(loaded)} on {_cudnn_version_text(headers)}'s "
+                f"paths (a pip install builds against the newest headers; docs/CUDNN_VERSIONS.md)")
+    return None
+
+
 def library_lines(on_gpu: bool) -> list[str]:
     """What the self-check prints about the cuDNN and CUDA runtime libraries this process loaded."""
     if not on_gpu:
@@ -105,16 +115,15 @@ def library_lines(on_gpu: bool) -> list[str]:
             lines.append(f"  {name}: not loaded in this process")
             continue
         path, file_version = found[name]
-        note = None
+        notes = []
         if name == "libcudnn":
             number = extension.module().cudnn_version()
             version = _cudnn_version_text(number) if number else file_version
-            note = upgrade_note(number)
+            notes = [upgrade_note(number), headers_note(number, extension.module().cudnn_header_version)]
         else:
             version = _cudart_version(path) or file_version
         lines.append(f"  {name}: {version or 'version unknown'} at {path}")
-        if note:
-            lines.append(note)
+        lines.extend(note for note in notes if note)
     others = sorted(stem for stem in found if stem not in ("libcudnn", "libcudart"))
     if others:
         lines.append(f"  also loaded: {', '.join(others)}")
