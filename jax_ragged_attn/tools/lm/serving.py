@@ -456,7 +456,8 @@ def serve_and_compare(model: ByteLM, setup: Setup, requests: list[Request], conf
         print(line("continuous batching", served, error) + f" ({served.steps} steps of <= {config.budget} tokens, "
               f"{config.steps_per_call} a call, "
               f"{served.compilations} compilation{'s' if served.compilations != 1 else ''}; pages of "
-              f"{config.page_size} rows, at most {served.peak_pages} of {config.num_pages} in use; {first.samples} continuations of one {len(first.prompt)}-byte prompt read its "
+              f"{config.page_size} rows, at most {served.peak_pages} of {config.num_pages} in use; "
+              f"{first.samples} continuations of one {len(first.prompt)}-byte prompt read its "
               f"{shared_rows(len(first.prompt), config.page_size) // config.page_size} full pages in place){note}")
     else:
         print(line("continuous batching", None, error))
