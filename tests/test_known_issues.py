@@ -248,6 +248,25 @@ def test_one_query_paged_decode_stats_are_right_on_every_cudnn():
 
 
 @gpu
+def test_packed_decode_with_the_row_floor_is_right_with_the_fence_lifted():
+    """What the packed fence would be narrowed to: with cudnn-frontend#1083's fence lifted and the packed graphs'
+    2-row floor kept, a decode-only packed step with grouped heads must be right on whatever cuDNN is loaded. On
+    a release the fence covers, a failure here is the evidence that keeps the fence; a pass is the evidence that
+    the floor alone is the workaround there (docs/CUDNN_VERSIONS.md)."""
+    if _CUDNN_REASON is not None:
+        pytest.skip(f"cuDNN path unavailable: {_CUDNN_REASON}")
+    q, k, v, lengths, table = _paged_decode(np.random.default_rng(10833))
+    q = q[:, 0]
+    cu_q = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
+    expected = reference_kvcache_attention_packed(q, k, v, lengths, cu_q, 1, page_table=table)
+    with known_issues.lifted("cudnn-frontend#1083"):
+        out, stats = ragged_attention_with_kvcache(q, k, v, lengths, cu_seqlens_q=cu_q, max_seqlen_q=1,
+                                                   page_table=table, return_stats=True, implementation="cudnn")
+    assert_close(out, expected["out"], jnp.bfloat16, "out (fence lifted, 2-row floor)")
+    assert_close(stats, expected["stats"], jnp.bfloat16, "stats (fence lifted, 2-row floor)")
+
+
+@gpu
 def test_reproduces_cudnn_frontend_1083_packed_decode():
     """A packed decode step (one query per sequence, grouped heads) through graphs of one query row, the
     report's ragged-stats form: its packed graphs' floor (paged.PACKED_MIN_SEQLEN_Q = 2) lowered to 1 and the
