@@ -59,8 +59,7 @@ TAIL = 256
 
 
 def tail(config: KVCacheConfig) -> int:
-    """TAIL, or the tests' smaller one (config.tail_rows)."""
-    return config.tail_rows or TAIL
+    return kvcache_head_tail.tail_rows(config, TAIL)
 
 
 def pinned_route(config: KVCacheConfig) -> str | None:

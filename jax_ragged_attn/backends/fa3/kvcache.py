@@ -76,8 +76,7 @@ def zero_fill_rows() -> int:
 
 
 def tail(config: KVCacheConfig) -> int:
-    """TAIL, or the tests' smaller one (config.tail_rows)."""
-    return config.tail_rows or TAIL
+    return kvcache_head_tail.tail_rows(config, TAIL)
 
 
 def route(config: KVCacheConfig) -> str:

@@ -36,6 +36,11 @@ from jax_ragged_attn.backends.shared.kvcache_config import (KVCacheConfig, band,
 HeadCall = Callable[..., tuple[jax.Array, jax.Array]]
 
 
+def tail_rows(config: KVCacheConfig, kernel_tail: int) -> int:
+    """The tail a backend splits at: its own `kernel_tail`, or the tests' smaller one (config.tail_rows)."""
+    return config.tail_rows or kernel_tail
+
+
 def window_reason(config: KVCacheConfig, tail: int, kernel: str) -> str | None:
     """Why a left window cannot be split at `tail` rows (see the module docstring), or None."""
     left = config.left_bound
