@@ -3,8 +3,9 @@
 Each reproducer skips (with the reason) unless the loaded library is in its entry's range. In range, it runs the
 affected feature with the fence lifted and asserts that the bug shows (a reproducer that no longer fails there
 means the entry should be narrowed or dropped), then with the fence on asserts that cuDNN declines naming the
-report and that implementation=None serves the call correctly. docs/CUDNN_VERSIONS.md brings a given cuDNN to
-the GPU host and runs them:
+report and that implementation=None serves the call correctly. A worked-around entry whose bug this package's
+graphs did not show on an affected release (cudnn-frontend#1083) names instead a test of its workaround, run on
+every cuDNN. docs/CUDNN_VERSIONS.md brings a given cuDNN to the GPU host and runs them:
 
     pytest -m gpu tests/test_known_issues.py -rs
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -95,23 +95,29 @@ def test_architectures_narrow_an_entry():
     assert not hopper_only.affects(Versions(cudnn=(9, 10, 1), arch=None))
 
 
+def _long_window():
+    """A ragged call TransformerEngine#2344's fence takes on cuDNN 9.14 (a left window over 1500 keys)."""
+    return _ragged_config(seqlens_kv=(40, 1500), local_window_size=(64, 64))
+
+
 def test_the_fence_names_the_report_and_the_fixed_release():
-    reason = known_issues.fence("cudnn", "kvcache", _packed_kv_config(), Versions(cudnn=(9, 27, 0)))
-    assert "cudnn-frontend#1083" in reason and "https://github.com/NVIDIA/cudnn-frontend/issues/1083" in reason
-    assert "cuDNN 9.27.0" in reason and "fixed in cuDNN 9.28.1" in reason
+    reason = known_issues.fence("cudnn", "ragged", _long_window(), Versions(cudnn=(9, 14, 0)))
+    assert "TransformerEngine#2344" in reason and "https://github.com/NVIDIA/TransformerEngine/pull/2344" in reason
+    assert "cuDNN 9.14.0" in reason and "fixed in cuDNN 9.15.0" in reason
 
 
 @pytest.mark.parametrize("overrides", [dict(total_q=0), dict(num_heads_q=2), dict(num_heads_kv=8)],
                          ids=["fixed_form_decode", "mha_2", "mha_8"])
-def test_the_fence_reads_the_feature(overrides):
-    config = _packed_kv_config(**overrides)
-    assert known_issues.fence("cudnn", "kvcache", config, Versions(cudnn=(9, 27, 0))) is None
+def test_the_packed_entry_reads_the_feature(overrides):
+    issue = _issue("cudnn-frontend#1083", "kvcache")
+    assert issue.applies("kvcache", _packed_kv_config())
+    assert not issue.applies("kvcache", _packed_kv_config(**overrides))
+    assert not issue.applies("ragged", _ragged_config(max_q=1))  # the ragged site is the other entry's
 
 
-def test_the_fence_reads_the_backend_and_op():
-    versions = Versions(cudnn=(9, 27, 0))
-    assert known_issues.fence("fa3", "kvcache", _packed_kv_config(), versions) is None
-    assert known_issues.fence("cudnn", "kvcache", _packed_kv_config(), Versions(cudnn=(9, 19, 0))) is None
+def test_the_fence_reads_the_backend_and_version():
+    assert known_issues.fence("fa3", "ragged", _long_window(), Versions(cudnn=(9, 14, 0))) is None
+    assert known_issues.fence("cudnn", "ragged", _long_window(), Versions(cudnn=(9, 19, 0))) is None
 
 
 def test_the_window_entry():
@@ -136,19 +142,21 @@ def test_worked_around_entries_decline_nothing_but_are_listed():
     config = _ragged_config(max_q=1)  # one query row, grouped heads, head-major stats: both workarounds apply
     versions = Versions(cudnn=(9, 27, 0), cudnn_frontend=(1, 27, 0))
     assert known_issues.fence("cudnn", "ragged", config, versions) is None
+    assert known_issues.fence("cudnn", "kvcache", _packed_kv_config(), versions) is None
     listed = known_issues.summary_lines(versions)
     assert any("cudnn-frontend#462" in line and "worked around" in line for line in listed), listed
-    assert any("cudnn-frontend#1083" in line and "declined on cudnn" in line for line in listed), listed
+    ours = [line for line in listed if "cudnn-frontend#1083" in line]
+    assert len(ours) == 2 and all("worked around" in line for line in ours), listed
 
 
 def test_lifted_turns_a_fence_off_for_the_block_only():
-    versions = Versions(cudnn=(9, 27, 0))
-    with known_issues.lifted("cudnn-frontend#1083"):
-        assert known_issues.fence("cudnn", "kvcache", _packed_kv_config(), versions) is None
-        with known_issues.lifted("cudnn-frontend#1083"):
+    versions = Versions(cudnn=(9, 14, 0))
+    with known_issues.lifted("TransformerEngine#2344"):
+        assert known_issues.fence("cudnn", "ragged", _long_window(), versions) is None
+        with known_issues.lifted("TransformerEngine#2344"):
             pass
-        assert known_issues.fence("cudnn", "kvcache", _packed_kv_config(), versions) is None  # the inner exit kept it
-    assert known_issues.fence("cudnn", "kvcache", _packed_kv_config(), versions) is not None
+        assert known_issues.fence("cudnn", "ragged", _long_window(), versions) is None  # the inner exit kept it
+    assert known_issues.fence("cudnn", "ragged", _long_window(), versions) is not None
     with pytest.raises(ValueError, match="keys of known_issues.TABLE"):
         with known_issues.lifted("cudnn-frontend#0"):
             pass
@@ -161,20 +169,22 @@ def test_cudnn_version_encoding():
 
 
 def test_the_warning_names_the_fenced_features_once(monkeypatch):
-    monkeypatch.setattr(known_issues, "loaded_versions", lambda: Versions(cudnn=(9, 27, 0), arch=90))
+    monkeypatch.setattr(known_issues, "loaded_versions",
+                        lambda: Versions(cudnn=(9, 14, 0), cudnn_frontend=(1, 27, 0), arch=90))
     monkeypatch.setattr(known_issues, "_warned", False)
     with pytest.warns(known_issues.KnownIssueWarning) as caught:
         known_issues.warn_once()
     text = str(caught[0].message)
-    assert "cuDNN 9.27.0" in text and "cudnn-frontend#1083" in text and "fixed in cuDNN 9.28.1" in text, text
+    assert "cuDNN 9.14.0" in text and "TransformerEngine#2344" in text and "fixed in cuDNN 9.15.0" in text, text
     assert "cudnn-frontend#462" not in text  # worked around: nothing to warn about
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         known_issues.warn_once()  # once a process
 
 
-def test_no_warning_where_nothing_is_fenced(monkeypatch):
-    monkeypatch.setattr(known_issues, "loaded_versions", lambda: Versions(cudnn=(9, 19, 0), arch=90))
+@pytest.mark.parametrize("version", [(9, 19, 0), (9, 27, 0)])  # 9.27: cudnn-frontend#1083 is worked around
+def test_no_warning_where_nothing_is_fenced(monkeypatch, version):
+    monkeypatch.setattr(known_issues, "loaded_versions", lambda: Versions(cudnn=version, arch=90))
     monkeypatch.setattr(known_issues, "_warned", False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -187,8 +197,9 @@ def test_cudnn_backends_consult_the_fence(monkeypatch):
     monkeypatch.setattr(extension, "cudnn_unavailable_reason", lambda: None)
     monkeypatch.setattr(known_issues, "loaded_versions", lambda: Versions(cudnn=(9, 10, 1)))
     assert "TransformerEngine#1937" in graphs.unsupported_reason(_ragged_config())
-    monkeypatch.setattr(known_issues, "loaded_versions", lambda: Versions(cudnn=(9, 27, 0)))
-    assert "cudnn-frontend#1083" in cudnn_kvcache.unsupported_reason(_packed_kv_config())
+    monkeypatch.setattr(known_issues, "loaded_versions", lambda: Versions(cudnn=(9, 14, 0)))
+    paged_window = _kv_config(window_left=300, max_pages=128, num_pages=600)  # capacity 2048
+    assert "TransformerEngine#2344" in cudnn_kvcache.unsupported_reason(paged_window)
 
 
 def test_loaded_versions_on_this_machine():
@@ -248,62 +259,32 @@ def test_one_query_paged_decode_stats_are_right_on_every_cudnn():
 
 
 @gpu
-def test_packed_decode_with_the_row_floor_is_right_with_the_fence_lifted():
-    """What the packed fence would be narrowed to: with cudnn-frontend#1083's fence lifted and the packed graphs'
-    2-row floor kept, a decode-only packed step with grouped heads must be right on whatever cuDNN is loaded. On
-    a release the fence covers, a failure here is the evidence that keeps the fence; a pass is the evidence that
-    the floor alone is the workaround there (docs/CUDNN_VERSIONS.md)."""
+def test_cudnn_frontend_1083_packed_decode_workaround():
+    """cudnn-frontend#1083's packed site: a decode-only packed step (one query per sequence, grouped heads) is a
+    set of one-query sequences with ragged stats, which the paged route's merge reads. Its graphs take at least
+    paged.PACKED_MIN_SEQLEN_Q = 2 rows on every cuDNN; with them the step must be right on whatever cuDNN is
+    loaded (with one row it was wrong on 9.19; on 9.27.0, in the report's range, right either way: the entry)."""
     if _CUDNN_REASON is not None:
         pytest.skip(f"cuDNN path unavailable: {_CUDNN_REASON}")
+    assert cudnn_paged.PACKED_MIN_SEQLEN_Q >= 2
     q, k, v, lengths, table = _paged_decode(np.random.default_rng(10833))
-    q = q[:, 0]
-    cu_q = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
-    expected = reference_kvcache_attention_packed(q, k, v, lengths, cu_q, 1, page_table=table)
-    with known_issues.lifted("cudnn-frontend#1083"):
-        out, stats = ragged_attention_with_kvcache(q, k, v, lengths, cu_seqlens_q=cu_q, max_seqlen_q=1,
-                                                   page_table=table, return_stats=True, implementation="cudnn")
-    assert_close(out, expected["out"], jnp.bfloat16, "out (fence lifted, 2-row floor)")
-    assert_close(stats, expected["stats"], jnp.bfloat16, "stats (fence lifted, 2-row floor)")
-
-
-@gpu
-def test_reproduces_cudnn_frontend_1083_packed_decode():
-    """A packed decode step (one query per sequence, grouped heads) through graphs of one query row, the
-    report's ragged-stats form: its packed graphs' floor (paged.PACKED_MIN_SEQLEN_Q = 2) lowered to 1 and the
-    fence lifted. Whether the floor alone keeps the bug away on an affected release was not seen, so the fence
-    stays on packed calls there."""
-    issue = _issue("cudnn-frontend#1083", "kvcache")
-    _need(issue)
-    q, k, v, lengths, table = _paged_decode(np.random.default_rng(10832))
     q = q[:, 0]  # [T = B, Hq, D]: one query row per sequence
     cu_q = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
     expected = reference_kvcache_attention_packed(q, k, v, lengths, cu_q, 1, page_table=table)
-    call = lambda implementation: ragged_attention_with_kvcache(  # noqa: E731
-        q, k, v, lengths, cu_seqlens_q=cu_q, max_seqlen_q=1, page_table=table, return_stats=True,
-        implementation=implementation)
-    with known_issues.lifted(issue.key), mock.patch.object(cudnn_paged, "PACKED_MIN_SEQLEN_Q", 1):
-        _, stats = call("cudnn")
-    group = q.shape[1] // k.shape[2]
-    stats = np.asarray(stats, np.float64)  # [Hq, T]
-    first = np.abs(stats[::group] - expected["stats"][::group]).max()
-    others = np.abs(np.delete(stats, np.s_[::group], axis=0) - np.delete(expected["stats"], np.s_[::group], axis=0))
-    assert first < 0.1, f"the first head of each group is off too ({first}): another bug than {issue.key}"
-    assert not np.isfinite(others).all() or others.max() > 0.1, (
-        f"{issue.key} did not reproduce in one-row packed graphs on this cuDNN (the other heads' stats are within "
-        f"{others.max():.3g} of the reference): narrow or end the entry")
-    with pytest.raises(NotImplementedError, match="cudnn-frontend#1083"):
-        call("cudnn")
-    out, stats = call(None)
-    assert_close(out, expected["out"], jnp.bfloat16, "out (implementation=None, fence on)")
-    assert_close(stats, expected["stats"], jnp.bfloat16, "stats (implementation=None, fence on)")
+    out, stats = ragged_attention_with_kvcache(q, k, v, lengths, cu_seqlens_q=cu_q, max_seqlen_q=1,
+                                               page_table=table, return_stats=True, implementation="cudnn")
+    assert_close(out, expected["out"], jnp.bfloat16, "out (2-row packed graphs)")
+    assert_close(stats, expected["stats"], jnp.bfloat16, "stats (2-row packed graphs)")
 
 
 @gpu
-def test_reproduces_cudnn_frontend_1083_ragged():
-    """The ragged site is kept away on every release by graphs.MIN_GRAPH_SEQLEN = 2; lowered to 1, the graphs
-    are the report's s_q = 1 ones."""
-    issue = _issue("cudnn-frontend#1083", "ragged")
-    _need(issue)
+def test_cudnn_frontend_1083_ragged_workaround():
+    """The ragged site: one query row per sequence with grouped heads, through graphs of at least
+    graphs.MIN_GRAPH_SEQLEN = 2 rows on every cuDNN (s_q = 1 graphs wrote wrong or NaN stats on 9.19; on 9.27.0
+    they were right: the entry)."""
+    if _CUDNN_REASON is not None:
+        pytest.skip(f"cuDNN path unavailable: {_CUDNN_REASON}")
+    assert graphs.MIN_GRAPH_SEQLEN >= 2
     rng = np.random.default_rng(10831)
     lengths_kv = (40, 300, 7)
     q = jnp.asarray(rng.standard_normal((3, 8, 128)), jnp.bfloat16)  # one query row per sequence
@@ -316,12 +297,7 @@ def test_reproduces_cudnn_frontend_1083_ragged():
         return ragged_attention(q, k, v, cu_q, cu_kv, max_seqlen_q=1, max_seqlen_kv=300, is_causal=True,
                                 diagonal_alignment="bottom_right", return_stats=True, implementation="cudnn")
 
-    with mock.patch.object(graphs, "MIN_GRAPH_SEQLEN", 1):
-        _, stats = call()
-    stats = np.asarray(stats, np.float64).T  # token-major, as the reference
-    others = np.abs(np.delete(stats, np.s_[::4], axis=1) - np.delete(expected["stats"], np.s_[::4], axis=1))
-    assert not np.isfinite(others).all() or others.max() > 0.1, f"{issue.key} did not reproduce in an s_q = 1 graph"
-    out, stats = call()  # graphs built for 2 query rows: the workaround
+    out, stats = call()
     assert_close(out, expected["out"], jnp.bfloat16, "out (s_q >= 2 graphs)")
     assert_close(np.asarray(stats).T, expected["stats"], jnp.bfloat16, "stats (s_q >= 2 graphs)")
 
