@@ -215,9 +215,13 @@ def test_loaded_versions_on_this_machine():
 gpu = pytest.mark.gpu
 
 
-def _need(issue: known_issues.KnownIssue) -> None:
+def _need_cudnn() -> None:
     if _CUDNN_REASON is not None:
         pytest.skip(f"cuDNN path unavailable: {_CUDNN_REASON}")
+
+
+def _need(issue: known_issues.KnownIssue) -> None:
+    _need_cudnn()
     versions = known_issues.loaded_versions()
     if not issue.affects(versions):
         start = known_issues.format_version(issue.first_affected) if issue.first_affected else "any"
@@ -248,8 +252,7 @@ def test_one_query_paged_decode_stats_are_right_on_every_cudnn():
     """The fixed form's decode (s_q = 1, grouped heads) writes dense stats, which cudnn-frontend#1083 does not
     reach (right on 9.27.0, an affected release, on the H200): so it is not fenced, and this checks it on every
     cuDNN the suite runs on."""
-    if _CUDNN_REASON is not None:
-        pytest.skip(f"cuDNN path unavailable: {_CUDNN_REASON}")
+    _need_cudnn()
     q, k, v, lengths, table = _paged_decode(np.random.default_rng(1083))
     expected = reference_kvcache_attention(q, k, v, lengths, page_table=table)
     out, stats = ragged_attention_with_kvcache(q, k, v, lengths, page_table=table, return_stats=True,
@@ -264,8 +267,7 @@ def test_cudnn_frontend_1083_packed_decode_workaround():
     set of one-query sequences with ragged stats, which the paged route's merge reads. Its graphs take at least
     paged.PACKED_MIN_SEQLEN_Q = 2 rows on every cuDNN; with them the step must be right on whatever cuDNN is
     loaded (with one row it was wrong on 9.19; on 9.27.0, in the report's range, right either way: the entry)."""
-    if _CUDNN_REASON is not None:
-        pytest.skip(f"cuDNN path unavailable: {_CUDNN_REASON}")
+    _need_cudnn()
     assert cudnn_paged.PACKED_MIN_SEQLEN_Q >= 2
     q, k, v, lengths, table = _paged_decode(np.random.default_rng(10833))
     q = q[:, 0]  # [T = B, Hq, D]: one query row per sequence
@@ -282,8 +284,7 @@ def test_cudnn_frontend_1083_ragged_workaround():
     """The ragged site: one query row per sequence with grouped heads, through graphs of at least
     graphs.MIN_GRAPH_SEQLEN = 2 rows on every cuDNN (s_q = 1 graphs wrote wrong or NaN stats on 9.19; on 9.27.0
     they were right: the entry)."""
-    if _CUDNN_REASON is not None:
-        pytest.skip(f"cuDNN path unavailable: {_CUDNN_REASON}")
+    _need_cudnn()
     assert graphs.MIN_GRAPH_SEQLEN >= 2
     rng = np.random.default_rng(10831)
     lengths_kv = (40, 300, 7)
@@ -292,12 +293,8 @@ def test_cudnn_frontend_1083_ragged_workaround():
     cu_q, cu_kv = jnp.arange(4, dtype=jnp.int32), jnp.asarray(np.cumsum((0,) + lengths_kv), jnp.int32)
     expected = reference_attention(q, k, v, cu_q, cu_kv, max_seqlen_q=1, max_seqlen_kv=300, is_causal=True,
                                    diagonal_alignment="bottom_right")
-
-    def call():
-        return ragged_attention(q, k, v, cu_q, cu_kv, max_seqlen_q=1, max_seqlen_kv=300, is_causal=True,
-                                diagonal_alignment="bottom_right", return_stats=True, implementation="cudnn")
-
-    out, stats = call()
+    out, stats = ragged_attention(q, k, v, cu_q, cu_kv, max_seqlen_q=1, max_seqlen_kv=300, is_causal=True,
+                                  diagonal_alignment="bottom_right", return_stats=True, implementation="cudnn")
     assert_close(out, expected["out"], jnp.bfloat16, "out (s_q >= 2 graphs)")
     assert_close(np.asarray(stats).T, expected["stats"], jnp.bfloat16, "stats (s_q >= 2 graphs)")
 
@@ -372,8 +369,7 @@ def test_negative_lse_rows_keep_finite_gradients():
     """cudnn-frontend#628 / #1072 (Hopper backward, cuDNN before 9.26: rows whose log-sum-exp is below -88.7 and
     s_kv = 64 mod 128 got NaN) do not reach this package's graphs, which always carry the padding mask: checked
     on every release rather than fenced."""
-    if _CUDNN_REASON is not None:
-        pytest.skip(f"cuDNN path unavailable: {_CUDNN_REASON}")
+    _need_cudnn()
     lengths, d = (192, 64), 64
     rng = np.random.default_rng(628)
     k = jnp.asarray(1.0 + 0.01 * rng.standard_normal((sum(lengths), 2, d)), jnp.bfloat16)
