@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from jax_ragged_attn.features import checks
-from jax_ragged_attn.backends.shared import extension, stats_grad
+from jax_ragged_attn.backends.shared import extension, known_issues, stats_grad
 from jax_ragged_attn.backends.cudnn import extents, graphs
 from jax_ragged_attn.backends.cudnn.graphs import MAX_HEAD_DIM, INT32_LIMIT, ffi_kwargs, graph_info
 from jax_ragged_attn.backends.shared.packings import TABLE
@@ -277,14 +277,30 @@ def _backward_call(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, 
         return _backward_into(initial, inputs, cu_q, cu_kv, config, seqused)
     grads, intact = _launch("backward", inputs, packing.gradient_specs, packing.gradients, cu_q, cu_kv, config,
                             seqused)
-    if _zero_filled(config):
+    unwritten = known_issues.worked_around(known_issues.NO_QUERY_SEQUENCES)
+    if _zero_filled(config) and not unwritten:
         return tuple(grads)
-    valid_q = query_rows_with_keys(cu_q, cu_kv, config, *seqused) & intact
-    valid_kv = row_positions(cu_kv, config.capacity_kv, config.max_seqlen_kv, seqused[1])[2] & intact
+    if _zero_filled(config):  # only the key rows cuDNN left unwritten need a mask
+        valid_q = jnp.ones((config.capacity_q,), bool)
+        valid_kv = _key_rows_of_sequences_with_queries(cu_q, cu_kv, config, seqused)
+    else:
+        valid_q = query_rows_with_keys(cu_q, cu_kv, config, *seqused) & intact
+        valid_kv = row_positions(cu_kv, config.capacity_kv, config.max_seqlen_kv, seqused[1])[2] & intact
+        if unwritten:
+            valid_kv = valid_kv & _key_rows_of_sequences_with_queries(cu_q, cu_kv, config, seqused)
     # Rows cuDNN does not own are garbage: zero them. In a packed gradient each part has its own rows.
     zero = jnp.zeros((), config.dtype)
     return tuple(jnp.where(mask.reshape(mask.shape + (1,) * (g.ndim - mask.ndim)), g, zero)
                  for g, mask in zip(grads, packing.gradient_masks(valid_q, valid_kv)))
+
+
+def _key_rows_of_sequences_with_queries(cu_q, cu_kv, config: AttentionConfig, seqused) -> jax.Array:
+    """[Tkv] boolean: the key row lies in a sequence with at least one query row. cuDNN before 9.19 leaves the
+    dK and dV rows of a sequence with keys but no query rows unwritten (known_issues.NO_QUERY_SEQUENCES); their
+    gradient is 0. Rows past the last sequence read False (they are zeroed anyway)."""
+    sequence = row_positions(cu_kv, config.capacity_kv, config.max_seqlen_kv, seqused[1])[0]
+    queries = sequence_lengths(cu_q, config.max_seqlen_q, seqused[0])
+    return jnp.concatenate([queries, jnp.zeros((1,), queries.dtype)])[sequence] > 0
 
 
 def _backward_into(initial, inputs, cu_q, cu_kv, config: AttentionConfig, seqused):
