@@ -38,6 +38,19 @@ CASES = (
     # Keys no query reaches inside sequences that have queries.
     RaggedCase("keys left of every window: 10 queries on 1000 keys, window (8, 0) bottom-right",
                slots_q=(10, 3), slots_kv=(1000, 9), options=CAUSAL_BR + (("local_window_size", (8, 0)),)),
+    # Unequal head dims past one 128-row tile (the stats cotangent's backward widens Dv by 16: 128 -> 144).
+    RaggedCase("Dqk 128, Dv 144, 300 + 200 + 129 rows, GQA, causal", slots_q=(300, 200, 129),
+               slots_kv=(300, 200, 129), dims=(128, 144), options=(("is_causal", True),)),
+    RaggedCase("Dqk 128, Dv 144, 300 + 200 + 129 rows, MHA, no mask", slots_q=(300, 200, 129),
+               slots_kv=(300, 200, 129), heads=(4, 4), dims=(128, 144)),
+    RaggedCase("Dqk 192, Dv 128, 300 + 200 + 129 rows, causal", slots_q=(300, 200, 129),
+               slots_kv=(300, 200, 129), heads=(4, 4), dims=(192, 128), options=(("is_causal", True),)),
+    RaggedCase("Dqk 128, Dv 64, 300 + 200 + 129 rows, causal", slots_q=(300, 200, 129),
+               slots_kv=(300, 200, 129), heads=(4, 4), dims=(128, 64), options=(("is_causal", True),)),
+    RaggedCase("stats gradient, 300 + 200 + 129 rows, GQA, causal", slots_q=(300, 200, 129),
+               slots_kv=(300, 200, 129), stats_gradient=True),
+    RaggedCase("equal dims 128, 300 + 200 + 129 rows, GQA, causal", slots_q=(300, 200, 129),
+               slots_kv=(300, 200, 129)),
     # TransformerEngine#2344's trigger (cuDNN 9.14.0: a left window, max_seqlen_kv > 1024, a mask but causal).
     RaggedCase("window (64, 64) over 1500 keys", slots_q=(1500, 37), slots_kv=(1500, 37), heads=(2, 2),
                options=(("local_window_size", (64, 64)),)),
