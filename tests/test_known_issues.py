@@ -123,6 +123,24 @@ def test_a_worked_around_entry_declines_nothing_and_is_listed():
     assert any(known_issues.NO_QUERY_SEQUENCES in line and "worked around" in line for line in lines), lines
 
 
+def test_transformer_engine_2185_takes_hopper_unequal_head_dims_and_the_widened_stats_backward(monkeypatch):
+    from jax_ragged_attn.backends.cudnn import launch
+
+    hopper_914 = Versions(cudnn=(9, 14, 0), arch=90)
+    unequal = dataclasses.replace(_ragged_config(), head_dim_v=144)
+    assert "TransformerEngine#2185" in known_issues.fence("cudnn", "ragged", unequal, hopper_914)
+    for dims in ((192, 128), (128, 64), (128, 128)):  # outside the report's condition
+        config = dataclasses.replace(_ragged_config(), head_dim_qk=dims[0], head_dim_v=dims[1])
+        assert known_issues.fence("cudnn", "ragged", config, hopper_914) is None, dims
+    assert known_issues.fence("cudnn", "ragged", unequal, Versions(cudnn=(9, 14, 0), arch=100)) is None
+    assert known_issues.fence("cudnn", "ragged", unequal, Versions(cudnn=(9, 19, 0), arch=90)) is None
+    # A stats cotangent's backward runs Dv + 16 = 144 on Dqk 128: fenced there, not in the forward.
+    monkeypatch.setattr(known_issues, "loaded_versions", lambda: hopper_914)
+    assert "TransformerEngine#2185" in launch.stats_gradient_unsupported(_ragged_config())
+    monkeypatch.setattr(known_issues, "loaded_versions", lambda: Versions(cudnn=(9, 19, 0), arch=90))
+    assert launch.stats_gradient_unsupported(_ragged_config()) is None
+
+
 def test_the_no_query_mask_keeps_exactly_the_key_rows_of_sequences_with_queries():
     from jax_ragged_attn.backends.cudnn.launch import _key_rows_of_sequences_with_queries
 
@@ -362,6 +380,46 @@ def test_transformer_engine_2344_fence():
     with pytest.raises(NotImplementedError, match="TransformerEngine#2344"):
         ragged_attention(q, k, v, cu, cu, implementation="cudnn", **options)
     assert_close(ragged_attention(q, k, v, cu, cu, **options), expected["out"], jnp.bfloat16, "out (fence on)")
+
+
+@gpu
+def test_reproduces_transformer_engine_2185_unequal_head_dims():
+    """Dqk 128 / Dv 144 (the stats cotangent's widened backward) over sequences past one 128-row tile."""
+    issue = _issue("TransformerEngine#2185", "ragged")
+    _need(issue)
+    rng = np.random.default_rng(2185)
+    lengths = (300, 200, 129)
+    cu = jnp.asarray(np.cumsum((0,) + lengths), jnp.int32)
+    rows = slice(0, sum(lengths))
+    padded = lambda d: jnp.asarray(np.concatenate([rng.standard_normal((sum(lengths), 4, d)),  # noqa: E731
+                                                   np.full((3, 4, d), np.nan)]), jnp.bfloat16)
+    q, k, v, d_out = padded(128), padded(128), padded(144), padded(144)
+    options = dict(max_seqlen_q=300, max_seqlen_kv=300, is_causal=True)
+    expected = reference_attention(q[rows], k[rows], v[rows], cu, cu, d_out=d_out[rows], **options)
+
+    def grads(**kwargs):
+        _, vjp = jax.vjp(lambda q, k, v: ragged_attention(q, k, v, cu, cu, **options, **kwargs), q, k, v)
+        return dict(zip(("dq", "dk", "dv"), (np.asarray(g, np.float64)[rows] for g in vjp(d_out))))
+
+    with known_issues.lifted(issue.key):
+        lifted = grads(implementation="cudnn")
+    wrong = []
+    for name, got in lifted.items():
+        try:
+            assert_close(got, expected[name], jnp.bfloat16, name)
+        except AssertionError as error:
+            wrong.append(str(error)[:120])
+    assert wrong, f"{issue.key} did not reproduce on this cuDNN: every gradient was right"
+    with pytest.raises(NotImplementedError, match="TransformerEngine#2185"):
+        grads(implementation="cudnn")
+    for name, got in grads().items():  # implementation=None: a backend that serves it
+        assert_close(got, expected[name], jnp.bfloat16, f"{name} (fence on)")
+    # The stats cotangent widens Dv 128 to 144: that backward is fenced too, the forward is not.
+    loss = lambda q: jnp.sum(ragged_attention(q, k, k, cu, cu, return_stats=True, implementation="cudnn",  # noqa
+                                              **options)[1])
+    loss(q)
+    with pytest.raises(NotImplementedError, match="TransformerEngine#2185"):
+        jax.grad(loss)(q)
 
 
 def _no_query_grads(seed: int):

@@ -28,9 +28,6 @@ Considered and left out, because no path of this package reaches them (re-read o
   fixed in 9.26; #1072: again with s_q = 1 and no padding mask): every graph here carries the padding mask (the
   reports' workaround) and at least 2 query rows; tests/test_known_issues.py probes it on every version.
 - cudnn-frontend#1071 (9.26 backward plan creation crashes for B = H = s_q = 1): backward graphs have s_q >= 2.
-- TransformerEngine's guard for Hopper backward with 128 < Dqk != Dv <= 256 from 9.11: cudnn-frontend's own
-  support check declines those graphs on the releases it names (9.11-9.12), so cuDNN reports them unsupported;
-  the deep self-check's unequal-head-dims row watches newer releases.
 - TransformerEngine#2344's other half (an illegal memory access under CUDA-graph capture, 9.13-9.14, keys past
   1024): a crash, not a silent error.
 - pytorch#193893 (B200, fewer than 8 KV heads, cuDNN 9.19-9.20, open, cause unknown): no trigger confirmed.
@@ -153,6 +150,13 @@ def _head_major_stats(op: str, config) -> bool:
     return op == "ragged" and config.stats_layout == "head_major"
 
 
+def _hopper_unequal_head_dims(op: str, config) -> bool:
+    # TransformerEngine's condition: both head dims at least 128, unequal, and not DeepSeek's (192, 128). A
+    # stats cotangent's backward widens Dv by 16 columns (launch.stats_gradient_unsupported asks with that Dv).
+    dqk, dv = config.head_dim_qk, config.head_dim_v
+    return op == "ragged" and dqk >= 128 and dv >= 128 and dqk != dv and (dqk, dv) != (192, 128)
+
+
 def _ragged_backward(op: str, config) -> bool:
     # Whether a sequence has query rows is a device value: every ragged call's backward may have one without.
     return op == "ragged"
@@ -236,6 +240,28 @@ TABLE: tuple[KnownIssue, ...] = (
         installable="yes: nvidia-cudnn-cu13 9.14.0.64 (215 MiB of parts: docs/CUDNN_VERSIONS.md)",
         workaround=("on the releases in range the backward masks dK and dV to 0 in the rows of sequences without "
                     "query rows (backends/cudnn/launch.py), one elementwise pass over each"),
+    ),
+    KnownIssue(
+        key="TransformerEngine#2185",
+        library="cudnn",
+        first_affected=(9, 11, 0),
+        # TransformerEngine declines it from 9.11 on every later release ("until fixed"). Here (H100, 2026-12-06,
+        # benchmarks/cudnn_bug_probe.py) cuDNN 9.14.0 got dQ, dK and dV wrong (NaN too) for Dqk 128 / Dv 144
+        # past the first 128-row tile, with and without a mask, grouped heads or not: 14 failures of the GPU
+        # suite, all stats-cotangent backwards (Dv 128 widened to 144). Dqk 192 / Dv 128 and 128 / 64 were right
+        # there. 9.19.0, 9.27.0 and 9.28.1 passed the same tests, so the range ends at 9.19.0; 9.15-9.18 were
+        # never run.
+        first_fixed=(9, 19, 0),
+        archs=frozenset({90}),
+        backend="cudnn",
+        ops=("ragged",),
+        feature="the Hopper backward with unequal head dims of at least 128 (a stats cotangent's included)",
+        applies=_hopper_unequal_head_dims,
+        description=("the Hopper backward with 128 <= Dqk != Dv (but DeepSeek's 192 / 128) gives wrong or NaN "
+                     "dQ, dK and dV past the first tile; TransformerEngine declines it from 9.11"),
+        report="https://github.com/NVIDIA/TransformerEngine/pull/2185",
+        reproducer="tests/test_known_issues.py::test_reproduces_transformer_engine_2185_unequal_head_dims",
+        installable="yes: nvidia-cudnn-cu13 9.14.0.64 (reproduced on it)",
     ),
     KnownIssue(
         key="TransformerEngine#2344",

@@ -33,6 +33,11 @@ from jax_ragged_attn.index import query_rows_with_keys, sanitize_both
 EXTRA_COLUMNS = 16
 
 
+def widened_config(config):
+    """The configuration of the backward a stats cotangent runs: Dv widened by EXTRA_COLUMNS."""
+    return dataclasses.replace(config, head_dim_v=config.head_dim_v + EXTRA_COLUMNS)
+
+
 def stats_columns(g: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """(c, e), each [..., EXTRA_COLUMNS] in `dtype`, with sum(c * e) = -g (float32 g, any shape).
 
@@ -75,7 +80,7 @@ def widened_backward_inputs(v, out, d_out, d_stats, cu_seqlens_q, cu_seqlens_kv,
     owned = query_rows_with_keys(cu_q, cu_kv, config, *seqused)[:, None]
     g = jnp.where(owned, g.astype(jnp.float32), 0.0)
     c, e = stats_columns(g, dtype)
-    widened = dataclasses.replace(config, head_dim_v=config.head_dim_v + EXTRA_COLUMNS)
+    widened = widened_config(config)
     v_zeros = jnp.zeros((*v.shape[:2], EXTRA_COLUMNS), dtype)
     return (widened,
             jnp.concatenate([v, v_zeros], axis=-1),
