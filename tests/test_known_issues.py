@@ -129,7 +129,10 @@ def test_transformer_engine_2185_takes_hopper_unequal_head_dims_and_the_widened_
     hopper_914 = Versions(cudnn=(9, 14, 0), arch=90)
     unequal = dataclasses.replace(_ragged_config(), head_dim_v=144)
     assert "TransformerEngine#2185" in known_issues.fence("cudnn", "ragged", unequal, hopper_914)
-    for dims in ((192, 128), (128, 64), (128, 128)):  # outside the report's condition
+    for dims in ((64, 144), (64, 96), (256, 128)):  # a value dim outside 64, 128, 256, or the report's condition
+        config = dataclasses.replace(_ragged_config(), head_dim_qk=dims[0], head_dim_v=dims[1])
+        assert "TransformerEngine#2185" in known_issues.fence("cudnn", "ragged", config, hopper_914), dims
+    for dims in ((192, 128), (128, 64), (64, 128), (128, 128), (256, 256)):  # neither
         config = dataclasses.replace(_ragged_config(), head_dim_qk=dims[0], head_dim_v=dims[1])
         assert known_issues.fence("cudnn", "ragged", config, hopper_914) is None, dims
     assert known_issues.fence("cudnn", "ragged", unequal, Versions(cudnn=(9, 14, 0), arch=100)) is None

@@ -230,7 +230,8 @@ class Declined:
 @contextlib.contextmanager
 def recorded():
     """The declines backends.unsupported_reason reports while the block runs (choose asks it for every
-    backend it considers), in a list."""
+    backend it considers), and cuDNN's stats_gradient_unsupported (its backward asks it when a stats cotangent
+    arrives), in a list."""
     seen = []
     original = backends.unsupported_reason
 
@@ -241,7 +242,18 @@ def recorded():
             seen.append(Declined(family, op, config, reason))
         return reason
 
-    with mock.patch.object(backends, "unsupported_reason", recording):
+    from jax_ragged_attn.backends.cudnn import launch
+
+    stats_gradient_unsupported = launch.stats_gradient_unsupported
+
+    def recording_stats_gradient(config):  # cuDNN's backward asks this itself, when a stats cotangent comes
+        reason = stats_gradient_unsupported(config)
+        if reason is not None:
+            seen.append(Declined("cudnn", "ragged", config, reason))
+        return reason
+
+    with mock.patch.object(backends, "unsupported_reason", recording), \
+            mock.patch.object(launch, "stats_gradient_unsupported", recording_stats_gradient):
         yield seen
 
 

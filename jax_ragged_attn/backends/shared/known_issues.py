@@ -150,11 +150,13 @@ def _head_major_stats(op: str, config) -> bool:
     return op == "ragged" and config.stats_layout == "head_major"
 
 
-def _hopper_unequal_head_dims(op: str, config) -> bool:
-    # TransformerEngine's condition: both head dims at least 128, unequal, and not DeepSeek's (192, 128). A
-    # stats cotangent's backward widens Dv by 16 columns (launch.stats_gradient_unsupported asks with that Dv).
+def _hopper_backward_head_dims(op: str, config) -> bool:
+    # TransformerEngine's condition (both head dims at least 128, unequal, not DeepSeek's 192 / 128), and the one
+    # seen here: a value head dim outside the specialised 64, 128, 256. A stats cotangent's backward widens Dv by
+    # 16 columns (launch.stats_gradient_unsupported asks with that Dv).
     dqk, dv = config.head_dim_qk, config.head_dim_v
-    return op == "ragged" and dqk >= 128 and dv >= 128 and dqk != dv and (dqk, dv) != (192, 128)
+    unequal_wide = dqk >= 128 and dv >= 128 and dqk != dv and (dqk, dv) != (192, 128)
+    return op == "ragged" and (unequal_wide or dv not in (64, 128, 256))
 
 
 def _ragged_backward(op: str, config) -> bool:
@@ -245,20 +247,24 @@ TABLE: tuple[KnownIssue, ...] = (
         key="TransformerEngine#2185",
         library="cudnn",
         first_affected=(9, 11, 0),
-        # TransformerEngine declines it from 9.11 on every later release ("until fixed"). Here (H100, 2026-12-06,
-        # benchmarks/cudnn_bug_probe.py) cuDNN 9.14.0 got dQ, dK and dV wrong (NaN too) for Dqk 128 / Dv 144
-        # past the first 128-row tile, with and without a mask, grouped heads or not: 14 failures of the GPU
-        # suite, all stats-cotangent backwards (Dv 128 widened to 144). Dqk 192 / Dv 128 and 128 / 64 were right
-        # there. 9.19.0, 9.27.0 and 9.28.1 passed the same tests, so the range ends at 9.19.0; 9.15-9.18 were
-        # never run.
+        # TransformerEngine declines 128 <= Dqk != Dv (not 192 / 128) on Hopper from 9.11 on every later release
+        # ("until fixed"). Here (H100, 2026-12-06) cuDNN 9.14.0 failed 14 tests of the GPU suite, every one a
+        # backward with a stats cotangent, whose Dv is widened by 16 columns: Dqk 128 / Dv 144 and 64 / 144 gave
+        # wrong dQ, dK, dV (NaN too) past the first 128-row tile, with and without a mask, grouped heads or not
+        # (benchmarks/cudnn_bug_probe.py). The plain backwards of 64 / 128, 128 / 64, 192 / 128, 160 / 128 and
+        # equal dims were right. So the fence takes TransformerEngine's condition and, seen here, any value head
+        # dim outside the specialised 64, 128, 256 (only 144 was isolated: the rule is the cautious one). 9.19.0, 9.27.0 and
+        # 9.28.1 passed the same tests: the range ends at 9.19.0; 9.15-9.18 were never run.
         first_fixed=(9, 19, 0),
         archs=frozenset({90}),
         backend="cudnn",
         ops=("ragged",),
-        feature="the Hopper backward with unequal head dims of at least 128 (a stats cotangent's included)",
-        applies=_hopper_unequal_head_dims,
-        description=("the Hopper backward with 128 <= Dqk != Dv (but DeepSeek's 192 / 128) gives wrong or NaN "
-                     "dQ, dK and dV past the first tile; TransformerEngine declines it from 9.11"),
+        feature=("the Hopper backward with a value head dim outside 64, 128, 256 or with 128 <= Dqk != Dv (a stats "
+                 "cotangent's Dv + 16 included)"),
+        applies=_hopper_backward_head_dims,
+        description=("the Hopper backward gives wrong or NaN dQ, dK and dV past the first tile for 128 <= Dqk != Dv "
+                     "(but 192 / 128; TransformerEngine declines it from 9.11) and, seen by this package on 9.14.0, "
+                     "for a value head dim outside 64, 128, 256 (Dv 144 with Dqk 64 and 128)"),
         report="https://github.com/NVIDIA/TransformerEngine/pull/2185",
         reproducer="tests/test_known_issues.py::test_reproduces_transformer_engine_2185_unequal_head_dims",
         installable="yes: nvidia-cudnn-cu13 9.14.0.64 (reproduced on it)",
