@@ -334,8 +334,9 @@ _lifted: set[str] = set()
 
 @contextlib.contextmanager
 def lifted(*keys: str):
-    """Within the block, fence() declines nothing for these reports: for the reproducers, which run the affected
-    feature to show the bug. Read when a call is traced, so run the op outside any jit traced before."""
+    """Within the block, fence() declines nothing for these reports and worked_around() applies none of their
+    workarounds: for the reproducers, which run the affected feature to show the bug. Read when a call is
+    traced, so run the op outside any jit traced before."""
     unknown = sorted(set(keys) - {issue.key for issue in TABLE})
     if unknown:
         raise ValueError(f"lifted() takes keys of known_issues.TABLE, got {unknown}")
