@@ -181,7 +181,11 @@ def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOption
     # so no stats cotangent), else they are an epilogue on its stats, handed over raw (never -inf made for
     # the epilogue's sake, so debug_infs stays quiet).
     inner = dataclasses.replace(config, has_sinks=False)
-    backend = backends.choose(options.implementation, inner, index, stats_gradient=sinks is not None)
+    # Sinks need the stats' gradient where they are an epilogue; without returned stats a backend with
+    # attend_with_sinks folds them into its plain backward instead. Every backend that can decline a stats
+    # gradient (stats_gradient_unsupported: cuDNN) folds, so only returned stats make them ask it.
+    backend = backends.choose(options.implementation, inner, index,
+                              stats_gradient=sinks is not None and options.return_stats)
     folds_sinks = sinks is not None and not options.return_stats and hasattr(backend, "attend_with_sinks")
     if folds_sinks:
         out, stats = backend.attend_with_sinks(buffers, index, sinks, inner), None

@@ -150,3 +150,32 @@ def test_the_recording_is_undone():
     with declines.recorded() as seen:
         assert backends.unsupported_reason is not original
     assert backends.unsupported_reason is original and seen == []
+
+
+def test_a_stats_gradient_fence_asked_by_the_backward_is_recorded_and_listed(monkeypatch):
+    """cuDNN's backward asks stats_gradient_unsupported itself when a stats cotangent arrives (launch.py): the
+    recording sees it, and the widened backward's fence (Dv + 16 columns, TransformerEngine#2185 on 9.14 Hopper)
+    is a listed decline, not the plain call's fence."""
+    from jax_ragged_attn.backends.cudnn import launch
+
+    monkeypatch.setattr(known_issues, "loaded_versions", lambda: known_issues.Versions(cudnn=(9, 14, 0), arch=90))
+    config = _ragged()
+    assert known_issues.fence("cudnn", "ragged", config) is None  # the plain call (Dqk = Dv = 128) is served
+    original = launch.stats_gradient_unsupported
+    with declines.recorded() as seen:
+        reason = launch.stats_gradient_unsupported(config)
+    assert launch.stats_gradient_unsupported is original
+    assert "TransformerEngine#2185" in reason and [d.reason for d in seen] == [reason]
+    entry = declines.expected("cudnn", "ragged", config, reason)
+    assert entry is not None and "widened" in entry.source, entry
+
+
+def test_every_backend_that_declines_a_stats_gradient_folds_sinks():
+    """api.py asks for a stats gradient with sinks only when stats are returned, because every backend that can
+    decline one folds the sinks into its plain backward otherwise."""
+    from jax_ragged_attn import backends
+
+    for name in backends.REGISTRY:
+        backend = backends.get(name)
+        if hasattr(backend, "stats_gradient_unsupported"):
+            assert hasattr(backend, "attend_with_sinks"), name

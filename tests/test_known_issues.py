@@ -6,7 +6,8 @@ means the entry should be narrowed or dropped), then with the fence on asserts t
 report and that implementation=None serves the call correctly. A worked-around entry whose bug this package's
 graphs did not show on an affected release (cudnn-frontend#1083) names instead a test of its workaround, run on
 every cuDNN; a fence whose bug did not show in this package's forms (TransformerEngine#2344) names a test of the
-fence, and benchmarks/cudnn_bug_probe.py holds the forms tried. docs/CUDNN_VERSIONS.md brings a given cuDNN to the GPU host and runs them:
+fence, and benchmarks/cudnn_bug_probe.py holds the forms tried. docs/CUDNN_VERSIONS.md brings a given cuDNN to
+the GPU host and runs them:
 
     pytest -m gpu tests/test_known_issues.py -rs
 """
@@ -31,6 +32,7 @@ from jax_ragged_attn.backends.shared import extension, known_issues
 from jax_ragged_attn.backends.shared.known_issues import TABLE, Versions
 from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
 from jax_ragged_attn.config import AttentionOptions, make_config
+from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked
 from jax_ragged_attn.testing import assert_close, reference_attention
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention, reference_kvcache_attention_packed
 from jax_ragged_attn.testing.private_config import config_overrides
@@ -129,10 +131,11 @@ def test_transformer_engine_2185_takes_hopper_unequal_head_dims_and_the_widened_
     hopper_914 = Versions(cudnn=(9, 14, 0), arch=90)
     unequal = dataclasses.replace(_ragged_config(), head_dim_v=144)
     assert "TransformerEngine#2185" in known_issues.fence("cudnn", "ragged", unequal, hopper_914)
-    for dims in ((64, 144), (64, 96), (256, 128)):  # a value dim outside 64, 128, 256, or the report's condition
+    for dims in ((64, 144), (128, 208), (256, 128)):  # 128 < Dv < 256 above Dqk, or the report's condition
         config = dataclasses.replace(_ragged_config(), head_dim_qk=dims[0], head_dim_v=dims[1])
         assert "TransformerEngine#2185" in known_issues.fence("cudnn", "ragged", config, hopper_914), dims
-    for dims in ((192, 128), (128, 64), (64, 128), (128, 128), (256, 256)):  # neither
+    # Neither: right on 9.14 (the widened 32 / 48 and 64 / 80 too), or outside both rules.
+    for dims in ((192, 128), (128, 64), (64, 128), (32, 48), (64, 80), (128, 128), (96, 96), (256, 256)):
         config = dataclasses.replace(_ragged_config(), head_dim_qk=dims[0], head_dim_v=dims[1])
         assert known_issues.fence("cudnn", "ragged", config, hopper_914) is None, dims
     assert known_issues.fence("cudnn", "ragged", unequal, Versions(cudnn=(9, 14, 0), arch=100)) is None
@@ -425,10 +428,11 @@ def test_reproduces_transformer_engine_2185_unequal_head_dims():
         jax.grad(loss)(q)
 
 
-def _no_query_grads(seed: int):
-    """(grads of q, k, v, the float64 reference's) of 3 sequences whose middle one has 700 keys and no query rows,
-    with NaN capacity padding, through cuDNN with every output NaN-filled before the graph runs (poison_outputs):
-    a row the graph owns but does not write reads NaN, whatever the allocator held."""
+def _no_query_grads(seed: int, packing: str = "none"):
+    """(grads of q, k, v, the float64 reference's, the rows each holds) of 3 sequences whose middle one has 700
+    keys and no query rows, with NaN capacity padding, through cuDNN with every output NaN-filled before the graph
+    runs (poison_outputs): a row the graph owns but does not write reads NaN, whatever the allocator held.
+    packing "kv": k and v in one [T, 2, H, D] buffer, whose gradient has a mask per part."""
     rng = np.random.default_rng(seed)
     slots_q, slots_kv = (5, 0, 12), (40, 700, 33)
     cu_q, cu_kv = (jnp.asarray(np.cumsum((0,) + s), jnp.int32) for s in (slots_q, slots_kv))
@@ -438,7 +442,13 @@ def _no_query_grads(seed: int):
     options = dict(max_seqlen_q=12, max_seqlen_kv=700, is_causal=True, diagonal_alignment="bottom_right")
     rows_q, rows_kv = slice(0, sum(slots_q)), slice(0, sum(slots_kv))
     expected = reference_attention(q[rows_q], k[rows_kv], v[rows_kv], cu_q, cu_kv, d_out=d_out[rows_q], **options)
-    attention = lambda q, k, v: ragged_attention(q, k, v, cu_q, cu_kv, implementation="cudnn", **options)  # noqa
+    if packing == "kv":
+        def attention(q, k, v):
+            return ragged_attention_kvpacked(q, jnp.stack([k, v], axis=1), cu_q, cu_kv, implementation="cudnn",
+                                             **options)
+    else:
+        def attention(q, k, v):
+            return ragged_attention(q, k, v, cu_q, cu_kv, implementation="cudnn", **options)
     with config_overrides(poison_outputs=True):
         _, vjp = jax.vjp(attention, q, k, v)
         grads = vjp(d_out)
@@ -447,27 +457,29 @@ def _no_query_grads(seed: int):
 
 @gpu
 def test_reproduces_no_query_sequences():
-    """The sequence without query rows (rows 45..744 of k and v) must get dK = dV = 0."""
+    """The sequence without query rows (rows 40..739 of k and v) must get dK = dV = 0."""
     issue = _issue(known_issues.NO_QUERY_SEQUENCES, "ragged")
     _need(issue)
     with known_issues.lifted(issue.key):
         (_, dk, dv), _, _ = _no_query_grads(1914)
-    unwritten = ~np.isfinite(dk[45:745]).all(axis=(1, 2)) | ~np.isfinite(dv[45:745]).all(axis=(1, 2))
+    rows = slice(40, 740)  # the sequence without query rows: cu_seqlens_kv [0, 40, 740, 773]
+    unwritten = ~np.isfinite(dk[rows]).all(axis=(1, 2)) | ~np.isfinite(dv[rows]).all(axis=(1, 2))
     assert unwritten.any(), f"{issue.key} did not reproduce on this cuDNN: cuDNN wrote every no-query row"
     _check_no_query_grads(1915)
 
 
 @gpu
-def test_no_query_sequences_get_zero_key_gradients_on_every_cudnn():
+@pytest.mark.parametrize("packing", ["none", "kv"])
+def test_no_query_sequences_get_zero_key_gradients_on_every_cudnn(packing):
     """What the entry's workaround gives on its releases, cuDNN itself on the others (poisoned outputs)."""
     _need_cudnn()
-    _check_no_query_grads(1919)
+    _check_no_query_grads(1919, packing)
 
 
-def _check_no_query_grads(seed: int) -> None:
-    grads, expected, (rows_q, rows_kv) = _no_query_grads(seed)
+def _check_no_query_grads(seed: int, packing: str = "none") -> None:
+    grads, expected, (rows_q, rows_kv) = _no_query_grads(seed, packing)
     for name, got, rows in zip(("dq", "dk", "dv"), grads, (rows_q, rows_kv, rows_kv)):
-        assert_close(got[rows], expected[name], jnp.bfloat16, name)
+        assert_close(got[rows], expected[name], jnp.bfloat16, f"{name} ({packing})")
 
 
 @gpu

@@ -11,9 +11,10 @@ raises NotImplementedError saying why:
 
 An entry with `workaround` set is handled another way already (the reason is in the entry); it is listed, by the
 self-check too, and declines nothing. A workaround that costs something runs only where `worked_around(key)`
-says the loaded versions need it. Each entry names the GPU test that reproduces it with its fence lifted
-(tests/test_known_issues.py; `lifted(key)` is the test-only switch) and says whether an affected release
-installs from pip; docs/CUDNN_VERSIONS.md says how to run them against a given cuDNN.
+says the loaded versions need it. Each entry names the GPU test that reproduces it with its fence or workaround
+lifted (tests/test_known_issues.py; `lifted(key)` is the test-only switch), or, where the bug did not show in
+this package's forms on an affected release, the test of its fence or workaround; and says whether an affected
+release installs from pip. docs/CUDNN_VERSIONS.md says how to run them against a given cuDNN.
 
 Considered and left out, because no path of this package reaches them (re-read on 2026-12-05):
 - TransformerEngine#3249 (THD backward with a sink token: the sink's gradient read the stats as dense, cuDNN
@@ -78,9 +79,10 @@ class KnownIssue:
     feature: str  # what the user asked for, as a reason names it
     applies: Callable[[str, Any], bool]  # (op, config) -> whether this call has the feature
     description: str
-    report: str  # the public report's URL
-    # The GPU test that shows the bug with the fence lifted; for a worked-around entry whose bug this package's
-    # graphs did not show on an affected release, the GPU test that checks the workaround on every release.
+    report: str  # the public report's URL; for a bug found here, its section of docs/CUDNN_VERSIONS.md
+    # The GPU test that shows the bug with the fence (or workaround) lifted; for a worked-around entry whose bug
+    # this package's graphs did not show on an affected release, the GPU test that checks the workaround on every
+    # release; for a fence whose bug did not show in this package's forms (TransformerEngine#2344), its fence test.
     reproducer: str
     installable: str  # whether an affected release installs from pip next to jax[cuda13], and its size
     workaround: str | None = None  # how the bug is already kept away; set: fence() declines nothing
@@ -152,11 +154,12 @@ def _head_major_stats(op: str, config) -> bool:
 
 def _hopper_backward_head_dims(op: str, config) -> bool:
     # TransformerEngine's condition (both head dims at least 128, unequal, not DeepSeek's 192 / 128), and the one
-    # seen here: a value head dim outside the specialised 64, 128, 256. A stats cotangent's backward widens Dv by
-    # 16 columns (launch.stats_gradient_unsupported asks with that Dv).
+    # seen here: Dv between 128 and 256 above a smaller Dqk (64 / 144 failed on 9.14; 32 / 48, 64 / 80 and equal
+    # dims passed). A stats cotangent's backward widens Dv by 16 columns (launch.stats_gradient_unsupported asks
+    # with that Dv).
     dqk, dv = config.head_dim_qk, config.head_dim_v
     unequal_wide = dqk >= 128 and dv >= 128 and dqk != dv and (dqk, dv) != (192, 128)
-    return op == "ragged" and (unequal_wide or dv not in (64, 128, 256))
+    return op == "ragged" and (unequal_wide or dqk < dv and 128 < dv < 256)
 
 
 def _ragged_backward(op: str, config) -> bool:
@@ -251,20 +254,20 @@ TABLE: tuple[KnownIssue, ...] = (
         # ("until fixed"). Here (H100, 2026-12-06) cuDNN 9.14.0 failed 14 tests of the GPU suite, every one a
         # backward with a stats cotangent, whose Dv is widened by 16 columns: Dqk 128 / Dv 144 and 64 / 144 gave
         # wrong dQ, dK, dV (NaN too) past the first 128-row tile, with and without a mask, grouped heads or not
-        # (benchmarks/cudnn_bug_probe.py). The plain backwards of 64 / 128, 128 / 64, 192 / 128, 160 / 128 and
-        # equal dims were right. So the fence takes TransformerEngine's condition and, seen here, any value head
-        # dim outside the specialised 64, 128, 256 (only 144 was isolated: the rule is the cautious one). 9.19.0, 9.27.0 and
+        # (benchmarks/cudnn_bug_probe.py). Right there: the plain backwards of 64 / 128, 128 / 64, 192 / 128,
+        # 160 / 128 and equal dims, and the widened ones of 32 / 48 and 64 / 80. So the fence takes
+        # TransformerEngine's condition and, seen here, Dv in (128, 256) above a smaller Dqk. 9.19.0, 9.27.0 and
         # 9.28.1 passed the same tests: the range ends at 9.19.0; 9.15-9.18 were never run.
         first_fixed=(9, 19, 0),
         archs=frozenset({90}),
         backend="cudnn",
         ops=("ragged",),
-        feature=("the Hopper backward with a value head dim outside 64, 128, 256 or with 128 <= Dqk != Dv (a stats "
+        feature=("the Hopper backward with 128 <= Dqk != Dv or 128 < Dv < 256 above a smaller Dqk (a stats "
                  "cotangent's Dv + 16 included)"),
         applies=_hopper_backward_head_dims,
         description=("the Hopper backward gives wrong or NaN dQ, dK and dV past the first tile for 128 <= Dqk != Dv "
                      "(but 192 / 128; TransformerEngine declines it from 9.11) and, seen by this package on 9.14.0, "
-                     "for a value head dim outside 64, 128, 256 (Dv 144 with Dqk 64 and 128)"),
+                     "for 128 < Dv < 256 above a smaller Dqk (Dv 144 with Dqk 64 and 128)"),
         report="https://github.com/NVIDIA/TransformerEngine/pull/2185",
         reproducer="tests/test_known_issues.py::test_reproduces_transformer_engine_2185_unequal_head_dims",
         installable="yes: nvidia-cudnn-cu13 9.14.0.64 (reproduced on it)",
