@@ -541,3 +541,52 @@ def test_negative_lse_rows_keep_finite_gradients():
                                                          implementation="cudnn"), q, k, v)
     for name, got in zip(("dq", "dk", "dv"), vjp(jnp.asarray(d_out, jnp.bfloat16))):
         assert_close(got, expected[name], jnp.bfloat16, name)
+
+
+@pytest.mark.parametrize("packing", ["none", "kv", "qkv"])
+@pytest.mark.parametrize("check", [False, True], ids=["unguarded", "check_mode"])
+def test_the_no_query_workaround_zeroes_exactly_those_key_rows(monkeypatch, packing, check):
+    """launch._backward_call with cuDNN's results stood in by 1 everywhere (as if every row were written): with
+    the workaround on (cuDNN 9.14 loaded), every key row of a sequence without query rows reads 0 in each
+    key-side gradient part, and every other real key row keeps the kernel's value (unguarded)."""
+    from jax_ragged_attn.backends.cudnn import launch
+    from jax_ragged_attn.backends.shared.packings import TABLE as PACKINGS
+
+    slots_q, slots_kv = (3, 0, 4), (5, 6, 4) if packing != "qkv" else (3, 0, 4)
+    seqused_q = None if packing != "qkv" else jnp.asarray([3, 0, 4], jnp.int32)
+    seqused_kv = None if packing != "qkv" else jnp.asarray([3, 0, 4], jnp.int32)
+    if packing == "qkv":  # one buffer for q and kv: the sequence without queries has keys by seqused alone
+        slots_q = slots_kv = (3, 5, 4)
+        seqused_q, seqused_kv = jnp.asarray([3, 0, 4], jnp.int32), jnp.asarray([3, 2, 4], jnp.int32)
+    cu_q, cu_kv = (jnp.asarray(np.cumsum((0,) + s), jnp.int32) for s in (slots_q, slots_kv))
+    tq, tkv = sum(slots_q) + 2, sum(slots_kv) + 2
+    x = lambda t, h: jax.ShapeDtypeStruct((t, h, 128), jnp.bfloat16)  # noqa: E731
+    cu = jax.ShapeDtypeStruct((4,), jnp.int32)
+    config = dataclasses.replace(make_config(x(tq, 4), x(tkv, 2), x(tkv, 2), cu, cu, AttentionOptions(check=check),
+                                             max_seqlen_q=max(slots_q), max_seqlen_kv=max(slots_kv)),
+                                 packing=packing)
+    specs = PACKINGS[packing].gradient_specs(config)
+
+    def fake_launch(direction, inputs, result_specs, names, cu_q, cu_kv, config, seqused=(None, None)):
+        return [jnp.full(shape, 1.0, dtype) for shape, dtype, _ in specs], jnp.bool_(True)
+
+    monkeypatch.setattr(launch, "_launch", fake_launch)
+    monkeypatch.setattr(known_issues, "loaded_versions", lambda: Versions(cudnn=(9, 14, 0), arch=90))
+    dummy = [jnp.zeros(shape, dtype) for shape, dtype, _ in specs]  # the fake launch never reads them
+    grads = launch._backward_call(tuple(dummy), cu_q, cu_kv, jnp.zeros((tq, 4, 128), jnp.bfloat16),
+                                  jnp.zeros((4, tq), jnp.float32), jnp.zeros((tq, 4, 128), jnp.bfloat16), config,
+                                  (seqused_q, seqused_kv))
+    no_query_rows = np.zeros(tkv, bool)
+    no_query_rows[int(cu_kv[1]):int(cu_kv[2])] = True  # sequence 1 has keys and no query rows
+    other_rows = ~no_query_rows & (np.arange(tkv) < int(cu_kv[-1]))  # capacity padding is zeroed anyway
+    parts = {"none": [("q",), ("k",), ("v",)], "kv": [("q",), ("k", "v")], "qkv": [("q", "k", "v")]}[packing]
+    for grad, holds in zip(grads, parts):
+        g = np.asarray(grad, np.float32)
+        for part, side in enumerate(holds):
+            values = g[:, part] if len(holds) > 1 else g
+            if side == "q":
+                continue
+            rows = values.reshape(values.shape[0], -1)
+            assert not rows[no_query_rows].any(), f"{packing} {side}: a no-query key row was not zeroed"
+            if not check:  # check mode masks every row cuDNN does not own too
+                assert (rows[other_rows] == 1).all(), f"{packing} {side}: another row was changed"
