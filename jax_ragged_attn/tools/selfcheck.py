@@ -175,7 +175,8 @@ def run(args) -> int:
     for layout in ("head_major", "token_major"):
         def loss(q, k, v, implementation):
             out = api.ragged_attention(q, k, v, cu, cu, stats_layout=layout, implementation=implementation, **kwargs)
-            return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.shape[-1], dtype=jnp.float32)))
+            weights = jnp.cos(jnp.arange(out.shape[-1], dtype=jnp.float32))[None, None, :]  # explicit ranks: a
+            return jnp.sum(out.astype(jnp.float32) * weights)  # user's jax_numpy_rank_promotion='raise' holds
 
         best = "cudnn" if on_gpu and args.dtype != "float32" else "xla"
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)
