@@ -365,10 +365,14 @@ def test_cudnn_frontend_1083_ragged_workaround():
     assert_close(np.asarray(stats).T, expected["stats"], jnp.bfloat16, "stats (s_q >= 2 graphs)")
 
 
+def _nan_padded(rng, rows: int, heads: int, dim: int = 128) -> jax.Array:
+    """bfloat16 [rows + 3, heads, dim]: random rows, then 3 rows of NaN capacity padding."""
+    return jnp.asarray(np.concatenate([rng.standard_normal((rows, heads, dim)), np.full((3, heads, dim), np.nan)]),
+                       jnp.bfloat16)
+
+
 def _window_batch(rng, lengths=(1500, 37)):
-    rows = sum(lengths)
-    q, k, v = (jnp.asarray(np.concatenate([rng.standard_normal((rows, 2, 128)), np.full((3, 2, 128), np.nan)]),
-                           jnp.bfloat16) for _ in range(3))  # 3 rows of NaN capacity padding
+    q, k, v = (_nan_padded(rng, sum(lengths), 2) for _ in range(3))
     cu = jnp.asarray(np.cumsum((0,) + lengths), jnp.int32)
     return q, k, v, cu, max(lengths)
 
@@ -397,9 +401,7 @@ def test_reproduces_transformer_engine_2185_unequal_head_dims():
     lengths = (300, 200, 129)
     cu = jnp.asarray(np.cumsum((0,) + lengths), jnp.int32)
     rows = slice(0, sum(lengths))
-    padded = lambda d: jnp.asarray(np.concatenate([rng.standard_normal((sum(lengths), 4, d)),  # noqa: E731
-                                                   np.full((3, 4, d), np.nan)]), jnp.bfloat16)
-    q, k, v, d_out = padded(128), padded(128), padded(144), padded(144)
+    q, k, v, d_out = (_nan_padded(rng, sum(lengths), 4, dim) for dim in (128, 128, 144, 144))
     options = dict(max_seqlen_q=300, max_seqlen_kv=300, is_causal=True)
     expected = reference_attention(q[rows], k[rows], v[rows], cu, cu, d_out=d_out[rows], **options)
 
@@ -436,9 +438,8 @@ def _no_query_grads(seed: int, packing: str = "none"):
     rng = np.random.default_rng(seed)
     slots_q, slots_kv = (5, 0, 12), (40, 700, 33)
     cu_q, cu_kv = (jnp.asarray(np.cumsum((0,) + s), jnp.int32) for s in (slots_q, slots_kv))
-    nan_rows = lambda n, h: np.concatenate([rng.standard_normal((n, h, 128)), np.full((3, h, 128), np.nan)])  # noqa
-    q, d_out = (jnp.asarray(nan_rows(sum(slots_q), 8), jnp.bfloat16) for _ in range(2))
-    k, v = (jnp.asarray(nan_rows(sum(slots_kv), 2), jnp.bfloat16) for _ in range(2))
+    q, d_out = (_nan_padded(rng, sum(slots_q), 8) for _ in range(2))
+    k, v = (_nan_padded(rng, sum(slots_kv), 2) for _ in range(2))
     options = dict(max_seqlen_q=12, max_seqlen_kv=700, is_causal=True, diagonal_alignment="bottom_right")
     rows_q, rows_kv = slice(0, sum(slots_q)), slice(0, sum(slots_kv))
     expected = reference_attention(q[rows_q], k[rows_kv], v[rows_kv], cu_q, cu_kv, d_out=d_out[rows_q], **options)
@@ -552,12 +553,12 @@ def test_the_no_query_workaround_zeroes_exactly_those_key_rows(monkeypatch, pack
     from jax_ragged_attn.backends.cudnn import launch
     from jax_ragged_attn.backends.shared.packings import TABLE as PACKINGS
 
-    slots_q, slots_kv = (3, 0, 4), (5, 6, 4) if packing != "qkv" else (3, 0, 4)
-    seqused_q = None if packing != "qkv" else jnp.asarray([3, 0, 4], jnp.int32)
-    seqused_kv = None if packing != "qkv" else jnp.asarray([3, 0, 4], jnp.int32)
     if packing == "qkv":  # one buffer for q and kv: the sequence without queries has keys by seqused alone
         slots_q = slots_kv = (3, 5, 4)
         seqused_q, seqused_kv = jnp.asarray([3, 0, 4], jnp.int32), jnp.asarray([3, 2, 4], jnp.int32)
+    else:
+        slots_q, slots_kv = (3, 0, 4), (5, 6, 4)
+        seqused_q = seqused_kv = None
     cu_q, cu_kv = (jnp.asarray(np.cumsum((0,) + s), jnp.int32) for s in (slots_q, slots_kv))
     tq, tkv = sum(slots_q) + 2, sum(slots_kv) + 2
     x = lambda t, h: jax.ShapeDtypeStruct((t, h, 128), jnp.bfloat16)  # noqa: E731
@@ -579,8 +580,7 @@ def test_the_no_query_workaround_zeroes_exactly_those_key_rows(monkeypatch, pack
     no_query_rows = np.zeros(tkv, bool)
     no_query_rows[int(cu_kv[1]):int(cu_kv[2])] = True  # sequence 1 has keys and no query rows
     other_rows = ~no_query_rows & (np.arange(tkv) < int(cu_kv[-1]))  # capacity padding is zeroed anyway
-    parts = {"none": [("q",), ("k",), ("v",)], "kv": [("q",), ("k", "v")], "qkv": [("q", "k", "v")]}[packing]
-    for grad, holds in zip(grads, parts):
+    for grad, holds in zip(grads, (buffer.holds for buffer in PACKINGS[packing].buffers)):
         g = np.asarray(grad, np.float32)
         for part, side in enumerate(holds):
             values = g[:, part] if len(holds) > 1 else g

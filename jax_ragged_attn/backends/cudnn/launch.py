@@ -278,9 +278,10 @@ def _backward_call(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, 
     grads, intact = _launch("backward", inputs, packing.gradient_specs, packing.gradients, cu_q, cu_kv, config,
                             seqused)
     unwritten = known_issues.worked_around(known_issues.NO_QUERY_SEQUENCES)
-    if _zero_filled(config) and not unwritten:
-        return tuple(grads)
-    if _zero_filled(config):  # only the key rows cuDNN left unwritten need a mask
+    if _zero_filled(config):
+        if not unwritten:
+            return tuple(grads)
+        # The handler zeroed every row the graph does not own: only the key rows cuDNN left unwritten need a mask.
         valid_q = jnp.ones((config.capacity_q,), bool)
         valid_kv = _key_rows_of_sequences_with_queries(cu_q, cu_kv, config, seqused)
     else:
