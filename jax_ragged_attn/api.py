@@ -90,6 +90,9 @@ def ragged_attention(
         "fa3" or "xla") pins one for every call it can serve. "cudnn" and "fa3" raise NotImplementedError
         saying why where they cannot serve the call (FA3: Hopper, bfloat16 / float16, head dim 128, no
         softcap; backends/fa3/ragged.py); "xla" is the portable jnp implementation and serves every call.
+        "dew" runs FA3's kernels as the optional dew-flash-attn wheel builds them (head dims 64, 128, 192,
+        256; no softcap, no deterministic backward; backends/fa3/dew.py), pinned only: not yet run on a GPU
+        by this package's suite, so implementation=None never picks it.
       deterministic: run cuDNN's deterministic backward, so dQ/dK/dV are bit-identical run to run (it keeps
         dP in a dense workspace: slower and much more memory). The xla path is deterministic anyway.
       check: validate cu_seqlens at run time (start at 0, never decrease, stay within the capacity, no

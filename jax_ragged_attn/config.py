@@ -20,7 +20,7 @@ import numpy as np
 DIAGONAL_ALIGNMENTS = ("top_left", "bottom_right")
 STATS_LAYOUTS = ("head_major", "token_major")
 # "fa3": FlashAttention-3 through an optional wheel (backends/fa3/ragged.py).
-IMPLEMENTATIONS = (None, "cudnn", "xla", "fa3")
+IMPLEMENTATIONS = (None, "cudnn", "xla", "fa3", "dew")
 # How q, k, v lie in memory on the cuDNN path (ffi/attention_config.h's Packing, in this order).
 PACKINGS = ("none", "kv", "qkv")
 XLA_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)

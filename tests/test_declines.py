@@ -15,7 +15,7 @@ import pytest
 
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.backends.cudnn import graphs, kvcache as cudnn_kvcache, ragged as cudnn
-from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache, ragged as fa3
+from jax_ragged_attn.backends.fa3 import dew, kvcache as fa3_kvcache, ragged as fa3
 from jax_ragged_attn.backends.shared import extension, known_issues
 from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
 from jax_ragged_attn.backends.xla import ragged as xla
@@ -64,6 +64,13 @@ EXAMPLES = {
         cudnn_kvcache.unsupported_reason, _kvcache(total_q=20, seqlen_q=4, num_heads_q=2)),
     ("cudnn", "kvcache", "reaches into the rows cuDNN's paged graph reads"): (
         cudnn_kvcache.unsupported_reason, _kvcache(seqlen_q=10, window_left=cudnn_kvcache.TAIL - 5)),
+    ("dew", "ragged", "kernels are built without softcap"): (dew.unsupported_reason, _ragged(softcap=1.0)),
+    ("dew", "ragged", "FlashAttention-3 takes bfloat16 or float16 inputs"): (dew.unsupported_reason,
+                                                                             _ragged("float32")),
+    ("dew", "ragged", "kernels take equal head dims of"): (dew.unsupported_reason, _ragged(dqk=128, dv=64)),
+    ("dew", "ragged", "backward has no deterministic mode"): (dew.unsupported_reason, _ragged(deterministic=True)),
+    ("dew", "ragged", "aligns its causal mask and windows bottom-right"): (dew.unsupported_reason,
+                                                                           _ragged(is_causal=True)),
     ("fa3", "ragged", "called with softcap 0"): (fa3.unsupported_reason, _ragged(softcap=1.0)),
     ("fa3", "ragged", "FlashAttention-3 takes bfloat16 or float16 inputs"): (fa3.unsupported_reason,
                                                                              _ragged("float32")),

@@ -39,7 +39,7 @@ from absl.testing import parameterized
 import jax_ragged_attn
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.testing import PackedBatch, assert_close, packed_batch, reference_attention
-from jax_ragged_attn.backends.fa3 import ragged as _fa3
+from jax_ragged_attn.backends.fa3 import dew as _dew, ragged as _fa3
 from jax_ragged_attn.testing import declines, fa3_emulator
 from jax_ragged_attn.testing.private_config import config_overrides
 
@@ -559,6 +559,36 @@ class Fa3EmulatedTest(SemanticsTest):
 
     def compiler_options(self) -> dict:
         return {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
+
+
+_DEW_REASON = _dew.unavailable_reason()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_DEW_REASON is not None, reason=f"dew-flash-attn unavailable: {_DEW_REASON}")
+class DewTest(SemanticsTest):
+    """FlashAttention-3's kernels as dew-flash-attn builds them, through implementation="dew" (the FA3 wrapper
+    with the sequences' unused rows handed over as sequences of their own): cuDNN's sizes at head dim 128.
+    Declines (a top-left mask it cannot prove, deterministic=True) are skips with the reason."""
+
+    __test__ = True
+    implementation = "dew"
+    dtypes = ("bfloat16", "float16")
+    sizes = Sizes(num_seqs=6, max_seqlen=(160, 192), slack=(37, 21), head_dim_unit=32, window_unit=4,
+                  head_dim=128)
+    deterministic_by_default = False
+    bottom_right_only = True
+
+
+class DewEmulatedTest(Fa3EmulatedTest):
+    """fa3/dew.py (the offsets with gaps for the rows past each sequence's used ones) around the same stand-ins,
+    taking offsets alone as dew-flash-attn's kernels do: on the CPU in CI."""
+
+    implementation = "dew"
+
+    def setUp(self):
+        SemanticsTest.setUp(self)
+        self.enter_context(fa3_emulator.patched_dew())
 
 
 # Only a few of the named cases here (ones FA3 serves, across its masks, GQA and empty sequences), so that CI

@@ -139,6 +139,12 @@ def _fa3_head_dims(config) -> bool:
     return _fa3_module().FA3_HEAD_DIM != config.head_dim_qk or _fa3_module().FA3_HEAD_DIM != config.head_dim_v
 
 
+def _dew_head_dims(config) -> bool:
+    from jax_ragged_attn.backends.fa3 import dew
+
+    return config.head_dim_qk != config.head_dim_v or config.head_dim_qk not in dew.HEAD_DIMS
+
+
 def _fa3_packed_tile_rows(config) -> int:
     from jax_ragged_attn.backends.fa3 import kvcache
 
@@ -148,6 +154,7 @@ def _fa3_packed_tile_rows(config) -> int:
 _CUDNN = "backends/cudnn/graphs.py unsupported_reason"
 _CUDNN_KVCACHE = "backends/cudnn/kvcache.py unsupported_reason, paged.py static_reason"
 _FA3 = "backends/fa3/ragged.py unsupported_reason"
+_DEW = "backends/fa3/dew.py unsupported_reason"
 _FA3_KVCACHE = "backends/fa3/kvcache.py unsupported_reason"
 _FA3_PACKED = "backends/fa3/kvcache.py packed_reason"
 
@@ -175,6 +182,13 @@ EXPECTED = (
     Decline("cudnn", "kvcache", "reaches into the rows cuDNN's paged graph reads", _cudnn_paged_window,
             "backends/cudnn/kvcache.py paged_reason (shared/head_tail.py window_reason)"),
     # FlashAttention-3, ragged_attention
+    # dew-flash-attn's build of FA3's kernels, ragged_attention (fa3/dew.py)
+    Decline("dew", "ragged", "kernels are built without softcap", lambda c: bool(c.softcap), _DEW),
+    Decline("dew", "ragged", "FlashAttention-3 takes bfloat16 or float16 inputs", _fa3_dtype, _DEW),
+    Decline("dew", "ragged", "kernels take equal head dims of", _dew_head_dims, _DEW),
+    Decline("dew", "ragged", "backward has no deterministic mode", lambda c: bool(c.deterministic), _DEW),
+    Decline("dew", "ragged", "aligns its causal mask and windows bottom-right",
+            lambda c: _bounded(c) and c.diagonal_alignment == "top_left", _DEW + " (fa3/ragged.py alignment_reason)"),
     Decline("fa3", "ragged", "called with softcap 0", lambda c: bool(c.softcap), _FA3),
     Decline("fa3", "ragged", "FlashAttention-3 takes bfloat16 or float16 inputs", _fa3_dtype, _FA3),
     Decline("fa3", "ragged", "kernels are built for head dim", _fa3_head_dims, _FA3),

@@ -14,7 +14,8 @@ them, nothing more.
   wrapper may shift D through them, as fa3/ragged.py's stats term does), and writes dq (rows it owns), dk, dv
   (used key rows); elsewhere NaN.
 
-`patched()` swaps them in for fa3/ragged.py's kernel calls and declares FA3 available.
+`patched()` swaps them in for fa3/ragged.py's kernel calls and declares FA3 available; `patched_dew()` for
+fa3/dew.py's, which take offsets alone (every sequence's rows used), as dew-flash-attn's kernels do.
 """
 
 from __future__ import annotations
@@ -96,6 +97,26 @@ def backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, config
     dk = jnp.where(owned_kv[:, None, None], dk, jnp.nan).astype(k.dtype)
     dv = jnp.where(owned_kv[:, None, None], dv, jnp.nan).astype(v.dtype)
     return dq, dk, dv
+
+
+def _without_seqused(call):
+    """An emulated kernel of the dew binding's signature (offsets only, every sequence's rows all used)."""
+    def kernel(*args):
+        *arrays, offsets_q, offsets_kv, config = args
+        return call(*arrays, offsets_q, offsets_kv, jnp.diff(offsets_q), jnp.diff(offsets_kv), config)
+    return kernel
+
+
+@contextlib.contextmanager
+def patched_dew():
+    """backends/fa3/dew.py with these kernels, taking offsets alone as dew-flash-attn's do, and it available."""
+    from jax_ragged_attn.backends.fa3 import dew
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(dew, "_kernel_forward", _without_seqused(forward_call)))
+        stack.enter_context(mock.patch.object(dew, "_kernel_backward", _without_seqused(backward_call)))
+        stack.enter_context(mock.patch.object(dew, "unavailable_reason", lambda: None))
+        yield
 
 
 @contextlib.contextmanager

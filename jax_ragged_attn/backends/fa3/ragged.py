@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import importlib.util
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -146,6 +148,11 @@ def unsupported_reason(config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv
     if config.head_dim_qk != FA3_HEAD_DIM or config.head_dim_v != FA3_HEAD_DIM:
         return (f"the {WHEEL} wheel's kernels are built for head dim {FA3_HEAD_DIM} only (Dqk = Dv = "
                 f"{FA3_HEAD_DIM}), got Dqk={config.head_dim_qk}, Dv={config.head_dim_v}")
+    return alignment_reason(config, cu_seqlens_q, cu_seqlens_kv, seqused) or unavailable_reason()
+
+
+def alignment_reason(config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv, seqused) -> str | None:
+    """Why FA3's bottom-right masks cannot serve this call's top-left one, or None (every binding's kernels)."""
     bounded = config.left_bound is not None or config.right_bound is not None
     if (bounded and config.diagonal_alignment == "top_left"
             and not lengths_equal(config, cu_seqlens_q, cu_seqlens_kv, seqused)):
@@ -153,7 +160,7 @@ def unsupported_reason(config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv
                 "mask only where every sequence has as many keys as queries, which this call does not prove "
                 "(pass one array as both cu_seqlens, or concrete cu_seqlens with equal lengths, or use "
                 "diagonal_alignment='bottom_right')")
-    return unavailable_reason()
+    return None
 
 
 def preferred(config: AttentionConfig) -> bool:
@@ -260,6 +267,15 @@ def _backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, confi
     return dq, dk, dv
 
 
+def _kernels(binding: str):
+    """(forward, backward) kernel calls of a binding of FlashAttention-3's kernels: this module's (the
+    flash-attn3-jax wheel's, binding NAME) or a sibling module's (dew.py: dew-flash-attn's), each with this
+    module's _forward_call / _backward_call signature. Looked up at call time, so a test can swap them
+    (testing/fa3_emulator.py)."""
+    module = sys.modules[__name__] if binding == NAME else importlib.import_module(f"{__package__}.{binding}")
+    return module._forward_call, module._backward_call
+
+
 def lse_head_major(lse: jax.Array, config: AttentionConfig) -> jax.Array:
     """FA3's log-sum-exp buffer as [Hq, Tq] (unmasked)."""
     heads, rows = config.num_heads_q, config.capacity_q
@@ -306,11 +322,11 @@ def _owned_query_rows(x, cu_q, used_q, used_kv, rows, config: AttentionConfig):
     return jnp.where(rows.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
-def _forward(q, k, v, index, config: AttentionConfig, seqused):
+def _forward(q, k, v, index, config: AttentionConfig, seqused, binding: str):
     """(out, stats, lse buffer, the v the kernel read: cleared, see _cleared). index: _index's tuple."""
     cu_q, cu_kv, used_q, used_kv = index
     (v,) = _cleared((v,), cu_kv, used_kv)
-    out, lse = _forward_call(q, k, v, cu_q, cu_kv, used_q, used_kv, config)
+    out, lse = _kernels(binding)[0](q, k, v, cu_q, cu_kv, used_q, used_kv, config)
     rows = query_rows_with_keys(cu_q, cu_kv, config, *seqused)
     # FA3 writes 0 to a real row without keys (its row sum is 0) and nothing to rows it does not own.
     out = _owned_query_rows(out, cu_q, used_q, used_kv, rows, config)
@@ -322,13 +338,13 @@ def _forward(q, k, v, index, config: AttentionConfig, seqused):
     return out, stats, lse, v
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused=(None, None)):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 7))
+def _attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused, binding: str):
     index = _index(cu_seqlens_q, cu_seqlens_kv, config, seqused)
-    return _forward(q, k, v, index, config, seqused)[:2]
+    return _forward(q, k, v, index, config, seqused, binding)[:2]
 
 
-def _attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, config, seqused=(None, None)):
+def _attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, config, seqused, binding):
     q, k, v, cu_seqlens_q, cu_seqlens_kv, seqused = jax.tree.map(
         lambda x: x.value, (q, k, v, cu_seqlens_q, cu_seqlens_kv, seqused))
     # The backward needs Q and K cleared too (see _cleared). Clearing them here, where q and k are first used,
@@ -338,29 +354,30 @@ def _attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, config, seqused=(None, 
     # forward-only call (no vjp) goes through _attention and clears V alone.
     index = cu_q, cu_kv, used_q, used_kv = _index(cu_seqlens_q, cu_seqlens_kv, config, seqused)
     (q,), (k,) = _cleared((q,), cu_q, used_q), _cleared((k,), cu_kv, used_kv)
-    out, stats, lse, v = _forward(q, k, v, index, config, seqused)
+    out, stats, lse, v = _forward(q, k, v, index, config, seqused, binding)
     return (out, stats), (q, k, v, index, seqused, out, lse)
 
 
-def _attention_bwd(config, residuals, cotangents):
+def _attention_bwd(config, binding, residuals, cotangents):
     q, k, v, (cu_q, cu_kv, used_q, used_kv), seqused, out, lse = residuals
     d_out, d_stats = cotangents
     rows = query_rows_with_keys(cu_q, cu_kv, config, *seqused)
     # q, k and v are the forward's cleared ones.
     dtype = q.dtype
+    backward_call = _kernels(binding)[1]
     parts = []  # (dq, dk, dv or None) of each backward call
     if not isinstance(d_out, SymbolicZero):
         # The cotangent of rows the op does not own is not ours to read (it may be NaN): zeroed, not multiplied.
         d_out = _owned_query_rows(d_out.astype(dtype), cu_q, used_q, used_kv, rows, config)
-        parts.append(_backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, config))
+        parts.append(backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, config))
     if not isinstance(d_stats, SymbolicZero):
         g = d_stats.T if config.stats_layout == "head_major" else d_stats  # [Tq, Hq]
         g = jnp.where(rows[:, None], g.astype(jnp.float32), 0.0)
         c, e = stats_grad.stats_columns(g, dtype)  # [Tq, Hq, EXTRA_COLUMNS], sum(c * e) = -g
         pad = [(0, 0), (0, 0), (0, config.head_dim_v - c.shape[-1])]
         d_out_stats, out_stats = jnp.pad(c, pad), jnp.pad(e, pad)
-        dq, dk, _ = _backward_call(d_out_stats, q, k, jnp.zeros_like(v), out_stats, lse, cu_q, cu_kv, used_q,
-                                   used_kv, config)
+        dq, dk, _ = backward_call(d_out_stats, q, k, jnp.zeros_like(v), out_stats, lse, cu_q, cu_kv, used_q,
+                                  used_kv, config)
         parts.append((dq, dk, None))
     if not parts:
         grads = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
@@ -383,8 +400,10 @@ def _attention_bwd(config, residuals, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
-def attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused=(None, None)):
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused=(None, None), *,
+              binding: str = NAME):
     """(out [Tq, Hq, Dv], stats float32 in the configured layout) through FA3; differentiable in q, k, v and
-    (through the second backward call above) in the stats. The caller has checked unsupported_reason."""
+    (through the second backward call above) in the stats. The caller has checked unsupported_reason.
+    binding: whose build of FA3's kernels runs them (_kernels): NAME, the flash-attn3-jax wheel's, or "dew"."""
     config = dataclasses.replace(config, packing="none", guard_workspace=False, autotune=False)
-    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, config, tuple(seqused))
+    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, config, tuple(seqused), binding)

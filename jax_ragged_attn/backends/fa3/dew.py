@@ -1,0 +1,179 @@
+"""implementation="dew": FlashAttention-3's Hopper kernels as built by the dew-flash-attn wheel, through the same
+wrapper as implementation="fa3" (fa3/ragged.py: padding safety, masks and their alignment, both stats layouts,
+the stats gradient's second backward call, row masking), with this module's two kernel calls.
+
+dew-flash-attn (`pip install 'jax_ragged_attn[dew]'`: dew-flash-attn-cu13, Apache-2.0 / BSD-3, Python >= 3.11, a CUDA 13 JAX) compiles
+FlashAttention-3 for head dims 64, 128, 192 and 256 and patches its varlen backward to launch over the batch's
+blocks instead of sequences x max_seqlen. Measured on an H100 (docs/PERFORMANCE.md, 2026-12-06) it was the fastest
+system on every row of benchmarks/peers.py: 1-3 % ahead of the flash-attn3-jax wheel with inputs made in the
+jit, 15-23 % ahead of cuDNN at head dim 64. Its Python API hides the log-sum-exp and takes no seqused, so this
+module calls its FFI targets itself (registered under names of its own), as fa3/ragged.py does the other wheel's:
+
+- `dew_flash3_mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k)` -> (out, lse f32 [Hq, Tq] head-major, two
+  one-element scratch), attributes max_seqlen, max_seqlen_k (int64), softmax_scale (float64), is_causal,
+  window_size_left, window_size_right (int64; FA3's bottom-right band, -1 unbounded);
+- `dew_flash3_mha_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)` -> (dq, dk, dv per key head,
+  two float32 scratch of Hq * (Tq + 128 * (sequences + 1))), the same attributes.
+(As read in dew_flash_attn/__init__.py of dew_flash_attn_cu13-0.3.6, `_forward3` / `_backward3`.)
+
+Lengths without seqused. The kernels take each sequence as the rows between two offsets. Sequence b's used rows
+(min(slot length, max_seqlen, seqused), fa3/ragged.py `_index`) are the first of its slot, so the offsets handed
+over are [2B + 1] (`with_gaps`): sequence 2b is b's used rows, sequence 2b + 1 the rest of its slot (rows cut by
+max_seqlen or seqused; empty in the common case), in q and in k alike, so a gap's queries see only the gap's keys.
+fa3/ragged.py clears every row outside the used ones before the kernels read them and masks every result row
+outside them after, so what the gap sequences compute is never read. A gap longer than max_seqlen gets only its
+first max_seqlen query rows computed (the grid), which nothing reads either.
+
+Declined, with the reason: softcap (not in the build), deterministic=True (its backward has no deterministic
+mode), head dims other than Dqk = Dv in 64, 128, 192, 256, float32, a top-left causal / windowed mask FA3's
+bottom-right one cannot be proven equal to, no Hopper GPU, the wheel not installed. implementation=None does
+not pick it: not a candidate until this package's GPU suite has run on it (docs/PERFORMANCE.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ragged_attn.backends.fa3 import ragged as fa3
+from jax_ragged_attn.config import AttentionConfig
+from jax_ragged_attn.index import RaggedIndex
+
+NAME = "dew"
+WHEEL = "dew-flash-attn-cu13"
+INSTALL = "pip install 'jax_ragged_attn[dew]'"
+HEAD_DIMS = (64, 128, 192, 256)  # the FA3 kernels its library holds (Dqk = Dv)
+LIBRARY = "libdew_flash_attn3.so"  # FlashAttention-3 for sm90, beside the package's __init__.py
+TARGETS = ("dew_flash3_mha_varlen_fwd", "dew_flash3_mha_varlen_bwd")
+TARGET_PREFIX = "jax_ragged_attn_"  # our registrations of its handlers
+SCRATCH_ROWS = 128  # the backward's scratch: 128 rows per sequence and 128 more, per head (its own sizing)
+READS_INDEX = True  # unsupported_reason proves a top-left mask from the lengths
+
+
+# ---- availability ------------------------------------------------------------------------------------------
+
+
+def _installed() -> bool:
+    return importlib.util.find_spec("dew_flash_attn") is not None
+
+
+@functools.cache
+def _registered() -> str | None:
+    """Registers the library's two varlen FFI handlers under our names once; None, or why they cannot be."""
+    try:
+        import dew_flash_attn  # loads its libraries (it needs libcudart.so.13, which JAX's CUDA plugin maps)
+
+        library = ctypes.CDLL(os.path.join(os.path.dirname(dew_flash_attn.__file__), LIBRARY))
+        for name in TARGETS:
+            jax.ffi.register_ffi_target(TARGET_PREFIX + name, jax.ffi.pycapsule(getattr(library, name)),
+                                        platform="CUDA")
+    except Exception as error:  # noqa: BLE001 - any failure is a reason to decline
+        return f"the {WHEEL} wheel's FlashAttention-3 handlers do not register: {type(error).__name__}: {error}"
+    return None
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None when dew-flash-attn's FA3 kernels can run here (the wheel installed, a Hopper GPU), else why not."""
+    if not _installed():
+        return f"the optional {WHEEL} wheel is not installed ({INSTALL})"
+    backend = jax.default_backend()
+    if backend != "gpu":
+        return f"FlashAttention-3 needs a CUDA GPU; JAX's backend is {backend!r}"
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if capability is None or str(capability).split(".")[0] != "9":
+        return (f"the {WHEEL} wheel's FlashAttention-3 kernels are built for Hopper (sm_90) only (its FlashAttention-2 "
+                f"ones are not called here); this GPU ({device.device_kind}) has compute capability {capability}")
+    return _registered()
+
+
+# ---- what it serves ---------------------------------------------------------------------------------------
+
+
+def unsupported_reason(config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv=None,
+                       seqused=(None, None)) -> str | None:
+    """None when dew-flash-attn's kernels can serve this call here, else a sentence saying why not (the index
+    proves a top-left mask, as for implementation="fa3")."""
+    if isinstance(cu_seqlens_q, RaggedIndex):
+        cu_seqlens_q, cu_seqlens_kv, seqused = cu_seqlens_q.cu_seqlens_q, cu_seqlens_q.cu_seqlens_kv, \
+            cu_seqlens_q.seqused
+    if config.softcap:
+        return f"the {WHEEL} wheel's kernels are built without softcap, got softcap={config.softcap}"
+    if config.dtype not in fa3.FA3_DTYPES:
+        return f"FlashAttention-3 takes bfloat16 or float16 inputs, got {config.dtype}"
+    if config.head_dim_qk != config.head_dim_v or config.head_dim_qk not in HEAD_DIMS:
+        return (f"the {WHEEL} wheel's kernels take equal head dims of {', '.join(map(str, HEAD_DIMS))} (Dqk = Dv), "
+                f"got Dqk={config.head_dim_qk}, Dv={config.head_dim_v}")
+    if config.deterministic:
+        return f"the {WHEEL} wheel's backward has no deterministic mode (deterministic=True)"
+    return fa3.alignment_reason(config, cu_seqlens_q, cu_seqlens_kv, seqused) or unavailable_reason()
+
+
+def auto_candidate(config: AttentionConfig) -> bool:
+    """Never by implementation=None yet: pinned only, until this package's GPU suite has run on the kernels."""
+    return False
+
+
+def attend(buffers, index, config: AttentionConfig, *, stats=True):
+    """(out, stats) of the parts sliced out of packed buffers; autodiff assembles their gradients."""
+    from jax_ragged_attn.backends.shared.packings import TABLE
+
+    return fa3.attention(*TABLE[config.packing].split(buffers), index.cu_seqlens_q, index.cu_seqlens_kv, config,
+                         index.seqused, binding=NAME)
+
+
+# ---- the kernels (fa3/ragged.py _kernels calls them with its own signature) ----------------------------------
+
+
+def with_gaps(cu: jax.Array, used: jax.Array) -> jax.Array:
+    """[2B + 1] offsets from sanitised cu [B + 1] and used lengths [B]: sequence 2b is sequence b's used rows,
+    2b + 1 the rest of its slot. cu [0, 5, 9], used [3, 4] -> [0, 3, 5, 9, 9]."""
+    starts = cu[:-1].astype(jnp.int32)
+    pairs = jnp.stack([starts, starts + used.astype(jnp.int32)], axis=1).reshape(-1)
+    return jnp.concatenate([pairs, cu[-1:].astype(jnp.int32)])
+
+
+def _attributes(config: AttentionConfig) -> dict:
+    is_causal, left, right = fa3._window(config)
+    return dict(max_seqlen=np.int64(config.max_seqlen_q), max_seqlen_k=np.int64(config.max_seqlen_kv),
+                softmax_scale=np.float64(config.scale), is_causal=is_causal,
+                window_size_left=np.int64(left), window_size_right=np.int64(right))
+
+
+def _forward_call(q, k, v, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig):
+    """(out [Tq, Hq, D] with garbage in rows no used sequence owns, lse [Hq, Tq])."""
+    return _kernel_forward(q, k, v, with_gaps(cu_q, used_q), with_gaps(cu_kv, used_kv), config)
+
+
+def _backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig):
+    """(dq, dk, dv), garbage in rows no used sequence owns."""
+    return _kernel_backward(d_out, q, k, v, out, lse, with_gaps(cu_q, used_q), with_gaps(cu_kv, used_kv), config)
+
+
+def _kernel_forward(q, k, v, offsets_q, offsets_kv, config: AttentionConfig):
+    """The library's varlen forward over the sequences between consecutive offsets."""
+    heads, rows = q.shape[1], q.shape[0]
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((heads, rows), jnp.float32),
+               jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32), jax.ShapeDtypeStruct((1, 1, 1), jnp.float32))
+    call = jax.ffi.ffi_call(TARGET_PREFIX + TARGETS[0], results, vmap_method="sequential")
+    out, lse, _, _ = call(q, k, v, offsets_q, offsets_kv, **_attributes(config))
+    return out, lse
+
+
+def _kernel_backward(d_out, q, k, v, out, lse, offsets_q, offsets_kv, config: AttentionConfig):
+    """The library's varlen backward over the same sequences: (dq, dk, dv), dk and dv per key head."""
+    sequences = offsets_q.shape[0] - 1
+    scratch = jax.ShapeDtypeStruct((q.shape[1] * (q.shape[0] + SCRATCH_ROWS * (sequences + 1)),), jnp.float32)
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+               jax.ShapeDtypeStruct(v.shape, v.dtype), scratch, scratch)
+    call = jax.ffi.ffi_call(TARGET_PREFIX + TARGETS[1], results, vmap_method="sequential")
+    dq, dk, dv, _, _ = call(d_out, q, k, v, out, fa3.lse_head_major(lse, config), offsets_q, offsets_kv,
+                            **_attributes(config))
+    return dq, dk, dv

@@ -1,0 +1,100 @@
+"""backends/fa3/dew.py: FlashAttention-3 as dew-flash-attn builds it, whose kernels take no seqused. On the CPU its
+two kernel calls are the dense stand-ins of testing/fa3_emulator.py taking offsets alone (`patched_dew`), so what
+is tested here is the wrapper: the offsets with gaps that hand each sequence's unused rows (past seqused, cut by
+max_seqlen) over as sequences of their own, against the float64 reference with NaN in every row the op does not
+own. The semantic suite runs on it in test_semantics.py (DewEmulatedTest here, DewTest on a Hopper GPU with the
+wheel installed); the declines are in test_declines.py.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ragged_attn import ragged_attention
+from jax_ragged_attn.backends.fa3 import dew
+from jax_ragged_attn.testing import assert_close, fa3_emulator, reference_attention
+
+
+@pytest.fixture
+def emulated():
+    with fa3_emulator.patched_dew():
+        yield
+
+
+def test_with_gaps_puts_each_unused_remainder_in_a_sequence_of_its_own():
+    cu, used = jnp.asarray([0, 5, 9, 9], jnp.int32), jnp.asarray([3, 4, 0], jnp.int32)
+    assert np.asarray(dew.with_gaps(cu, used)).tolist() == [0, 3, 5, 9, 9, 9, 9]
+
+
+def _poisoned(rng, total, rows, heads, dim):
+    x = np.full((total, heads, dim), np.nan)
+    x[rows] = rng.standard_normal((len(rows), heads, dim))
+    return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)  # the values the op sees
+
+
+# (slots q, rows used of each, slots kv, rows used of each, max_seqlen q, kv): seqused gaps, and slots longer
+# than max_seqlen (their tails cut), each with 3 rows of capacity padding after the last slot.
+CASES = {
+    "seqused": ((9, 6, 12, 5), (4, 0, 12, 3), (9, 6, 12, 5), (7, 2, 12, 1), 12, 12),
+    "truncated": ((12, 3, 8), (8, 3, 8), (14, 2, 9), (9, 2, 9), 8, 9),
+}
+
+
+@pytest.mark.parametrize("case_name", sorted(CASES))
+@pytest.mark.parametrize("mask", ["none", "causal_bottom_right", "window_bottom_right"])
+@pytest.mark.parametrize("stats_layout", ["head_major", "token_major"])
+def test_unused_rows_go_over_as_gap_sequences(emulated, case_name, mask, stats_layout):
+    slots_q, used_q, slots_kv, used_kv, max_q, max_kv = CASES[case_name]
+    rng = np.random.default_rng(zlib.crc32(f"{case_name}/{mask}/{stats_layout}".encode()))
+    cu_q, cu_kv = (np.concatenate([[0], np.cumsum(s)]).astype(np.int32) for s in (slots_q, slots_kv))
+    rows = lambda cu, used: np.concatenate([np.arange(cu[b], cu[b] + n) for b, n in enumerate(used)])  # noqa
+    rows_q, rows_kv = rows(cu_q, used_q), rows(cu_kv, used_kv)
+    tq, tkv = int(cu_q[-1]) + 3, int(cu_kv[-1]) + 3
+    q, d_out = (_poisoned(rng, tq, rows_q, 4, 128) for _ in range(2))
+    k, v = (_poisoned(rng, tkv, rows_kv, 2, 128) for _ in range(2))
+    d_stats = np.full((tq, 4), np.nan)
+    d_stats[rows_q] = rng.standard_normal((len(rows_q), 4))
+    options = {"none": {}, "causal_bottom_right": dict(is_causal=True, diagonal_alignment="bottom_right"),
+               "window_bottom_right": dict(local_window_size=(3, 1), diagonal_alignment="bottom_right")}[mask]
+    tight_cu = lambda used: np.concatenate([[0], np.cumsum(used)]).astype(np.int64)  # noqa: E731
+    tight = reference_attention(q[rows_q], k[rows_kv], v[rows_kv], tight_cu(used_q), tight_cu(used_kv),
+                                max_seqlen_q=max(used_q), max_seqlen_kv=max(used_kv), d_out=d_out[rows_q],
+                                d_stats=d_stats[rows_q], **options)
+    expected = dict(out=np.zeros(q.shape), stats=np.full((tq, 4), -np.inf), dq=np.zeros(q.shape),
+                    dk=np.zeros(k.shape), dv=np.zeros(v.shape))
+    for name, at in (("out", rows_q), ("stats", rows_q), ("dq", rows_q), ("dk", rows_kv), ("dv", rows_kv)):
+        expected[name][at] = tight[name]
+
+    seqused = {} if case_name != "seqused" else dict(seqused_q=jnp.asarray(used_q, jnp.int32),
+                                                     seqused_kv=jnp.asarray(used_kv, jnp.int32))
+
+    def attention(q, k, v):
+        return ragged_attention(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_kv), max_seqlen_q=max_q,
+                                max_seqlen_kv=max_kv, return_stats=True, stats_layout=stats_layout,
+                                implementation="dew", **seqused, **options)
+
+    cast = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    (out, stats), vjp = jax.vjp(jax.jit(attention), cast(q), cast(k), cast(v))
+    g_stats = jnp.asarray(d_stats.T if stats_layout == "head_major" else d_stats, jnp.float32)
+    dq, dk, dv = vjp((cast(d_out), g_stats))
+    got = dict(out=out, stats=stats.T if stats_layout == "head_major" else stats, dq=dq, dk=dk, dv=dv)
+    for name, value in got.items():
+        assert_close(value, expected[name], jnp.bfloat16, name)
+
+
+def test_implementation_none_never_picks_it_until_run_on_a_gpu(emulated):
+    """Pinned only (its docstring): the automatic choice considers it nowhere, even where it can run."""
+    from jax_ragged_attn import backends
+    from jax_ragged_attn.config import AttentionOptions, make_config
+
+    x = jax.ShapeDtypeStruct((4096, 4, 128), jnp.bfloat16)
+    cu = jax.ShapeDtypeStruct((3,), jnp.int32)
+    config = make_config(x, x, x, cu, cu, AttentionOptions(is_causal=True, diagonal_alignment="bottom_right"),
+                         max_seqlen_q=2048, max_seqlen_kv=2048)
+    assert dew.unsupported_reason(config) is None  # it could serve the call (the stand-ins declared available)
+    assert not backends.get("dew").auto_candidate(config)
