@@ -5,7 +5,7 @@
     python -m benchmarks.peers --quick      # the CPU smoke run: tiny shapes of every row, xla where nothing else
 
 Peers (columns): this package's `ragged_attention` with implementation=None ("ours default": the label names
-the backend the policy picked) and pinned to "cudnn", "fa3" and "xla"; the flash-attn3-jax wheel's own
+the backend the policy picked) and pinned to "cudnn", "fa3", "dew" and "xla"; the flash-attn3-jax wheel's own
 `flash_mha_varlen`; dew-flash-attn's `flash_mha_varlen`; raw cuDNN (benchmarks/cudnn_raw.py: cudnn-frontend's
 Python module on torch buffers, the ceiling). Rows: workload x direction (fwd, fwd+bwd) x inputs, where
 "computed" makes q, k, v and the output's cotangent inside the jitted step (each jit argument times a traced
@@ -227,6 +227,12 @@ def _fa3_unavailable() -> str | None:
     return _fa3.unavailable_reason()
 
 
+def _ours_dew_unavailable() -> str | None:
+    from jax_ragged_attn.backends.fa3 import dew
+
+    return dew.unavailable_reason()
+
+
 def _fa3_raw_unavailable() -> str | None:
     from benchmarks.systems import _fa3_raw_unavailable as reason
 
@@ -311,6 +317,7 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
     Peer("ours default", lambda: None, _ours(None), _default_label),
     Peer("ours cudnn", _cudnn_unavailable, _ours("cudnn")),
     Peer("ours fa3", _fa3_unavailable, _ours("fa3")),
+    Peer("ours dew", _ours_dew_unavailable, _ours("dew")),
     Peer("ours xla", lambda: None, _ours("xla")),
     Peer("flash-attn3-jax", _fa3_raw_unavailable, _fa3_raw),
     Peer("dew-flash-attn", _dew_unavailable, _dew),
