@@ -27,8 +27,10 @@ def emulated():
 
 
 def test_with_gaps_puts_each_unused_remainder_in_a_sequence_of_its_own():
+    """Three sequences a slot: the used rows, the query gap (no keys), the key gap (no queries)."""
     cu, used = jnp.asarray([0, 5, 9, 9], jnp.int32), jnp.asarray([3, 4, 0], jnp.int32)
-    assert np.asarray(dew.with_gaps(cu, used)).tolist() == [0, 3, 5, 9, 9, 9, 9]
+    assert np.asarray(dew.with_gaps(cu, used, "q")).tolist() == [0, 3, 5, 5, 9, 9, 9, 9, 9, 9]
+    assert np.asarray(dew.with_gaps(cu, used, "kv")).tolist() == [0, 3, 3, 5, 9, 9, 9, 9, 9, 9]
 
 
 def _poisoned(rng, total, rows, heads, dim):
@@ -98,3 +100,10 @@ def test_implementation_none_never_picks_it_until_run_on_a_gpu(emulated):
                          max_seqlen_q=2048, max_seqlen_kv=2048)
     assert dew.unsupported_reason(config) is None  # it could serve the call (the stand-ins declared available)
     assert not backends.get("dew").auto_candidate(config)
+
+
+def test_the_kvcache_op_names_its_backends_when_asked_for_dew():
+    from jax_ragged_attn import backends
+
+    with pytest.raises(NotImplementedError, match="implementation='dew' does not serve kvcache calls"):
+        backends.get("dew", "kvcache")

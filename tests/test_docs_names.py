@@ -36,6 +36,7 @@ SUFFIXES = ("py", "sh", "md", "cc", "h", "cu", "inc", "toml", "csv", "png", "jso
 # Other projects' files these pages name, never this repository's: each with its project.
 FOREIGN = {
     "cudnn.h": "cuDNN's header",
+    "dew_flash_attn/__init__.py": "dew-flash-attn's Python wrapper",
     "conditional_thunk.cc": "XLA's conditional",
     "flash_attn_interface.py": "flash-attn's Python interface",
     "thunk_sequence.txt": "XLA's thunk dump",

@@ -44,7 +44,10 @@ REGISTRIES = {"ragged": REGISTRY, "kvcache": KVCACHE}
 
 
 def get(name: str, op: str = "ragged"):
-    """The backend module registered as `name` for `op`."""
+    """The backend module registered as `name` for `op`; NotImplementedError where `op` has none of that name."""
+    if name not in REGISTRIES[op]:
+        raise NotImplementedError(f"implementation={name!r} does not serve {op} calls (its backends: "
+                                  f"{', '.join(REGISTRIES[op])})")
     return importlib.import_module(REGISTRIES[op][name])
 
 

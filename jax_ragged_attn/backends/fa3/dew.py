@@ -18,11 +18,12 @@ module calls its FFI targets itself (registered under names of its own), as fa3/
 
 Lengths without seqused. The kernels take each sequence as the rows between two offsets. Sequence b's used rows
 (min(slot length, max_seqlen, seqused), fa3/ragged.py `_index`) are the first of its slot, so the offsets handed
-over are [2B + 1] (`with_gaps`): sequence 2b is b's used rows, sequence 2b + 1 the rest of its slot (rows cut by
-max_seqlen or seqused; empty in the common case), in q and in k alike, so a gap's queries see only the gap's keys.
-fa3/ragged.py clears every row outside the used ones before the kernels read them and masks every result row
-outside them after, so what the gap sequences compute is never read. A gap longer than max_seqlen gets only its
-first max_seqlen query rows computed (the grid), which nothing reads either.
+over are [3B + 1] (`with_gaps`): sequence 3b is b's used queries and keys, 3b + 1 the rest of its query slot
+with no keys, 3b + 2 the rest of its key slot with no queries (rows cut by max_seqlen or seqused; empty in the
+common case). A gap so costs its own tiles, not gap queries x gap keys (this build's varlen schedulers count tiles
+from the offsets, so a gap is computed whole, whatever max_seqlen). fa3/ragged.py clears every row outside the
+used ones before the kernels read them and masks every result row outside them after, so what the gap
+sequences compute (out 0 and lse -inf without keys; whatever dK, dV without queries) is never read.
 
 Declined, with the reason: softcap (not in the build), deterministic=True (its backward has no deterministic
 mode), head dims other than Dqk = Dv in 64, 128, 192, 256, float32, a top-left causal / windowed mask FA3's
@@ -132,12 +133,17 @@ def attend(buffers, index, config: AttentionConfig, *, stats=True):
 # ---- the kernels (fa3/ragged.py _kernels calls them with its own signature) ----------------------------------
 
 
-def with_gaps(cu: jax.Array, used: jax.Array) -> jax.Array:
-    """[2B + 1] offsets from sanitised cu [B + 1] and used lengths [B]: sequence 2b is sequence b's used rows,
-    2b + 1 the rest of its slot. cu [0, 5, 9], used [3, 4] -> [0, 3, 5, 9, 9]."""
-    starts = cu[:-1].astype(jnp.int32)
-    pairs = jnp.stack([starts, starts + used.astype(jnp.int32)], axis=1).reshape(-1)
-    return jnp.concatenate([pairs, cu[-1:].astype(jnp.int32)])
+def with_gaps(cu: jax.Array, used: jax.Array, side: str) -> jax.Array:
+    """[3B + 1] offsets from sanitised cu [B + 1] and used lengths [B]: sequence 3b is sequence b's used rows,
+    3b + 1 the rest of its slot on the query side ("q": empty on the key side), 3b + 2 on the key side ("kv").
+    cu [0, 5, 9], used [3, 4]: "q" -> [0, 3, 5, 5, 9, 9, 9], "kv" -> [0, 3, 3, 5, 9, 9, 9]."""
+    starts, ends = cu[:-1].astype(jnp.int32), cu[1:].astype(jnp.int32)
+    used_end = starts + used.astype(jnp.int32)
+    if side == "q":
+        triples = jnp.stack([starts, used_end, ends], axis=1)  # used | query gap | (empty)
+    else:
+        triples = jnp.stack([starts, used_end, used_end], axis=1)  # used | (empty) | key gap
+    return jnp.concatenate([triples.reshape(-1), cu[-1:].astype(jnp.int32)])
 
 
 def _attributes(config: AttentionConfig) -> dict:
@@ -149,12 +155,13 @@ def _attributes(config: AttentionConfig) -> dict:
 
 def _forward_call(q, k, v, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig):
     """(out [Tq, Hq, D] with garbage in rows no used sequence owns, lse [Hq, Tq])."""
-    return _kernel_forward(q, k, v, with_gaps(cu_q, used_q), with_gaps(cu_kv, used_kv), config)
+    return _kernel_forward(q, k, v, with_gaps(cu_q, used_q, "q"), with_gaps(cu_kv, used_kv, "kv"), config)
 
 
 def _backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig):
     """(dq, dk, dv), garbage in rows no used sequence owns."""
-    return _kernel_backward(d_out, q, k, v, out, lse, with_gaps(cu_q, used_q), with_gaps(cu_kv, used_kv), config)
+    return _kernel_backward(d_out, q, k, v, out, lse, with_gaps(cu_q, used_q, "q"), with_gaps(cu_kv, used_kv, "kv"),
+                            config)
 
 
 def _kernel_forward(q, k, v, offsets_q, offsets_kv, config: AttentionConfig):
