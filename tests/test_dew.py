@@ -1,6 +1,6 @@
 """backends/fa3/dew.py: FlashAttention-3 as dew-flash-attn builds it, whose kernels take no seqused. On the CPU its
 two kernel calls are the dense stand-ins of testing/fa3_emulator.py taking offsets alone (`patched_dew`), so what
-is tested here is the wrapper: the offsets with gaps that hand each sequence's unused rows (past seqused, cut by
+is tested there is the wrapper; on a Hopper GPU with the wheel the same cases run on its kernels. The cases: the offsets with gaps that hand each sequence's unused rows (past seqused, cut by
 max_seqlen) over as sequences of their own, against the float64 reference with NaN in every row the op does not
 own. The semantic suite runs on it in test_semantics.py (DewEmulatedTest here, DewTest on a Hopper GPU with the
 wheel installed); the declines are in test_declines.py.
@@ -20,9 +20,23 @@ from jax_ragged_attn.backends.fa3 import dew
 from jax_ragged_attn.testing import assert_close, fa3_emulator, reference_attention
 
 
+_DEW_REASON = dew.unavailable_reason()
+
+
 @pytest.fixture
 def emulated():
     with fa3_emulator.patched_dew():
+        yield
+
+
+@pytest.fixture(params=["emulated", pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    _DEW_REASON is not None, reason=f"dew-flash-attn unavailable: {_DEW_REASON}")])])
+def kernels(request):
+    """The jnp stand-ins (everywhere), then the wheel's kernels (a Hopper GPU with it installed)."""
+    if request.param == "emulated":
+        with fa3_emulator.patched_dew():
+            yield
+    else:
         yield
 
 
@@ -39,26 +53,39 @@ def _poisoned(rng, total, rows, heads, dim):
     return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)  # the values the op sees
 
 
-# (slots q, rows used of each, slots kv, rows used of each, max_seqlen q, kv): seqused gaps, and slots longer
-# than max_seqlen (their tails cut), each with 3 rows of capacity padding after the last slot.
+# (slots q, rows used of each, slots kv, rows used of each, max_seqlen q, kv): seqused gaps, slots longer than
+# max_seqlen (their tails cut), and slots over twice max_seqlen (a gap sequence longer than the max_seqlen the
+# kernels are told), each with 3 rows of capacity padding after the last slot.
 CASES = {
     "seqused": ((9, 6, 12, 5), (4, 0, 12, 3), (9, 6, 12, 5), (7, 2, 12, 1), 12, 12),
     "truncated": ((12, 3, 8), (8, 3, 8), (14, 2, 9), (9, 2, 9), 8, 9),
+    "long_slots": ((20, 3, 17), (8, 3, 8), (27, 2, 19), (9, 2, 9), 8, 9),
 }
 
 
 @pytest.mark.parametrize("case_name", sorted(CASES))
 @pytest.mark.parametrize("mask", ["none", "causal_bottom_right", "window_bottom_right"])
 @pytest.mark.parametrize("stats_layout", ["head_major", "token_major"])
-def test_unused_rows_go_over_as_gap_sequences(emulated, case_name, mask, stats_layout):
+def test_unused_rows_go_over_as_gap_sequences(kernels, case_name, mask, stats_layout):
+    _check_against_reference(case_name, mask, stats_layout, head_dim=128)
+
+
+@pytest.mark.parametrize("head_dim", [64, 192, 256])
+@pytest.mark.parametrize("stats_layout", ["head_major", "token_major"])
+def test_every_head_dim_it_advertises(kernels, head_dim, stats_layout):
+    """dew.HEAD_DIMS besides 128 (the semantic suite's): each one its own kernel in the wheel."""
+    _check_against_reference("seqused", "causal_bottom_right", stats_layout, head_dim=head_dim)
+
+
+def _check_against_reference(case_name, mask, stats_layout, head_dim):
     slots_q, used_q, slots_kv, used_kv, max_q, max_kv = CASES[case_name]
-    rng = np.random.default_rng(zlib.crc32(f"{case_name}/{mask}/{stats_layout}".encode()))
+    rng = np.random.default_rng(zlib.crc32(f"{case_name}/{mask}/{stats_layout}/{head_dim}".encode()))
     cu_q, cu_kv = (np.concatenate([[0], np.cumsum(s)]).astype(np.int32) for s in (slots_q, slots_kv))
     rows = lambda cu, used: np.concatenate([np.arange(cu[b], cu[b] + n) for b, n in enumerate(used)])  # noqa
     rows_q, rows_kv = rows(cu_q, used_q), rows(cu_kv, used_kv)
     tq, tkv = int(cu_q[-1]) + 3, int(cu_kv[-1]) + 3
-    q, d_out = (_poisoned(rng, tq, rows_q, 4, 128) for _ in range(2))
-    k, v = (_poisoned(rng, tkv, rows_kv, 2, 128) for _ in range(2))
+    q, d_out = (_poisoned(rng, tq, rows_q, 4, head_dim) for _ in range(2))
+    k, v = (_poisoned(rng, tkv, rows_kv, 2, head_dim) for _ in range(2))
     d_stats = np.full((tq, 4), np.nan)
     d_stats[rows_q] = rng.standard_normal((len(rows_q), 4))
     options = {"none": {}, "causal_bottom_right": dict(is_causal=True, diagonal_alignment="bottom_right"),

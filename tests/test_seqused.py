@@ -3,8 +3,8 @@ only the first seqused[b] of its slot cu_seqlens[b]:cu_seqlens[b+1] are used.
 
 Held to the float64 reference run on the same used rows packed tightly: every unused row of a slot is NaN
 in q, k, v and both cotangents (so reading one fails the test), reads out 0 / stats -inf, and gets
-exactly zero gradients. Both implementations (cuDNN on a GPU, skipped with the reason elsewhere), both
-stats layouts, GQA, causal top-left and bottom-right (which counts the used lengths), gaps, zero used and
+exactly zero gradients. Every implementation (cuDNN and both FlashAttention-3 builds on a GPU, skipped with the
+reason elsewhere; the FA3 ones bottom-right only), both stats layouts, GQA, causal top-left and bottom-right (which counts the used lengths), gaps, zero used and
 used = slot; packed QKV / KV; check mode and the overflow counts.
 """
 
@@ -19,17 +19,32 @@ import numpy as np
 import pytest
 
 from jax_ragged_attn import ragged_attention
+from jax_ragged_attn.backends.fa3 import dew, ragged as fa3
 from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.features.checks import RaggedAttentionInputError
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 from jax_ragged_attn.testing import assert_close, reference_attention
 
 _CUDNN_REASON = extension.cudnn_unavailable_reason()
+
+
+def _gpu(name: str, reason: str | None, what: str):
+    return pytest.param(name, id=name, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        reason is not None, reason=f"{what} unavailable: {reason}")])
+
+
 IMPLEMENTATIONS = [
     pytest.param("xla", id="xla"),
-    pytest.param("cudnn", id="cudnn", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        _CUDNN_REASON is not None, reason=f"cuDNN path unavailable: {_CUDNN_REASON}")]),
+    _gpu("cudnn", _CUDNN_REASON, "cuDNN path"),
+    _gpu("fa3", fa3.unavailable_reason(), "FlashAttention-3"),
+    # dew-flash-attn's kernels take no seqused: its wrapper hands the unused rows over as sequences of their own.
+    _gpu("dew", dew.unavailable_reason(), "dew-flash-attn"),
 ]
+# (dtype, head dim) each runs at: the GPU kernels take 16-bit inputs; the FA3 wheels' common head dim is 128.
+PROFILES = {"xla": (jnp.float32, 8), "cudnn": (jnp.bfloat16, 64), "fa3": (jnp.bfloat16, 128),
+            "dew": (jnp.bfloat16, 128)}
+# FA3's kernels align masks bottom-right only; a top-left mask over slots of unequal lengths is declined.
+BOTTOM_RIGHT_ONLY = {"fa3", "dew"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,10 +152,12 @@ def _check(got, expected, rows_q, rows_kv, dtype):
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_bottom_right"])
 @pytest.mark.parametrize("stats_layout", ["head_major", "token_major"])
 def test_seqused_against_reference(implementation, case_name, mask, stats_layout):
+    if mask == "causal" and implementation in BOTTOM_RIGHT_ONLY:
+        pytest.skip(f"implementation={implementation!r} declines a top-left mask it cannot prove bottom-right "
+                    "(test_declines.py)")
     case = CASES[case_name]
-    dtype = jnp.bfloat16 if implementation == "cudnn" else jnp.float32
-    heads, dim = ((4, 2), 64) if implementation == "cudnn" else ((4, 2), 8)
-    inputs = _inputs(case, heads, dim, dtype, _seed(implementation, case_name, mask, stats_layout))
+    dtype, dim = PROFILES[implementation]
+    inputs = _inputs(case, (4, 2), dim, dtype, _seed(implementation, case_name, mask, stats_layout))
     options = {"none": {}, "causal": dict(is_causal=True),
                "causal_bottom_right": dict(is_causal=True, diagonal_alignment="bottom_right")}[mask]
     got = _run(implementation, case, *inputs[:5], dtype, stats_layout=stats_layout, **options)
@@ -152,12 +169,12 @@ def test_seqused_against_reference(implementation, case_name, mask, stats_layout
 def test_full_slots_equal_plain_cu_seqlens(implementation):
     """seqused equal to every slot's length changes nothing: the same bits as without it."""
     case = CASES["full"]
-    dtype = jnp.bfloat16 if implementation == "cudnn" else jnp.float32
-    q, k, v, *_ = _inputs(case, (4, 4), 64 if implementation == "cudnn" else 8, dtype, _seed("full", implementation),
-                          slack=0)
+    dtype, dim = PROFILES[implementation]
+    q, k, v, *_ = _inputs(case, (4, 4), dim, dtype, _seed("full", implementation), slack=0)
     q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
     cu_q, cu_kv = jnp.asarray(_offsets(case.slots_q)), jnp.asarray(_offsets(case.slots_kv))
-    kwargs = dict(max_seqlen_q=7, max_seqlen_kv=7, is_causal=True, implementation=implementation)
+    kwargs = dict(max_seqlen_q=7, max_seqlen_kv=7, is_causal=True, implementation=implementation,
+                  diagonal_alignment="bottom_right" if implementation in BOTTOM_RIGHT_ONLY else "top_left")
     plain = ragged_attention(q, k, v, cu_q, cu_kv, **kwargs)
     used = ragged_attention(q, k, v, cu_q, cu_kv, seqused_q=jnp.asarray(case.used_q), seqused_kv=jnp.asarray(case.used_kv),
                             **kwargs)
@@ -168,8 +185,7 @@ def test_full_slots_equal_plain_cu_seqlens(implementation):
 def test_packed_wrappers_take_seqused(implementation):
     """qkv- and kv-packed buffers with seqused: the results of the separate buffers, gradients in the packed
     shape with exact zeros in unused rows."""
-    dtype = jnp.bfloat16 if implementation == "cudnn" else jnp.float32
-    dim = 64 if implementation == "cudnn" else 8
+    dtype, dim = PROFILES[implementation]
     slots, used = (8, 5, 9), np.array([6, 0, 9], np.int32)
     cu = jnp.asarray(_offsets(slots))
     rng = np.random.default_rng(_seed("packed", implementation))
