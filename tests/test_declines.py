@@ -138,6 +138,19 @@ def test_a_backend_that_cannot_run_here_is_an_environment_skip(monkeypatch):
         _call("cudnn")
 
 
+def test_a_backend_is_recorded_under_its_registry_name_not_its_module_path():
+    """fa3/dew.py is implementation="dew": its softcap decline is dew's listed one, a skip (on the first GPU run
+    the recording named it ("fa3", "dew") from its path, and every listed decline of DewTest failed)."""
+    from jax_ragged_attn.testing import fa3_emulator
+
+    q = jnp.ones((8, 2, 128), jnp.bfloat16)
+    cu = jnp.array([0, 5, 8], jnp.int32)
+    with fa3_emulator.patched_dew(), declines.recorded() as seen, pytest.raises(NotImplementedError) as error:
+        ragged_attention(q, q, q, cu, cu, max_seqlen_q=5, max_seqlen_kv=5, softcap=2.0, implementation="dew")
+    assert [(d.backend, d.op) for d in seen] == [("dew", "ragged")]
+    assert "by design (backends/fa3/dew.py" in declines.verdict("dew", error.value, seen)
+
+
 def test_an_error_that_is_no_backend_decline_is_raised():
     def refuses():
         raise NotImplementedError("seqused_q / seqused_kv with token_axis")

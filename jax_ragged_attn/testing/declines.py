@@ -228,6 +228,10 @@ def unavailable_reason(backend: str) -> str | None:
         return extension.cudnn_unavailable_reason()
     if backend == "fa3":
         return _fa3_module().unavailable_reason()
+    if backend == "dew":
+        from jax_ragged_attn.backends.fa3 import dew
+
+        return dew.unavailable_reason()
     return None
 
 
@@ -241,6 +245,16 @@ class Declined:
     reason: str
 
 
+def _registered_as(module) -> tuple[str, str]:
+    """(the implementation name, the op) a backend module is registered as: its registry entry, not its path
+    (fa3/dew.py is implementation="dew" of ragged_attention)."""
+    for op, registry in backends.REGISTRIES.items():
+        for name, path in registry.items():
+            if path == module.__name__:
+                return name, op
+    raise LookupError(f"{module.__name__} is in no registry of jax_ragged_attn/backends/__init__.py")
+
+
 @contextlib.contextmanager
 def recorded():
     """The declines backends.unsupported_reason reports while the block runs (choose asks it for every
@@ -251,9 +265,8 @@ def recorded():
 
     def recording(backend, config, index, **kwargs):
         reason = original(backend, config, index, **kwargs)
-        if reason is not None:  # backend: jax_ragged_attn.backends.<family>.<op>
-            family, op = backend.__name__.split(".")[-2:]
-            seen.append(Declined(family, op, config, reason))
+        if reason is not None:
+            seen.append(Declined(*_registered_as(backend), config, reason))
         return reason
 
     from jax_ragged_attn.backends.cudnn import launch
