@@ -33,7 +33,7 @@ from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_atte
 from jax_ragged_attn.testing import assert_close, reference_attention
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention, reference_kvcache_attention_packed
 
-BACKENDS = ("cudnn", "fa3", "xla")
+BACKENDS = ("cudnn", "fa3", "dew", "xla")  # dew: FA3 as the dew-flash-attn wheel builds it (ragged only)
 DTYPE = "bfloat16"
 
 
@@ -365,6 +365,17 @@ def table_lines(rows: list[Row]) -> list[str]:
     return lines
 
 
+def _dew_version() -> str:
+    from importlib import metadata
+
+    from jax_ragged_attn.backends.fa3 import dew
+
+    try:
+        return metadata.version(dew.WHEEL)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def version_lines() -> list[str]:
     """jax, the devices, the extension, cuDNN and its frontend, the FA3 wheel, the GPU, and the known issues of
     the loaded versions."""
@@ -372,6 +383,7 @@ def version_lines() -> list[str]:
     lines = [f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}"]
     lines += [f"  {key}: {value}" for key, value in extension.versions().items()]
     lines.append(f"  flash-attn3-jax: {known_issues.format_version(versions.fa3) if versions.fa3 else 'not installed'}")
+    lines.append(f"  dew-flash-attn: {_dew_version()}")
     lines.append(f"  GPU compute capability: {'none' if versions.arch is None else versions.arch / 10}")
     issues = known_issues.summary_lines(versions)
     lines.append("known issues of the loaded versions (backends/shared/known_issues.py): "
