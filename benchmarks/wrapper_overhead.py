@@ -1,0 +1,100 @@
+"""Where implementation="fa3" / "dew" spends time over the bare wheel with q, k, v passed as jit arguments.
+
+    python -m benchmarks.wrapper_overhead [--workloads W5,W1] [--calls 20] [--loops 7]
+
+benchmarks/peers.py measured (H100, 2026-12-06) W5's forward with jit-argument inputs at 0.80 ms through
+implementation="fa3" against 0.61 ms for the flash-attn3-jax wheel's own call, while with inputs made in the jit
+the two were 2 % apart. This probe times the wrapper with its parts switched off one at a time, which makes
+the results wrong on padded batches (a probe, never a fix): the input clearing (fa3/ragged.py `_cleared`), then
+also the output row masking (`_owned_query_rows`), then the index arithmetic replaced by the plain offsets.
+Each figure is benchmarks/timing.py's plain loop of jitted calls; the last lines list the compiled forward's
+custom calls and fusions, so a copy XLA inserted shows up by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.fa3_compare import steps
+from benchmarks.timing import median_loop_seconds
+from jax_ragged_attn import ragged_attention
+from jax_ragged_attn.testing import workloads
+
+
+def _ours(w, implementation):
+    def f(q, k, v, cu):
+        return ragged_attention(q, k, v, cu, cu, max_seqlen_q=w.max_seqlen, max_seqlen_kv=w.max_seqlen,
+                                is_causal=w.causal, implementation=implementation)
+    return f
+
+
+def _wheel(w):
+    from flash_attn3_jax import flash_mha_varlen
+
+    def f(q, k, v, cu):
+        return flash_mha_varlen(q, k, v, cu, cu, max_seqlen_q=w.max_seqlen, max_seqlen_k=w.max_seqlen,
+                                is_causal=w.causal)
+    return f
+
+
+@contextlib.contextmanager
+def _without(*parts):
+    from jax_ragged_attn.backends.fa3 import ragged as fa3
+
+    patches = []
+    if "clearing" in parts:
+        patches.append(mock.patch.object(fa3, "_cleared", lambda buffers, cu, used: tuple(buffers)))
+    if "row masking" in parts:
+        patches.append(mock.patch.object(fa3, "_owned_query_rows", lambda x, *args: x))
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        yield
+
+
+def _ops(fn, args) -> str:
+    text = fn.lower(*args).compile().as_text()
+    calls = sorted({line.split('custom_call_target="')[1].split('"')[0] for line in text.splitlines()
+                    if 'custom_call_target="' in line})
+    fusions = sum(1 for line in text.splitlines() if " fusion(" in line and "ENTRY" not in line)
+    copies = sum(1 for line in text.splitlines() if " copy(" in line)
+    return f"custom calls {calls}; {fusions} fusions, {copies} copies"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.wrapper_overhead")
+    parser.add_argument("--workloads", default="W5,W1")
+    parser.add_argument("--implementation", default="fa3")
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--loops", type=int, default=7)
+    args = parser.parse_args(argv)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; q, k, v as jit arguments", flush=True)
+    lines = []
+    for name in args.workloads.split(","):
+        w = workloads.WORKLOADS[name]
+        q, k, v, cu = w.packed_inputs()
+        d_out = jax.random.normal(jax.random.key(1), q.shape, q.dtype)
+        scale = jnp.float32(1.0)
+        variants = [("wheel's own call", _wheel(w), ())] + [
+            (f"ours {args.implementation}" + (f" without {' and '.join(p)}" if p else ""),
+             _ours(w, args.implementation), p) for p in ((), ("clearing",), ("clearing", "row masking"))]
+        for label, f, parts in variants:
+            with _without(*parts):
+                forward, both = steps(f, "arguments")
+                fwd = median_loop_seconds(forward, (q, k, v, cu, scale), args.calls, args.loops) * 1e3
+                fb = median_loop_seconds(both, (q, k, v, cu, scale, d_out), args.calls, args.loops) * 1e3
+                ops = _ops(forward, (q, k, v, cu, scale))
+            lines.append(f"{name:<4} {label:<48} fwd {fwd:7.3f} ms  fwd+bwd {fb:7.3f} ms  | fwd: {ops}")
+            print(lines[-1], flush=True)
+    print("\n".join(["", *lines]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
