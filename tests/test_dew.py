@@ -116,17 +116,34 @@ def _check_against_reference(case_name, mask, stats_layout, head_dim):
         assert_close(value, expected[name], jnp.bfloat16, name)
 
 
-def test_implementation_none_never_picks_it_until_run_on_a_gpu(emulated):
-    """Pinned only (its docstring): the automatic choice considers it nowhere, even where it can run."""
+def test_implementation_none_takes_it_where_the_policy_prefers_fa3(emulated, monkeypatch):
+    """Ahead of the flash-attn3-jax wheel where both serve and the call is of FA3's class; cuDNN's class (short
+    sequences) and autotune=True (which times cuDNN against the other wheel) leave it out."""
     from jax_ragged_attn import backends
+    from jax_ragged_attn.backends import policy
+    from jax_ragged_attn.backends.fa3 import ragged as fa3
     from jax_ragged_attn.config import AttentionOptions, make_config
+    from jax_ragged_attn.index import RaggedIndex
 
-    x = jax.ShapeDtypeStruct((4096, 4, 128), jnp.bfloat16)
-    cu = jax.ShapeDtypeStruct((3,), jnp.int32)
-    config = make_config(x, x, x, cu, cu, AttentionOptions(is_causal=True, diagonal_alignment="bottom_right"),
-                         max_seqlen_q=2048, max_seqlen_kv=2048)
-    assert dew.unsupported_reason(config) is None  # it could serve the call (the stand-ins declared available)
-    assert not backends.get("dew").auto_candidate(config)
+    monkeypatch.setattr(policy, "_compute_capability", lambda: "9.0")
+    monkeypatch.setattr(fa3, "unsupported_reason", lambda config, *index, **kwargs: None)
+    monkeypatch.delenv(policy.ENV_VAR, raising=False)
+
+    def config(tokens, num_seqs, **options):
+        x = jax.ShapeDtypeStruct((tokens, 4, 128), jnp.bfloat16)
+        cu = jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32)
+        return make_config(x, x, x, cu, cu, AttentionOptions(is_causal=True, diagonal_alignment="bottom_right",
+                                                             **options), max_seqlen_q=tokens, max_seqlen_kv=tokens)
+
+    def chosen(tokens, num_seqs, **options):
+        cu = jnp.zeros(num_seqs + 1, jnp.int32)
+        return backends.choose(None, config(tokens, num_seqs, **options), RaggedIndex(cu, cu)).NAME
+
+    assert dew.unavailable_reason() is None  # the stand-ins declared available
+    assert chosen(4096, 2) == "dew"  # 2,048 tokens a sequence: FA3's class
+    assert chosen(4096, 2, softcap=2.0) == "fa3"  # one it declines: the other wheel's FA3
+    assert chosen(65536, 119) not in ("dew", "fa3")  # 551 a sequence: cuDNN's class (the xla path on a CPU)
+    assert not backends.get("dew").auto_candidate(config(4096, 2, autotune=True))
 
 
 def test_the_kvcache_op_names_its_backends_when_asked_for_dew():

@@ -13,7 +13,7 @@ import pytest
 from jax_ragged_attn import backends
 from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends import policy
-from jax_ragged_attn.backends.fa3 import ragged as _fa3
+from jax_ragged_attn.backends.fa3 import dew, ragged as _fa3
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.index import RaggedIndex
 
@@ -35,6 +35,8 @@ def hopper_with_both(monkeypatch):
     monkeypatch.setattr(policy, "_compute_capability", lambda: "9.0")
     monkeypatch.setattr(_fa3, "unsupported_reason", lambda config, *index, **kwargs: None)
     monkeypatch.setattr(cudnn, "unsupported_reason", lambda config, *index, **kwargs: None)
+    # dew-flash-attn's FA3 goes before this wheel's where installed (tests/test_dew.py): not here.
+    monkeypatch.setattr(dew, "unsupported_reason", lambda config, *index, **kwargs: "not installed (this test)")
     monkeypatch.delenv(policy.ENV_VAR, raising=False)
 
 

@@ -5,7 +5,7 @@ ragged_attention_with_kvcache) with its private helpers beside them, and what se
 
     cudnn/     cuDNN's fused SDPA graphs through this package's C++ FFI extension
     fa3/       FlashAttention-3 through the optional flash-attn3-jax wheel (Hopper); dew.py: the same wrapper
-               around FA3 as the optional dew-flash-attn wheel builds it (implementation="dew", pinned only)
+               around FA3 as the optional dew-flash-attn wheel builds it (implementation="dew")
     xla/       pure JAX: serves every call, everywhere (the portable fallback and the tests' second reference)
     shared/    head groups, packings, the stats-gradient formula, row zeroing, the KV-cache index arithmetic,
                the head/tail split; imported by any family, importing none
@@ -27,8 +27,10 @@ from jax_ragged_attn.backends import policy
 
 # Preference order for implementation=None: the first that is an automatic candidate and serves the call.
 REGISTRY = {
+    # FA3 as dew-flash-attn builds it, before the flash-attn3-jax wheel's: its kernels ran faster on every row
+    # where both serve (H100, docs/PERFORMANCE.md); a candidate where the policy prefers FA3 (dew.auto_candidate).
+    "dew": "jax_ragged_attn.backends.fa3.dew",
     "fa3": "jax_ragged_attn.backends.fa3.ragged",  # a candidate where the measured policy prefers it (fa3.auto_candidate)
-    "dew": "jax_ragged_attn.backends.fa3.dew",  # FA3 as dew-flash-attn builds it: pinned only (dew.auto_candidate)
     "cudnn": "jax_ragged_attn.backends.cudnn.ragged",
     "xla": "jax_ragged_attn.backends.xla.ragged",  # serves everything, everywhere: the portable fallback
 }

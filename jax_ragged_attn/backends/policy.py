@@ -14,6 +14,12 @@ Those figures pass q, k, v as jit arguments, which XLA copies before FA3's paddi
 step (inputs made in the jit, fa3_compare --inputs computed) the clearing is in place and FA3 led on W5 too,
 by less than it trails there with jit-argument inputs. The split stays at 1,024 tokens a sequence, the
 smaller of the two losses; autotune=True times the two as a step meets them (tuning.py).
+
+"FA3" is either build of its kernels: where the dew-flash-attn wheel is installed and serves the call, its build
+(implementation="dew") goes first: on the H100 (2026-12-06, benchmarks/peers.py) it ran W1, W2, W6 and the
+head dim 64 and 256 rows 1-3 % faster than the flash-attn3-jax wheel's and 11-16 % faster than cuDNN (fwd+bwd,
+inputs made in the jit), and on W5 (the short class) level with cuDNN in a step but 1.25x behind it with
+jit-argument inputs (its padding clearing copies them), so the threshold stands for it too.
 """
 
 from __future__ import annotations
