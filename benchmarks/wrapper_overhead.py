@@ -1,6 +1,7 @@
-"""Where implementation="fa3" / "dew" spends time over the bare wheel with q, k, v passed as jit arguments.
+"""Where implementation="fa3" / "dew" spends time over the bare wheel's own call.
 
-    python -m benchmarks.wrapper_overhead [--workloads W5,W1] [--calls 20] [--loops 7]
+    python -m benchmarks.wrapper_overhead [--workloads W5,W1] [--implementation fa3|dew]
+                                          [--inputs arguments|computed] [--calls 20] [--loops 7]
 
 benchmarks/peers.py measured (H100, 2026-12-06) W5's forward with jit-argument inputs at 0.80 ms through
 implementation="fa3" against 0.61 ms for the flash-attn3-jax wheel's own call, while with inputs made in the jit
@@ -71,10 +72,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.wrapper_overhead")
     parser.add_argument("--workloads", default="W5,W1")
     parser.add_argument("--implementation", default="fa3")
+    parser.add_argument("--inputs", default="arguments", choices=("arguments", "computed"),
+                        help="q, k, v as jit arguments, or made in the jit (fa3_compare.steps)")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--loops", type=int, default=7)
     args = parser.parse_args(argv)
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; q, k, v as jit arguments", flush=True)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; inputs: {args.inputs}", flush=True)
     lines = []
     for name in args.workloads.split(","):
         w = workloads.WORKLOADS[name]
@@ -86,7 +89,7 @@ def main(argv=None) -> int:
              _ours(w, args.implementation), p) for p in ((), ("clearing",), ("clearing", "row masking"))]
         for label, f, parts in variants:
             with _without(*parts):
-                forward, both = steps(f, "arguments")
+                forward, both = steps(f, args.inputs)
                 fwd = median_loop_seconds(forward, (q, k, v, cu, scale), args.calls, args.loops) * 1e3
                 fb = median_loop_seconds(both, (q, k, v, cu, scale, d_out), args.calls, args.loops) * 1e3
                 ops = _ops(forward, (q, k, v, cu, scale))
