@@ -7,7 +7,8 @@ benchmarks/peers.py measured (H100, 2026-12-06) W5's forward with jit-argument i
 implementation="fa3" against 0.61 ms for the flash-attn3-jax wheel's own call, while with inputs made in the jit
 the two were 2 % apart. This probe times the wrapper with its parts switched off one at a time, which makes
 the results wrong on padded batches (a probe, never a fix): the input clearing (fa3/ragged.py `_cleared`), then
-also the output row masking (`_owned_query_rows`), then the index arithmetic replaced by the plain offsets.
+also the output row masking (`_owned_query_rows`); for "dew", the gap sequences (dew.with_gaps's [3B + 1]
+offsets replaced by the plain ones, right on these workloads: every slot used and within max_seqlen).
 Each figure is benchmarks/timing.py's plain loop of jitted calls; the last lines list the compiled forward's
 custom calls and fusions, so a copy XLA inserted shows up by name.
 """
@@ -53,6 +54,10 @@ def _without(*parts):
         patches.append(mock.patch.object(fa3, "_cleared", lambda buffers, cu, used: tuple(buffers)))
     if "row masking" in parts:
         patches.append(mock.patch.object(fa3, "_owned_query_rows", lambda x, *args: x))
+    if "gap sequences" in parts:  # dew: the plain offsets (right only where every slot is used and fits)
+        from jax_ragged_attn.backends.fa3 import dew
+
+        patches.append(mock.patch.object(dew, "with_gaps", lambda cu, used, side: cu))
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)
@@ -86,7 +91,9 @@ def main(argv=None) -> int:
         scale = jnp.float32(1.0)
         variants = [("wheel's own call", _wheel(w), ())] + [
             (f"ours {args.implementation}" + (f" without {' and '.join(p)}" if p else ""),
-             _ours(w, args.implementation), p) for p in ((), ("clearing",), ("clearing", "row masking"))]
+             _ours(w, args.implementation), p) for p in ((), ("clearing",), ("clearing", "row masking"))
+            + ((("gap sequences",), ("clearing", "row masking", "gap sequences")) if args.implementation == "dew"
+               else ())]
         for label, f, parts in variants:
             with _without(*parts):
                 forward, both = steps(f, args.inputs)
