@@ -45,6 +45,24 @@ def test_with_gaps_puts_each_unused_remainder_in_a_sequence_of_its_own():
     cu, used = jnp.asarray([0, 5, 9, 9], jnp.int32), jnp.asarray([3, 4, 0], jnp.int32)
     assert np.asarray(dew.with_gaps(cu, used, "q")).tolist() == [0, 3, 5, 5, 9, 9, 9, 9, 9, 9]
     assert np.asarray(dew.with_gaps(cu, used, "kv")).tolist() == [0, 3, 3, 5, 9, 9, 9, 9, 9, 9]
+    for side in ("q", "kv"):  # one gap sequence a slot, both sides' rest
+        assert np.asarray(dew.with_gaps(cu, used, side, paired=True)).tolist() == [0, 3, 5, 9, 9, 9, 9]
+
+
+@pytest.mark.parametrize("seqused, sequences", [(False, 2 * 3), (True, 3 * 3)])
+def test_one_gap_sequence_a_slot_without_seqused(emulated, monkeypatch, seqused, sequences):
+    """Without seqused only max_seqlen cuts leave rows unused: [2B + 1] offsets (fewer sequences for the
+    kernels to schedule); with it [3B + 1], so a long unused rest of a slot is never gap queries x gap keys."""
+    seen = []
+    for name in ("_kernel_forward", "_kernel_backward"):
+        real = getattr(dew, name)
+        monkeypatch.setattr(dew, name, lambda *args, real=real: seen.append(args[-3].shape[0] - 1) or real(*args))
+    x = jnp.ones((20, 2, 128), jnp.bfloat16)
+    cu = jnp.asarray([0, 6, 13, 17], jnp.int32)
+    used = dict(seqused_q=jnp.asarray([6, 7, 4]), seqused_kv=jnp.asarray([6, 7, 4])) if seqused else {}
+    jax.grad(lambda x: ragged_attention(x, x, x, cu, cu, max_seqlen_q=7, max_seqlen_kv=7, implementation="dew",
+                                        **used).astype(jnp.float32).sum())(x)
+    assert seen == [sequences, sequences]
 
 
 def _poisoned(rng, total, rows, heads, dim):

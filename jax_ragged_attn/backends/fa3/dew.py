@@ -19,9 +19,10 @@ module calls its FFI targets itself (registered under names of its own), as fa3/
 Lengths without seqused. The kernels take each sequence as the rows between two offsets. Sequence b's used rows
 (min(slot length, max_seqlen, seqused), fa3/ragged.py `_index`) are the first of its slot, so the offsets handed
 over are [3B + 1] (`with_gaps`): sequence 3b is b's used queries and keys, 3b + 1 the rest of its query slot
-with no keys, 3b + 2 the rest of its key slot with no queries (rows cut by max_seqlen or seqused; empty in the
-common case). A gap so costs its own tiles, not gap queries x gap keys (this build's varlen schedulers count tiles
-from the offsets, so a gap is computed whole, whatever max_seqlen). fa3/ragged.py clears every row outside the
+with no keys, 3b + 2 the rest of its key slot with no queries (rows cut by max_seqlen or seqused). A gap so costs
+its own tiles, not gap queries x gap keys (this build's varlen schedulers count tiles from the offsets, so a gap
+is computed whole, whatever max_seqlen). Without seqused the gaps are only max_seqlen's cuts, empty in the common
+case, and one gap sequence a slot holds both sides ([2B + 1], PAIRED: fewer sequences to schedule). fa3/ragged.py clears every row outside the
 used ones before the kernels read them and masks every result row outside them after, so what the gap
 sequences compute (out 0 and lse -inf without keys; whatever dK, dV without queries) is never read.
 
@@ -132,19 +133,24 @@ def attend(buffers, index, config: AttentionConfig, *, stats=True):
     """(out, stats) of the parts sliced out of packed buffers; autodiff assembles their gradients."""
     from jax_ragged_attn.backends.shared.packings import TABLE
 
+    # Without seqused a slot's unused rows are only those max_seqlen cuts: one gap sequence a slot (PAIRED).
+    paired = all(used is None for used in index.seqused)
     return fa3.attention(*TABLE[config.packing].split(buffers), index.cu_seqlens_q, index.cu_seqlens_kv, config,
-                         index.seqused, binding=NAME)
+                         index.seqused, binding=f"{NAME}/{PAIRED}" if paired else NAME)
 
 
 # ---- the kernels (fa3/ragged.py _kernels calls them with its own signature) ----------------------------------
 
 
-def with_gaps(cu: jax.Array, used: jax.Array, side: str) -> jax.Array:
+def with_gaps(cu: jax.Array, used: jax.Array, side: str, paired: bool = False) -> jax.Array:
     """[3B + 1] offsets from sanitised cu [B + 1] and used lengths [B]: sequence 3b is sequence b's used rows,
     3b + 1 the rest of its slot on the query side ("q": empty on the key side), 3b + 2 on the key side ("kv").
-    cu [0, 5, 9], used [3, 4]: "q" -> [0, 3, 5, 5, 9, 9, 9], "kv" -> [0, 3, 3, 5, 9, 9, 9]."""
+    cu [0, 5, 9], used [3, 4]: "q" -> [0, 3, 5, 5, 9, 9, 9], "kv" -> [0, 3, 3, 5, 9, 9, 9].
+    paired: [2B + 1], sequence 2b + 1 the rest of both slots: "q" and "kv" -> [0, 3, 5, 7, 9]."""
     starts, ends = cu[:-1].astype(jnp.int32), cu[1:].astype(jnp.int32)
     used_end = starts + used.astype(jnp.int32)
+    if paired:
+        return jnp.concatenate([jnp.stack([starts, used_end], axis=1).reshape(-1), cu[-1:].astype(jnp.int32)])
     if side == "q":
         triples = jnp.stack([starts, used_end, ends], axis=1)  # used | query gap | (empty)
     else:
@@ -168,6 +174,25 @@ def _backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, confi
     """(dq, dk, dv), garbage in rows no used sequence owns."""
     return _kernel_backward(d_out, q, k, v, out, lse, with_gaps(cu_q, used_q, "q"), with_gaps(cu_kv, used_kv, "kv"),
                             config)
+
+
+# Calls without seqused: the rows a slot does not use are those max_seqlen cuts (none where max_seqlen bounds
+# every sequence, as FlashAttention's callers pass it), so one gap sequence a slot holds both sides' rest:
+# 2B + 1 offsets instead of 3B + 1. Each sequence, even an empty one, costs the kernels scheduling work: on the
+# H100 (2026-12-06, benchmarks/wrapper_overhead.py, W5 in a step) the two empty sequences a slot cost 0.09 ms
+# of a 3.99 ms fwd+bwd. A cut gap then computes its gap queries against its gap keys (at most the work of the
+# uncut call) and its results are masked like every other unowned row.
+PAIRED = "paired"
+
+
+def _forward_call_paired(q, k, v, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig):
+    return _kernel_forward(q, k, v, with_gaps(cu_q, used_q, "q", paired=True),
+                           with_gaps(cu_kv, used_kv, "kv", paired=True), config)
+
+
+def _backward_call_paired(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig):
+    return _kernel_backward(d_out, q, k, v, out, lse, with_gaps(cu_q, used_q, "q", paired=True),
+                            with_gaps(cu_kv, used_kv, "kv", paired=True), config)
 
 
 def _kernel_forward(q, k, v, offsets_q, offsets_kv, config: AttentionConfig):

@@ -270,10 +270,13 @@ def _backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, confi
 def _kernels(binding: str):
     """(forward, backward) kernel calls of a binding of FlashAttention-3's kernels: this module's (the
     flash-attn3-jax wheel's, binding NAME) or a sibling module's (dew.py: dew-flash-attn's), each with this
-    module's _forward_call / _backward_call signature. Looked up at call time, so a test can swap them
+    module's _forward_call / _backward_call signature; "module/variant" names the module's
+    _forward_call_<variant> / _backward_call_<variant>. Looked up at call time, so a test can swap them
     (testing/fa3_emulator.py)."""
-    module = sys.modules[__name__] if binding == NAME else importlib.import_module(f"{__package__}.{binding}")
-    return module._forward_call, module._backward_call
+    name, _, variant = binding.partition("/")
+    module = sys.modules[__name__] if name == NAME else importlib.import_module(f"{__package__}.{name}")
+    suffix = f"_{variant}" if variant else ""
+    return getattr(module, "_forward_call" + suffix), getattr(module, "_backward_call" + suffix)
 
 
 def lse_head_major(lse: jax.Array, config: AttentionConfig) -> jax.Array:
