@@ -57,7 +57,7 @@ def _without(*parts):
     if "gap sequences" in parts:  # dew: the plain offsets (right only where every slot is used and fits)
         from jax_ragged_attn.backends.fa3 import dew
 
-        patches.append(mock.patch.object(dew, "with_gaps", lambda cu, used, side: cu))
+        patches.append(mock.patch.object(dew, "with_gaps", lambda cu, used, side, paired=False: cu))
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)
