@@ -136,7 +136,7 @@ def _check_against_reference(case_name, mask, stats_layout, head_dim):
 
 def test_implementation_none_takes_it_where_the_policy_prefers_fa3(emulated, monkeypatch):
     """Ahead of the flash-attn3-jax wheel where both serve and the call is of FA3's class; cuDNN's class (short
-    sequences) and autotune=True (which times cuDNN against the other wheel) leave it out."""
+    sequences) leaves it out unless autotune=True, which times it against cuDNN (test_implementation_tuning.py)."""
     from jax_ragged_attn import backends
     from jax_ragged_attn.backends import policy
     from jax_ragged_attn.backends.fa3 import ragged as fa3
@@ -161,7 +161,7 @@ def test_implementation_none_takes_it_where_the_policy_prefers_fa3(emulated, mon
     assert chosen(4096, 2) == "dew"  # 2,048 tokens a sequence: FA3's class
     assert chosen(4096, 2, softcap=2.0) == "fa3"  # one it declines: the other wheel's FA3
     assert chosen(65536, 119) not in ("dew", "fa3")  # 551 a sequence: cuDNN's class (the xla path on a CPU)
-    assert not backends.get("dew").auto_candidate(config(4096, 2, autotune=True))
+    assert backends.get("dew").auto_candidate(config(65536, 119, autotune=True))
 
 
 def test_the_kvcache_op_names_its_backends_when_asked_for_dew():

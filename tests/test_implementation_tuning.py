@@ -19,7 +19,7 @@ import jax_ragged_attn
 from jax_ragged_attn import backends
 from jax_ragged_attn.index import RaggedIndex
 from jax_ragged_attn.backends.cudnn import ragged as cudnn
-from jax_ragged_attn.backends.fa3 import ragged as _fa3
+from jax_ragged_attn.backends.fa3 import dew, ragged as _fa3
 from jax_ragged_attn.backends import tuning as implementation_tuning
 from jax_ragged_attn.backends.cudnn import autotune
 from jax_ragged_attn.config import AttentionOptions, make_config
@@ -39,10 +39,12 @@ class Timings:
     def __init__(self, cudnn_ms, fa3_ms):
         self.ms = dict(cudnn=cudnn_ms, fa3=fa3_ms)
         self.measured = []
+        self.candidates = []  # the FA3 build each measurement timed
 
-    def __call__(self, config, same_index):
+    def __call__(self, config, same_index, candidate="fa3"):
         self.measured.append((config, same_index))
-        return dict(implementation=implementation_tuning.choose(self.ms["cudnn"], self.ms["fa3"]),
+        self.candidates.append(candidate)
+        return dict(implementation=implementation_tuning.choose(self.ms["cudnn"], self.ms["fa3"], candidate),
                     cudnn_ms=self.ms["cudnn"], fa3_ms=self.ms["fa3"])
 
 
@@ -52,6 +54,8 @@ def both_serve(monkeypatch, tmp_path):
     timings), which makes `timings` the measurement."""
     monkeypatch.setattr(_fa3, "unsupported_reason", lambda config, *index, **kwargs: None)
     monkeypatch.setattr(cudnn, "unsupported_reason", lambda config, *index, **kwargs: None)
+    # dew-flash-attn's build is timed instead where it serves (test_dew_is_the_build_timed_where_it_serves).
+    monkeypatch.setattr(dew, "unsupported_reason", lambda config, *index, **kwargs: "not installed (this test)")
     monkeypatch.setattr(implementation_tuning, "_versions", lambda: (["NVIDIA H200", 91900, [1, 32, 0]], "0.2.3"))
     monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "autotune.json"))
     monkeypatch.setattr(implementation_tuning, "_chosen", {})
@@ -115,6 +119,22 @@ def test_nothing_is_measured_unless_autotune_asks_with_implementation_none(both_
     assert timings.measured == []
 
 
+def test_dew_is_the_build_timed_where_it_serves(both_serve, monkeypatch, tmp_path):
+    """Both FA3 builds serve: cuDNN is timed against dew's (the one implementation=None prefers), the choice
+    names it, and its entry is keyed by its build and wheel, apart from the other build's."""
+    monkeypatch.setattr(dew, "unsupported_reason", lambda config, *index, **kwargs: None)
+    monkeypatch.setattr(implementation_tuning, "_dew_version", lambda: "0.3.6")
+    timings = both_serve(Timings(cudnn_ms=2.0, fa3_ms=1.5))
+    assert _choose(_config(autotune=True)) == "dew"
+    assert timings.candidates == ["dew"]
+    (key, entry), = json.loads((tmp_path / "autotune.json").read_text()).items()
+    attributes = json.loads(key)[-1]
+    assert attributes["fa3_build"] == "dew" and attributes["fa3_wheel"] == "0.3.6" and entry["implementation"] == "dew"
+    slower = Timings(cudnn_ms=1.0, fa3_ms=1.5)
+    both_serve(slower)
+    assert _choose(_config(autotune=True, is_causal=False)) == "cudnn" and slower.candidates == ["dew"]
+
+
 def test_a_call_fa3_cannot_serve_is_not_measured(both_serve, monkeypatch):
     timings = both_serve(Timings(cudnn_ms=2.0, fa3_ms=1.0))
     monkeypatch.setattr(_fa3, "unsupported_reason", lambda config, *index: "head dim 64")
@@ -123,7 +143,7 @@ def test_a_call_fa3_cannot_serve_is_not_measured(both_serve, monkeypatch):
 
 
 def test_a_failed_measurement_warns_keeps_cudnn_and_is_not_stored(both_serve, tmp_path):
-    def fail(config, same_index):
+    def fail(config, same_index, candidate="fa3"):
         raise RuntimeError("RESOURCE_EXHAUSTED: out of memory allocating scratch")
 
     both_serve(fail)
@@ -137,7 +157,7 @@ def test_the_measurement_runs_outside_an_enclosing_jit_trace(monkeypatch):
     # Tuning happens while the caller's function is traced; the scratch computation must run for real.
     seen = []
 
-    def measure(config, same_index):
+    def measure(config, same_index, candidate="fa3"):
         value = jnp.arange(4.0).sum()
         seen.append(isinstance(value, jax.core.Tracer))
         return dict(implementation="fa3" if float(value) == 6.0 else "cudnn")

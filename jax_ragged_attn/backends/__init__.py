@@ -35,6 +35,7 @@ REGISTRY = {
     "xla": "jax_ragged_attn.backends.xla.ragged",  # serves everything, everywhere: the portable fallback
 }
 FALLBACK = "xla"
+FA3_BUILDS = ("dew", "fa3")  # two builds of FlashAttention-3's kernels: autotune=True times the first serving
 
 # ragged_attention_with_kvcache's backends, in the same preference order.
 KVCACHE = {
@@ -106,10 +107,13 @@ def choose(implementation: str | None, config, index, *, stats_gradient: bool = 
         warn_cudnn_fallback(reason, config)
         policy.report(FALLBACK, config, reason)
         return get(FALLBACK)
-    if config.autotune and len(serving) > 1 and {name for name, _ in serving} == {"cudnn", "fa3"}:
+    names = [name for name, _ in serving]
+    builds = [name for name in names if name in FA3_BUILDS]
+    if config.autotune and "cudnn" in names and builds:
         from jax_ragged_attn.backends import tuning
 
-        name = tuning.faster(config, index.cu_seqlens_q, index.cu_seqlens_kv)
+        # cuDNN against the FA3 build the order prefers (dew's where it serves).
+        name = tuning.faster(config, index.cu_seqlens_q, index.cu_seqlens_kv, candidate=builds[0])
         policy.report(name, config, "measured faster (autotune=True)")
         return get(name)
     policy.report(serving[0][0], config, "the first serving candidate of the policy (backends/policy.py)")

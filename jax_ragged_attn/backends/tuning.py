@@ -1,5 +1,9 @@
 """autotune=True with implementation=None: run whichever of cuDNN and FlashAttention-3 is faster for this shape.
 
+"FlashAttention-3" is the build that implementation=None would take (backends/__init__.py's order): dew-flash-
+attn's where it serves the call (implementation="dew"), else the flash-attn3-jax wheel's ("fa3"); the one timed
+is the `candidate` below, and a choice stored for one build is never read for the other.
+
 Where both can serve a call (FA3: the optional wheel, a Hopper GPU, head dim 128, 16-bit inputs), neither is
 faster everywhere: on the H200 cuDNN led on many short sequences and FA3 on a few long GQA ones (docs/
 PERFORMANCE.md). So with autotune the choice is measured once per configuration: a jitted forward + backward
@@ -65,22 +69,35 @@ def timed_config(config: AttentionConfig) -> AttentionConfig:
     return dataclasses.replace(config, packing="none", has_sinks=False)
 
 
-def key(config: AttentionConfig, same_index: bool) -> str:
+def _dew_version() -> str:
+    import importlib.metadata
+
+    from jax_ragged_attn.backends.fa3 import dew
+
+    try:
+        return importlib.metadata.version(dew.WHEEL)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def key(config: AttentionConfig, same_index: bool, candidate: str = "fa3") -> str:
     # Laid out as cuDNN's plan entries ([gpu, cudnn, frontend, kind, attributes]), the FA3 wheel's version
-    # among the attributes.
+    # among the attributes; dew's entries name their build too (fa3's keys are as they were before dew).
     versions, fa3_version = _versions()
     fields = dataclasses.asdict(timed_config(config))
     for name in UNTIMED_FIELDS:  # so that a stored choice stays valid whatever they are
         fields.pop(name)
-    return json.dumps([*versions, DIRECTION, dict(sorted(fields.items()), fa3_wheel=fa3_version,
+    wheel = dict(fa3_wheel=fa3_version) if candidate == "fa3" else dict(fa3_build=candidate, fa3_wheel=_dew_version())
+    return json.dumps([*versions, DIRECTION, dict(sorted(fields.items()), **wheel,
                                                   same_cu_seqlens=same_index, inputs=TIMED_INPUTS)])
 
 
-def choose(cudnn_ms: float, fa3_ms: float) -> str:
-    """"fa3" only when it is faster than cuDNN by more than autotune.MARGIN (timing noise is about 1 %)."""
+def choose(cudnn_ms: float, fa3_ms: float, candidate: str = "fa3") -> str:
+    """`candidate` (the FA3 build timed) only when it is faster than cuDNN by more than autotune.MARGIN (timing
+    noise is about 1 %)."""
     from jax_ragged_attn.backends.cudnn import autotune
 
-    return "fa3" if fa3_ms < cudnn_ms * (1 - autotune.MARGIN) else "cudnn"
+    return candidate if fa3_ms < cudnn_ms * (1 - autotune.MARGIN) else "cudnn"
 
 
 def _scratch(config: AttentionConfig, same_index: bool):
@@ -108,15 +125,12 @@ def _step(implementation: str, config: AttentionConfig, cu_q, cu_kv):
     """A jitted forward + backward (the output's cotangent given) through one implementation."""
     import jax
 
-    from jax_ragged_attn.backends.cudnn import ragged as cudnn
-    from jax_ragged_attn.backends.fa3 import ragged as _fa3
+    from jax_ragged_attn import backends
     from jax_ragged_attn.index import RaggedIndex
 
     def attend(q, k, v):
-        if implementation == "fa3":
-            return _fa3.attention(q, k, v, cu_q, cu_kv, config)[0]
-        # cudnn.attend, as the op calls it: a call past the int32 offsets is timed as its head groups.
-        return cudnn.attend((q, k, v), RaggedIndex(cu_q, cu_kv), config)[0]
+        # Each backend's attend, as the op calls it (cuDNN: a call past the int32 offsets as its head groups).
+        return backends.get(implementation).attend((q, k, v), RaggedIndex(cu_q, cu_kv), config)[0]
 
     def step(q, k, v, d_out, scale):
         # The tuned call runs inside a model's step, where q, k, v and the output's cotangent are intermediates
@@ -164,44 +178,46 @@ def _loop_ms(step, args) -> float:
     return median_loop_seconds(step, args) * 1e3
 
 
-def measure(config: AttentionConfig, same_index: bool) -> dict:
-    """Times both implementations now (no cache) and returns the entry that would be stored."""
-    from jax_ragged_attn.backends.fa3 import ragged as _fa3
+def measure(config: AttentionConfig, same_index: bool, candidate: str = "fa3") -> dict:
+    """Times cuDNN and `candidate` (an FA3 build: "fa3" or "dew") now (no cache) and returns the entry that would
+    be stored (fa3_ms: the candidate's time)."""
+    from jax_ragged_attn import backends
 
     config = timed_config(config)
     buffers, cu_q, cu_kv = _scratch(config, same_index)
-    reason = _fa3.unsupported_reason(config, cu_q, cu_kv)
+    reason = backends.get(candidate).unsupported_reason(config, cu_q, cu_kv)
     if reason is not None:  # e.g. a top-left mask the scratch lengths cannot prove: nothing to compare
         return dict(implementation="cudnn", fa3_declined=reason)
     import jax.numpy as jnp
 
     args = (*buffers, jnp.float32(1))
-    times = {name: _loop_ms(_step(name, config, cu_q, cu_kv), args) for name in ("cudnn", "fa3")}
-    return dict(implementation=choose(times["cudnn"], times["fa3"]), cudnn_ms=times["cudnn"], fa3_ms=times["fa3"])
+    times = {name: _loop_ms(_step(name, config, cu_q, cu_kv), args) for name in ("cudnn", candidate)}
+    return dict(implementation=choose(times["cudnn"], times[candidate], candidate), cudnn_ms=times["cudnn"],
+                fa3_ms=times[candidate])
 
 
-def _measure_outside_any_trace(config: AttentionConfig, same_index: bool) -> dict:
+def _measure_outside_any_trace(config: AttentionConfig, same_index: bool, candidate: str = "fa3") -> dict:
     # JAX's current trace is thread-local: on a fresh thread the scratch computation runs eagerly even when
     # the call being tuned is being traced under jit.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(measure, config, same_index).result()
+        return pool.submit(measure, config, same_index, candidate).result()
 
 
-def entry(config: AttentionConfig, same_index: bool) -> dict:
+def entry(config: AttentionConfig, same_index: bool, candidate: str = "fa3") -> dict:
     """The stored choice for this configuration: from this process, else the disk cache, else measured now."""
     from jax_ragged_attn.backends.cudnn import autotune
 
     def measure():
         try:
-            return _measure_outside_any_trace(config, same_index), True
+            return _measure_outside_any_trace(config, same_index, candidate), True
         except Exception as error:  # noqa: BLE001 - e.g. no memory for scratch: keep cuDNN, say why
             warnings.warn(f"timing cuDNN against FlashAttention-3 failed, using cuDNN: "
                           f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=6)
             return dict(implementation="cudnn", failed=f"{type(error).__name__}: {error}"), False
 
-    return autotune.remembered(key(config, same_index), _chosen, _lock, measure)
+    return autotune.remembered(key(config, same_index, candidate), _chosen, _lock, measure)
 
 
-def faster(config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv) -> str:
-    """"cudnn" or "fa3": the measured faster of the two for this call (both can serve it)."""
-    return entry(config, same_index=cu_seqlens_q is cu_seqlens_kv)["implementation"]
+def faster(config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv, candidate: str = "fa3") -> str:
+    """"cudnn" or `candidate`: the measured faster of the two for this call (both can serve it)."""
+    return entry(config, same_index=cu_seqlens_q is cu_seqlens_kv, candidate=candidate)["implementation"]

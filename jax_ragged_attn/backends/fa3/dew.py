@@ -122,11 +122,10 @@ def unsupported_reason(config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv
 
 def auto_candidate(config: AttentionConfig) -> bool:
     """implementation=None considers it where the shipped policy prefers FA3's kernels (policy.py), ahead of
-    the flash-attn3-jax wheel's. autotune=True measures cuDNN against that wheel's FA3 as before (tuning.py
-    times those two), so it leaves dew out rather than take it unmeasured."""
+    the flash-attn3-jax wheel's, and with autotune=True, which times it against cuDNN (tuning.py)."""
     from jax_ragged_attn.backends import policy
 
-    return policy.prefers_fa3(config) and not config.autotune
+    return policy.prefers_fa3(config) or config.autotune
 
 
 def attend(buffers, index, config: AttentionConfig, *, stats=True):
