@@ -87,15 +87,8 @@ def unavailable_reason() -> str | None:
     """None when dew-flash-attn's FA3 kernels can run here (the wheel installed, a Hopper GPU), else why not."""
     if not _installed():
         return f"the optional {WHEEL} wheel is not installed ({INSTALL})"
-    backend = jax.default_backend()
-    if backend != "gpu":
-        return f"FlashAttention-3 needs a CUDA GPU; JAX's backend is {backend!r}"
-    device = jax.devices()[0]
-    capability = getattr(device, "compute_capability", None)
-    if capability is None or str(capability).split(".")[0] != "9":
-        return (f"the {WHEEL} wheel's FlashAttention-3 kernels are built for Hopper (sm_90) only (its FlashAttention-2 "
-                f"ones are not called here); this GPU ({device.device_kind}) has compute capability {capability}")
-    return _registered()
+    # Its FlashAttention-2 kernels (sm80, sm120) are not called here.
+    return fa3.hopper_reason(WHEEL) or _registered()
 
 
 # ---- what it serves ---------------------------------------------------------------------------------------

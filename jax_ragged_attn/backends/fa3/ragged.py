@@ -89,20 +89,25 @@ def _installed() -> bool:
     return importlib.util.find_spec("flash_attn3_jax_lib") is not None
 
 
-@functools.cache
-def unavailable_reason() -> str | None:
-    """None when FA3 can run on this machine (the wheel installed, a Hopper GPU), else a sentence why not."""
-    if not _installed():
-        return f"the optional {WHEEL} wheel is not installed ({INSTALL})"
+def hopper_reason(wheel: str) -> str | None:
+    """Why `wheel`'s FlashAttention-3 kernels (built for Hopper, sm_90, only) cannot run here, or None."""
     backend = jax.default_backend()
     if backend != "gpu":
         return f"FlashAttention-3 needs a CUDA GPU; JAX's backend is {backend!r}"
     device = jax.devices()[0]
     capability = getattr(device, "compute_capability", None)
     if capability is None or str(capability).split(".")[0] != "9":
-        return (f"FlashAttention-3's kernels in the {WHEEL} wheel are built for Hopper (sm_90) only; this GPU "
+        return (f"FlashAttention-3's kernels in the {wheel} wheel are built for Hopper (sm_90) only; this GPU "
                 f"({device.device_kind}) has compute capability {capability}")
-    return _registered()
+    return None
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None when FA3 can run on this machine (the wheel installed, a Hopper GPU), else a sentence why not."""
+    if not _installed():
+        return f"the optional {WHEEL} wheel is not installed ({INSTALL})"
+    return hopper_reason(WHEEL) or _registered()
 
 
 # ---- what FA3 serves --------------------------------------------------------------------------------------
