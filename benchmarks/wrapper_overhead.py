@@ -1,4 +1,5 @@
-"""Where implementation="fa3" / "dew" spends time over the bare wheel's own call.
+"""Where implementation="fa3" / "dew" spends time over its wheel's own call (flash-attn3-jax's flash_mha_varlen,
+or dew-flash-attn's).
 
     python -m benchmarks.wrapper_overhead [--workloads W5,W1] [--implementation fa3|dew]
                                           [--inputs arguments|computed] [--calls 20] [--loops 7]
@@ -7,8 +8,10 @@ benchmarks/peers.py measured (H100, 2026-12-06) W5's forward with jit-argument i
 implementation="fa3" against 0.61 ms for the flash-attn3-jax wheel's own call, while with inputs made in the jit
 the two were 2 % apart. This probe times the wrapper with its parts switched off one at a time, which makes
 the results wrong on padded batches (a probe, never a fix): the input clearing (fa3/ragged.py `_cleared`), then
-also the output row masking (`_owned_query_rows`); for "dew", the gap sequences (dew.with_gaps's [3B + 1]
-offsets replaced by the plain ones, right on these workloads: every slot used and within max_seqlen).
+also the output row masking (`_owned_query_rows`); for "dew", the gap sequences (dew.with_gaps's offsets,
+[2B + 1] without seqused, replaced by the plain ones: right on these workloads, every slot used and within
+max_seqlen). The first figures of 2026-12-06 (seventh session) timed "dew" against flash-attn3-jax's call;
+docs/PERFORMANCE.md quotes dew-flash-attn's own from benchmarks/peers.py beside them.
 Each figure is benchmarks/timing.py's plain loop of jitted calls; the last lines list the compiled forward's
 custom calls and fusions, so a copy XLA inserted shows up by name.
 """
@@ -36,7 +39,11 @@ def _ours(w, implementation):
     return f
 
 
-def _wheel(w):
+def _wheel(w, implementation):
+    if implementation == "dew":
+        from benchmarks.peers import _dew
+
+        return _dew(w)
     from flash_attn3_jax import flash_mha_varlen
 
     def f(q, k, v, cu):
@@ -89,7 +96,7 @@ def main(argv=None) -> int:
         q, k, v, cu = w.packed_inputs()
         d_out = jax.random.normal(jax.random.key(1), q.shape, q.dtype)
         scale = jnp.float32(1.0)
-        variants = [("wheel's own call", _wheel(w), ())] + [
+        variants = [("wheel's own call", _wheel(w, args.implementation), ())] + [
             (f"ours {args.implementation}" + (f" without {' and '.join(p)}" if p else ""),
              _ours(w, args.implementation), p) for p in ((), ("clearing",), ("clearing", "row masking"))
             + ((("gap sequences",), ("clearing", "row masking", "gap sequences")) if args.implementation == "dew"

@@ -83,17 +83,19 @@ def ragged_attention(
         (below) are the only inf the op computes, so jax.debug_infs reports them; jax.debug_nans never
         fires, and with return_stats=False neither does jax.debug_infs (unless the inputs hold inf/NaN).
       implementation: None chooses per call by the policy shipped in backends/policy.py: FlashAttention-3
-        where an optional FA3 wheel (dew-flash-attn, else flash-attn3-jax) is installed and serves the call, the GPU is a Hopper and the call has at least
-        1,024 tokens a sequence (capacity Tq / B), cuDNN below that or where FA3 cannot serve the call, and
-        "xla" where no GPU kernel can (with a warning on a GPU). autotune=True times the two GPU kernels
-        instead of applying the threshold; the environment variable JAX_RAGGED_ATTN_IMPLEMENTATION ("cudnn",
-        "fa3" or "xla") pins one for every call it can serve. "cudnn" and "fa3" raise NotImplementedError
+        where an optional FA3 wheel (dew-flash-attn, else flash-attn3-jax) is installed and serves the call,
+        the GPU is a Hopper and the call has at least 1,024 tokens a sequence (capacity Tq / B), cuDNN below
+        that or where FA3 cannot serve the call, and "xla" where no GPU kernel can (with a warning on a GPU).
+        autotune=True times cuDNN against that FA3 build instead of applying the threshold; the environment
+        variable JAX_RAGGED_ATTN_IMPLEMENTATION ("cudnn", "fa3", "dew" or "xla") pins one for every call it
+        can serve. "cudnn" and "fa3" raise NotImplementedError
         saying why where they cannot serve the call (FA3: Hopper, bfloat16 / float16, head dim 128, no
         softcap; backends/fa3/ragged.py); "xla" is the portable jnp implementation and serves every call.
         "dew" runs FA3's kernels as the optional dew-flash-attn wheel builds them (head dims 64, 128, 192,
         256; no softcap, no deterministic backward; backends/fa3/dew.py); where it is installed,
         implementation=None takes it before the flash-attn3-jax wheel's FA3 (measured faster) and at every
-        head dim it serves.
+        head dim it serves. A sequence longer than max_seqlen (which check=True rejects; cut otherwise) costs
+        dew, without seqused, up to that sequence's uncut attention.
       deterministic: run cuDNN's deterministic backward, so dQ/dK/dV are bit-identical run to run (it keeps
         dP in a dense workspace: slower and much more memory). The xla path is deterministic anyway.
       check: validate cu_seqlens at run time (start at 0, never decrease, stay within the capacity, no

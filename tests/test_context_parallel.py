@@ -378,18 +378,24 @@ def test_two_gpus_cudnn_context_parallel_matches_one_gpu(load_balance, context_s
         assert_close(np.asarray(got[i], np.float64), want, "bfloat16", f"{name} against the float64 reference")
 
 
+def _skip_unless_available(implementation: str) -> None:
+    """FA3's builds are optional wheels (dew: the one implementation=None takes for FA3's class where installed)."""
+    from jax_ragged_attn.backends.fa3 import dew, ragged as fa3
+
+    reason = {"fa3": fa3.unavailable_reason, "dew": dew.unavailable_reason}.get(implementation, lambda: None)()
+    if reason:
+        pytest.skip(reason)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("implementation, head_dim", [("cudnn", 64), ("fa3", 128)])
+@pytest.mark.parametrize("implementation, head_dim", [("cudnn", 64), ("fa3", 128), ("dew", 128)])
 @pytest.mark.parametrize("n, load_balance", [(2, False), (4, True), (2, True)])
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])
 def test_one_gpu_device_calls_match_the_op(implementation, head_dim, n, load_balance, layout):
     """Every device's call as the sharded op runs it, on one GPU (_check_device_calls): offset pieces take the
     cuDNN path's split bottom-right backward (rectangle + square), or FA3's bottom-right mask."""
-    from jax_ragged_attn.backends.fa3 import ragged as fa3
-
     gpu = cudnn_gpus(1)[0]
-    if implementation == "fa3" and fa3.unavailable_reason():
-        pytest.skip(fa3.unavailable_reason())
+    _skip_unless_available(implementation)
     _check_device_calls(implementation, head_dim, n, load_balance, layout, gpu)
 
 
@@ -419,16 +425,13 @@ def _random_packing(seed: int, total: int) -> tuple[tuple[int, ...], int]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("implementation, head_dim", [("cudnn", 64), ("fa3", 128)])
+@pytest.mark.parametrize("implementation, head_dim", [("cudnn", 64), ("fa3", 128), ("dew", 128)])
 @pytest.mark.parametrize("n", [4, 8])
 def test_one_gpu_device_calls_on_random_packings(implementation, head_dim, n, seed):
     """As above, load-balanced, on random packings (_random_packing): pieces of one document in both of a
     device's chunks, empty documents and chunks, max_seqlen cutting documents."""
-    from jax_ragged_attn.backends.fa3 import ragged as fa3
-
     gpu = cudnn_gpus(1)[0]
-    if implementation == "fa3" and fa3.unavailable_reason():
-        pytest.skip(fa3.unavailable_reason())
+    _skip_unless_available(implementation)
     lengths, max_seqlen = _random_packing(seed, 2048)
     _check_device_calls(implementation, head_dim, n, True, "head_major" if seed % 2 else "token_major", gpu,
                         lengths=lengths, max_seqlen=max_seqlen, seed=seed)

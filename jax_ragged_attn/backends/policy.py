@@ -60,7 +60,7 @@ def tokens_per_sequence(config) -> float:
 
 
 def pinned() -> str | None:
-    """The backend JAX_RAGGED_ATTN_IMPLEMENTATION names ("cudnn", "fa3", "xla"), or None. implementation=None
+    """The backend JAX_RAGGED_ATTN_IMPLEMENTATION names ("cudnn", "fa3", "dew", "xla"), or None. implementation=None
     runs it wherever it can serve the call and chooses as usual elsewhere."""
     value = os.environ.get(ENV_VAR, "").strip().lower()
     return value or None

@@ -2,9 +2,12 @@
 
 "FlashAttention-3" is the build that implementation=None would take (backends/__init__.py's order): dew-flash-
 attn's where it serves the call (implementation="dew"), else the flash-attn3-jax wheel's ("fa3"); the one timed
-is the `candidate` below, and a choice stored for one build is never read for the other.
+is the `candidate` below, and a choice stored for one build is never read for the other. The scratch call has
+no seqused, so dew is timed on its one-gap-a-slot layout (fa3/dew.py PAIRED); a call with seqused runs its
+three-a-slot layout, measured 0.05 ms slower on W5 (H100): the stored choice does not tell them apart.
 
-Where both can serve a call (FA3: the optional wheel, a Hopper GPU, head dim 128, 16-bit inputs), neither is
+Where both can serve a call (FA3: an optional wheel, a Hopper GPU, head dim 128, or 64 to 256 with dew's,
+16-bit inputs), neither is
 faster everywhere: on the H200 cuDNN led on many short sequences and FA3 on a few long GQA ones (docs/
 PERFORMANCE.md). So with autotune the choice is measured once per configuration: a jitted forward + backward
 of each, on scratch buffers shaped as the call (equal-length sequences filling the capacities, the way

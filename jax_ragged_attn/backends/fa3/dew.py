@@ -138,7 +138,7 @@ def with_gaps(cu: jax.Array, used: jax.Array, side: str, paired: bool = False) -
     """[3B + 1] offsets from sanitised cu [B + 1] and used lengths [B]: sequence 3b is sequence b's used rows,
     3b + 1 the rest of its slot on the query side ("q": empty on the key side), 3b + 2 on the key side ("kv").
     cu [0, 5, 9], used [3, 4]: "q" -> [0, 3, 5, 5, 9, 9, 9], "kv" -> [0, 3, 3, 5, 9, 9, 9].
-    paired: [2B + 1], sequence 2b + 1 the rest of both slots: "q" and "kv" -> [0, 3, 5, 7, 9]."""
+    paired: [2B + 1], sequence 2b + 1 the rest of both slots: "q" and "kv" -> [0, 3, 5, 9, 9]."""
     starts, ends = cu[:-1].astype(jnp.int32), cu[1:].astype(jnp.int32)
     used_end = starts + used.astype(jnp.int32)
     if paired:
@@ -172,8 +172,10 @@ def _backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, confi
 # every sequence, as FlashAttention's callers pass it), so one gap sequence a slot holds both sides' rest:
 # 2B + 1 offsets instead of 3B + 1. Each sequence, even an empty one, costs the kernels scheduling work: on the
 # H100 (2026-12-06, benchmarks/wrapper_overhead.py, W5 in a step) the two empty sequences a slot cost 0.09 ms
-# of a 3.99 ms fwd+bwd. A cut gap then computes its gap queries against its gap keys (at most the work of the
-# uncut call) and its results are masked like every other unowned row.
+# of a 3.99 ms fwd+bwd (0.05 ms after this layout). A slot cut by max_seqlen on both sides (a sequence that
+# check=True rejects as longer than max_seqlen) then computes its gap queries against its gap keys: up to its
+# uncut attention (a 32k slot cut to 1k: about 1,000 times the cut call's work, where the three-a-slot layout and
+# implementation="fa3" stay linear), its results masked like every other unowned row. api.py's docstring says so.
 PAIRED = "paired"
 
 
