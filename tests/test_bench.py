@@ -225,7 +225,9 @@ def test_package_bench_times_your_shape_on_each_implementation(capsys):
     assert lines[1].startswith("your shape: 3 sequences of 0..9 (14 tokens), keys 3..9 (19 tokens), 4/2 heads")
     header = next(i for i, line in enumerate(lines) if line.startswith("implementation"))
     rows = {line.split()[0]: line for line in lines[header + 1:]}
-    assert set(rows) == {"fa3", "cudnn", "xla"}, lines
+    from jax_ragged_attn import backends
+
+    assert set(rows) == set(backends.REGISTRY), lines  # each implementation a row (dew, fa3, cudnn, xla)
     assert rows["xla"].count(" ms ") == 2 and rows["xla"].count("TFLOP/s") == 2, rows["xla"]  # forward, fwd+bwd
     if jax.default_backend() == "cpu":
         assert rows["cudnn"].split(None, 1)[1] == "skipped: no CUDA device: JAX's backend is 'cpu'", rows["cudnn"]
