@@ -157,15 +157,17 @@ def _attributes(config: AttentionConfig) -> dict:
                 window_size_left=np.int64(left), window_size_right=np.int64(right))
 
 
-def _forward_call(q, k, v, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig):
+def _forward_call(q, k, v, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig, paired: bool = False):
     """(out [Tq, Hq, D] with garbage in rows no used sequence owns, lse [Hq, Tq])."""
-    return _kernel_forward(q, k, v, with_gaps(cu_q, used_q, "q"), with_gaps(cu_kv, used_kv, "kv"), config)
+    return _kernel_forward(q, k, v, with_gaps(cu_q, used_q, "q", paired), with_gaps(cu_kv, used_kv, "kv", paired),
+                           config)
 
 
-def _backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig):
+def _backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig,
+                   paired: bool = False):
     """(dq, dk, dv), garbage in rows no used sequence owns."""
-    return _kernel_backward(d_out, q, k, v, out, lse, with_gaps(cu_q, used_q, "q"), with_gaps(cu_kv, used_kv, "kv"),
-                            config)
+    return _kernel_backward(d_out, q, k, v, out, lse, with_gaps(cu_q, used_q, "q", paired),
+                            with_gaps(cu_kv, used_kv, "kv", paired), config)
 
 
 # Calls without seqused: the rows a slot does not use are those max_seqlen cuts (none where max_seqlen bounds
@@ -179,14 +181,8 @@ def _backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, confi
 PAIRED = "paired"
 
 
-def _forward_call_paired(q, k, v, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig):
-    return _kernel_forward(q, k, v, with_gaps(cu_q, used_q, "q", paired=True),
-                           with_gaps(cu_kv, used_kv, "kv", paired=True), config)
-
-
-def _backward_call_paired(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig):
-    return _kernel_backward(d_out, q, k, v, out, lse, with_gaps(cu_q, used_q, "q", paired=True),
-                            with_gaps(cu_kv, used_kv, "kv", paired=True), config)
+_forward_call_paired = functools.partial(_forward_call, paired=True)
+_backward_call_paired = functools.partial(_backward_call, paired=True)
 
 
 def _kernel_forward(q, k, v, offsets_q, offsets_kv, config: AttentionConfig):
