@@ -137,12 +137,17 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="small shapes, xla only (runs on a CPU in seconds)")
     parser.add_argument("--implementations", default=None,
                         help=f"comma-separated subset of {','.join(IMPLEMENTATIONS)}")
+    parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default: the issue's grid)")
+    parser.add_argument("--contexts", default=None, help="comma-separated context lengths (default: the grid)")
     parser.add_argument("--calls", type=int, default=None, help="jitted calls per timed loop (default 50; quick 3)")
     parser.add_argument("--repetitions", type=int, default=None, help="timed loops; the median is reported")
     args = parser.parse_args(argv)
     shape = dict(QUICK if args.quick else FULL)
     if args.implementations:
         shape["implementations"] = tuple(args.implementations.split(","))
+    for axis in ("batches", "contexts"):
+        if getattr(args, axis):
+            shape[axis] = tuple(int(n) for n in getattr(args, axis).split(","))
     run(shape, args.calls or (3 if args.quick else 50), args.repetitions or (3 if args.quick else 7))
     return 0
 
