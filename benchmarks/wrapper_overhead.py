@@ -80,6 +80,25 @@ def _ops(fn, args) -> str:
     return f"custom calls {calls}; {fusions} fusions, {copies} copies"
 
 
+def _profile(args) -> int:
+    """Per-kernel ms of one fwd+bwd step, the wheel's own call beside ours (cp_device_profile.kernel_ms)."""
+    from benchmarks.cp_device_profile import kernel_ms
+
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; inputs: {args.inputs}", flush=True)
+    for name in args.workloads.split(","):
+        w = workloads.WORKLOADS[name]
+        q, k, v, cu = w.packed_inputs()
+        d_out = jax.random.normal(jax.random.key(1), q.shape, q.dtype)
+        call = (q, k, v, cu, jnp.float32(1.0), d_out)
+        wheel = kernel_ms(steps(_wheel(w, args.implementation), args.inputs)[1], call, args.calls)
+        ours = kernel_ms(steps(_ours(w, args.implementation), args.inputs)[1], call, args.calls)
+        print(f"\n{name}: wheel's call {sum(wheel[0].values()):.3f} ms of kernels ({wheel[1]:.3f} ms first to last), "
+              f"ours {sum(ours[0].values()):.3f} ms ({ours[1]:.3f} ms)")
+        for kernel in sorted(set(wheel[0]) | set(ours[0]), key=lambda n: -max(wheel[0].get(n, 0), ours[0].get(n, 0))):
+            print(f"  {wheel[0].get(kernel, 0):8.4f} {ours[0].get(kernel, 0):8.4f}  {kernel}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.wrapper_overhead")
     parser.add_argument("--workloads", default="W5,W1")
@@ -88,7 +107,12 @@ def main(argv=None) -> int:
                         help="q, k, v as jit arguments, or made in the jit (fa3_compare.steps)")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--loops", type=int, default=7)
+    parser.add_argument("--profile", action="store_true",
+                        help="instead: GPU kernels by name, ms per fwd+bwd step, the wheel's call against ours "
+                             "(jax.profiler; the difference's parts by name)")
     args = parser.parse_args(argv)
+    if args.profile:
+        return _profile(args)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; inputs: {args.inputs}", flush=True)
     lines = []
     for name in args.workloads.split(","):

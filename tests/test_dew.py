@@ -49,10 +49,12 @@ def test_with_gaps_puts_each_unused_remainder_in_a_sequence_of_its_own():
         assert np.asarray(dew.with_gaps(cu, used, side, paired=True)).tolist() == [0, 3, 5, 9, 9, 9, 9]
 
 
-@pytest.mark.parametrize("seqused, sequences", [(False, 2 * 3), (True, 3 * 3)])
-def test_one_gap_sequence_a_slot_without_seqused(emulated, monkeypatch, seqused, sequences):
+@pytest.mark.parametrize("seqused, is_causal, sequences", [(False, False, 2 * 3), (True, True, 3 * 3),
+                                                           (False, True, 3)])
+def test_one_gap_sequence_a_slot_without_seqused(emulated, monkeypatch, seqused, is_causal, sequences):
     """Without seqused only max_seqlen cuts leave rows unused: [2B + 1] offsets (fewer sequences for the
-    kernels to schedule); with it [3B + 1], so a long unused rest of a slot is never gap queries x gap keys."""
+    kernels to schedule); with it [3B + 1], so a long unused rest of a slot is never gap queries x gap keys;
+    causal over one array for both cu_seqlens, the slots alone ([B + 1], dew.uncut_is_cut)."""
     seen = []
     for name in ("_kernel_forward", "_kernel_backward"):
         real = getattr(dew, name)
@@ -61,7 +63,7 @@ def test_one_gap_sequence_a_slot_without_seqused(emulated, monkeypatch, seqused,
     cu = jnp.asarray([0, 6, 13, 17], jnp.int32)
     used = dict(seqused_q=jnp.asarray([6, 7, 4]), seqused_kv=jnp.asarray([6, 7, 4])) if seqused else {}
     jax.grad(lambda x: ragged_attention(x, x, x, cu, cu, max_seqlen_q=7, max_seqlen_kv=7, implementation="dew",
-                                        **used).astype(jnp.float32).sum())(x)
+                                        is_causal=is_causal, **used).astype(jnp.float32).sum())(x)
     assert seen == [sequences, sequences]
 
 
@@ -78,6 +80,9 @@ CASES = {
     "seqused": ((9, 6, 12, 5), (4, 0, 12, 3), (9, 6, 12, 5), (7, 2, 12, 1), 12, 12),
     "truncated": ((12, 3, 8), (8, 3, 8), (14, 2, 9), (9, 2, 9), 8, 9),
     "long_slots": ((20, 3, 17), (8, 3, 8), (27, 2, 19), (9, 2, 9), 8, 9),
+    # One array for both cu_seqlens (self-attention), slots cut by max_seqlen, one over twice it: causal calls
+    # hand the kernels the slots whole (dew.PLAIN), the cut rows computed and kept out of every result.
+    "same_slots": ((12, 3, 20, 6), (8, 3, 8, 6), (12, 3, 20, 6), (8, 3, 8, 6), 8, 8),
 }
 
 
@@ -127,8 +132,12 @@ def _check_against_reference(case_name, mask, stats_layout, head_dim, forward_on
     seqused = {} if case_name != "seqused" else dict(seqused_q=jnp.asarray(used_q, jnp.int32),
                                                      seqused_kv=jnp.asarray(used_kv, jnp.int32))
 
+    same = slots_q == slots_kv  # then one array for both, as self-attention passes it
+    cu_q_array = jnp.asarray(cu_q)
+    cu_kv_array = cu_q_array if same else jnp.asarray(cu_kv)
+
     def attention(q, k, v):
-        return ragged_attention(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_kv), max_seqlen_q=max_q,
+        return ragged_attention(q, k, v, cu_q_array, cu_kv_array, max_seqlen_q=max_q,
                                 max_seqlen_kv=max_kv, return_stats=True, stats_layout=stats_layout,
                                 implementation="dew", **seqused, **options)
 

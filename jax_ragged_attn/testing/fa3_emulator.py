@@ -59,6 +59,9 @@ def _probabilities(q, k, cu_q, cu_kv, used_q, used_kv, config, lse=None):
         lse = jax.nn.logsumexp(s, axis=-1)
     finite = jnp.isfinite(lse)
     p = jnp.where(mask[None] & finite[:, :, None], jnp.exp(s - jnp.where(finite, lse, 0.0)[:, :, None]), 0.0)
+    # A NaN log-sum-exp handed to the backward for a row it owns spreads over that row's band, as exp(s - NaN)
+    # does in the kernel: into dQ of the row and dK, dV of every key it sees.
+    p = jnp.where(mask[None] & jnp.isnan(lse)[:, :, None], jnp.nan, p)
     return p, lse, owned_q, owned_kv
 
 
@@ -107,13 +110,29 @@ def _without_seqused(call):
     return kernel
 
 
+def _grid_cut_at_max_seqlen(forward):
+    """The dew forward stand-in, leaving the rows of a sequence past max_seqlen_q unwritten (NaN out and
+    log-sum-exp): what a kernel whose grid is sized by max_seqlen would do. dew-flash-attn's schedulers count
+    tiles from the offsets instead, but the wrapper must not rely on it (dew.py PLAIN)."""
+    def kernel(q, k, v, offsets_q, offsets_kv, config):
+        out, lse = forward(q, k, v, offsets_q, offsets_kv, config)
+        rows = q.shape[0]
+        _, position, _ = row_positions(offsets_q, rows, rows)
+        written = position < config.max_seqlen_q
+        out = jnp.where(written[:, None, None], out, jnp.nan)
+        lse_hm = jnp.where(written[None, :], _fa3.lse_head_major(lse, config), jnp.nan)
+        return out, lse_hm.reshape(lse.shape)
+    return kernel
+
+
 @contextlib.contextmanager
 def patched_dew():
     """backends/fa3/dew.py with these kernels, taking offsets alone as dew-flash-attn's do, and it available."""
     from jax_ragged_attn.backends.fa3 import dew
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(dew, "_kernel_forward", _without_seqused(forward_call)))
+        stack.enter_context(mock.patch.object(dew, "_kernel_forward",
+                                              _grid_cut_at_max_seqlen(_without_seqused(forward_call))))
         stack.enter_context(mock.patch.object(dew, "_kernel_backward", _without_seqused(backward_call)))
         stack.enter_context(mock.patch.object(dew, "unavailable_reason", lambda: None))
         yield
