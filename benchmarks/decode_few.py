@@ -120,14 +120,43 @@ def run(shape: dict, calls: int, rounds: int) -> list[str]:
     return lines
 
 
+def profile(shape: dict, steps: int) -> list[str]:
+    """GPU kernel time per call (jax.profiler, cp_device_profile.kernel_ms) of ours and raw FA3: what the device
+    spends, beside the plain loop's time, which at a few tens of microseconds a call is the host's dispatch."""
+    from benchmarks.cp_device_profile import kernel_ms
+
+    rng = np.random.default_rng(0)
+    lines = ["| shape | row | kernels' ms a call | first to last kernel, ms a call | kernels by name |",
+             "| --- | --- | --- | --- | --- |"]
+    for batch in shape["batches"]:
+        for context in shape["contexts"]:
+            q, k, v, lengths, table, _ = decode._inputs(batch, context, shape, rng)
+            paged = (q, k.reshape(-1, shape["page_size"], *k.shape[2:]),
+                     v.reshape(-1, shape["page_size"], *v.shape[2:]), lengths, table)
+            config = kvcache_config(*paged[:4], table, AttentionOptions(is_causal=True))
+            rows, _ = _rows(paged, dict(shape, splits=(), pieces=()), fa3_kvcache.num_splits(config))
+            for name, function in rows.items():
+                totals, span = kernel_ms(jax.jit(function), paged, steps)
+                names = ", ".join(f"{n[:40]} {ms * 1e3:.1f} us" for n, ms in sorted(totals.items(), key=lambda x: -x[1]))
+                lines.append(f"| {batch} x {context // 1024}k paged | {name} | {sum(totals.values()):.4f} | "
+                             f"{span:.4f} | {names} |")
+                print(lines[-1], flush=True)
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small shapes on the xla path (a CPU)")
     parser.add_argument("--calls", type=int, default=None, help="jitted calls a timed loop (default 200; quick 3)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds, median reported (default 15)")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead: each paged row's GPU kernels per call (jax.profiler), ours against raw FA3")
     args = parser.parse_args(argv)
     shape = QUICK if args.quick else FULL
+    if args.profile:
+        print("\n".join(profile(shape, args.calls or 50)))
+        return 0
     lines = run(shape, args.calls or (3 if args.quick else 200), args.rounds or (2 if args.quick else 15))
     print("\n" + "\n".join(lines))
     return 0
