@@ -376,6 +376,16 @@ class Fa3HeadTailKVCacheTest(Fa3KVCacheTest):
         self.enter_context(config_overrides(route="head_tail"))
 
 
+@pytest.mark.skipif(_FA3_REASON is not None, reason=f"FlashAttention-3 unavailable: {_FA3_REASON}")
+class Fa3KeySplitsKVCacheTest(Fa3KVCacheTest):
+    """Every case with FA3's key splits pinned to 3 (its split accumulators and combine kernel): num_splits keeps
+    one split at this capacity (16 key tiles a split at least), which long few-sequence decodes leave."""
+
+    def setUp(self):
+        super().setUp()
+        self.enter_context(config_overrides(num_splits=3))
+
+
 def _fa3_stand_in(q, k_cache, v_cache, lengths, page_table, config, window):
     """FA3's call as fa3_kvcache makes it, computed by the xla path: bottom-right over `lengths` rows with
     FA3's window (is_causal, left, right), -1 for no bound."""
@@ -458,5 +468,7 @@ def test_fa3_splits_fill_one_wave():
         window_left=None, window_right=None)
     assert fa3_kvcache.num_splits(config(8, 32768)) == 2  # 64 tiles: 128 CTAs, one wave of 132 SMs
     assert fa3_kvcache.num_splits(config(2, 32768)) == 8
-    assert fa3_kvcache.num_splits(config(2, 256)) == 2  # no more splits than key tiles
+    assert fa3_kvcache.num_splits(config(2, 256)) == 1  # 2 key tiles: a split holds at least 16
+    assert fa3_kvcache.num_splits(config(8, 2048)) == 1  # 16 key tiles: one split (the combine would cost more)
+    assert fa3_kvcache.num_splits(config(8, 8192)) == 2
     assert fa3_kvcache.num_splits(config(64, 2048)) == 1  # 512 tiles fill the GPU alone

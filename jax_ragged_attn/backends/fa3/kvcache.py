@@ -55,6 +55,7 @@ AUTO = True
 NUM_SMS = 132  # H200
 BLOCK_M, BLOCK_N = 128, 128  # FA3's tile for head dim 128 (query rows packed across a GQA group)
 MAX_SPLITS = 128
+MIN_SPLIT_TILES = 16  # key tiles a split holds at least (2,048 keys): see num_splits
 # Rows of each sequence's end that FA3 never reads (see the module docstring): at least FA3's widest key tile
 # (176 rows for head dim 128 on Hopper), so a tile that starts inside the head ends inside the sequence.
 TAIL = 256
@@ -114,13 +115,16 @@ def auto_candidate(config: KVCacheConfig) -> bool:
 def num_splits(config: KVCacheConfig) -> int:
     """Key splits so that B x Hkv x query tiles x splits fills the SMs in one wave (1 where the tiles alone
     come near): a second, partial wave cost more than it split (H200, 8 x 32k decode: 2 splits 0.249 ms,
-    3 splits 0.299, benchmarks/sweep_decode_splits.py, which sets config.num_splits)."""
+    3 splits 0.299, benchmarks/sweep_decode_splits.py, which sets config.num_splits; H100 2026-12-06, 4 to 32
+    splits all 15 % slower than 2, benchmarks/decode_few.py). Each split keeps at least MIN_SPLIT_TILES key
+    tiles: below that the combine kernel costs more than the parallelism gains (H100, 8 x 2k decode, every row
+    in the same rounds: 1 split 5 % faster than 2 on a paged cache, 15 % on a contiguous one; raw FA3 8 %)."""
     if config.num_splits is not None:
         return config.num_splits
     tiles = config.batch * config.num_heads_kv * math.ceil(config.seqlen_q * config.group_size / BLOCK_M)
     if tiles >= 0.8 * NUM_SMS:
         return 1
-    return max(1, min(NUM_SMS // tiles, math.ceil(config.capacity / BLOCK_N), MAX_SPLITS))
+    return max(1, min(NUM_SMS // tiles, math.ceil(config.capacity / BLOCK_N) // MIN_SPLIT_TILES, MAX_SPLITS))
 
 
 def _fa3_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, window, used_q=None):
