@@ -36,3 +36,16 @@ def test_quick_run_prints_a_row_per_variant(capsys):
     rows = [line for line in lines if not line.startswith("| shape")]
     assert len(rows) == 2 * 3, lines  # two shapes x pieces 1, 2, 4 on the xla path
     assert all(float(row.split("|")[-2]) < 1e-4 for row in rows), rows  # each merge matches P = 1
+
+
+def test_decode_few_quick_run_times_every_row_against_ours(capsys):
+    """benchmarks/decode_few.py (issue 48's decode targets, every row in the same rounds) on the xla path: one
+    row per layout for ours, the pieces row on the paged cache, each checked against ours."""
+    from benchmarks import decode_few
+
+    assert decode_few.main(["--quick"]) == 0
+    table = capsys.readouterr().out.split("\n\n")[-1].splitlines()
+    rows = [line for line in table if line.startswith("| 2 x 256")]
+    assert [row.split("|")[2].strip() for row in rows] == ["ours", "ours", "ours pieces=2"], table
+    assert all(float(row.split("|")[-2]) < 1e-4 for row in rows), rows  # every row's output matches ours
+    assert all(int(row.split("|")[-3]) >= 1 for row in rows), rows  # the kernels a call launches, counted
