@@ -49,12 +49,14 @@ def test_with_gaps_puts_each_unused_remainder_in_a_sequence_of_its_own():
         assert np.asarray(dew.with_gaps(cu, used, side, paired=True)).tolist() == [0, 3, 5, 9, 9, 9, 9]
 
 
-@pytest.mark.parametrize("seqused, is_causal, sequences", [(False, False, 2 * 3), (True, True, 3 * 3),
-                                                           (False, True, 3)])
-def test_one_gap_sequence_a_slot_without_seqused(emulated, monkeypatch, seqused, is_causal, sequences):
+@pytest.mark.parametrize("seqused, max_seqlen, traced, sequences", [
+    (False, 5, False, 2 * 3), (True, 7, False, 3 * 3), (False, 7, False, 3), (False, 7, True, 2 * 3),
+    (False, 20, True, 3)])
+def test_one_gap_sequence_a_slot_without_seqused(emulated, monkeypatch, seqused, max_seqlen, traced, sequences):
     """Without seqused only max_seqlen cuts leave rows unused: [2B + 1] offsets (fewer sequences for the
     kernels to schedule); with it [3B + 1], so a long unused rest of a slot is never gap queries x gap keys;
-    causal over one array for both cu_seqlens, the slots alone ([B + 1], dew.uncut_is_cut)."""
+    where no slot can exceed max_seqlen (known cu_seqlens whose slots fit, or max_seqlen at least the buffer's
+    rows) the slots alone ([B + 1], dew.no_cut_rows), but not for traced cu_seqlens with a smaller max_seqlen."""
     seen = []
     for name in ("_kernel_forward", "_kernel_backward"):
         real = getattr(dew, name)
@@ -62,8 +64,14 @@ def test_one_gap_sequence_a_slot_without_seqused(emulated, monkeypatch, seqused,
     x = jnp.ones((20, 2, 128), jnp.bfloat16)
     cu = jnp.asarray([0, 6, 13, 17], jnp.int32)
     used = dict(seqused_q=jnp.asarray([6, 7, 4]), seqused_kv=jnp.asarray([6, 7, 4])) if seqused else {}
-    jax.grad(lambda x: ragged_attention(x, x, x, cu, cu, max_seqlen_q=7, max_seqlen_kv=7, implementation="dew",
-                                        is_causal=is_causal, **used).astype(jnp.float32).sum())(x)
+
+    def loss(x, cu):
+        return ragged_attention(x, x, x, cu, cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+                                implementation="dew", is_causal=True, **used).astype(jnp.float32).sum()
+    if traced:
+        jax.jit(jax.grad(loss))(x, cu)
+    else:
+        jax.grad(lambda x: loss(x, cu))(x)
     assert seen == [sequences, sequences]
 
 
@@ -80,9 +88,12 @@ CASES = {
     "seqused": ((9, 6, 12, 5), (4, 0, 12, 3), (9, 6, 12, 5), (7, 2, 12, 1), 12, 12),
     "truncated": ((12, 3, 8), (8, 3, 8), (14, 2, 9), (9, 2, 9), 8, 9),
     "long_slots": ((20, 3, 17), (8, 3, 8), (27, 2, 19), (9, 2, 9), 8, 9),
-    # One array for both cu_seqlens (self-attention), slots cut by max_seqlen, one over twice it: causal calls
-    # hand the kernels the slots whole (dew.PLAIN), the cut rows computed and kept out of every result.
+    # One array for both cu_seqlens (self-attention), slots cut by max_seqlen, one over twice it: gap sequences
+    # (the stand-ins leave rows past max_seqlen unwritten in the forward and read them so in the backward, as
+    # FA3's grids do; a version that handed these slots over whole failed here).
     "same_slots": ((12, 3, 20, 6), (8, 3, 8, 6), (12, 3, 20, 6), (8, 3, 8, 6), 8, 8),
+    # Every slot within max_seqlen: the slots themselves go over (dew.PLAIN), q and kv of different lengths.
+    "slots_fit": ((9, 6, 12, 5), (9, 6, 12, 5), (7, 2, 12, 1), (7, 2, 12, 1), 12, 12),
 }
 
 

@@ -110,18 +110,33 @@ def _without_seqused(call):
     return kernel
 
 
+def _rows_within_max_seqlen(offsets_q, config):
+    """[Tq]: the row lies within the first max_seqlen_q rows of its sequence (of the offsets)."""
+    _, position, _ = row_positions(offsets_q, config.capacity_q, config.capacity_q)
+    return position < config.max_seqlen_q
+
+
 def _grid_cut_at_max_seqlen(forward):
     """The dew forward stand-in, leaving the rows of a sequence past max_seqlen_q unwritten (NaN out and
-    log-sum-exp): what a kernel whose grid is sized by max_seqlen would do. dew-flash-attn's schedulers count
-    tiles from the offsets instead, but the wrapper must not rely on it (dew.py PLAIN)."""
+    log-sum-exp): what a kernel whose grid is sized by max_seqlen does. The wrapper must keep such rows out of
+    every result (a gap sequence longer than max_seqlen, dew.py)."""
     def kernel(q, k, v, offsets_q, offsets_kv, config):
         out, lse = forward(q, k, v, offsets_q, offsets_kv, config)
-        rows = q.shape[0]
-        _, position, _ = row_positions(offsets_q, rows, rows)
-        written = position < config.max_seqlen_q
+        written = _rows_within_max_seqlen(offsets_q, config)
         out = jnp.where(written[:, None, None], out, jnp.nan)
         lse_hm = jnp.where(written[None, :], _fa3.lse_head_major(lse, config), jnp.nan)
         return out, lse_hm.reshape(lse.shape)
+    return kernel
+
+
+def _backward_grid_cut_at_max_seqlen(backward):
+    """The dew backward stand-in reading the rows of a sequence past max_seqlen_q with a NaN log-sum-exp: FA3's
+    backward preprocessing (its rows' log-sum-exp and rowsum(dO * O) scratch) runs over max_seqlen rows of each
+    sequence, so the main loop reads those rows' scratch unwritten."""
+    def kernel(d_out, q, k, v, out, lse, offsets_q, offsets_kv, config):
+        written = _rows_within_max_seqlen(offsets_q, config)
+        lse = jnp.where(written[None, :], _fa3.lse_head_major(lse, config), jnp.nan)
+        return backward(d_out, q, k, v, out, lse, offsets_q, offsets_kv, config)
     return kernel
 
 
@@ -133,7 +148,8 @@ def patched_dew():
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(dew, "_kernel_forward",
                                               _grid_cut_at_max_seqlen(_without_seqused(forward_call))))
-        stack.enter_context(mock.patch.object(dew, "_kernel_backward", _without_seqused(backward_call)))
+        stack.enter_context(mock.patch.object(dew, "_kernel_backward",
+                                              _backward_grid_cut_at_max_seqlen(_without_seqused(backward_call))))
         stack.enter_context(mock.patch.object(dew, "unavailable_reason", lambda: None))
         yield
 

@@ -22,11 +22,11 @@ over are [3B + 1] (`with_gaps`): sequence 3b is b's used queries and keys, 3b + 
 with no keys, 3b + 2 the rest of its key slot with no queries (rows cut by max_seqlen or seqused). A gap so costs
 its own tiles, not gap queries x gap keys (this build's varlen schedulers count tiles from the offsets, so a gap
 is computed whole, whatever max_seqlen). Without seqused the gaps are only max_seqlen's cuts, empty in the common
-case, and one gap sequence a slot holds both sides ([2B + 1], PAIRED: fewer sequences to schedule); with one
-array for both cu_seqlens and no key right of the diagonal (causal language-model training) the slots go over
-whole ([B + 1], PLAIN, `uncut_is_cut`): their cut rows are never in a used row's band. fa3/ragged.py clears
-every row outside the used ones before the kernels read them and masks every result row outside them after,
-so what the gap sequences (or cut rows) compute is never read.
+case, and one gap sequence a slot holds both sides ([2B + 1], PAIRED: fewer sequences to schedule); where no
+slot can be longer than its max_seqlen (max_seqlen at least the buffer's rows, or concrete cu_seqlens that
+show it) there is no gap at all and the kernels get the caller's slots ([B + 1], PLAIN, `no_cut_rows`).
+fa3/ragged.py clears every row outside the used ones before the kernels read them and masks every result row
+outside them after, so what the gap sequences compute is never read.
 
 Declined, with the reason: softcap (not in the build), deterministic=True (its backward has no deterministic
 mode), head dims other than Dqk = Dv in 64, 128, 192, 256, float32, a top-left causal / windowed mask FA3's
@@ -49,7 +49,7 @@ import numpy as np
 
 from jax_ragged_attn.backends.fa3 import ragged as fa3
 from jax_ragged_attn.config import AttentionConfig
-from jax_ragged_attn.index import RaggedIndex, row_positions
+from jax_ragged_attn.index import RaggedIndex
 
 NAME = "dew"
 WHEEL = "dew-flash-attn-cu13"
@@ -128,23 +128,34 @@ def attend(buffers, index, config: AttentionConfig, *, stats=True):
     from jax_ragged_attn.backends.shared.packings import TABLE
 
     # Without seqused a slot's unused rows are only those max_seqlen cuts: one gap sequence a slot (PAIRED), or
-    # none where the uncut slots give the used rows the cut result (PLAIN: the offsets dew-flash-attn's own
-    # call passes).
+    # none where no slot can be cut (PLAIN: the offsets dew-flash-attn's own call passes).
     variant = None
     if all(used is None for used in index.seqused):
-        variant = PLAIN if uncut_is_cut(config, index) else PAIRED
+        variant = PLAIN if no_cut_rows(config, index) else PAIRED
     return fa3.attention(*TABLE[config.packing].split(buffers), index.cu_seqlens_q, index.cu_seqlens_kv, config,
                          index.seqused, binding=f"{NAME}/{variant}" if variant else NAME)
 
 
-def uncut_is_cut(config: AttentionConfig, index: RaggedIndex) -> bool:
-    """Whether handing the kernels the caller's slots whole (cut rows included) gives every used row the result
-    of its cut sequence: one array for both cu_seqlens with equal capacities and max_seqlen (a slot's used
-    queries and used keys are the same rows, its first min(slot, max_seqlen)), and no key right of the diagonal
-    (causal, or a window whose right bound is <= 0), so a used query sees only keys before the cut, the same
-    band as in the cut sequence. Without seqused only."""
-    return (index.same and (config.capacity_q, config.max_seqlen_q) == (config.capacity_kv, config.max_seqlen_kv)
-            and config.right_bound is not None and config.right_bound <= 0)
+def no_cut_rows(config: AttentionConfig, index: RaggedIndex) -> bool:
+    """Whether provably no slot is longer than its side's max_seqlen, so that without seqused every slot's rows
+    are its used ones and the caller's offsets are the kernels' (PLAIN): max_seqlen at least the side's buffer
+    rows, or cu_seqlens known at trace time whose slots fit. Not for traced cu_seqlens with a smaller max_seqlen
+    (a training step's): handing a longer slot over whole is not safe. FA3's backward preprocessing runs over
+    max_seqlen rows of each sequence, so the rows of a longer one past it would be read with log-sum-exps and
+    row sums never written, inside the band of the sequence's used keys (a review of this session's first
+    version, which did so for causal self-attention; its tests had no slot past one 64-row tile)."""
+    return all(_slots_fit(cu, capacity, max_seqlen) for cu, capacity, max_seqlen in (
+        (index.cu_seqlens_q, config.capacity_q, config.max_seqlen_q),
+        (index.cu_seqlens_kv, config.capacity_kv, config.max_seqlen_kv)))
+
+
+def _slots_fit(cu, capacity: int, max_seqlen: int) -> bool:
+    if max_seqlen >= capacity:
+        return True
+    if isinstance(cu, jax.core.Tracer):
+        return False
+    sanitized = np.clip(np.maximum.accumulate(np.asarray(cu, np.int64)), 0, capacity)  # as sanitize_cu_seqlens
+    return bool(np.all(np.diff(sanitized) <= max_seqlen))
 
 
 # ---- the kernels (fa3/ragged.py _kernels calls them with its own signature) ----------------------------------
@@ -200,14 +211,8 @@ PAIRED = "paired"
 _forward_call_paired = functools.partial(_forward_call, paired=True)
 _backward_call_paired = functools.partial(_backward_call, paired=True)
 
-# Calls uncut_is_cut proves: no gap sequence at all, the caller's [B + 1] slots (0.04-0.05 ms of W5's fwd+bwd on
-# the H100 over PAIRED: B sequences fewer to schedule). The kernels then also compute each slot's rows past the
-# cut, which the used rows never see (no key right of the diagonal): fa3/ragged.py has cleared those rows'
-# inputs, masks their outputs and zeroes their cotangents, so in the backward they add P * (0 - 0) = 0 to every
-# gradient, as long as their log-sum-exp is finite. A kernel whose grid stopped at max_seqlen would leave it
-# unwritten (this build's schedulers count tiles from the offsets, but nothing promises it), so the backward
-# gets 0 there: P = exp(0 - 0) = 1 against cleared queries, finite. A slot longer than max_seqlen (rejected by
-# check=True) costs its uncut attention, as under PAIRED.
+# Calls no_cut_rows proves: no gap sequence at all, the caller's [B + 1] slots, every row of which is used
+# (0.04-0.05 ms of W5's fwd+bwd over PAIRED on the H100: B sequences fewer to schedule).
 PLAIN = "plain"
 
 
@@ -216,9 +221,6 @@ def _forward_call_plain(q, k, v, cu_q, cu_kv, used_q, used_kv, config: Attention
 
 
 def _backward_call_plain(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig):
-    rows = q.shape[0]
-    _, _, used_rows = row_positions(cu_q, rows, rows, used_q)
-    lse = jnp.where(used_rows[None, :], fa3.lse_head_major(lse, config), 0.0)
     return _kernel_backward(d_out, q, k, v, out, lse, cu_q.astype(jnp.int32), cu_kv.astype(jnp.int32), config)
 
 
