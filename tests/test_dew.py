@@ -92,6 +92,9 @@ CASES = {
     # (the stand-ins leave rows past max_seqlen unwritten in the forward and read them so in the backward, as
     # FA3's grids do; a version that handed these slots over whole failed here).
     "same_slots": ((12, 3, 20, 6), (8, 3, 8, 6), (12, 3, 20, 6), (8, 3, 8, 6), 8, 8),
+    # The same with a slot whose cut rows run past several of FA3's 64- and 128-row tiles (on the GPU, the rows
+    # its backward preprocessing never writes lie in whole tiles of their own).
+    "same_long_slot": ((300, 3, 9), (8, 3, 8), (300, 3, 9), (8, 3, 8), 8, 8),
     # Every slot within max_seqlen: the slots themselves go over (dew.PLAIN), q and kv of different lengths.
     "slots_fit": ((9, 6, 12, 5), (9, 6, 12, 5), (7, 2, 12, 1), (7, 2, 12, 1), 12, 12),
 }
