@@ -79,44 +79,51 @@ def _rows(args, shape: dict, splits_of_ours: int):
     return rows, reason
 
 
-def run(shape: dict, calls: int, rounds: int) -> list[str]:
+def _cases(shape: dict, layouts=("contiguous", "paged")):
+    """(label, (q, k, v, lengths, page_table or None), bytes read, FA3's split count for ours) of each shape
+    and layout: decode.py's draws, its contiguous cache and the same buffer seen as pages."""
     rng = np.random.default_rng(0)
-    lines = [f"# {jax.devices()[0].device_kind}; {calls} calls a loop, median of {rounds} interleaved rounds",
-             "| shape | row | ms | GB/s | % of 4.8 TB/s | x ours | kernels | max diff to ours |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for batch in shape["batches"]:
         for context in shape["contexts"]:
             q, k, v, lengths, table, bytes_read = decode._inputs(batch, context, shape, rng)
             paged_k = k.reshape(-1, shape["page_size"], *k.shape[2:])
             paged_v = v.reshape(-1, shape["page_size"], *v.shape[2:])
+            size = f"{context // 1024}k" if context >= 1024 else f"{context}"
             for layout, args in (("contiguous", (q, k, v, lengths, None)),
                                  ("paged", (q, paged_k, paged_v, lengths, table))):
-                config = kvcache_config(*args[:4], args[4], AttentionOptions(is_causal=True))
-                splits_of_ours = fa3_kvcache.num_splits(config)
-                rows, reason = _rows(args, shape, splits_of_ours)
-                if reason:
-                    lines.append(f"# raw FA3 left out: {reason}")
-                label = f"{batch} x {context // 1024}k {layout}" if context >= 1024 else f"{batch} x {context} {layout}"
-                entries, launches, outputs = {}, {}, {}
-                for name, function in rows.items():
-                    try:
-                        compiled = jax.jit(function).lower(*args).compile()
-                        outputs[name] = np.asarray(jax.block_until_ready(compiled(*args)), np.float32)
-                    except Exception as error:  # noqa: BLE001 - a declined or failing row must not end the table
-                        lines.append(f"| {label} | {name} | {type(error).__name__}: {str(error)[:100]} | | | | | |")
-                        continue
-                    launches[name] = kernel_launches(compiled)
-                    entries[name] = ((lambda c=compiled: c(*args)), calls)
-                times = interleaved_loop_seconds(entries, rounds)
-                base = statistics.median(times["ours"]) if "ours" in times else float("nan")
-                for name, samples in times.items():
-                    seconds = statistics.median(samples)
-                    rate = bytes_read / seconds
-                    diff = float(np.abs(outputs[name] - outputs["ours"]).max()) if "ours" in outputs else float("nan")
-                    lines.append(f"| {label} | {name} | {seconds * 1e3:.4f} | {rate / 1e9:.0f} | "
-                                 f"{100 * rate / decode.PEAK_BYTES_PER_S:.1f} | {seconds / base:.3f} | "
-                                 f"{launches[name]} | {diff:.2g} |")
-                print("\n".join(lines[-len(times):]), flush=True)
+                if layout in layouts:
+                    config = kvcache_config(*args[:4], args[4], AttentionOptions(is_causal=True))
+                    yield f"{batch} x {size} {layout}", args, bytes_read, fa3_kvcache.num_splits(config)
+
+
+def run(shape: dict, calls: int, rounds: int) -> list[str]:
+    lines = [f"# {jax.devices()[0].device_kind}; {calls} calls a loop, median of {rounds} interleaved rounds",
+             "| shape | row | ms | GB/s | % of 4.8 TB/s | x ours | kernels | max diff to ours |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for label, args, bytes_read, splits_of_ours in _cases(shape):
+        rows, reason = _rows(args, shape, splits_of_ours)
+        if reason:
+            lines.append(f"# raw FA3 left out: {reason}")
+        entries, launches, outputs = {}, {}, {}
+        for name, function in rows.items():
+            try:
+                compiled = jax.jit(function).lower(*args).compile()
+                outputs[name] = np.asarray(jax.block_until_ready(compiled(*args)), np.float32)
+            except Exception as error:  # noqa: BLE001 - a declined or failing row must not end the table
+                lines.append(f"| {label} | {name} | {type(error).__name__}: {str(error)[:100]} | | | | | |")
+                continue
+            launches[name] = kernel_launches(compiled)
+            entries[name] = ((lambda c=compiled: c(*args)), calls)
+        times = interleaved_loop_seconds(entries, rounds)
+        base = statistics.median(times["ours"]) if "ours" in times else float("nan")
+        for name, samples in times.items():
+            seconds = statistics.median(samples)
+            rate = bytes_read / seconds
+            diff = float(np.abs(outputs[name] - outputs["ours"]).max()) if "ours" in outputs else float("nan")
+            lines.append(f"| {label} | {name} | {seconds * 1e3:.4f} | {rate / 1e9:.0f} | "
+                         f"{100 * rate / decode.PEAK_BYTES_PER_S:.1f} | {seconds / base:.3f} | "
+                         f"{launches[name]} | {diff:.2g} |")
+        print("\n".join(lines[-len(times):]), flush=True)
     return lines
 
 
@@ -125,22 +132,15 @@ def profile(shape: dict, steps: int) -> list[str]:
     spends, beside the plain loop's time, which at a few tens of microseconds a call is the host's dispatch."""
     from benchmarks.cp_device_profile import kernel_ms
 
-    rng = np.random.default_rng(0)
     lines = ["| shape | row | kernels' ms a call | first to last kernel, ms a call | kernels by name |",
              "| --- | --- | --- | --- | --- |"]
-    for batch in shape["batches"]:
-        for context in shape["contexts"]:
-            q, k, v, lengths, table, _ = decode._inputs(batch, context, shape, rng)
-            paged = (q, k.reshape(-1, shape["page_size"], *k.shape[2:]),
-                     v.reshape(-1, shape["page_size"], *v.shape[2:]), lengths, table)
-            config = kvcache_config(*paged[:4], table, AttentionOptions(is_causal=True))
-            rows, _ = _rows(paged, dict(shape, splits=(), pieces=()), fa3_kvcache.num_splits(config))
-            for name, function in rows.items():
-                totals, span = kernel_ms(jax.jit(function), paged, steps)
-                names = ", ".join(f"{n[:40]} {ms * 1e3:.1f} us" for n, ms in sorted(totals.items(), key=lambda x: -x[1]))
-                lines.append(f"| {batch} x {context // 1024}k paged | {name} | {sum(totals.values()):.4f} | "
-                             f"{span:.4f} | {names} |")
-                print(lines[-1], flush=True)
+    for label, args, _, splits_of_ours in _cases(shape, layouts=("paged",)):
+        rows, _ = _rows(args, dict(shape, splits=(), pieces=()), splits_of_ours)
+        for name, function in rows.items():
+            totals, span = kernel_ms(jax.jit(function), args, steps)
+            names = ", ".join(f"{n[:40]} {ms * 1e3:.1f} us" for n, ms in sorted(totals.items(), key=lambda x: -x[1]))
+            lines.append(f"| {label} | {name} | {sum(totals.values()):.4f} | {span:.4f} | {names} |")
+            print(lines[-1], flush=True)
     return lines
 
 

@@ -152,10 +152,8 @@ def no_cut_rows(config: AttentionConfig, index: RaggedIndex) -> bool:
 def _slots_fit(cu, capacity: int, max_seqlen: int) -> bool:
     if max_seqlen >= capacity:
         return True
-    if isinstance(cu, jax.core.Tracer):
-        return False
-    sanitized = np.clip(np.maximum.accumulate(np.asarray(cu, np.int64)), 0, capacity)  # as sanitize_cu_seqlens
-    return bool(np.all(np.diff(sanitized) <= max_seqlen))
+    slots = fa3.host_slots(cu, capacity)
+    return slots is not None and bool(np.all(slots <= max_seqlen))
 
 
 # ---- the kernels (fa3/ragged.py _kernels calls them with its own signature) ----------------------------------

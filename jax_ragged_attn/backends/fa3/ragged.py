@@ -55,7 +55,8 @@ from jax_ragged_attn.backends import policy
 from jax_ragged_attn.backends.shared import stats_grad
 from jax_ragged_attn.backends.shared.row_zeroing import zero_unused_rows
 from jax_ragged_attn.config import AttentionConfig
-from jax_ragged_attn.index import RaggedIndex, query_rows_with_keys, sanitize_both, sequence_lengths
+from jax_ragged_attn.index import (RaggedIndex, query_rows_with_keys, sanitize_both, sanitize_cu_seqlens,
+                                   sequence_lengths)
 
 WHEEL = "flash-attn3-jax"
 INSTALL = "pip install 'jax_ragged_attn[fa3]'"
@@ -113,13 +114,21 @@ def unavailable_reason() -> str | None:
 # ---- what FA3 serves --------------------------------------------------------------------------------------
 
 
+def host_slots(cu, capacity: int) -> np.ndarray | None:
+    """Each slot's rows from cu_seqlens sanitised as the op does (index.sanitize_cu_seqlens), on the host, or
+    None when the values are not known at trace time."""
+    if isinstance(cu, jax.core.Tracer):
+        return None
+    return np.diff(np.clip(np.maximum.accumulate(np.asarray(cu, np.int64)), 0, capacity))
+
+
 def _host_lengths(cu, capacity: int, max_seqlen: int, seqused) -> np.ndarray | None:
     """The used lengths of each sequence as the op computes them (packing.sequence_lengths), on the host, or
     None when the values are not known at trace time."""
-    if any(isinstance(x, jax.core.Tracer) for x in (cu, seqused) if x is not None):
+    slots = host_slots(cu, capacity)
+    if slots is None or isinstance(seqused, jax.core.Tracer):
         return None
-    cu = np.clip(np.maximum.accumulate(np.asarray(cu, np.int64)), 0, capacity)
-    lengths = np.minimum(np.diff(cu), max_seqlen)
+    lengths = np.minimum(slots, max_seqlen)
     if seqused is not None:
         lengths = np.clip(np.asarray(seqused, np.int64), 0, lengths)
     return lengths
@@ -303,7 +312,7 @@ def _index(cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused, shared
     """(sanitised cu_q, cu_kv, used rows per sequence q, kv): what both kernels read; computed once when the
     two sides share their rows (shares_rows), the same arrays then serving as both."""
     if shared:
-        cu = sanitize_both(cu_seqlens_q, cu_seqlens_q, config)[0]
+        cu = sanitize_cu_seqlens(cu_seqlens_q, config.capacity_q)
         used = sequence_lengths(cu, config.max_seqlen_q, seqused[0])
         return cu, cu, used, used
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
