@@ -1,12 +1,14 @@
 #include "row_zeroing.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
 
 #include "check.h"
 #include "cudnn_library.h"
+#include "row_zeroing_params.h"
 
 namespace jax_ragged_attn {
 namespace {
@@ -97,29 +99,51 @@ std::string prepare_row_zeroing(int device) {
   return entry->reason;
 }
 
-xla::ffi::Error zero_unowned_rows(const RowRegion& region, const RowOwnership& owner, cudaStream_t stream) {
+xla::ffi::Error zero_unowned_rows(const RowRegion* regions, size_t count, const RowOwnership& owner,
+                                  cudaStream_t stream) {
   const Kernel& k = kernel();
   FFI_CHECK(k.error.empty()) << k.error;
-  FFI_CHECK(region.bytes_per_row % 4 == 0 && region.row_stride % 4 == 0 && region.slice_stride % 4 == 0 &&
-            reinterpret_cast<uintptr_t>(region.base) % 4 == 0)
-      << "row zeroing needs 4-byte aligned rows (" << region.bytes_per_row << " bytes every " << region.row_stride
-      << ")";
-  if (region.rows == 0 || region.bytes_per_row == 0) return xla::ffi::Error::Success();
-  char* base = static_cast<char*>(region.base);
-  long long slice_stride = region.slice_stride, row_stride = region.row_stride, scale = owner.scale;
-  int words = static_cast<int>(region.bytes_per_row / 4), slices = static_cast<int>(region.slices);
-  int rows = static_cast<int>(region.rows), num_seqs = static_cast<int>(owner.num_seqs);
-  const void* starts = owner.starts;
-  const void* lengths = owner.lengths;
-  const void* gate = owner.gate;
-  void* args[] = {&base, &slice_stride, &row_stride, &words, &slices, &rows, &starts, &scale, &lengths, &gate,
-                  &num_seqs};
-  // One thread per row for the ownership test (row_zeroing.cu): 32 rows to a warp.
-  const int64_t blocks = std::min<int64_t>(kMaxBlocks, (region.rows + kThreadsPerBlock - 1) / kThreadsPerBlock);
-  const cudaError_t status = k.launch(reinterpret_cast<const void*>(k.kernel), dim3(static_cast<unsigned>(blocks)),
-                                      dim3(kThreadsPerBlock), args, 0, stream);
-  FFI_CHECK(status == cudaSuccess) << "launching the row-zeroing kernel failed: " << cuda_error_string(status);
+  // One launch per JAX_RAGGED_ATTN_MAX_ZERO_REGIONS outputs that have rows to zero.
+  for (size_t first = 0; first < count;) {
+    ZeroRowsRegions batch{};
+    for (; first < count && batch.count < JAX_RAGGED_ATTN_MAX_ZERO_REGIONS; ++first) {
+      const RowRegion& region = regions[first];
+      FFI_CHECK(region.bytes_per_row % 4 == 0 && region.row_stride % 4 == 0 && region.slice_stride % 4 == 0 &&
+                reinterpret_cast<uintptr_t>(region.base) % 4 == 0)
+          << "row zeroing needs 4-byte aligned rows (" << region.bytes_per_row << " bytes every "
+          << region.row_stride << ")";
+      FFI_CHECK(region.rows <= INT32_MAX && region.slices <= INT32_MAX && region.bytes_per_row / 4 <= INT32_MAX)
+          << "row zeroing counts rows, slices and words in int32, got " << region.rows << " rows of "
+          << region.slices << " slices of " << region.bytes_per_row << " bytes";
+      if (region.rows == 0 || region.bytes_per_row == 0 || region.slices == 0) continue;
+      const int i = batch.count++;
+      batch.base[i] = static_cast<char*>(region.base);
+      batch.slice_stride[i] = region.slice_stride;
+      batch.row_stride[i] = region.row_stride;
+      batch.words[i] = static_cast<int>(region.bytes_per_row / 4);
+      batch.slices[i] = static_cast<int>(region.slices);
+      batch.rows[i] = static_cast<int>(region.rows);
+    }
+    if (batch.count == 0) continue;
+    int rows = 0;
+    for (int i = 0; i < batch.count; ++i) rows = std::max(rows, batch.rows[i]);
+    long long scale = owner.scale;
+    int num_seqs = static_cast<int>(owner.num_seqs);
+    const void* starts = owner.starts;
+    const void* lengths = owner.lengths;
+    const void* gate = owner.gate;
+    void* args[] = {&batch, &starts, &scale, &lengths, &gate, &num_seqs};
+    // One thread per row for the ownership test (row_zeroing.cu): 32 rows to a warp.
+    const int64_t blocks = std::min<int64_t>(kMaxBlocks, (rows + kThreadsPerBlock - 1) / kThreadsPerBlock);
+    const cudaError_t status = k.launch(reinterpret_cast<const void*>(k.kernel),
+                                        dim3(static_cast<unsigned>(blocks)), dim3(kThreadsPerBlock), args, 0, stream);
+    FFI_CHECK(status == cudaSuccess) << "launching the row-zeroing kernel failed: " << cuda_error_string(status);
+  }
   return xla::ffi::Error::Success();
+}
+
+xla::ffi::Error zero_unowned_rows(const RowRegion& region, const RowOwnership& owner, cudaStream_t stream) {
+  return zero_unowned_rows(&region, 1, owner, stream);
 }
 
 }  // namespace jax_ragged_attn

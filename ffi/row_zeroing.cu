@@ -14,26 +14,21 @@
 // Python sanitises cu_seqlens first; scale: the elements per row in that offset). With `gate`, sequence i owns
 // its rows only where gate[i] > 0 (dK/dV rows of a sequence with no queries). Zeroing more than cuDNN skips is
 // harmless: the kernel runs before the graph, which then writes every row it owns.
+//
+// One launch zeroes up to JAX_RAGGED_ATTN_MAX_ZERO_REGIONS outputs that share the ownership (FA3's Q, K, V and
+// dQ, dK, dV): each row's sequence is searched once for all of them.
+
+#include "row_zeroing_params.h"
 
 extern "C" __global__ void jax_ragged_attn_zero_unowned_rows(
-    char* base,              // first byte of the output, or of its part within a packed row
-    long long slice_stride,  // bytes between the slices of a row (head-major stats: one slice per head)
-    long long row_stride,    // bytes from one row to the next
-    int words,               // 4-byte words to zero per row and slice
-    int slices,              // slices per row
-    int rows,                // rows of the output
+    ZeroRowsRegions regions,  // the outputs (row_zeroing_params.h)
     const int* starts, long long scale, const int* lengths, const int* gate, int num_seqs) {
   // Each warp takes 32 consecutive rows, one per lane, so the binary searches (a few dependent loads each:
   // latency, not bandwidth) run 32 to a warp; then the whole warp zeroes each unowned row of the 32 in turn,
-  // its lanes over the row's words (coalesced) and slices.
+  // in every output that has the row, its lanes over the row's words (coalesced) and slices.
   const int lane = threadIdx.x & 31;
-  // Rows of whole 16-byte words at 16-byte aligned addresses (every q/k/v/out/gradient row of head dim a
-  // multiple of 8 in 16-bit types): 16-byte stores. Rows of many narrow slices (head-major stats: one float
-  // per slice) keep the flat 4-byte loop, which spreads a row's slices over the lanes.
-  const int quads = words >> 2;
-  const bool wide = (words & 3) == 0 && (slices == 1 || quads >= 32) &&
-                    ((reinterpret_cast<unsigned long long>(base) | static_cast<unsigned long long>(row_stride) |
-                      static_cast<unsigned long long>(slice_stride)) & 15) == 0;
+  int rows = 0;
+  for (int r = 0; r < regions.count; ++r) rows = max(rows, regions.rows[r]);
   const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
   for (long long first = warp * 32; first < rows; first += warps * 32) {
@@ -55,19 +50,34 @@ extern "C" __global__ void jax_ragged_attn_zero_unowned_rows(
       unowned = !(seq >= 0 && (gate == nullptr || gate[seq] > 0) &&
                   at < static_cast<long long>(starts[seq]) + static_cast<long long>(lengths[seq]) * scale);
     }
-    for (unsigned pending = __ballot_sync(0xffffffffu, unowned); pending != 0; pending &= pending - 1) {
-      char* p = base + (first + __ffs(pending) - 1) * row_stride;
-      if (wide) {
-        // 16-byte stores, slice by slice: a quarter of the store instructions and no division per store. A
-        // context-parallel device's key window is mostly rows no piece owns, where the 4-byte stores with a
-        // division each were issue-bound (0.22 ms of a 3.5 ms CP-c device step on the H200, 2026-12-04).
-        for (int slice = 0; slice < slices; ++slice) {
-          int4* row = reinterpret_cast<int4*>(p + slice * slice_stride);
-          for (int i = lane; i < quads; i += 32) row[i] = make_int4(0, 0, 0, 0);
-        }
-      } else {
-        for (int i = lane; i < slices * words; i += 32) {
-          reinterpret_cast<int*>(p + (i / words) * slice_stride)[i % words] = 0;
+    const unsigned pending_rows = __ballot_sync(0xffffffffu, unowned);
+    for (int r = 0; r < regions.count; ++r) {
+      const int words = regions.words[r], slices = regions.slices[r];
+      const long long row_stride = regions.row_stride[r], slice_stride = regions.slice_stride[r];
+      char* const base = regions.base[r];
+      // Rows of whole 16-byte words at 16-byte aligned addresses (every q/k/v/out/gradient row of head dim a
+      // multiple of 8 in 16-bit types): 16-byte stores. Rows of many narrow slices (head-major stats: one
+      // float per slice) keep the flat 4-byte loop, which spreads a row's slices over the lanes.
+      const int quads = words >> 2;
+      const bool wide = (words & 3) == 0 && (slices == 1 || quads >= 32) &&
+                        ((reinterpret_cast<unsigned long long>(base) | static_cast<unsigned long long>(row_stride) |
+                          static_cast<unsigned long long>(slice_stride)) & 15) == 0;
+      for (unsigned pending = pending_rows; pending != 0; pending &= pending - 1) {
+        const long long unowned_row = first + __ffs(pending) - 1;
+        if (unowned_row >= regions.rows[r]) break;  // this output has fewer rows; the bits go up with the row
+        char* p = base + unowned_row * row_stride;
+        if (wide) {
+          // 16-byte stores, slice by slice: a quarter of the store instructions and no division per store. A
+          // context-parallel device's key window is mostly rows no piece owns, where the 4-byte stores with a
+          // division each were issue-bound (0.22 ms of a 3.5 ms CP-c device step on the H200, 2026-12-04).
+          for (int slice = 0; slice < slices; ++slice) {
+            int4* out = reinterpret_cast<int4*>(p + slice * slice_stride);
+            for (int i = lane; i < quads; i += 32) out[i] = make_int4(0, 0, 0, 0);
+          }
+        } else {
+          for (int i = lane; i < slices * words; i += 32) {
+            reinterpret_cast<int*>(p + (i / words) * slice_stride)[i % words] = 0;
+          }
         }
       }
     }

@@ -41,4 +41,9 @@ std::string prepare_row_zeroing(int device);
 // prepare_row_zeroing() == "" for the stream's device.
 xla::ffi::Error zero_unowned_rows(const RowRegion& region, const RowOwnership& owner, cudaStream_t stream);
 
+// The same for `count` regions that share `owner`: one launch for each JAX_RAGGED_ATTN_MAX_ZERO_REGIONS of
+// them (row_zeroing_params.h), each row's sequence searched once for all.
+xla::ffi::Error zero_unowned_rows(const RowRegion* regions, size_t count, const RowOwnership& owner,
+                                  cudaStream_t stream);
+
 }  // namespace jax_ragged_attn

@@ -14,6 +14,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <vector>
+
 #include "check.h"
 #include "cudnn_library.h"
 #include "row_zeroing.h"
@@ -37,6 +39,8 @@ ffi::Error zero_rows_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
   FFI_CHECK(unavailable.empty()) << "the row-zeroing kernel cannot run here: " << unavailable;
   const RowOwnership owner{starts.typed_data(), 1, lengths.typed_data(), gate.typed_data(),
                            static_cast<int64_t>(lengths.element_count())};
+  std::vector<RowRegion> regions;
+  regions.reserve(results.size());
   for (size_t i = 0; i < results.size(); ++i) {
     ffi::ErrorOr<ffi::AnyBuffer> arg = buffers.get<ffi::AnyBuffer>(i);
     if (arg.has_error()) return arg.error();
@@ -54,9 +58,10 @@ ffi::Error zero_rows_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
     const int64_t rows = dims[0];
     if (rows == 0) continue;
     const int64_t row_bytes = static_cast<int64_t>(out.size_bytes()) / rows;
-    const RowRegion region{out.untyped_data(), rows, row_bytes, row_bytes};
-    FFI_RETURN_IF_ERROR(zero_unowned_rows(region, owner, stream));
+    regions.push_back(RowRegion{out.untyped_data(), rows, row_bytes, row_bytes});
   }
+  // One launch for the buffers together (up to four): Q, K, V or dQ, dK, dV of one call share their owners.
+  FFI_RETURN_IF_ERROR(zero_unowned_rows(regions.data(), regions.size(), owner, stream));
   return ffi::Error::Success();
 }
 

@@ -43,7 +43,7 @@ except ImportError as error:  # the library itself needs no Flax; only this modu
 
 from jax_ragged_attn.api import ragged_attention
 from jax_ragged_attn.config import STRATEGIES, AttentionOptions
-from jax_ragged_attn.index import as_int32
+from jax_ragged_attn.index import as_int32, count_at_or_before
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 
 __all__ = ["RaggedSelfAttention", "apply_rope", "positions_from_cu_seqlens"]
@@ -253,13 +253,13 @@ def positions_from_cu_seqlens(cu_seqlens: jax.Array, capacity: int) -> jax.Array
     """[capacity] int32: each row's index within its sequence, 0 past the last sequence.
 
     cu_seqlens [0, 2, 2, 5], capacity 7 -> [0, 1, 0, 1, 2, 0, 0]. A row's sequence is the number of sequence
-    ends at or before it (one scatter-add and a cumsum: no binary-search loop, which costs a host round
-    trip per step on a GPU).
+    ends at or before it (index.count_at_or_before: no binary-search loop, which costs a host round trip per
+    step on a GPU).
     """
     cu_seqlens = jnp.asarray(as_int32(cu_seqlens, "cu_seqlens"))  # NumPy cannot be indexed by a tracer below
     num_seqs = cu_seqlens.shape[0] - 1
     ends = jnp.clip(cu_seqlens[1:], 0, capacity)
-    sequence = jnp.cumsum(jnp.zeros(capacity + 1, jnp.int32).at[ends].add(1), dtype=jnp.int32)[:capacity]
+    sequence = count_at_or_before(ends, capacity)
     rows = jnp.arange(capacity, dtype=jnp.int32)
     positions = rows - cu_seqlens[jnp.minimum(sequence, num_seqs - 1)]
     return jnp.where(sequence < num_seqs, positions, 0).astype(jnp.int32)

@@ -49,10 +49,38 @@ def sanitize_cu_seqlens(cu_seqlens: jax.Array, capacity: int) -> jax.Array:
 
     The optimization barrier keeps XLA from constant-folding what derives from cu_seqlens a jitted function
     closes over: on the GPU (jax 0.11.2), XLA folded row_positions of the constant [0, 1] (capacity 2)
-    through this cummax, a scatter-add and a cumsum to sequence [1, 1] instead of [0, 1], so the one real
+    through a cummax, a scatter-add and a cumsum to sequence [1, 1] instead of [0, 1], so the one real
     row read as padding and the op returned out 0 for it, silently (tests/test_packing.py has the case).
     """
-    return jnp.clip(jax.lax.cummax(jax.lax.optimization_barrier(cu_seqlens), axis=0), 0, capacity)
+    return jnp.clip(running_max(jax.lax.optimization_barrier(cu_seqlens)), 0, capacity)
+
+
+# Up to this many (row, entry) pairs, the scans below compare every pair: one fused kernel on a GPU, where
+# lax.cummax / jnp.cumsum lower to reduce_window, which XLA runs as passes of a tree (W1 fwd+bwd in a step on
+# the H100: 0.013 ms of such passes over the row index, 2026-12-06). Past it, the linear-work scan: 2^24
+# compares cost about what those passes do, and a million rows of a thousand sequences would cost more.
+COMPARE_ALL_LIMIT = 1 << 24
+
+
+def running_max(x: jax.Array) -> jax.Array:
+    """lax.cummax(x) of a 1-D int32 array: [3, 1, 5, 2] -> [3, 3, 5, 5]."""
+    n = x.shape[0]
+    if n * n > COMPARE_ALL_LIMIT:
+        return jax.lax.cummax(x, axis=0)
+    at = jnp.arange(n, dtype=jnp.int32)
+    earlier = at[None, :] <= at[:, None]  # [i, j]: entry j lies at or before i
+    return jnp.max(jnp.where(earlier, x[None, :], _INT32.min), axis=1).astype(x.dtype)
+
+
+def count_at_or_before(ends: jax.Array, capacity: int) -> jax.Array:
+    """For each of `capacity` rows r, how many of `ends` are <= r (ends int32, already clipped to [0, capacity]):
+    ends [2, 2, 5], capacity 7 -> [0, 0, 2, 2, 2, 3, 3]."""
+    if capacity * ends.shape[0] <= COMPARE_ALL_LIMIT:
+        rows = jnp.arange(capacity, dtype=jnp.int32)
+        return jnp.sum(ends[None, :] <= rows[:, None], axis=1, dtype=jnp.int32)
+    # A scatter-add and a cumsum rather than jnp.searchsorted's binary search, a loop of log2(B) small steps
+    # (on a GPU a while loop costs a host round trip per iteration).
+    return jnp.cumsum(jnp.zeros(capacity + 1, jnp.int32).at[ends].add(1), dtype=jnp.int32)[:capacity]
 
 
 def sanitize_both(cu_seqlens_q: jax.Array, cu_seqlens_kv: jax.Array, config) -> tuple[jax.Array, jax.Array]:
@@ -86,11 +114,8 @@ def row_positions(cu_seqlens: jax.Array, capacity: int, max_seqlen: int, seqused
     rows = jnp.arange(capacity, dtype=jnp.int32)
     num_seqs = cu_seqlens.shape[0] - 1
     # A row's sequence is how many sequence ends lie at or before it (so zero-length sequences are skipped:
-    # row 2 above lies in sequence 2, not the empty sequence 1). Counted with one scatter-add and a cumsum
-    # rather than jnp.searchsorted, whose binary search is a loop of log2(B) small steps: on a GPU a
-    # while loop costs a host round trip per iteration.
-    ends = jnp.clip(cu_seqlens[1:], 0, capacity)
-    sequence = jnp.cumsum(jnp.zeros(capacity + 1, jnp.int32).at[ends].add(1), dtype=jnp.int32)[:capacity]
+    # row 2 above lies in sequence 2, not the empty sequence 1).
+    sequence = count_at_or_before(jnp.clip(cu_seqlens[1:], 0, capacity), capacity)
     clamped = jnp.minimum(sequence, num_seqs - 1)
     position = rows - cu_seqlens[clamped]
     lengths = sequence_lengths(cu_seqlens, max_seqlen, seqused)  # rows past seqused: in the slot, not real

@@ -7,7 +7,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_ragged_attn import index
 from jax_ragged_attn.index import cu_seqlens_from_lengths, row_positions, sanitize_cu_seqlens
+
+
+@pytest.fixture(params=["compare_all", "scan"])
+def scan_kind(request, monkeypatch):
+    """Both ways index.py counts and takes running maxima: every pair compared (small batches) and the
+    linear-work scans (past COMPARE_ALL_LIMIT)."""
+    if request.param == "scan":
+        monkeypatch.setattr(index, "COMPARE_ALL_LIMIT", 0)
+    return request.param
 
 
 def _expected(cu: np.ndarray, capacity: int, max_seqlen: int):
@@ -21,7 +31,7 @@ def _expected(cu: np.ndarray, capacity: int, max_seqlen: int):
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_row_positions_match_a_binary_search(seed):
+def test_row_positions_match_a_binary_search(seed, scan_kind):
     rng = np.random.default_rng(seed)
     num_seqs = int(rng.integers(1, 12))
     lengths = np.where(rng.random(num_seqs) < 0.3, 0, rng.integers(0, 9, num_seqs))
@@ -34,7 +44,20 @@ def test_row_positions_match_a_binary_search(seed):
         np.testing.assert_array_equal(np.asarray(a), b, err_msg=f"{name}: cu={cu.tolist()} capacity={capacity}")
 
 
-def test_row_positions_of_sanitised_garbage_and_under_vmap():
+@pytest.mark.parametrize("seed", range(8))
+def test_sanitize_cu_seqlens_of_garbage_matches_numpy(seed, scan_kind):
+    """Any int32 values, extremes included, come out monotone and inside [0, capacity]."""
+    rng = np.random.default_rng(seed)
+    n, capacity = int(rng.integers(1, 40)), int(rng.integers(1, 50))
+    cu = rng.integers(-60, 60, n).astype(np.int32)
+    cu[rng.random(n) < 0.1] = np.iinfo(np.int32).min
+    cu[rng.random(n) < 0.1] = np.iinfo(np.int32).max
+    got = jax.jit(sanitize_cu_seqlens, static_argnums=1)(jnp.asarray(cu), capacity)
+    expected = np.clip(np.maximum.accumulate(cu.astype(np.int64)), 0, capacity)
+    np.testing.assert_array_equal(np.asarray(got), expected, err_msg=f"cu={cu.tolist()} capacity={capacity}")
+
+
+def test_row_positions_of_sanitised_garbage_and_under_vmap(scan_kind):
     capacity = 6
     cus = jnp.asarray([[5, 2, 9, 4], [0, 3, 3, 6], [0, 0, 0, 0]], jnp.int32)
     clean = jax.vmap(lambda cu: sanitize_cu_seqlens(cu, capacity))(cus)

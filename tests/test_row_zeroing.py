@@ -65,31 +65,45 @@ def test_the_ptx_isa_is_one_a_cuda_12_driver_can_jit():
     assert version is not None and (int(version.group(1)), int(version.group(2))) <= (7, 8), version
 
 
+PARAMS = ROOT / "ffi" / "row_zeroing_params.h"
 _WIDTH = {"char*": "u64", "const int*": "u64", "const void*": "u64", "long long": "u64", "int": "u32"}
+# The one parameter passed by value as a struct (row_zeroing_params.h): PTX declares it as bytes.
+_STRUCT = "ZeroRowsRegions"
 
 
 def _declared_widths(launcher: str) -> dict[str, str]:
-    """name -> PTX width of each local the launcher declares as `type a = ..., b = ...;` on one line."""
+    """name -> PTX width of each local the launcher declares as `type a = ..., b = ...;` on one line, or as
+    `ZeroRowsRegions name{};` (the struct's PTX width: b8[its size])."""
     widths = {}
     for kind, names in re.findall(r"^\s*(long long|int|char\*|const void\*) (.+);$", launcher, re.M):
         for part in names.split(","):
             widths[part.split("=")[0].strip()] = _WIDTH[kind]
+    for name in re.findall(r"^\s*" + _STRUCT + r" (\w+)\{\};$", launcher, re.M):
+        widths[name] = _struct_width()
     return widths
+
+
+def _struct_width() -> str:
+    """The struct's size as its header pins it (static_assert: the host compiler checks the host's layout)."""
+    size = re.search(r"static_assert\(sizeof\(" + _STRUCT + r"\) == (\d+)", PARAMS.read_text())
+    assert size is not None, f"{PARAMS.name} no longer pins sizeof({_STRUCT})"
+    return f"b8[{size.group(1)}]"
 
 
 def test_the_launch_passes_one_argument_per_kernel_parameter_in_order():
     ptx = _ptx(EMBEDDED.read_text())
     entry = re.search(r"\.entry " + KERNEL + r"\((.*?)\)", ptx, re.S)
     assert entry is not None, f"{KERNEL} is not an entry of the embedded PTX"
-    ptx_widths = re.findall(r"\.param \.(u64|u32)", entry.group(1))
+    ptx_widths = [scalar or f"b8[{size}]" for scalar, size in
+                  re.findall(r"\.param (?:\.(u64|u32)|\.align 8 \.b8 \w+\[(\d+)\])", entry.group(1))]
     signature = re.search(KERNEL + r"\((.*?)\)\s*(?://[^\n]*)?\s*\{", SOURCE.read_text(), re.S).group(1)
     params = [p.split() for p in re.sub(r"//[^\n]*", "", signature).split(",")]
     launcher = LAUNCHER.read_text()
     args = [a.strip().lstrip("&") for a in re.search(r"void\* args\[\] = \{(.*?)\};", launcher, re.S).group(1).split(",")]
     declared = _declared_widths(launcher)
-    assert len(ptx_widths) == len(params) == len(args) == 11, (ptx_widths, params, args)
-    assert args == [p[-1].lstrip("*") for p in params], "the launch's arguments are not the kernel's parameters"
+    assert len(ptx_widths) == len(params) == len(args) == 6, (ptx_widths, params, args)
+    assert args[1:] == [p[-1].lstrip("*") for p in params][1:], "the launch's arguments are not the kernel's parameters"
     for arg, param, width in zip(args, params, ptx_widths):
         param = " ".join(param[:-1]) + ("*" if param[-1].startswith("*") else "")
-        assert _WIDTH[param] == width, (param, width)
+        assert (_struct_width() if param == _STRUCT else _WIDTH[param]) == width, (param, width)
         assert declared.get(arg) == width, f"launch argument {arg} is {declared.get(arg)}, the kernel's {param} {width}"

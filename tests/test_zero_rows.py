@@ -45,6 +45,22 @@ def test_unused_rows_are_zero_and_the_rest_untouched(gate):
     assert np.isnan(np.asarray(b)[12, 0, 5]), "the caller's array keeps its values"
 
 
+def test_many_buffers_of_different_rows_and_widths_in_one_call():
+    """Six buffers in one call, past the kernel's four a launch (ffi/row_zeroing_params.h), of 16-byte, 4-byte
+    and narrow rows, three of them shorter than the index reaches: each zeroed exactly, bit for bit."""
+    rng = np.random.default_rng(3)
+    shapes = [((13, 4, 8), jnp.bfloat16), ((13, 3, 5), jnp.float32), ((9, 32, 128), jnp.bfloat16),
+              ((13, 2, 6), jnp.bfloat16), ((4, 7), jnp.float32), ((11, 1, 2), jnp.float16)]
+    buffers = tuple(jnp.asarray(np.where(rng.random(shape) < 0.2, np.nan, rng.normal(size=shape)), dtype)
+                    for shape, dtype in shapes)
+    got = jax.jit(lambda *xs: row_zeroing.zero_unused_rows(xs, jnp.asarray(CU), jnp.asarray(LENGTHS),
+                                                           jnp.asarray(GATE)))(*buffers)
+    for i, (x, y) in enumerate(zip(buffers, got)):
+        x32 = np.asarray(x, np.float32)
+        expected = _expected(np.pad(x32, [(0, 13 - x.shape[0])] + [(0, 0)] * (x.ndim - 1)), GATE)[:x.shape[0]]
+        np.testing.assert_array_equal(np.asarray(y, np.float32), expected, err_msg=f"buffer {i} {x.shape}")
+
+
 def test_under_vmap():
     a, _ = _buffers()
     stacked = jnp.stack([a, 2 * a])

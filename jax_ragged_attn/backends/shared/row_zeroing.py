@@ -45,22 +45,26 @@ def _kernel_target(buffers) -> str | None:
 
 
 def zero_unused_rows(buffers: tuple, starts: jax.Array, lengths: jax.Array, gate: jax.Array | None = None) -> tuple:
-    """`buffers` (each [T, ...], one T for all) with every row outside [starts[b], starts[b] + lengths[b]) set
-    to 0, and every row of a sequence whose gate is 0. starts: sanitised int32 cu_seqlens [B + 1]; lengths:
-    the rows each sequence uses, int32 [B], at most its slot (index.sequence_lengths)."""
+    """`buffers` (each [T, ...], rows along the leading axis; T may differ between them) with every row outside
+    [starts[b], starts[b] + lengths[b]) set to 0, and every row of a sequence whose gate is 0. starts:
+    sanitised int32 cu_seqlens [B + 1]; lengths: the rows each sequence uses, int32 [B], at most its slot
+    (index.sequence_lengths). On a GPU one kernel launch serves up to four buffers (ffi/row_zeroing.cu)."""
     buffers = tuple(buffers)
     if not buffers:
         return buffers
     gate = jnp.ones_like(lengths) if gate is None else gate.astype(jnp.int32)
     target = _kernel_target(buffers)
     if target is None:
-        rows = buffers[0].shape[0]
-        # row_positions with max_seqlen = rows and seqused = lengths marks exactly the rows the lengths use.
-        sequence, _, valid = row_positions(starts, rows, rows, lengths)
-        valid = valid & (gate[jnp.minimum(sequence, lengths.shape[0] - 1)] > 0)
-        return tuple(jnp.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
-                     for x in buffers)
+        return tuple(jnp.where(_used_rows(starts, lengths, gate, x.shape[0]).reshape((-1,) + (1,) * (x.ndim - 1)),
+                               x, jnp.zeros((), x.dtype)) for x in buffers)
     types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in buffers)
     call = jax.ffi.ffi_call(target, types, vmap_method="sequential",
                             input_output_aliases={3 + i: i for i in range(len(buffers))})
     return tuple(call(starts, lengths, gate, *buffers))
+
+
+def _used_rows(starts, lengths, gate, rows: int) -> jax.Array:
+    """[rows] bool: the row lies in a sequence's used rows and that sequence's gate is open."""
+    # row_positions with max_seqlen = rows and seqused = lengths marks exactly the rows the lengths use.
+    sequence, _, valid = row_positions(jnp.minimum(starts, rows), rows, rows, lengths)
+    return valid & (gate[jnp.minimum(sequence, lengths.shape[0] - 1)] > 0)
