@@ -25,7 +25,6 @@ Every row's output is checked against ours (max |diff|), so a fast wrong row can
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 
 import jax
@@ -38,6 +37,7 @@ from jax_ragged_attn.testing.private_config import config_overrides
 from jax_ragged_attn.tools.bench import interleaved_loop_seconds
 
 from benchmarks import decode
+from benchmarks.capture import entry_launches
 from benchmarks.decode_pieces import pieces_call
 
 FULL = dict(decode.FULL, batches=(8,), contexts=(2048, 32768), splits=(1, 2, 4, 8, 16, 32), pieces=(2, 4, 8),
@@ -46,16 +46,8 @@ QUICK = dict(decode.QUICK, batches=(2,), contexts=(256,), splits=(), pieces=(2,)
 
 
 def kernel_launches(compiled) -> int:
-    """Fusions and custom calls in the entry computation of a compiled call's optimised HLO: about the kernels
-    one call launches (a copy or a lone elementwise op outside a fusion counts too)."""
-    text = compiled.as_text()
-    entry = text[text.index("ENTRY"):] if "ENTRY" in text else text
-    entry = entry[:entry.index("\n}") + 2] if "\n}" in entry else entry
-    # Tuple-typed results have spaces in their type, so match the op name wherever it stands on a line; parameters,
-    # tuples, get-tuple-element, bitcasts and constants launch nothing and are not in the list.
-    kinds = r"\s(fusion|custom-call|copy|transpose|reduce|select|add|multiply|convert|dynamic-slice|gather|scatter)\("
-    ops = [line for line in entry.splitlines() if " = " in line and re.search(kinds, line)]
-    return len(ops)
+    """About the kernels one call of a compiled function launches (capture.entry_launches)."""
+    return len(entry_launches(compiled.as_text()))
 
 
 def _rows(args, shape: dict, splits_of_ours: int):

@@ -26,6 +26,7 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 
+from benchmarks.capture import entry_launches
 from benchmarks.fa3_compare import steps
 from benchmarks.timing import median_loop_seconds
 from jax_ragged_attn import ragged_attention
@@ -75,9 +76,7 @@ def _ops(fn, args) -> str:
     text = fn.lower(*args).compile().as_text()
     calls = sorted({line.split('custom_call_target="')[1].split('"')[0] for line in text.splitlines()
                     if 'custom_call_target="' in line})
-    fusions = sum(1 for line in text.splitlines() if " fusion(" in line and "ENTRY" not in line)
-    copies = sum(1 for line in text.splitlines() if " copy(" in line)
-    return f"custom calls {calls}; {fusions} fusions, {copies} copies"
+    return f"custom calls {calls}; {len(entry_launches(text))} launching ops"
 
 
 def _profile(args) -> int:
