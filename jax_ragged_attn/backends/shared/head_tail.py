@@ -79,15 +79,8 @@ def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, head
     head = jnp.maximum(lengths - tail, 0)
     first, last = key_band(lengths, config)  # [B, Sq], true positions
     has_head = (head[:, None] > 0) & (first < head[:, None]) & (first <= last)
-    batch, seqlen_q, heads_q = config.batch, config.seqlen_q, config.num_heads_q
-    bounds = head_bounds(config, tail)
-    if bounds is None:
-        out_h = jnp.zeros((batch, seqlen_q, heads_q, config.head_dim_v), q.dtype)
-        lse_h = jnp.full((batch, heads_q, seqlen_q), -jnp.inf, jnp.float32)
-    else:
-        out_h, lse_h = head_call(q, k_cache, v_cache, head, page_table, config, *bounds)
-        lse_h = jnp.where(has_head[:, None, :], lse_h, -jnp.inf)
-        out_h = jnp.where(has_head[:, :, None, None], out_h, jnp.zeros((), out_h.dtype))
+    out_h, lse_h = _head_part(lambda *bounds: head_call(q, k_cache, v_cache, head, page_table, config, *bounds),
+                              has_head, config, tail, q.dtype)
     k_t, v_t, config_t = tail_cache(k_cache, v_cache, head, page_table, config, tail)
     # Queries and keys both shift by `head`, so the tail's bottom-right masks and windows keep their meaning,
     # and the head's keys fall before its first row.
@@ -110,17 +103,26 @@ def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config
     first, last = band(position, lengths[sequence], config)
     own_head = head[sequence]
     has_head = owned & (own_head > 0) & (first < own_head) & (first <= last)
-    bounds = head_bounds(config, tail)
-    if bounds is None:
-        out_h = jnp.zeros((config.total_q, config.num_heads_q, config.head_dim_v), q.dtype)
-        lse_h = jnp.full((config.num_heads_q, config.total_q), -jnp.inf, jnp.float32)
-    else:
-        out_h, lse_h = head_call(q, k_cache, v_cache, head, cu_seqlens_q, page_table, config, *bounds)
-        lse_h = jnp.where(has_head[None, :], lse_h, -jnp.inf)
-        out_h = jnp.where(has_head[:, None, None], out_h, jnp.zeros((), out_h.dtype))
+    out_h, lse_h = _head_part(
+        lambda *bounds: head_call(q, k_cache, v_cache, head, cu_seqlens_q, page_table, config, *bounds),
+        has_head, config, tail, q.dtype)
     k_t, v_t, config_t = tail_cache(k_cache, v_cache, head, page_table, config, tail)
     out_t, lse_t = cache_attention.attend_packed(q, k_t, v_t, lengths - head, cu_seqlens_q, None, config_t)
     return merge(out_h, lse_h, out_t, lse_t, q.dtype)
+
+
+def _head_part(call, has_head, config: KVCacheConfig, tail: int, dtype):
+    """(out rows + [Hq, Dv], lse with Hq before the rows' last axis) of the kernel over each sequence's head, for
+    query rows `has_head` ([B, Sq], or packed [T]); a row without head keys gets out 0 and lse -inf, whatever
+    the kernel left there. call(left, right) runs the kernel with the head's window bounds."""
+    rows = has_head.shape
+    bounds = head_bounds(config, tail)
+    if bounds is None:  # the band never reaches a head
+        return (jnp.zeros(rows + (config.num_heads_q, config.head_dim_v), dtype),
+                jnp.full(rows[:-1] + (config.num_heads_q, rows[-1]), -jnp.inf, jnp.float32))
+    out_h, lse_h = call(*bounds)
+    return (jnp.where(has_head[..., None, None], out_h, jnp.zeros((), out_h.dtype)),
+            jnp.where(jnp.expand_dims(has_head, -2), lse_h, -jnp.inf))
 
 
 def merge(out_h, lse_h, out_t, lse_t, dtype):
