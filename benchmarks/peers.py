@@ -3,6 +3,7 @@
     python -m benchmarks.peers [--workloads W1,W2,W5,W6,W4-d64,W4-d256,MLA] [--inputs computed,arguments]
                                [--systems ...] [--calls 20] [--loops 7] [--time-budget S] [--out DIR]
     python -m benchmarks.peers --quick      # the CPU smoke run: tiny shapes of every row, xla where nothing else
+    python -m benchmarks.peers --interleave # a row's JAX cells timed in the same rounds
 
 Peers (columns): this package's `ragged_attention` with implementation=None ("ours default": the label names
 the backend the policy picked) and pinned to "cudnn", "fa3", "dew" and "xla"; the flash-attn3-jax wheel's own
@@ -12,7 +13,9 @@ Python module on torch buffers, the ceiling). Rows: workload x direction (fwd, f
 scalar, fa3_compare's `--inputs computed`, as in a model) and "arguments" passes them as the jit's arguments;
 the two rows of one workload and direction sit together. Timing: benchmarks/timing.py's `median_loop_seconds`,
 a plain Python loop of `--calls` jitted calls then one block_until_ready, the median of `--loops` loops, per
-call, after a compiling call (fa3_compare's method and counts). Raw cuDNN is timed by cudnn_raw's plain method
+call, after a compiling call (fa3_compare's method and counts); with `--interleave`, a row's JAX cells are
+compiled first and timed together, `--loops` rounds of one loop of each, the median round (a clock or load that
+drifts moves every column alike, so ratios within a row are tighter). Raw cuDNN is timed by cudnn_raw's plain method
 (the same loop around `--calls` graph executions and a synchronize) and has no computed-inputs form. Each
 figure is ms with its ratio to the fastest figure of its row; a cell that has no figure names a reason,
 listed under the table ("not installed", "needs a CUDA GPU", the backend's own decline, an error).
@@ -75,6 +78,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -86,7 +90,7 @@ import jax.numpy as jnp
 from jax_ragged_attn.testing import workloads as workloads_module
 from jax_ragged_attn.testing.workloads import Workload, attention_flops, direction_flops, seeded_lengths
 
-from benchmarks.timing import Settings, median_loop_seconds
+from benchmarks.timing import Settings, interleaved_loop_seconds, median_loop_seconds
 
 CALLS, LOOPS = 20, 7  # fa3_compare's
 QUICK_CALLS, QUICK_LOOPS = 2, 2
@@ -364,7 +368,10 @@ class Budget:
         return None
 
 
-def _measure_jax(peer: Peer, w: Workload, arrays, calls: int, loops: int, budget: Budget) -> list[Cell]:
+def _measure_jax(peer: Peer, w: Workload, arrays, calls: int, loops: int, budget: Budget,
+                 pending: list | None = None) -> list[Cell]:
+    """The peer's cells of one workload, each timed now, or with `pending` (interleaved timing) compiled now and
+    appended as (cell, fn, args) for _time_interleaved."""
     cells = {(i, d): Cell(w.name, i, d, peer.name) for i in INPUTS for d in DIRECTIONS}
 
     def all_cells(reason):
@@ -394,7 +401,11 @@ def _measure_jax(peer: Peer, w: Workload, arrays, calls: int, loops: int, budget
             if cell.reason:
                 continue
             try:
-                cell.ms = median_loop_seconds(fn, args, calls, loops) * 1e3
+                if pending is None:
+                    cell.ms = median_loop_seconds(fn, args, calls, loops) * 1e3
+                else:
+                    jax.block_until_ready(fn(*args))  # compiled (and failing, if it fails) now
+                    pending.append((cell, fn, args))
             except Exception as error:  # noqa: BLE001 - reported in the table; the others still run
                 traceback.print_exc(file=sys.stderr)
                 cell.reason = _short(error)
@@ -449,25 +460,53 @@ def _arrays(w: Workload):
     return q, k, v, cu, d_out, scale
 
 
+def _time_interleaved(pending: list, calls: int, loops: int) -> None:
+    """Times the compiled cells of one workload in `loops` rounds, each round one plain loop of `calls` calls of
+    every cell (tools/bench.interleaved_loop_seconds), and sets each cell's ms to its median loop: a clock or
+    load that drifts during the run moves every column of the row alike."""
+    entries = {i: ((lambda fn=fn, args=args: fn(*args)), calls) for i, (_, fn, args) in enumerate(pending)}
+    for i, seconds in interleaved_loop_seconds(entries, loops).items():
+        pending[i][0].ms = statistics.median(seconds) * 1e3
+
+
+def _print(cells: list[Cell]) -> None:
+    for c in cells:
+        text = f"{c.ms:9.3f} ms" + (f" ({c.label})" if c.label else "") if c.ms is not None else c.reason
+        print(f"{c.workload:<10} {c.inputs:<9} {c.direction:<7} {c.system:<16} {text}", flush=True)
+
+
 def measure(rows: list[Workload], systems: list[str], calls: int, loops: int,
-            budget: Budget | None = None) -> list[Cell]:
+            budget: Budget | None = None, interleave: bool = False) -> list[Cell]:
+    """Every system's cells of every row. interleave: the JAX systems' cells of a row are compiled first, then
+    timed together in rounds (_time_interleaved); raw cuDNN (torch, outside JAX) is timed on its own."""
     budget = budget or Budget(None)
     cells: list[Cell] = []
     for w in rows:
         print(f"--- {w.summary()}", flush=True)
         arrays = None
+        pending: list | None = [] if interleave else None
+        row: list[Cell] = []
         for system in systems:
             if system == RAW_CUDNN:
                 new = _measure_raw_cudnn(w, calls, loops, budget)
             else:
                 if arrays is None:
                     arrays = _arrays(w)
-                new = _measure_jax(PEERS[system], w, arrays, calls, loops, budget)
-            cells += new
-            for c in new:
-                text = f"{c.ms:9.3f} ms" + (f" ({c.label})" if c.label else "") if c.ms is not None else c.reason
-                print(f"{w.name:<10} {c.inputs:<9} {c.direction:<7} {system:<16} {text}", flush=True)
-        del arrays
+                new = _measure_jax(PEERS[system], w, arrays, calls, loops, budget, pending)
+            row += new
+            if not interleave:
+                _print(new)
+        if pending:
+            try:
+                _time_interleaved(pending, calls, loops)
+            except Exception as error:  # noqa: BLE001 - the row's cells say so; the other rows still run
+                traceback.print_exc(file=sys.stderr)
+                for cell, _, _ in pending:
+                    cell.ms, cell.reason = None, _short(error)
+        if interleave:
+            _print(row)
+        cells += row
+        del arrays, pending
     return cells
 
 
@@ -578,6 +617,9 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help=f"CPU smoke run: each row as a tiny shape of its head dims, {QUICK_CALLS} calls, "
                              f"{QUICK_LOOPS} loops")
+    parser.add_argument("--interleave", action="store_true",
+                        help="time a row's JAX cells together: each of --loops rounds runs one loop of every "
+                             "cell, the median round reported (drift moves every column alike)")
     parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                         help="measurements not started within this many seconds are rows saying so: the table "
                              "still prints (leave a command's limit room for the last measurement)")
@@ -604,11 +646,14 @@ def main(argv=None) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     calls = args.calls or (QUICK_CALLS if args.quick else CALLS)
     loops = args.loops or (QUICK_LOOPS if args.quick else LOOPS)
-    header = environment() + [f"timing: a plain loop of {calls} jitted calls then one block, median of {loops} "
-                              f"loops, per call (benchmarks/timing.py median_loop_seconds)"]
+    timing = (f"timing: a plain loop of {calls} jitted calls then one block, per call; "
+              + (f"{loops} rounds, each one loop of every JAX cell of the row, the median round "
+                 f"(benchmarks/timing.py interleaved_loop_seconds; raw cuDNN: the median of {loops} loops)"
+                 if args.interleave else f"median of {loops} loops (benchmarks/timing.py median_loop_seconds)"))
+    header = environment() + [timing]
     print("\n".join(header), flush=True)
     started = time.perf_counter()
-    cells = measure(rows, systems, calls, loops, Budget(args.time_budget))
+    cells = measure(rows, systems, calls, loops, Budget(args.time_budget), interleave=args.interleave)
     titles = [(w.name, title(w)) for w in rows]
     text = table(cells, titles, systems)
     if args.out:

@@ -122,3 +122,23 @@ def test_runs_merge_into_one_table(monkeypatch, capsys, tmp_path):
     assert systems == ["ours xla", "raw cuDNN"]
     assert [r[0].split(" ")[0] for r in rows] == ["W1~tiny"] * 4 + ["W4-d64~tiny"] * 4
     assert all(FIGURE.match(r[3]) and NOTE.match(r[4]) for r in rows)
+
+
+def test_interleave_times_a_rows_cells_together(monkeypatch, capsys):
+    """--interleave compiles a row's JAX cells, then times them in shared rounds: one call of
+    interleaved_loop_seconds per row, over every cell that compiled, each cell's figure its median round."""
+    real, seen = peers.interleaved_loop_seconds, []
+
+    def spy(entries, repetitions):
+        times = real(entries, repetitions)
+        seen.append((len(entries), repetitions, {k: len(v) for k, v in times.items()}))
+        return times
+
+    monkeypatch.setattr(peers, "interleaved_loop_seconds", spy)
+    monkeypatch.setattr(peers, "median_loop_seconds", lambda *a, **k: pytest.fail("timed on its own"))
+    assert peers.main(["--quick", "--workloads", "W1,MLA", "--systems", "ours default,ours xla,dew-flash-attn",
+                       "--calls", "1", "--loops", "2", "--interleave"]) == 0
+    rows, notes, systems = _table(capsys.readouterr().out)
+    assert seen == [(8, 2, {i: 2 for i in range(8)})] * 2  # 2 systems x 2 inputs x 2 directions, each row
+    _check_every_cell(rows, notes, systems, ["W1~tiny", "MLA~tiny"])
+    assert all(FIGURE.match(r[3]) and FIGURE.match(r[4]) and NOTE.match(r[5]) for r in rows)
