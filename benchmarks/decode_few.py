@@ -3,6 +3,7 @@
 
     python -m benchmarks.decode_few            # on the GPU: fa3 rows, raw FA3, key splits, pieces
     python -m benchmarks.decode_few --quick    # small shapes on the xla path: the harness itself, on a CPU
+    python -m benchmarks.decode_few --in-step  # each call inside a decode step, as a model makes q and lengths
 
 Why another decode table: benchmarks/decode.py times each system in its own loops, one after the other, and
 its small rows swing 20-40 % run to run (docs/PERFORMANCE.md, 8 x 2k raw FA3 0.048 to 0.119 ms the same day),
@@ -28,6 +29,7 @@ import argparse
 import statistics
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
@@ -88,14 +90,30 @@ def _cases(shape: dict, layouts=("contiguous", "paged")):
                     yield f"{batch} x {size} {layout}", args, bytes_read, fa3_kvcache.num_splits(config)
 
 
-def run(shape: dict, calls: int, rounds: int) -> list[str]:
-    lines = [f"# {jax.devices()[0].device_kind}; {calls} calls a loop, median of {rounds} interleaved rounds",
+def in_step(function):
+    """`function` inside a decode step as a model runs it: q made in the step (times a traced 1), the lengths
+    made in the step (the previous lengths plus a traced 0), the output consumed in the step (times the same
+    1). XLA may then fuse the op's small index and mask kernels into those neighbours, as it would in a model;
+    the page table stays an argument, as a server passes it."""
+    def step(q, k, v, n, t, one):
+        out = function(q * one.astype(q.dtype), k, v, n + (one != 1).astype(n.dtype), t)
+        return out * one.astype(out.dtype)
+    return step
+
+
+def run(shape: dict, calls: int, rounds: int, step: bool = False) -> list[str]:
+    where = "inside a decode step (in_step)" if step else "alone"
+    lines = [f"# {jax.devices()[0].device_kind}; {calls} calls a loop, median of {rounds} interleaved rounds; "
+             f"each call {where}",
              "| shape | row | ms | GB/s | % of 4.8 TB/s | x ours | kernels | max diff to ours |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, args, bytes_read, splits_of_ours in _cases(shape):
         rows, reason = _rows(args, shape, splits_of_ours)
         if reason:
             lines.append(f"# raw FA3 left out: {reason}")
+        if step:
+            rows = {name: in_step(function) for name, function in rows.items()}
+            args = args + (jnp.float32(1.0),)
         entries, launches, outputs = {}, {}, {}
         for name, function in rows.items():
             try:
@@ -142,6 +160,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="small shapes on the xla path (a CPU)")
     parser.add_argument("--calls", type=int, default=None, help="jitted calls a timed loop (default 200; quick 3)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds, median reported (default 15)")
+    parser.add_argument("--in-step", action="store_true",
+                        help="each call inside a decode step: q and the lengths made in it, the output consumed")
     parser.add_argument("--profile", action="store_true",
                         help="instead: each paged row's GPU kernels per call (jax.profiler), ours against raw FA3")
     args = parser.parse_args(argv)
@@ -149,7 +169,8 @@ def main(argv=None) -> int:
     if args.profile:
         print("\n".join(profile(shape, args.calls or 50)))
         return 0
-    lines = run(shape, args.calls or (3 if args.quick else 200), args.rounds or (2 if args.quick else 15))
+    lines = run(shape, args.calls or (3 if args.quick else 200), args.rounds or (2 if args.quick else 15),
+                step=args.in_step)
     print("\n" + "\n".join(lines))
     return 0
 

@@ -38,12 +38,14 @@ def test_quick_run_prints_a_row_per_variant(capsys):
     assert all(float(row.split("|")[-2]) < 1e-4 for row in rows), rows  # each merge matches P = 1
 
 
-def test_decode_few_quick_run_times_every_row_against_ours(capsys):
+@pytest.mark.parametrize("flags", [[], ["--in-step"]], ids=["alone", "in_step"])
+def test_decode_few_quick_run_times_every_row_against_ours(capsys, flags):
     """benchmarks/decode_few.py (issue 48's decode targets, every row in the same rounds) on the xla path: one
-    row per layout for ours, the pieces row on the paged cache, each checked against ours."""
+    row per layout for ours, the pieces row on the paged cache, each checked against ours; alone and inside a
+    decode step (its q, lengths and output made in the step: the same values)."""
     from benchmarks import decode_few
 
-    assert decode_few.main(["--quick"]) == 0
+    assert decode_few.main(["--quick", *flags]) == 0
     table = capsys.readouterr().out.split("\n\n")[-1].splitlines()
     rows = [line for line in table if line.startswith("| 2 x 256")]
     assert [row.split("|")[2].strip() for row in rows] == ["ours", "ours", "ours pieces=2"], table
