@@ -63,13 +63,13 @@ COMPARE_ALL_LIMIT = 1 << 24
 
 
 def running_max(x: jax.Array) -> jax.Array:
-    """lax.cummax(x) of a 1-D int32 array: [3, 1, 5, 2] -> [3, 3, 5, 5]."""
+    """lax.cummax(x) of a 1-D integer array: [3, 1, 5, 2] -> [3, 3, 5, 5]."""
     n = x.shape[0]
     if n == 0 or n * n > COMPARE_ALL_LIMIT:
         return jax.lax.cummax(x, axis=0)
     at = jnp.arange(n, dtype=jnp.int32)
     earlier = at[None, :] <= at[:, None]  # [i, j]: entry j lies at or before i
-    return jnp.max(jnp.where(earlier, x[None, :], _INT32.min), axis=1).astype(x.dtype)
+    return jnp.max(jnp.where(earlier, x[None, :], jnp.iinfo(x.dtype).min), axis=1).astype(x.dtype)
 
 
 def count_at_or_before(ends: jax.Array, capacity: int) -> jax.Array:

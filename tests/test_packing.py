@@ -17,7 +17,11 @@ def scan_kind(request, monkeypatch):
     linear-work scans (past COMPARE_ALL_LIMIT)."""
     if request.param == "scan":
         monkeypatch.setattr(index, "COMPARE_ALL_LIMIT", 0)
-    return request.param
+    # JAX caches a function's trace across jit wrappers: without this, a scan case reuses the compare-all case's
+    # trace of the same shapes and never runs the scans.
+    jax.clear_caches()
+    yield request.param
+    jax.clear_caches()
 
 
 def _expected(cu: np.ndarray, capacity: int, max_seqlen: int):
@@ -80,3 +84,11 @@ def test_row_positions_of_constant_cu_seqlens_under_jit(seed):
     for name, a, b in zip(("sequence", "position", "valid"), got, _expected(np.asarray(cu), capacity, max_seqlen)):
         np.testing.assert_array_equal(np.asarray(a), b,
                                       err_msg=f"{name}: cu={np.asarray(cu).tolist()} capacity={capacity}")
+
+
+def test_running_max_of_int64_beyond_int32(scan_kind):
+    """Under jax_enable_x64 an index array may be int64 below int32's range: the running maximum is still
+    lax.cummax's (the compare-all path fills masked entries with the dtype's own minimum)."""
+    with jax.enable_x64(True):
+        x = jnp.asarray(np.array([-2**40, -2**40, 5, -2**41, 7], np.int64))
+        np.testing.assert_array_equal(np.asarray(index.running_max(x)), np.asarray(jax.lax.cummax(x, axis=0)))
