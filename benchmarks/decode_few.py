@@ -47,11 +47,6 @@ FULL = dict(decode.FULL, batches=(8,), contexts=(2048, 32768), splits=(1, 2, 4, 
 QUICK = dict(decode.QUICK, batches=(2,), contexts=(256,), splits=(), pieces=(2,), implementation="xla")
 
 
-def kernel_launches(compiled) -> int:
-    """About the kernels one call of a compiled function launches (capture.entry_launches)."""
-    return len(entry_launches(compiled.as_text()))
-
-
 def _rows(args, shape: dict, splits_of_ours: int):
     """{label: function of (q, k, v, lengths, table)} for one shape."""
     implementation = shape["implementation"]
@@ -122,7 +117,7 @@ def run(shape: dict, calls: int, rounds: int, step: bool = False) -> list[str]:
             except Exception as error:  # noqa: BLE001 - a declined or failing row must not end the table
                 lines.append(f"| {label} | {name} | {type(error).__name__}: {str(error)[:100]} | | | | | |")
                 continue
-            launches[name] = kernel_launches(compiled)
+            launches[name] = len(entry_launches(compiled.as_text()))  # about the kernels a call launches
             entries[name] = ((lambda c=compiled: c(*args)), calls)
         times = interleaved_loop_seconds(entries, rounds)
         base = statistics.median(times["ours"]) if "ours" in times else float("nan")

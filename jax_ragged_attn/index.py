@@ -83,6 +83,14 @@ def count_at_or_before(ends: jax.Array, capacity: int) -> jax.Array:
     return jnp.cumsum(jnp.zeros(capacity + 1, jnp.int32).at[ends].add(1), dtype=jnp.int32)[:capacity]
 
 
+def host_slots(cu_seqlens, capacity: int) -> np.ndarray | None:
+    """Each slot's rows of cu_seqlens sanitised as sanitize_cu_seqlens does, on the host (int64 [B]), or None when
+    the values are not known at trace time (a tracer): [5, 2, 9, 4] with capacity 6 -> [0, 1, 0]."""
+    if isinstance(cu_seqlens, jax.core.Tracer):
+        return None
+    return np.diff(np.clip(np.maximum.accumulate(np.asarray(cu_seqlens, np.int64)), 0, capacity))
+
+
 def sanitize_both(cu_seqlens_q: jax.Array, cu_seqlens_kv: jax.Array, config) -> tuple[jax.Array, jax.Array]:
     """Both cu_seqlens clamped into their buffers, once per call: offsets, lengths and masks derive from these."""
     return (sanitize_cu_seqlens(cu_seqlens_q, config.capacity_q),

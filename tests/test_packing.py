@@ -92,3 +92,15 @@ def test_running_max_of_int64_beyond_int32(scan_kind):
     with jax.enable_x64(True):
         x = jnp.asarray(np.array([-2**40, -2**40, 5, -2**41, 7], np.int64))
         np.testing.assert_array_equal(np.asarray(index.running_max(x)), np.asarray(jax.lax.cummax(x, axis=0)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_host_slots_are_the_device_sanitising_on_the_host(seed):
+    """index.host_slots (trace-time proofs: FA3's top-left mask, dew's layout, the append check's counts) sees the
+    slots sanitize_cu_seqlens makes on the device, garbage included; a traced cu_seqlens gives None."""
+    rng = np.random.default_rng(seed)
+    cu = rng.integers(-20, 60, int(rng.integers(1, 12))).astype(np.int32)
+    capacity = int(rng.integers(1, 50))
+    device = np.diff(np.asarray(sanitize_cu_seqlens(jnp.asarray(cu), capacity)))
+    np.testing.assert_array_equal(index.host_slots(cu, capacity), device, err_msg=f"cu={cu.tolist()}")
+    assert jax.jit(lambda c: jnp.int32(index.host_slots(c, capacity) is None))(jnp.asarray(cu)) == 1

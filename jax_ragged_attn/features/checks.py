@@ -66,6 +66,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ragged_attn.index import host_slots
+
 ENV_VAR = "JAX_RAGGED_ATTN_CHECK"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -533,7 +535,7 @@ def append_index_problems(lengths: np.ndarray, page_table: np.ndarray | None, cu
     if cu is None:
         counts = np.full(lengths.shape, new_rows, np.int64)
     else:
-        counts = np.diff(np.clip(np.maximum.accumulate(cu.astype(np.int64)), 0, new_rows))
+        counts = host_slots(cu, new_rows)
     problems = _lengths_outside(lengths, capacity, "the capacity")
     start = np.clip(lengths, 0, capacity)
     end = start + counts  # rows start .. end - 1 are written

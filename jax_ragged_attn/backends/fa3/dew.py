@@ -49,7 +49,7 @@ import numpy as np
 
 from jax_ragged_attn.backends.fa3 import ragged as fa3
 from jax_ragged_attn.config import AttentionConfig
-from jax_ragged_attn.index import RaggedIndex
+from jax_ragged_attn.index import RaggedIndex, host_slots
 
 NAME = "dew"
 WHEEL = "dew-flash-attn-cu13"
@@ -152,7 +152,7 @@ def no_cut_rows(config: AttentionConfig, index: RaggedIndex) -> bool:
 def _slots_fit(cu, capacity: int, max_seqlen: int) -> bool:
     if max_seqlen >= capacity:
         return True
-    slots = fa3.host_slots(cu, capacity)
+    slots = host_slots(cu, capacity)
     return slots is not None and bool(np.all(slots <= max_seqlen))
 
 

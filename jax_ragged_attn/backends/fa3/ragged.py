@@ -55,8 +55,8 @@ from jax_ragged_attn.backends import policy
 from jax_ragged_attn.backends.shared import stats_grad
 from jax_ragged_attn.backends.shared.row_zeroing import zero_unused_rows
 from jax_ragged_attn.config import AttentionConfig
-from jax_ragged_attn.index import (RaggedIndex, query_rows_with_keys, sanitize_both, sanitize_cu_seqlens,
-                                   sequence_lengths)
+from jax_ragged_attn.index import (RaggedIndex, host_slots, query_rows_with_keys, sanitize_both,
+                                   sanitize_cu_seqlens, sequence_lengths)
 
 WHEEL = "flash-attn3-jax"
 INSTALL = "pip install 'jax_ragged_attn[fa3]'"
@@ -112,14 +112,6 @@ def unavailable_reason() -> str | None:
 
 
 # ---- what FA3 serves --------------------------------------------------------------------------------------
-
-
-def host_slots(cu, capacity: int) -> np.ndarray | None:
-    """Each slot's rows from cu_seqlens sanitised as the op does (index.sanitize_cu_seqlens), on the host, or
-    None when the values are not known at trace time."""
-    if isinstance(cu, jax.core.Tracer):
-        return None
-    return np.diff(np.clip(np.maximum.accumulate(np.asarray(cu, np.int64)), 0, capacity))
 
 
 def _host_lengths(cu, capacity: int, max_seqlen: int, seqused) -> np.ndarray | None:
