@@ -96,7 +96,16 @@ def in_step(function):
     return step
 
 
-def run(shape: dict, calls: int, rounds: int, step: bool = False) -> list[str]:
+def _launch_names(hlo_text: str) -> str:
+    """The entry computation's launches, each as `name shape` (what a row's kernel count is made of)."""
+    names = []
+    for line in entry_launches(hlo_text):
+        name, rest = line.strip().removeprefix("ROOT ").split(" = ", 1)
+        names.append(f"{name} {rest.split(' ')[0].split('{')[0]}")
+    return "; ".join(names)
+
+
+def run(shape: dict, calls: int, rounds: int, step: bool = False, show_launches: bool = False) -> list[str]:
     where = "inside a decode step (in_step)" if step else "alone"
     lines = [f"# {jax.devices()[0].device_kind}; {calls} calls a loop, median of {rounds} interleaved rounds; "
              f"each call {where}",
@@ -118,6 +127,9 @@ def run(shape: dict, calls: int, rounds: int, step: bool = False) -> list[str]:
                 lines.append(f"| {label} | {name} | {type(error).__name__}: {str(error)[:100]} | | | | | |")
                 continue
             launches[name] = len(entry_launches(compiled.as_text()))  # about the kernels a call launches
+            if show_launches and name in ("ours", "raw FA3"):
+                lines.append(f"# {label} {name} launches: {_launch_names(compiled.as_text())}")
+                print(lines[-1], flush=True)
             entries[name] = ((lambda c=compiled: c(*args)), calls)
         times = interleaved_loop_seconds(entries, rounds)
         base = statistics.median(times["ours"]) if "ours" in times else float("nan")
@@ -159,13 +171,15 @@ def main(argv=None) -> int:
                         help="each call inside a decode step: q and the lengths made in it, the output consumed")
     parser.add_argument("--profile", action="store_true",
                         help="instead: each paged row's GPU kernels per call (jax.profiler), ours against raw FA3")
+    parser.add_argument("--launches", action="store_true",
+                        help="also print the launches (name and shape) of ours' and raw FA3's compiled calls")
     args = parser.parse_args(argv)
     shape = QUICK if args.quick else FULL
     if args.profile:
         print("\n".join(profile(shape, args.calls or 50)))
         return 0
     lines = run(shape, args.calls or (3 if args.quick else 200), args.rounds or (2 if args.quick else 15),
-                step=args.in_step)
+                step=args.in_step, show_launches=args.launches)
     print("\n" + "\n".join(lines))
     return 0
 

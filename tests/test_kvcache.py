@@ -26,6 +26,7 @@ import jax_ragged_attn
 from jax_ragged_attn import kvcache_append, ragged_attention_with_kvcache
 from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
+from jax_ragged_attn.backends.shared import known_issues
 from jax_ragged_attn.backends.xla import kvcache as xla_kvcache
 from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
@@ -33,6 +34,8 @@ from jax_ragged_attn.testing import assert_close, declines
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
 from jax_ragged_attn.testing.helpers import SeededCacheCase
 from jax_ragged_attn.testing.private_config import config_overrides
+from jax_ragged_attn.config import AttentionOptions
+from jax_ragged_attn.inputs.kvcache import kvcache_config
 
 # name -> keywords of one case: heads (Hq, Hkv), Sq, paged, options.
 CASES = {
@@ -414,6 +417,24 @@ class Fa3OneCallKVCacheTest(KVCacheTest):
             patcher.start()
             self.addCleanup(patcher.stop)
         self.enter_context(config_overrides(route=self.route, tail_rows=7))
+
+
+class Fa3OneCallUnmaskedKVCacheTest(Fa3OneCallKVCacheTest):
+    """The one call as on the audited wheel, where the op layer leaves out its mask of queries without keys
+    (fa3_kvcache.zeroes_rows_without_keys): the stand-in's out of such a query, probabilities all 0 times value
+    rows as FA3 reads them, must come out 0 unmasked, as FA3's does on the GPU (Fa3KVCacheTest)."""
+
+    def setUp(self):
+        super().setUp()
+        patcher = mock.patch.object(known_issues, "fa3_version", lambda: fa3_kvcache.AUDITED_WHEEL)
+        patcher.start()
+        self.addCleanup(patcher.stop)
+
+    def test_op_layer_leaves_the_mask_out(self):
+        config = kvcache_config(*self.make()[:4], None, AttentionOptions(is_causal=True))
+        self.assertTrue(fa3_kvcache.zeroes_rows_without_keys(config))
+        # The head / tail route merges two parts: the op layer masks it.
+        self.assertFalse(fa3_kvcache.zeroes_rows_without_keys(dataclasses.replace(config, route="head_tail")))
 
 
 class Fa3SplitKVCacheTest(Fa3OneCallKVCacheTest):

@@ -113,7 +113,8 @@ def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, cu_seql
     else:  # rows [B, Sq]: every query is a real token
         keys = rows_with_keys(lengths, config)
         real = jnp.ones_like(keys)
-    out = jnp.where(keys[..., None, None], out, jnp.zeros((), out.dtype))
+    if not getattr(backend, "zeroes_rows_without_keys", lambda config: False)(config):
+        out = jnp.where(keys[..., None, None], out, jnp.zeros((), out.dtype))
     if sinks is not None:  # the epilogue ragged_attention runs, on the rows and head-major stats
         out, stats = apply_sinks(out, lse, sinks, real, keys, "head_major", options.return_stats)
     else:

@@ -191,11 +191,22 @@ def _one_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
     # Bottom-right over the full lengths: the op's masks are FA3's own (causal: no left bound, right bound 0).
     window = (left is None and right == 0, -1 if left is None else left, -1 if right is None else right)
     out, lse = _fa3_call(q, k_cache, v_cache, lengths, page_table, paged, window)
-    # A query without keys (a band that misses its sequence): FA3's lse is +inf there; the op's is -inf, out 0.
+    # A query without keys (a band that misses its sequence): FA3's lse is +inf there, the op's -inf. Its out is
+    # FA3's own 0 where zeroes_rows_without_keys says so (the op layer masks it everywhere else).
     has_keys = rows_with_keys(lengths, config)  # [B, Sq]
-    lse = jnp.where(has_keys[:, None, :], lse, -jnp.inf)
-    out = jnp.where(has_keys[:, :, None, None], out, jnp.zeros((), out.dtype))
-    return out, lse
+    return out, jnp.where(has_keys[:, None, :], lse, -jnp.inf)
+
+
+def zeroes_rows_without_keys(config: KVCacheConfig) -> bool:
+    """True where attend's out is exactly 0 on a query without keys, so the op layer need not mask it (one
+    launch fewer: at 8 x 2k decode a call is tens of microseconds, mostly launches). The one call on the
+    audited wheel only: FA3 stores zeros where a query tile has no key tile (a sequence of length 0); in a tile
+    with keys for other rows it multiplies the row's probabilities, all exactly 0 (every score masked, the
+    softmax's -inf guard), by value rows that are the sequence's own or zero-filled past its length (the module
+    docstring), and scales by a finite inverse sum; its split combine gives a row whose splits all have lse -inf
+    the scale 0. Exact as long as the rows in use hold finite values, which a query with keys needs as well.
+    tests/test_kvcache.py checks the zeros of such queries on NaN-poisoned caches (lengths 0 and below Sq)."""
+    return not config.packed and route(config) == "one_call" and known_issues.fa3_version() == AUDITED_WHEEL
 
 
 def _head_tail(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
