@@ -38,7 +38,7 @@ def test_quick_run_prints_a_row_per_variant(capsys):
     assert all(float(row.split("|")[-2]) < 1e-4 for row in rows), rows  # each merge matches P = 1
 
 
-@pytest.mark.parametrize("flags", [[], ["--in-step"]], ids=["alone", "in_step"])
+@pytest.mark.parametrize("flags", [[], ["--in-step"], ["--launches"]], ids=["alone", "in_step", "launches"])
 def test_decode_few_quick_run_times_every_row_against_ours(capsys, flags):
     """benchmarks/decode_few.py (issue 48's decode targets, every row in the same rounds) on the xla path: one
     row per layout for ours, the pieces row on the paged cache, each checked against ours; alone and inside a
@@ -51,3 +51,7 @@ def test_decode_few_quick_run_times_every_row_against_ours(capsys, flags):
     assert [row.split("|")[2].strip() for row in rows] == ["ours", "ours", "ours pieces=2"], table
     assert all(float(row.split("|")[-2]) < 1e-4 for row in rows), rows  # every row's output matches ours
     assert all(int(row.split("|")[-3]) >= 1 for row in rows), rows  # the kernels a call launches, counted
+    named = [line for line in table if line.startswith("# 2 x 256") and " ours launches: " in line]
+    assert len(named) == (2 if "--launches" in flags else 0), table  # each layout's launches, by name and shape
+    for line, row in zip(named, rows):
+        assert len(line.split(": ", 1)[1].split("; ")) == int(row.split("|")[-3]), (line, row)

@@ -12,7 +12,8 @@ and attributes the wheel's lowering passes. Forward only (the wheel has no kvcac
   out instead), so the result of a sequence that uses one is unspecified: check=True names the entry.
 - Split-KV: `num_splits` (FA3's flash decoding) from the heuristic in `num_splits`, where B x Hkv query tiles
   would leave most of the GPU's 132 SMs idle; the wheel's caller-sized accumulators come back as outputs.
-- Rows with no key, sinks and the stats layout are applied by inputs/kvcache.py.
+- Rows with no key, sinks and the stats layout are applied by inputs/kvcache.py; out's rows with no key are
+  FA3's own zeros on the one call (zeroes_rows_without_keys: one launch fewer a decode step).
 
 - Unused rows, one call where FA3 zero-fills them: FA3's paged loader without TMA reads keys and values with
   cp.async predicated on the sequence's length, filling rows past it with zeros, and masks their scores, so a
