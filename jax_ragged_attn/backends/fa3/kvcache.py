@@ -42,6 +42,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ragged_attn.backends.fa3 import ragged as fa3
 from jax_ragged_attn.backends.shared import head_tail as kvcache_head_tail
@@ -128,10 +129,13 @@ def num_splits(config: KVCacheConfig) -> int:
     return max(1, min(NUM_SMS // tiles, math.ceil(config.capacity / BLOCK_N) // MIN_SPLIT_TILES, MAX_SPLITS))
 
 
-def _fa3_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, window, used_q=None):
+def _fa3_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, window, used_q=None,
+              own_table=False):
     """(out [B, Sq, Hq, D], lse [B, Hq, Sq]) from FA3's forward handler in batch mode over `lengths` rows of
     each sequence, with the mask `window` = (is_causal, left, right) in FA3's terms. used_q: None, or int32
-    [B], FA3's seqused_q: sequence b's queries are its first used_q[b] rows, aligned bottom-right on them."""
+    [B], FA3's seqused_q: sequence b's queries are its first used_q[b] rows, aligned bottom-right on them.
+    own_table: page_table is _as_paged's constant for a contiguous cache, in range by construction (the
+    caller's tables are made safe here: a kernel launch)."""
     batch, seqlen_q, heads_q, dim = q.shape
     is_causal, left, right = window
     # With seqused_q (packed tiles), FA3's split-KV gave results that differed run to run on the H200
@@ -141,7 +145,7 @@ def _fa3_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, w
     splits = 1 if used_q is not None else num_splits(config)
     empty_i32, empty_f32, empty_like_q = (jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32),
                                           jnp.zeros((0,), q.dtype))
-    table = empty_i32 if page_table is None else safe_page_table(page_table, config)
+    table = empty_i32 if page_table is None else page_table if own_table else safe_page_table(page_table, config)
     accumulators = ([(splits, batch, heads_q, seqlen_q, dim), (splits, batch, heads_q, seqlen_q)] if splits > 1
                     else [(1, 1, 1, 1), (1, 1, 1)])
     result_types = [jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -177,10 +181,11 @@ def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
 
 
 def _as_paged(k_cache, v_cache, page_table, config: KVCacheConfig):
-    """A contiguous cache [B, L, Hkv, D] as a paged one of B pages of L rows, page_table[b] = b (no copy)."""
+    """A contiguous cache [B, L, Hkv, D] as a paged one of B pages of L rows, page_table[b] = b (no copy; the
+    table a NumPy constant, which XLA embeds: no kernel computes it)."""
     if config.paged:
         return k_cache, v_cache, page_table, config
-    table = jnp.arange(config.batch, dtype=jnp.int32)[:, None]
+    table = np.arange(config.batch, dtype=np.int32)[:, None]
     paged = dataclasses.replace(config, paged=True, page_size=config.capacity, num_pages=config.batch, max_pages=1)
     return k_cache, v_cache, table, paged
 
@@ -191,7 +196,7 @@ def _one_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
     left, right = config.left_bound, config.right_bound
     # Bottom-right over the full lengths: the op's masks are FA3's own (causal: no left bound, right bound 0).
     window = (left is None and right == 0, -1 if left is None else left, -1 if right is None else right)
-    out, lse = _fa3_call(q, k_cache, v_cache, lengths, page_table, paged, window)
+    out, lse = _fa3_call(q, k_cache, v_cache, lengths, page_table, paged, window, own_table=not config.paged)
     # A query without keys (a band that misses its sequence): FA3's lse is +inf there, the op's -inf. Its out is
     # FA3's own 0 where zeroes_rows_without_keys says so (the op layer masks it everywhere else).
     has_keys = rows_with_keys(lengths, config)  # [B, Sq]
@@ -273,6 +278,7 @@ def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config
     size = packed_tile(config)
     tiles = query_tiles(cu_seqlens_q, lengths, config, size)
     k_cache, v_cache, page_table, paged = _as_paged(k_cache, v_cache, page_table, config)
+    page_table = jnp.asarray(page_table)  # gathered by tile below (a traced index)
     length = lengths[tiles.sequence]
     if config.seqlen_q == 1:  # decode rows only: the fixed form's call (today's decode kernel) on the tiles
         tile_config = dataclasses.replace(paged, batch=tiles.count, seqlen_q=1, total_q=0)
