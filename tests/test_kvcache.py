@@ -389,12 +389,9 @@ class Fa3KeySplitsKVCacheTest(Fa3KVCacheTest):
         self.enter_context(config_overrides(num_splits=3))
 
 
-def _fa3_stand_in(q, k_cache, v_cache, lengths, page_table, config, window, own_table=False):
+def _fa3_stand_in(q, k_cache, v_cache, lengths, page_table, config, window):
     """FA3's call as fa3_kvcache makes it, computed by the xla path: bottom-right over `lengths` rows with
-    FA3's window (is_causal, left, right), -1 for no bound. own_table: the table is fa3_kvcache's constant
-    for a contiguous cache, every entry a page of it."""
-    if own_table:
-        assert isinstance(page_table, np.ndarray) and (page_table[:, 0] == np.arange(config.batch)).all(), page_table
+    FA3's window (is_causal, left, right), -1 for no bound."""
     is_causal, left, right = window
     config = dataclasses.replace(config, is_causal=is_causal, window_left=None if left < 0 else left,
                                  window_right=None if right < 0 else right)

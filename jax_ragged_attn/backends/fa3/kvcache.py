@@ -7,8 +7,9 @@ and attributes the wheel's lowering passes. Forward only (the wheel has no kvcac
 
 - Lengths: cache_seqlens clamped into [0, capacity] (kvcache_config.clamped_lengths) as seqused_k; FA3 aligns
   its causal mask and windows bottom-right, which is the op's query position (cache_seqlens - Sq + i).
-- Page table: entries outside [0, num_pages) are replaced by page 0 before the kernel sees them, so it never
-  addresses memory outside the cache; the rows of such an entry are then page 0's (the xla path leaves them
+- Page table: entries outside [0, num_pages) are replaced by page 0 before the kernel sees them (by the op
+  layer, with the lengths' clamp in one launch: READS_TABLE_UNCHECKED), so it never addresses memory outside
+  the cache; the rows of such an entry are then page 0's (the xla path leaves them
   out instead), so the result of a sequence that uses one is unspecified: check=True names the entry.
 - Split-KV: `num_splits` (FA3's flash decoding) from the heuristic in `num_splits`, where B x Hkv query tiles
   would leave most of the GPU's 132 SMs idle; the wheel's caller-sized accumulators come back as outputs.
@@ -47,10 +48,12 @@ import numpy as np
 from jax_ragged_attn.backends.fa3 import ragged as fa3
 from jax_ragged_attn.backends.shared import head_tail as kvcache_head_tail
 from jax_ragged_attn.backends.shared import known_issues
-from jax_ragged_attn.backends.shared.kvcache_config import (KVCacheConfig, query_tiles, rows_with_keys,
-                                                           safe_page_table)
+from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, query_tiles, rows_with_keys
 
 NAME = "fa3"
+# FA3 reads cache_seqlens and the page table without bounds: the op layer hands attend both made safe, in one
+# launch on a GPU (backends/shared/cache_index.py).
+READS_TABLE_UNCHECKED = True
 # implementation=None picks FA3's kvcache kernels wherever they serve the call: the issue's measurements put
 # them at 70-81 % of the H200's bandwidth, 2-4x the ragged cuDNN kernel over a flat cache.
 AUTO = True
@@ -129,13 +132,11 @@ def num_splits(config: KVCacheConfig) -> int:
     return max(1, min(NUM_SMS // tiles, math.ceil(config.capacity / BLOCK_N) // MIN_SPLIT_TILES, MAX_SPLITS))
 
 
-def _fa3_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, window, used_q=None,
-              own_table=False):
+def _fa3_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, window, used_q=None):
     """(out [B, Sq, Hq, D], lse [B, Hq, Sq]) from FA3's forward handler in batch mode over `lengths` rows of
     each sequence, with the mask `window` = (is_causal, left, right) in FA3's terms. used_q: None, or int32
     [B], FA3's seqused_q: sequence b's queries are its first used_q[b] rows, aligned bottom-right on them.
-    own_table: page_table is _as_paged's constant for a contiguous cache, in range by construction (the
-    caller's tables are made safe here: a kernel launch)."""
+    page_table: every entry a page of the cache (READS_TABLE_UNCHECKED: the op layer's, or _as_paged's)."""
     batch, seqlen_q, heads_q, dim = q.shape
     is_causal, left, right = window
     # With seqused_q (packed tiles), FA3's split-KV gave results that differed run to run on the H200
@@ -145,7 +146,7 @@ def _fa3_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, w
     splits = 1 if used_q is not None else num_splits(config)
     empty_i32, empty_f32, empty_like_q = (jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32),
                                           jnp.zeros((0,), q.dtype))
-    table = empty_i32 if page_table is None else page_table if own_table else safe_page_table(page_table, config)
+    table = empty_i32 if page_table is None else page_table
     accumulators = ([(splits, batch, heads_q, seqlen_q, dim), (splits, batch, heads_q, seqlen_q)] if splits > 1
                     else [(1, 1, 1, 1), (1, 1, 1)])
     result_types = [jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -196,7 +197,7 @@ def _one_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
     left, right = config.left_bound, config.right_bound
     # Bottom-right over the full lengths: the op's masks are FA3's own (causal: no left bound, right bound 0).
     window = (left is None and right == 0, -1 if left is None else left, -1 if right is None else right)
-    out, lse = _fa3_call(q, k_cache, v_cache, lengths, page_table, paged, window, own_table=not config.paged)
+    out, lse = _fa3_call(q, k_cache, v_cache, lengths, page_table, paged, window)
     # A query without keys (a band that misses its sequence): FA3's lse is +inf there, the op's -inf. Its out is
     # FA3's own 0 where zeroes_rows_without_keys says so (the op layer masks it everywhere else).
     has_keys = rows_with_keys(lengths, config)  # [B, Sq]
