@@ -96,10 +96,10 @@ def in_step(function):
     return step
 
 
-def _launch_names(hlo_text: str) -> str:
-    """The entry computation's launches, each as `name shape` (what a row's kernel count is made of)."""
+def _launch_names(launch_lines: list[str]) -> str:
+    """The entry computation's launches (capture.entry_launches' lines), each as `name shape`."""
     names = []
-    for line in entry_launches(hlo_text):
+    for line in launch_lines:
         name, rest = line.strip().removeprefix("ROOT ").split(" = ", 1)
         names.append(f"{name} {rest.split(' ')[0].split('{')[0]}")
     return "; ".join(names)
@@ -126,9 +126,10 @@ def run(shape: dict, calls: int, rounds: int, step: bool = False, show_launches:
             except Exception as error:  # noqa: BLE001 - a declined or failing row must not end the table
                 lines.append(f"| {label} | {name} | {type(error).__name__}: {str(error)[:100]} | | | | | |")
                 continue
-            launches[name] = len(entry_launches(compiled.as_text()))  # about the kernels a call launches
+            launch_lines = entry_launches(compiled.as_text())
+            launches[name] = len(launch_lines)  # about the kernels a call launches
             if show_launches and name in ("ours", "raw FA3"):
-                lines.append(f"# {label} {name} launches: {_launch_names(compiled.as_text())}")
+                lines.append(f"# {label} {name} launches: {_launch_names(launch_lines)}")
                 print(lines[-1], flush=True)
             entries[name] = ((lambda c=compiled: c(*args)), calls)
         times = interleaved_loop_seconds(entries, rounds)

@@ -430,7 +430,7 @@ class Fa3OneCallUnmaskedKVCacheTest(Fa3OneCallKVCacheTest):
         patcher.start()
         self.addCleanup(patcher.stop)
 
-    def test_op_layer_leaves_the_mask_out(self):
+    def test_the_one_call_claims_its_zeros_and_the_head_tail_route_does_not(self):
         config = kvcache_config(*self.make()[:4], None, AttentionOptions(is_causal=True))
         self.assertTrue(fa3_kvcache.zeroes_rows_without_keys(config))
         # The head / tail route merges two parts: the op layer masks it.
