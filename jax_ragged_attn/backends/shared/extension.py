@@ -82,6 +82,8 @@ def _initialize() -> str | None:
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
     if hasattr(ext, "zero_rows_registration"):  # the row utility other backends use (backends/shared/row_zeroing.py)
         jax.ffi.register_ffi_target(*ext.zero_rows_registration(), platform="CUDA")
+    if hasattr(ext, "cache_index_registration"):  # the KV-cache index clamp (backends/shared/cache_index.py)
+        jax.ffi.register_ffi_target(*ext.cache_index_registration(), platform="CUDA")
     if hasattr(ext, "paged_registration"):  # the KV-cache op's paged forward (backends/cudnn/paged.py)
         jax.ffi.register_ffi_target(*ext.paged_registration(), platform="CUDA")
     try:
