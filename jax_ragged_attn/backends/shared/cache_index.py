@@ -15,24 +15,11 @@ where the tests' FA3 stand-in runs; a GPU where the kernel cannot load) the two 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import numpy as np
 
 from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, clamped_lengths, safe_page_table
-
-
-@functools.cache
-def _target(device: int) -> str | None:
-    """The clamp's FFI target when its kernel can run on `device`, else None."""
-    if extension.cudnn_unavailable_reason() is not None:  # also registers the extension's targets
-        return None
-    ext = extension.module()
-    if not hasattr(ext, "cache_index_registration") or ext.prepare_row_zeroing(device) != "":
-        return None
-    return ext.cache_index_registration()[0]
 
 
 def reference(cache_seqlens: jax.Array, page_table: jax.Array, config: KVCacheConfig) -> tuple[jax.Array, jax.Array]:
@@ -43,7 +30,8 @@ def reference(cache_seqlens: jax.Array, page_table: jax.Array, config: KVCacheCo
 def safe_cache_index(cache_seqlens: jax.Array, page_table: jax.Array,
                      config: KVCacheConfig) -> tuple[jax.Array, jax.Array]:
     """(lengths int32 like cache_seqlens, table int32 like page_table): the module docstring's clamps."""
-    target = _target(extension.device_ordinal()) if jax.default_backend() == "gpu" else None
+    target = (extension.own_kernel_target("cache_index_registration", extension.device_ordinal())
+              if jax.default_backend() == "gpu" else None)
     if target is None:
         return reference(cache_seqlens, page_table, config)
     types = (jax.ShapeDtypeStruct(cache_seqlens.shape, np.int32), jax.ShapeDtypeStruct(page_table.shape, np.int32))

@@ -106,6 +106,19 @@ def cudnn_unavailable_reason() -> str | None:
     return reason
 
 
+@functools.cache
+def own_kernel_target(registration: str, device: int) -> str | None:
+    """The FFI target the extension's `registration` function names (zero_rows_registration,
+    cache_index_registration), when its kernels of our own (ffi/row_zeroing.cu's PTX) can run on `device`,
+    else None: the caller then computes the same with jnp."""
+    if cudnn_unavailable_reason() is not None:  # also registers the extension's targets
+        return None
+    ext = module()
+    if not hasattr(ext, registration) or ext.prepare_row_zeroing(device) != "":
+        return None
+    return getattr(ext, registration)()[0]
+
+
 def versions() -> dict:
     """What the self-check prints: extension, cuDNN and cudnn-frontend versions."""
     ext = _module()
