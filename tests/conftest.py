@@ -19,6 +19,24 @@ import threading
 # `pytest -n 2` starts two processes; on a GPU each would otherwise preallocate 75 % of its memory.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+
+def _cuda_plugin_installed() -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(name) for name in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+
+
+# Most of a CPU test's time is XLA compiling programs that then run on a few hundred rows, and most of that is
+# LLVM optimising the generated code: at LLVM's -O0 the fast tier takes about 30 % less time on 2 cores
+# (tests/test_seqused.py + test_sinks.py, -n 2: 79-84 s -> 56-58 s, 2026-12-07). What the programs compute is
+# the same (XLA's CPU fast-math is off at every level; the tolerances are the dtype's). Only where JAX runs on the
+# CPU (no CUDA plugin installed, or JAX_PLATFORMS=cpu): GPU kernels keep XLA's default. Children inherit it
+# (XLA_FLAGS); a level set by the caller is kept.
+TEST_XLA_FLAG = "--xla_backend_optimization_level=0"
+if (os.environ.get("JAX_PLATFORMS") == "cpu" or not _cuda_plugin_installed()) and \
+        "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAG}".strip()
+
 import pytest  # noqa: E402 - after the environment above, which must be set before jax is imported
 
 # Each name: JAX's environment variables and the jax.config values they stand for.
@@ -117,14 +135,87 @@ SLOW_TESTS = (  # node-id prefixes
     # serving's schedule-independence and report (its bytes against the fixed batches' stay fast)
     "tests/test_serving.py::test_draws_follow_the_request_not_the_schedule",
     "tests/test_serving.py::test_report_prints_both_side_by_side",
+    # 2026-12-07 (fast tier back under its 10 minutes: 1,041 s on idle cores, 1,922 s on this day's slower ones):
+    # the tools end to end, a second sharded-batch shape class, the cuDNN packed route's random mixes (the xla
+    # path's are slow above), FA3's decode variants past the one-call route (test_decode_pieces.py keeps the split's
+    # merge fast), and the docs' blocks past the README's (each page's block still runs, in this tier)
+    "tests/test_peers_bench.py::test_interleave_times_a_rows_cells_together",
+    "tests/test_decode_pieces.py::test_quick_run_prints_a_row_per_variant",
+    "tests/test_policy.py::test_the_sharded_op_passes_its_whole_batchs_shape_class",
+    "tests/test_kvcache_varlen.py::CudnnPackedStandInTest::test_random_mixes",
+    "tests/test_kvcache.py::Fa3SplitKVCacheTest",
+    "tests/test_kvcache.py::Fa3OneCallUnmaskedKVCacheTest",
+    "tests/test_readme.py::test_python_blocks_run_in_order_in_one_process[docs/",
+    "tests/test_peers_bench.py::test_quick_",
 )
+# Cases of a KV-cache base class run by a route that takes a contiguous cache as pages of one page per sequence:
+# the fast tier runs their paged cases and one contiguous case (the contiguous cache's own gathers stay fast in
+# the xla classes), the slow tier the other contiguous ones.
+SLOW_TESTS += tuple(f"tests/test_kvcache_varlen.py::CudnnPackedStandInTest::test_attention_{case}_contiguous"
+                    for case in ("causal", "mqa", "sinks", "mha", "non_causal", "scale", "softcap"))
+SLOW_TESTS += tuple(f"tests/test_kvcache.py::Fa3OneCallKVCacheTest::test_attention_{case}_contiguous"
+                    for case in ("long_chunk", "mqa_five_queries", "chunked_prefill", "window", "mha"))
+# Parametrized tests whose every case runs in the slow tier but a few here: the fast tier keeps cases that between
+# them meet every value of every parameter at least once (each value's code path), the slow tier the rest of the
+# product. Base node id -> the case ids that stay fast.
+FAST_CASES = {
+    "tests/test_dew.py::test_unused_rows_go_over_as_gap_sequences": (
+        "emulated-head_major-none-long_slots", "emulated-token_major-causal_bottom_right-same_long_slot",
+        "emulated-head_major-window_bottom_right-same_slots", "emulated-token_major-none-seqused",
+        "emulated-head_major-causal_bottom_right-slots_fit", "emulated-token_major-window_bottom_right-truncated"),
+    "tests/test_dew.py::test_every_head_dim_it_advertises": (
+        "emulated-head_major-64", "emulated-token_major-192", "emulated-head_major-256"),
+    "tests/test_head_groups.py::test_the_cudnn_backend_splits_a_call_past_the_limit_into_head_groups": (
+        "kv-8-8-token_major", "none-8-1-head_major", "qkv-6-6-head_major"),
+    "tests/test_seqused.py::test_seqused_against_reference": (
+        "head_major-none-cache-xla", "token_major-causal-gaps-xla", "head_major-causal_bottom_right-full-xla"),
+    "tests/test_overflow.py::test_default_mode_runs_and_counts_what_was_dropped": (
+        "xla-valid", "xla-q_past_capacity", "xla-kv_negative", "xla-q_not_starting_at_0",
+        "cudnn_stand_in-kv_decreasing", "cudnn_stand_in-kv_longer_than_max_seqlen_kv",
+        "cudnn_stand_in-q_longer_than_max_seqlen_q"),
+    "tests/test_overflow.py::test_check_mode_raises_naming_argument_index_and_values": (
+        "xla-q_past_capacity", "xla-kv_negative", "xla-q_longer_than_max_seqlen_q",
+        "cudnn_stand_in-kv_decreasing", "cudnn_stand_in-kv_longer_than_max_seqlen_kv",
+        "cudnn_stand_in-q_not_starting_at_0"),
+    "tests/test_flax.py::test_packed_equals_each_sequence_alone": ("gqa_causal", "mha_bidirectional_window", "mqa_window",
+                                                                  "gqa_sinks"),
+    "tests/test_flax.py::test_gradients_equal_the_sum_over_sequences_alone": ("plain-mha_causal", "remat-gqa_sinks",
+                                                                              "plain-mqa_window"),
+    "tests/test_stats_grad.py::test_packed_buffers_get_gradients_in_their_own_layout": (
+        "kv-stats_as_aux-check_mode", "kv-stats_in_the_loss-poisoned", "qkv-stats_as_aux-unowned",
+        "qkv-stats_in_the_loss-check_mode"),
+    "tests/test_cudnn_wrapper.py::test_a_write_outside_an_outputs_rows_stops_the_computation": ("out", "dk"),
+    "tests/test_cudnn_wrapper.py::test_outputs_and_gradients_match_the_xla_path_with_padding_cleaned": (
+        "head_major-poisoned", "token_major-unowned"),
+    "tests/test_context_parallel.py::test_device_calls_match_the_op_on_the_xla_path": ("2-False-causal",),
+    "tests/test_serving.py::test_continuous_batching_writes_the_fixed_batch_bytes": ("8",),
+    "tests/test_segments.py::test_default_mode_counts_dropped_segments_and_cut_tokens": (
+        "both", "segments_longer_than_max_seqlen", "two_segments_past_max_segments"),
+    "tests/test_segments.py::test_numpy_segment_ids_warn_outside_check_mode": (
+        "both", "segments_longer_than_max_seqlen", "two_segments_past_max_segments"),
+}
+
+
+def _is_slow(item) -> bool:
+    if item.path.name in SLOW_FILES or item.nodeid.startswith(SLOW_TESTS):
+        return True
+    base, _, case = item.nodeid.partition("[")
+    return base in FAST_CASES and case.rstrip("]") not in FAST_CASES[base]
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
+    cases = {}
     for item in items:
-        if item.path.name in SLOW_FILES or item.nodeid.startswith(SLOW_TESTS):
+        base, _, case = item.nodeid.partition("[")
+        cases.setdefault(base, set()).add(case.rstrip("]"))
+        if _is_slow(item):
             item.add_marker(pytest.mark.slow)
+    # A case renamed in its test file would leave FAST_CASES naming nothing, and that test out of the fast tier.
+    for base, fast in FAST_CASES.items():
+        if base in cases and not set(fast) <= cases[base]:
+            raise pytest.UsageError(f"tests/conftest.py FAST_CASES names cases {sorted(set(fast) - cases[base])} of "
+                                    f"{base}, which has {sorted(cases[base])}")
 
 
 # A test that runs away (an endless generator, a wait on a collective that never comes) must fail with its

@@ -67,6 +67,10 @@ def runnable_blocks(path: pathlib.Path) -> list[tuple[str, str]]:
 
 def _cpu_env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    # The test session's compile setting (tests/conftest.py) without its other flags (a forced device count).
+    kept = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if flag.startswith("--xla_backend_optimization")]
+    if kept:
+        env["XLA_FLAGS"] = " ".join(kept)
     env["JAX_PLATFORMS"] = "cpu"  # what a reader without a GPU gets; no extra devices: the examples make theirs
     return env
 
