@@ -46,7 +46,7 @@ cd "$(dirname "$0")/.."
 usage() { sed -n '13,19p' "$0" | sed 's/^# \{0,1\}//'; }
 want_python="" jax_version="" cudnn="" main_job=1
 tests=(tests/test_semantics.py tests/test_kvcache.py tests/test_softcap.py tests/test_extension.py
-       tests/test_handler_contract.py tests/test_validation.py)
+       tests/test_handler_contract.py tests/test_validation.py tests/test_checks.py)
 wheel_dirs=() no_extension=0 logs="" workers="" tests_given=0
 while (($#)); do
   case $1 in
@@ -159,7 +159,7 @@ jax_spec="jax==$jax_version"
 
 # 1. The wheel, built for this Python from the sdist, and its own checks with this JAX.
 dist="$work/dist"
-# Its installed tests are step 3's (a superset, from the same wheel with the same JAX): here the self-check alone.
+# Its installed tests are among step 3's (from the same wheel with the same JAX): here the self-check alone.
 DIST=$dist PYTHON=$python JAX=$jax_version WHEEL_TESTS="" bash scripts/check_wheel.sh
 wheel=$(ls "$dist"/*.whl)
 
