@@ -59,7 +59,7 @@ def _check(results, expected, dtype):
 
 
 # Each setting with one mask (they alternate): a setting acts on the Python around the kernels and on the matmuls'
-# precision, which the mask does not touch; CI's strict+x64 stage runs the whole semantic suite under both masks.
+# precision, which the mask does not touch; CI's strict+x64 stage runs the semantic files' fast tier under both.
 @pytest.mark.parametrize("setting, is_causal", [("rank_raise", False), ("dtype_strict", True), ("x64", True),
                                                 ("checks", False), ("matmul_bfloat16", False),
                                                 ("matmul_highest", True)])
