@@ -199,7 +199,7 @@ FAST_CASES = {
 
 
 def _base_and_case(nodeid: str) -> tuple[str, str]:
-    """("tests/f.py::test_x", "a-b") of "tests/f.py::test_x[a-b]"; the case is "" for a test without cases."""
+    """A node id's test (the id before "[") and case (between the brackets; "" for a test without cases)."""
     base, _, case = nodeid.partition("[")
     return base, case.rstrip("]")
 
