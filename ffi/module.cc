@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "attention_config.h"
+#include "cache_index.h"
 #include "cudnn_frontend_version.h"
 #include "cudnn_version.h"
 #include "cudnn_library.h"
@@ -29,6 +30,7 @@ namespace {
 constexpr const char* kForwardTarget = "jax_ragged_attn_forward";
 constexpr const char* kBackwardTarget = "jax_ragged_attn_backward";
 constexpr const char* kZeroRowsTarget = "jax_ragged_attn_zero_rows";
+constexpr const char* kClampCacheIndexTarget = "jax_ragged_attn_clamp_cache_index";
 constexpr const char* kPagedTarget = "jax_ragged_attn_paged_forward";
 
 template <typename T>
@@ -217,6 +219,11 @@ NB_MODULE(_ext, m) {
   // on their buffers, is registered on its own.
   m.def("zero_rows_registration", []() {
     return nb::make_tuple(kZeroRowsTarget, nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnZeroRows)));
+  });
+  // The KV-cache index clamp (cache_index.h), for kernels that read a cache's lengths and page table unchecked.
+  m.def("cache_index_registration", []() {
+    return nb::make_tuple(kClampCacheIndexTarget,
+                          nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnClampCacheIndex)));
   });
   // cuDNN's paged SDPA forward for the KV-cache op (paged_handler.h), a handler of its own, registered like the
   // zero-rows utility.

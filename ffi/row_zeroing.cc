@@ -17,6 +17,7 @@ constexpr const char kPtx[] =
 #include "row_zeroing_ptx.inc"
     ;
 constexpr const char kKernelName[] = "jax_ragged_attn_zero_unowned_rows";
+constexpr const char kClampKernelName[] = "jax_ragged_attn_clamp_cache_index";
 constexpr int kThreadsPerBlock = 256;
 // Enough blocks for a million rows in one pass; the kernel strides over the rows beyond them.
 constexpr int64_t kMaxBlocks = 4096;
@@ -30,6 +31,7 @@ using LaunchKernel = cudaError_t (*)(const void*, dim3, dim3, void**, size_t, cu
 struct Kernel {
   std::string error;  // why it cannot run, or empty
   cudaKernel_t kernel = nullptr;
+  cudaKernel_t clamp = nullptr;  // the KV-cache index clamp, from the same PTX
   LaunchKernel launch = nullptr;
 };
 
@@ -47,9 +49,11 @@ const Kernel& kernel() {
     cudaLibrary_t library = nullptr;
     cudaError_t status = load(&library, kPtx, nullptr, nullptr, 0, nullptr, nullptr, 0);
     if (status == cudaSuccess) status = get(&k.kernel, library, kKernelName);
+    if (status == cudaSuccess) status = get(&k.clamp, library, kClampKernelName);
     if (status != cudaSuccess) {
       k.error = "loading the row-zeroing PTX failed: " + cuda_error_string(status);
       k.kernel = nullptr;
+      k.clamp = nullptr;
     }
     return k;  // the library stays loaded for the life of the process
   }();
@@ -76,8 +80,10 @@ std::string ready_on(int device) {
   ScopedCurrentDevice current;  // back to the caller's device on the way out
   const xla::ffi::Error set = current.set(device);
   if (set.failure()) return "readying the row-zeroing kernel on device " + std::to_string(device) + ": " + set.message();
+  // Both kernels: with lazy module loading a kernel is loaded on its first use, which must not be a captured launch.
   cudaFuncAttributes attrs{};
-  const cudaError_t status = attributes(&attrs, reinterpret_cast<const void*>(k.kernel));
+  cudaError_t status = attributes(&attrs, reinterpret_cast<const void*>(k.kernel));
+  if (status == cudaSuccess) status = attributes(&attrs, reinterpret_cast<const void*>(k.clamp));
   if (status != cudaSuccess) {
     return "readying the row-zeroing kernel on device " + std::to_string(device) + " failed: " +
            cuda_error_string(status);
@@ -144,6 +150,22 @@ xla::ffi::Error zero_unowned_rows(const RowRegion* regions, size_t count, const 
 
 xla::ffi::Error zero_unowned_rows(const RowRegion& region, const RowOwnership& owner, cudaStream_t stream) {
   return zero_unowned_rows(&region, 1, owner, stream);
+}
+
+xla::ffi::Error clamp_cache_index(const int32_t* lengths, int32_t* lengths_out, int64_t num_lengths, int64_t capacity,
+                                  const int32_t* table, int32_t* table_out, int64_t num_entries, int64_t num_pages,
+                                  cudaStream_t stream) {
+  const Kernel& k = kernel();
+  FFI_CHECK(k.error.empty()) << k.error;
+  const int64_t total = num_lengths + num_entries;
+  if (total == 0) return xla::ffi::Error::Success();
+  long long lengths_count = num_lengths, entries_count = num_entries, cap = capacity, pages = num_pages;
+  void* args[] = {&lengths, &lengths_out, &lengths_count, &cap, &table, &table_out, &entries_count, &pages};
+  const int64_t blocks = std::min<int64_t>(kMaxBlocks, (total + kThreadsPerBlock - 1) / kThreadsPerBlock);
+  const cudaError_t status = k.launch(reinterpret_cast<const void*>(k.clamp), dim3(static_cast<unsigned>(blocks)),
+                                      dim3(kThreadsPerBlock), args, 0, stream);
+  FFI_CHECK(status == cudaSuccess) << "launching the KV-cache index clamp failed: " << cuda_error_string(status);
+  return xla::ffi::Error::Success();
 }
 
 }  // namespace jax_ragged_attn

@@ -1,4 +1,5 @@
-// The one kernel of our own: zero the rows of an output that the cuDNN graph will not write.
+// The kernels of our own: zero the rows of an output that the cuDNN graph will not write; and (at the end)
+// clamp a KV cache's lengths and page table into the cache for a kernel that reads them without bounds.
 //
 // Not compiled by the build. scripts/generate_row_zeroing_ptx.sh turns it into PTX (ffi/row_zeroing_ptx.inc),
 // which the extension hands to the CUDA runtime's JIT at run time (row_zeroing.cc): the build needs no CUDA
@@ -80,6 +81,28 @@ extern "C" __global__ void jax_ragged_attn_zero_unowned_rows(
           }
         }
       }
+    }
+  }
+}
+
+// cache_seqlens clamped into [0, capacity] and page-table entries outside [0, num_pages) replaced by page 0, in
+// one launch: FlashAttention-3's kvcache kernel reads both without bounds, so these are what keeps a bad length
+// or entry from making it read outside the cache. Two XLA fusions did the same (shapes [B] and [B, P], which XLA
+// does not fuse), a launch each, at 8 x 2k decode several microseconds of a call of tens. Elementwise over each
+// flat array, so any leading batch axes (vmap) are served alike.
+extern "C" __global__ void jax_ragged_attn_clamp_cache_index(const int* lengths, int* lengths_out, long long num_lengths,
+                                                            long long capacity, const int* table, int* table_out,
+                                                            long long num_entries, long long num_pages) {
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_lengths + num_entries;
+       i += stride) {
+    if (i < num_lengths) {
+      const long long n = lengths[i];
+      lengths_out[i] = static_cast<int>(n < 0 ? 0 : (n > capacity ? capacity : n));
+    } else {
+      const long long j = i - num_lengths;
+      const int page = table[j];
+      table_out[j] = page >= 0 && page < num_pages ? page : 0;
     }
   }
 }

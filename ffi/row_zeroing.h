@@ -1,5 +1,6 @@
-// Zeroes only the rows of an output that the cuDNN graph will not write, with the one kernel of our own
+// Zeroes only the rows of an output that the cuDNN graph will not write, with a kernel of our own
 // (ffi/row_zeroing.cu, loaded from PTX at run time). See row_zeroing.cu for why and for the ownership rule.
+// The same PTX holds the KV-cache index clamp (clamp_cache_index, below).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -44,6 +45,12 @@ xla::ffi::Error zero_unowned_rows(const RowRegion& region, const RowOwnership& o
 // The same for `count` regions that share `owner`: one launch for each JAX_RAGGED_ATTN_MAX_ZERO_REGIONS of
 // them (row_zeroing_params.h), each row's sequence searched once for all.
 xla::ffi::Error zero_unowned_rows(const RowRegion* regions, size_t count, const RowOwnership& owner,
+                                  cudaStream_t stream);
+
+// Enqueues, in one launch, lengths_out = lengths clamped into [0, capacity] and table_out = table with every
+// entry outside [0, num_pages) replaced by 0 (row_zeroing.cu). Requires prepare_row_zeroing() == "".
+xla::ffi::Error clamp_cache_index(const int32_t* lengths, int32_t* lengths_out, int64_t num_lengths, int64_t capacity,
+                                  const int32_t* table, int32_t* table_out, int64_t num_entries, int64_t num_pages,
                                   cudaStream_t stream);
 
 }  // namespace jax_ragged_attn

@@ -30,7 +30,7 @@ from jax_ragged_attn.backends.shared import known_issues
 from jax_ragged_attn.backends.xla import kvcache as xla_kvcache
 from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
-from jax_ragged_attn.testing import assert_close, declines
+from jax_ragged_attn.testing import assert_close, declines, fa3_emulator
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
 from jax_ragged_attn.testing.helpers import SeededCacheCase
 from jax_ragged_attn.testing.private_config import config_overrides
@@ -391,11 +391,13 @@ class Fa3KeySplitsKVCacheTest(Fa3KVCacheTest):
 
 def _fa3_stand_in(q, k_cache, v_cache, lengths, page_table, config, window):
     """FA3's call as fa3_kvcache makes it, computed by the xla path: bottom-right over `lengths` rows with
-    FA3's window (is_causal, left, right), -1 for no bound."""
+    FA3's window (is_causal, left, right), -1 for no bound; NaN where it is handed a length or page-table entry
+    outside the cache, which FA3 reads unchecked (fa3_emulator.kvcache_reads_unchecked)."""
     is_causal, left, right = window
     config = dataclasses.replace(config, is_causal=is_causal, window_left=None if left < 0 else left,
                                  window_right=None if right < 0 else right)
-    return xla_kvcache.attend(q, k_cache, v_cache, lengths, page_table, config)
+    out, lse = xla_kvcache.attend(q, k_cache, v_cache, lengths, page_table, config)
+    return fa3_emulator.kvcache_reads_unchecked(out, lse, lengths, page_table, config)
 
 
 class Fa3OneCallKVCacheTest(KVCacheTest):

@@ -42,7 +42,7 @@ from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, band, 
 from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
 from jax_ragged_attn.inputs import kvcache as kvcache_inputs
-from jax_ragged_attn.testing import assert_close, declines
+from jax_ragged_attn.testing import assert_close, declines, fa3_emulator
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention_packed
 from jax_ragged_attn.testing.helpers import SeededCacheCase
 from jax_ragged_attn.testing.private_config import config_overrides
@@ -323,7 +323,8 @@ class XlaPackedTest(PackedKVCacheTest):
 
 def _fa3_tile_stand_in(q, k_cache, v_cache, lengths, page_table, config, window, used_q=None):
     """FA3's call as fa3_kvcache makes it for packed tiles, computed by the xla path: batch mode, each tile's
-    first used_q rows aligned bottom-right on its `lengths` rows, FA3's window (is_causal, left, right)."""
+    first used_q rows aligned bottom-right on its `lengths` rows, FA3's window (is_causal, left, right); NaN
+    where it is handed a length or entry outside the cache (fa3_emulator.kvcache_reads_unchecked)."""
     is_causal, left, right = window
     config = dataclasses.replace(config, is_causal=is_causal, window_left=None if left < 0 else left,
                                  window_right=None if right < 0 else right)
@@ -333,6 +334,7 @@ def _fa3_tile_stand_in(q, k_cache, v_cache, lengths, page_table, config, window,
     last = jnp.where(jnp.arange(q.shape[1])[None, :] < used[:, None], last, -1)
     out, lse = cache_attention._blocked(q, k_cache, v_cache, lengths, first, last, page_table, config,
                                         cache_attention.block_rows(config))
+    out, lse = fa3_emulator.kvcache_reads_unchecked(out, lse, lengths, page_table, config)
     return out, jnp.where(jnp.isneginf(lse), jnp.inf, lse)  # FA3's lse of a query without keys
 
 

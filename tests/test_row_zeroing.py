@@ -107,3 +107,30 @@ def test_the_launch_passes_one_argument_per_kernel_parameter_in_order():
         param = " ".join(param[:-1]) + ("*" if param[-1].startswith("*") else "")
         assert (_struct_width() if param == _STRUCT else _WIDTH[param]) == width, (param, width)
         assert declared.get(arg) == width, f"launch argument {arg} is {declared.get(arg)}, the kernel's {param} {width}"
+
+
+CLAMP_KERNEL = "jax_ragged_attn_clamp_cache_index"
+_CLAMP_WIDTH = {"const int*": "u64", "int*": "u64", "long long": "u64"}
+
+
+def test_the_clamp_launch_passes_the_kernels_parameters_in_order():
+    """The KV-cache index clamp (same PTX, launched by row_zeroing.cc clamp_cache_index): each launch argument,
+    a `long long` local read back to what it was initialised from, is the kernel parameter of the same place,
+    and every one is the width PTX declares (a swapped capacity and num_pages would clamp to the wrong bound)."""
+    ptx = _ptx(EMBEDDED.read_text())
+    entry = re.search(r"\.entry " + CLAMP_KERNEL + r"\((.*?)\)", ptx, re.S)
+    assert entry is not None, f"{CLAMP_KERNEL} is not an entry of the embedded PTX"
+    ptx_widths = re.findall(r"\.param \.(u64|u32|b8)", entry.group(1))
+    signature = re.search(CLAMP_KERNEL + r"\((.*?)\)\s*\{", SOURCE.read_text(), re.S).group(1)
+    params = [p.rsplit(None, 1) for p in (" ".join(p.split()) for p in signature.split(","))]
+    names = [name.lstrip("*") for _, name in params]
+    types = [kind + ("*" if name.startswith("*") else "") for kind, name in params]
+    launcher = LAUNCHER.read_text()
+    body = re.search(r"clamp_cache_index\(const int32_t\* lengths.*?\n\}", launcher, re.S).group(0)
+    args = [a.strip().lstrip("&") for a in re.search(r"void\* args\[\] = \{(.*?)\};", body, re.S).group(1).split(",")]
+    locals_ = dict(re.findall(r"(\w+) = (\w+)", re.search(r"long long (.*?);", body).group(1)))
+    assert len(ptx_widths) == len(params) == len(args) == 8, (ptx_widths, params, args)
+    assert [locals_.get(a, a) for a in args] == names, (args, locals_, names)
+    for arg, kind, width in zip(args, types, ptx_widths):
+        assert _CLAMP_WIDTH[kind] == width, (arg, kind, width)
+        assert arg not in locals_ or width == "u64", f"{arg} is a long long local, the kernel's {kind} is {width}"

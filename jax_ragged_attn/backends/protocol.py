@@ -36,9 +36,11 @@ class RaggedBackend(Protocol):
 
 @runtime_checkable
 class KVCacheBackend(Protocol):
-    """A `ragged_attention_with_kvcache` backend (registry "kvcache"). Optional: auto_candidate(config), and
+    """A `ragged_attention_with_kvcache` backend (registry "kvcache"). Optional: auto_candidate(config);
     zeroes_rows_without_keys(config) -> bool, True where attend's out is already exactly 0 on every query
-    without keys (the op layer then leaves out its own mask of them)."""
+    without keys (the op layer then leaves out its own mask of them); READS_TABLE_UNCHECKED = True, where its
+    kernel reads the page table without bounds (the op layer then passes every entry in range, made so with
+    the lengths' clamp in one launch: shared/cache_index.py)."""
 
     NAME: str
 
@@ -48,7 +50,7 @@ class KVCacheBackend(Protocol):
     def attend(self, q, k_cache, v_cache, lengths, page_table, config) -> tuple:
         """(out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32), forward only. lengths: cache_seqlens clamped into
         [0, capacity]; page_table None (contiguous) or int32 as passed (entries outside [0, num_pages) are the
-        backend's to keep from being read). Rows with no keys may hold anything: the op layer masks them
+        backend's to keep from being read; with READS_TABLE_UNCHECKED, page 0 instead). Rows with no keys may hold anything: the op layer masks them
         (unless zeroes_rows_without_keys says they are 0)."""
 
     def attend_packed(self, q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config) -> tuple:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn import backends
+from jax_ragged_attn.backends.shared.cache_index import safe_cache_index
 from jax_ragged_attn.backends.shared.kvcache_config import (KVCacheConfig, clamped_lengths, packed_query_rows,
                                                            packed_rows_with_keys, rows_with_keys)
 from jax_ragged_attn.config import AttentionOptions, _static_int, check_array, check_heads, masked_fields
@@ -102,8 +103,13 @@ def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, cu_seql
     cache_seqlens, page_table, cu_seqlens_q = apply_cache_check(options.check, config, cache_seqlens, page_table,
                                                                 cu_seqlens_q)
     backend = backends.choose(options.implementation, config, None, op="kvcache")
-    lengths = clamped_lengths(jnp.asarray(cache_seqlens), config)
+    cache_seqlens = jnp.asarray(cache_seqlens)
     page_table = None if page_table is None else jnp.asarray(page_table)
+    if page_table is not None and getattr(backend, "READS_TABLE_UNCHECKED", False):
+        # Its kernel reads both without bounds: lengths and entries clamped into the cache, one launch on a GPU.
+        lengths, page_table = safe_cache_index(cache_seqlens, page_table, config)
+    else:
+        lengths = clamped_lengths(cache_seqlens, config)
     cu_seqlens_q = None if cu_seqlens_q is None else jnp.asarray(cu_seqlens_q)
     # lse head-major: [B, Hq, Sq], packed [Hq, T]
     out, lse = _attention(q, k_cache, v_cache, lengths, page_table, cu_seqlens_q, config, backend.NAME)

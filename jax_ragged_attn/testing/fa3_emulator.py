@@ -162,3 +162,16 @@ def patched():
         stack.enter_context(mock.patch.object(_fa3, "_backward_call", backward_call))
         stack.enter_context(mock.patch.object(_fa3, "unavailable_reason", lambda: None))
         yield
+
+
+def kvcache_reads_unchecked(out, lse, lengths, page_table, config):
+    """(out, lse) as FA3's kvcache kernel leaves them when it is handed an index it reads without bounds: it
+    takes `lengths` as each sequence's rows and page_table[b, row // page_size] as their pages, unchecked, so a
+    length outside [0, capacity] or an entry outside [0, num_pages) makes it read outside the cache. A stand-in
+    cannot read there; it poisons every result with NaN instead, so a wrapper that hands FA3 such an index
+    (backends/fa3/kvcache.py READS_TABLE_UNCHECKED: the op layer clamps both) fails whatever it compares."""
+    bad = jnp.any((lengths < 0) | (lengths > config.capacity))
+    if page_table is not None:
+        table = jnp.asarray(page_table)
+        bad = bad | jnp.any((table < 0) | (table >= config.num_pages))
+    return jnp.where(bad, jnp.nan, out).astype(out.dtype), jnp.where(bad, jnp.nan, lse)

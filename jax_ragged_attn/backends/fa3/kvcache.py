@@ -7,8 +7,9 @@ and attributes the wheel's lowering passes. Forward only (the wheel has no kvcac
 
 - Lengths: cache_seqlens clamped into [0, capacity] (kvcache_config.clamped_lengths) as seqused_k; FA3 aligns
   its causal mask and windows bottom-right, which is the op's query position (cache_seqlens - Sq + i).
-- Page table: entries outside [0, num_pages) are replaced by page 0 before the kernel sees them, so it never
-  addresses memory outside the cache; the rows of such an entry are then page 0's (the xla path leaves them
+- Page table: entries outside [0, num_pages) are replaced by page 0 before the kernel sees them (by the op
+  layer, with the lengths' clamp in one launch: READS_TABLE_UNCHECKED), so it never addresses memory outside
+  the cache; the rows of such an entry are then page 0's (the xla path leaves them
   out instead), so the result of a sequence that uses one is unspecified: check=True names the entry.
 - Split-KV: `num_splits` (FA3's flash decoding) from the heuristic in `num_splits`, where B x Hkv query tiles
   would leave most of the GPU's 132 SMs idle; the wheel's caller-sized accumulators come back as outputs.
@@ -42,14 +43,17 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ragged_attn.backends.fa3 import ragged as fa3
 from jax_ragged_attn.backends.shared import head_tail as kvcache_head_tail
 from jax_ragged_attn.backends.shared import known_issues
-from jax_ragged_attn.backends.shared.kvcache_config import (KVCacheConfig, query_tiles, rows_with_keys,
-                                                           safe_page_table)
+from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, query_tiles, rows_with_keys
 
 NAME = "fa3"
+# FA3 reads cache_seqlens and the page table without bounds: the op layer hands attend both made safe, in one
+# launch on a GPU (backends/shared/cache_index.py).
+READS_TABLE_UNCHECKED = True
 # implementation=None picks FA3's kvcache kernels wherever they serve the call: the issue's measurements put
 # them at 70-81 % of the H200's bandwidth, 2-4x the ragged cuDNN kernel over a flat cache.
 AUTO = True
@@ -131,7 +135,8 @@ def num_splits(config: KVCacheConfig) -> int:
 def _fa3_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, window, used_q=None):
     """(out [B, Sq, Hq, D], lse [B, Hq, Sq]) from FA3's forward handler in batch mode over `lengths` rows of
     each sequence, with the mask `window` = (is_causal, left, right) in FA3's terms. used_q: None, or int32
-    [B], FA3's seqused_q: sequence b's queries are its first used_q[b] rows, aligned bottom-right on them."""
+    [B], FA3's seqused_q: sequence b's queries are its first used_q[b] rows, aligned bottom-right on them.
+    page_table: every entry a page of the cache (READS_TABLE_UNCHECKED: the op layer's, or _as_paged's)."""
     batch, seqlen_q, heads_q, dim = q.shape
     is_causal, left, right = window
     # With seqused_q (packed tiles), FA3's split-KV gave results that differed run to run on the H200
@@ -141,7 +146,7 @@ def _fa3_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, w
     splits = 1 if used_q is not None else num_splits(config)
     empty_i32, empty_f32, empty_like_q = (jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32),
                                           jnp.zeros((0,), q.dtype))
-    table = empty_i32 if page_table is None else safe_page_table(page_table, config)
+    table = empty_i32 if page_table is None else page_table
     accumulators = ([(splits, batch, heads_q, seqlen_q, dim), (splits, batch, heads_q, seqlen_q)] if splits > 1
                     else [(1, 1, 1, 1), (1, 1, 1)])
     result_types = [jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -177,10 +182,11 @@ def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
 
 
 def _as_paged(k_cache, v_cache, page_table, config: KVCacheConfig):
-    """A contiguous cache [B, L, Hkv, D] as a paged one of B pages of L rows, page_table[b] = b (no copy)."""
+    """A contiguous cache [B, L, Hkv, D] as a paged one of B pages of L rows, page_table[b] = b (no copy; the
+    table a NumPy constant, which XLA embeds: no kernel computes it)."""
     if config.paged:
         return k_cache, v_cache, page_table, config
-    table = jnp.arange(config.batch, dtype=jnp.int32)[:, None]
+    table = np.arange(config.batch, dtype=np.int32)[:, None]
     paged = dataclasses.replace(config, paged=True, page_size=config.capacity, num_pages=config.batch, max_pages=1)
     return k_cache, v_cache, table, paged
 
@@ -273,6 +279,7 @@ def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config
     size = packed_tile(config)
     tiles = query_tiles(cu_seqlens_q, lengths, config, size)
     k_cache, v_cache, page_table, paged = _as_paged(k_cache, v_cache, page_table, config)
+    page_table = jnp.asarray(page_table)  # gathered by tile below (a traced index)
     length = lengths[tiles.sequence]
     if config.seqlen_q == 1:  # decode rows only: the fixed form's call (today's decode kernel) on the tiles
         tile_config = dataclasses.replace(paged, batch=tiles.count, seqlen_q=1, total_q=0)

@@ -82,6 +82,8 @@ def _initialize() -> str | None:
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
     if hasattr(ext, "zero_rows_registration"):  # the row utility other backends use (backends/shared/row_zeroing.py)
         jax.ffi.register_ffi_target(*ext.zero_rows_registration(), platform="CUDA")
+    if hasattr(ext, "cache_index_registration"):  # the KV-cache index clamp (backends/shared/cache_index.py)
+        jax.ffi.register_ffi_target(*ext.cache_index_registration(), platform="CUDA")
     if hasattr(ext, "paged_registration"):  # the KV-cache op's paged forward (backends/cudnn/paged.py)
         jax.ffi.register_ffi_target(*ext.paged_registration(), platform="CUDA")
     try:
@@ -102,6 +104,19 @@ def cudnn_unavailable_reason() -> str | None:
 
         known_issues.warn_once()
     return reason
+
+
+@functools.cache
+def own_kernel_target(registration: str, device: int) -> str | None:
+    """The FFI target the extension's `registration` function names (zero_rows_registration,
+    cache_index_registration), when its kernels of our own (ffi/row_zeroing.cu's PTX) can run on `device`,
+    else None: the caller then computes the same with jnp."""
+    if cudnn_unavailable_reason() is not None:  # also registers the extension's targets
+        return None
+    ext = module()
+    if not hasattr(ext, registration) or ext.prepare_row_zeroing(device) != "":
+        return None
+    return getattr(ext, registration)()[0]
 
 
 def versions() -> dict:

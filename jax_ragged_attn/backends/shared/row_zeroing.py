@@ -16,8 +16,6 @@ Elsewhere (the CPU, where the FA3 stand-in runs in tests; a GPU where the kernel
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -25,23 +23,12 @@ from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.index import row_positions
 
 
-@functools.cache
-def _target(device: int) -> str | None:
-    """The zero-rows FFI target when its kernel can run on `device`, else None."""
-    if extension.cudnn_unavailable_reason() is not None:  # also registers the extension's targets
-        return None
-    ext = extension.module()
-    if not hasattr(ext, "zero_rows_registration") or ext.prepare_row_zeroing(device) != "":
-        return None
-    return ext.zero_rows_registration()[0]
-
-
 def _kernel_target(buffers) -> str | None:
     if jax.default_backend() != "gpu":
         return None
     if any((x.size // max(x.shape[0], 1)) * x.dtype.itemsize % 4 for x in buffers):  # the kernel writes 4-byte words
         return None
-    return _target(extension.device_ordinal())
+    return extension.own_kernel_target("zero_rows_registration", extension.device_ordinal())
 
 
 def zero_unused_rows(buffers: tuple, starts: jax.Array, lengths: jax.Array, gate: jax.Array | None = None) -> tuple:
