@@ -162,6 +162,25 @@ def profile(shape: dict, steps: int) -> list[str]:
     return lines
 
 
+def host_profile(shape: dict, calls: int) -> list[str]:
+    """The host's side of each paged 8 x 2k call (launch_cost.host_events): at that size a plain loop waits on the
+    host's dispatch, so the events where ours spends more than raw FA3 are where its extra time goes."""
+    from benchmarks.launch_cost import host_events
+
+    lines = ["| shape | host event | ours: us a call (count) | raw FA3: us a call (count) | ours - raw, us |",
+             "| --- | --- | --- | --- | --- |"]
+    for label, args, _, splits_of_ours in _cases(dict(shape, contexts=(2048,)), layouts=("paged",)):
+        rows, reason = _rows(args, dict(shape, splits=(), pieces=()), splits_of_ours)
+        if reason:
+            return [f"# raw FA3 left out: {reason}"]
+        ours, raw = (host_events(jax.jit(rows[name]), args, calls) for name in ("ours", "raw FA3"))
+        for event in sorted(set(ours) | set(raw), key=lambda e: -abs(ours.get(e, (0, 0))[0] - raw.get(e, (0, 0))[0])):
+            (a, na), (b, nb) = ours.get(event, (0.0, 0.0)), raw.get(event, (0.0, 0.0))
+            if max(na, nb) >= 0.5:  # once-a-trace events (the profiler's own) left out
+                lines.append(f"| {label} | {event} | {a:.2f} ({na:.1f}) | {b:.2f} ({nb:.1f}) | {a - b:+.2f} |")
+    return lines[:40]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -174,8 +193,13 @@ def main(argv=None) -> int:
                         help="instead: each paged row's GPU kernels per call (jax.profiler), ours against raw FA3")
     parser.add_argument("--launches", action="store_true",
                         help="also print the launches (name and shape) of ours' and raw FA3's compiled calls")
+    parser.add_argument("--host", action="store_true",
+                        help="instead: the host-side events of a paged 8 x 2k call (jax.profiler), ours against raw FA3")
     args = parser.parse_args(argv)
     shape = QUICK if args.quick else FULL
+    if args.host:
+        print("\n".join(host_profile(shape, args.calls or 50)))
+        return 0
     if args.profile:
         print("\n".join(profile(shape, args.calls or 50)))
         return 0

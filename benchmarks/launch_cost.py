@@ -9,12 +9,10 @@ and the two rows of benchmarks/decode_few.py differed by more than a launch. Eac
 program on int32 [8] lengths and an int32 [8, 8] table, timed in the same rounds (interleaved_loop_seconds),
 so the difference between two rows is the difference between their launches:
 
-    no kernel          the inputs back unchanged: a jitted call's own price
+    no kernel          returns nothing: a jitted call's own price (returning an input would launch a copy)
     XLA: 1 fusion      the lengths clamped (the contiguous cache's clamp)
     XLA: 2 fusions     the lengths clamped and the table's entries selected (both as jnp: the reference)
     FFI clamp          both by our handler, one launch (backends/shared/cache_index.py)
-    FFI zero rows      the zero-rows handler on a [64, 8] int32 buffer (another handler of ours, same launch
-                       path: the row-zeroing PTX loaded with cudaLibraryLoadData)
 
 --trace also records a few calls of each with jax.profiler and prints the host-side events per call by name
 (the CUDA API calls and XLA's thunks), where a difference in the launch path shows up.
@@ -37,7 +35,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn.backends.shared import cache_index
-from jax_ragged_attn.backends.shared.row_zeroing import zero_unused_rows
 from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.inputs.kvcache import kvcache_config
 from jax_ragged_attn.tools.bench import interleaved_loop_seconds
@@ -56,14 +53,13 @@ def _config():
 
 
 def rows() -> dict:
-    """{label: function of (lengths, table, buffer, starts, used)}."""
+    """{label: function of (lengths, table)}."""
     config = _config()
     return {
-        "no kernel": lambda n, t, b, s, u: (n, t),
-        "XLA: 1 fusion": lambda n, t, b, s, u: (jnp.clip(n, 0, config.capacity), t),
-        "XLA: 2 fusions": lambda n, t, b, s, u: cache_index.reference(n, t, config),
-        "FFI clamp": lambda n, t, b, s, u: cache_index.safe_cache_index(n, t, config),
-        "FFI zero rows": lambda n, t, b, s, u: zero_unused_rows((b,), s, u)[0],
+        "no kernel": lambda n, t: (),
+        "XLA: 1 fusion": lambda n, t: jnp.clip(n, 0, config.capacity),
+        "XLA: 2 fusions": lambda n, t: cache_index.reference(n, t, config),
+        "FFI clamp": lambda n, t: cache_index.safe_cache_index(n, t, config),
     }
 
 
@@ -71,10 +67,7 @@ def inputs():
     rng = np.random.default_rng(0)
     lengths = jnp.asarray(rng.integers(1, PAGES * PAGE_SIZE, BATCH), jnp.int32)
     table = jnp.asarray(rng.integers(-2, NUM_PAGES + 2, (BATCH, PAGES)), jnp.int32)
-    buffer = jnp.asarray(rng.integers(0, 9, (64, 8)), jnp.int32)
-    starts = jnp.asarray(np.arange(0, 72, 8), jnp.int32)
-    used = jnp.full((BATCH,), 5, jnp.int32)
-    return lengths, table, buffer, starts, used
+    return lengths, table
 
 
 def host_events(fn, args, calls: int) -> dict[str, tuple[float, float]]:

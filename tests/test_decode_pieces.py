@@ -55,3 +55,20 @@ def test_decode_few_quick_run_times_every_row_against_ours(capsys, flags):
     assert len(named) == (2 if "--launches" in flags else 0), table  # each layout's launches, by name and shape
     for line, row in zip(named, rows):
         assert len(line.split(": ", 1)[1].split("; ")) == int(row.split("|")[-3]), (line, row)
+
+
+def test_launch_cost_times_each_program_and_counts_its_launches(capsys):
+    """benchmarks/launch_cost.py (what one launch costs a plain loop, the price of the KV-cache index clamp) on
+    any machine: a row per program, each with the launches its compiled call makes: none for the program that
+    returns nothing, one for the lengths' clamp, two for the jnp reference of both clamps; the clamp of both
+    (the handler on a GPU, the jnp reference elsewhere) at most two."""
+    from benchmarks import launch_cost
+
+    assert launch_cost.main(["--calls", "3", "--rounds", "1"]) == 0
+    rows = {line.split("|")[1].strip(): line.split("|") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and not line.startswith(("| row", "| ---"))}
+    launches = {label: int(row[-2]) for label, row in rows.items()}
+    assert list(launches) == ["no kernel", "XLA: 1 fusion", "XLA: 2 fusions", "FFI clamp"], rows
+    assert launches["no kernel"] == 0 and launches["XLA: 1 fusion"] == 1, launches
+    assert launches["XLA: 2 fusions"] >= 1 and 1 <= launches["FFI clamp"] <= 2, launches
+    assert all(float(row[2]) > 0 for row in rows.values()), rows  # a time per call, in microseconds
