@@ -31,9 +31,8 @@ from jax_ragged_attn.parallel.load_balance import causal_work_per_device
 from benchmarks import context_parallel as bench
 
 
-def kernel_ms(fn, args, steps: int) -> tuple[dict[str, float], float]:
-    """{kernel name: ms per step}, summed over the GPU streams of a jax.profiler trace of `steps` calls, and
-    the wall ms per step between the first and last kernel."""
+def profiler_events(fn, args, steps: int) -> list[dict]:
+    """The events (perfetto JSON) of a jax.profiler trace of `steps` calls of fn(*args), after one untimed call."""
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as folder:
         with jax.profiler.trace(folder, create_perfetto_trace=True):
@@ -43,7 +42,13 @@ def kernel_ms(fn, args, steps: int) -> tuple[dict[str, float], float]:
         path = glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True)[0]
         with gzip.open(path) as f:
             trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def kernel_ms(fn, args, steps: int) -> tuple[dict[str, float], float]:
+    """{kernel name: ms per step}, summed over the GPU streams of a jax.profiler trace of `steps` calls, and
+    the wall ms per step between the first and last kernel."""
+    events = profiler_events(fn, args, steps)
     gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                 and re.search(r"GPU|gpu|device:", str(e.get("args", {}).get("name", "")))
                 and "host" not in str(e.get("args", {}).get("name", "")).lower()}

@@ -23,13 +23,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
-import json
-import os
 import re
 import statistics
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -73,16 +68,9 @@ def inputs():
 
 def host_events(fn, args, calls: int) -> dict[str, tuple[float, float]]:
     """{host-side event name: (us per call, count per call)} from a jax.profiler trace of `calls` calls."""
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as folder:
-        with jax.profiler.trace(folder, create_perfetto_trace=True):
-            for _ in range(calls):
-                result = fn(*args)
-            jax.block_until_ready(result)
-        path = glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True)[0]
-        with gzip.open(path) as f:
-            trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    from benchmarks.cp_device_profile import profiler_events
+
+    events = profiler_events(fn, args, calls)
     host_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                  and "host" in str(e.get("args", {}).get("name", "")).lower()}
     totals, counts = collections.defaultdict(float), collections.Counter()
