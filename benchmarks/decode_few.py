@@ -4,6 +4,7 @@
     python -m benchmarks.decode_few            # on the GPU: fa3 rows, raw FA3, key splits, pieces
     python -m benchmarks.decode_few --quick    # small shapes on the xla path: the harness itself, on a CPU
     python -m benchmarks.decode_few --in-step  # each call inside a decode step, as a model makes q and lengths
+    python -m benchmarks.decode_few --host     # the host's events of a paged 8 x 2k call, ours against raw FA3
 
 Why another decode table: benchmarks/decode.py times each system in its own loops, one after the other, and
 its small rows swing 20-40 % run to run (docs/PERFORMANCE.md, 8 x 2k raw FA3 0.048 to 0.119 ms the same day),
