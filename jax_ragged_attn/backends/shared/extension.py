@@ -106,11 +106,17 @@ def cudnn_unavailable_reason() -> str | None:
     return reason
 
 
-@functools.cache
-def own_kernel_target(registration: str, device: int) -> str | None:
+def own_kernel_target(registration: str) -> str | None:
     """The FFI target the extension's `registration` function names (zero_rows_registration,
-    cache_index_registration), when its kernels of our own (ffi/row_zeroing.cu's PTX) can run on `device`,
-    else None: the caller then computes the same with jnp."""
+    cache_index_registration), when JAX runs on a GPU and its kernels of our own (ffi/row_zeroing.cu's PTX) can
+    run there, else None: the caller then computes the same with jnp."""
+    if jax.default_backend() != "gpu":
+        return None
+    return _own_kernel_target(registration, device_ordinal())
+
+
+@functools.cache
+def _own_kernel_target(registration: str, device: int) -> str | None:
     if cudnn_unavailable_reason() is not None:  # also registers the extension's targets
         return None
     ext = module()
