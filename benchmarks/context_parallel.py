@@ -115,7 +115,7 @@ def context_parallel(w: Workload, implementation, load_balance: bool, calls, rep
 def _attend(options, total: int, num_seqs: int):
     """device_chunks_attention's attend, as sharding.sharded_ragged_attention passes it: the op, with the whole
     batch's shape class (T / B) for implementation=None's choice."""
-    from jax_ragged_attn.api import attend as attend_op
+    from jax_ragged_attn.ops.ragged import attend as attend_op
     from jax_ragged_attn.config import AttentionOptions
 
     base = AttentionOptions(return_stats=True,

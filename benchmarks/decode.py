@@ -25,7 +25,7 @@ import numpy as np
 
 from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
 from jax_ragged_attn.config import AttentionOptions
-from jax_ragged_attn.inputs.kvcache import kvcache_config, ragged_attention_with_kvcache
+from jax_ragged_attn.ops.kvcache import kvcache_config, ragged_attention_with_kvcache
 
 from benchmarks.timing import plain_loop_seconds
 

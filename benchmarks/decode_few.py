@@ -35,7 +35,7 @@ import numpy as np
 
 from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
 from jax_ragged_attn.config import AttentionOptions
-from jax_ragged_attn.inputs.kvcache import kvcache_config, ragged_attention_with_kvcache
+from jax_ragged_attn.ops.kvcache import kvcache_config, ragged_attention_with_kvcache
 from jax_ragged_attn.testing.private_config import config_overrides
 from jax_ragged_attn.tools.bench import interleaved_loop_seconds
 

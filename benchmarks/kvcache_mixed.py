@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn.backends.fa3 import ragged as fa3
-from jax_ragged_attn.inputs.kvcache import ragged_attention_with_kvcache
+from jax_ragged_attn.ops.kvcache import ragged_attention_with_kvcache
 
 from benchmarks.timing import plain_loop_seconds
 

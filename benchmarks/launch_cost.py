@@ -32,7 +32,7 @@ import numpy as np
 
 from jax_ragged_attn.backends.shared import cache_index
 from jax_ragged_attn.config import AttentionOptions
-from jax_ragged_attn.inputs.kvcache import kvcache_config
+from jax_ragged_attn.ops.kvcache import kvcache_config
 from jax_ragged_attn.tools.bench import interleaved_loop_seconds
 
 from benchmarks.capture import entry_launches

@@ -41,7 +41,7 @@ except ImportError as error:  # the library itself needs no Flax; only this modu
     raise ImportError("jax_ragged_attn.flax needs Flax (NNX): pip install 'jax_ragged_attn[flax]' "
                       f"(installs flax and optax); importing flax failed with: {error}") from error
 
-from jax_ragged_attn.api import ragged_attention
+from jax_ragged_attn.ops.ragged import ragged_attention
 from jax_ragged_attn.config import STRATEGIES, AttentionOptions
 from jax_ragged_attn.index import as_int32, count_at_or_before
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked

@@ -452,7 +452,7 @@ def _check_device_calls(implementation, head_dim, n, load_balance, layout, devic
     the unsharded call and the float64 reference, a stats cotangent included."""
     from jax_ragged_attn.parallel import context_parallel as cp
     from jax_ragged_attn.parallel.load_balance import dual_chunk_order
-    from jax_ragged_attn.api import attend
+    from jax_ragged_attn.ops.ragged import attend
     from jax_ragged_attn.config import AttentionOptions
 
     rng = np.random.default_rng(21 + n if seed is None else 7000 + seed)

@@ -17,7 +17,7 @@ from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.backends.cudnn import graphs, kvcache as cudnn_kvcache, ragged as cudnn
 from jax_ragged_attn.backends.fa3 import dew, kvcache as fa3_kvcache, ragged as fa3
 from jax_ragged_attn.backends.shared import extension, known_issues
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
+from jax_ragged_attn.config import KVCacheConfig
 from jax_ragged_attn.backends.xla import ragged as xla
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.testing import declines

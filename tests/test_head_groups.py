@@ -16,7 +16,7 @@ from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.shared import head_groups
 from jax_ragged_attn.backends.xla import ragged as xla
 from jax_ragged_attn.backends.cudnn import extents, launch
-from jax_ragged_attn.backends.shared.packings import TABLE
+from jax_ragged_attn.index.packings import TABLE
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.index import RaggedIndex
 from jax_ragged_attn.testing import assert_close, packed_batch

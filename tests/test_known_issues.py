@@ -30,7 +30,7 @@ from jax_ragged_attn.backends.cudnn import kvcache as cudnn_kvcache
 from jax_ragged_attn.backends.cudnn import paged as cudnn_paged
 from jax_ragged_attn.backends.shared import extension, known_issues
 from jax_ragged_attn.backends.shared.known_issues import TABLE, Versions
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
+from jax_ragged_attn.config import KVCacheConfig
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked
 from jax_ragged_attn.testing import assert_close, reference_attention
@@ -551,7 +551,7 @@ def test_the_no_query_workaround_zeroes_exactly_those_key_rows(monkeypatch, pack
     the workaround on (cuDNN 9.14 loaded), every key row of a sequence without query rows reads 0 in each
     key-side gradient part, and every other real key row keeps the kernel's value (unguarded)."""
     from jax_ragged_attn.backends.cudnn import launch
-    from jax_ragged_attn.backends.shared.packings import TABLE as PACKINGS
+    from jax_ragged_attn.index.packings import TABLE as PACKINGS
 
     if packing == "qkv":  # one buffer for q and kv: the sequence without queries has keys by seqused alone
         slots_q = slots_kv = (3, 5, 4)

@@ -28,14 +28,14 @@ from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
 from jax_ragged_attn.backends.shared import known_issues
 from jax_ragged_attn.backends.xla import kvcache as xla_kvcache
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
+from jax_ragged_attn.config import KVCacheConfig
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
 from jax_ragged_attn.testing import assert_close, declines, fa3_emulator
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
 from jax_ragged_attn.testing.helpers import SeededCacheCase
 from jax_ragged_attn.testing.private_config import config_overrides
 from jax_ragged_attn.config import AttentionOptions
-from jax_ragged_attn.inputs.kvcache import kvcache_config
+from jax_ragged_attn.ops.kvcache import kvcache_config
 
 # name -> keywords of one case: heads (Hq, Hkv), Sq, paged, options.
 CASES = {

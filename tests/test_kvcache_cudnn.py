@@ -32,7 +32,7 @@ from jax_ragged_attn.backends.cudnn import kvcache as cudnn_kvcache
 from jax_ragged_attn.backends.xla import kvcache as xla_kvcache
 from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.backends.cudnn import paged
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
+from jax_ragged_attn.config import KVCacheConfig
 from jax_ragged_attn.testing import assert_close
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
 from jax_ragged_attn.testing.private_config import config_overrides

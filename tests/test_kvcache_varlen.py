@@ -38,10 +38,11 @@ from jax_ragged_attn.backends.cudnn import paged
 from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
 from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.backends.shared import cache_attention, extension, known_issues
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, band, query_tiles
+from jax_ragged_attn.config import KVCacheConfig
+from jax_ragged_attn.index.kvcache import band, query_tiles
 from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
-from jax_ragged_attn.inputs import kvcache as kvcache_inputs
+from jax_ragged_attn.ops import kvcache as kvcache_inputs
 from jax_ragged_attn.testing import assert_close, declines, fa3_emulator
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention_packed
 from jax_ragged_attn.testing.helpers import SeededCacheCase

@@ -355,7 +355,7 @@ def _first_bad_entry(page_table: np.ndarray, touched: np.ndarray, num_pages: int
 
 def cache_index_problems(lengths: np.ndarray, page_table: np.ndarray | None, config) -> list[str]:
     """What is wrong with one ragged_attention_with_kvcache call's cache_seqlens [B] and page_table
-    [B, max_pages] (None: contiguous); config its KVCacheConfig (backends/shared/kvcache_config.py)."""
+    [B, max_pages] (None: contiguous); config its KVCacheConfig (index/kvcache.py)."""
     problems = []
     lengths = lengths.astype(np.int64)
     where = "k_cache.shape[1]" if not config.paged else f"page_table.shape[1] * page_size = {config.max_pages} * " \
@@ -469,7 +469,7 @@ def verified_output_band(result: jax.Array, axis: int, rows: int, *, name: str, 
     return jax.pure_callback(check, jax.ShapeDtypeStruct((), np.int32), band, vmap_method="sequential")
 
 
-# ---- the check feature of one call (api.attend, inputs/kvcache.py) -----------------------------------------
+# ---- the check feature of one call (ops.ragged.attend, ops/kvcache.py) -----------------------------------------
 
 
 def apply_check(check: bool | None, config, index):

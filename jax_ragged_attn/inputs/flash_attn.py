@@ -23,9 +23,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn.api import ragged_attention
+from jax_ragged_attn.ops.ragged import ragged_attention
 from jax_ragged_attn.index import as_int32, sanitize_cu_seqlens
-from jax_ragged_attn.inputs.kvcache import kvcache_append, ragged_attention_with_kvcache
+from jax_ragged_attn.ops.kvcache import kvcache_append, ragged_attention_with_kvcache
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,

@@ -5,7 +5,7 @@ costs a full copy of the activations forward and a full-size concatenate of the 
 cuDNN path neither happens: the packed buffer goes to the kernels as it is, each part addressed through its
 token stride (3*H*D or 2*Hkv*D elements) and its offset within a row (ffi/layouts.h), and the backward
 writes dQ, dK and dV into one gradient buffer of the packed shape. How each packing lies is one entry of
-shared/packings.TABLE, and one custom_vjp (cudnn/launch.attention) serves them all.
+index/packings.TABLE, and one custom_vjp (cudnn/launch.attention) serves them all.
 
 The xla path slices the parts and lets autodiff assemble the gradient: correct everywhere, with the copies.
 
@@ -15,7 +15,7 @@ The xla path slices the parts and lets autodiff assemble the gradient: correct e
 
 from __future__ import annotations
 
-from jax_ragged_attn.api import attend
+from jax_ragged_attn.ops.ragged import attend
 from jax_ragged_attn.config import AttentionOptions
 
 

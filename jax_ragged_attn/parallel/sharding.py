@@ -34,7 +34,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jax_ragged_attn.parallel import context_parallel as cp
 from jax_ragged_attn.parallel import ring
-from jax_ragged_attn.api import attend
+from jax_ragged_attn.ops.ragged import attend
 from jax_ragged_attn.features.checks import check_enabled, checked_cu_seqlens
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.index import as_int32

@@ -19,10 +19,10 @@ import contextlib
 import dataclasses
 from unittest import mock
 
-from jax_ragged_attn import api
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
+from jax_ragged_attn.ops import ragged as api
+from jax_ragged_attn.config import KVCacheConfig
 from jax_ragged_attn.config import AttentionConfig
-from jax_ragged_attn.inputs import kvcache
+from jax_ragged_attn.ops import kvcache
 
 
 def _replaced(build, config_class, fields: dict):

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn import api, testing
+from jax_ragged_attn import testing
+from jax_ragged_attn.ops import ragged as api
 from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.shared import extension, known_issues
 from jax_ragged_attn.config import AttentionOptions, make_config

@@ -27,7 +27,7 @@ from jax_ragged_attn.features import checks
 from jax_ragged_attn.backends.shared import extension, known_issues, stats_grad
 from jax_ragged_attn.backends.cudnn import extents, graphs
 from jax_ragged_attn.backends.cudnn.graphs import MAX_HEAD_DIM, INT32_LIMIT, ffi_kwargs, graph_info
-from jax_ragged_attn.backends.shared.packings import TABLE
+from jax_ragged_attn.index.packings import TABLE
 from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.index import (
     query_rows_with_keys,

@@ -125,7 +125,7 @@ def auto_candidate(config: AttentionConfig) -> bool:
 
 def attend(buffers, index, config: AttentionConfig, *, stats=True):
     """(out, stats) of the parts sliced out of packed buffers; autodiff assembles their gradients."""
-    from jax_ragged_attn.backends.shared.packings import TABLE
+    from jax_ragged_attn.index.packings import TABLE
 
     # Without seqused a slot's unused rows are only those max_seqlen cuts: one gap sequence a slot (PAIRED), or
     # none where no slot can be cut (PLAIN: the offsets dew-flash-attn's own call passes).
@@ -202,7 +202,7 @@ def _backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, confi
 # of a 3.99 ms fwd+bwd (0.05 ms after this layout). A slot cut by max_seqlen on both sides (a sequence that
 # check=True rejects as longer than max_seqlen) then computes its gap queries against its gap keys: up to its
 # uncut attention (a 32k slot cut to 1k: about 1,000 times the cut call's work, where the three-a-slot layout and
-# implementation="fa3" stay linear), its results masked like every other unowned row. api.py's docstring says so.
+# implementation="fa3" stay linear), its results masked like every other unowned row. ops/ragged.py's docstring says so.
 PAIRED = "paired"
 
 

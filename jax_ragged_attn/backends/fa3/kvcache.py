@@ -5,7 +5,7 @@ mode (no cu_seqlens) with cache_seqlens as seqused_k and, for a paged cache, the
 that handler itself, registered under our own name by backends/fa3/ragged.py (`_registered`), with the same inputs
 and attributes the wheel's lowering passes. Forward only (the wheel has no kvcache backward either).
 
-- Lengths: cache_seqlens clamped into [0, capacity] (kvcache_config.clamped_lengths) as seqused_k; FA3 aligns
+- Lengths: cache_seqlens clamped into [0, capacity] (index.kvcache.clamped_lengths) as seqused_k; FA3 aligns
   its causal mask and windows bottom-right, which is the op's query position (cache_seqlens - Sq + i).
 - Page table: entries outside [0, num_pages) are replaced by page 0 before the kernel sees them (by the op
   layer, with the lengths' clamp in one launch: READS_TABLE_UNCHECKED), so it never addresses memory outside
@@ -13,7 +13,7 @@ and attributes the wheel's lowering passes. Forward only (the wheel has no kvcac
   out instead), so the result of a sequence that uses one is unspecified: check=True names the entry.
 - Split-KV: `num_splits` (FA3's flash decoding) from the heuristic in `num_splits`, where B x Hkv query tiles
   would leave most of the GPU's 132 SMs idle; the wheel's caller-sized accumulators come back as outputs.
-- Rows with no key, sinks and the stats layout are applied by inputs/kvcache.py; out's rows with no key are
+- Rows with no key, sinks and the stats layout are applied by ops/kvcache.py; out's rows with no key are
   FA3's own zeros on the one call (zeroes_rows_without_keys: one launch fewer a decode step).
 
 - Unused rows, one call where FA3 zero-fills them: FA3's paged loader without TMA reads keys and values with
@@ -48,7 +48,8 @@ import numpy as np
 from jax_ragged_attn.backends.fa3 import ragged as fa3
 from jax_ragged_attn.backends.shared import head_tail as kvcache_head_tail
 from jax_ragged_attn.backends.shared import known_issues
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, query_tiles, rows_with_keys
+from jax_ragged_attn.config import KVCacheConfig
+from jax_ragged_attn.index.kvcache import query_tiles, rows_with_keys
 
 NAME = "fa3"
 # FA3 reads cache_seqlens and the page table without bounds: the op layer hands attend both made safe, in one
@@ -231,7 +232,7 @@ def _head_tail(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
 # The wheel's forward handler cannot take cu_seqlens_q with a paged cache: in varlen-q mode it reads the value
 # head dim off v's third dimension (head_size_v = v.dimensions()[2], csrc/flash_attn/flash.cpp), which for a
 # cache [num_pages, page_size, Hkv, D] is Hkv, and its check on differing head dims then refuses head dim 128.
-# So the packed rows run in batch mode, as tiles (kvcache_config.query_tiles): tile n holds up to `size`
+# So the packed rows run in batch mode, as tiles (index.kvcache.query_tiles): tile n holds up to `size`
 # consecutive queries of one sequence, q [N, size, Hq, D] gathered from the packed rows, seqused_q = its
 # query count, its sequence's page-table row, and seqused_k = its last query's position + 1, so that FA3's
 # bottom-right diagonal (seqused_k - seqused_q + i) is each query's position. size x group <= packed_tile_rows()

@@ -28,8 +28,8 @@ wheel as well registers nothing twice. It serves every semantic the op promises 
 - Packed QKV / KV: the parts are sliced out (copies) and autodiff assembles the gradients in the packed shape.
 - deterministic=True: FA3's deterministic backward. strategy: FA3's backward has one intermediate layout,
   sized by the token capacity (strategy="lean_memory"'s), and serves both values. autotune: ignored.
-- Check mode: cu_seqlens are validated by api.apply_check before they reach the kernels (FA3 has no workspace
-  to guard).
+- Check mode: cu_seqlens are validated by features.checks.apply_check before they reach the kernels (FA3 has no
+  workspace to guard).
 
 implementation=None picks FA3 where the shipped policy (policy.py: per GPU and shape class, from measurements)
 has it faster than cuDNN, and with autotune=True where a measurement of the configuration found it faster
@@ -188,7 +188,7 @@ def auto_candidate(config: AttentionConfig) -> bool:
 
 def attend(buffers, index, config: AttentionConfig, *, stats=True):
     """(out, stats) of the parts sliced out of packed buffers; autodiff assembles their gradients."""
-    from jax_ragged_attn.backends.shared.packings import TABLE
+    from jax_ragged_attn.index.packings import TABLE
 
     return attention(*TABLE[config.packing].split(buffers), index.cu_seqlens_q, index.cu_seqlens_kv, config,
                      index.seqused)

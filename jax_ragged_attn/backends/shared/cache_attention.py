@@ -16,7 +16,7 @@ entry outside the cache is replaced by page 0 before the gather (no address outs
 its rows are masked: absent keys.
 
 Packed queries (`attend_packed`, q [T, Hq, D] over cu_seqlens_q): the rows are cut into tiles of at most
-QUERY_TILE consecutive queries of one sequence (kvcache_config.query_tiles), and the tiles run as the batch
+QUERY_TILE consecutive queries of one sequence (index.kvcache.query_tiles), and the tiles run as the batch
 of the same recurrence, each reading its own sequence's cache rows (its page-table row, or its slot of a
 contiguous cache, gathered per block). A sequence of n queries reads its cache ceil(n / QUERY_TILE) times
 per block, a decode row once; the rows a step holds stay within the budget, cache rows gathered included.
@@ -29,8 +29,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_ragged_attn.backends.shared.kvcache_config import (KVCacheConfig, band, key_band, query_tiles,
-                                                           safe_page_table, valid_pages)
+from jax_ragged_attn.config import KVCacheConfig
+from jax_ragged_attn.index.kvcache import band, key_band, query_tiles, safe_page_table, valid_pages
 
 # float32 scores one step may hold ([B, Hq, Sq, rows]); the block's rows follow from it.
 SCORES_BUDGET_BYTES = 256 << 20

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_ragged_attn.backends.shared import cache_attention
-from jax_ragged_attn.backends.shared.kvcache_config import (KVCacheConfig, band, key_band, packed_query_rows,
-                                                           safe_page_table)
+from jax_ragged_attn.config import KVCacheConfig
+from jax_ragged_attn.index.kvcache import band, key_band, packed_query_rows, safe_page_table
 
 # head_call(q, k_cache, v_cache, head_lengths, page_table, config, left, right) -> (out [B, Sq, Hq, Dv],
 # lse [B, Hq, Sq]): the kernel bottom-right over head_lengths rows with bounds left / right (None: no bound);

@@ -222,5 +222,5 @@ def warn_cudnn_fallback(reason: str, config: AttentionConfig) -> None:
         f"backward (blocks {block_q}x{block_kv}, xla_block_size). Pass implementation='xla' to choose it "
         f"explicitly (and silence this), or remove the reason to run cuDNN. Shown once per reason.",
         CudnnFallbackWarning,
-        stacklevel=5,  # warn <- backends.choose <- api.attend <- entry point <- the caller
+        stacklevel=5,  # warn <- backends.choose <- ops.ragged.attend <- entry point <- the caller
     )

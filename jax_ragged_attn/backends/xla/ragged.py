@@ -135,7 +135,7 @@ def attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig,
 
     sinks: None or [Hq], one logit per query head that joins each row's softmax without a value.
     seqused_q, seqused_kv: None or int32 [B]: sequence b uses only the first seqused[b] rows of its slot.
-    return_stats: None reads config.return_stats (api.attend sets it); False returns stats None, and then no
+    return_stats: None reads config.return_stats (ops.ragged.attend sets it); False returns stats None, and then no
     -inf is computed anywhere; "raw" returns them with 0 instead of -inf on rows without keys.
     block_q, block_kv, memory_limit: override config.xla_block_size / JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT
     (xla_memory.py). Raises WorkingSetTooLargeError (a MemoryError) at trace time when the estimated
@@ -552,7 +552,7 @@ def unsupported_reason(config: AttentionConfig) -> str | None:
 
 def attend(buffers, index, config: AttentionConfig, *, stats=True):
     """(out, stats) of the parts sliced out of packed buffers; autodiff assembles their gradients."""
-    from jax_ragged_attn.backends.shared.packings import TABLE
+    from jax_ragged_attn.index.packings import TABLE
 
     return attention_xla(*TABLE[config.packing].split(buffers), index.cu_seqlens_q, index.cu_seqlens_kv, config,
                          return_stats=stats, seqused_q=index.seqused_q, seqused_kv=index.seqused_kv)

@@ -11,7 +11,7 @@ Packed (a serving step: prefill chunks and decode rows of any length in one call
                                         max_seqlen_q=M, page_table=page_table)   # q, out [T, Hq, D]
 
 The caches are contiguous [B, L, Hkv, D] or paged [num_pages, page_size, Hkv, D] with an integer page table
-[B, max_pages]; backends/shared/kvcache_config.py spells out how rows map to memory. This module validates the
+[B, max_pages]; index/kvcache.py spells out how rows map to memory. This module validates the
 arguments with the checks ragged_attention runs (config.check_heads, AttentionOptions), runs check mode
 (features/checks.py), picks the backend from the registry (backends.KVCACHE: FlashAttention-3, cuDNN over a
 contiguous cache, xla), and applies what every backend shares once: rows without keys (out 0, stats -inf),
@@ -28,8 +28,8 @@ import numpy as np
 
 from jax_ragged_attn import backends
 from jax_ragged_attn.backends.shared.cache_index import safe_cache_index
-from jax_ragged_attn.backends.shared.kvcache_config import (KVCacheConfig, clamped_lengths, packed_query_rows,
-                                                           packed_rows_with_keys, rows_with_keys)
+from jax_ragged_attn.config import KVCacheConfig
+from jax_ragged_attn.index.kvcache import clamped_lengths, packed_query_rows, packed_rows_with_keys, rows_with_keys
 from jax_ragged_attn.config import AttentionOptions, _static_int, check_array, check_heads, masked_fields
 from jax_ragged_attn.features import keyword_hints
 from jax_ragged_attn.features.checks import apply_append_check, apply_cache_check

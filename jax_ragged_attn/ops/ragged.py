@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn import backends
-from jax_ragged_attn.backends.shared.packings import TABLE
+from jax_ragged_attn.index.packings import TABLE
 from jax_ragged_attn.config import AttentionConfig, AttentionOptions, make_config
 from jax_ragged_attn.features.bottom_right import as_top_left
 from jax_ragged_attn.features.checks import apply_check
