@@ -1,14 +1,14 @@
-"""The public entry point: features composed around one backend call.
+"""ragged_attention: the features composed around one backend call.
 
 Every entry point (this one, inputs/packed.py, inputs/segments.py, parallel/sharding.py, ...) builds an
 `AttentionOptions` from its keywords first thing and hands the buffers to `attend`, which runs, in order:
 
-    index arrays made int32, one RaggedIndex     (index.py)
+    index arrays made int32, one RaggedIndex     (index/)
     the static config, validated                  (config.py)
     the bottom-right mask run as top-left         (features/bottom_right.py)
     check mode, or host-side warnings             (features/checks.py)
     the backend the registry picks                (backends/__init__.py: cuDNN, FlashAttention-3, xla)
-    sinks: folded into the backend or an epilogue (features/sinks.py)
+    sinks: folded into the backend or an epilogue (features/sinks.py, through ops/common.py)
     overflow counts                               (features/overflow.py)
 """
 
@@ -17,18 +17,15 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from jax_ragged_attn import backends
-from jax_ragged_attn.index.packings import TABLE
 from jax_ragged_attn.config import AttentionConfig, AttentionOptions, make_config
 from jax_ragged_attn.features.bottom_right import as_top_left
 from jax_ragged_attn.features.checks import apply_check
 from jax_ragged_attn.features.keyword_hints import reject_unknown_keywords
 from jax_ragged_attn.features.overflow import cu_seqlens_overflow
-from jax_ragged_attn.features.sinks import apply_sinks
 from jax_ragged_attn.index import RaggedIndex, as_int32
+from jax_ragged_attn.index.packings import TABLE
+from jax_ragged_attn.ops import common
 
 
 def ragged_attention(
@@ -169,7 +166,7 @@ def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOption
     A backend that reads packed buffers in place (cuDNN) returns their gradients in their own layout; the
     others slice the parts out and let autodiff assemble the gradients (correct everywhere, with copies).
     """
-    buffers = tuple(_as_array(x, b.name) for x, b in zip(buffers, TABLE[packing].buffers))
+    buffers = tuple(common.as_array(x) for x, _ in zip(buffers, TABLE[packing].buffers))
     q, k, v = TABLE[packing].views(buffers)
     same = cu_seqlens_q is cu_seqlens_kv  # one array for both (qkv-packed, segments): checked once
     cu_seqlens_q = as_int32(cu_seqlens_q, "cu_seqlens" if same and packing == "qkv" else "cu_seqlens_q")
@@ -190,22 +187,22 @@ def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOption
     # Sinks need the stats' gradient where they are an epilogue; without returned stats a backend with
     # attend_with_sinks folds them into its plain backward instead. Every backend that can decline a stats
     # gradient (stats_gradient_unsupported: cuDNN) folds, so only returned stats make them ask it.
-    backend = backends.choose(options.implementation, inner, index,
-                              stats_gradient=sinks is not None and options.return_stats)
+    backend = common.choose("ragged", options, inner, index, stats_gradient=sinks is not None and options.return_stats)
     folds_sinks = sinks is not None and not options.return_stats and hasattr(backend, "attend_with_sinks")
     if folds_sinks:
         out, stats = backend.attend_with_sinks(buffers, index, sinks, inner), None
     else:
         wanted = "raw" if sinks is not None and not options.return_stats else options.return_stats
         out, stats = backend.attend(buffers, index, inner, stats=wanted)  # False: no -inf computed (debug_infs)
-    if sinks is not None and not folds_sinks:
-        out, stats = apply_sinks(out, stats, sinks, index.real_rows_q(config), index.rows_with_keys(config),
-                                 config.stats_layout, options.return_stats)
-    result = (out, stats) if options.return_stats else (out,)
+    overflow = ()
     if return_overflow:  # from the cu_seqlens as the caller passed them (checked ones are the same values)
-        result += (cu_seqlens_overflow(index.cu_seqlens_q, index.cu_seqlens_kv, config, same=index.same,
-                                       seqused=index.seqused),)
-    return result if len(result) > 1 else out
+        overflow = (cu_seqlens_overflow(index.cu_seqlens_q, index.cu_seqlens_kv, config, same=index.same,
+                                        seqused=index.seqused),)
+    epilogue = sinks is not None and not folds_sinks
+    return common.result(out, stats, sinks if epilogue else None,
+                         index.real_rows_q(config) if epilogue else None,
+                         index.rows_with_keys(config) if epilogue else None,
+                         config.stats_layout, options.return_stats, overflow)
 
 
 def _check_keywords_only(positional: tuple, max_seqlen_q, max_seqlen_kv) -> None:
@@ -218,12 +215,6 @@ def _check_keywords_only(positional: tuple, max_seqlen_q, max_seqlen_kv) -> None
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
         if value is None:  # None is the default only so that a positional call reaches the TypeError above
             raise ValueError(f"{name} is required (keyword-only): a static Python int >= 1, got None")
-
-
-def _as_array(x, name: str):
-    """NumPy arrays as jnp.asarray makes them, the way jax.nn.dot_product_attention takes them: float64 becomes
-    float32 unless jax_enable_x64 is on. Anything else as it is (make_config names what it cannot take)."""
-    return jnp.asarray(x) if isinstance(x, np.ndarray) else x
 
 
 def _seqused(seqused, name: str, config: AttentionConfig):
