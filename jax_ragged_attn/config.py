@@ -381,7 +381,7 @@ def make_config(
     check_array(v, "v", 3, "[Tkv, Hkv, Dv]")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
         check_array(cu, name, 1, "[B + 1]")
-        if not jnp.issubdtype(cu.dtype, jnp.integer):  # any width: entry points convert to int32 (index.py as_int32)
+        if not jnp.issubdtype(cu.dtype, jnp.integer):  # any width: entry points convert to int32 (index/__init__.py as_int32)
             raise ValueError(f"{name} must have an integer dtype, got {cu.dtype}")
         if cu.shape[0] < 2:
             raise ValueError(f"{name} must have B + 1 >= 2 entries, got shape {tuple(cu.shape)}")

@@ -191,7 +191,7 @@ def test_a_stats_gradient_fence_asked_by_the_backward_is_recorded_and_listed(mon
 
 
 def test_every_backend_that_declines_a_stats_gradient_folds_sinks():
-    """api.py asks for a stats gradient with sinks only when stats are returned, because every backend that can
+    """ops/ragged.py asks for a stats gradient with sinks only when stats are returned, because every backend that can
     decline one folds the sinks into its plain backward otherwise."""
     from jax_ragged_attn import backends
 

@@ -2,7 +2,7 @@
 
 The whole semantic suite also runs once per setting (`pytest --jax-config=strict`, `--jax-config=x64`; see
 conftest.py and .ci/run). These tests pin what one session cannot: each setting switched on inside a test
-(jax.config's context managers) against the float64 reference, and the conversions of index.py.
+(jax.config's context managers) against the float64 reference, and the conversions of index/__init__.py.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def _rows(offsets, per_row: int, lengths, capacity: int):
 
 # Where the handlers find q, k and v in their three buffer arguments, per `packing` attribute (0 none, 1 kv,
 # 2 qkv; ffi/layouts.h): the part of a packed [T, parts, H, D] row, or None for an unpacked [T, H, D] buffer.
-# Written out here rather than read from shared/packings.py, so that a wrong table entry shows up.
+# Written out here rather than read from index/packings.py, so that a wrong table entry shows up.
 PARTS_OF = {0: (None, None, None), 1: (None, 0, 1), 2: (0, 1, 2)}
 # The backward's results per packing: (dq, dk, dv), (dq, dkv) or (dqkv,), each in its input's shape.
 PACK_GRADIENTS = {0: lambda g: g, 1: lambda g: (g[0], jnp.stack(g[1:], axis=1)), 2: lambda g: (jnp.stack(g, axis=1),)}

@@ -84,7 +84,7 @@ def sharded_ragged_attention(
     options, rest = AttentionOptions.split(kwargs)
     return_overflow = rest.pop("return_overflow", False)
     same = cu_seqlens_q is cu_seqlens_kv
-    cu_seqlens_q = as_int32(cu_seqlens_q, "cu_seqlens_q")  # any integer dtype (index.py)
+    cu_seqlens_q = as_int32(cu_seqlens_q, "cu_seqlens_q")  # any integer dtype (index/__init__.py)
     cu_seqlens_kv = cu_seqlens_q if same else as_int32(cu_seqlens_kv, "cu_seqlens_kv")
     if not isinstance(return_overflow, bool):
         raise ValueError(f"return_overflow must be a Python bool, got {type(return_overflow).__name__}")
