@@ -6,7 +6,7 @@
     python -m benchmarks.peers --interleave # a row's JAX cells timed in the same rounds
 
 Peers (columns): this package's `ragged_attention` with implementation=None ("ours default": the label names
-the backend the policy picked) and pinned to "cudnn", "fa3", "dew" and "xla"; the flash-attn3-jax wheel's own
+the backend the policy picked) and pinned to "cudnn", "fa3" (each provider) and "xla"; the flash-attn3-jax wheel's own
 `flash_mha_varlen`; dew-flash-attn's `flash_mha_varlen`; raw cuDNN (benchmarks/cudnn_raw.py: cudnn-frontend's
 Python module on torch buffers, the ceiling). Rows: workload x direction (fwd, fwd+bwd) x inputs, where
 "computed" makes q, k, v and the output's cotangent inside the jitted step (each jit argument times a traced
@@ -173,13 +173,13 @@ def _on_gpu() -> str | None:
     return None if backend == "gpu" else f"needs a CUDA GPU; JAX's backend is {backend!r}"
 
 
-def _config(w: Workload):
+def _config(w: Workload, **options):
     from jax_ragged_attn.config import AttentionOptions, make_config
     from jax_ragged_attn.index import RaggedIndex
 
     q, k, v, cu = jax.eval_shape(w.packed_inputs)  # shapes only: nothing is allocated
     cu = jnp.asarray(w.cu_seqlens())
-    config = make_config(q, k, v, cu, cu, AttentionOptions(is_causal=w.causal), max_seqlen_q=w.max_seqlen,
+    config = make_config(q, k, v, cu, cu, AttentionOptions(is_causal=w.causal, **options), max_seqlen_q=w.max_seqlen,
                          max_seqlen_kv=w.max_seqlen)
     return config, RaggedIndex(cu, cu, same=True)
 
@@ -187,8 +187,11 @@ def _config(w: Workload):
 def _ours(implementation: str | None):
     def attention(w: Workload):
         from jax_ragged_attn import backends, ragged_attention
+        from jax_ragged_attn.testing import implementation_options
 
         from benchmarks.systems import _xla_unsupported
+
+        options = implementation_options(implementation) if implementation else {}
 
         # implementation=None on a GPU falls back to the xla path where no GPU kernel serves the row: on these
         # shapes that is minutes or out of memory, so it is declined as "ours xla" is.
@@ -199,13 +202,13 @@ def _ours(implementation: str | None):
                                                              f"serves this row) and {reason}")
         if implementation is not None:
             try:
-                backends.choose(implementation, *_config(w))
+                backends.choose(options["implementation"], *_config(w, **options))
             except NotImplementedError as error:
                 raise Declined(str(error)) from None
 
         def f(q, k, v, cu):
             return ragged_attention(q, k, v, cu, cu, max_seqlen_q=w.max_seqlen, max_seqlen_kv=w.max_seqlen,
-                                    is_causal=w.causal, implementation=implementation)
+                                    is_causal=w.causal, **options)
         return f
     return attention
 
@@ -320,8 +323,8 @@ def _dew(w: Workload):
 PEERS: dict[str, Peer] = {p.name: p for p in (
     Peer("ours default", lambda: None, _ours(None), _default_label),
     Peer("ours cudnn", _cudnn_unavailable, _ours("cudnn")),
-    Peer("ours fa3", _fa3_unavailable, _ours("fa3")),
-    Peer("ours dew", _ours_dew_unavailable, _ours("dew")),
+    Peer("ours fa3", _fa3_unavailable, _ours("flash-attn3-jax")),
+    Peer("ours dew", _ours_dew_unavailable, _ours("dew-flash-attn")),
     Peer("ours xla", lambda: None, _ours("xla")),
     Peer("flash-attn3-jax", _fa3_raw_unavailable, _fa3_raw),
     Peer("dew-flash-attn", _dew_unavailable, _dew),

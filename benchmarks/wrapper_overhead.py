@@ -1,5 +1,5 @@
-"""Where implementation="fa3" / "dew" spends time over its wheel's own call (flash-attn3-jax's flash_mha_varlen,
-or dew-flash-attn's).
+"""Where implementation="fa3" spends time over its provider's own call (--implementation fa3: flash-attn3-jax's
+flash_mha_varlen; dew: dew-flash-attn's).
 
     python -m benchmarks.wrapper_overhead [--workloads W5,W1] [--implementation fa3|dew]
                                           [--inputs arguments|computed] [--calls 20] [--loops 7]
@@ -30,13 +30,14 @@ from benchmarks.capture import entry_launches
 from benchmarks.fa3_compare import steps
 from benchmarks.timing import median_loop_seconds
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.testing import workloads
+from jax_ragged_attn.testing import implementation_options, workloads
 
 
 def _ours(w, implementation):
     def f(q, k, v, cu):
         return ragged_attention(q, k, v, cu, cu, max_seqlen_q=w.max_seqlen, max_seqlen_kv=w.max_seqlen,
-                                is_causal=w.causal, implementation=implementation)
+                                is_causal=w.causal, **implementation_options(
+                                    "dew-flash-attn" if implementation == "dew" else "flash-attn3-jax"))
     return f
 
 

@@ -19,8 +19,10 @@ import numpy as np
 
 DIAGONAL_ALIGNMENTS = ("top_left", "bottom_right")
 STATS_LAYOUTS = ("head_major", "token_major")
-# "fa3": FlashAttention-3 through an optional wheel (backends/fa3/ragged.py).
-IMPLEMENTATIONS = (None, "cudnn", "xla", "fa3", "dew")
+# "fa3": FlashAttention-3's kernels from an optional wheel, one of FA3_PROVIDERS (backends/fa3/providers.py).
+IMPLEMENTATIONS = (None, "cudnn", "xla", "fa3")
+# The wheels that provide FlashAttention-3's kernels, named by fa3_provider (None: the first installed that serves).
+FA3_PROVIDERS = ("dew-flash-attn", "flash-attn3-jax")
 # How q, k, v lie in memory on the cuDNN path (ffi/attention_config.h's Packing, in this order).
 PACKINGS = ("none", "kv", "qkv")
 XLA_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -91,6 +93,7 @@ class AttentionConfig(MaskedConfig):
     # The xla path's (block_q, block_kv) rows (AttentionOptions.xla_block_size); None: its default, 128 each on
     # a GPU and 64 on a CPU (backends/xla/memory.py). The other backends ignore it.
     xla_block_size: tuple[int, int] | None = None
+    fa3_provider: str | None = None  # implementation="fa3"'s kernels: one of FA3_PROVIDERS, None: the first serving
     # For tests only, set through testing.config_overrides (no keyword reaches them):
     # poison_outputs: the cuDNN handler fills every output with NaN before it zeroes the rows no sequence owns,
     # so a row cuDNN should write but skips reads NaN (backends/cudnn/launch.py);
@@ -158,6 +161,9 @@ class KVCacheConfig(MaskedConfig):
 
 def check_implementation(implementation) -> None:
     """Checked first of all (AttentionOptions does it first), before any array is looked at."""
+    if implementation == "dew":  # a wheel, not a kernel family: FA3's kernels as dew-flash-attn builds them
+        raise ValueError('implementation="dew" is spelled implementation="fa3", fa3_provider="dew-flash-attn": '
+                         "dew-flash-attn is one provider of FlashAttention-3's kernels")
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
 
@@ -190,9 +196,12 @@ class AttentionOptions:
     # of them empty, so its own T / B would put long documents in the short-sequence class (policy.py).
     policy_tokens_per_sequence: int | None = None
     xla_block_size: int | tuple[int, int] | None = None  # None, or (block_q, block_kv) rows; an int b: (b, b)
+    fa3_provider: str | None = None  # None, or one of FA3_PROVIDERS: whose FlashAttention-3 kernels "fa3" runs
 
     def __post_init__(self):
         check_implementation(self.implementation)
+        if self.fa3_provider not in (None, *FA3_PROVIDERS):
+            raise ValueError(f"fa3_provider must be None or one of {FA3_PROVIDERS}, got {self.fa3_provider!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if not isinstance(self.return_stats, bool):
@@ -421,5 +430,6 @@ def make_config(
         has_sinks=sinks is not None,
         policy_tokens_per_sequence=options.policy_tokens_per_sequence,
         xla_block_size=options.xla_block_size,
+        fa3_provider=options.fa3_provider,
         **masked_fields(options, dqk),
     )

@@ -63,7 +63,7 @@ class RaggedSelfAttention(nnx.Module):
       rope_base: RoPE's base; None turns RoPE off.
       scale: multiplies q.k; default 1 / sqrt(D).
       softcap: None or c > 0: cap the attention logits to c * tanh(s / c) (Gemma 2), as in `ragged_attention`.
-      implementation: None, "cudnn", "fa3", "dew" or "xla", as in `ragged_attention` (None: the shipped policy
+      implementation: None, "cudnn", "fa3" or "xla", as in `ragged_attention` (None: the shipped policy
         of backends/policy.py, FA3 from 1,024 tokens a sequence where one of its wheels is installed, cuDNN
         below, xla where neither serves the call).
       strategy: "fastest" or "lean_memory", the cuDNN backward's workspace-for-speed trade, as in

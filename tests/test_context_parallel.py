@@ -25,7 +25,7 @@ from jax_ragged_attn.index import cu_seqlens_from_lengths
 from jax_ragged_attn.parallel.sharding import reorder_for_load_balance, restore_order, sharded_ragged_attention
 from jax_ragged_attn.testing.documents import dense_mask, random_document_lengths
 from jax_ragged_attn.testing.multidevice import cudnn_gpus, report_checks, run_checks_in_child
-from jax_ragged_attn.testing import assert_close, packed_batch
+from jax_ragged_attn.testing import assert_close, implementation_options, packed_batch
 from jax_ragged_attn.testing.reference import reference_attention
 
 EXPLICIT, AUTO = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
@@ -379,16 +379,17 @@ def test_two_gpus_cudnn_context_parallel_matches_one_gpu(load_balance, context_s
 
 
 def _skip_unless_available(implementation: str) -> None:
-    """FA3's builds are optional wheels (dew: the one implementation=None takes for FA3's class where installed)."""
+    """FA3's providers are optional wheels (dew-flash-attn: the one implementation="fa3" takes where installed)."""
     from jax_ragged_attn.backends.fa3 import dew, ragged as fa3
 
-    reason = {"fa3": fa3.unavailable_reason, "dew": dew.unavailable_reason}.get(implementation, lambda: None)()
+    reason = {"flash-attn3-jax": fa3.unavailable_reason, "dew-flash-attn": dew.unavailable_reason}.get(
+        implementation, lambda: None)()
     if reason:
         pytest.skip(reason)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("implementation, head_dim", [("cudnn", 64), ("fa3", 128), ("dew", 128)])
+@pytest.mark.parametrize("implementation, head_dim", [("cudnn", 64), ("flash-attn3-jax", 128), ("dew-flash-attn", 128)])
 @pytest.mark.parametrize("n, load_balance", [(2, False), (4, True), (2, True)])
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])
 def test_one_gpu_device_calls_match_the_op(implementation, head_dim, n, load_balance, layout):
@@ -425,7 +426,7 @@ def _random_packing(seed: int, total: int) -> tuple[tuple[int, ...], int]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("implementation, head_dim", [("cudnn", 64), ("fa3", 128), ("dew", 128)])
+@pytest.mark.parametrize("implementation, head_dim", [("cudnn", 64), ("flash-attn3-jax", 128), ("dew-flash-attn", 128)])
 @pytest.mark.parametrize("n", [4, 8])
 def test_one_gpu_device_calls_on_random_packings(implementation, head_dim, n, seed):
     """As above, load-balanced, on random packings (_random_packing): pieces of one document in both of a
@@ -463,7 +464,7 @@ def _check_device_calls(implementation, head_dim, n, load_balance, layout, devic
     plan = cp.Plan(token_axis="cp", devices=n, load_balance=load_balance, max_seqlen=max_seqlen,
                    is_causal=is_causal, window_left=None, stats_axis=stats_axis)
     options = AttentionOptions(is_causal=is_causal, stats_layout=layout, return_stats=True,
-                               implementation=implementation)
+                               **implementation_options(implementation))
 
     def attend_chunk(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, *, seqused, diagonal_alignment):
         chunk_options = dataclasses.replace(options, diagonal_alignment=diagonal_alignment)
@@ -489,7 +490,7 @@ def _check_device_calls(implementation, head_dim, n, load_balance, layout, devic
     def unsharded(q, k, v, cu):
         return ragged_attention(q, k, v, cu, cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
                                 is_causal=is_causal, return_stats=True, stats_layout=layout,
-                                implementation=implementation)
+                                **implementation_options(implementation))
 
     d_out = rng.standard_normal((total, hq, head_dim)).astype("bfloat16")
     d_out[sum(lengths):] = 0

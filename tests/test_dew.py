@@ -67,7 +67,8 @@ def test_one_gap_sequence_a_slot_without_seqused(emulated, monkeypatch, seqused,
 
     def loss(x, cu):
         return ragged_attention(x, x, x, cu, cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
-                                implementation="dew", is_causal=True, **used).astype(jnp.float32).sum()
+                                implementation="fa3", fa3_provider="dew-flash-attn", is_causal=True,
+                                **used).astype(jnp.float32).sum()
     if traced:
         jax.jit(jax.grad(loss))(x, cu)
     else:
@@ -153,7 +154,7 @@ def _check_against_reference(case_name, mask, stats_layout, head_dim, forward_on
     def attention(q, k, v):
         return ragged_attention(q, k, v, cu_q_array, cu_kv_array, max_seqlen_q=max_q,
                                 max_seqlen_kv=max_kv, return_stats=True, stats_layout=stats_layout,
-                                implementation="dew", **seqused, **options)
+                                implementation="fa3", fa3_provider="dew-flash-attn", **seqused, **options)
 
     cast = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
     if forward_only:  # no vjp: the forward clears V alone, so NaN gap queries meet NaN gap keys in the kernels
@@ -189,13 +190,16 @@ def test_implementation_none_takes_it_where_the_policy_prefers_fa3(emulated, mon
 
     def chosen(tokens, num_seqs, **options):
         cu = jnp.zeros(num_seqs + 1, jnp.int32)
-        return backends.choose(None, config(tokens, num_seqs, **options), RaggedIndex(cu, cu)).NAME
+        call, index = config(tokens, num_seqs, **options), RaggedIndex(cu, cu)
+        backend = backends.choose(None, call, index)
+        return backend.provider(call, index) if backend.NAME == "fa3" else backend.NAME
 
     assert dew.unavailable_reason() is None  # the stand-ins declared available
-    assert chosen(4096, 2) == "dew"  # 2,048 tokens a sequence: FA3's class
-    assert chosen(4096, 2, softcap=2.0) == "fa3"  # one it declines: the other wheel's FA3
-    assert chosen(65536, 119) not in ("dew", "fa3")  # 551 a sequence: cuDNN's class (the xla path on a CPU)
-    assert backends.get("dew").auto_candidate(config(65536, 119, autotune=True))
+    assert chosen(4096, 2) == "dew-flash-attn"  # 2,048 tokens a sequence: FA3's class
+    assert chosen(4096, 2, softcap=2.0) == "flash-attn3-jax"  # one it declines: the other wheel's FA3
+    # 551 tokens a sequence: cuDNN's class (the xla path on a CPU)
+    assert chosen(65536, 119) not in ("dew-flash-attn", "flash-attn3-jax")
+    assert backends.get("fa3").auto_candidate(config(65536, 119, autotune=True))
 
 
 def test_the_kvcache_op_names_its_backends_when_asked_for_dew():

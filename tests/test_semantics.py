@@ -535,6 +535,10 @@ class Fa3Test(SemanticsTest):
     deterministic_by_default = False  # dQ is accumulated with atomics unless deterministic=True
     bottom_right_only = True
 
+    def setUp(self):
+        super().setUp()
+        self.enter_context(config_overrides(fa3_provider="flash-attn3-jax"))
+
 
 EMULATED_CASES = ("mha", "causal", "causal_bottom_right", "mqa_causal_bottom_right", "window_causal_bottom_right",
                   "window_right_zero_gqa_bottom_right", "empty_gqa_causal_bottom_right", "all_empty")
@@ -567,28 +571,33 @@ _DEW_REASON = _dew.unavailable_reason()
 @pytest.mark.gpu
 @pytest.mark.skipif(_DEW_REASON is not None, reason=f"dew-flash-attn unavailable: {_DEW_REASON}")
 class DewTest(SemanticsTest):
-    """FlashAttention-3's kernels as dew-flash-attn builds them, through implementation="dew" (the FA3 wrapper
+    """FlashAttention-3's kernels as dew-flash-attn builds them, through implementation="fa3" (the FA3 wrapper
     with the sequences' unused rows handed over as sequences of their own): cuDNN's sizes at head dim 128.
     Declines (a top-left mask it cannot prove, deterministic=True) are skips with the reason."""
 
     __test__ = True
-    implementation = "dew"
+    implementation = "fa3"
     dtypes = ("bfloat16", "float16")
     sizes = Sizes(num_seqs=6, max_seqlen=(160, 192), slack=(37, 21), head_dim_unit=32, window_unit=4,
                   head_dim=128)
     deterministic_by_default = False
     bottom_right_only = True
 
+    def setUp(self):
+        super().setUp()
+        self.enter_context(config_overrides(fa3_provider="dew-flash-attn"))
+
 
 class DewEmulatedTest(Fa3EmulatedTest):
     """fa3/dew.py (the offsets with gaps for the rows past each sequence's used ones) around the same stand-ins,
     taking offsets alone as dew-flash-attn's kernels do: on the CPU in CI."""
 
-    implementation = "dew"
+    implementation = "fa3"
 
     def setUp(self):
         SemanticsTest.setUp(self)
         self.enter_context(fa3_emulator.patched_dew())
+        self.enter_context(config_overrides(fa3_provider="dew-flash-attn"))
 
 
 # Only a few of the named cases here (ones FA3 serves, across its masks, GQA and empty sequences), so that CI

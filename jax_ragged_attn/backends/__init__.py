@@ -4,8 +4,7 @@ Three kernel families, each a package serving both ops (`ragged.py` for ragged_a
 ragged_attention_with_kvcache) with its private helpers beside them, and what several families share:
 
     cudnn/     cuDNN's fused SDPA graphs through this package's C++ FFI extension
-    fa3/       FlashAttention-3 through the optional flash-attn3-jax wheel (Hopper); dew.py: the same wrapper
-               around FA3 as the optional dew-flash-attn wheel builds it (implementation="dew")
+    fa3/       FlashAttention-3 (Hopper) from an optional wheel, its provider: dew-flash-attn or flash-attn3-jax
     xla/       pure JAX: serves every call, everywhere (the portable fallback and the tests' second reference)
     shared/    head groups, packings, the stats-gradient formula, row zeroing, the KV-cache index arithmetic,
                the head/tail split; imported by any family, importing none
@@ -28,15 +27,13 @@ from jax_ragged_attn.backends import policy
 
 # Preference order for implementation=None: the first that is an automatic candidate and serves the call.
 REGISTRY = {
-    # FA3 as dew-flash-attn builds it, before the flash-attn3-jax wheel's: its kernels ran faster on every row
-    # where both serve (H100, docs/PERFORMANCE.md); a candidate where the policy prefers FA3 (dew.auto_candidate).
-    "dew": "jax_ragged_attn.backends.fa3.dew",
-    "fa3": "jax_ragged_attn.backends.fa3.ragged",  # a candidate where the measured policy prefers it (fa3.auto_candidate)
+    # A candidate where the measured policy prefers it (providers.auto_candidate); its provider: fa3_provider, or
+    # the first installed that serves (providers.PROVIDERS).
+    "fa3": "jax_ragged_attn.backends.fa3.providers",
     "cudnn": "jax_ragged_attn.backends.cudnn.ragged",
     "xla": "jax_ragged_attn.backends.xla.ragged",  # serves everything, everywhere: the portable fallback
 }
 FALLBACK = "xla"
-FA3_BUILDS = ("dew", "fa3")  # two builds of FlashAttention-3's kernels: autotune=True times the first serving
 
 # ragged_attention_with_kvcache's backends, in the same preference order.
 KVCACHE = {
@@ -122,12 +119,10 @@ def choose(implementation: str | None, config, index, *, stats_gradient: bool = 
             policy.report(spec.fallback, config, reason)
         return get(spec.fallback, op)
     names = [name for name, _ in serving]
-    builds = [name for name in names if name in FA3_BUILDS]
-    if config.autotune and "cudnn" in names and builds:
+    if config.autotune and {"cudnn", "fa3"} <= set(names):
         from jax_ragged_attn.backends import tuning
 
-        # cuDNN against the FA3 build the order prefers (dew's where it serves).
-        name = tuning.faster(config, index.cu_seqlens_q, index.cu_seqlens_kv, candidate=builds[0])
+        name = tuning.faster(config, index)
         policy.report(name, config, "measured faster (autotune=True)")
         return get(name, op)
     policy.report(serving[0][0], config, "the first serving candidate of the policy (backends/policy.py)")

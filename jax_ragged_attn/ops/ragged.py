@@ -54,6 +54,7 @@ def ragged_attention(
     seqused_kv: jax.Array | None = None,
     softcap: float | None = None,
     xla_block_size: int | tuple[int, int] | None = None,
+    fa3_provider: str | None = None,
     **unknown,
 ):
     """Scaled dot-product attention over sequences packed into one token buffer (the THD / varlen layout).
@@ -80,19 +81,19 @@ def ragged_attention(
         (below) are the only inf the op computes, so jax.debug_infs reports them; jax.debug_nans never
         fires, and with return_stats=False neither does jax.debug_infs (unless the inputs hold inf/NaN).
       implementation: None chooses per call by the policy shipped in backends/policy.py: FlashAttention-3
-        where an optional FA3 wheel (dew-flash-attn, else flash-attn3-jax) is installed and serves the call,
-        the GPU is a Hopper and the call has at least 1,024 tokens a sequence (capacity Tq / B), cuDNN below
-        that or where FA3 cannot serve the call, and "xla" where no GPU kernel can (with a warning on a GPU).
-        autotune=True times cuDNN against that FA3 build instead of applying the threshold; the environment
-        variable JAX_RAGGED_ATTN_IMPLEMENTATION ("cudnn", "fa3", "dew" or "xla") pins one for every call it
-        can serve. "cudnn" and "fa3" raise NotImplementedError
-        saying why where they cannot serve the call (FA3: Hopper, bfloat16 / float16, head dim 128, no
-        softcap; backends/fa3/ragged.py); "xla" is the portable jnp implementation and serves every call.
-        "dew" runs FA3's kernels as the optional dew-flash-attn wheel builds them (head dims 64, 128, 192,
-        256; no softcap, no deterministic backward; backends/fa3/dew.py); where it is installed,
-        implementation=None takes it before the flash-attn3-jax wheel's FA3 (measured faster) and at every
-        head dim it serves. A sequence longer than max_seqlen (which check=True rejects; cut otherwise) costs
-        dew, without seqused, up to that sequence's uncut attention.
+        where an optional FA3 wheel is installed and serves the call, the GPU is a Hopper and the call has at
+        least 1,024 tokens a sequence (capacity Tq / B), cuDNN below that or where FA3 cannot serve the call,
+        and "xla" where no GPU kernel can (with a warning on a GPU). autotune=True times cuDNN against FA3
+        instead of applying the threshold; the environment variable JAX_RAGGED_ATTN_IMPLEMENTATION ("cudnn",
+        "fa3" or "xla") pins one for every call it can serve. "cudnn" and "fa3" raise NotImplementedError
+        saying why where they cannot serve the call; "xla" is the portable jnp implementation and serves every
+        call. "fa3" runs FlashAttention-3's kernels from fa3_provider's wheel (backends/fa3/providers.py).
+      fa3_provider: whose FlashAttention-3 kernels "fa3" runs: "dew-flash-attn" (head dims 64, 128, 192, 256;
+        no softcap, no deterministic backward; backends/fa3/dew.py), "flash-attn3-jax" (head dim 128, no
+        softcap; backends/fa3/ragged.py), or None: the first of the two that is installed and serves the call
+        (dew-flash-attn's measured faster). Both need a Hopper GPU and bfloat16 / float16. A sequence longer
+        than max_seqlen (which check=True rejects; cut otherwise) costs dew-flash-attn, without seqused, up to
+        that sequence's uncut attention.
       deterministic: run cuDNN's deterministic backward, so dQ/dK/dV are bit-identical run to run (it keeps
         dP in a dense workspace: slower and much more memory). The xla path is deterministic anyway.
       check: validate cu_seqlens at run time (start at 0, never decrease, stay within the capacity, no
@@ -152,7 +153,8 @@ def ragged_attention(
                                local_window_size=local_window_size, stats_layout=stats_layout,
                                return_stats=return_stats, implementation=implementation,
                                deterministic=deterministic, check=check, autotune=autotune,
-                               strategy=strategy, softcap=softcap, xla_block_size=xla_block_size)
+                               strategy=strategy, softcap=softcap, xla_block_size=xla_block_size,
+                               fa3_provider=fa3_provider)
     return attend((q, k, v), cu_seqlens_q, cu_seqlens_kv, options, max_seqlen_q=max_seqlen_q,
                   max_seqlen_kv=max_seqlen_kv, sinks=sinks, return_overflow=return_overflow, seqused_q=seqused_q,
                   seqused_kv=seqused_kv)

@@ -5,6 +5,7 @@ own tests of code built on the op."""
 from jax_ragged_attn.testing.helpers import (
     PackedBatch,
     assert_close,
+    implementation_options,
     packed_batch,
     random_lengths,
     stand_in_handler_args,
@@ -12,5 +13,5 @@ from jax_ragged_attn.testing.helpers import (
 )
 from jax_ragged_attn.testing.reference import reference_attention
 
-__all__ = ["PackedBatch", "assert_close", "packed_batch", "random_lengths", "reference_attention",
+__all__ = ["PackedBatch", "assert_close", "implementation_options", "packed_batch", "random_lengths", "reference_attention",
            "stand_in_handler_args", "tolerance"]
