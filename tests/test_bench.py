@@ -227,7 +227,7 @@ def test_package_bench_times_your_shape_on_each_implementation(capsys):
     rows = {line.split()[0]: line for line in lines[header + 1:]}
     from jax_ragged_attn import backends
 
-    assert set(rows) == set(backends.REGISTRY), lines  # each implementation a row (dew, fa3, cudnn, xla)
+    assert set(rows) == set(backends.REGISTRY), lines  # each implementation a row (fa3, cudnn, xla)
     assert rows["xla"].count(" ms ") == 2 and rows["xla"].count("TFLOP/s") == 2, rows["xla"]  # forward, fwd+bwd
     if jax.default_backend() == "cpu":
         assert rows["cudnn"].split(None, 1)[1] == "skipped: no CUDA device: JAX's backend is 'cpu'", rows["cudnn"]
