@@ -6,8 +6,8 @@ ragged_attention_with_kvcache) with its private helpers beside them, and what se
     cudnn/     cuDNN's fused SDPA graphs through this package's C++ FFI extension
     fa3/       FlashAttention-3 (Hopper) from an optional wheel, its provider: dew-flash-attn or flash-attn3-jax
     xla/       pure JAX: serves every call, everywhere (the portable fallback and the tests' second reference)
-    shared/    head groups, packings, the stats-gradient formula, row zeroing, the KV-cache index arithmetic,
-               the head/tail split; imported by any family, importing none
+    shared/    the extension, head groups, the stats-gradient formula, row zeroing, the KV-cache index clamp,
+               attention over a cache in jnp, the head/tail split; imported by any family, importing none
 
 Families never import each other (tests/test_layout.py holds it). Each op's backend surface is a Protocol
 in protocol.py (RaggedBackend, KVCacheBackend); every registered module satisfies its op's.
