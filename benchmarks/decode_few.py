@@ -16,7 +16,7 @@ microseconds, and every extra launch is a few of them.
 
 Rows per shape (GQA 32/8, d 128, pages of 256, bf16, lengths in [L/2, L], the same draws as decode.py):
     ours              implementation=None, what a user gets
-    ours splits=N     the FA3 route with its key splits pinned (config.num_splits), N in SPLITS
+    ours splits=N     the FA3 route with its key splits pinned (fa3 options.num_splits), N in SPLITS
     ours pieces=P     each sequence's keys as P sequences through the page table, merged by log-sum-exps
                       (benchmarks/decode_pieces.py pieces_call), FA3's own splits
     raw FA3           flash-attn3-jax's flash_mha_with_kvcache at its default (num_splits=1), then pinned to
@@ -36,7 +36,7 @@ import numpy as np
 from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
 from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.ops.kvcache import kvcache_config, ragged_attention_with_kvcache
-from jax_ragged_attn.testing.private_config import config_overrides
+from jax_ragged_attn.testing.private_config import backend_options
 from jax_ragged_attn.tools.bench import interleaved_loop_seconds
 
 from benchmarks import decode
@@ -54,7 +54,7 @@ def _rows(args, shape: dict, splits_of_ours: int):
     rows = {"ours": lambda q, k, v, n, t: ragged_attention_with_kvcache(q, k, v, n, page_table=t)}
     for splits in shape["splits"]:
         def pinned(q, k, v, n, t, splits=splits):
-            with config_overrides(num_splits=splits):
+            with backend_options(num_splits=splits):
                 return ragged_attention_with_kvcache(q, k, v, n, page_table=t, implementation=implementation)
         rows[f"ours splits={splits}"] = pinned
     if args[4] is not None:  # pieces go through the page table

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn import ragged_attention_with_kvcache
-from jax_ragged_attn.testing.private_config import config_overrides
+from jax_ragged_attn.testing.private_config import backend_options
 
 from benchmarks.timing import plain_loop_seconds
 
@@ -98,7 +98,7 @@ def run(shape: dict, calls: int, repetitions: int) -> list[str]:
             for pieces, splits in variants:
                 label = f"{batch} x {context // 1024}k" if context >= 1024 else f"{batch} x {context}"
                 try:
-                    with config_overrides(num_splits=splits):
+                    with backend_options(num_splits=splits):
                         call = lambda q, k, v, n, t, p=pieces: pieces_call(  # noqa: E731
                             q, k, v, n, t, p, implementation=implementation)
                         seconds, out = _time(call, (q, k, v, lengths, table), calls, repetitions)

@@ -14,7 +14,7 @@ from jax_ragged_attn import ragged_attention_with_kvcache
 from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
 from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.ops.kvcache import kvcache_config
-from jax_ragged_attn.testing.private_config import config_overrides
+from jax_ragged_attn.testing.private_config import backend_options
 
 from benchmarks import decode
 
@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
         for layout, args in (("contiguous", (q, k, v, lengths, None)), ("paged", (q, paged_k, paged_v, lengths, table))):
             times = []
             for splits in SPLITS:
-                with config_overrides(num_splits=splits):  # the private KVCacheConfig field
+                with backend_options(num_splits=splits):  # FA3's option (backends/fa3/options.py)
                     def ours(q, k, v, lengths, table):
                         return ragged_attention_with_kvcache(q, k, v, lengths, page_table=table, implementation="fa3")
                     times.append(decode._time(ours, args, 20, 5) * 1e3)

@@ -94,17 +94,6 @@ class AttentionConfig(MaskedConfig):
     # a GPU and 64 on a CPU (backends/xla/memory.py). The other backends ignore it.
     xla_block_size: tuple[int, int] | None = None
     fa3_provider: str | None = None  # implementation="fa3"'s kernels: one of FA3_PROVIDERS, None: the first serving
-    # For tests only, set through testing.config_overrides (no keyword reaches them):
-    # poison_outputs: the cuDNN handler fills every output with NaN before it zeroes the rows no sequence owns,
-    # so a row cuDNN should write but skips reads NaN (backends/cudnn/launch.py);
-    # xla_fused_backward: the xla path's backward as one fused pass (True) or two passes (False); None: fused
-    # on a CPU only (backends/xla/memory.py fused_backward).
-    poison_outputs: bool = False
-    xla_fused_backward: bool | None = None
-
-
-# The routes a test may pin (KVCacheConfig.route): cuDNN's two, FA3's head / tail split.
-PINNED_ROUTES = ("paged", "ragged", "head_tail")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,23 +119,6 @@ class KVCacheConfig(MaskedConfig):
     has_sinks: bool = False  # sinks are an epilogue of the op layer: backends never see them
     softcap: float = 0.0  # scores become softcap * tanh(score / softcap) before the softmax; 0: no cap
     total_q: int = 0  # packed queries: q [T, Hq, D] over cu_seqlens_q, seqlen_q being max_seqlen_q; 0: [B, Sq]
-    # For tests and benchmarks only, set through testing.config_overrides (no keyword reaches them); None: the
-    # backend decides. route: a kernel's route, "paged" / "ragged" on cuDNN (cudnn/kvcache.py), "head_tail" on
-    # FA3 (fa3/kvcache.py), each backend ignoring the other's; block_rows: the xla path's cache rows a step
-    # (shared/cache_attention.py); num_splits: FA3's key splits (fa3/kvcache.py num_splits); tail_rows: the
-    # head / tail split's tail on FA3 and cuDNN (their TAIL; tests make it small so that heads and tails both
-    # carry keys); query_tile: the xla path's queries a packed tile (cache_attention.QUERY_TILE);
-    # packed_tile_rows: FA3's query rows a packed tile (fa3/kvcache.py packed_tile_rows).
-    route: str | None = None
-    block_rows: int | None = None
-    num_splits: int | None = None
-    tail_rows: int | None = None
-    query_tile: int | None = None
-    packed_tile_rows: int | None = None
-
-    def __post_init__(self):
-        if self.route not in (None, *PINNED_ROUTES):
-            raise ValueError(f"route must be None or one of {PINNED_ROUTES}, got {self.route!r}")
 
     @property
     def capacity(self) -> int:
@@ -390,7 +362,7 @@ def make_config(
     check_array(v, "v", 3, "[Tkv, Hkv, Dv]")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
         check_array(cu, name, 1, "[B + 1]")
-        if not jnp.issubdtype(cu.dtype, jnp.integer):  # any width: entry points convert to int32 (index/__init__.py as_int32)
+        if not jnp.issubdtype(cu.dtype, jnp.integer):  # any width: made int32 (index/__init__.py as_int32)
             raise ValueError(f"{name} must have an integer dtype, got {cu.dtype}")
         if cu.shape[0] < 2:
             raise ValueError(f"{name} must have B + 1 >= 2 entries, got shape {tuple(cu.shape)}")

@@ -24,6 +24,7 @@ from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.index import row_positions
 from jax_ragged_attn.testing import assert_close, packed_batch, stand_in_handler_args
 from jax_ragged_attn.backends.xla.ragged import attention_xla
+from jax_ragged_attn.backends.cudnn import options as cudnn_options
 
 OPTIONS = dict(is_causal=True, diagonal_alignment="bottom_right")
 # The arguments a plain call passes (q, k, v [, out, d_out, stats], then 7 index arrays); a guarded call adds
@@ -135,7 +136,8 @@ def _config(batch, layout="head_major", **changes):
 def test_outputs_and_gradients_match_the_xla_path_with_padding_cleaned(monkeypatch, batch, layout, poison_outputs):
     """The handler zeroes the rows it does not own first, with or without filling the outputs with NaN before
     (the stand-in starts from zeros when asked, and writes every row it owns)."""
-    config = _config(batch, layout, poison_outputs=poison_outputs)
+    monkeypatch.setattr(cudnn_options, "OPTIONS", cudnn_options.CudnnOptions(poison_outputs=poison_outputs))
+    config = _config(batch, layout)
     kernel = _install(monkeypatch, config)
     d_out = jnp.asarray(np.random.default_rng(1).standard_normal((batch.q.shape[0], 4, 8)), jnp.bfloat16)
 

@@ -35,7 +35,7 @@ from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked
 from jax_ragged_attn.testing import assert_close, reference_attention
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention, reference_kvcache_attention_packed
-from jax_ragged_attn.testing.private_config import config_overrides
+from jax_ragged_attn.testing.private_config import backend_options
 
 _CUDNN_REASON = extension.cudnn_unavailable_reason()
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -450,7 +450,7 @@ def _no_query_grads(seed: int, packing: str = "none"):
     else:
         def attention(q, k, v):
             return ragged_attention(q, k, v, cu_q, cu_kv, implementation="cudnn", **options)
-    with config_overrides(poison_outputs=True):
+    with backend_options(poison_outputs=True):
         _, vjp = jax.vjp(attention, q, k, v)
         grads = vjp(d_out)
     return [np.asarray(g, np.float64) for g in grads], expected, (rows_q, rows_kv)

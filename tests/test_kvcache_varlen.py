@@ -46,7 +46,7 @@ from jax_ragged_attn.ops import kvcache as kvcache_inputs
 from jax_ragged_attn.testing import assert_close, declines, fa3_emulator
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention_packed
 from jax_ragged_attn.testing.helpers import SeededCacheCase
-from jax_ragged_attn.testing.private_config import config_overrides
+from jax_ragged_attn.testing.private_config import backend_options
 
 # name -> keywords of one case: heads (Hq, Hkv), max_seqlen_q, paged, options.
 CASES = {
@@ -256,10 +256,10 @@ class XlaPackedTest(PackedKVCacheTest):
     def setUp(self):
         super().setUp()
         # Tiles of 2 queries and blocks of 8 rows (2 pages): chunks straddle tiles, sequences straddle blocks.
-        self.enter_context(config_overrides(query_tile=2, block_rows=8))
+        self.enter_context(backend_options(query_tile=2, block_rows=8))
 
     def test_default_tiles_and_blocks(self):
-        with config_overrides(query_tile=None, block_rows=None):  # cache_attention.QUERY_TILE, the budget's rows
+        with backend_options(query_tile=None, block_rows=None):  # cache_attention.QUERY_TILE, the budget's rows
             self.check(self.mix())
             self.check(self.mix(paged=False))
 
@@ -356,7 +356,7 @@ class Fa3TilesStandInTest(PackedKVCacheTest):
         for patcher in patchers:
             patcher.start()
             self.addCleanup(patcher.stop)
-        self.enter_context(config_overrides(packed_tile_rows=4))
+        self.enter_context(backend_options(packed_tile_rows=4))
 
     @parameterized.parameters(False, True)
     def test_non_causal_one_tile_per_sequence(self, paged):
@@ -471,7 +471,7 @@ class CudnnPackedStandInTest(PackedKVCacheTest):
         for patcher in patchers:
             patcher.start()
             self.addCleanup(patcher.stop)
-        self.enter_context(config_overrides(tail_rows=7))
+        self.enter_context(backend_options(tail_rows=7))
 
     def test_the_stand_in_is_what_runs(self):
         with mock.patch.object(paged, "attend_packed", wraps=paged.attend_packed) as spy:

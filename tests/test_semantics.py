@@ -41,7 +41,7 @@ from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.testing import PackedBatch, assert_close, packed_batch, reference_attention
 from jax_ragged_attn.backends.fa3 import dew as _dew, ragged as _fa3
 from jax_ragged_attn.testing import declines, fa3_emulator
-from jax_ragged_attn.testing.private_config import config_overrides
+from jax_ragged_attn.testing.private_config import backend_options, config_overrides
 
 LAYOUTS = ("head_major", "token_major")
 
@@ -506,7 +506,7 @@ class CudnnPoisonedOutputsTest(CudnnTest):
 
     def setUp(self):
         super().setUp()
-        self.enter_context(config_overrides(poison_outputs=True))
+        self.enter_context(backend_options(poison_outputs=True))
 
 
 class CudnnLeanMemoryTest(CudnnTest):

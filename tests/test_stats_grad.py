@@ -23,6 +23,7 @@ from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.inputs import packed
 from jax_ragged_attn.backends.shared import extension, stats_grad
 from jax_ragged_attn.backends.cudnn import launch
+from jax_ragged_attn.backends.cudnn import options as cudnn_options
 from jax_ragged_attn.config import PACKINGS, AttentionOptions, make_config
 from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.testing import assert_close, packed_batch, stand_in_handler_args
@@ -344,8 +345,8 @@ def test_packed_buffers_get_gradients_in_their_own_layout(monkeypatch, rng, pack
     dtype = "bfloat16"
     guard = mode == "check_mode"
     batch = _packed_batch(rng, packing)
-    config, kernel = _install(monkeypatch, batch, "head_major", guard_workspace=guard, packing=packing,
-                              poison_outputs=mode == "poisoned")
+    monkeypatch.setattr(cudnn_options, "OPTIONS", cudnn_options.CudnnOptions(poison_outputs=mode == "poisoned"))
+    config, kernel = _install(monkeypatch, batch, "head_major", guard_workspace=guard, packing=packing)
     buffers = _packed_buffers(batch, packing)
     d_out, d_stats = _cotangents(rng, batch, dtype)
     weights = jnp.asarray(d_stats.T)

@@ -63,9 +63,8 @@ def _versions() -> tuple[list, str]:
     return [gpu, ext.cudnn_version(), list(ext.frontend_version)], fa3_version
 
 
-# Config fields neither GPU kernel's timing depends on: the xla path's blocks and backward, and the tests'
-# NaN-filled outputs.
-UNTIMED_FIELDS = ("xla_block_size", "poison_outputs", "xla_fused_backward")
+# Config fields neither GPU kernel's timing depends on: the xla path's blocks.
+UNTIMED_FIELDS = ("xla_block_size",)
 
 
 def timed_config(config: AttentionConfig) -> AttentionConfig:

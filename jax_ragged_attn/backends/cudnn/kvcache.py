@@ -31,7 +31,7 @@ H200 (cuDNN 9.19, decode: one query, GQA 32/8, d 128, bf16, plain loop of jitted
 ms: 8 x 2k 0.095 / 0.085, 8 x 32k 0.675 / 0.824, 64 x 2k 0.247 / 0.470, 256 x 8k 2.06 / 9.97, 64 x 32k
 2.05 / 10.16, 256 x 32k 7.55 / out of memory. The ragged kernel zeroes the rows past each length in place,
 which on a cache XLA must keep (a jit argument) is a copy of the whole cache per call. Tests pin either
-through the private config field `route` (testing.config_overrides).
+through cuDNN's options, `route` (testing.backend_options).
 
 The ragged kernel keeps NaN in rows past seqused out of its results (tests/test_kvcache.py's
 CudnnKVCacheTest, NaN-poisoned caches); tests/test_kvcache_cudnn.py checks the paged route the same way.
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jax_ragged_attn.backends.cudnn import options
 from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.shared import head_tail as kvcache_head_tail
 from jax_ragged_attn.backends.shared import extension, known_issues
@@ -49,7 +50,7 @@ from jax_ragged_attn.config import AttentionConfig, KVCacheConfig
 from jax_ragged_attn.index import RaggedIndex
 
 NAME = "cudnn"
-ROUTES = ("paged", "ragged")  # config.route values this backend reads (tests); others' are not its own
+ROUTES = ("paged", "ragged")  # options.route values this backend reads (tests); others' are not its own
 # Rows of each sequence's end the paged kernel never reads (shared/head_tail.py): at least cuDNN's widest key
 # tile (128 rows on Hopper), twice that for margin.
 TAIL = 256
@@ -60,8 +61,8 @@ def tail(config: KVCacheConfig) -> int:
 
 
 def pinned_route(config: KVCacheConfig) -> str | None:
-    """The route the tests pinned (config.route "paged" or "ragged", contiguous caches), or None."""
-    return config.route if config.route in ROUTES else None
+    """The route the tests pinned (options.route "paged" or "ragged", contiguous caches), or None."""
+    return options.OPTIONS.route if options.OPTIONS.route in ROUTES else None
 
 
 def ragged_config(config: KVCacheConfig) -> AttentionConfig:

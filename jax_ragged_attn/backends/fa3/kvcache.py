@@ -32,7 +32,7 @@ and attributes the wheel's lowering passes. Forward only (the wheel has no kvcac
 
 Declined, with the reason: dtypes other than bfloat16/float16, head dims other than 128 (the wheel's kernels),
 softcap, a left window in (TAIL - Sq, TAIL) on the head / tail route, the wheel not installed, no Hopper GPU.
-Tests pin the head / tail route through the private config field route="head_tail" (testing.config_overrides).
+Tests pin the head / tail route through FA3's options, route="head_tail" (testing.backend_options).
 The one call won where both serve (H200 decode, docs/PERFORMANCE.md: 64 x 2k 0.134 against 0.224 ms).
 """
 
@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ragged_attn.backends.fa3 import options
 from jax_ragged_attn.backends.fa3 import ragged as fa3
 from jax_ragged_attn.backends.shared import head_tail as kvcache_head_tail
 from jax_ragged_attn.backends.shared import known_issues
@@ -88,8 +89,8 @@ def tail(config: KVCacheConfig) -> int:
 
 def route(config: KVCacheConfig) -> str:
     """"one_call" where FA3's zero-filling paged loader serves the call (module docstring), else "head_tail"
-    (also where a test pinned it: config.route)."""
-    if config.route != "head_tail" and config.seqlen_q * config.group_size <= ZERO_FILL_MAX_ROWS:
+    (also where a test pinned it: options.route)."""
+    if options.OPTIONS.route != "head_tail" and config.seqlen_q * config.group_size <= ZERO_FILL_MAX_ROWS:
         return "one_call"
     return "head_tail"
 
@@ -121,12 +122,12 @@ def auto_candidate(config: KVCacheConfig) -> bool:
 def num_splits(config: KVCacheConfig) -> int:
     """Key splits so that B x Hkv x query tiles x splits fills the SMs in one wave (1 where the tiles alone
     come near): a second, partial wave cost more than it split (H200, 8 x 32k decode: 2 splits 0.249 ms,
-    3 splits 0.299, benchmarks/sweep_decode_splits.py, which sets config.num_splits; H100 2026-12-06, 4 to 32
+    3 splits 0.299, benchmarks/sweep_decode_splits.py, which sets options.num_splits; H100 2026-12-06, 4 to 32
     splits all 15 % slower than 2, benchmarks/decode_few.py). Each split keeps at least MIN_SPLIT_TILES key
     tiles: below that the combine kernel costs more than the parallelism gains (H100, 8 x 2k decode, every row
     in the same rounds: 1 split 5 % faster than 2 on a paged cache, 15 % on a contiguous one; raw FA3 8 %)."""
-    if config.num_splits is not None:
-        return config.num_splits
+    if options.OPTIONS.num_splits is not None:
+        return options.OPTIONS.num_splits
     tiles = config.batch * config.num_heads_kv * math.ceil(config.seqlen_q * config.group_size / BLOCK_M)
     if tiles >= 0.8 * NUM_SMS:
         return 1
@@ -250,8 +251,8 @@ def _head_tail(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
 
 def packed_tile_rows(config: KVCacheConfig) -> int:
     """Query rows a packed tile holds: zero_fill_rows() (FA3's 128-row query tile for head dim 128 on the audited
-    wheel), or the tests' smaller one (config.packed_tile_rows)."""
-    return config.packed_tile_rows or zero_fill_rows()
+    wheel), or the tests' smaller one (options.packed_tile_rows)."""
+    return options.OPTIONS.packed_tile_rows or zero_fill_rows()
 
 
 def packed_tile(config: KVCacheConfig) -> int:

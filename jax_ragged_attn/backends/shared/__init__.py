@@ -8,4 +8,5 @@
     cache_index.py      the KV-cache lengths and page table clamped into the cache in one launch
     cache_attention.py  attention over a KV cache in jnp (the xla family's, and the kernels' tail)
     head_tail.py        a cache call split into a kernel's head and a jnp tail, merged by log-sum-exp
+    options.py          the knobs of those two (rows a step, queries a tile, the tail): testing.backend_options
 """
