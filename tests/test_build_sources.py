@@ -68,8 +68,9 @@ def test_build_and_cmake_compile_the_same_sources():
     bazel_srcs, _ = _bazel_files()
     cmake = _cmake_sources()
     assert cmake, "no sources found in CMakeLists.txt"
-    assert bazel_srcs == cmake, (f"only in BUILD: {sorted(bazel_srcs - cmake)}; "
-                                 f"only in CMakeLists.txt: {sorted(cmake - bazel_srcs)}")
+    assert bazel_srcs == cmake, (
+        f"only in BUILD: {sorted(bazel_srcs - cmake)}; only in CMakeLists.txt: {sorted(cmake - bazel_srcs)}"
+    )
 
 
 def test_every_ffi_source_is_compiled():
@@ -84,6 +85,8 @@ def test_build_lists_the_headers_the_sources_include():
     assert not any(path.endswith(SOURCE_SUFFIXES) for path in bazel_hdrs), sorted(bazel_hdrs)
     # Bazel compiles in a sandbox holding only the listed files: a header missing from hdrs breaks its build
     # alone, and one listed but included by nothing is left over.
-    assert bazel_hdrs == included, (f"missing from BUILD's hdrs: {sorted(included - bazel_hdrs)}; "
-                                    f"listed but included by no compiled source: {sorted(bazel_hdrs - included)}")
+    assert bazel_hdrs == included, (
+        f"missing from BUILD's hdrs: {sorted(included - bazel_hdrs)}; "
+        f"listed but included by no compiled source: {sorted(bazel_hdrs - included)}"
+    )
     assert all((ROOT / path).is_file() for path in bazel_srcs | bazel_hdrs)
