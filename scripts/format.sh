@@ -19,6 +19,6 @@ cxx=(ffi/*.cc ffi/*.h ffi/*.cu tests/native/*.cc tests/native/*.h)
 "$bin/clang-format" -i "${cxx[@]}"
 echo "--> left to fix by hand: ruff's findings without a safe fix, then mypy's errors"
 status=0
-"$bin/ruff" check . || status=1
+"$bin/ruff" check --output-format concise . || status=1
 "$bin/mypy" || status=1
 exit $status
