@@ -144,7 +144,7 @@ def _with_one_frame(error: BaseException) -> BaseException:
     def check_mode_input_error():
         try:
             raise error
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - raised only to give it this frame's traceback
             pass
         finally:
             done.release()
@@ -306,7 +306,7 @@ def seqused_problems(cu: np.ndarray, seqused: np.ndarray, name: str, seqused_nam
                      max_seqlen: int, bound: str) -> list[str]:
     """What is wrong with one [B + 1] cu_seqlens (the slots' offsets) and its [B] seqused: the offsets as for
     cu_seqlens but a slot may exceed max_seqlen; seqused within [0, slot length] and at most max_seqlen."""
-    problems = [p for p in cu_seqlens_problems(cu, name, capacity, np.iinfo(np.int64).max, bound)]
+    problems = cu_seqlens_problems(cu, name, capacity, np.iinfo(np.int64).max, bound)
     seqused = seqused.astype(np.int64)
     slots = np.diff(cu.astype(np.int64))
     if (seqused < 0).any():
