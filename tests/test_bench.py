@@ -22,6 +22,8 @@ from jax_ragged_attn.testing.workloads import WORKLOADS
 from benchmarks import attention as bench, report as bench_report, systems as bench_systems, timing as bench_timing
 from benchmarks.timing import Measurement
 
+pytestmark = pytest.mark.slow  # the tool end to end
+
 # The README's reference batch: numpy.random.default_rng(0).integers(128, 4096, size=16, endpoint=True),
 # the last sequence trimmed from 3023 to 1722 so the batch holds 32,768 tokens.
 W1_LENGTHS = (3504, 2656, 2156, 1198, 1349, 290, 426, 193, 823, 3355, 2705, 3750, 2126, 2535, 3980, 1722)

@@ -27,6 +27,8 @@ from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_atte
 from jax_ragged_attn.inputs.segments import ragged_attention_segments
 from jax_ragged_attn.testing import packed_batch
 
+pytestmark = pytest.mark.slow  # every call under jax.debug_infs / debug_nans, eager and jitted
+
 _CUDNN_REASON = cudnn_unavailable_reason()
 IMPLEMENTATIONS = [
     "xla",

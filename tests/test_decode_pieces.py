@@ -30,6 +30,7 @@ def test_pieces_merge_to_the_one_call_result(pieces):
         decode_pieces.pieces_call(q, k, v, lengths, table, 4, implementation="xla")
 
 
+@pytest.mark.slow
 def test_quick_run_prints_a_row_per_variant(capsys):
     assert decode_pieces.main(["--quick"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "x" in line]

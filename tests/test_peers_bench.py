@@ -49,6 +49,7 @@ def _check_every_cell(rows, notes, systems, names):
         assert figures and any(c.startswith("**") and "(1.00x" in c for c in figures), row
 
 
+@pytest.mark.slow
 def test_quick_table_has_every_row_with_a_figure_or_a_reason(monkeypatch, capsys, tmp_path):
     _traced_only.count = 0
     monkeypatch.setattr(peers, "median_loop_seconds", _traced_only)
@@ -66,6 +67,7 @@ def test_quick_table_has_every_row_with_a_figure_or_a_reason(monkeypatch, capsys
     assert (tmp_path / "table.md").read_text().count("\n| ") == len(rows) + 2  # the header, its rule, the rows
 
 
+@pytest.mark.slow
 def test_quick_run_times_the_unequal_head_dims_row_for_real(capsys):
     assert peers.main(["--quick", "--workloads", "MLA", "--systems", "ours xla", "--calls", "1", "--loops", "1"]) == 0
     rows, _, systems = _table(capsys.readouterr().out)
@@ -124,6 +126,7 @@ def test_runs_merge_into_one_table(monkeypatch, capsys, tmp_path):
     assert all(FIGURE.match(r[3]) and NOTE.match(r[4]) for r in rows)
 
 
+@pytest.mark.slow
 def test_interleave_times_a_rows_cells_together(monkeypatch, capsys):
     """--interleave compiles a row's JAX cells, then times them in shared rounds: one call of
     interleaved_loop_seconds per row, over every cell that compiled, each cell's figure its median round."""

@@ -24,6 +24,8 @@ from jax_ragged_attn.backends.cudnn import launch
 
 from benchmarks import sweep
 
+pytestmark = pytest.mark.slow  # the tool end to end
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent  # where `python -m benchmarks.sweep` runs from
 CI_SEEDS = range(40)
 

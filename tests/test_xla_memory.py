@@ -21,6 +21,8 @@ from jax_ragged_attn.index import cu_seqlens_from_lengths
 from jax_ragged_attn.testing import packed_batch
 from jax_ragged_attn.backends.xla.ragged import WorkingSetTooLargeError, attention_xla
 
+pytestmark = pytest.mark.slow  # children capped at +1 GiB of address space
+
 # The child warms JAX up (thread pools, the compiler), then caps its address space at what it has plus
 # 1 GiB (JAX reserves a lot of virtual memory up front, so an absolute cap would measure JAX, not us).
 _CHILD = """
