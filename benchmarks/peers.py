@@ -65,7 +65,7 @@ dew-flash-attn, as read in the wheel dew_flash_attn_cu13-0.3.6-py3-none-manylinu
     libdew_flash_attn.so `dew_flash_mha_fwd`, `dew_flash_mha_bwd`, `dew_flash_mha_varlen_fwd`,
     `dew_flash_mha_varlen_bwd`. Checked here by lowering a GQA varlen fwd+bwd for CUDA on a CPU: one
     `dew_flash3_mha_varlen_fwd` (out, lse f32[Hq, T], two 1-element scratch) and one `..._varlen_bwd`.
-Bring it to the offline host with scripts/bring_dew.sh (parts under 56 MiB, joined there).
+Install it with `pip install dew-flash-attn-cu13` on a Hopper GPU host.
 """
 
 from __future__ import annotations
@@ -274,8 +274,7 @@ def _preload_cudart() -> str | None:
 def _import_dew():
     """(dew_flash_attn, None) or (None, the reason it is not usable here)."""
     if importlib.util.find_spec("dew_flash_attn") is None:
-        return None, (f"not installed ({DEW_DIST}=={DEW_VERSION}: pip install {DEW_DIST}; on the offline host "
-                      f"bash scripts/bring_dew.sh --install)")
+        return None, f"not installed ({DEW_DIST}=={DEW_VERSION}: pip install {DEW_DIST})"
     reason = _on_gpu()
     if reason is not None:
         return None, reason

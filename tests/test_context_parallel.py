@@ -512,15 +512,3 @@ def _check_device_calls(implementation, head_dim, n, load_balance, layout, devic
                      f"{name} against one call")
         want = expected[name].T if name == "stats" and layout == "head_major" else expected[name]
         assert_close(np.asarray(got[i], np.float64), want, "bfloat16", f"{name} against the float64 reference")
-
-
-@pytest.mark.slow
-def test_bench_tool_runs_and_skips_the_cp_rows_on_one_device(capsys):
-    from benchmarks import context_parallel as bench
-
-    if len(jax.devices()) >= bench.DEVICES:
-        pytest.skip("this process has 2+ devices: the skip line is not printed")
-    assert bench.main(["--workloads", "tiny", "--implementation", "xla", "--calls", "1", "--repetitions", "1"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[2].startswith("| tiny | 1 GPU |")
-    assert all("skipped: needs 2 devices, this host has 1" in line for line in lines[3:5]), lines

@@ -445,7 +445,7 @@ class Fa3OneCallUnmaskedKVCacheTest(Fa3OneCallKVCacheTest):
         self.assertFalse(fa3_kvcache.zeroes_rows_without_keys(dataclasses.replace(config, route="head_tail")))
 
 
-@pytest.mark.slow  # test_decode_pieces.py keeps the split's merge fast
+@pytest.mark.slow  # FA3's decode variants past the one-call route
 class Fa3SplitKVCacheTest(Fa3OneCallKVCacheTest):
     """Every case through the head / tail split and merge (FA3 never reads a sequence's last TAIL rows)."""
 
@@ -481,15 +481,6 @@ class CudnnKVCacheTest(KVCacheTest):
     def setUp(self):
         super().setUp()
         self.enter_context(config_overrides(route="ragged"))
-
-
-@pytest.mark.slow
-def test_decode_bench_quick_runs(capsys):
-    from benchmarks import decode
-
-    assert decode.main(["--quick", "--calls", "1", "--repetitions", "1"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if "ours-xla" in line]
-    assert len(rows) == 8, rows  # 2 batches x 2 contexts x (contiguous, paged)
 
 
 def test_fa3_splits_fill_one_wave():

@@ -674,12 +674,3 @@ class PackedAppendTest(parameterized.TestCase):
         k2, _ = step(k, jnp.zeros_like(k), k_new, lengths, cu, table)
         self.assertTrue(k.is_deleted())
         self.assertEqual(float(k2.sum()), 10 * 4 * 32)  # the 10 rows of cu[-1], each written once
-
-
-@pytest.mark.slow
-def test_mixed_bench_quick_runs(capsys):
-    from benchmarks import kvcache_mixed
-
-    assert kvcache_mixed.main(["--quick", "--calls", "1", "--repetitions", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "ours-xla" in out and "ours-xla-packed" in out, out

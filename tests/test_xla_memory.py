@@ -222,16 +222,3 @@ def test_no_fallback_warning_off_a_gpu(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", xla_memory.CudnnFallbackWarning)
         ragged_attention(*batch.args, max_seqlen_q=5, max_seqlen_kv=5)
-
-
-def test_the_benchmark_reports_a_case():
-    """python -m benchmarks.xla_memory: one row's figures, in this process."""
-    from benchmarks import xla_memory as bench
-
-    row = bench.run_case(dict(impl=None, workload="W3/8", full=False, max_seqlen="capacity", direction="forward",
-                              repeats=1, budget=0.25))
-    assert row["status"] == "ok" and row["ms"] > 0
-    assert 0 < row["xla_bytes"] <= row["estimate_bytes"]
-    tiny_budget = bench.run_case(dict(impl=None, workload="W3/8", full=False, max_seqlen="exact",
-                                      direction="forward", repeats=1, budget=1e-9))
-    assert tiny_budget["status"].startswith("not run: XLA sizes it past the budget")
