@@ -9,7 +9,7 @@ the sequences whose rows exceed the dtype's tolerance ("-" where none does), so 
 sequence (no query rows, keys out of every window) shows as such. Every case runs with the fences and
 workarounds of the bugs it probes lifted (LIFT).
 
-Found with it on cuDNN 9.14.0 (H100, 2026-12-06): see docs/CUDNN_VERSIONS.md.
+What it found: docs/CUDNN_VERSIONS.md.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@
 # 0.10's FFI headers); otherwise this tree is built into one with `pip wheel --no-build-isolation`, against the
 # environment's own jaxlib (the new JAX kept off PYTHONPATH: older FFI headers run on a newer jaxlib, docs/INSTALL.md
 # "Building"), with $CXX, else /usr/bin/g++ where that exists (on the GPU host name CXX=/usr/bin/g++: its
-# environment's CXX, /opt/gcc/bin/g++, builds an extension whose every cuDNN graph query segfaults, seen with
-# JAX 0.12.0.1 on 2026-12-05). --no-extension builds it without the C++ extension (a CPU check of the offline
+# environment's CXX, /opt/gcc/bin/g++, builds an extension whose every cuDNN graph query segfaults with
+# JAX 0.12.0.1). --no-extension builds it without the C++ extension (a CPU check of the offline
 # path only). The main job runs when flax is importable (--wheels .whl/flax on the host). --logs DIR keeps the
 # build, pytest and main job logs; --tests "" runs no tests (the main job alone); --workers N sets pytest's
 # workers (2; 8 on a GPU, each

@@ -28,7 +28,7 @@ def _cuda_plugin_installed() -> bool:
 
 # Most of a CPU test's time is XLA compiling programs that then run on a few hundred rows, and most of that is
 # LLVM optimising the generated code: at LLVM's -O0 tests take 30-45 % less time on 2 cores (test_seqused.py +
-# test_sinks.py, -n 2: 79-84 s -> 56-58 s; the fast tier about half, 2026-12-07). The programs do the same
+# test_sinks.py, -n 2: 79-84 s -> 56-58 s; the fast tier about half). The programs do the same
 # operations (XLA's CPU fast-math is off at every level): at most rounding differs, inside the dtype's
 # tolerances. Only where JAX runs on the CPU (no CUDA plugin installed, or JAX_PLATFORMS=cpu): GPU kernels keep
 # XLA's default. Children inherit it (XLA_FLAGS); a level set by the caller is kept.

@@ -1,4 +1,4 @@
-"""Issue 16: quiet under jax.debug_infs / jax.debug_nans unless the inputs hold inf or NaN.
+"""Quiet under jax.debug_infs / jax.debug_nans unless the inputs hold inf or NaN.
 
 Both checks make JAX raise FloatingPointError when a primitive (eagerly) or a jitted computation's output
 holds inf / NaN; for a jitted one it then reruns the computation op by op to name the primitive, so

@@ -195,7 +195,7 @@ def _copies_of(hlo_text: str, shape: str) -> list[str]:
 
 
 def test_copies_of_finds_the_copies_the_h200_compiled():
-    # Two lines of the H200's compiled W1 step before Q and K were cleared in the forward (2026-12-04).
+    # Two lines of the H200's compiled W1 step where Q and K are cleared in the backward, after the forward read them.
     text = """
   %copy.10 = bf16[32768,16,128]{2,1,0} copy(%loop_multiply_fusion.2), metadata={scheduling_name="copy.10"}
   %copy-start.1 = (bf16[32768,16,128]{2,1,0}, bf16[32768,16,128]{2,1,0}, u32[]) copy-start(%p.3)

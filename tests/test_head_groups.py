@@ -51,7 +51,7 @@ def _config(tq, tkv, hq, hkv, d, **changes):
 
 
 def test_each_tensor_is_bounded_by_its_own_extent():
-    # The decode case: one query per sequence against 256 x 2,048 cache rows, GQA 32/8, d 128. K and
+    # The serving decode case: one query per sequence against 256 x 2,048 cache rows, GQA 32/8, d 128. K and
     # V hold 5.4e8 elements: the forward fits (the old bound, max(Tq, Tkv) * Hq * D, refused it).
     decode = _config(256, 256 * 2048, 32, 8, 128)
     assert extents.fits(decode, backward=False)

@@ -116,8 +116,8 @@ def test_report_prints_both_side_by_side(tiny, capsys):
 
 def test_the_reported_backend_is_chosen_for_the_steps_own_call(tiny, monkeypatch):
     """The report's "packed attention by X" asks the op's policy about the call the step makes (causal, the
-    attention's scale), not a look-alike: a non-causal stand-in was asked before, which FA3 declines for packed
-    steps wider than its tile while it serves the causal step."""
+    attention's scale), not a look-alike: FA3 declines a non-causal call for packed steps wider than its tile
+    while it serves the causal step, so a non-causal stand-in would name the wrong backend."""
     model, setup = tiny
     config = serving.ServingConfig.for_setup(setup, slots=2, budget=8, page_size=8)
     asked = []

@@ -1,4 +1,4 @@
-"""Issue 17: the xla path's memory is bounded whatever max_seqlen says, estimated before compiling, and
+"""The xla path's memory is bounded whatever max_seqlen says, estimated before compiling, and
 refused with a clear error past a bound; implementation=None says so when a GPU falls back to it."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ vm = int(re.search(r"VmSize:\\s+(\\d+) kB", open("/proc/self/status").read()).gr
 resource.setrlimit(resource.RLIMIT_AS, (vm + 2**30, vm + 2**30))
 """
 
-# The issue's call, forward and gradient, eagerly: 10 tokens, max_seqlen 10**9.
+# A call whose max_seqlen is far past its lengths, forward and gradient, eagerly: 10 tokens, max_seqlen 10**9.
 ISSUE_CALL = """
 x = jnp.ones((10, 2, 16), jnp.float32); cu = jnp.array([0, 5, 10], jnp.int32)
 f = lambda x: ragged_attention(x, x, x, cu, cu, max_seqlen_q=10**9, max_seqlen_kv=10**9, implementation="xla")
