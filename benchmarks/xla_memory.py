@@ -15,7 +15,8 @@ fraction of the device's memory) is not run. Columns:
     peak MiB      measured: the device allocator's peak (GPU) or the growth of the process's max RSS (CPU)
     ms            median wall time of --repeats calls after one warm-up
 
-max_seqlen "exact" is the longest sequence, "capacity" is T, the "to be safe" value a caller who does not know its lengths passes.
+max_seqlen "exact" is the longest sequence, "capacity" is T, the "to be safe" value a caller who does not know
+its lengths passes.
 """
 
 from __future__ import annotations

@@ -226,9 +226,9 @@ def test_a_write_outside_an_outputs_rows_stops_the_computation(monkeypatch, batc
 @pytest.mark.parametrize("flag", ["debug_nans", "debug_infs"])
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])
 def test_quiet_under_jax_debug_flags_eagerly(monkeypatch, batch, flag, layout):
-    """Quiet under the debug flags on the cuDNN wrapper: like cuDNN, the stand-in writes -inf stats for rows whose band is empty
-    (bottom-right causal with more queries than keys) and leaves unowned rows as they were, and the inputs'
-    padding holds NaN; an eager call under jax.debug_nans / debug_infs must still not stop, and must give
+    """Quiet under the debug flags on the cuDNN wrapper: like cuDNN, the stand-in writes -inf stats for rows whose
+    band is empty (bottom-right causal with more queries than keys) and leaves unowned rows as they were, and the
+    inputs' padding holds NaN; an eager call under jax.debug_nans / debug_infs must still not stop, and must give
     what it gives without the flag."""
     config = _config(batch, layout, return_stats=False)
     _install(monkeypatch, config)
