@@ -41,8 +41,11 @@ def _call(implementation, q, k, v, d_out, cu, is_causal):
 
 
 @pytest.mark.parametrize("implementation", list(_implementations()))
-@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
+# The fast tier plants NaN under a causal mask; inf and the full mask take the same paths (slow tier).
+@pytest.mark.parametrize("is_causal", [pytest.param(False, id="full", marks=pytest.mark.slow),
+                                       pytest.param(True, id="causal")])
+@pytest.mark.parametrize("value", [pytest.param(np.nan, id="nan"),
+                                   pytest.param(np.inf, id="inf", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("where", ["q", "k", "v", "d_out"])
 def test_a_non_finite_value_stays_in_its_document(implementation, is_causal, value, where):
     rng = np.random.default_rng(zlib.crc32(f"{where} {value} {is_causal}".encode()))
