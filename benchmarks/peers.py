@@ -1,4 +1,4 @@
-"""Every peer side by side in one run (issue 48, item 1): one markdown table, printed last.
+"""Every peer side by side in one run: one markdown table, printed last.
 
     python -m benchmarks.peers [--workloads W1,W2,W5,W6,W4-d64,W4-d256,MLA] [--inputs computed,arguments]
                                [--systems ...] [--calls 20] [--loops 7] [--time-budget S] [--out DIR]
@@ -65,7 +65,7 @@ dew-flash-attn, as read in the wheel dew_flash_attn_cu13-0.3.6-py3-none-manylinu
     libdew_flash_attn.so `dew_flash_mha_fwd`, `dew_flash_mha_bwd`, `dew_flash_mha_varlen_fwd`,
     `dew_flash_mha_varlen_bwd`. Checked here by lowering a GQA varlen fwd+bwd for CUDA on a CPU: one
     `dew_flash3_mha_varlen_fwd` (out, lse f32[Hq, T], two 1-element scratch) and one `..._varlen_bwd`.
-Bring it to the offline host with scripts/bring_dew.sh (parts under 56 MiB, joined there).
+Install it with `pip install dew-flash-attn-cu13` on a Hopper GPU host.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def head_dims(w: Workload) -> tuple[int, int]:
 
 
 _W1 = workloads_module.WORKLOADS["W1"]
-# Issue 48's MLA row (not in workloads.py, which has no Dqk != Dv shape): W1's lengths and heads.
+# The MLA row (not in workloads.py, which has no Dqk != Dv shape): W1's lengths and heads.
 LOCAL = {"MLA": UnequalWorkload("MLA", "W1 with Dqk 192 / Dv 128 (DeepSeek's MLA training shape)", _W1.seqlens,
                                 16, 16, 192, head_dim_v=128)}
 ALIASES = {"hd64": "W4-d64", "hd256": "W4-d256", "mla": "MLA"}
@@ -277,8 +277,7 @@ def _preload_cudart() -> str | None:
 def _import_dew():
     """(dew_flash_attn, None) or (None, the reason it is not usable here)."""
     if importlib.util.find_spec("dew_flash_attn") is None:
-        return None, (f"not installed ({DEW_DIST}=={DEW_VERSION}: pip install {DEW_DIST}; on the offline host "
-                      f"bash scripts/bring_dew.sh --install)")
+        return None, f"not installed ({DEW_DIST}=={DEW_VERSION}: pip install {DEW_DIST})"
     reason = _on_gpu()
     if reason is not None:
         return None, reason
@@ -555,7 +554,7 @@ def table(cells: list[Cell], rows: list[tuple[str, str]], systems: list[str]) ->
 
 
 def merged(paths: list[str]) -> str:
-    """One table of several runs' peers.json (a GPU session's calls, each a few rows): rows in file order,
+    """One table of several runs' peers.json (runs of a few rows each): rows in file order,
     systems in first-seen order; a later file's cell replaces an earlier one's."""
     cells: dict[tuple, Cell] = {}
     rows: dict[str, str] = {}

@@ -27,6 +27,7 @@ from jax_ragged_attn.testing.documents import dense_mask, random_document_length
 from jax_ragged_attn.testing.multidevice import cudnn_gpus, report_checks, run_checks_in_child
 from jax_ragged_attn.testing import assert_close, implementation_options, packed_batch
 from jax_ragged_attn.testing.reference import reference_attention
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
 EXPLICIT, AUTO = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
 T = 64  # 4 devices: shards of 16 rows, balanced chunks of 8
@@ -400,8 +401,8 @@ def test_one_gpu_device_calls_match_the_op(implementation, head_dim, n, load_bal
     _check_device_calls(implementation, head_dim, n, load_balance, layout, gpu)
 
 
-@pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "no_mask"])
-@pytest.mark.parametrize("n, load_balance", [(2, False), (4, True), (2, True)])
+@some_fast({"n, load_balance": [(2, False), (4, True), (2, True)], "is_causal": {"causal": True, "no_mask": False}},
+           fast=["2-False-causal", "4-True-no_mask"])
 def test_device_calls_match_the_op_on_the_xla_path(n, load_balance, is_causal):
     _check_device_calls("xla", 32, n, load_balance, "head_major", jax.devices()[0], is_causal=is_causal)
 
@@ -438,7 +439,7 @@ def test_one_gpu_device_calls_on_random_packings(implementation, head_dim, n, se
                         lengths=lengths, max_seqlen=max_seqlen, seed=seed)
 
 
-@pytest.mark.parametrize("seed", range(3))
+@some_fast({"seed": range(3)}, fast=["0"])  # random packings through every device's call
 def test_device_calls_on_random_packings_on_the_xla_path(seed):
     lengths, max_seqlen = _random_packing(seed, 512)
     _check_device_calls("xla", 16, 4, True, "head_major", jax.devices()[0], lengths=lengths, max_seqlen=max_seqlen,
@@ -512,14 +513,3 @@ def _check_device_calls(implementation, head_dim, n, load_balance, layout, devic
                      f"{name} against one call")
         want = expected[name].T if name == "stats" and layout == "head_major" else expected[name]
         assert_close(np.asarray(got[i], np.float64), want, "bfloat16", f"{name} against the float64 reference")
-
-
-def test_bench_tool_runs_and_skips_the_cp_rows_on_one_device(capsys):
-    from benchmarks import context_parallel as bench
-
-    if len(jax.devices()) >= bench.DEVICES:
-        pytest.skip("this process has 2+ devices: the skip line is not printed")
-    assert bench.main(["--workloads", "tiny", "--implementation", "xla", "--calls", "1", "--repetitions", "1"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[2].startswith("| tiny | 1 GPU |")
-    assert all("skipped: needs 2 devices, this host has 1" in line for line in lines[3:5]), lines

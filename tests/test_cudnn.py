@@ -101,7 +101,7 @@ def test_head_major_and_token_major_stats_give_the_same_gradients(heads):
     backward overwrite its own tile counter, and dQ/dK/dV came back all zero with no error."""
     case = Case(heads=heads, is_causal=True)
     batch, d_out = _batch(case, 1234)
-    config = _config(case, batch, "head_major", strategy="lean_memory")  # the layout the bug was in
+    config = _config(case, batch, "head_major", strategy="lean_memory")  # the layout the bug shows in
     info = cudnn.graph_info("backward", config)
     assert info["max_total_seq_len_applied"] and not info["fell_back"], info
     assert info["frontend_region_bytes"] >= info["expected_intermediate_bytes"] > 0, info

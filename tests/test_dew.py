@@ -18,6 +18,7 @@ import pytest
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.backends.fa3 import dew
 from jax_ragged_attn.testing import assert_close, fa3_emulator, reference_attention
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
 
 _DEW_REASON = dew.unavailable_reason()
@@ -29,8 +30,11 @@ def emulated():
         yield
 
 
-@pytest.fixture(params=["emulated", pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    _DEW_REASON is not None, reason=f"dew-flash-attn unavailable: {_DEW_REASON}")])])
+KERNELS = ["emulated", pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    _DEW_REASON is not None, reason=f"dew-flash-attn unavailable: {_DEW_REASON}")])]
+
+
+@pytest.fixture(params=KERNELS)
 def kernels(request):
     """The jnp stand-ins (everywhere), then the wheel's kernels (a Hopper GPU with it installed)."""
     if request.param == "emulated":
@@ -101,15 +105,18 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case_name", sorted(CASES))
-@pytest.mark.parametrize("mask", ["none", "causal_bottom_right", "window_bottom_right"])
-@pytest.mark.parametrize("stats_layout", ["head_major", "token_major"])
+@some_fast({"kernels": KERNELS, "stats_layout": ["head_major", "token_major"],
+            "mask": ["none", "causal_bottom_right", "window_bottom_right"], "case_name": sorted(CASES)},
+           fast=["emulated-head_major-none-long_slots", "emulated-token_major-causal_bottom_right-same_long_slot",
+                 "emulated-head_major-window_bottom_right-same_slots", "emulated-token_major-none-seqused",
+                 "emulated-head_major-causal_bottom_right-slots_fit",
+                 "emulated-token_major-window_bottom_right-truncated"], indirect=["kernels"])
 def test_unused_rows_go_over_as_gap_sequences(kernels, case_name, mask, stats_layout):
     _check_against_reference(case_name, mask, stats_layout, head_dim=128)
 
 
-@pytest.mark.parametrize("head_dim", [64, 192, 256])
-@pytest.mark.parametrize("stats_layout", ["head_major", "token_major"])
+@some_fast({"kernels": KERNELS, "stats_layout": ["head_major", "token_major"], "head_dim": [64, 192, 256]},
+           fast=["emulated-head_major-64", "emulated-token_major-192", "emulated-head_major-256"], indirect=["kernels"])
 def test_every_head_dim_it_advertises(kernels, head_dim, stats_layout):
     """dew.HEAD_DIMS besides 128 (the semantic suite's): each one its own kernel in the wheel."""
     _check_against_reference("seqused", "causal_bottom_right", stats_layout, head_dim=head_dim)

@@ -21,6 +21,8 @@ from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_atte
 from jax_ragged_attn.inputs.segments import ragged_attention_segments
 from jax_ragged_attn.testing import assert_close, packed_batch, reference_attention
 
+pytestmark = pytest.mark.slow  # every global JAX setting (CI also runs the semantic suite under strict,x64)
+
 INT_DTYPES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
 
 

@@ -380,7 +380,7 @@ def _window_batch(rng, lengths=(1500, 37)):
 @gpu
 def test_transformer_engine_2344_fence():
     """The fence on its release: cuDNN declines naming the report, implementation=None serves the call right.
-    The bug itself did not show on 9.14.0 in this package's forms (H100 2026-12-06, the entry's comment): the
+    The bug itself does not show on 9.14.0 in this package's forms (H100, the entry's comment): the
     lifted runs live in benchmarks/cudnn_bug_probe.py, where a form that shows it would be added."""
     issue = _issue("TransformerEngine#2344", "ragged")
     _need(issue)

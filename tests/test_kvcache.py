@@ -36,6 +36,7 @@ from jax_ragged_attn.testing.helpers import SeededCacheCase
 from jax_ragged_attn.testing.private_config import backend_options
 from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.ops.kvcache import kvcache_config
+from tiers import slow_cases  # tests/ is on sys.path under pytest
 
 # name -> keywords of one case: heads (Hq, Hkv), Sq, paged, options.
 CASES = {
@@ -400,6 +401,10 @@ def _fa3_stand_in(q, k_cache, v_cache, lengths, page_table, config, window):
     return fa3_emulator.kvcache_reads_unchecked(out, lse, lengths, page_table, config)
 
 
+# The route takes a contiguous cache as pages of one page per sequence: the fast tier runs the paged cases and one
+# contiguous case (the contiguous cache's own gathers stay fast in the xla classes), the slow tier the others.
+@slow_cases(*(f"test_attention_{case}_contiguous" for case in ("long_chunk", "mqa_five_queries", "chunked_prefill",
+                                                               "window", "mha")))
 class Fa3OneCallKVCacheTest(KVCacheTest):
     """fa3_kvcache's routes on any backend, the FA3 call replaced by the xla path with FA3's masks: decode-sized
     calls as one call over the full lengths (a contiguous cache read as one page per sequence), the rest
@@ -421,6 +426,7 @@ class Fa3OneCallKVCacheTest(KVCacheTest):
         self.enter_context(backend_options(route=self.route, tail_rows=7))
 
 
+@pytest.mark.slow  # FA3's decode variants past the one-call route
 class Fa3OneCallUnmaskedKVCacheTest(Fa3OneCallKVCacheTest):
     """The one call as on the audited wheel, where the op layer leaves out its mask of queries without keys
     (fa3_kvcache.zeroes_rows_without_keys): the stand-in's out of such a query, probabilities all 0 times value
@@ -440,6 +446,7 @@ class Fa3OneCallUnmaskedKVCacheTest(Fa3OneCallKVCacheTest):
             self.assertFalse(fa3_kvcache.zeroes_rows_without_keys(config))
 
 
+@pytest.mark.slow  # FA3's decode variants past the one-call route
 class Fa3SplitKVCacheTest(Fa3OneCallKVCacheTest):
     """Every case through the head / tail split and merge (FA3 never reads a sequence's last TAIL rows)."""
 
@@ -477,14 +484,6 @@ class CudnnKVCacheTest(KVCacheTest):
     def setUp(self):
         super().setUp()
         self.enter_context(backend_options(route="ragged"))
-
-
-def test_decode_bench_quick_runs(capsys):
-    from benchmarks import decode
-
-    assert decode.main(["--quick", "--calls", "1", "--repetitions", "1"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if "ours-xla" in line]
-    assert len(rows) == 8, rows  # 2 batches x 2 contexts x (contiguous, paged)
 
 
 def test_fa3_splits_fill_one_wave():

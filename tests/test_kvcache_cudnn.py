@@ -368,6 +368,7 @@ def _paged_stand_in(q, k_cache, v_cache, lengths, page_table, config, bounds=Non
     return xla_kvcache.attend(q, k_cache, v_cache, lengths, table, masks)
 
 
+@pytest.mark.slow  # every KV-cache case through cuDNN's paged route on a stand-in
 class CudnnPagedRouteStandInTest(KVCacheTest):
     """cudnn_kvcache's paged route with the graph replaced by the xla path over the same page view, TAIL small
     so heads and tails both carry keys: the split, its shifted masks, the merge and the contiguous view."""

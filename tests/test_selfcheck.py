@@ -113,7 +113,8 @@ def test_deep_check_of_a_few_features_on_every_backend():
     _assert_rows_passed_or_declined(rows)
 
 
-def test_deep_check_of_every_feature():  # slow (tests/conftest.py): about 2 minutes of compiling on 2 cores
+@pytest.mark.slow  # about 2 minutes of compiling on 2 cores
+def test_deep_check_of_every_feature():
     _assert_rows_passed_or_declined(selfcheck.deep_check())
 
 

@@ -24,6 +24,7 @@ from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.features.checks import RaggedAttentionInputError
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 from jax_ragged_attn.testing import assert_close, implementation_options, reference_attention
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
 _CUDNN_REASON = extension.cudnn_unavailable_reason()
 
@@ -147,10 +148,9 @@ def _check(got, expected, rows_q, rows_kv, dtype):
         assert_close(got[name], expected[name], dtype, name)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("case_name", sorted(CASES))
-@pytest.mark.parametrize("mask", ["none", "causal", "causal_bottom_right"])
-@pytest.mark.parametrize("stats_layout", ["head_major", "token_major"])
+@some_fast({"stats_layout": ["head_major", "token_major"], "mask": ["none", "causal", "causal_bottom_right"],
+            "case_name": sorted(CASES), "implementation": IMPLEMENTATIONS},
+           fast=["head_major-none-cache-xla", "token_major-causal-gaps-xla", "head_major-causal_bottom_right-full-xla"])
 def test_seqused_against_reference(implementation, case_name, mask, stats_layout):
     if mask == "causal" and implementation in BOTTOM_RIGHT_ONLY:
         pytest.skip(f"implementation={implementation!r} declines a top-left mask it cannot prove bottom-right "

@@ -28,6 +28,8 @@ from jax_ragged_attn.testing import assert_close, packed_batch, random_lengths
 from jax_ragged_attn.testing.private_config import backend_options
 from jax_ragged_attn.testing.reference import reference_attention
 
+pytestmark = pytest.mark.slow  # 1-5 row tiles of the xla path (its semantics: test_semantics.py's XlaTest, fast)
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
