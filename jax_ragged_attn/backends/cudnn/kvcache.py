@@ -50,7 +50,7 @@ from jax_ragged_attn.config import AttentionConfig, KVCacheConfig
 from jax_ragged_attn.index import RaggedIndex
 
 NAME = "cudnn"
-ROUTES = ("paged", "ragged")  # options.route values this backend reads (tests); others' are not its own
+ROUTES = ("paged", "ragged")  # OPTIONS.route values this backend reads (tests); others' are not its own
 # Rows of each sequence's end the paged kernel never reads (shared/head_tail.py): at least cuDNN's widest key
 # tile (128 rows on Hopper), twice that for margin.
 TAIL = 256
@@ -61,7 +61,7 @@ def tail(config: KVCacheConfig) -> int:
 
 
 def pinned_route(config: KVCacheConfig) -> str | None:
-    """The route the tests pinned (options.route "paged" or "ragged", contiguous caches), or None."""
+    """The route the tests pinned (OPTIONS.route "paged" or "ragged", contiguous caches), or None."""
     return options.OPTIONS.route if options.OPTIONS.route in ROUTES else None
 
 

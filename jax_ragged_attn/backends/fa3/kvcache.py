@@ -89,7 +89,7 @@ def tail(config: KVCacheConfig) -> int:
 
 def route(config: KVCacheConfig) -> str:
     """"one_call" where FA3's zero-filling paged loader serves the call (module docstring), else "head_tail"
-    (also where a test pinned it: options.route)."""
+    (also where a test pinned it: OPTIONS.route)."""
     if options.OPTIONS.route != "head_tail" and config.seqlen_q * config.group_size <= ZERO_FILL_MAX_ROWS:
         return "one_call"
     return "head_tail"
@@ -122,7 +122,7 @@ def auto_candidate(config: KVCacheConfig) -> bool:
 def num_splits(config: KVCacheConfig) -> int:
     """Key splits so that B x Hkv x query tiles x splits fills the SMs in one wave (1 where the tiles alone
     come near): a second, partial wave cost more than it split (H200, 8 x 32k decode: 2 splits 0.249 ms,
-    3 splits 0.299, benchmarks/sweep_decode_splits.py, which sets options.num_splits; H100 2026-12-06, 4 to 32
+    3 splits 0.299, benchmarks/sweep_decode_splits.py, which sets OPTIONS.num_splits; H100 2026-12-06, 4 to 32
     splits all 15 % slower than 2, benchmarks/decode_few.py). Each split keeps at least MIN_SPLIT_TILES key
     tiles: below that the combine kernel costs more than the parallelism gains (H100, 8 x 2k decode, every row
     in the same rounds: 1 split 5 % faster than 2 on a paged cache, 15 % on a contiguous one; raw FA3 8 %)."""
@@ -251,7 +251,7 @@ def _head_tail(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
 
 def packed_tile_rows(config: KVCacheConfig) -> int:
     """Query rows a packed tile holds: zero_fill_rows() (FA3's 128-row query tile for head dim 128 on the audited
-    wheel), or the tests' smaller one (options.packed_tile_rows)."""
+    wheel), or the tests' smaller one (OPTIONS.packed_tile_rows)."""
     return options.OPTIONS.packed_tile_rows or zero_fill_rows()
 
 

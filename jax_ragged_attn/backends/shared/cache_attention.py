@@ -36,7 +36,7 @@ from jax_ragged_attn.index.kvcache import band, key_band, query_tiles, safe_page
 # float32 scores one step may hold ([B, Hq, Sq, rows]); the block's rows follow from it.
 SCORES_BUDGET_BYTES = 256 << 20
 # Packed queries: consecutive queries of one sequence per tile (the module docstring); tests set a smaller one
-# through options.query_tile.
+# through OPTIONS.query_tile.
 QUERY_TILE = 16
 
 
@@ -44,7 +44,7 @@ def block_rows(config: KVCacheConfig, row_bytes: int | None = None) -> int:
     """Rows of the cache one step reads: whole pages of a paged cache, at most the capacity. row_bytes: what
     one cache row of a step costs (default its float32 scores, [B, Hq, Sq])."""
     row_bytes = row_bytes or 4 * config.batch * config.num_heads_q * config.seqlen_q
-    # options.block_rows: tests set it small, so that sequences straddle blocks.
+    # OPTIONS.block_rows: tests set it small, so that sequences straddle blocks.
     rows = options.OPTIONS.block_rows or SCORES_BUDGET_BYTES // row_bytes
     pages = min(max(rows // config.page_size, 1), config.max_pages)
     return pages * config.page_size if config.paged else min(max(rows, 1), config.capacity)

@@ -37,7 +37,7 @@ HeadCall = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 def tail_rows(config: KVCacheConfig, kernel_tail: int) -> int:
-    """The tail a backend splits at: its own `kernel_tail`, or the tests' smaller one (options.tail_rows)."""
+    """The tail a backend splits at: its own `kernel_tail`, or the tests' smaller one (OPTIONS.tail_rows)."""
     return options.OPTIONS.tail_rows or kernel_tail
 
 

@@ -58,7 +58,7 @@ _F32 = 4
 
 
 def fused_backward(config: AttentionConfig) -> bool:
-    """Whether this call's backward runs the fused pass: options.xla_fused_backward (tests), else on a CPU only."""
+    """Whether this call's backward runs the fused pass: OPTIONS.xla_fused_backward (tests), else on a CPU only."""
     if options.OPTIONS.xla_fused_backward is not None:
         return options.OPTIONS.xla_fused_backward
     return jax.default_backend() == "cpu"
