@@ -105,10 +105,10 @@ def _decode_loop(implementation, steps=16, batch=4, page_size=16, pages_per_seq=
         def body(i, carry):
             k_cache, v_cache, lengths, total = carry
             q, k, v = new[i, 0], new[i, 1, :, :, :hkv], new[i, 2, :, :, :hkv]
-            k_cache, v_cache = jra.kvcache_append(k_cache, v_cache, k, v, lengths, page_table=page_table)
-            out = jra.ragged_attention_with_kvcache(q, k_cache, v_cache, lengths + 1, page_table=page_table,
+            k_cache, v_cache, lengths = jra.kvcache_append(k_cache, v_cache, k, v, lengths, page_table=page_table)
+            out = jra.ragged_attention_with_kvcache(q, k_cache, v_cache, lengths, page_table=page_table,
                                                     implementation=implementation)
-            return k_cache, v_cache, lengths + 1, total + out.astype(jnp.float32)
+            return k_cache, v_cache, lengths, total + out.astype(jnp.float32)
 
         zero = jnp.zeros((batch, 1, hq, dim), jnp.float32)
         return jax.lax.fori_loop(0, steps, body, (k_cache, v_cache, lengths, zero))[3]

@@ -239,3 +239,45 @@ def test_a_callback_run_inside_the_call_raises_the_named_error():
 ])
 def test_segment_problems_name_row_token_count_and_bound(ids, max_segments, max_seqlen, expected):
     assert checks.segment_problems(np.asarray(ids), max_segments, max_seqlen) == expected
+
+
+def _cache_call(lengths, table=None, **kwargs):
+    """ragged_attention_with_kvcache over a 3-sequence cache of capacity 8 (paged: 4 pages of 4 rows, 2 each)."""
+    from jax_ragged_attn import ragged_attention_with_kvcache
+
+    cache = jnp.zeros((3, 8, 1, 4) if table is None else (4, 4, 1, 4), jnp.float32)
+    return ragged_attention_with_kvcache(jnp.ones((3, 1, 2, 4), jnp.float32), cache, cache, lengths,
+                                         page_table=table, implementation="xla", **kwargs)
+
+
+@pytest.mark.parametrize("lengths, table, fragment", [
+    ([3, 9, 0], None, r"cache_seqlens\[1\] = 9 is outside \[0, 8\]"),
+    ([3, -1, 0], None, r"cache_seqlens\[1\] = -1 is outside \[0, 8\]"),
+    ([3, 5, 0], [[0, 1], [2, 7], [-1, -1]], r"page_table\[1, 1\] = 7 is outside \[0, num_pages = 4\)"),
+])
+def test_numpy_cache_index_out_of_range_warns_naming_argument_index_and_value(lengths, table, fragment):
+    table = None if table is None else np.asarray(table, np.int32)
+    with pytest.warns(checks.RaggedAttentionInputWarning, match=fragment + r".*return_overflow=True counts it"):
+        _cache_call(np.asarray(lengths, np.int32), table)
+
+
+def test_numpy_cache_index_in_range_or_on_device_does_not_warn():
+    import warnings
+
+    table = np.asarray([[0, 1], [2, 99], [-1, -1]], np.int32)  # 99 and -1 on pages no sequence uses
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", checks.RaggedAttentionInputWarning)
+        _cache_call(np.asarray([8, 4, 0], np.int32), table)
+        _cache_call(jnp.asarray([3, 9, 0], jnp.int32))  # a device array: reading it would cost a round trip
+
+
+def test_numpy_append_index_out_of_range_warns_naming_the_rows_not_written():
+    from jax_ragged_attn import kvcache_append
+
+    cache, new = jnp.zeros((3, 8, 1, 4), jnp.float32), jnp.ones((3, 2, 1, 4), jnp.float32)
+    with pytest.warns(checks.RaggedAttentionInputWarning, match=r"sequence 1: cache_seqlens\[1\] = 7 and its 2 new "
+                                                                 r"rows reach row 8, past its capacity 8"):
+        kvcache_append(cache, cache, new, new, np.asarray([0, 7, 1], np.int32))
+    pages, table = jnp.zeros((4, 4, 1, 4), jnp.float32), np.asarray([[0, 1], [2, -3], [3, 3]], np.int32)
+    with pytest.warns(checks.RaggedAttentionInputWarning, match=r"page_table\[1, 1\] = -3 is outside"):
+        kvcache_append(pages, pages, new, new, np.asarray([0, 3, 1], np.int32), page_table=table)

@@ -302,7 +302,8 @@ class XlaKVCacheTest(KVCacheTest):
         k_new = self.rng.standard_normal((3, 3, 2, 4)).astype(np.float32)
         v_new = self.rng.standard_normal((3, 3, 2, 4)).astype(np.float32)
         lengths = np.array([0, 4, 9], np.int32)  # 4: the third new row is past the capacity; 9: clamped, none
-        k2, v2 = kvcache_append(jnp.asarray(k), jnp.asarray(v), jnp.asarray(k_new), jnp.asarray(v_new), lengths)
+        k2, v2, _ = kvcache_append(jnp.asarray(k), jnp.asarray(v), jnp.asarray(k_new), jnp.asarray(v_new),
+                                   lengths)
         want_k, want_v = k.copy(), v.copy()
         want_k[0, 0:3], want_v[0, 0:3] = k_new[0], v_new[0]
         want_k[1, 4:6], want_v[1, 4:6] = k_new[1, :2], v_new[1, :2]
@@ -314,8 +315,8 @@ class XlaKVCacheTest(KVCacheTest):
         k_new = self.rng.standard_normal((3, 3, 1, 3)).astype(np.float32)
         table = np.array([[4, 1, -1], [0, 99, 2], [3, 3, 3]], np.int32)
         lengths = np.array([1, 2, 5], np.int32)
-        k2, v2 = kvcache_append(jnp.asarray(k), jnp.asarray(k), jnp.asarray(k_new), jnp.asarray(k_new), lengths,
-                                page_table=table)
+        k2, v2, _ = kvcache_append(jnp.asarray(k), jnp.asarray(k), jnp.asarray(k_new), jnp.asarray(k_new), lengths,
+                                   page_table=table)
         want = k.copy()
         want[4, 1], want[1, 0], want[1, 1] = k_new[0, 0], k_new[0, 1], k_new[0, 2]  # rows 1, 2, 3
         # sequence 1: rows 2, 3 on page 99 (past the cache): not written; row 4 on page 2
@@ -329,7 +330,7 @@ class XlaKVCacheTest(KVCacheTest):
         k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
         k_new = jnp.asarray(self.rng.standard_normal((5, 2, 2, self.head_dim)), self.dtype)
         # Sequences 1 and 3 need a page they do not have (-1): those rows are not written, and not attended.
-        k2, v2 = kvcache_append(k, v, k_new, k_new, lengths, page_table=table)
+        k2, v2, _ = kvcache_append(k, v, k_new, k_new, lengths, page_table=table)
         out = ragged_attention_with_kvcache(q, k2, v2, lengths + 2, page_table=table, implementation="xla")
         assert_close(out, reference_kvcache_attention(q, k2, v2, lengths + 2, page_table=table)["out"],
                      self.dtype, "out")
@@ -350,9 +351,53 @@ class XlaKVCacheTest(KVCacheTest):
         cache_bytes = k.size * 4
         self.assertEqual(memory.alias_size_in_bytes, 2 * cache_bytes)  # both caches are the outputs' buffers
         self.assertLess(memory.temp_size_in_bytes, cache_bytes // 4)  # and no copy of either is made
-        k2, v2 = step(k, jnp.zeros_like(k), k_new, lengths, table)
+        k2, v2, _ = step(k, jnp.zeros_like(k), k_new, lengths, table)
         self.assertTrue(k.is_deleted())
         self.assertEqual(float(k2.sum()), 8 * 4 * 32)
+
+    def test_append_returns_the_lengths_to_attend_with(self):
+        k = jnp.zeros((3, 6, 2, 4), jnp.float32)
+        k_new = jnp.ones((3, 2, 2, 4), jnp.float32)
+        _, _, after = kvcache_append(k, k, k_new, k_new, jnp.asarray([0, 3, -2], jnp.int32))
+        self.assertEqual(after.dtype, jnp.int32)
+        np.testing.assert_array_equal(after, [2, 5, 2])  # -2 is clamped to 0, where the new rows are written
+
+    def test_append_chain(self):
+        # k, v, lengths = kvcache_append(...) then ragged_attention_with_kvcache(q, k, v, lengths): the lengths
+        # after the append, so each query sees its own new row (passing those before would leave it out).
+        q, k, v, lengths, _ = self.make(lengths=[5, 8, 0, 3, 12])
+        k_new = jnp.asarray(self.rng.standard_normal((5, 2, 2, self.head_dim)), self.dtype)
+        v_new = jnp.asarray(self.rng.standard_normal((5, 2, 2, self.head_dim)), self.dtype)
+        step = jax.jit(lambda k, v, lengths: ragged_attention_with_kvcache(
+            q, *kvcache_append(k, v, k_new, v_new, lengths), implementation="xla"))
+        k2, v2, after = kvcache_append(k, v, k_new, v_new, lengths)
+        np.testing.assert_array_equal(after, lengths + 2)
+        expected = reference_kvcache_attention(q, k2, v2, lengths + 2)["out"]
+        assert_close(ragged_attention_with_kvcache(q, k2, v2, after, implementation="xla"), expected, self.dtype,
+                     "out")
+        assert_close(step(k, v, lengths), expected, self.dtype, "out under jit")
+
+    # ---- return_overflow -------------------------------------------------------------------------------------
+
+    def test_return_overflow_counts_out_of_range_cache_index(self):
+        q, k, v, _, _ = self.make(lengths=[self.capacity] * 5)
+        lengths = jnp.asarray([self.capacity + 5, -3, 2, 0, self.capacity], jnp.int32)
+        out, overflow = ragged_attention_with_kvcache(q, k, v, lengths, return_overflow=True, implementation="xla")
+        assert_close(out, ragged_attention_with_kvcache(q, k, v, lengths, implementation="xla"), self.dtype, "out")
+        self.assertEqual(tuple(int(x) for x in overflow), (0, 0, 2, 0))  # capacity + 5 and -3
+        q, k, v, lengths, table = self.make(paged=True, lengths=[self.capacity, 7, 6, 5, 0])
+        counts = lambda *args, **kwargs: ragged_attention_with_kvcache(  # noqa: E731
+            *args, return_overflow=True, return_stats=True, stats_layout="token_major", implementation="xla",
+            **kwargs)[2]
+        self.assertEqual(int(counts(q, k, v, lengths, page_table=table).invalid_cu_seqlens), 0)  # unused pages
+        bad = table.at[0, 1].set(-5).at[2, 0].set(10**6)  # pages sequences 0 and 2 use
+        overflow = jax.jit(lambda t: counts(q, k, v, lengths, page_table=t))(bad)
+        self.assertEqual(tuple(int(x) for x in overflow), (0, 0, 2, 0))
+        out, stats, overflow = ragged_attention_with_kvcache(q, k, v, lengths, page_table=table, return_stats=True,
+                                                             return_overflow=True, implementation="xla")
+        self.assertEqual(stats.shape, (q.shape[0], q.shape[2], q.shape[1]))
+        with self.assertRaisesRegex(ValueError, "return_overflow must be a Python bool"):
+            ragged_attention_with_kvcache(q, k, v, lengths, return_overflow=1, implementation="xla")
 
 
 _FA3_REASON = _fa3.unavailable_reason()

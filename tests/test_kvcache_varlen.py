@@ -41,7 +41,7 @@ from jax_ragged_attn.backends.shared import cache_attention, extension, known_is
 from jax_ragged_attn.config import KVCacheConfig
 from jax_ragged_attn.index.kvcache import band, query_tiles
 from jax_ragged_attn.config import AttentionOptions
-from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
+from jax_ragged_attn.features.checks import RaggedAttentionInputError, RaggedAttentionInputWarning, input_errors
 from jax_ragged_attn.ops import kvcache as kvcache_inputs
 from jax_ragged_attn.testing import assert_close, declines, fa3_emulator
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention_packed
@@ -290,6 +290,19 @@ class XlaPackedTest(PackedKVCacheTest):
         for i, (q, k, v, n, cu, m, t) in enumerate(parts):
             expected = reference_kvcache_attention_packed(q, k, v, n, cu, m, page_table=t)
             assert_close(out[i], expected["out"], self.dtype, f"vmapped element {i}")
+
+    def test_return_overflow_counts_what_the_warning_names(self):
+        # The warning for NumPy cu_seqlens_q recommends return_overflow=True: it counts the cut rows.
+        q, k, v, lengths, _, _, table = self.mix(max_seqlen_q=6, batch=7)
+        cu = np.asarray([0, 6, 7, 7, 9, 10, 12, 12], np.int32)  # sequence 0: 6 rows, 2 past max_seqlen_q = 4
+        with pytest.warns(RaggedAttentionInputWarning, match=r"sequence 0 has 6 tokens.*return_overflow=True"):
+            out, overflow = self.attend(q, k, v, lengths, np.asarray(cu), 4, table, return_overflow=True)
+        self.assertEqual(tuple(int(x) for x in overflow), (2, 0, 0, 0))
+        assert_close(out, self.attend(q, k, v, lengths, jnp.asarray(cu), 4, table), self.dtype, "out")
+        bad = jnp.asarray(cu).at[3].set(5)  # below an earlier entry
+        overflow = jax.jit(lambda cu: self.attend(q, k, v, lengths, cu, 4, table, return_overflow=True,
+                                                  return_stats=True)[2])(bad)
+        self.assertEqual(int(overflow.invalid_cu_seqlens), 1)
 
     @pytest.mark.slow
     def test_sinks_gradient(self):
@@ -586,8 +599,8 @@ class PackedAppendTest(parameterized.TestCase):
         k_new = self.rng.standard_normal((9, 2, 4)).astype(np.float32)
         lengths = np.array([0, 4, 5], np.int32)  # 4 + 3 rows: the last past the capacity of 6
         cu = np.array([0, 3, 6, 8], np.int32)  # row 8: past cu[-1], never written
-        k2, v2 = kvcache_append(jnp.asarray(k), jnp.asarray(-k), jnp.asarray(k_new), jnp.asarray(-k_new), lengths,
-                                cu_seqlens_k_new=cu)
+        k2, v2, _ = kvcache_append(jnp.asarray(k), jnp.asarray(-k), jnp.asarray(k_new), jnp.asarray(-k_new), lengths,
+                                   cu_seqlens_k_new=cu)
         want = self.expected(k, k_new, lengths, cu)
         np.testing.assert_array_equal(k2, want)
         np.testing.assert_array_equal(v2, -want)
@@ -600,8 +613,8 @@ class PackedAppendTest(parameterized.TestCase):
         cu = np.array([0, 3, 6, 9], np.int32)
         # sequence 0: rows 1-3 on pages 4, 1, 1; sequence 1: rows 2-3 on page 99 (outside: dropped), row 4 on
         # page 2; sequence 2: row 5 on page 5, rows 6-7 past its capacity of 6 (dropped).
-        k2, _ = kvcache_append(jnp.asarray(k), jnp.asarray(k), jnp.asarray(k_new), jnp.asarray(k_new), lengths,
-                               cu_seqlens_k_new=cu, page_table=table)
+        k2, _, _ = kvcache_append(jnp.asarray(k), jnp.asarray(k), jnp.asarray(k_new), jnp.asarray(k_new), lengths,
+                                  cu_seqlens_k_new=cu, page_table=table)
         want = self.expected(k, k_new, lengths, cu, table)
         np.testing.assert_array_equal(k2, want)
         untouched = [p for p in range(6) if p not in (4, 1, 2, 5)]
@@ -617,14 +630,21 @@ class PackedAppendTest(parameterized.TestCase):
         k = self.rng.standard_normal((num_pages, page_size, 2, 8)).astype(np.float32)
         cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         k_new = self.rng.standard_normal((int(cu[-1]) + 2, 2, 8)).astype(np.float32)
-        k2, v2 = kvcache_append(jnp.asarray(k), jnp.asarray(k), jnp.asarray(k_new), jnp.asarray(k_new), lengths,
-                                cu_seqlens_k_new=cu, page_table=table)
+        k2, v2, _ = kvcache_append(jnp.asarray(k), jnp.asarray(k), jnp.asarray(k_new), jnp.asarray(k_new), lengths,
+                                   cu_seqlens_k_new=cu, page_table=table)
         np.testing.assert_array_equal(k2, self.expected(k, k_new, lengths, cu, table))
         q = jnp.asarray(self.rng.standard_normal((k_new.shape[0], 4, 8)), jnp.float32)
         out = ragged_attention_with_kvcache(q, k2, v2, lengths + counts, cu_seqlens_q=cu, max_seqlen_q=6,
                                             page_table=table, implementation="xla")
         expected = reference_kvcache_attention_packed(q, k2, v2, lengths + counts, cu, 6, page_table=table)
         assert_close(out, expected["out"], jnp.float32, "out after the append")
+
+    def test_returns_the_lengths_after(self):
+        k = jnp.zeros((3, 6, 1, 2), jnp.float32)
+        k_new = jnp.ones((6, 1, 2), jnp.float32)
+        cu = jnp.asarray([0, 3, 3, 9], jnp.int32)  # 9 is clamped to the 6 rows: sequence 2 has 3 new ones
+        _, _, after = kvcache_append(k, k, k_new, k_new, jnp.asarray([1, 2, -4], jnp.int32), cu_seqlens_k_new=cu)
+        np.testing.assert_array_equal(after, [4, 2, 3])  # -4 is clamped to 0, where its new rows are written
 
     def test_check_names_the_rows_never_written(self):
         k = jnp.zeros((6, 2, 1, 3), jnp.float32)
@@ -672,6 +692,6 @@ class PackedAppendTest(parameterized.TestCase):
         cache_bytes = k.size * 4
         self.assertEqual(memory.alias_size_in_bytes, 2 * cache_bytes)  # both caches are the outputs' buffers
         self.assertLess(memory.temp_size_in_bytes, cache_bytes // 4)  # and no copy of either is made
-        k2, _ = step(k, jnp.zeros_like(k), k_new, lengths, cu, table)
+        k2, _, _ = step(k, jnp.zeros_like(k), k_new, lengths, cu, table)
         self.assertTrue(k.is_deleted())
         self.assertEqual(float(k2.sum()), 10 * 4 * 32)  # the 10 rows of cu[-1], each written once

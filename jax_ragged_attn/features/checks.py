@@ -246,12 +246,18 @@ def _named(name: str, problems_of):
     return message_of
 
 
-def _warn(values: np.ndarray, element_rank: int, name: str, problems_of) -> None:
+def _warn(values: np.ndarray, element_rank: int, name: str, problems_of, *, counted: bool = True) -> None:
     """A RaggedAttentionInputWarning naming `name` if `problems_of` finds anything in host-resident `values`."""
-    message = _first_invalid((values,), (element_rank,), _named(name, problems_of))
+    _warn_first((values,), (element_rank,), _named(name, problems_of), counted=counted)
+
+
+def _warn_first(values: tuple, element_ranks: tuple, message_of, *, counted: bool = True) -> None:
+    """A RaggedAttentionInputWarning with what message_of says of the first invalid element of host-resident
+    `values` (_first_invalid); `counted`: the op's return_overflow counts such data."""
+    message = _first_invalid(values, element_ranks, message_of)
     if message:
-        warnings.warn(message + ". The op drops or clamps this data (check=True raises instead; "
-                      "return_overflow=True counts it)", RaggedAttentionInputWarning,
+        warnings.warn(message + ". The op drops or clamps this data (check=True raises instead" +
+                      ("; return_overflow=True counts it)" if counted else ")"), RaggedAttentionInputWarning,
                       stacklevel=_first_frame_outside_the_package())
 
 
@@ -379,13 +385,17 @@ def cache_index_problems(lengths: np.ndarray, page_table: np.ndarray | None, con
     return problems
 
 
-def checked_cache_index(cache_seqlens: jax.Array, page_table: jax.Array | None, config):
-    """(cache_seqlens, page_table), unchanged, once a host check has found them valid together
-    (cache_index_problems); otherwise the computation stops with a RaggedAttentionInputError."""
+def _cache_index_message(config):
     def message_of(lengths, table=None, *, where):
         problems = cache_index_problems(lengths, table, config)
         return "KV cache index invalid" + where + ": " + "; ".join(problems) if problems else None
+    return message_of
 
+
+def checked_cache_index(cache_seqlens: jax.Array, page_table: jax.Array | None, config):
+    """(cache_seqlens, page_table), unchanged, once a host check has found them valid together
+    (cache_index_problems); otherwise the computation stops with a RaggedAttentionInputError."""
+    message_of = _cache_index_message(config)
     arrays = (cache_seqlens,) if page_table is None else (cache_seqlens, page_table)
     checked = _checked(arrays, (1, 2)[:len(arrays)], message_of)
     return checked[0], (None if page_table is None else checked[1])
@@ -397,6 +407,11 @@ def warn_cu_seqlens_on_host(cu_seqlens, *, name: str, capacity: int, max_seqlen:
     if isinstance(cu_seqlens, np.ndarray):
         _warn(cu_seqlens, 1, name, functools.partial(cu_seqlens_problems, name=name, capacity=int(capacity),
                                                      max_seqlen=int(max_seqlen), bound=_bound_name(name)))
+
+
+def _on_host(*arrays) -> bool:
+    """Every one of `arrays` (None: absent) is a NumPy array, read at trace time for free."""
+    return all(x is None or isinstance(x, np.ndarray) for x in arrays)
 
 
 def warn_segment_ids_on_host(segment_ids, *, max_segments: int, max_seqlen: int) -> None:
@@ -518,13 +533,18 @@ def apply_cache_check(check: bool | None, config, cache_seqlens, page_table, cu_
     (cache_seqlens, page_table) validated on the host at run time (checked_cache_index), and packed queries'
     cu_seqlens_q as ragged_attention's (checked_cu_seqlens: from 0, never decreasing, within q's T rows, no
     sequence over max_seqlen_q); off, as they are (NumPy cu_seqlens_q warn if they will be clamped or cut, as
-    ragged_attention's do). The kernels read no guard bands here. Returns (cache_seqlens, page_table,
+    ragged_attention's do, and NumPy cache_seqlens, with a NumPy page_table, if an entry is out of range).
+    The kernels read no guard bands here. Returns (cache_seqlens, page_table,
     cu_seqlens_q)."""
     packed = cu_seqlens_q is not None
     if not check_enabled(check):
         if packed:
             warn_cu_seqlens_on_host(cu_seqlens_q, name="cu_seqlens_q", capacity=config.total_q,
                                     max_seqlen=config.seqlen_q)
+        # The pages a sequence uses follow from its length: the table is read only beside host lengths.
+        if _on_host(cache_seqlens):
+            arrays = (cache_seqlens,) + ((page_table,) if page_table is not None and _on_host(page_table) else ())
+            _warn_first(arrays, (1, 2)[:len(arrays)], _cache_index_message(config))
         return cache_seqlens, page_table, cu_seqlens_q
     cache_seqlens, page_table = checked_cache_index(cache_seqlens, page_table, config)
     if packed:
@@ -565,9 +585,8 @@ def apply_append_check(check: bool | None, cache_seqlens, page_table, cu_seqlens
                        capacity: int, num_pages: int, page_size: int):
     """The check feature of one kvcache_append call: with check on, (cache_seqlens, page_table,
     cu_seqlens_k_new) validated together on the host at run time (cu_seqlens_problems for cu_seqlens_k_new,
-    append_index_problems for the rows that would not be written); off, as they are. Returns the three."""
-    if not check_enabled(check):
-        return cache_seqlens, page_table, cu_seqlens_k_new
+    append_index_problems for the rows that would not be written); off, as they are (NumPy ones warn of the
+    rows that will not be written). Returns the three."""
     arrays = [("cache_seqlens", cache_seqlens, 1), ("page_table", page_table, 2), ("cu", cu_seqlens_k_new, 1)]
     present = [(name, x, rank) for name, x, rank in arrays if x is not None]
 
@@ -581,6 +600,14 @@ def apply_append_check(check: bool | None, cache_seqlens, page_table, cu_seqlens
                                           page_size=page_size)
         return "KV cache append invalid" + where + ": " + "; ".join(problems) if problems else None
 
+    if not check_enabled(check):
+        if _on_host(*(x for _, x, _ in present)):  # free to read: say what will not be written
+            _warn_first(tuple(x for _, x, _ in present), tuple(r for _, _, r in present), message_of, counted=False)
+        elif _on_host(cache_seqlens):  # the rest on the device: the lengths alone
+            _warn(cache_seqlens, 1, "cache_seqlens", lambda lengths: _lengths_outside(lengths.astype(np.int64),
+                                                                                      capacity, "the capacity"),
+                  counted=False)
+        return cache_seqlens, page_table, cu_seqlens_k_new
     checked = dict(zip((name for name, _, _ in present),
                        _checked(tuple(x for _, x, _ in present), tuple(r for _, _, r in present), message_of)))
     return checked["cache_seqlens"], checked.get("page_table"), checked.get("cu")

@@ -30,7 +30,9 @@ class Overflow(NamedTuple):
     truncated_rows_q: jax.Array  # query rows past max_seqlen_q in their sequence: they read out = 0
     truncated_rows_kv: jax.Array  # key rows past max_seqlen_kv in their sequence: no query attends to them
     invalid_cu_seqlens: jax.Array  # entries of cu_seqlens_q and cu_seqlens_kv that broke the contract (entry 0
-    #                               not 0, below an earlier entry, outside [0, capacity]) and were clamped
+    #                               not 0, below an earlier entry, outside [0, capacity]) and were clamped; over
+    #                               a KV cache also cache_seqlens outside [0, capacity] and the page_table
+    #                               entries a sequence uses outside [0, num_pages)
     dropped_segments: jax.Array  # ragged_attention_segments: segments past max_segments, read as padding
 
 
@@ -65,4 +67,27 @@ def cu_seqlens_overflow(cu_seqlens_q, cu_seqlens_kv, config, *, same: bool = Fal
         invalid_cu_seqlens=invalid,
         dropped_segments=jnp.zeros((), jnp.int32),
     )
+    return jax.tree.map(jax.lax.stop_gradient, counts)
+
+
+def cache_overflow(cache_seqlens, page_table, cu_seqlens_q, config) -> Overflow:
+    """The Overflow of one ragged_attention_with_kvcache call (config its KVCacheConfig) from the index arrays
+    as the caller passed them: packed queries past max_seqlen_q (truncated_rows_q), and the invalid entries
+    of cu_seqlens_q, cache_seqlens and the page table (invalid_cu_seqlens). A cache has no max_seqlen_kv, so
+    truncated_rows_kv is 0: a length past the capacity is an invalid entry. cache_seqlens [5, -1, 9] with
+    capacity 8 -> 2 invalid entries (-1 and 9)."""
+    zero = jnp.zeros((), jnp.int32)
+    outside = (cache_seqlens < 0) | (cache_seqlens > config.capacity)
+    invalid = jnp.sum(outside, dtype=jnp.int32)
+    if page_table is not None:  # entries of the pages each sequence uses, its length clamped as the op does
+        used = (jnp.clip(cache_seqlens, 0, config.capacity) + config.page_size - 1) // config.page_size
+        needed = jnp.arange(config.max_pages)[None, :] < used[:, None]
+        bad = needed & ((page_table < 0) | (page_table >= config.num_pages))
+        invalid = invalid + jnp.sum(bad, dtype=jnp.int32)
+    truncated_q = zero
+    if cu_seqlens_q is not None:
+        invalid = invalid + invalid_entries(cu_seqlens_q, config.total_q)
+        truncated_q = truncated_rows(cu_seqlens_q, config.total_q, config.seqlen_q)
+    counts = Overflow(truncated_rows_q=truncated_q, truncated_rows_kv=zero, invalid_cu_seqlens=invalid,
+                      dropped_segments=zero)
     return jax.tree.map(jax.lax.stop_gradient, counts)

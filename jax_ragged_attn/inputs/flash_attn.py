@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn.ops.ragged import ragged_attention
-from jax_ragged_attn.index import as_int32, sanitize_cu_seqlens
+from jax_ragged_attn.index import as_int32
 from jax_ragged_attn.ops.kvcache import kvcache_append, ragged_attention_with_kvcache
 
 
@@ -150,13 +150,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = as_int32(cache_seqlens, "cache_seqlens")
     lengths = cache_seqlens
     if k is not None:
-        k_cache, v_cache = kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cu_seqlens_k_new=cu_seqlens_k_new,
-                                          page_table=page_table)
-        if cu_seqlens_k_new is None:
-            lengths = jnp.asarray(cache_seqlens) + k.shape[1]
-        else:  # each sequence's new rows: its slot of cu_seqlens_k_new, clamped as kvcache_append clamps it
-            cu = sanitize_cu_seqlens(jnp.asarray(as_int32(cu_seqlens_k_new, "cu_seqlens_k_new")), k.shape[0])
-            lengths = jnp.asarray(cache_seqlens) + (cu[1:] - cu[:-1])
+        k_cache, v_cache, lengths = kvcache_append(k_cache, v_cache, k, v, cache_seqlens,
+                                                   cu_seqlens_k_new=cu_seqlens_k_new, page_table=page_table)
     result = ragged_attention_with_kvcache(q, k_cache, v_cache, lengths, cu_seqlens_q=cu_seqlens_q,
                                            max_seqlen_q=max_seqlen_q, page_table=page_table,
                                            scale=softmax_scale, is_causal=_flag(causal, "causal"),

@@ -1,13 +1,13 @@
 """Attention over a KV cache (decoding), and appending to the cache.
 
-    k_cache, v_cache = kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table=page_table)
-    out = ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens + Sn, page_table=page_table)
+    k_cache, v_cache, lengths = kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table=page_table)
+    out = ragged_attention_with_kvcache(q, k_cache, v_cache, lengths, page_table=page_table)
 
 Packed (a serving step: prefill chunks and decode rows of any length in one call, FlashAttention's varlen form):
 
-    k_cache, v_cache = kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, cu_seqlens_k_new=cu,
-                                      page_table=page_table)             # k_new [T, Hkv, D]
-    out = ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens + n, cu_seqlens_q=cu,
+    k_cache, v_cache, lengths = kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, cu_seqlens_k_new=cu,
+                                               page_table=page_table)    # k_new [T, Hkv, D]
+    out = ragged_attention_with_kvcache(q, k_cache, v_cache, lengths, cu_seqlens_q=cu,
                                         max_seqlen_q=M, page_table=page_table)   # q, out [T, Hq, D]
 
 The caches are contiguous [B, L, Hkv, D] or paged [num_pages, page_size, Hkv, D] with an integer page table
@@ -30,6 +30,7 @@ from jax_ragged_attn.backends.shared.cache_index import safe_cache_index
 from jax_ragged_attn.config import AttentionOptions, KVCacheConfig, _static_int, check_array, check_heads, masked_fields
 from jax_ragged_attn.features import keyword_hints
 from jax_ragged_attn.features.checks import apply_append_check, apply_cache_check
+from jax_ragged_attn.features.overflow import cache_overflow
 from jax_ragged_attn.index import as_int32, row_positions, sanitize_cu_seqlens
 from jax_ragged_attn.index.kvcache import clamped_lengths, packed_query_rows, packed_rows_with_keys, rows_with_keys
 from jax_ragged_attn.ops import common
@@ -38,7 +39,7 @@ from jax_ragged_attn.ops import common
 def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, cu_seqlens_q=None, max_seqlen_q=None,
                                   page_table=None, scale=None, is_causal=True, local_window_size=None, sinks=None,
                                   return_stats=False, stats_layout="head_major", implementation=None, check=None,
-                                  softcap=None, **unknown):
+                                  softcap=None, return_overflow=False, **unknown):
     """Each sequence's newest queries attending to its KV cache (decoding, speculative decoding, chunked
     prefill). Forward only: for inference. jax.grad with respect to q or the caches raises
     NotImplementedError (the sinks' gradient, through the epilogue, works); jit and vmap work.
@@ -84,14 +85,20 @@ def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, cu_seql
         JAX_RAGGED_ATTN_CHECK.
       softcap: None or 0 (no cap), or a positive float: scores s = scale * q.k become softcap * tanh(s /
         softcap) before the mask, sinks and softmax (Gemma 2); the stats are those of the capped scores.
+      return_overflow: also return an overflow.Overflow of int32 scalars counting what this call clamped or
+        cut: packed queries past max_seqlen_q (truncated_rows_q), and the entries of cu_seqlens_q,
+        cache_seqlens and the used pages' page_table outside their ranges (invalid_cu_seqlens).
 
     Returns:
-      out [B, Sq, Hq, Dv] (packed: [T, Hq, Dv]) in q's dtype, or (out, stats) with return_stats=True.
+      out [B, Sq, Hq, Dv] (packed: [T, Hq, Dv]) in q's dtype, or (out, stats) with return_stats=True, with the
+      Overflow appended last when return_overflow=True.
     """
     keyword_hints.reject_unknown_keywords(ragged_attention_with_kvcache, unknown)  # FlashAttention's names
     options = AttentionOptions(scale=scale, is_causal=is_causal, local_window_size=local_window_size,
                                stats_layout=stats_layout, return_stats=return_stats, implementation=implementation,
                                check=check, softcap=softcap)
+    if not isinstance(return_overflow, bool):
+        raise ValueError(f"return_overflow must be a Python bool, got {type(return_overflow).__name__}")
     q, k_cache, v_cache = (common.as_array(x) for x in (q, k_cache, v_cache))
     cache_seqlens = as_int32(cache_seqlens, "cache_seqlens")
     page_table = None if page_table is None else as_int32(page_table, "page_table")
@@ -103,12 +110,14 @@ def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, cu_seql
     backend = common.choose("kvcache", options, config, None)
     cache_seqlens = jnp.asarray(cache_seqlens)
     page_table = None if page_table is None else jnp.asarray(page_table)
+    cu_seqlens_q = None if cu_seqlens_q is None else jnp.asarray(cu_seqlens_q)
+    # From the index arrays as the caller passed them (checked ones are the same values).
+    overflow = (cache_overflow(cache_seqlens, page_table, cu_seqlens_q, config),) if return_overflow else ()
     if page_table is not None and getattr(backend, "READS_TABLE_UNCHECKED", False):
         # Its kernel reads both without bounds: lengths and entries clamped into the cache, one launch on a GPU.
         lengths, page_table = safe_cache_index(cache_seqlens, page_table, config)
     else:
         lengths = clamped_lengths(cache_seqlens, config)
-    cu_seqlens_q = None if cu_seqlens_q is None else jnp.asarray(cu_seqlens_q)
     # lse head-major: [B, Hq, Sq], packed [Hq, T]
     out, lse = _attention(q, k_cache, v_cache, lengths, page_table, cu_seqlens_q, config, backend.NAME)
     if config.packed:  # rows [T]: the queries, and those with keys
@@ -124,7 +133,9 @@ def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, cu_seql
     result = common.result(out, lse, sinks, real, keys, "head_major", options.return_stats)
     if options.return_stats and options.stats_layout == "token_major":
         out, stats = result
-        return out, jnp.swapaxes(stats, -1, -2)
+        result = out, jnp.swapaxes(stats, -1, -2)
+    if overflow:
+        result = (result if options.return_stats else (result,)) + overflow
     return result
 
 
@@ -153,16 +164,21 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, *, cu_seqlens_k_new=None, page_table=None,
                    check=None):
     """Writes k_new[b, i] / v_new[b, i] ([B, Sn, Hkv, D]) at row cache_seqlens[b] + i of sequence b's cache and
-    returns (k_cache, v_cache). With cu_seqlens_k_new (integer [B + 1]), k_new / v_new are packed [T, Hkv, D]:
-    rows cu_seqlens_k_new[b] .. cu_seqlens_k_new[b + 1] - 1 are sequence b's, row i of them written at its cache
-    row cache_seqlens[b] + i (cu_seqlens_k_new clamped monotone into [0, T]; rows past its last entry are
-    written nowhere).
+    returns (k_cache, v_cache, cache_seqlens_after). With cu_seqlens_k_new (integer [B + 1]), k_new / v_new
+    are packed [T, Hkv, D]: rows cu_seqlens_k_new[b] .. cu_seqlens_k_new[b + 1] - 1 are sequence b's, row i of
+    them written at its cache row cache_seqlens[b] + i (cu_seqlens_k_new clamped monotone into [0, T]; rows
+    past its last entry are written nowhere).
 
-    cache_seqlens are the rows in use before the append (clamped into [0, capacity]); attend afterwards with
-    cache_seqlens + Sn (packed: + each sequence's new rows). Rows past a sequence's capacity are not written,
-    nor are rows whose page-table entry lies outside [0, num_pages) (page_table as in
-    ragged_attention_with_kvcache), and no other sequence's rows change (unless page tables share pages: a
-    row written to a shared page is every sharer's). check=True names such rows (and an invalid
+    cache_seqlens are the rows in use before the append (clamped into [0, capacity]); cache_seqlens_after
+    (int32 [B]) are those rows plus each sequence's new ones (cache_seqlens + Sn), the lengths
+    ragged_attention_with_kvcache takes:
+
+        k_cache, v_cache, lengths = kvcache_append(k_cache, v_cache, k_new, v_new, lengths)
+        out = ragged_attention_with_kvcache(q, k_cache, v_cache, lengths)
+
+    Rows past a sequence's capacity are not written, nor are rows whose page-table entry lies outside
+    [0, num_pages) (page_table as in ragged_attention_with_kvcache), and no other sequence's rows change
+    (unless page tables share pages: a row written to a shared page is every sharer's). check=True names such rows (and an invalid
     cu_seqlens_k_new) at run time, RaggedAttentionInputError; None reads JAX_RAGGED_ATTN_CHECK. A scatter that
     drops those rows: under jax.jit with the caches donated (donate_argnums) XLA updates them in place, with no
     copy of the cache.
@@ -206,10 +222,13 @@ def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, *, cu_seqlens_
     start = jnp.clip(jnp.asarray(cache_seqlens), 0, capacity)
     if packed:  # row t: sequence b's row offset t - cu[b]; rows of no sequence are dropped below
         total = k_new.shape[0]
-        sequence, offset, real = row_positions(sanitize_cu_seqlens(jnp.asarray(cu_seqlens_k_new), total), total, total)
+        cu = sanitize_cu_seqlens(jnp.asarray(cu_seqlens_k_new), total)
+        sequence, offset, real = row_positions(cu, total, total)
         sequence = jnp.minimum(sequence, batch - 1)
         rows = jnp.where(real, start[sequence] + offset, capacity)  # [T]; capacity: dropped
+        counts = cu[1:] - cu[:-1]
     else:
+        counts = jnp.full(batch, k_new.shape[1], jnp.int32)
         sequence = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], k_new.shape[:2])
         rows = start[:, None] + jnp.arange(k_new.shape[1], dtype=jnp.int32)[None, :]  # [B, Sn]
     if page_table is None:
@@ -222,7 +241,8 @@ def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, *, cu_seqlens_
         keep = (rows < capacity) & (entry >= 0) & (entry < num_pages)
         first = jnp.where(keep, entry, num_pages)  # num_pages: out of bounds, dropped
         second = rows % page_size
-    return (k_cache.at[first, second].set(k_new, mode="drop"), v_cache.at[first, second].set(v_new, mode="drop"))
+    return (k_cache.at[first, second].set(k_new, mode="drop"), v_cache.at[first, second].set(v_new, mode="drop"),
+            start + counts)
 
 
 # ---- validation and check mode ------------------------------------------------------------------------------

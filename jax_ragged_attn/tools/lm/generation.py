@@ -64,8 +64,9 @@ def prefill(model: ByteLM, tokens, cu_seqlens, max_seqlen: int, caches: tuple, p
     def attend(attention, x):
         qkv, q, kv = attention.project(x, positions)
         _, k, v = split_heads(qkv, q, kv)
-        written.append(kvcache_append(*next(layers), k[rows], v[rows], jnp.zeros(batch, jnp.int32),
-                                      page_table=page_table))
+        k_cache, v_cache, _ = kvcache_append(*next(layers), k[rows], v[rows], jnp.zeros(batch, jnp.int32),
+                                             page_table=page_table)
+        written.append((k_cache, v_cache))
         return attention.project_out(attention.attend(qkv, q, kv, cu_seqlens, max_seqlen=max_seqlen))
     logits = model.forward(tokens, attend)
     return logits[cu_seqlens[1:] - 1], tuple(written)
@@ -74,15 +75,16 @@ def prefill(model: ByteLM, tokens, cu_seqlens, max_seqlen: int, caches: tuple, p
 def decode(model: ByteLM, tokens, lengths, caches: tuple, page_table, implementation=None):
     """One byte per sequence, tokens [B] at positions lengths [B] (the rows each sequence's cache holds) ->
     (logits [B, 256] of the byte after each, the caches with that row appended). Attention: the one query of
-    each sequence against its cache, ragged_attention_with_kvcache(cache_seqlens=lengths + 1)."""
+    each sequence against its cache, ragged_attention_with_kvcache over the lengths kvcache_append returns
+    (lengths + 1)."""
     layers = iter(caches)
     written = []
 
     def attend(attention, x):  # x [B, 1, d]
         q, k, v = split_heads(*attention.project(x, lengths[:, None]))
-        k_cache, v_cache = kvcache_append(*next(layers), k, v, lengths, page_table=page_table)
+        k_cache, v_cache, after = kvcache_append(*next(layers), k, v, lengths, page_table=page_table)
         written.append((k_cache, v_cache))
-        out = ragged_attention_with_kvcache(q, k_cache, v_cache, lengths + 1, page_table=page_table,
+        out = ragged_attention_with_kvcache(q, k_cache, v_cache, after, page_table=page_table,
                                             scale=attention.scale, implementation=implementation)
         return attention.project_out(out)
     logits = model.forward(tokens[:, None], attend)

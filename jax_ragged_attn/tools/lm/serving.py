@@ -167,7 +167,6 @@ def make_step(graphdef, config: ServingConfig, temperature: float, implementatio
     def step(state, caches, last, tokens, from_last, cu, cached, table, key, ids, draws):
         model = nnx.merge(graphdef, state)
         tokens = jnp.where(from_last >= 0, last[jnp.maximum(from_last, 0)], tokens)
-        new = cu[1:] - cu[:-1]
         sequence, offset, _ = row_positions(cu, budget, budget)
         positions = cached[jnp.minimum(sequence, config.slots - 1)] + offset  # padding rows: any position
         layers = iter(caches)
@@ -175,9 +174,10 @@ def make_step(graphdef, config: ServingConfig, temperature: float, implementatio
 
         def attend(attention, x):  # x [budget, d]: every slot's new rows, packed
             q, k, v = split_heads(*attention.project(x, positions))
-            k_cache, v_cache = kvcache_append(*next(layers), k, v, cached, cu_seqlens_k_new=cu, page_table=table)
+            k_cache, v_cache, after = kvcache_append(*next(layers), k, v, cached, cu_seqlens_k_new=cu,
+                                                     page_table=table)
             written.append((k_cache, v_cache))
-            out = ragged_attention_with_kvcache(q, k_cache, v_cache, cached + new, cu_seqlens_q=cu,
+            out = ragged_attention_with_kvcache(q, k_cache, v_cache, after, cu_seqlens_q=cu,
                                                 max_seqlen_q=budget, page_table=table, scale=attention.scale,
                                                 implementation=implementation)
             return attention.project_out(out)
