@@ -89,6 +89,8 @@ EXAMPLES = {
 
 def test_every_entry_is_what_its_backend_says_for_a_configuration_it_covers(monkeypatch):
     monkeypatch.setattr(extension, "cudnn_unavailable_reason", lambda: None)  # the checks before any graph
+    for provider in (fa3, dew):  # FA3's checks of a configuration, which a machine without its wheel never reaches
+        monkeypatch.setattr(provider, "unavailable_reason", lambda: None)
     assert set(EXAMPLES) == {(e.backend, e.op, e.says) for e in declines.EXPECTED}
     for (backend, op, says), (check, config) in EXAMPLES.items():
         # The fence's examples on cuDNN 9.10.0, which known_issues.py fences off for every call
@@ -196,3 +198,25 @@ def test_every_backend_that_declines_a_stats_gradient_folds_sinks():
         backend = backends.get(name)
         if hasattr(backend, "stats_gradient_unsupported"):
             assert hasattr(backend, "attend_with_sinks"), name
+
+
+def test_without_the_wheel_a_decline_says_so_before_what_fa3_would_decline():
+    """A top-left causal mask over unequal lengths is a decline FA3 would give with its wheel; without one the
+    reason is the missing wheel."""
+    from jax_ragged_attn import ragged_attention_with_kvcache
+    from jax_ragged_attn.backends.fa3 import providers
+
+    unavailable = providers.unavailable_reason()
+    if unavailable is None:
+        pytest.skip("an FA3 provider runs here")
+    q, kv = jnp.ones((8, 2, 128), jnp.bfloat16), jnp.ones((12, 2, 128), jnp.bfloat16)
+    with pytest.raises(NotImplementedError) as error:
+        ragged_attention(q, kv, kv, jnp.array([0, 5, 8], jnp.int32), jnp.array([0, 9, 12], jnp.int32),
+                         max_seqlen_q=5, max_seqlen_kv=9, implementation="fa3")
+    assert str(error.value) == f"implementation='fa3' cannot serve this call: {unavailable}"
+    assert "not installed" in str(error.value) or "needs a CUDA GPU" in str(error.value)
+    cache = jnp.ones((2, 16, 2, 64), jnp.float32)  # float32, head dim 64: FA3 would decline both
+    with pytest.raises(NotImplementedError) as error:
+        ragged_attention_with_kvcache(jnp.ones((2, 1, 4, 64), jnp.float32), cache, cache, jnp.array([3, 16]),
+                                      implementation="fa3")
+    assert str(error.value).endswith(fa3.unavailable_reason()), error.value

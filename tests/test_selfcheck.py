@@ -140,3 +140,29 @@ def test_deep_table_and_exit_status(monkeypatch, capsys):
     monkeypatch.setattr(selfcheck_deep, "deep_check", lambda: rows[:2])
     assert selfcheck.main(["--deep"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("selfcheck --deep: OK (1 passed, 0 failed, 1 declined")
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_help_names_the_short_command_and_explains_every_option(on_gpu, capsys):
+    parser = selfcheck.command_line(on_gpu)
+    options = [action for action in parser._actions if action.option_strings]
+    assert len(options) > 5 and all(action.help for action in options), [a.dest for a in options if not a.help]
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert exit_.value.code == 0 and text.startswith("usage: python -m jax_ragged_attn.selfcheck ")
+    assert "tools.selfcheck" not in text
+
+
+def test_deep_reasons_wrap_at_word_boundaries():
+    from jax_ragged_attn.tools import selfcheck_deep
+
+    reason = " ".join(f"word{i}" for i in range(80)) + " /a/path/" + "x" * 130 + " end\nsecond line"
+    rows = [selfcheck_deep.Row("ragged", "causal", "fa3", "declined", reason, 0.0),
+            selfcheck_deep.Row("ragged", "causal", "xla", "failed", reason, 0.0)]
+    lines = selfcheck_deep.table_lines(rows)
+    for start in ("  fa3, ragged: causal: ", "  xla, ragged: causal: "):
+        first = next(i for i, line in enumerate(lines) if line.startswith(start))
+        block = [lines[first]] + [line for line in lines[first + 1:first + 8] if line.startswith("      ")]
+        assert all(len(line) <= 120 or " " not in line.strip() for line in block), block
+        assert " ".join(line.strip() for line in block) == (start + reason.splitlines()[0]).strip(), block

@@ -275,7 +275,8 @@ def test_config_holds_a_plain_float_and_off_is_zero():
         hash(config)
 
 
-def test_fa3_declines_softcap_with_the_reason():
+def test_fa3_declines_softcap_with_the_reason(monkeypatch):
+    monkeypatch.setattr(fa3, "unavailable_reason", lambda: None)  # the configuration's reason, not the wheel's
     view = jax.ShapeDtypeStruct((8, 2, fa3.FA3_HEAD_DIM), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((3,), jnp.int32)
     config = make_config(view, view, view, cu, cu, AttentionOptions(softcap=50.0, is_causal=True,

@@ -1,4 +1,4 @@
-"""`python -m jax_ragged_attn.tools.selfcheck`: what this machine can run, and one packed batch checked and timed.
+"""`python -m jax_ragged_attn.selfcheck`: what this machine can run, and one packed batch checked and timed.
 
 Prints the environment (JAX backend, cuDNN and cudnn-frontend versions, whether the cuDNN path is usable),
 runs a packed causal batch forward and backward with the best implementation, compares it with the
@@ -214,23 +214,35 @@ def run(args) -> int:
     return status
 
 
-def main(argv=None) -> int:
-    on_gpu = extension.cudnn_unavailable_reason() is None
-    parser = argparse.ArgumentParser(prog="python -m jax_ragged_attn.tools.selfcheck", description=__doc__,
+def command_line(on_gpu: bool) -> argparse.ArgumentParser:
+    """The command line, its defaults those of a GPU or of a CPU."""
+    parser = argparse.ArgumentParser(prog="python -m jax_ragged_attn.selfcheck", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     # On a GPU the default batch is the project's reference workload; on a CPU a small one.
-    parser.add_argument("--num-seqs", type=int, default=16 if on_gpu else 8)
-    parser.add_argument("--min-len", type=int, default=128 if on_gpu else 16)
-    parser.add_argument("--max-len", type=int, default=4096 if on_gpu else 128)
-    parser.add_argument("--total", type=int, default=32768 if on_gpu else None)
-    parser.add_argument("--heads", type=int, default=16 if on_gpu else 4)
-    parser.add_argument("--head-dim", type=int, default=128 if on_gpu else 64)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--iterations", type=int, default=20 if on_gpu else 3)
-    parser.add_argument("--seed", type=int, default=0)
+    batch = parser.add_argument_group("the packed batch checked and timed (defaults: this machine's)")
+    batch.add_argument("--num-seqs", type=int, default=16 if on_gpu else 8, help="sequences (default %(default)s)")
+    batch.add_argument("--min-len", type=int, default=128 if on_gpu else 16,
+                       help="shortest sequence, tokens (default %(default)s)")
+    batch.add_argument("--max-len", type=int, default=4096 if on_gpu else 128,
+                       help="longest sequence, tokens (default %(default)s)")
+    batch.add_argument("--total", type=int, default=32768 if on_gpu else None,
+                       help="tokens in all: the last sequences are cut to fit it (default %(default)s; None: no cut)")
+    batch.add_argument("--heads", type=int, default=16 if on_gpu else 4,
+                       help="attention heads of q, k and v (default %(default)s)")
+    batch.add_argument("--head-dim", type=int, default=128 if on_gpu else 64, help="head dim (default %(default)s)")
+    batch.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                       help="dtype of q, k and v (default %(default)s)")
+    batch.add_argument("--iterations", type=int, default=20 if on_gpu else 3,
+                       help="timed calls; the median is printed (default %(default)s)")
+    batch.add_argument("--seed", type=int, default=0, help="seed of the lengths and the data (default %(default)s)")
     parser.add_argument("--deep", action="store_true",
-                        help="every feature of every backend here against the float64 reference, as a table")
-    args = parser.parse_args(argv)
+                        help="instead, every feature of every backend here against the float64 reference, as a "
+                             "table (the batch options do not apply)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = command_line(extension.cudnn_unavailable_reason() is None).parse_args(argv)
     if args.deep:  # the loaded libraries' paths too: which cuDNN this process mapped
         return run_deep(library_lines=library_lines(jax.default_backend() == "gpu"))
     return run(args)

@@ -20,6 +20,7 @@ import concurrent.futures
 import dataclasses
 import os
 import sys
+import textwrap
 import time
 import zlib
 
@@ -327,9 +328,12 @@ def deep_check(backends=BACKENDS, *, features=None, lift=(), workers: int | None
         return first + list(pool.map(lambda task: _row(*task), tasks[len(backends):]))
 
 
-def _first_line(text: str, width: int = 300) -> str:
+def _reason(prefix: str, text: str, width: int = 120) -> list[str]:
+    """`prefix` and the first line of `text`, wrapped at word boundaries into lines of at most `width`
+    characters (a word longer than that, a path say, stays whole), the continuation lines indented."""
     line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= width else line[:width - 3] + "..."
+    return textwrap.wrap(prefix + line, width, subsequent_indent="      ", break_long_words=False,
+                         break_on_hyphens=False) or [prefix.rstrip()]
 
 
 def table_lines(rows: list[Row]) -> list[str]:
@@ -347,7 +351,8 @@ def table_lines(rows: list[Row]) -> list[str]:
     failed = [row for row in rows if row.status == "failed"]
     if failed:
         lines.append("failures:")
-        lines += [f"  {r.backend}, {r.op}: {r.feature}: {_first_line(r.detail)}" for r in failed]
+        for r in failed:
+            lines += _reason(f"  {r.backend}, {r.op}: {r.feature}: ", r.detail)
     lines.append("declined:")
     for backend in backends:
         declined = [row for row in rows if row.backend == backend and row.status == "declined"]
@@ -355,13 +360,15 @@ def table_lines(rows: list[Row]) -> list[str]:
             continue
         details = [row.detail for row in declined]
         common = max(set(details), key=details.count) if len(details) > len(set(details)) else None
-        lines += [f"  {backend}, {r.op}: {r.feature}: {_first_line(r.detail)}" for r in declined if r.detail != common]
+        for r in declined:
+            if r.detail != common:
+                lines += _reason(f"  {backend}, {r.op}: {r.feature}: ", r.detail)
         shared = details.count(common)
         if not shared:  # every reason its own: each row named above
             continue
         which = ("every row" if shared == sum(row.backend == backend for row in rows) else
                  f"{'the other ' if shared < len(declined) else ''}{shared} declined row{'s' * (shared > 1)}")
-        lines.append(f"  {backend}, {which}: {_first_line(common)}")
+        lines += _reason(f"  {backend}, {which}: ", common)
     return lines
 
 

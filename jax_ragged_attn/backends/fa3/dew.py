@@ -98,10 +98,13 @@ def unavailable_reason() -> str | None:
 def unsupported_reason(config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv=None,
                        seqused=(None, None)) -> str | None:
     """None when dew-flash-attn's kernels can serve this call here, else a sentence saying why not (the index
-    proves a top-left mask, as for the flash-attn3-jax provider)."""
+    proves a top-left mask, as for the flash-attn3-jax provider). A machine without the wheel says so first."""
     if isinstance(cu_seqlens_q, RaggedIndex):
         cu_seqlens_q, cu_seqlens_kv, seqused = cu_seqlens_q.cu_seqlens_q, cu_seqlens_q.cu_seqlens_kv, \
             cu_seqlens_q.seqused
+    unavailable = unavailable_reason()
+    if unavailable is not None:
+        return unavailable
     if config.softcap:
         return f"the {WHEEL} wheel's kernels are built without softcap, got softcap={config.softcap}"
     if config.dtype not in fa3.FA3_DTYPES:
@@ -111,7 +114,7 @@ def unsupported_reason(config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv
                 f"got Dqk={config.head_dim_qk}, Dv={config.head_dim_v}")
     if config.deterministic:
         return f"the {WHEEL} wheel's backward has no deterministic mode (deterministic=True)"
-    return fa3.alignment_reason(config, cu_seqlens_q, cu_seqlens_kv, seqused) or unavailable_reason()
+    return fa3.alignment_reason(config, cu_seqlens_q, cu_seqlens_kv, seqused)
 
 
 def attend(buffers, index, config: AttentionConfig, *, stats=True):

@@ -96,6 +96,10 @@ def route(config: KVCacheConfig) -> str:
 
 
 def unsupported_reason(config: KVCacheConfig) -> str | None:
+    """None when FA3's kvcache kernels serve this call here, else why not (a machine without the wheel first)."""
+    unavailable = fa3.unavailable_reason()
+    if unavailable is not None:
+        return unavailable
     if config.packed:
         reason = packed_reason(config)
         if reason is not None:
@@ -112,7 +116,7 @@ def unsupported_reason(config: KVCacheConfig) -> str | None:
         reason = kvcache_head_tail.window_reason(config, tail(config), "FA3")
         if reason is not None:
             return reason
-    return fa3.unavailable_reason()
+    return None
 
 
 def auto_candidate(config: KVCacheConfig) -> bool:

@@ -139,10 +139,14 @@ def unsupported_reason(config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv
                        seqused=(None, None)) -> str | None:
     """None when FA3 can serve this call here, else a sentence saying why not. The cu_seqlens (and seqused),
     or one index.RaggedIndex in their place, serve to prove a top-left mask equal to FA3's bottom-right one;
-    without them such a mask is declined. (Its stats differentiate with a second backward call.)"""
+    without them such a mask is declined. (Its stats differentiate with a second backward call.) A machine
+    without the wheel says so first."""
     if isinstance(cu_seqlens_q, RaggedIndex):
         cu_seqlens_q, cu_seqlens_kv, seqused = cu_seqlens_q.cu_seqlens_q, cu_seqlens_q.cu_seqlens_kv, \
             cu_seqlens_q.seqused
+    unavailable = unavailable_reason()
+    if unavailable is not None:
+        return unavailable
     if config.softcap:
         return (f"the {WHEEL} wheel's kernels are called with softcap 0 (its binding hard-codes it), got "
                 f"softcap={config.softcap}")
@@ -151,7 +155,7 @@ def unsupported_reason(config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv
     if config.head_dim_qk != FA3_HEAD_DIM or config.head_dim_v != FA3_HEAD_DIM:
         return (f"the {WHEEL} wheel's kernels are built for head dim {FA3_HEAD_DIM} only (Dqk = Dv = "
                 f"{FA3_HEAD_DIM}), got Dqk={config.head_dim_qk}, Dv={config.head_dim_v}")
-    return alignment_reason(config, cu_seqlens_q, cu_seqlens_kv, seqused) or unavailable_reason()
+    return alignment_reason(config, cu_seqlens_q, cu_seqlens_kv, seqused)
 
 
 def alignment_reason(config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv, seqused) -> str | None:
