@@ -562,3 +562,21 @@ def test_flash_attention_names_given_to_ragged_attention_with_kvcache_name_ours(
         ragged_attention_with_kvcache(q, cache, cache, jnp.full(2, 3), **{name: value})
     with pytest.raises(TypeError, match="'k': append new keys and values with kvcache_append"):
         ragged_attention_with_kvcache(q, cache, cache, jnp.full(2, 3), k=q)
+
+
+def test_flash_attention_names_in_place_of_a_required_argument_name_ours():
+    """cu_seqlens_k= where cu_seqlens_kv goes leaves that positional missing: the hint still comes, not Python's
+    "missing 1 required positional argument"."""
+    q, k, v, cu_q, cu_kv = _small_batch().args
+    with pytest.raises(TypeError, match="^ragged_attention\\(\\) got unexpected keyword arguments 'cu_seqlens_k': "
+                                        "pass cu_seqlens_kv= instead; 'max_seqlen_k': pass max_seqlen_kv= instead"):
+        ragged_attention(q, k, v, cu_q, cu_seqlens_k=cu_kv, max_seqlen_q=4, max_seqlen_k=4)
+    with pytest.raises(TypeError, match="'cu_seqlens_k': pass cu_seqlens_kv= instead"):
+        ragged_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_kv, max_seqlen_q=4, max_seqlen_kv=4)
+    cache = jnp.ones((2, 8, 2, 8))
+    with pytest.raises(TypeError, match="^ragged_attention_with_kvcache\\(\\) got unexpected keyword arguments 'k': "
+                                        "append new keys and values with kvcache_append.*'block_table': pass "
+                                        "page_table= instead"):
+        ragged_attention_with_kvcache(jnp.ones((2, 1, 2, 8)), cache, cache, k=cache, block_table=None)
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'cu_seqlens_kv'"):
+        ragged_attention(q, k, v, cu_q, max_seqlen_q=4, max_seqlen_kv=4)  # no stray keyword: Python's own error

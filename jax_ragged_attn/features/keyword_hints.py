@@ -9,6 +9,7 @@ aligned differently, so a quiet rename could change results); the message names 
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 # FlashAttention's keyword -> (ours or None, what to know when switching). A replacement is offered only where
@@ -27,7 +28,7 @@ NAMES = {
     "seqused_k": ("seqused_kv", None),
     "block_table": ("page_table", None),
     "k": (None, "append new keys and values with kvcache_append(k_cache, v_cache, k, v, cache_seqlens) first, "
-                "then attend with cache_seqlens + Sn"),
+                "then attend with the lengths it returns (cache_seqlens + Sn)"),
     "v": (None, "append new keys and values with kvcache_append first (see k)"),
     "dropout_p": (None, "no implementation here has attention dropout"),
     "alibi_slopes": (None, "no implementation here adds ALiBi biases"),
@@ -70,3 +71,18 @@ def reject_unknown_keywords(function, unknown: dict) -> None:
     flash_attention = any(name in NAMES for name in unknown)
     raise TypeError(f"{function.__name__}() got {noun} " + "; ".join(problems) + (f". {COMPAT}" if flash_attention
                                                                                     else ""))
+
+
+def hints_keywords(function):
+    """`function`, whose unknown keywords are refused with the hint before Python binds the arguments: a call
+    with cu_seqlens_k= in place of cu_seqlens_kv then reads "pass cu_seqlens_kv= instead", not Python's
+    "missing 1 required positional argument"."""
+    parameters = set(inspect.signature(function).parameters)
+
+    @functools.wraps(function)
+    def hinted(*args, **kwargs):
+        unknown = {name: value for name, value in kwargs.items() if name not in parameters}
+        reject_unknown_keywords(function, unknown)
+        return function(*args, **kwargs)
+
+    return hinted

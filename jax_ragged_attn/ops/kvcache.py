@@ -36,6 +36,7 @@ from jax_ragged_attn.index.kvcache import clamped_lengths, packed_query_rows, pa
 from jax_ragged_attn.ops import common
 
 
+@keyword_hints.hints_keywords
 def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, cu_seqlens_q=None, max_seqlen_q=None,
                                   page_table=None, scale=None, is_causal=True, local_window_size=None, sinks=None,
                                   return_stats=False, stats_layout="head_major", implementation=None, check=None,

@@ -21,13 +21,14 @@ import jax
 from jax_ragged_attn.config import AttentionConfig, AttentionOptions, make_config
 from jax_ragged_attn.features.bottom_right import as_top_left
 from jax_ragged_attn.features.checks import apply_check
-from jax_ragged_attn.features.keyword_hints import reject_unknown_keywords
+from jax_ragged_attn.features.keyword_hints import hints_keywords, reject_unknown_keywords
 from jax_ragged_attn.features.overflow import cu_seqlens_overflow
 from jax_ragged_attn.index import RaggedIndex, as_int32
 from jax_ragged_attn.index.packings import TABLE
 from jax_ragged_attn.ops import common
 
 
+@hints_keywords
 def ragged_attention(
     q: jax.Array,
     k: jax.Array,
