@@ -154,3 +154,31 @@ def test_forward_graphs_fall_back_to_the_second_implementation_only_where_the_fi
     """ffi/build_fallback.h, how the forward and paged graphs try the frontend's AUTO implementation and then its
     COMPOSITE node (cuDNN 9.28 has no Hopper engine for AUTO's softcap graphs), with stand-in builds."""
     _run_native_test(tmp_path, "build_fallback_test", "build_fallback.h")
+
+
+def test_an_install_without_the_extension_says_it_is_not_built(tmp_path):
+    """The package without its compiled module (a CPU-only install): the reason says the extension is not built
+    and where the build is described, not Python's "partially initialized module ... circular import"."""
+    import sys
+
+    shutil.copytree(ROOT / "jax_ragged_attn", tmp_path / "jax_ragged_attn",
+                    ignore=shutil.ignore_patterns("_ext*.so", "_ext*.pyd", "__pycache__"))
+    script = ("from jax_ragged_attn.backends.shared import extension\n"
+              "print(extension.__file__)\n"
+              "print(extension.cudnn_unavailable_reason())\n"
+              "print(extension.versions()['extension'])\n"
+              "try:\n    extension.module()\nexcept NotImplementedError as error:\n    print(error)\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                            env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)}, check=True)
+    where, *lines = result.stdout.splitlines()
+    if not where.startswith(str(tmp_path)):
+        pytest.skip(f"an editable install's import hook serves jax_ragged_attn from {where}, ahead of PYTHONPATH")
+    assert len(lines) == 3 and len(set(lines)) == 1, result.stdout
+    assert lines[0].startswith("the C++ extension is not built in this install") and "docs/INSTALL.md" in lines[0]
+    assert "circular" not in result.stdout
+
+
+def test_an_extension_that_is_built_but_fails_to_import_says_why(monkeypatch):
+    monkeypatch.setattr(extension.importlib.util, "find_spec", lambda name: object())
+    reason = extension.unimportable_reason(ImportError("libcudart.so.12: cannot open shared object file"))
+    assert reason == "the C++ extension is built but does not import: libcudart.so.12: cannot open shared object file"

@@ -24,11 +24,20 @@ def _module():
     return _ext
 
 
+def unimportable_reason(error: ImportError) -> str:
+    """Why the extension does not import, in a sentence. Without a built module Python's own text is about a
+    circular import (`from jax_ragged_attn import _ext` inside the package's import), so that case is named."""
+    if importlib.util.find_spec("jax_ragged_attn._ext") is None:
+        return ("the C++ extension is not built in this install (no jax_ragged_attn/_ext module; docs/INSTALL.md, "
+                "\"Building\", says how to build it)")
+    return f"the C++ extension is built but does not import: {error}"
+
+
 def module():
     """The extension module; raises NotImplementedError when it was not built."""
     ext = _module()
     if isinstance(ext, ImportError):
-        raise NotImplementedError(f"the jax_ragged_attn C++ extension is not built or not importable: {ext}")
+        raise NotImplementedError(unimportable_reason(ext))
     return ext
 
 
@@ -75,7 +84,7 @@ def _initialize() -> str | None:
     """Registers the FFI targets and loads cuDNN once; returns why the cuDNN path is unusable, or None."""
     ext = _module()
     if isinstance(ext, ImportError):
-        return f"the C++ extension is not importable ({ext})"
+        return unimportable_reason(ext)
     if not _has_cuda_backend():
         return f"no CUDA device: JAX's backend is {jax.default_backend()!r}"
     # The attention handlers' FFI state (ffi/pinned_graphs.h) is a type XLA must know before their targets.
@@ -132,7 +141,7 @@ def versions() -> dict:
     """What the self-check prints: extension, cuDNN and cudnn-frontend versions."""
     ext = _module()
     if isinstance(ext, ImportError):
-        return {"extension": f"not importable ({ext})"}
+        return {"extension": unimportable_reason(ext)}
     reason = cudnn_unavailable_reason()
     return {
         "extension": "built",
