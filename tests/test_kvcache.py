@@ -386,9 +386,10 @@ class XlaKVCacheTest(KVCacheTest):
         assert_close(out, ragged_attention_with_kvcache(q, k, v, lengths, implementation="xla"), self.dtype, "out")
         self.assertEqual(tuple(int(x) for x in overflow), (0, 0, 2, 0))  # capacity + 5 and -3
         q, k, v, lengths, table = self.make(paged=True, lengths=[self.capacity, 7, 6, 5, 0])
-        counts = lambda *args, **kwargs: ragged_attention_with_kvcache(  # noqa: E731
-            *args, return_overflow=True, return_stats=True, stats_layout="token_major", implementation="xla",
-            **kwargs)[2]
+
+        def counts(*args, **kwargs):
+            return ragged_attention_with_kvcache(*args, return_overflow=True, return_stats=True,
+                                                 stats_layout="token_major", implementation="xla", **kwargs)[2]
         self.assertEqual(int(counts(q, k, v, lengths, page_table=table).invalid_cu_seqlens), 0)  # unused pages
         bad = table.at[0, 1].set(-5).at[2, 0].set(10**6)  # pages sequences 0 and 2 use
         overflow = jax.jit(lambda t: counts(q, k, v, lengths, page_table=t))(bad)

@@ -179,10 +179,10 @@ def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, *, cu_seqlens_
 
     Rows past a sequence's capacity are not written, nor are rows whose page-table entry lies outside
     [0, num_pages) (page_table as in ragged_attention_with_kvcache), and no other sequence's rows change
-    (unless page tables share pages: a row written to a shared page is every sharer's). check=True names such rows (and an invalid
-    cu_seqlens_k_new) at run time, RaggedAttentionInputError; None reads JAX_RAGGED_ATTN_CHECK. A scatter that
-    drops those rows: under jax.jit with the caches donated (donate_argnums) XLA updates them in place, with no
-    copy of the cache.
+    (unless page tables share pages: a row written to a shared page is every sharer's). check=True names such
+    rows (and an invalid cu_seqlens_k_new) at run time, RaggedAttentionInputError; None reads
+    JAX_RAGGED_ATTN_CHECK. A scatter that drops those rows: under jax.jit with the caches donated
+    (donate_argnums) XLA updates them in place, with no copy of the cache.
     """
     packed = cu_seqlens_k_new is not None
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
