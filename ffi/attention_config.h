@@ -13,9 +13,16 @@
 #include <string>
 #include <tuple>
 
+#include "xla/ffi/api/ffi.h"
+
 namespace jax_ragged_attn {
 
 enum class DType : int64_t { kBFloat16 = 0, kFloat16 = 1 };
+
+// The buffers' element type for a DType value (the dtype field of this and the paged configuration).
+inline xla::ffi::DataType element_type(int64_t dtype) {
+  return dtype == static_cast<int64_t>(DType::kFloat16) ? xla::ffi::DataType::F16 : xla::ffi::DataType::BF16;
+}
 
 // How q, k and v lie in memory. Packed layouts are the fused projections' outputs, read (and their
 // gradients written) in place through strides: no split, no concatenate.
@@ -117,6 +124,15 @@ struct AttentionConfig {
   }
   bool operator==(const AttentionConfig& other) const { return key() == other.key(); }
   bool operator<(const AttentionConfig& other) const { return key() < other.key(); }
+
+  // Calls f(name, field) for every field of `self` (const or not), in order: the Python-dict decoding
+  // (module.cc) is written once for this and the paged configuration.
+  template <typename Self, typename F>
+  static void for_each_field(Self& self, F&& f) {
+#define JAX_RAGGED_ATTN_FIELD_VISIT(type, name, default_value, label, names) f(#name, self.name);
+    JAX_RAGGED_ATTN_CONFIG_FIELDS(JAX_RAGGED_ATTN_FIELD_VISIT)
+#undef JAX_RAGGED_ATTN_FIELD_VISIT
+  }
 
   // "B=2 Tq=128 ... packing=none": every field, for error messages.
   std::string describe() const {

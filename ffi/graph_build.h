@@ -99,7 +99,7 @@ xla::ffi::Error frontend_status(cudnn_frontend::error_t status, const char* stag
 // Builds a forward SDPA graph with the frontend's AUTO implementation, and where that fails, with its COMPOSITE
 // node. With cuDNN 9.21 or newer as both headers and library (a pip build of this package and pip's cuDNN),
 // AUTO picks the unified SDPA node for every graph it accepts, softcap's score modifier included, and cuDNN
-// 9.28.1 has no Hopper engine for that one ("No valid engine configs", H200, 2026-12-05); the composite node,
+// 9.28.1 has no Hopper engine for that one ("No valid engine configs" on an H200); the composite node,
 // which older headers always built, serves it. `build(implementation)` may throw: each attempt's exception
 // becomes its error. Where both fail: the composite's error code (kUnimplemented: not supported), both messages.
 xla::ffi::Error build_forward_auto_then_composite(

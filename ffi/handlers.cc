@@ -19,7 +19,7 @@
 // by XLA. They are checked against their results and never read. By default (row masking "unowned") there
 // are none, and the zero_outputs attribute has the handler zero, on the stream before the graph runs, the
 // rows the graph does not own (padding, rows past max_seqlen, sequences without keys) with the row-zeroing
-// kernel (row_zeroing.h), or whole outputs with cudaMemsetAsync ("memset", or where the kernel cannot load).
+// kernel (own_kernels.h), or whole outputs with cudaMemsetAsync ("memset", or where the kernel cannot load).
 #include "handlers.h"
 
 #include <algorithm>
@@ -31,7 +31,7 @@
 #include "cudnn_library.h"
 #include "graph_cache.h"
 #include "layouts.h"
-#include "row_zeroing.h"
+#include "own_kernels.h"
 
 namespace ffi = xla::ffi;
 
@@ -50,38 +50,11 @@ namespace {
 
 using Int32Buffer = ffi::Buffer<ffi::S32>;
 
-ffi::DataType element_type(const AttentionConfig& c) {
-  return c.dtype == static_cast<int64_t>(DType::kFloat16) ? ffi::DataType::F16 : ffi::DataType::BF16;
-}
-
-std::string shape_string(ffi::Span<const int64_t> dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-// A buffer of the configured dtype and exactly the expected shape; anything else could let cuDNN address
-// memory outside it.
-ffi::Error check_buffer(const std::string& name, ffi::DataType type, ffi::Span<const int64_t> dims,
-                        ffi::DataType expected_type, std::vector<int64_t> expected_dims, const AttentionConfig& c) {
-  const bool same_shape = dims.size() == expected_dims.size() &&
-                          std::equal(dims.begin(), dims.end(), expected_dims.begin());
-  FFI_CHECK(type == expected_type && same_shape)
-      << name << " is " << shape_string(dims) << " of type " << static_cast<int>(type) << ", expected "
-      << shape_string(ffi::Span<const int64_t>(expected_dims.data(), expected_dims.size())) << " of type "
-      << static_cast<int>(expected_type) << " [" << c.describe() << "]";
-  return ffi::Error::Success();
-}
+// Bytes per element of q, k, v, o and the gradients.
+int64_t element_bytes(const AttentionConfig& c) { return static_cast<int64_t>(ffi::ByteWidth(element_type(c.dtype))); }
 
 ffi::Error check_index(const char* name, const Int32Buffer& buffer, int64_t expected, const AttentionConfig& c) {
-  return check_buffer(name, ffi::DataType::S32, buffer.dimensions(), ffi::DataType::S32, {expected}, c);
-}
-
-ffi::Error check_workspace(int64_t have, const CachedGraph& graph, const AttentionConfig& c) {
-  FFI_CHECK(have >= graph.workspace_bytes)
-      << "the workspace XLA allocated (" << have << " bytes) is smaller than the graph needs (" << graph.workspace_bytes
-      << " bytes): the configuration at trace time and at run time differ [" << c.describe() << "]";
-  return ffi::Error::Success();
+  return check_buffer(name, buffer, ffi::DataType::S32, {expected}, c);
 }
 
 struct IndexArgs {
@@ -137,8 +110,10 @@ std::vector<int64_t> stats_shape(const AttentionConfig& c) {
   return {c.num_heads_q, c.capacity_q};
 }
 
-// `elements` into a bf16/fp16 buffer.
-void* at(void* base, int64_t elements) { return static_cast<char*>(base) + elements * 2; }
+// `elements` into a buffer of the configured dtype.
+void* at(void* base, int64_t elements, const AttentionConfig& c) {
+  return static_cast<char*>(base) + elements * element_bytes(c);
+}
 
 // Device pointers of the three parts, checked against their shapes first.
 struct Parts {
@@ -150,11 +125,11 @@ struct Parts {
 ffi::Error qkv_parts(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                      const AttentionConfig& c, Parts* parts) {
   FFI_RETURN_IF_ERROR(check_packing(c));
-  const ffi::DataType t = element_type(c);
-  FFI_RETURN_IF_ERROR(check_buffer("q", q.element_type(), q.dimensions(), t, q_shape(c), c));
-  FFI_RETURN_IF_ERROR(check_buffer("k", k.element_type(), k.dimensions(), t, k_shape(c), c));
-  FFI_RETURN_IF_ERROR(check_buffer("v", v.element_type(), v.dimensions(), t, v_shape(c), c));
-  *parts = {q.untyped_data(), at(k.untyped_data(), k_part_offset(c)), at(v.untyped_data(), v_part_offset(c))};
+  const ffi::DataType t = element_type(c.dtype);
+  FFI_RETURN_IF_ERROR(check_buffer("q", q, t, q_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("k", k, t, k_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("v", v, t, v_shape(c), c));
+  *parts = {q.untyped_data(), at(k.untyped_data(), k_part_offset(c), c), at(v.untyped_data(), v_part_offset(c), c)};
   return ffi::Error::Success();
 }
 
@@ -181,8 +156,7 @@ ffi::Error check_guarded_args(const ffi::RemainingArgs& guarded, const std::vect
     const ResultView& result = !with_workspace ? results[i] : i == 0 ? results.back() : results[i - 1];
     ffi::ErrorOr<ffi::AnyBuffer> arg = guarded.get<ffi::AnyBuffer>(i);
     if (arg.has_error()) return arg.error();
-    FFI_RETURN_IF_ERROR(check_buffer(std::string("the initial buffer aliased to ") + result.name,
-                                     arg->element_type(), arg->dimensions(), result.type,
+    FFI_RETURN_IF_ERROR(check_buffer(std::string("the initial buffer aliased to ") + result.name, *arg, result.type,
                                      std::vector<int64_t>(result.dims.begin(), result.dims.end()), c));
   }
   return ffi::Error::Success();
@@ -211,7 +185,7 @@ ffi::Error zero_unowned_outputs(int32_t device, const std::vector<OutputRows>& o
                                 cudaStream_t stream) {
   const auto mode = static_cast<ZeroOutputs>(c.zero_outputs);
   if (mode == ZeroOutputs::kNo) return ffi::Error::Success();
-  std::string unavailable = mode == ZeroOutputs::kAll ? "not asked for" : prepare_row_zeroing(device);
+  std::string unavailable = mode == ZeroOutputs::kAll ? "not asked for" : prepare_own_kernels(device);
   FFI_CHECK(mode != ZeroOutputs::kPoisoned || unavailable.empty())
       << "row masking 'poisoned' needs the row-zeroing kernel: " << unavailable;
   for (const OutputRows& output : outputs) {
@@ -242,15 +216,14 @@ ffi::Error forward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
   Parts in;
   FFI_RETURN_IF_ERROR(qkv_parts(q, k, v, c, &in));
   FFI_RETURN_IF_ERROR(check_indices(idx, c));
-  FFI_RETURN_IF_ERROR(check_buffer("o", o->element_type(), o->dimensions(), element_type(c), o_shape(c), c));
-  FFI_RETURN_IF_ERROR(check_buffer("stats", ffi::DataType::F32, stats->dimensions(), ffi::DataType::F32,
-                                   stats_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("o", *o, element_type(c.dtype), o_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("stats", *stats, ffi::DataType::F32, stats_shape(c), c));
   FFI_RETURN_IF_ERROR(check_zero_outputs(c));
 
   std::shared_ptr<const CachedGraph> graph;
   FFI_RETURN_IF_ERROR(forward_graph(device, c, &graph));
-  FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace->element_count()), *graph, c));
-  const int64_t o_row = c.num_heads_q * c.head_dim_v * 2;
+  FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace->element_count()), graph->workspace_bytes, c));
+  const int64_t o_row = c.num_heads_q * c.head_dim_v * element_bytes(c);
   const RowOwnership queries{offset_o.untyped_data(), c.num_heads_q * c.head_dim_v, seq_len_q.untyped_data(),
                              nullptr, c.num_seqs};
   const RowOwnership stats_owner{offset_stats.untyped_data(), c.stats_token_major ? c.num_heads_q : 1,
@@ -315,31 +288,30 @@ ffi::Error backward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, 
   }
   const ffi::AnyBuffer& workspace = results.back();
   FFI_CHECK(workspace.element_type() == ffi::DataType::U8)
-      << "the backward's last result is the workspace, uint8; got type " << static_cast<int>(workspace.element_type())
+      << "the backward's last result is the workspace, uint8; got type " << dtype_name(workspace.element_type())
       << " [" << c.describe() << "]";
   FFI_RETURN_IF_ERROR(check_guarded_args(guarded, views, c));
 
-  const ffi::DataType t = element_type(c);
+  const ffi::DataType t = element_type(c.dtype);
   for (size_t i = 0; i < num_gradients; ++i) {
     const auto& [name, shape] = layout.buffers[i];
-    FFI_RETURN_IF_ERROR(check_buffer(name, results[i].element_type(), results[i].dimensions(), t, shape, c));
+    FFI_RETURN_IF_ERROR(check_buffer(name, results[i], t, shape, c));
   }
-  const Parts grads{at(results[layout.part[0]].untyped_data(), 0),
-                    at(results[layout.part[1]].untyped_data(), k_part_offset(c)),
-                    at(results[layout.part[2]].untyped_data(), v_part_offset(c))};
+  const Parts grads{at(results[layout.part[0]].untyped_data(), 0, c),
+                    at(results[layout.part[1]].untyped_data(), k_part_offset(c), c),
+                    at(results[layout.part[2]].untyped_data(), v_part_offset(c), c)};
 
   Parts in;
   FFI_RETURN_IF_ERROR(qkv_parts(q, k, v, c, &in));
   FFI_RETURN_IF_ERROR(check_indices(idx, c));
-  FFI_RETURN_IF_ERROR(check_buffer("o", o.element_type(), o.dimensions(), t, o_shape(c), c));
-  FFI_RETURN_IF_ERROR(check_buffer("d_o", d_o.element_type(), d_o.dimensions(), t, o_shape(c), c));
-  FFI_RETURN_IF_ERROR(
-      check_buffer("stats", ffi::DataType::F32, stats.dimensions(), ffi::DataType::F32, stats_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("o", o, t, o_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("d_o", d_o, t, o_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("stats", stats, ffi::DataType::F32, stats_shape(c), c));
   FFI_RETURN_IF_ERROR(check_zero_outputs(c));
 
   std::shared_ptr<const CachedGraph> graph;
   FFI_RETURN_IF_ERROR(backward_graph(device, c, &graph));
-  FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace.element_count()), *graph, c));
+  FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace.element_count()), graph->workspace_bytes, c));
   // Each part of a gradient buffer has its own rows: dQ's are the queries', dK's and dV's the keys' (and a
   // sequence without queries gets its dK/dV rows zeroed too, whatever cuDNN does with them).
   const RowOwnership queries{offset_q.untyped_data(), q_token_stride(c), seq_len_q.untyped_data(), nullptr,
@@ -348,10 +320,11 @@ ffi::Error backward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, 
                           seq_len_q.untyped_data(), c.num_seqs};
   const RowOwnership values{offset_v.untyped_data(), v_token_stride(c), seq_len_kv.untyped_data(),
                             seq_len_q.untyped_data(), c.num_seqs};
+  const int64_t e = element_bytes(c);
   const OwnedRows part_rows[3] = {
-      {{grads.q, c.capacity_q, q_token_stride(c) * 2, c.num_heads_q * c.head_dim_qk * 2}, queries},
-      {{grads.k, c.capacity_kv, k_token_stride(c) * 2, c.num_heads_kv * c.head_dim_qk * 2}, keys},
-      {{grads.v, c.capacity_kv, v_token_stride(c) * 2, c.num_heads_kv * c.head_dim_v * 2}, values}};
+      {{grads.q, c.capacity_q, q_token_stride(c) * e, c.num_heads_q * c.head_dim_qk * e}, queries},
+      {{grads.k, c.capacity_kv, k_token_stride(c) * e, c.num_heads_kv * c.head_dim_qk * e}, keys},
+      {{grads.v, c.capacity_kv, v_token_stride(c) * e, c.num_heads_kv * c.head_dim_v * e}, values}};
   std::vector<OutputRows> outputs;
   for (size_t i = 0; i < num_gradients; ++i) {
     outputs.push_back({results[i].untyped_data(), results[i].size_bytes(), {}});

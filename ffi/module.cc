@@ -3,12 +3,15 @@
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/string.h>
 
+#include <memory>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attention_config.h"
 #include "cache_index.h"
+#include "check.h"
 #include "cudnn_frontend_version.h"
 #include "cudnn_version.h"
 #include "cudnn_library.h"
@@ -17,7 +20,7 @@
 #include "paged_config.h"
 #include "paged_graph.h"
 #include "paged_handler.h"
-#include "row_zeroing.h"
+#include "own_kernels.h"
 #include "zero_rows.h"
 #include "sizing.h"
 
@@ -39,49 +42,32 @@ T get(const nb::dict& d, const char* name) {
   return nb::cast<T>(d[name]);
 }
 
-// The same names as the FFI call's attributes, so Python builds one dict for both; every field is required
-// and no other key is accepted (a misspelt or stale key would otherwise be ignored silently).
-AttentionConfig config_from_dict(const nb::dict& d) {
+// A configuration (AttentionConfig, PagedConfig) from the dict Python builds with the same names as the FFI
+// call's attributes. Every field is required and no other key is accepted: a misspelt or stale key would
+// otherwise be ignored silently. `what` names the configuration in the error.
+template <typename Config>
+Config config_from_dict(const nb::dict& d, const char* what) {
+  Config c;
   std::set<std::string> known;
-  for (const ConfigField& field : kConfigFields) known.insert(field.name);
+  Config::for_each_field(c, [&](const char* name, auto&) { known.insert(name); });
   std::string unknown;
   for (auto [key, value] : d) {
     const std::string name = nb::cast<std::string>(key);
     if (!known.count(name)) unknown += (unknown.empty() ? "" : ", ") + name;
   }
-  if (!unknown.empty()) throw nb::value_error(("unknown configuration field(s): " + unknown).c_str());
-  AttentionConfig c;
-#define JAX_RAGGED_ATTN_FIELD_FROM_DICT(type, name, default_value, label, names) c.name = get<type>(d, #name);
-  JAX_RAGGED_ATTN_CONFIG_FIELDS(JAX_RAGGED_ATTN_FIELD_FROM_DICT)
-#undef JAX_RAGGED_ATTN_FIELD_FROM_DICT
+  if (!unknown.empty()) throw nb::value_error(("unknown " + std::string(what) + " field(s): " + unknown).c_str());
+  Config::for_each_field(c, [&](const char* name, auto& value) { value = get<std::decay_t<decltype(value)>>(d, name); });
   return c;
 }
+
+AttentionConfig attention_config(const nb::dict& d) { return config_from_dict<AttentionConfig>(d, "configuration"); }
+PagedConfig paged_config(const nb::dict& d) { return config_from_dict<PagedConfig>(d, "paged configuration"); }
 
 // The decoded configuration back as a dict: what the handlers and the graph cache see.
 nb::dict config_to_dict(const AttentionConfig& c) {
   nb::dict d;
-#define JAX_RAGGED_ATTN_FIELD_TO_DICT(type, name, default_value, label, names) d[#name] = c.name;
-  JAX_RAGGED_ATTN_CONFIG_FIELDS(JAX_RAGGED_ATTN_FIELD_TO_DICT)
-#undef JAX_RAGGED_ATTN_FIELD_TO_DICT
+  AttentionConfig::for_each_field(c, [&](const char* name, const auto& value) { d[name] = value; });
   return d;
-}
-
-// The paged forward's configuration (paged_config.h) from the same names as its FFI attributes; like
-// config_from_dict, every field is required and no other key is accepted.
-PagedConfig paged_config_from_dict(const nb::dict& d) {
-  std::set<std::string> known;
-  for (const ConfigField& field : kPagedConfigFields) known.insert(field.name);
-  std::string unknown;
-  for (auto [key, value] : d) {
-    const std::string name = nb::cast<std::string>(key);
-    if (!known.count(name)) unknown += (unknown.empty() ? "" : ", ") + name;
-  }
-  if (!unknown.empty()) throw nb::value_error(("unknown paged configuration field(s): " + unknown).c_str());
-  PagedConfig c;
-#define JAX_RAGGED_ATTN_PAGED_FROM_DICT(type, name, label) c.name = get<type>(d, #name);
-  JAX_RAGGED_ATTN_PAGED_FIELDS(JAX_RAGGED_ATTN_PAGED_FROM_DICT)
-#undef JAX_RAGGED_ATTN_PAGED_FROM_DICT
-  return c;
 }
 
 const char* error_kind(const xla::ffi::Error& e) {
@@ -96,30 +82,22 @@ const char* error_kind(const xla::ffi::Error& e) {
   }
 }
 
-// Builds (or finds) the graph on `device` and describes it. Errors come back as data: Python raises
-// NotImplementedError for "unsupported" and RuntimeError otherwise. The GIL is released while the graph is
-// looked up or built (a build takes up to a second): other Python threads trace and dispatch meanwhile.
-nb::dict graph_info(const std::string& direction, int device, const nb::dict& config) {
-  const AttentionConfig c = config_from_dict(config);
-  xla::ffi::Error status;
-  std::shared_ptr<const CachedGraph> graph;
-  std::string row_zeroing;
-  {
-    nb::gil_scoped_release released;
-    ScopedCurrentDevice current;  // the caller's device is current again on the way out
-    status = current.set(device);
-    if (status.success()) {
-      status = direction == "forward" ? forward_graph(device, c, &graph, /*in_handler=*/false)
-                                      : backward_graph(device, c, &graph, /*in_handler=*/false);
-    }
-    // Readied with the graphs, at trace time, so no handler loads it while XLA may capture its stream; where
-    // it cannot run, the handlers zero whole outputs instead (row_zeroing.h).
-    if (status.success()) row_zeroing = prepare_row_zeroing(device);
-  }
+// Runs `query` with `device` current and without the GIL (a graph build takes up to a second: other Python
+// threads trace and dispatch meanwhile); the caller's device is current again on the way out.
+template <typename Query>
+xla::ffi::Error on_device(int device, Query&& query) {
+  nb::gil_scoped_release released;
+  ScopedCurrentDevice current;
+  FFI_RETURN_IF_ERROR(current.set(device));
+  return query();
+}
+
+// A trace-time answer: the status as data (Python raises NotImplementedError for "unsupported" and
+// RuntimeError otherwise) and, where a graph was built or found, what it needs.
+nb::dict graph_answer(const xla::ffi::Error& status, const std::shared_ptr<const CachedGraph>& graph) {
   nb::dict info;
   info["status"] = error_kind(status);
   info["message"] = status.message();
-  if (status.success()) info["row_zeroing"] = row_zeroing.empty() ? std::string("ready") : row_zeroing;
   if (graph) {
     info["workspace_bytes"] = graph->workspace_bytes;
     info["max_total_seq_len_applied"] = graph->max_total_seq_len_applied;
@@ -132,40 +110,38 @@ nb::dict graph_info(const std::string& direction, int device, const nb::dict& co
   return info;
 }
 
-// The paged forward's graph for `config` on `device`, built or found (without the GIL); errors come back as
-// data like graph_info's.
-nb::dict paged_graph_info(int device, const nb::dict& config) {
-  const PagedConfig c = paged_config_from_dict(config);
-  xla::ffi::Error status;
+// Builds (or finds) the training graph of `direction` on `device` and describes it.
+nb::dict graph_info(const std::string& direction, int device, const nb::dict& config) {
+  const AttentionConfig c = attention_config(config);
   std::shared_ptr<const CachedGraph> graph;
-  {
-    nb::gil_scoped_release released;
-    ScopedCurrentDevice current;
-    status = current.set(device);
-    if (status.success()) status = paged_graph(device, c, &graph);
-  }
-  nb::dict info;
-  info["status"] = error_kind(status);
-  info["message"] = status.message();
-  if (graph) {
-    info["workspace_bytes"] = graph->workspace_bytes;
-    info["plan_name"] = graph->plan_name;
-  }
+  std::string row_zeroing;
+  const xla::ffi::Error status = on_device(device, [&] {
+    FFI_RETURN_IF_ERROR(direction == "forward" ? forward_graph(device, c, &graph, /*in_handler=*/false)
+                                               : backward_graph(device, c, &graph, /*in_handler=*/false));
+    // Readied with the graphs, at trace time, so no handler loads it while XLA may capture its stream; where
+    // it cannot run, the handlers zero whole outputs instead (own_kernels.h).
+    row_zeroing = prepare_own_kernels(device);
+    return xla::ffi::Error::Success();
+  });
+  nb::dict info = graph_answer(status, graph);
+  if (status.success()) info["row_zeroing"] = row_zeroing.empty() ? std::string("ready") : row_zeroing;
   return info;
 }
 
-// Times every candidate plan of the graph for `config` (without the GIL); errors come back as data, like
-// graph_info's.
+// The same for the paged forward's graph.
+nb::dict paged_graph_info(int device, const nb::dict& config) {
+  const PagedConfig c = paged_config(config);
+  std::shared_ptr<const CachedGraph> graph;
+  const xla::ffi::Error status = on_device(device, [&] { return paged_graph(device, c, &graph); });
+  return graph_answer(status, graph);
+}
+
+// Times every candidate plan of the graph for `config`; errors come back as data, like graph_info's.
 nb::dict tune(const std::string& direction, int device, const nb::dict& config) {
-  const AttentionConfig c = config_from_dict(config);
+  const AttentionConfig c = attention_config(config);
   std::vector<PlanTiming> plans;
-  xla::ffi::Error status;
-  {
-    nb::gil_scoped_release released;
-    ScopedCurrentDevice current;
-    status = current.set(device);
-    if (status.success()) status = tune_plans(device, direction == "forward", c, &plans);
-  }
+  const xla::ffi::Error status =
+      on_device(device, [&] { return tune_plans(device, direction == "forward", c, &plans); });
   nb::dict result;
   result["status"] = error_kind(status);
   result["message"] = status.message();
@@ -186,7 +162,7 @@ nb::dict tune(const std::string& direction, int device, const nb::dict& config) 
 
 nb::dict intermediates(const nb::dict& config) {
   const BackwardIntermediates s = full_extent_backward_intermediates(
-      config_from_dict(config), current_build_settings(Direction::kBackward).dp_workspace_limit_set);
+      attention_config(config), current_build_settings(Direction::kBackward).dp_workspace_limit_set);
   nb::dict out;
   out["softmax_sum"] = s.softmax_sum;
   out["dq_accum"] = s.dq_accum;
@@ -236,7 +212,7 @@ NB_MODULE(_ext, m) {
     return fields;
   }, "The paged configuration's fields in order, as (name, attribute type: \"int64\" or \"float32\").");
   m.def("paged_config_problem",
-        [](const nb::dict& config) { return paged_config_problem(paged_config_from_dict(config)); },
+        [](const nb::dict& config) { return paged_config_problem(paged_config(config)); },
         nb::arg("config"), "Why the paged configuration is invalid, or \"\" (raises on a missing or unknown field).");
   m.def("paged_graph_info", &paged_graph_info, nb::arg("device"), nb::arg("config"));
   m.def("config_fields", []() {
@@ -244,9 +220,9 @@ NB_MODULE(_ext, m) {
     for (const ConfigField& field : kConfigFields) fields.append(nb::make_tuple(field.name, field.type));
     return fields;
   }, "The configuration's fields in order, as (name, attribute type: \"int64\" or \"float32\").");
-  m.def("decode_config", [](const nb::dict& config) { return config_to_dict(config_from_dict(config)); },
+  m.def("decode_config", [](const nb::dict& config) { return config_to_dict(attention_config(config)); },
         nb::arg("config"), "The configuration as the extension decodes it (raises on a missing or unknown field).");
-  m.def("describe_config", [](const nb::dict& config) { return config_from_dict(config).describe(); },
+  m.def("describe_config", [](const nb::dict& config) { return attention_config(config).describe(); },
         nb::arg("config"));
   m.def("load_cudnn", [](const std::string& fallback_path) {
     xla::ffi::Error status = load_cudnn(fallback_path);
@@ -262,7 +238,7 @@ NB_MODULE(_ext, m) {
   m.def("graph_info", &graph_info, nb::arg("direction"), nb::arg("device"), nb::arg("config"));
   m.def("tune_plans", &tune, nb::arg("direction"), nb::arg("device"), nb::arg("config"));
   // "" when the row-zeroing kernel is loaded and readied on `device`, else why it cannot run there.
-  m.def("prepare_row_zeroing", &prepare_row_zeroing, nb::arg("device"));
+  m.def("prepare_own_kernels", &prepare_own_kernels, nb::arg("device"));
   m.def("graph_cache_stats", []() {
     const GraphCacheStats s = graph_cache_stats();
     nb::dict d;

@@ -48,6 +48,14 @@ struct PagedConfig {
   bool operator<(const PagedConfig& other) const { return key() < other.key(); }
   bool operator==(const PagedConfig& other) const { return key() == other.key(); }
 
+  // Calls f(name, field) for every field of `self`, in order (as AttentionConfig::for_each_field).
+  template <typename Self, typename F>
+  static void for_each_field(Self& self, F&& f) {
+#define JAX_RAGGED_ATTN_PAGED_VISIT(type, name, label) f(#name, self.name);
+    JAX_RAGGED_ATTN_PAGED_FIELDS(JAX_RAGGED_ATTN_PAGED_VISIT)
+#undef JAX_RAGGED_ATTN_PAGED_VISIT
+  }
+
   int64_t max_seq_len_kv() const { return max_pages * page_size; }
   bool packed() const { return total_q > 0; }
   // Rows of the q and o buffers: T packed, B * Sq dense.

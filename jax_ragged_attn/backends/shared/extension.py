@@ -108,7 +108,7 @@ def cudnn_unavailable_reason() -> str | None:
 
 def own_kernel_target(registration: str) -> str | None:
     """The FFI target the extension's `registration` function names (zero_rows_registration,
-    cache_index_registration), when JAX runs on a GPU and its kernels of our own (ffi/row_zeroing.cu's PTX) can
+    cache_index_registration), when JAX runs on a GPU and its kernels of our own (ffi/own_kernels.cu's PTX) can
     run there, else None: the caller then computes the same with jnp."""
     if jax.default_backend() != "gpu":
         return None
@@ -120,7 +120,7 @@ def _own_kernel_target(registration: str, device: int) -> str | None:
     if cudnn_unavailable_reason() is not None:  # also registers the extension's targets
         return None
     ext = module()
-    if not hasattr(ext, registration) or ext.prepare_row_zeroing(device) != "":
+    if not hasattr(ext, registration) or ext.prepare_own_kernels(device) != "":
         return None
     return getattr(ext, registration)()[0]
 

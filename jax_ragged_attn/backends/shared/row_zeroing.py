@@ -33,7 +33,7 @@ def zero_unused_rows(buffers: tuple, starts: jax.Array, lengths: jax.Array, gate
     """`buffers` (each [T, ...], rows along the leading axis; T may differ between them) with every row outside
     [starts[b], starts[b] + lengths[b]) set to 0, and every row of a sequence whose gate is 0. starts:
     sanitised int32 cu_seqlens [B + 1]; lengths: the rows each sequence uses, int32 [B], at most its slot
-    (index.sequence_lengths). On a GPU one kernel launch serves up to four buffers (ffi/row_zeroing.cu)."""
+    (index.sequence_lengths). On a GPU one kernel launch serves up to four buffers (ffi/own_kernels.cu)."""
     buffers = tuple(buffers)
     if not buffers:
         return buffers
