@@ -44,30 +44,30 @@ enum class ZeroOutputs : int64_t {
 
 // X(type, name, default, label in describe(), value names in describe(): "a|b|c" for 0, 1, 2; "" prints
 // the number). The order is the attribute order Python builds and the order of the struct's members.
-#define JAX_RAGGED_ATTN_CONFIG_FIELDS(X)                                                                       \
-  X(int64_t, num_seqs, 0, "B", "")                                                                             \
-  X(int64_t, capacity_q, 0, "Tq", "")  /* rows of q, padding included */                                       \
-  X(int64_t, capacity_kv, 0, "Tkv", "")                                                                        \
-  X(int64_t, num_heads_q, 0, "Hq", "")                                                                         \
-  X(int64_t, num_heads_kv, 0, "Hkv", "")                                                                       \
-  X(int64_t, head_dim_qk, 0, "Dqk", "")                                                                        \
-  X(int64_t, head_dim_v, 0, "Dv", "")                                                                          \
-  X(int64_t, max_seqlen_q, 0, "max_seqlen_q", "")                                                              \
-  X(int64_t, max_seqlen_kv, 0, "max_seqlen_kv", "")                                                            \
-  X(int64_t, dtype, 0, "dtype", "bfloat16|float16") /* DType */                                                \
-  X(float, scale, 1.0f, "scale", "")                                                                           \
+#define JAX_RAGGED_ATTN_CONFIG_FIELDS(X)                                                                         \
+  X(int64_t, num_seqs, 0, "B", "")                                                                               \
+  X(int64_t, capacity_q, 0, "Tq", "") /* rows of q, padding included */                                          \
+  X(int64_t, capacity_kv, 0, "Tkv", "")                                                                          \
+  X(int64_t, num_heads_q, 0, "Hq", "")                                                                           \
+  X(int64_t, num_heads_kv, 0, "Hkv", "")                                                                         \
+  X(int64_t, head_dim_qk, 0, "Dqk", "")                                                                          \
+  X(int64_t, head_dim_v, 0, "Dv", "")                                                                            \
+  X(int64_t, max_seqlen_q, 0, "max_seqlen_q", "")                                                                \
+  X(int64_t, max_seqlen_kv, 0, "max_seqlen_kv", "")                                                              \
+  X(int64_t, dtype, 0, "dtype", "bfloat16|float16") /* DType */                                                  \
+  X(float, scale, 1.0f, "scale", "")                                                                             \
   X(float, softcap, 0.0f, "softcap", "") /* > 0: scores capped to softcap * tanh(s / softcap); 0: no cap */      \
-  X(int64_t, bottom_right, 0, "alignment", "top_left|bottom_right") /* the diagonal's alignment */             \
-  X(int64_t, left_bound, -1, "left_bound", "")   /* keys at most this far left of the diagonal; -1 unbounded */ \
+  X(int64_t, bottom_right, 0, "alignment", "top_left|bottom_right") /* the diagonal's alignment */               \
+  X(int64_t, left_bound, -1, "left_bound", "")   /* keys at most this far left of the diagonal; -1 unbounded */  \
   X(int64_t, right_bound, -1, "right_bound", "") /* keys at most this far right of the diagonal; -1 unbounded */ \
-  X(int64_t, stats_token_major, 0, "stats", "head_major|token_major") /* stats [H, T] or [T, H] */             \
-  /* backward: bound the ragged intermediates by the capacities */                                             \
-  X(int64_t, use_max_total_seq_len, 1, "max_total_seq_len", "unset|capacity")                                  \
-  X(int64_t, deterministic, 0, "deterministic", "") /* backward: cuDNN's deterministic algorithm */            \
-  X(int64_t, plan_index, -1, "plan", "") /* which of cuDNN's candidate plans runs; -1: the heuristic's first */ \
-  X(int64_t, packing, 0, "packing", "none|kv|qkv") /* Packing */                                             \
+  X(int64_t, stats_token_major, 0, "stats", "head_major|token_major") /* stats [H, T] or [T, H] */               \
+  /* backward: bound the ragged intermediates by the capacities */                                               \
+  X(int64_t, use_max_total_seq_len, 1, "max_total_seq_len", "unset|capacity")                                    \
+  X(int64_t, deterministic, 0, "deterministic", "") /* backward: cuDNN's deterministic algorithm */              \
+  X(int64_t, plan_index, -1, "plan", "") /* which of cuDNN's candidate plans runs; -1: the heuristic's first */  \
+  X(int64_t, packing, 0, "packing", "none|kv|qkv") /* Packing */                                                 \
   /* how rows the graph does not own come to read 0 (ZeroOutputs), done by the handler before the graph runs. */ \
-  /* Not part of the graph: one cached graph serves every value (graph_cache.cc's cached_graph). */             \
+  /* Not part of the graph: one cached graph serves every value (graph_cache.cc's cached_graph). */              \
   X(int64_t, zero_outputs, 0, "zero_outputs", "no|all|unowned|poisoned") /* ZeroOutputs */
 
 // The attribute type Python must pass for a field's C++ type (jax.ffi attributes are typed); a field of
@@ -75,9 +75,13 @@ enum class ZeroOutputs : int64_t {
 template <typename T>
 constexpr const char* attribute_type();
 template <>
-constexpr const char* attribute_type<int64_t>() { return "int64"; }
+constexpr const char* attribute_type<int64_t>() {
+  return "int64";
+}
 template <>
-constexpr const char* attribute_type<float>() { return "float32"; }
+constexpr const char* attribute_type<float>() {
+  return "float32";
+}
 
 struct ConfigField {
   const char* name;
@@ -139,8 +143,8 @@ struct AttentionConfig {
     std::ostringstream s;
     const char* separator = "";
 #define JAX_RAGGED_ATTN_FIELD_DESCRIBE(type, name, default_value, label, names) \
-  s << separator << label << "=";                                              \
-  internal::describe_value(s, name, names);                                    \
+  s << separator << label << "=";                                               \
+  internal::describe_value(s, name, names);                                     \
   separator = " ";
     JAX_RAGGED_ATTN_CONFIG_FIELDS(JAX_RAGGED_ATTN_FIELD_DESCRIBE)
 #undef JAX_RAGGED_ATTN_FIELD_DESCRIBE

@@ -25,8 +25,8 @@ ffi::Error clamp_cache_index_impl(cudaStream_t stream, int32_t device, ffi::Buff
             table_out->element_count() == table.element_count())
       << "the results must match the arguments' sizes, got " << lengths_out->element_count() << " and "
       << table_out->element_count() << " for " << lengths.element_count() << " and " << table.element_count();
-  FFI_CHECK(capacity >= 0 && num_pages >= 0) << "capacity and num_pages must not be negative, got " << capacity
-                                             << " and " << num_pages;
+  FFI_CHECK(capacity >= 0 && num_pages >= 0)
+      << "capacity and num_pages must not be negative, got " << capacity << " and " << num_pages;
   const std::string unavailable = prepare_own_kernels(device);
   FFI_CHECK(unavailable.empty()) << "the KV-cache index kernel cannot run here: " << unavailable;
   return clamp_cache_index(lengths.typed_data(), lengths_out->typed_data(),

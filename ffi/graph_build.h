@@ -29,10 +29,10 @@ enum class TensorUid : int64_t {
   kDV,
   kSeqLenQ,
   kSeqLenKV,
-  kOffsetQ,   // ragged offsets of Q, dQ: cu_q * Hq * Dqk
-  kOffsetK,   // K, dK: cu_kv * Hkv * Dqk
-  kOffsetV,   // V, dV: cu_kv * Hkv * Dv
-  kOffsetO,   // O, dO: cu_q * Hq * Dv
+  kOffsetQ,      // ragged offsets of Q, dQ: cu_q * Hq * Dqk
+  kOffsetK,      // K, dK: cu_kv * Hkv * Dqk
+  kOffsetV,      // V, dV: cu_kv * Hkv * Dv
+  kOffsetO,      // O, dO: cu_q * Hq * Dv
   kOffsetStats,  // cu_q (head-major) or cu_q * Hq (token-major)
 };
 
@@ -53,7 +53,7 @@ struct CachedGraph {
   bool max_total_seq_len_applied = false;
   int64_t frontend_region_bytes = 0;
   int64_t expected_intermediate_bytes = 0;
-  bool fell_back = false;  // the region was short, so the graph was rebuilt without max_total_seq_len
+  bool fell_back = false;   // the region was short, so the graph was rebuilt without max_total_seq_len
   int64_t plan_index = -1;  // the candidate that runs; -1: the heuristic's first choice (graph.execute)
   std::string plan_name;    // cuDNN's engine tag of that plan
 };

@@ -87,8 +87,7 @@ std::string ready_on(int device) {
   cudaError_t status = attributes(&attrs, reinterpret_cast<const void*>(k.zero_rows));
   if (status == cudaSuccess) status = attributes(&attrs, reinterpret_cast<const void*>(k.clamp));
   if (status != cudaSuccess) {
-    return "readying our own kernels on device " + std::to_string(device) + " failed: " +
-           cuda_error_string(status);
+    return "readying our own kernels on device " + std::to_string(device) + " failed: " + cuda_error_string(status);
   }
   return "";
 }
@@ -118,11 +117,11 @@ xla::ffi::Error zero_unowned_rows(const RowRegion* regions, size_t count, const 
       const RowRegion& region = regions[first];
       FFI_CHECK(region.bytes_per_row % 4 == 0 && region.row_stride % 4 == 0 && region.slice_stride % 4 == 0 &&
                 reinterpret_cast<uintptr_t>(region.base) % 4 == 0)
-          << "row zeroing needs 4-byte aligned rows (" << region.bytes_per_row << " bytes every "
-          << region.row_stride << ")";
+          << "row zeroing needs 4-byte aligned rows (" << region.bytes_per_row << " bytes every " << region.row_stride
+          << ")";
       FFI_CHECK(region.rows <= INT32_MAX && region.slices <= INT32_MAX && region.bytes_per_row / 4 <= INT32_MAX)
-          << "row zeroing counts rows, slices and words in int32, got " << region.rows << " rows of "
-          << region.slices << " slices of " << region.bytes_per_row << " bytes";
+          << "row zeroing counts rows, slices and words in int32, got " << region.rows << " rows of " << region.slices
+          << " slices of " << region.bytes_per_row << " bytes";
       if (region.rows == 0 || region.bytes_per_row == 0 || region.slices == 0) continue;
       const int i = batch.count++;
       batch.base[i] = static_cast<char*>(region.base);
@@ -143,8 +142,8 @@ xla::ffi::Error zero_unowned_rows(const RowRegion* regions, size_t count, const 
     void* args[] = {&batch, &starts, &scale, &lengths, &gate, &num_seqs};
     // One thread per row for the ownership test (own_kernels.cu): 32 rows to a warp.
     const int64_t blocks = std::min<int64_t>(kMaxBlocks, (rows + kThreadsPerBlock - 1) / kThreadsPerBlock);
-    const cudaError_t status = k.launch(reinterpret_cast<const void*>(k.zero_rows),
-                                        dim3(static_cast<unsigned>(blocks)), dim3(kThreadsPerBlock), args, 0, stream);
+    const cudaError_t status = k.launch(reinterpret_cast<const void*>(k.zero_rows), dim3(static_cast<unsigned>(blocks)),
+                                        dim3(kThreadsPerBlock), args, 0, stream);
     FFI_CHECK(status == cudaSuccess) << "launching the row-zeroing kernel failed: " << cuda_error_string(status);
   }
   return xla::ffi::Error::Success();

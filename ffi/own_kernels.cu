@@ -63,7 +63,8 @@ extern "C" __global__ void jax_ragged_attn_zero_unowned_rows(
       const int quads = words >> 2;
       const bool wide = (words & 3) == 0 && (slices == 1 || quads >= 32) &&
                         ((reinterpret_cast<unsigned long long>(base) | static_cast<unsigned long long>(row_stride) |
-                          static_cast<unsigned long long>(slice_stride)) & 15) == 0;
+                          static_cast<unsigned long long>(slice_stride)) &
+                         15) == 0;
       for (unsigned pending = pending_rows; pending != 0; pending &= pending - 1) {
         const long long unowned_row = first + __ffs(pending) - 1;
         if (unowned_row >= regions.rows[r]) break;  // this output has fewer rows; the bits go up with the row
@@ -91,9 +92,10 @@ extern "C" __global__ void jax_ragged_attn_zero_unowned_rows(
 // or entry from making it read outside the cache. As XLA code the two are two fusions (shapes [B] and [B, P], which
 // XLA does not fuse), a launch each: at 8 x 2k decode several microseconds of a call of tens. Elementwise over
 // each flat array, so any leading batch axes (vmap) are served alike.
-extern "C" __global__ void jax_ragged_attn_clamp_cache_index(const int* lengths, int* lengths_out, long long num_lengths,
-                                                            long long capacity, const int* table, int* table_out,
-                                                            long long num_entries, long long num_pages) {
+extern "C" __global__ void jax_ragged_attn_clamp_cache_index(const int* lengths, int* lengths_out,
+                                                             long long num_lengths, long long capacity,
+                                                             const int* table, int* table_out, long long num_entries,
+                                                             long long num_pages) {
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
   for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_lengths + num_entries;
        i += stride) {

@@ -32,9 +32,8 @@ ffi::Error zero_rows_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
   FFI_CHECK(starts.element_count() == lengths.element_count() + 1 && gate.element_count() == lengths.element_count())
       << "starts must have one entry more than lengths and gate, got " << starts.element_count() << ", "
       << lengths.element_count() << " and " << gate.element_count();
-  FFI_CHECK(buffers.size() == results.size())
-      << "each buffer must come back as a result (aliased), got " << buffers.size() << " buffers and "
-      << results.size() << " results";
+  FFI_CHECK(buffers.size() == results.size()) << "each buffer must come back as a result (aliased), got "
+                                              << buffers.size() << " buffers and " << results.size() << " results";
   const std::string unavailable = prepare_own_kernels(device);
   FFI_CHECK(unavailable.empty()) << "the row-zeroing kernel cannot run here: " << unavailable;
   const RowOwnership owner{starts.typed_data(), 1, lengths.typed_data(), gate.typed_data(),
