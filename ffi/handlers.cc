@@ -32,6 +32,7 @@
 #include "graph_cache.h"
 #include "layouts.h"
 #include "own_kernels.h"
+#include "pinned_graphs.h"
 
 namespace ffi = xla::ffi;
 
@@ -201,7 +202,7 @@ ffi::Error zero_unowned_outputs(int32_t device, const std::vector<OutputRows>& o
   return ffi::Error::Success();
 }
 
-ffi::Error forward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+ffi::Error forward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         Int32Buffer seq_len_q, Int32Buffer seq_len_kv, Int32Buffer offset_q, Int32Buffer offset_k,
                         Int32Buffer offset_v, Int32Buffer offset_o, Int32Buffer offset_stats,
                         ffi::RemainingArgs guarded, ffi::Result<ffi::AnyBuffer> o,
@@ -221,7 +222,7 @@ ffi::Error forward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
   FFI_RETURN_IF_ERROR(check_zero_outputs(c));
 
   std::shared_ptr<const CachedGraph> graph;
-  FFI_RETURN_IF_ERROR(forward_graph(device, c, &graph));
+  FFI_RETURN_IF_ERROR(pinned_graph(pins, device, [&](auto* out) { return forward_graph(device, c, out); }, &graph));
   FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace->element_count()), graph->workspace_bytes, c));
   const int64_t o_row = c.num_heads_q * c.head_dim_v * element_bytes(c);
   const RowOwnership queries{offset_o.untyped_data(), c.num_heads_q * c.head_dim_v, seq_len_q.untyped_data(),
@@ -263,7 +264,7 @@ GradientLayout gradient_layout(const AttentionConfig& c) {
   return {{{"d_q", q_shape(c)}, {"d_k", k_shape(c)}, {"d_v", v_shape(c)}}, {0, 1, 2}};
 }
 
-ffi::Error backward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+ffi::Error backward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::AnyBuffer o, ffi::AnyBuffer d_o, ffi::Buffer<ffi::F32> stats, Int32Buffer seq_len_q,
                          Int32Buffer seq_len_kv, Int32Buffer offset_q, Int32Buffer offset_k, Int32Buffer offset_v,
                          Int32Buffer offset_o, Int32Buffer offset_stats, ffi::RemainingArgs guarded,
@@ -310,7 +311,7 @@ ffi::Error backward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, 
   FFI_RETURN_IF_ERROR(check_zero_outputs(c));
 
   std::shared_ptr<const CachedGraph> graph;
-  FFI_RETURN_IF_ERROR(backward_graph(device, c, &graph));
+  FFI_RETURN_IF_ERROR(pinned_graph(pins, device, [&](auto* out) { return backward_graph(device, c, out); }, &graph));
   FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace.element_count()), graph->workspace_bytes, c));
   // Each part of a gradient buffer has its own rows: dQ's are the queries', dK's and dV's the keys' (and a
   // sequence without queries gets its dK/dV rows zeroed too, whatever cuDNN does with them).
@@ -349,8 +350,43 @@ ffi::Error backward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, 
   return execute_graph(device, *graph, stream, pack, workspace.untyped_data());
 }
 
+// The initialize stage (pinned_graphs.h): runs before every execution, outside any CUDA-graph capture, so the
+// graph is built and pinned here and the execute stage never builds one inside a capture. The row-zeroing kernel
+// is readied here too: loading its module is not capture-safe either.
+ffi::Error initialize_impl(Direction direction, int32_t device, PinnedGraphs* pins, AttentionConfig c) {
+  FFI_RETURN_IF_ERROR(check_zero_outputs(c));
+  c.zero_outputs = 0;  // not part of the graph (graph_cache.cc); checked above
+  std::shared_ptr<const CachedGraph> graph;
+  FFI_RETURN_IF_ERROR(pinned_graph(
+      pins, device,
+      [&](auto* out) {
+        return direction == Direction::kForward ? forward_graph(device, c, out) : backward_graph(device, c, out);
+      },
+      &graph));
+  (void)prepare_own_kernels(device);  // where it cannot load, the execute stage falls back to memset
+  return ffi::Error::Success();
+}
+
+ffi::Error initialize_forward(int32_t device, PinnedGraphs* pins, AttentionConfig c) {
+  return initialize_impl(Direction::kForward, device, pins, c);
+}
+ffi::Error initialize_backward(int32_t device, PinnedGraphs* pins, AttentionConfig c) {
+  return initialize_impl(Direction::kBackward, device, pins, c);
+}
+
 }  // namespace
 }  // namespace jax_ragged_attn
+
+#define JAX_RAGGED_ATTN_INITIALIZE_BINDING                            \
+  ffi::Ffi::Bind<ffi::ExecutionStage::kInitialize>()                  \
+      .Ctx<ffi::DeviceOrdinal>()                                      \
+      .Ctx<ffi::State<jax_ragged_attn::PinnedGraphs>>()               \
+      .Attrs<jax_ragged_attn::AttentionConfig>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnForwardInitialize, jax_ragged_attn::initialize_forward,
+                              JAX_RAGGED_ATTN_INITIALIZE_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnBackwardInitialize, jax_ragged_attn::initialize_backward,
+                              JAX_RAGGED_ATTN_INITIALIZE_BINDING);
 
 #define JAX_RAGGED_ATTN_INDEX_ARGS                     \
   .Arg<ffi::Buffer<ffi::S32>>()     /* seq_len_q */    \
@@ -365,6 +401,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnForward, jax_ragged_attn::forward_imp
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<jax_ragged_attn::PinnedGraphs>>()
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k
                                   .Arg<ffi::AnyBuffer>()  // v
@@ -380,6 +417,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnBackward, jax_ragged_attn::backward_i
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<jax_ragged_attn::PinnedGraphs>>()
                                   .Arg<ffi::AnyBuffer>()         // q
                                   .Arg<ffi::AnyBuffer>()         // k
                                   .Arg<ffi::AnyBuffer>()         // v

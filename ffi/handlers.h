@@ -7,3 +7,6 @@
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxRaggedAttnForward);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxRaggedAttnBackward);
+// Their initialize stages (pinned_graphs.h); the instantiate stage is JaxRaggedAttnInstantiate.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxRaggedAttnForwardInitialize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxRaggedAttnBackwardInitialize);

@@ -21,6 +21,7 @@
 #include "paged_graph.h"
 #include "paged_handler.h"
 #include "own_kernels.h"
+#include "pinned_graphs.h"
 #include "zero_rows.h"
 #include "sizing.h"
 
@@ -172,6 +173,15 @@ nb::dict intermediates(const nb::dict& config) {
   return out;
 }
 
+// The stages of an attention handler, as jax.ffi.register_ffi_target takes them.
+nb::dict stage_bundle(void* initialize, void* execute) {
+  nb::dict stages;
+  stages["instantiate"] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnInstantiate));
+  stages["initialize"] = nb::capsule(initialize);
+  stages["execute"] = nb::capsule(execute);
+  return stages;
+}
+
 }  // namespace
 }  // namespace jax_ragged_attn
 
@@ -179,10 +189,22 @@ NB_MODULE(_ext, m) {
   using namespace jax_ragged_attn;
   m.doc() = "cuDNN ragged attention for JAX: XLA FFI handlers and trace-time graph queries.";
 
+  // Each attention handler is a bundle of FFI stages (pinned_graphs.h says why), registered as a dict of stage
+  // capsules; the state type they share must be registered before them (state_type_registrations).
   m.def("registrations", []() {
     nb::dict d;
-    d[kForwardTarget] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnForward));
-    d[kBackwardTarget] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnBackward));
+    d[kForwardTarget] = stage_bundle(reinterpret_cast<void*>(JaxRaggedAttnForwardInitialize),
+                                     reinterpret_cast<void*>(JaxRaggedAttnForward));
+    d[kBackwardTarget] = stage_bundle(reinterpret_cast<void*>(JaxRaggedAttnBackwardInitialize),
+                                      reinterpret_cast<void*>(JaxRaggedAttnBackward));
+    return d;
+  });
+  m.def("state_type_registrations", []() {
+    nb::dict registration;
+    registration["type_id"] = nb::capsule(reinterpret_cast<void*>(&PinnedGraphs::id));
+    registration["type_info"] = nb::capsule(const_cast<void*>(static_cast<const void*>(&kPinnedGraphsTypeInfo)));
+    nb::dict d;
+    d["jax_ragged_attn.pinned_graphs"] = registration;
     return d;
   });
   m.def("targets", []() {
@@ -204,7 +226,8 @@ NB_MODULE(_ext, m) {
   // cuDNN's paged SDPA forward for the KV-cache op (paged_handler.h), a handler of its own, registered like the
   // zero-rows utility.
   m.def("paged_registration", []() {
-    return nb::make_tuple(kPagedTarget, nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnPagedForward)));
+    return nb::make_tuple(kPagedTarget, stage_bundle(reinterpret_cast<void*>(JaxRaggedAttnPagedInitialize),
+                                                     reinterpret_cast<void*>(JaxRaggedAttnPagedForward)));
   });
   m.def("paged_config_fields", []() {
     nb::list fields;

@@ -25,6 +25,7 @@
 #include "check.h"
 #include "graph_cache.h"
 #include "paged_graph.h"
+#include "pinned_graphs.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -40,7 +41,7 @@ JAX_RAGGED_ATTN_REGISTER_PAGED(jax_ragged_attn::PagedConfig
 namespace jax_ragged_attn {
 namespace {
 
-ffi::Error paged_forward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+ffi::Error paged_forward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                               ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> page_table,
                               ffi::Buffer<ffi::S32> seq_len_q, ffi::Buffer<ffi::S32> seq_len_kv,
                               ffi::Buffer<ffi::S32> offset_q, ffi::Buffer<ffi::S32> offset_o,
@@ -74,7 +75,7 @@ ffi::Error paged_forward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   FFI_CHECK(workspace->dimensions().size() == 1) << "the workspace must be a 1-D uint8 buffer [" << c.describe() << "]";
 
   std::shared_ptr<const CachedGraph> graph;
-  FFI_RETURN_IF_ERROR(paged_graph(device, c, &graph));
+  FFI_RETURN_IF_ERROR(pinned_graph(pins, device, [&](auto* out) { return paged_graph(device, c, out); }, &graph));
   FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace->element_count()), graph->workspace_bytes, c));
   std::unordered_map<int64_t, void*> pack = {
       {static_cast<int64_t>(PagedUid::kQ), q.untyped_data()},
@@ -94,13 +95,28 @@ ffi::Error paged_forward_impl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   return execute_graph(device, *graph, stream, pack, workspace->untyped_data());
 }
 
+// The initialize stage (pinned_graphs.h): the graph built and pinned outside any CUDA-graph capture.
+ffi::Error paged_initialize_impl(int32_t device, PinnedGraphs* pins, PagedConfig c) {
+  const std::string problem = paged_config_problem(c);
+  FFI_CHECK(problem.empty()) << problem;
+  std::shared_ptr<const CachedGraph> graph;
+  return pinned_graph(pins, device, [&](auto* out) { return paged_graph(device, c, out); }, &graph);
+}
+
 }  // namespace
 }  // namespace jax_ragged_attn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnPagedInitialize, jax_ragged_attn::paged_initialize_impl,
+                              ffi::Ffi::Bind<ffi::ExecutionStage::kInitialize>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<jax_ragged_attn::PinnedGraphs>>()
+                                  .Attrs<jax_ragged_attn::PagedConfig>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnPagedForward, jax_ragged_attn::paged_forward_impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<jax_ragged_attn::PinnedGraphs>>()
                                   .Arg<ffi::AnyBuffer>()              // q
                                   .Arg<ffi::AnyBuffer>()              // k_cache
                                   .Arg<ffi::AnyBuffer>()              // v_cache

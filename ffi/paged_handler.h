@@ -5,3 +5,5 @@
 #include "xla/ffi/api/api.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxRaggedAttnPagedForward);
+// Its initialize stage (pinned_graphs.h); the instantiate stage is JaxRaggedAttnInstantiate.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxRaggedAttnPagedInitialize);

@@ -1,8 +1,7 @@
 """Every file path and dotted name that the docs, the package's comments and the tests' mention exists.
 
-Sources read: README.md, docs/*.md (not docs/history/, an archive that keeps the names of its day), and the
-comments, docstrings and prose strings of the package's and the tests' .py files (tokenize; code is held by
-the imports themselves).
+Sources read: README.md, docs/*.md, and the comments, docstrings and prose strings of the package's and the
+tests' .py files (tokenize; code is held by the imports themselves).
 
 What counts as a mention, and where it must resolve:
 

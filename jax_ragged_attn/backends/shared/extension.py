@@ -78,8 +78,11 @@ def _initialize() -> str | None:
         return f"the C++ extension is not importable ({ext})"
     if not _has_cuda_backend():
         return f"no CUDA device: JAX's backend is {jax.default_backend()!r}"
-    for name, capsule in ext.registrations().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    # The attention handlers' FFI state (ffi/pinned_graphs.h) is a type XLA must know before their targets.
+    for name, registration in ext.state_type_registrations().items():
+        jax.ffi.register_ffi_type(name, registration, platform="CUDA")
+    for name, stages in ext.registrations().items():
+        jax.ffi.register_ffi_target(name, stages, platform="CUDA")
     if hasattr(ext, "zero_rows_registration"):  # the row utility other backends use (backends/shared/row_zeroing.py)
         jax.ffi.register_ffi_target(*ext.zero_rows_registration(), platform="CUDA")
     if hasattr(ext, "cache_index_registration"):  # the KV-cache index clamp (backends/shared/cache_index.py)
