@@ -37,12 +37,11 @@
 namespace ffi = xla::ffi;
 
 // The attribute decoding, generated from the one field list: the members in the struct's order, by name.
-#define JAX_RAGGED_ATTN_STRUCT_MEMBER(type, name, default_value, label, names) \
-  , ::xla::ffi::StructMember<type>(#name)
+#define JAX_RAGGED_ATTN_STRUCT_MEMBER(type, name, default_value, label, names) , ::xla::ffi::StructMember<type>(#name)
 // Expands the field list into the macro's argument list before the macro splits it at the commas.
 #define JAX_RAGGED_ATTN_REGISTER_STRUCT(...) XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(__VA_ARGS__)
-JAX_RAGGED_ATTN_REGISTER_STRUCT(jax_ragged_attn::AttentionConfig
-                                    JAX_RAGGED_ATTN_CONFIG_FIELDS(JAX_RAGGED_ATTN_STRUCT_MEMBER));
+JAX_RAGGED_ATTN_REGISTER_STRUCT(
+    jax_ragged_attn::AttentionConfig JAX_RAGGED_ATTN_CONFIG_FIELDS(JAX_RAGGED_ATTN_STRUCT_MEMBER));
 #undef JAX_RAGGED_ATTN_REGISTER_STRUCT
 #undef JAX_RAGGED_ATTN_STRUCT_MEMBER
 
@@ -180,8 +179,8 @@ ffi::Error check_zero_outputs(const AttentionConfig& c) {
   return ffi::Error::Success();
 }
 
-// Before the graph runs, as the zero_outputs attribute asks (ZeroOutputs, checked by check_zero_outputs): rows the graph does not own
-// (padding, rows past max_seqlen, sequences without keys) must read 0.
+// Before the graph runs, as the zero_outputs attribute asks (ZeroOutputs, checked by check_zero_outputs): rows the
+// graph does not own (padding, rows past max_seqlen, sequences without keys) must read 0.
 ffi::Error zero_unowned_outputs(int32_t device, const std::vector<OutputRows>& outputs, const AttentionConfig& c,
                                 cudaStream_t stream) {
   const auto mode = static_cast<ZeroOutputs>(c.zero_outputs);
@@ -202,9 +201,9 @@ ffi::Error zero_unowned_outputs(int32_t device, const std::vector<OutputRows>& o
   return ffi::Error::Success();
 }
 
-ffi::Error forward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                        Int32Buffer seq_len_q, Int32Buffer seq_len_kv, Int32Buffer offset_q, Int32Buffer offset_k,
-                        Int32Buffer offset_v, Int32Buffer offset_o, Int32Buffer offset_stats,
+ffi::Error forward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                        ffi::AnyBuffer v, Int32Buffer seq_len_q, Int32Buffer seq_len_kv, Int32Buffer offset_q,
+                        Int32Buffer offset_k, Int32Buffer offset_v, Int32Buffer offset_o, Int32Buffer offset_stats,
                         ffi::RemainingArgs guarded, ffi::Result<ffi::AnyBuffer> o,
                         ffi::Result<ffi::Buffer<ffi::F32>> stats, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
                         AttentionConfig c) {
@@ -225,8 +224,8 @@ ffi::Error forward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins,
   FFI_RETURN_IF_ERROR(pinned_graph(pins, device, [&](auto* out) { return forward_graph(device, c, out); }, &graph));
   FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace->element_count()), graph->workspace_bytes, c));
   const int64_t o_row = c.num_heads_q * c.head_dim_v * element_bytes(c);
-  const RowOwnership queries{offset_o.untyped_data(), c.num_heads_q * c.head_dim_v, seq_len_q.untyped_data(),
-                             nullptr, c.num_seqs};
+  const RowOwnership queries{offset_o.untyped_data(), c.num_heads_q * c.head_dim_v, seq_len_q.untyped_data(), nullptr,
+                             c.num_seqs};
   const RowOwnership stats_owner{offset_stats.untyped_data(), c.stats_token_major ? c.num_heads_q : 1,
                                  seq_len_q.untyped_data(), nullptr, c.num_seqs};
   // Token-major stats: a row of Hq floats; head-major: one float in each of Hq slices of Tq.
@@ -264,11 +263,11 @@ GradientLayout gradient_layout(const AttentionConfig& c) {
   return {{{"d_q", q_shape(c)}, {"d_k", k_shape(c)}, {"d_v", v_shape(c)}}, {0, 1, 2}};
 }
 
-ffi::Error backward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                         ffi::AnyBuffer o, ffi::AnyBuffer d_o, ffi::Buffer<ffi::F32> stats, Int32Buffer seq_len_q,
-                         Int32Buffer seq_len_kv, Int32Buffer offset_q, Int32Buffer offset_k, Int32Buffer offset_v,
-                         Int32Buffer offset_o, Int32Buffer offset_stats, ffi::RemainingArgs guarded,
-                         ffi::RemainingRets rets, AttentionConfig c) {
+ffi::Error backward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                         ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer d_o, ffi::Buffer<ffi::F32> stats,
+                         Int32Buffer seq_len_q, Int32Buffer seq_len_kv, Int32Buffer offset_q, Int32Buffer offset_k,
+                         Int32Buffer offset_v, Int32Buffer offset_o, Int32Buffer offset_stats,
+                         ffi::RemainingArgs guarded, ffi::RemainingRets rets, AttentionConfig c) {
   const IndexArgs idx{seq_len_q, seq_len_kv, offset_q, offset_k, offset_v, offset_o, offset_stats};
   // The packing decides the result list, so it must be a valid one before the results are read.
   FFI_RETURN_IF_ERROR(check_packing(c));
@@ -276,8 +275,8 @@ ffi::Error backward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins
   const size_t num_gradients = layout.buffers.size();
   FFI_CHECK(rets.size() == num_gradients + 1)
       << "the backward with packing " << c.packing << " returns " << num_gradients
-      << " gradient buffer(s) and then the workspace (" << num_gradients + 1 << " results), got " << rets.size()
-      << " [" << c.describe() << "]";
+      << " gradient buffer(s) and then the workspace (" << num_gradients + 1 << " results), got " << rets.size() << " ["
+      << c.describe() << "]";
   std::vector<ffi::AnyBuffer> results;
   std::vector<ResultView> views;
   for (size_t i = 0; i < rets.size(); ++i) {
@@ -289,8 +288,8 @@ ffi::Error backward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins
   }
   const ffi::AnyBuffer& workspace = results.back();
   FFI_CHECK(workspace.element_type() == ffi::DataType::U8)
-      << "the backward's last result is the workspace, uint8; got type " << dtype_name(workspace.element_type())
-      << " [" << c.describe() << "]";
+      << "the backward's last result is the workspace, uint8; got type " << dtype_name(workspace.element_type()) << " ["
+      << c.describe() << "]";
   FFI_RETURN_IF_ERROR(check_guarded_args(guarded, views, c));
 
   const ffi::DataType t = element_type(c.dtype);
@@ -315,8 +314,7 @@ ffi::Error backward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins
   FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace.element_count()), graph->workspace_bytes, c));
   // Each part of a gradient buffer has its own rows: dQ's are the queries', dK's and dV's the keys' (and a
   // sequence without queries gets its dK/dV rows zeroed too, whatever cuDNN does with them).
-  const RowOwnership queries{offset_q.untyped_data(), q_token_stride(c), seq_len_q.untyped_data(), nullptr,
-                             c.num_seqs};
+  const RowOwnership queries{offset_q.untyped_data(), q_token_stride(c), seq_len_q.untyped_data(), nullptr, c.num_seqs};
   const RowOwnership keys{offset_k.untyped_data(), k_token_stride(c), seq_len_kv.untyped_data(),
                           seq_len_q.untyped_data(), c.num_seqs};
   const RowOwnership values{offset_v.untyped_data(), v_token_stride(c), seq_len_kv.untyped_data(),
@@ -377,10 +375,10 @@ ffi::Error initialize_backward(int32_t device, PinnedGraphs* pins, AttentionConf
 }  // namespace
 }  // namespace jax_ragged_attn
 
-#define JAX_RAGGED_ATTN_INITIALIZE_BINDING                            \
-  ffi::Ffi::Bind<ffi::ExecutionStage::kInitialize>()                  \
-      .Ctx<ffi::DeviceOrdinal>()                                      \
-      .Ctx<ffi::State<jax_ragged_attn::PinnedGraphs>>()               \
+#define JAX_RAGGED_ATTN_INITIALIZE_BINDING              \
+  ffi::Ffi::Bind<ffi::ExecutionStage::kInitialize>()    \
+      .Ctx<ffi::DeviceOrdinal>()                        \
+      .Ctx<ffi::State<jax_ragged_attn::PinnedGraphs>>() \
       .Attrs<jax_ragged_attn::AttentionConfig>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnForwardInitialize, jax_ragged_attn::initialize_forward,
@@ -388,13 +386,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnForwardInitialize, jax_ragged_attn::i
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnBackwardInitialize, jax_ragged_attn::initialize_backward,
                               JAX_RAGGED_ATTN_INITIALIZE_BINDING);
 
-#define JAX_RAGGED_ATTN_INDEX_ARGS                     \
-  .Arg<ffi::Buffer<ffi::S32>>()     /* seq_len_q */    \
-      .Arg<ffi::Buffer<ffi::S32>>() /* seq_len_kv */   \
-      .Arg<ffi::Buffer<ffi::S32>>() /* offset_q */     \
-      .Arg<ffi::Buffer<ffi::S32>>() /* offset_k */     \
-      .Arg<ffi::Buffer<ffi::S32>>() /* offset_v */     \
-      .Arg<ffi::Buffer<ffi::S32>>() /* offset_o */     \
+#define JAX_RAGGED_ATTN_INDEX_ARGS                   \
+  .Arg<ffi::Buffer<ffi::S32>>()     /* seq_len_q */  \
+      .Arg<ffi::Buffer<ffi::S32>>() /* seq_len_kv */ \
+      .Arg<ffi::Buffer<ffi::S32>>() /* offset_q */   \
+      .Arg<ffi::Buffer<ffi::S32>>() /* offset_k */   \
+      .Arg<ffi::Buffer<ffi::S32>>() /* offset_v */   \
+      .Arg<ffi::Buffer<ffi::S32>>() /* offset_o */   \
       .Arg<ffi::Buffer<ffi::S32>>() /* offset_stats */
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnForward, jax_ragged_attn::forward_impl,
@@ -405,11 +403,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnForward, jax_ragged_attn::forward_imp
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k
                                   .Arg<ffi::AnyBuffer>()  // v
-                                  JAX_RAGGED_ATTN_INDEX_ARGS
-                                  .RemainingArgs()                // [workspace,] o, stats: see above
-                                  .Ret<ffi::AnyBuffer>()          // o
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // stats
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // workspace
+                              JAX_RAGGED_ATTN_INDEX_ARGS
+                                  .RemainingArgs()               // [workspace,] o, stats: see above
+                                  .Ret<ffi::AnyBuffer>()         // o
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // stats
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // workspace
                                   .Attrs<jax_ragged_attn::AttentionConfig>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
@@ -424,8 +422,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnBackward, jax_ragged_attn::backward_i
                                   .Arg<ffi::AnyBuffer>()         // o
                                   .Arg<ffi::AnyBuffer>()         // d_o
                                   .Arg<ffi::Buffer<ffi::F32>>()  // stats
-                                  JAX_RAGGED_ATTN_INDEX_ARGS
-                                  .RemainingArgs()   // [workspace,] each gradient: see above
-                                  .RemainingRets()   // the gradients per packing, then the workspace
+                              JAX_RAGGED_ATTN_INDEX_ARGS
+                                  .RemainingArgs()  // [workspace,] each gradient: see above
+                                  .RemainingRets()  // the gradients per packing, then the workspace
                                   .Attrs<jax_ragged_attn::AttentionConfig>(),
                               {ffi::Traits::kCmdBufferCompatible});

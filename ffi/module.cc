@@ -13,29 +13,57 @@
 #include "cache_index.h"
 #include "check.h"
 #include "cudnn_frontend_version.h"
-#include "cudnn_version.h"
 #include "cudnn_library.h"
+#include "cudnn_version.h"
 #include "graph_cache.h"
 #include "handlers.h"
+#include "own_kernels.h"
 #include "paged_config.h"
 #include "paged_graph.h"
 #include "paged_handler.h"
-#include "own_kernels.h"
 #include "pinned_graphs.h"
-#include "zero_rows.h"
 #include "sizing.h"
+#include "zero_rows.h"
 
 namespace nb = nanobind;
 
 namespace jax_ragged_attn {
 namespace {
 
-// The FFI target names the handlers are registered under.
-constexpr const char* kForwardTarget = "jax_ragged_attn_forward";
-constexpr const char* kBackwardTarget = "jax_ragged_attn_backward";
-constexpr const char* kZeroRowsTarget = "jax_ragged_attn_zero_rows";
-constexpr const char* kClampCacheIndexTarget = "jax_ragged_attn_clamp_cache_index";
-constexpr const char* kPagedTarget = "jax_ragged_attn_paged_forward";
+// Every FFI target the extension registers, each under the role Python knows it by. Python registers them all
+// for platform "CUDA" in one loop (backends/shared/extension.py) and calls them by these names.
+struct Target {
+  const char* role;
+  const char* name;
+  XLA_FFI_Handler* execute;
+  // The attention handlers' initialize stage, which pins their graph (pinned_graphs.h says why); such a target
+  // is a bundle of FFI stages with JaxRaggedAttnInstantiate. nullptr: a plain handler.
+  XLA_FFI_Handler* initialize;
+};
+
+const Target kTargets[] = {
+    // The ragged attention's two handlers; check mode and the packed layouts are the same two (handlers.cc).
+    {"forward", "jax_ragged_attn_forward", JaxRaggedAttnForward, JaxRaggedAttnForwardInitialize},
+    {"backward", "jax_ragged_attn_backward", JaxRaggedAttnBackward, JaxRaggedAttnBackwardInitialize},
+    // cuDNN's paged SDPA forward for the KV-cache op (paged_handler.h).
+    {"paged_forward", "jax_ragged_attn_paged_forward", JaxRaggedAttnPagedForward, JaxRaggedAttnPagedInitialize},
+    // Our own kernels' handlers for other backends: unused rows of packed buffers zeroed (zero_rows.h), a KV
+    // cache's lengths and page table clamped for kernels that read them unchecked (cache_index.h).
+    {"zero_rows", "jax_ragged_attn_zero_rows", JaxRaggedAttnZeroRows, nullptr},
+    {"clamp_cache_index", "jax_ragged_attn_clamp_cache_index", JaxRaggedAttnClampCacheIndex, nullptr},
+};
+
+nb::capsule handler_capsule(XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); }
+
+// A target's handler as jax.ffi.register_ffi_target takes it: a capsule, or a dict of stage capsules.
+nb::object handler_registration(const Target& target) {
+  if (target.initialize == nullptr) return handler_capsule(target.execute);
+  nb::dict stages;
+  stages["instantiate"] = handler_capsule(JaxRaggedAttnInstantiate);
+  stages["initialize"] = handler_capsule(target.initialize);
+  stages["execute"] = handler_capsule(target.execute);
+  return stages;
+}
 
 template <typename T>
 T get(const nb::dict& d, const char* name) {
@@ -57,7 +85,8 @@ Config config_from_dict(const nb::dict& d, const char* what) {
     if (!known.count(name)) unknown += (unknown.empty() ? "" : ", ") + name;
   }
   if (!unknown.empty()) throw nb::value_error(("unknown " + std::string(what) + " field(s): " + unknown).c_str());
-  Config::for_each_field(c, [&](const char* name, auto& value) { value = get<std::decay_t<decltype(value)>>(d, name); });
+  Config::for_each_field(c,
+                         [&](const char* name, auto& value) { value = get<std::decay_t<decltype(value)>>(d, name); });
   return c;
 }
 
@@ -65,10 +94,30 @@ AttentionConfig attention_config(const nb::dict& d) { return config_from_dict<At
 PagedConfig paged_config(const nb::dict& d) { return config_from_dict<PagedConfig>(d, "paged configuration"); }
 
 // The decoded configuration back as a dict: what the handlers and the graph cache see.
-nb::dict config_to_dict(const AttentionConfig& c) {
+nb::dict decode_config(const nb::dict& config) {
   nb::dict d;
-  AttentionConfig::for_each_field(c, [&](const char* name, const auto& value) { d[name] = value; });
+  AttentionConfig::for_each_field(attention_config(config),
+                                  [&](const char* name, const auto& value) { d[name] = value; });
   return d;
+}
+
+std::string describe_config(const nb::dict& config) { return attention_config(config).describe(); }
+
+std::string paged_problem(const nb::dict& config) { return paged_config_problem(paged_config(config)); }
+
+// A configuration's fields in order, as (name, attribute type).
+template <size_t N>
+nb::list field_list(const ConfigField (&fields)[N]) {
+  nb::list list;
+  for (const ConfigField& field : fields) list.append(nb::make_tuple(field.name, field.type));
+  return list;
+}
+nb::list config_fields() { return field_list(kConfigFields); }
+nb::list paged_config_fields() { return field_list(kPagedConfigFields); }
+
+void load_cudnn_or_raise(const std::string& fallback_path) {
+  const xla::ffi::Error status = load_cudnn(fallback_path);
+  if (status.failure()) throw std::runtime_error(status.message());
 }
 
 const char* error_kind(const xla::ffi::Error& e) {
@@ -173,15 +222,6 @@ nb::dict intermediates(const nb::dict& config) {
   return out;
 }
 
-// The stages of an attention handler, as jax.ffi.register_ffi_target takes them.
-nb::dict stage_bundle(void* initialize, void* execute) {
-  nb::dict stages;
-  stages["instantiate"] = nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnInstantiate));
-  stages["initialize"] = nb::capsule(initialize);
-  stages["execute"] = nb::capsule(execute);
-  return stages;
-}
-
 }  // namespace
 }  // namespace jax_ragged_attn
 
@@ -189,14 +229,17 @@ NB_MODULE(_ext, m) {
   using namespace jax_ragged_attn;
   m.doc() = "cuDNN ragged attention for JAX: XLA FFI handlers and trace-time graph queries.";
 
-  // Each attention handler is a bundle of FFI stages (pinned_graphs.h says why), registered as a dict of stage
-  // capsules; the state type they share must be registered before them (state_type_registrations).
+  // {name: handler} for every target (kTargets). The state type the attention handlers share must be
+  // registered before them (state_type_registrations).
   m.def("registrations", []() {
     nb::dict d;
-    d[kForwardTarget] = stage_bundle(reinterpret_cast<void*>(JaxRaggedAttnForwardInitialize),
-                                     reinterpret_cast<void*>(JaxRaggedAttnForward));
-    d[kBackwardTarget] = stage_bundle(reinterpret_cast<void*>(JaxRaggedAttnBackwardInitialize),
-                                      reinterpret_cast<void*>(JaxRaggedAttnBackward));
+    for (const Target& target : kTargets) d[target.name] = handler_registration(target);
+    return d;
+  });
+  // {role: name} for every target.
+  m.def("targets", []() {
+    nb::dict d;
+    for (const Target& target : kTargets) d[target.role] = target.name;
     return d;
   });
   m.def("state_type_registrations", []() {
@@ -207,60 +250,27 @@ NB_MODULE(_ext, m) {
     d["jax_ragged_attn.pinned_graphs"] = registration;
     return d;
   });
-  m.def("targets", []() {
-    nb::dict d;
-    d["forward"] = kForwardTarget;
-    d["backward"] = kBackwardTarget;
-    return d;
-  });
-  // The attention handlers are the two above; the zero-rows utility (zero_rows.h), which other backends use
-  // on their buffers, is registered on its own.
-  m.def("zero_rows_registration", []() {
-    return nb::make_tuple(kZeroRowsTarget, nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnZeroRows)));
-  });
-  // The KV-cache index clamp (cache_index.h), for kernels that read a cache's lengths and page table unchecked.
-  m.def("cache_index_registration", []() {
-    return nb::make_tuple(kClampCacheIndexTarget,
-                          nb::capsule(reinterpret_cast<void*>(JaxRaggedAttnClampCacheIndex)));
-  });
-  // cuDNN's paged SDPA forward for the KV-cache op (paged_handler.h), a handler of its own, registered like the
-  // zero-rows utility.
-  m.def("paged_registration", []() {
-    return nb::make_tuple(kPagedTarget, stage_bundle(reinterpret_cast<void*>(JaxRaggedAttnPagedInitialize),
-                                                     reinterpret_cast<void*>(JaxRaggedAttnPagedForward)));
-  });
-  m.def("paged_config_fields", []() {
-    nb::list fields;
-    for (const ConfigField& field : kPagedConfigFields) fields.append(nb::make_tuple(field.name, field.type));
-    return fields;
-  }, "The paged configuration's fields in order, as (name, attribute type: \"int64\" or \"float32\").");
-  m.def("paged_config_problem",
-        [](const nb::dict& config) { return paged_config_problem(paged_config(config)); },
-        nb::arg("config"), "Why the paged configuration is invalid, or \"\" (raises on a missing or unknown field).");
+  m.def("paged_config_fields", &paged_config_fields,
+        "The paged configuration's fields in order, as (name, attribute type: \"int64\" or \"float32\").");
+  m.def("paged_config_problem", &paged_problem, nb::arg("config"),
+        "Why the paged configuration is invalid, or \"\" (raises on a missing or unknown field).");
   m.def("paged_graph_info", &paged_graph_info, nb::arg("device"), nb::arg("config"));
-  m.def("config_fields", []() {
-    nb::list fields;
-    for (const ConfigField& field : kConfigFields) fields.append(nb::make_tuple(field.name, field.type));
-    return fields;
-  }, "The configuration's fields in order, as (name, attribute type: \"int64\" or \"float32\").");
-  m.def("decode_config", [](const nb::dict& config) { return config_to_dict(attention_config(config)); },
-        nb::arg("config"), "The configuration as the extension decodes it (raises on a missing or unknown field).");
-  m.def("describe_config", [](const nb::dict& config) { return attention_config(config).describe(); },
-        nb::arg("config"));
-  m.def("load_cudnn", [](const std::string& fallback_path) {
-    xla::ffi::Error status = load_cudnn(fallback_path);
-    if (status.failure()) throw std::runtime_error(status.message());
-  }, nb::arg("fallback_path") = "");
+  m.def("config_fields", &config_fields,
+        "The configuration's fields in order, as (name, attribute type: \"int64\" or \"float32\").");
+  m.def("decode_config", &decode_config, nb::arg("config"),
+        "The configuration as the extension decodes it (raises on a missing or unknown field).");
+  m.def("describe_config", &describe_config, nb::arg("config"));
+  m.def("load_cudnn", &load_cudnn_or_raise, nb::arg("fallback_path") = "");
   m.def("cudnn_version", &cudnn_version);
-  m.attr("frontend_version") = nb::make_tuple(CUDNN_FRONTEND_MAJOR_VERSION, CUDNN_FRONTEND_MINOR_VERSION,
-                                              CUDNN_FRONTEND_PATCH_VERSION);
+  m.attr("frontend_version") =
+      nb::make_tuple(CUDNN_FRONTEND_MAJOR_VERSION, CUDNN_FRONTEND_MINOR_VERSION, CUDNN_FRONTEND_PATCH_VERSION);
   // The cuDNN headers the extension was compiled against (major * 10000 + minor * 100 + patch): the frontend
   // turns on a feature only where both these and the loaded library have it (min of the two versions), so a
   // build against older headers runs a newer cuDNN on the older paths.
   m.attr("cudnn_header_version") = CUDNN_VERSION;
   m.def("graph_info", &graph_info, nb::arg("direction"), nb::arg("device"), nb::arg("config"));
   m.def("tune_plans", &tune, nb::arg("direction"), nb::arg("device"), nb::arg("config"));
-  // "" when the row-zeroing kernel is loaded and readied on `device`, else why it cannot run there.
+  // "" when our own kernels are loaded and readied on `device`, else why they cannot run there.
   m.def("prepare_own_kernels", &prepare_own_kernels, nb::arg("device"));
   m.def("graph_cache_stats", []() {
     const GraphCacheStats s = graph_cache_stats();

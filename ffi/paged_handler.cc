@@ -33,21 +33,20 @@ namespace ffi = xla::ffi;
 #define JAX_RAGGED_ATTN_PAGED_MEMBER(type, name, label) , ::xla::ffi::StructMember<type>(#name)
 // Expands the field list into the macro's argument list before the macro splits it at the commas.
 #define JAX_RAGGED_ATTN_REGISTER_PAGED(...) XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(__VA_ARGS__)
-JAX_RAGGED_ATTN_REGISTER_PAGED(jax_ragged_attn::PagedConfig
-                                   JAX_RAGGED_ATTN_PAGED_FIELDS(JAX_RAGGED_ATTN_PAGED_MEMBER));
+JAX_RAGGED_ATTN_REGISTER_PAGED(jax_ragged_attn::PagedConfig JAX_RAGGED_ATTN_PAGED_FIELDS(JAX_RAGGED_ATTN_PAGED_MEMBER));
 #undef JAX_RAGGED_ATTN_REGISTER_PAGED
 #undef JAX_RAGGED_ATTN_PAGED_MEMBER
 
 namespace jax_ragged_attn {
 namespace {
 
-ffi::Error paged_forward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
-                              ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> page_table,
+ffi::Error paged_forward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins, ffi::AnyBuffer q,
+                              ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> page_table,
                               ffi::Buffer<ffi::S32> seq_len_q, ffi::Buffer<ffi::S32> seq_len_kv,
                               ffi::Buffer<ffi::S32> offset_q, ffi::Buffer<ffi::S32> offset_o,
-                              ffi::Buffer<ffi::S32> offset_stats,
-                              ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> stats,
-                              ffi::Result<ffi::Buffer<ffi::U8>> workspace, PagedConfig c) {
+                              ffi::Buffer<ffi::S32> offset_stats, ffi::Result<ffi::AnyBuffer> o,
+                              ffi::Result<ffi::Buffer<ffi::F32>> stats, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
+                              PagedConfig c) {
   const std::string problem = paged_config_problem(c);
   FFI_CHECK(problem.empty()) << problem;
   const ffi::DataType t = element_type(c.dtype);
@@ -59,7 +58,8 @@ ffi::Error paged_forward_impl(cudaStream_t stream, int32_t device, PinnedGraphs*
                       : std::vector<int64_t>{b, c.seqlen_q, c.num_heads_q, dim};
   };
   FFI_RETURN_IF_ERROR(check_buffer("q", q, t, rows_of(c.head_dim_qk), c));
-  FFI_RETURN_IF_ERROR(check_buffer("k_cache", k_cache, t, {c.num_pages, c.page_size, c.num_heads_kv, c.head_dim_qk}, c));
+  FFI_RETURN_IF_ERROR(
+      check_buffer("k_cache", k_cache, t, {c.num_pages, c.page_size, c.num_heads_kv, c.head_dim_qk}, c));
   FFI_RETURN_IF_ERROR(check_buffer("v_cache", v_cache, t, {c.num_pages, c.page_size, c.num_heads_kv, c.head_dim_v}, c));
   FFI_RETURN_IF_ERROR(check_buffer("page_table", page_table, s32, {b, c.max_pages}, c));
   FFI_RETURN_IF_ERROR(check_buffer("seq_len_q", seq_len_q, s32, {b}, c));
@@ -69,8 +69,8 @@ ffi::Error paged_forward_impl(cudaStream_t stream, int32_t device, PinnedGraphs*
   FFI_RETURN_IF_ERROR(check_buffer("offset_o", offset_o, s32, {offsets}, c));
   FFI_RETURN_IF_ERROR(check_buffer("offset_stats", offset_stats, s32, {offsets}, c));
   FFI_RETURN_IF_ERROR(check_buffer("o", *o, t, rows_of(c.head_dim_v), c));
-  const std::vector<int64_t> stats_shape = c.packed() ? std::vector<int64_t>{c.total_q, c.num_heads_q}
-                                                      : std::vector<int64_t>{b, c.num_heads_q, c.seqlen_q};
+  const std::vector<int64_t> stats_shape =
+      c.packed() ? std::vector<int64_t>{c.total_q, c.num_heads_q} : std::vector<int64_t>{b, c.num_heads_q, c.seqlen_q};
   FFI_RETURN_IF_ERROR(check_buffer("stats", *stats, ffi::DataType::F32, stats_shape, c));
   FFI_CHECK(workspace->dimensions().size() == 1) << "the workspace must be a 1-D uint8 buffer [" << c.describe() << "]";
 
@@ -117,17 +117,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnPagedForward, jax_ragged_attn::paged_
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Ctx<ffi::State<jax_ragged_attn::PinnedGraphs>>()
-                                  .Arg<ffi::AnyBuffer>()              // q
-                                  .Arg<ffi::AnyBuffer>()              // k_cache
-                                  .Arg<ffi::AnyBuffer>()              // v_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // page_table
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // seq_len_q
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // seq_len_kv
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // offset_q
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // offset_o
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // offset_stats
-                                  .Ret<ffi::AnyBuffer>()              // o
-                                  .Ret<ffi::Buffer<ffi::F32>>()       // stats
-                                  .Ret<ffi::Buffer<ffi::U8>>()        // workspace
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // k_cache
+                                  .Arg<ffi::AnyBuffer>()         // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_len_q
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_len_kv
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_q
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_o
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_stats
+                                  .Ret<ffi::AnyBuffer>()         // o
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // stats
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // workspace
                                   .Attrs<jax_ragged_attn::PagedConfig>(),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -30,7 +30,7 @@ def reference(cache_seqlens: jax.Array, page_table: jax.Array, config: KVCacheCo
 def safe_cache_index(cache_seqlens: jax.Array, page_table: jax.Array,
                      config: KVCacheConfig) -> tuple[jax.Array, jax.Array]:
     """(lengths int32 like cache_seqlens, table int32 like page_table): the module docstring's clamps."""
-    target = extension.own_kernel_target("cache_index_registration")
+    target = extension.own_kernel_target("clamp_cache_index")
     if target is None:
         return reference(cache_seqlens, page_table, config)
     types = (jax.ShapeDtypeStruct(cache_seqlens.shape, np.int32), jax.ShapeDtypeStruct(page_table.shape, np.int32))

@@ -26,7 +26,7 @@ from jax_ragged_attn.index import row_positions
 def _kernel_target(buffers) -> str | None:
     if any((x.size // max(x.shape[0], 1)) * x.dtype.itemsize % 4 for x in buffers):  # the kernel writes 4-byte words
         return None
-    return extension.own_kernel_target("zero_rows_registration")
+    return extension.own_kernel_target("zero_rows")
 
 
 def zero_unused_rows(buffers: tuple, starts: jax.Array, lengths: jax.Array, gate: jax.Array | None = None) -> tuple:
