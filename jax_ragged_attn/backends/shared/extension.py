@@ -53,10 +53,11 @@ def targets() -> dict[str, str]:
     return dict(ext.targets())
 
 
-# The target names, for callers that want constants.
-FORWARD_TARGET = targets()["forward"]
-BACKWARD_TARGET = targets()["backward"]
-PAGED_FORWARD_TARGET = targets()["paged_forward"]
+# The target names, for callers that want constants (the table's names where a stale build lacks one).
+_NAMES = {**_TARGET_NAMES, **targets()}
+FORWARD_TARGET = _NAMES["forward"]
+BACKWARD_TARGET = _NAMES["backward"]
+PAGED_FORWARD_TARGET = _NAMES["paged_forward"]
 
 
 @functools.cache
@@ -130,7 +131,7 @@ def _own_kernel_target(role: str, device: int) -> str | None:
     ext = module()
     if ext.prepare_own_kernels(device) != "":
         return None
-    return targets()[role]
+    return targets().get(role)
 
 
 def versions() -> dict:
