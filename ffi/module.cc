@@ -95,9 +95,9 @@ PagedConfig paged_config(const nb::dict& d) { return config_from_dict<PagedConfi
 
 // The decoded configuration back as a dict: what the handlers and the graph cache see.
 nb::dict decode_config(const nb::dict& config) {
+  const AttentionConfig c = attention_config(config);
   nb::dict d;
-  AttentionConfig::for_each_field(attention_config(config),
-                                  [&](const char* name, const auto& value) { d[name] = value; });
+  AttentionConfig::for_each_field(c, [&](const char* name, const auto& value) { d[name] = value; });
   return d;
 }
 
