@@ -96,21 +96,6 @@ def computations(hlo: str) -> dict[str, list[str]]:
     return found
 
 
-# Ops of the entry computation that launch work on the device; parameters, tuples, get-tuple-element, bitcasts
-# and constants launch nothing. Tuple-typed results have spaces in their type, so the op name is matched
-# wherever it stands on a line.
-_LAUNCHING = re.compile(r"\s(fusion|custom-call|copy|transpose|reduce|select|add|multiply|convert|dynamic-slice"
-                        r"|gather|scatter)\(")
-
-
-def entry_launches(hlo: str) -> list[str]:
-    """The instruction lines of a compiled module's ENTRY computation that launch device work (fusions, custom
-    calls, copies and lone ops outside a fusion): about the kernels one call of it launches."""
-    text = hlo[hlo.index("ENTRY"):] if "ENTRY" in hlo else hlo
-    text = text[:text.index("\n}") + 2] if "\n}" in text else text
-    return [line for line in text.splitlines() if " = " in line and _LAUNCHING.search(line)]
-
-
 def _callees(lines: list[str]) -> set[str]:
     names = set()
     for line in lines:

@@ -34,7 +34,7 @@ from jax_ragged_attn.testing.workloads import WORKLOADS, Workload
 from benchmarks.timing import device_bytes, median_loop_seconds
 
 DEVICES = 2
-# Issue 22's workloads, GQA 32/8, d 128, causal: (a) 4 documents of 32,768 tokens, (b) 10 documents of 4k..32k
+# The context-parallel workloads, GQA 32/8, d 128, causal: (a) 4 documents of 32,768 tokens, (b) 10 documents of 4k..32k
 # (131,072 tokens), (c) W-like: 16 documents of 128..8192 (65,536 tokens).
 def _scaled_lengths(num: int, low: int, high: int, total: int, seed: int) -> tuple[int, ...]:
     """num lengths drawn uniform in [low, high], scaled to sum to exactly `total` (the remainder on the last)."""
@@ -115,7 +115,7 @@ def context_parallel(w: Workload, implementation, load_balance: bool, calls, rep
 def _attend(options, total: int, num_seqs: int):
     """device_chunks_attention's attend, as sharding.sharded_ragged_attention passes it: the op, with the whole
     batch's shape class (T / B) for implementation=None's choice."""
-    from jax_ragged_attn.api import attend as attend_op
+    from jax_ragged_attn.ops.ragged import attend as attend_op
     from jax_ragged_attn.config import AttentionOptions
 
     base = AttentionOptions(return_stats=True,
@@ -169,7 +169,7 @@ def _device_args(q, k, v, ids, rows):
 
 
 def breakdown(names, implementation, calls, repetitions, devices: int, order: str = "packer+balanced") -> None:
-    """Timed parts of each device's call (issue 22, item 3): its forward alone and its backward (fwd+bwd minus
+    """Timed parts of each device's call: its forward alone and its backward (fwd+bwd minus
     fwd), each beside the device's share of one GPU's forward / backward."""
     print("| workload | n | order | device | fwd ms (share x 1 GPU) | bwd ms (share x 1 GPU) |")
     print("|---|---|---|---|---|---|")
@@ -204,7 +204,7 @@ ORDERS = ("natural", "balanced", "packer+balanced")
 
 
 def simulate(names, implementation, calls, repetitions, device_counts=(2, 4, 8), orders=ORDERS) -> None:
-    """The one-GPU CP benchmark (issue 22): per device count and order, the slowest device's local call against
+    """The one-GPU CP benchmark: per device count and order, the slowest device's local call against
     one GPU's whole call, the spread between devices, and each device's time against its share of the causal
     work times one GPU's time ("waste": 1.00 = no more than its share)."""
     print("| workload | n | order | one GPU ms | per-device ms | slowest / one GPU | target | spread | "

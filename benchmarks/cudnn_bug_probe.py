@@ -9,7 +9,7 @@ the sequences whose rows exceed the dtype's tolerance ("-" where none does), so 
 sequence (no query rows, keys out of every window) shows as such. Every case runs with the fences and
 workarounds of the bugs it probes lifted (LIFT).
 
-Found with it on cuDNN 9.14.0 (H100, 2026-12-06): see docs/CUDNN_VERSIONS.md.
+What it found: docs/CUDNN_VERSIONS.md.
 """
 
 from __future__ import annotations
@@ -79,10 +79,10 @@ def _bad_sequences(name, got, expected, slots) -> str:
     return f"{worst:.3g} " + (f"seqs {seqs} ({len(rows)} rows)" if len(rows) else "-")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cudnn_bug_probe", description=__doc__.splitlines()[0])
     parser.add_argument("-k", default="", help="run the cases whose name contains this")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print(extension.versions(), flush=True)
     for case in CASES:
         if args.k not in case.feature:
@@ -99,7 +99,8 @@ def main() -> None:
             slots = case.slots_q if name in ("out", "dq") else case.slots_kv
             parts.append(f"{name} {_bad_sequences(name, got[name], x['expected'][name], slots)}")
         print(f"{case.feature}: " + " | ".join(parts), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

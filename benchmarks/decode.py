@@ -1,6 +1,6 @@
-"""Decode benchmark (issue 34): ragged_attention_with_kvcache against flash-attn3-jax's flash_mha_with_kvcache.
+"""Decode benchmark: ragged_attention_with_kvcache against flash-attn3-jax's flash_mha_with_kvcache.
 
-    python -m benchmarks.decode           # the issue's grid, on the H200
+    python -m benchmarks.decode           # the decode grid, on a GPU
     python -m benchmarks.decode --quick   # small shapes, xla only: seconds, on a CPU
 
 One query token per sequence, GQA 32/8, head dim 128, bf16; B in {8, 64, 256} x context L in {2k, 8k, 32k} with
@@ -25,7 +25,7 @@ import numpy as np
 
 from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
 from jax_ragged_attn.config import AttentionOptions
-from jax_ragged_attn.inputs.kvcache import kvcache_config, ragged_attention_with_kvcache
+from jax_ragged_attn.ops.kvcache import kvcache_config, ragged_attention_with_kvcache
 
 from benchmarks.timing import plain_loop_seconds
 
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="small shapes, xla only (runs on a CPU in seconds)")
     parser.add_argument("--implementations", default=None,
                         help=f"comma-separated subset of {','.join(IMPLEMENTATIONS)}")
-    parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default: the issue's grid)")
+    parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default: the decode grid)")
     parser.add_argument("--contexts", default=None, help="comma-separated context lengths (default: the grid)")
     parser.add_argument("--calls", type=int, default=None, help="jitted calls per timed loop (default 50; quick 3)")
     parser.add_argument("--repetitions", type=int, default=None, help="timed loops; the median is reported")

@@ -1,6 +1,6 @@
-"""Mixed serving step (issue 47): packed queries over a paged cache, ours against FlashAttention-3's own kernel.
+"""Mixed serving step: packed queries over a paged cache, ours against FlashAttention-3's own kernel.
 
-    python -m benchmarks.kvcache_mixed           # the issue's shapes, on the H200 (FA3 wheel installed)
+    python -m benchmarks.kvcache_mixed           # the serving shapes, on a GPU (FA3 wheel installed)
     python -m benchmarks.kvcache_mixed --quick   # small shapes, xla only: seconds, on a CPU
 
 Mixed step: B = 64 sequences, 4 prefilling chunks of 512 queries and 60 decoding one each, their contexts
@@ -15,7 +15,7 @@ bf16, pages of 256 rows in a shuffled page table. Rows:
                       varlen-q mode, so with a paged cache it refuses head dim 128: the row says so)
   fa3-padded          the same handler in batch mode on the same batch: q already padded to [B, 512, Hq, D]
                       (built outside the timing), seqused_q = each sequence's queries, seqused_k, the page
-                      table; FA3's kernel alone, the reference the issue's 1.10x target reads
+                      table; FA3's kernel alone, the reference the 1.10x target reads
 
 Decode-only (no slower than today's decode rows): B in {8, 64, 256} x context {2k, 8k}, one query per sequence,
 `ours-fa3-packed` (cu_seqlens_q = 0, 1, .., B; max_seqlen_q = 1) beside `ours-fa3` (q [B, 1, Hq, D], the
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn.backends.fa3 import ragged as fa3
-from jax_ragged_attn.inputs.kvcache import ragged_attention_with_kvcache
+from jax_ragged_attn.ops.kvcache import ragged_attention_with_kvcache
 
 from benchmarks.timing import plain_loop_seconds
 

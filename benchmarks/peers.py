@@ -1,4 +1,4 @@
-"""Every peer side by side in one run (issue 48, item 1): one markdown table, printed last.
+"""Every peer side by side in one run: one markdown table, printed last.
 
     python -m benchmarks.peers [--workloads W1,W2,W5,W6,W4-d64,W4-d256,MLA] [--inputs computed,arguments]
                                [--systems ...] [--calls 20] [--loops 7] [--time-budget S] [--out DIR]
@@ -6,7 +6,7 @@
     python -m benchmarks.peers --interleave # a row's JAX cells timed in the same rounds
 
 Peers (columns): this package's `ragged_attention` with implementation=None ("ours default": the label names
-the backend the policy picked) and pinned to "cudnn", "fa3", "dew" and "xla"; the flash-attn3-jax wheel's own
+the backend the policy picked) and pinned to "cudnn", "fa3" (each provider) and "xla"; the flash-attn3-jax wheel's own
 `flash_mha_varlen`; dew-flash-attn's `flash_mha_varlen`; raw cuDNN (benchmarks/cudnn_raw.py: cudnn-frontend's
 Python module on torch buffers, the ceiling). Rows: workload x direction (fwd, fwd+bwd) x inputs, where
 "computed" makes q, k, v and the output's cotangent inside the jitted step (each jit argument times a traced
@@ -65,7 +65,7 @@ dew-flash-attn, as read in the wheel dew_flash_attn_cu13-0.3.6-py3-none-manylinu
     libdew_flash_attn.so `dew_flash_mha_fwd`, `dew_flash_mha_bwd`, `dew_flash_mha_varlen_fwd`,
     `dew_flash_mha_varlen_bwd`. Checked here by lowering a GQA varlen fwd+bwd for CUDA on a CPU: one
     `dew_flash3_mha_varlen_fwd` (out, lse f32[Hq, T], two 1-element scratch) and one `..._varlen_bwd`.
-Bring it to the offline host with scripts/bring_dew.sh (parts under 56 MiB, joined there).
+Install it with `pip install dew-flash-attn-cu13` on a Hopper GPU host.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def head_dims(w: Workload) -> tuple[int, int]:
 
 
 _W1 = workloads_module.WORKLOADS["W1"]
-# Issue 48's MLA row (not in workloads.py, which has no Dqk != Dv shape): W1's lengths and heads.
+# The MLA row (not in workloads.py, which has no Dqk != Dv shape): W1's lengths and heads.
 LOCAL = {"MLA": UnequalWorkload("MLA", "W1 with Dqk 192 / Dv 128 (DeepSeek's MLA training shape)", _W1.seqlens,
                                 16, 16, 192, head_dim_v=128)}
 ALIASES = {"hd64": "W4-d64", "hd256": "W4-d256", "mla": "MLA"}
@@ -173,13 +173,13 @@ def _on_gpu() -> str | None:
     return None if backend == "gpu" else f"needs a CUDA GPU; JAX's backend is {backend!r}"
 
 
-def _config(w: Workload):
+def _config(w: Workload, **options):
     from jax_ragged_attn.config import AttentionOptions, make_config
     from jax_ragged_attn.index import RaggedIndex
 
     q, k, v, cu = jax.eval_shape(w.packed_inputs)  # shapes only: nothing is allocated
     cu = jnp.asarray(w.cu_seqlens())
-    config = make_config(q, k, v, cu, cu, AttentionOptions(is_causal=w.causal), max_seqlen_q=w.max_seqlen,
+    config = make_config(q, k, v, cu, cu, AttentionOptions(is_causal=w.causal, **options), max_seqlen_q=w.max_seqlen,
                          max_seqlen_kv=w.max_seqlen)
     return config, RaggedIndex(cu, cu, same=True)
 
@@ -187,8 +187,11 @@ def _config(w: Workload):
 def _ours(implementation: str | None):
     def attention(w: Workload):
         from jax_ragged_attn import backends, ragged_attention
+        from jax_ragged_attn.testing import implementation_options
 
         from benchmarks.systems import _xla_unsupported
+
+        options = implementation_options(implementation) if implementation else {}
 
         # implementation=None on a GPU falls back to the xla path where no GPU kernel serves the row: on these
         # shapes that is minutes or out of memory, so it is declined as "ours xla" is.
@@ -199,13 +202,13 @@ def _ours(implementation: str | None):
                                                              f"serves this row) and {reason}")
         if implementation is not None:
             try:
-                backends.choose(implementation, *_config(w))
+                backends.choose(options["implementation"], *_config(w, **options))
             except NotImplementedError as error:
                 raise Declined(str(error)) from None
 
         def f(q, k, v, cu):
             return ragged_attention(q, k, v, cu, cu, max_seqlen_q=w.max_seqlen, max_seqlen_kv=w.max_seqlen,
-                                    is_causal=w.causal, implementation=implementation)
+                                    is_causal=w.causal, **options)
         return f
     return attention
 
@@ -274,8 +277,7 @@ def _preload_cudart() -> str | None:
 def _import_dew():
     """(dew_flash_attn, None) or (None, the reason it is not usable here)."""
     if importlib.util.find_spec("dew_flash_attn") is None:
-        return None, (f"not installed ({DEW_DIST}=={DEW_VERSION}: pip install {DEW_DIST}; on the offline host "
-                      f"bash scripts/bring_dew.sh --install)")
+        return None, f"not installed ({DEW_DIST}=={DEW_VERSION}: pip install {DEW_DIST})"
     reason = _on_gpu()
     if reason is not None:
         return None, reason
@@ -320,8 +322,8 @@ def _dew(w: Workload):
 PEERS: dict[str, Peer] = {p.name: p for p in (
     Peer("ours default", lambda: None, _ours(None), _default_label),
     Peer("ours cudnn", _cudnn_unavailable, _ours("cudnn")),
-    Peer("ours fa3", _fa3_unavailable, _ours("fa3")),
-    Peer("ours dew", _ours_dew_unavailable, _ours("dew")),
+    Peer("ours fa3", _fa3_unavailable, _ours("flash-attn3-jax")),
+    Peer("ours dew", _ours_dew_unavailable, _ours("dew-flash-attn")),
     Peer("ours xla", lambda: None, _ours("xla")),
     Peer("flash-attn3-jax", _fa3_raw_unavailable, _fa3_raw),
     Peer("dew-flash-attn", _dew_unavailable, _dew),
@@ -552,7 +554,7 @@ def table(cells: list[Cell], rows: list[tuple[str, str]], systems: list[str]) ->
 
 
 def merged(paths: list[str]) -> str:
-    """One table of several runs' peers.json (a GPU session's calls, each a few rows): rows in file order,
+    """One table of several runs' peers.json (runs of a few rows each): rows in file order,
     systems in first-seen order; a later file's cell replaces an earlier one's."""
     cells: dict[tuple, Cell] = {}
     rows: dict[str, str] = {}

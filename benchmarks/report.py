@@ -17,7 +17,7 @@ from benchmarks.timing import Measurement
 _SHORT = {"forward": "fwd", "backward": "bwd", "forward+backward": "fwd+bwd"}
 
 
-# The alternatives a user has (issue 13's target: ours <= 1.02x the fastest of them): raw cuDNN ragged, with
+# The alternatives a user has (the target: ours <= 1.02x the fastest of them): raw cuDNN ragged, with
 # either backward layout, and jax.nn.dot_product_attention on the padded batch.
 BEST_OF = (RAW_SYSTEM, RAW_PADDED_SYSTEM, "jax-padded")
 

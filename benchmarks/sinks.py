@@ -1,8 +1,11 @@
 """Sinks on the cuDNN path (the log-sum-exp epilogue) against no sinks and against the xla path's sinks:
-fwd+bwd of one W1-like batch, plain loop of jitted calls (ms, median). Usage: python -m benchmarks.sinks"""
+fwd+bwd of one workload (default W1), plain loop of jitted calls (ms, median). Needs a GPU with cuDNN.
 
+Usage: python -m benchmarks.sinks [WORKLOAD]
+"""
+
+import argparse
 import statistics
-import sys
 import time
 
 import jax
@@ -20,8 +23,10 @@ def step(implementation, with_sinks, q, k, v, cu, s, w):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
 
 
-def main():
-    w = WORKLOADS[sys.argv[1] if len(sys.argv) > 1 else "W1"]
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sinks", description=__doc__.split("\n\n")[0])
+    parser.add_argument("workload", nargs="?", default="W1", choices=sorted(WORKLOADS))
+    w = WORKLOADS[parser.parse_args(argv).workload]
     q, k, v, cu = w.packed_inputs()
     s = jnp.zeros((w.num_heads_q,), jnp.float32)
     print("| system | fwd+bwd ms |\n|---|---|")
@@ -37,7 +42,8 @@ def main():
             jax.block_until_ready(r)
             times.append((time.perf_counter() - t0) / calls)
         print(f"| {name} | {statistics.median(times) * 1e3:.3f} |", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

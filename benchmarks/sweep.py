@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn import api
+from jax_ragged_attn.ops import ragged as api
 from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.shared import extension, stats_grad
 from jax_ragged_attn.config import STRATEGIES

@@ -38,7 +38,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jax_ragged_attn.api import ragged_attention
+from jax_ragged_attn.ops.ragged import ragged_attention
 from jax_ragged_attn.testing.workloads import Workload
 # The one timing loop (plain_loop_seconds, the library's: autotune's choice uses it too) and the helpers the main
 # job shares with the benchmarks come from the package's bench (jax_ragged_attn/tools/bench.py).

@@ -15,7 +15,8 @@ fraction of the device's memory) is not run. Columns:
     peak MiB      measured: the device allocator's peak (GPU) or the growth of the process's max RSS (CPU)
     ms            median wall time of --repeats calls after one warm-up
 
-max_seqlen "exact" is the longest sequence, "capacity" is T, the "to be safe" value of issue 17.
+max_seqlen "exact" is the longest sequence, "capacity" is T, the "to be safe" value a caller who does not know
+its lengths passes.
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def main(argv=None) -> int:
     parser.add_argument("--full", action="store_true", help="the real W1 and W3 shapes (for a GPU)")
     parser.add_argument("--before", metavar="PATH", help="an older xla.py to run beside the current one")
     parser.add_argument("--max-seqlen", default="exact,capacity", help="exact, capacity or both (default)")
+    parser.add_argument("--workloads", help="comma-separated names of the workloads to run (default: both)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--budget", type=float, default=0.25, help="fraction of the device's memory a case may take")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # a child's one case, as JSON
@@ -142,13 +144,19 @@ def main(argv=None) -> int:
         print(json.dumps(run_case(json.loads(args.case))))
         return 0
 
+    chosen = scaled_workloads(args.full)
+    if args.workloads:
+        names = args.workloads.split(",")
+        unknown = sorted(set(names) - {w.name for w in chosen})
+        if unknown:
+            parser.error(f"unknown workloads {unknown}: choose from {[w.name for w in chosen]}")
+        chosen = [w for w in chosen if w.name in names]
     impls = [("after", None)] + ([("before", args.before)] if args.before else [])
-    print(f"xla path on {jax.devices()[0].device_kind} ({jax.default_backend()}); blocks "
-          f"{'x'.join(map(str, xla_memory._env_blocks()))}; budget {args.budget:.0%} of "
+    print(f"xla path on {jax.devices()[0].device_kind} ({jax.default_backend()}); budget {args.budget:.0%} of "
           f"{xla_memory.device_memory_bytes() / 2**30:.0f} GiB")
     print("| workload | max_seqlen | direction | impl | xla MiB | estimate MiB | peak MiB | ms | status |")
     print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- |")
-    for workload in scaled_workloads(args.full):
+    for workload in chosen:
         for max_seqlen in args.max_seqlen.split(","):
             for direction in DIRECTIONS:
                 for name, path in impls:

@@ -8,14 +8,15 @@ The layout, in layers that import only downwards (tests/test_layout.py holds it)
     tools/, testing/      the main job, the self-check, a bench of your own shapes; the float64 reference, test
                           helpers and the named workloads (the benchmarks live outside the package: benchmarks/)
     flax.py               the Flax block
-    inputs/               other input layouts: packed projections, segment ids, a KV cache, the document packer
+    inputs/               other input layouts: packed projections, segment ids, FlashAttention's names, the
+                          document packer
     parallel/             several devices: heads sharded, context parallelism (all-gather, ring; a chunk's
                           pieces and key windows), load balance
-    api.py                ragged_attention: the features composed around one backend call
+    ops/                  one module per op: ragged_attention (ragged.py), the KV-cache op (kvcache.py)
     backends/             the kernel families cudnn/, fa3/, xla/ (each serving both ops) and what they share
-                          (shared/), behind one registry per op
+                          (shared/), behind one registry
     features/             checks, sinks, the bottom-right rewrite, overflow counts
-    index.py, config.py   the index arithmetic and the static configuration every layer shares
+    config.py, index/     both ops' options and static configs; the index arithmetic (ragged, KV cache, packings)
 """
 
 import jax as _jax
@@ -27,11 +28,11 @@ if tuple(int(part) for part in _jax.__version__.split(".")[:3] if part.isdigit()
     raise ImportError(f"jax_ragged_attn needs jax 0.10.2 or newer, found {_jax.__version__}: "
                       "pip install -U 'jax>=0.10.2'")
 
-from jax_ragged_attn.api import ragged_attention  # noqa: E402
 from jax_ragged_attn.backends.shared.extension import cudnn_unavailable_reason  # noqa: E402
 from jax_ragged_attn.config import AttentionConfig  # noqa: E402
 from jax_ragged_attn.inputs.flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
-from jax_ragged_attn.inputs.kvcache import kvcache_append, ragged_attention_with_kvcache  # noqa: E402
+from jax_ragged_attn.ops.kvcache import kvcache_append, ragged_attention_with_kvcache  # noqa: E402
+from jax_ragged_attn.ops.ragged import ragged_attention  # noqa: E402
 
 __all__ = ["AttentionConfig", "cudnn_unavailable_reason", "flash_attn_varlen_func", "flash_attn_with_kvcache",
            "kvcache_append", "ragged_attention", "ragged_attention_with_kvcache"]

@@ -19,8 +19,10 @@ import numpy as np
 
 DIAGONAL_ALIGNMENTS = ("top_left", "bottom_right")
 STATS_LAYOUTS = ("head_major", "token_major")
-# "fa3": FlashAttention-3 through an optional wheel (backends/fa3/ragged.py).
-IMPLEMENTATIONS = (None, "cudnn", "xla", "fa3", "dew")
+# "fa3": FlashAttention-3's kernels from an optional wheel, one of FA3_PROVIDERS (backends/fa3/providers.py).
+IMPLEMENTATIONS = (None, "cudnn", "xla", "fa3")
+# The wheels that provide FlashAttention-3's kernels, named by fa3_provider (None: the first installed that serves).
+FA3_PROVIDERS = ("dew-flash-attn", "flash-attn3-jax")
 # How q, k, v lie in memory on the cuDNN path (ffi/attention_config.h's Packing, in this order).
 PACKINGS = ("none", "kv", "qkv")
 XLA_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -32,7 +34,7 @@ STRATEGIES = ("fastest", "lean_memory")
 
 class MaskedConfig:
     """What a static call configuration with heads, a causal flag and a window derives from them; shared by
-    AttentionConfig and the KV cache's (backends/shared/kvcache_config.py)."""
+    AttentionConfig and KVCacheConfig."""
 
     @property
     def group_size(self) -> int:
@@ -79,10 +81,10 @@ class AttentionConfig(MaskedConfig):
     guard_workspace: bool = False  # cuDNN: canary bands around the workspace and outputs, verified after each call
     autotune: bool = False  # cuDNN: run the fastest of cuDNN's candidate plans, measured once (autotune.py)
     packing: str = "none"  # cuDNN: "kv" / "qkv" read a fused projection in place (packed.py)
-    has_sinks: bool = False  # sinks were passed; api.attend runs the op without them and applies sinks.py after
+    has_sinks: bool = False  # sinks were passed; ops.ragged.attend runs the op without them and applies sinks.py after
     strategy: str = "fastest"  # cuDNN backward: speed or workspace first (backends/cudnn/strategy.py)
     softcap: float = 0.0  # scores become softcap * tanh(score / softcap) before the mask; 0: no cap
-    # False: the caller drops the stats (api.attend sets it), so the cuDNN path never computes their -inf
+    # False: the caller drops the stats (ops.ragged.attend sets it), so the cuDNN path never computes their -inf
     # rows and jax.debug_infs stays quiet. Direct callers of the launch keep the documented stats.
     return_stats: bool = True
     # The tokens per sequence implementation=None chooses a kernel by (backends/policy.py), when not this
@@ -91,17 +93,49 @@ class AttentionConfig(MaskedConfig):
     # The xla path's (block_q, block_kv) rows (AttentionOptions.xla_block_size); None: its default, 128 each on
     # a GPU and 64 on a CPU (backends/xla/memory.py). The other backends ignore it.
     xla_block_size: tuple[int, int] | None = None
-    # For tests only, set through testing.config_overrides (no keyword reaches them):
-    # poison_outputs: the cuDNN handler fills every output with NaN before it zeroes the rows no sequence owns,
-    # so a row cuDNN should write but skips reads NaN (backends/cudnn/launch.py);
-    # xla_fused_backward: the xla path's backward as one fused pass (True) or two passes (False); None: fused
-    # on a CPU only (backends/xla/memory.py fused_backward).
-    poison_outputs: bool = False
-    xla_fused_backward: bool | None = None
+    fa3_provider: str | None = None  # implementation="fa3"'s kernels: one of FA3_PROVIDERS, None: the first serving
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheConfig(MaskedConfig):
+    """Shapes and options of one ragged_attention_with_kvcache call (hashable: a nondiff argument); index/kvcache.py
+    spells out how its rows map to memory."""
+
+    batch: int  # B
+    seqlen_q: int  # Sq: each sequence's newest queries
+    num_heads_q: int
+    num_heads_kv: int
+    head_dim_qk: int
+    head_dim_v: int
+    dtype: str  # numpy name
+    paged: bool
+    page_size: int  # paged: rows per page; contiguous: L (one "page" per sequence)
+    num_pages: int  # paged: pages in the cache; contiguous: B
+    max_pages: int  # paged: page_table.shape[1]; contiguous: 1
+    scale: float
+    is_causal: bool
+    window_left: int | None  # keys at most this far left of the query's position; None: no limit
+    window_right: int | None  # at most this far right; None: no limit
+    has_sinks: bool = False  # sinks are an epilogue of the op layer: backends never see them
+    softcap: float = 0.0  # scores become softcap * tanh(score / softcap) before the softmax; 0: no cap
+    total_q: int = 0  # packed queries: q [T, Hq, D] over cu_seqlens_q, seqlen_q being max_seqlen_q; 0: [B, Sq]
+
+    @property
+    def capacity(self) -> int:
+        """Rows a sequence can hold: L, or max_pages * page_size."""
+        return self.max_pages * self.page_size
+
+    @property
+    def packed(self) -> bool:
+        """q is [T, Hq, D] with cu_seqlens_q (the module docstring), not [B, Sq, Hq, D]."""
+        return self.total_q > 0
 
 
 def check_implementation(implementation) -> None:
     """Checked first of all (AttentionOptions does it first), before any array is looked at."""
+    if implementation == "dew":  # a wheel, not a kernel family: FA3's kernels as dew-flash-attn builds them
+        raise ValueError('implementation="dew" is spelled implementation="fa3", fa3_provider="dew-flash-attn": '
+                         "dew-flash-attn is one provider of FlashAttention-3's kernels")
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
 
@@ -134,9 +168,12 @@ class AttentionOptions:
     # of them empty, so its own T / B would put long documents in the short-sequence class (policy.py).
     policy_tokens_per_sequence: int | None = None
     xla_block_size: int | tuple[int, int] | None = None  # None, or (block_q, block_kv) rows; an int b: (b, b)
+    fa3_provider: str | None = None  # None, or one of FA3_PROVIDERS: whose FlashAttention-3 kernels "fa3" runs
 
     def __post_init__(self):
         check_implementation(self.implementation)
+        if self.fa3_provider not in (None, *FA3_PROVIDERS):
+            raise ValueError(f"fa3_provider must be None or one of {FA3_PROVIDERS}, got {self.fa3_provider!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if not isinstance(self.return_stats, bool):
@@ -325,7 +362,7 @@ def make_config(
     check_array(v, "v", 3, "[Tkv, Hkv, Dv]")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
         check_array(cu, name, 1, "[B + 1]")
-        if not jnp.issubdtype(cu.dtype, jnp.integer):  # any width: entry points convert to int32 (index.py as_int32)
+        if not jnp.issubdtype(cu.dtype, jnp.integer):  # any width: made int32 (index/__init__.py as_int32)
             raise ValueError(f"{name} must have an integer dtype, got {cu.dtype}")
         if cu.shape[0] < 2:
             raise ValueError(f"{name} must have B + 1 >= 2 entries, got shape {tuple(cu.shape)}")
@@ -365,5 +402,6 @@ def make_config(
         has_sinks=sinks is not None,
         policy_tokens_per_sequence=options.policy_tokens_per_sequence,
         xla_block_size=options.xla_block_size,
+        fa3_provider=options.fa3_provider,
         **masked_fields(options, dqk),
     )

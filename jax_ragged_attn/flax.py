@@ -41,7 +41,7 @@ except ImportError as error:  # the library itself needs no Flax; only this modu
     raise ImportError("jax_ragged_attn.flax needs Flax (NNX): pip install 'jax_ragged_attn[flax]' "
                       f"(installs flax and optax); importing flax failed with: {error}") from error
 
-from jax_ragged_attn.api import ragged_attention
+from jax_ragged_attn.ops.ragged import ragged_attention
 from jax_ragged_attn.config import STRATEGIES, AttentionOptions
 from jax_ragged_attn.index import as_int32, count_at_or_before
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
@@ -63,7 +63,7 @@ class RaggedSelfAttention(nnx.Module):
       rope_base: RoPE's base; None turns RoPE off.
       scale: multiplies q.k; default 1 / sqrt(D).
       softcap: None or c > 0: cap the attention logits to c * tanh(s / c) (Gemma 2), as in `ragged_attention`.
-      implementation: None, "cudnn", "fa3", "dew" or "xla", as in `ragged_attention` (None: the shipped policy
+      implementation: None, "cudnn", "fa3" or "xla", as in `ragged_attention` (None: the shipped policy
         of backends/policy.py, FA3 from 1,024 tokens a sequence where one of its wheels is installed, cuDNN
         below, xla where neither serves the call).
       strategy: "fastest" or "lean_memory", the cuDNN backward's workspace-for-speed trade, as in

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Builds the extension against cudnn-frontend 1.27 - the last release with the head-major zero-gradient bug -
-# into .prebuilt127/, for the mutation step of benchmarks/gpu_run.sh. Test use only: the build needs
-# -DJAX_RAGGED_ATTN_ALLOW_OLD_FRONTEND=ON, and the op then relies on its run-time full-extent check.
+# into .prebuilt127/, for tests/test_known_issues.py::test_reproduces_cudnn_frontend_462. Test use only: the
+# build needs -DJAX_RAGGED_ATTN_ALLOW_OLD_FRONTEND=ON, and the op then relies on its run-time full-extent check.
 #
 #   PYTHON=/path/to/python3.12 bash scripts/build_old_frontend.sh   # the GPU host's Python and jax version
 set -euo pipefail

@@ -32,8 +32,8 @@
 # 0.10's FFI headers); otherwise this tree is built into one with `pip wheel --no-build-isolation`, against the
 # environment's own jaxlib (the new JAX kept off PYTHONPATH: older FFI headers run on a newer jaxlib, docs/INSTALL.md
 # "Building"), with $CXX, else /usr/bin/g++ where that exists (on the GPU host name CXX=/usr/bin/g++: its
-# environment's CXX, /opt/gcc/bin/g++, builds an extension whose every cuDNN graph query segfaults, seen with
-# JAX 0.12.0.1 on 2026-12-05). --no-extension builds it without the C++ extension (a CPU check of the offline
+# environment's CXX, /opt/gcc/bin/g++, builds an extension whose every cuDNN graph query segfaults with
+# JAX 0.12.0.1). --no-extension builds it without the C++ extension (a CPU check of the offline
 # path only). The main job runs when flax is importable (--wheels .whl/flax on the host). --logs DIR keeps the
 # build, pytest and main job logs; --tests "" runs no tests (the main job alone); --workers N sets pytest's
 # workers (2; 8 on a GPU, each
@@ -70,7 +70,7 @@ fail() { printf 'check_release: %s\n' "$*" >&2; exit 1; }
 offline=$((${#wheel_dirs[@]} > 0))
 if ((offline)); then
   [ "$jax_version" != latest ] || fail "--jax latest asks a package index; offline (--wheels) name the version brought"
-  [ -z "$cudnn" ] || fail "--cudnn installs a cuDNN wheel from an index; offline, bring one with scripts/bring_cudnn.sh"
+  [ -z "$cudnn" ] || fail "--cudnn installs a cuDNN wheel from an index; offline, install one into the environment first"
 else
   ((!no_extension)) || fail "--no-extension is for the offline path (--wheels) only"
 fi
@@ -108,7 +108,7 @@ pytest_args=(-q -rs -n "$workers" -p no:cacheprovider)
 what="" suite=0
 if ((gpu)) && ((!tests_given)); then
   suite=1
-  # The GPU suite, as benchmarks/gpu_wave.sh runs it (the load tests and the soak have their own steps there).
+  # The GPU suite (the load tests and the soak are run on their own: tests/test_load.py, -m soak).
   tests=(tests)
   pytest_args=(-q -rfEs -n "$workers" -p no:cacheprovider -m "gpu and not soak" --ignore=tests/test_load.py)
   what="every GPU-marked test but the soak (-m 'gpu and not soak', -n $workers)"

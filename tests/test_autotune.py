@@ -16,8 +16,6 @@ from jax_ragged_attn.backends.cudnn import autotune
 from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.config import AttentionOptions, make_config
 
-from benchmarks import autotune as autotune_cli
-
 
 def _plan(index, ms, ok=True, message=""):
     return dict(index=index, name=f"engine{index}", ok=ok, message=message, workspace_bytes=64 * index,
@@ -112,14 +110,6 @@ def test_an_unreadable_cache_file_is_measured_again(fake, tmp_path):
 def test_a_graph_cudnn_cannot_run_falls_back_to_the_heuristic_index(fake, monkeypatch):
     monkeypatch.setattr(fake, "tune_plans", lambda *a: dict(status="unsupported", message="no engine", plans=[]))
     assert cudnn.ffi_attributes(_config(autotune=True), "forward")["plan_index"] == -1
-
-
-def test_the_report_without_a_gpu_says_why(capsys):
-    reason = extension.cudnn_unavailable_reason()
-    if reason is None:
-        pytest.skip("cuDNN can run here: tests/test_cudnn.py runs the real measurement")
-    assert autotune_cli.main(["--workloads", "tiny"]) == 0
-    assert f"autotuning needs the cuDNN path: {reason}" in capsys.readouterr().out
 
 
 @pytest.mark.gpu

@@ -25,10 +25,11 @@ import pytest
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.backends.cudnn import graphs, launch
+from jax_ragged_attn.backends.cudnn import options as cudnn_options
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked
 from jax_ragged_attn.testing import assert_close, reference_attention
-from jax_ragged_attn.testing.private_config import config_overrides
+from jax_ragged_attn.testing.private_config import backend_options
 from test_stats_grad import CudnnArithmetic  # tests/ is on sys.path under pytest
 
 _REASON = extension.cudnn_unavailable_reason()
@@ -177,7 +178,7 @@ def test_poisoned_outputs_give_the_default_split_results_on_cudnn():
     every row it owns. Both agree with each other and the reference."""
     batch = _batch(102, (8, 2), 64, "bfloat16")
     default = _gpu_grads(batch, "none", "head_major", False)
-    with config_overrides(poison_outputs=True):
+    with backend_options(poison_outputs=True):
         other = _gpu_grads(batch, "none", "head_major", False)
     _check(other, _expected(batch, False), batch, "poisoned: ")
     for name, a, b in zip(("dq", "dk", "dv"), other, default):
@@ -230,7 +231,8 @@ def _stand_in_grads(monkeypatch, batch: Batch, packing: str, layout: str, with_s
     q, k, v, cu_q, cu_kv, used_q, used_kv = batch.args()
     config = make_config(q, k, v, cu_q, cu_kv, AttentionOptions(stats_layout=layout, **CAUSAL),
                          max_seqlen_q=MAX_SEQLEN_Q, max_seqlen_kv=MAX_SEQLEN_KV)
-    config = dataclasses.replace(config, packing=packing, guard_workspace=check, poison_outputs=poison)
+    config = dataclasses.replace(config, packing=packing, guard_workspace=check)
+    monkeypatch.setattr(cudnn_options, "OPTIONS", cudnn_options.CudnnOptions(poison_outputs=poison))
     kernel = RecordingArithmetic(config)
     monkeypatch.setattr(jax.ffi, "ffi_call", kernel)
     monkeypatch.setattr(launch, "graph_info", lambda direction, config, layout=None: {"workspace_bytes": 64})

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jax_ragged_attn.backends.shared import cache_index
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
+from jax_ragged_attn.config import KVCacheConfig
 
 INT32 = np.iinfo(np.int32)
 CONFIG = KVCacheConfig(batch=5, seqlen_q=1, num_heads_q=4, num_heads_kv=2, head_dim_qk=16, head_dim_v=16,
@@ -74,7 +74,7 @@ def test_the_op_layer_hands_fa3_the_safe_pair():
     are the clamped pair, made by safe_cache_index; the xla path reads the table as passed."""
     from jax_ragged_attn import ragged_attention_with_kvcache
     from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache, ragged as fa3_ragged
-    from jax_ragged_attn.inputs import kvcache as kvcache_op
+    from jax_ragged_attn.ops import kvcache as kvcache_op
 
     lengths, table = _garbage(np.random.default_rng(3))
     q = jnp.ones((5, 1, 4, 16), jnp.float32)

@@ -33,6 +33,8 @@ FLAGS = {
 
 def _run(checks: str, flags: str | None) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # The script runs from tests/: the package is found where this process found it.
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent.parent), *filter(None, [env.get("PYTHONPATH")])])
     if flags is not None:
         env["XLA_FLAGS"] = flags
     done = subprocess.run([sys.executable, str(SCRIPT), checks], env=env, capture_output=True, text=True,

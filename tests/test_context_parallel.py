@@ -25,8 +25,9 @@ from jax_ragged_attn.index import cu_seqlens_from_lengths
 from jax_ragged_attn.parallel.sharding import reorder_for_load_balance, restore_order, sharded_ragged_attention
 from jax_ragged_attn.testing.documents import dense_mask, random_document_lengths
 from jax_ragged_attn.testing.multidevice import cudnn_gpus, report_checks, run_checks_in_child
-from jax_ragged_attn.testing import assert_close, packed_batch
+from jax_ragged_attn.testing import assert_close, implementation_options, packed_batch
 from jax_ragged_attn.testing.reference import reference_attention
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
 EXPLICIT, AUTO = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
 T = 64  # 4 devices: shards of 16 rows, balanced chunks of 8
@@ -379,16 +380,17 @@ def test_two_gpus_cudnn_context_parallel_matches_one_gpu(load_balance, context_s
 
 
 def _skip_unless_available(implementation: str) -> None:
-    """FA3's builds are optional wheels (dew: the one implementation=None takes for FA3's class where installed)."""
+    """FA3's providers are optional wheels (dew-flash-attn: the one implementation="fa3" takes where installed)."""
     from jax_ragged_attn.backends.fa3 import dew, ragged as fa3
 
-    reason = {"fa3": fa3.unavailable_reason, "dew": dew.unavailable_reason}.get(implementation, lambda: None)()
+    reason = {"flash-attn3-jax": fa3.unavailable_reason, "dew-flash-attn": dew.unavailable_reason}.get(
+        implementation, lambda: None)()
     if reason:
         pytest.skip(reason)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("implementation, head_dim", [("cudnn", 64), ("fa3", 128), ("dew", 128)])
+@pytest.mark.parametrize("implementation, head_dim", [("cudnn", 64), ("flash-attn3-jax", 128), ("dew-flash-attn", 128)])
 @pytest.mark.parametrize("n, load_balance", [(2, False), (4, True), (2, True)])
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])
 def test_one_gpu_device_calls_match_the_op(implementation, head_dim, n, load_balance, layout):
@@ -399,8 +401,8 @@ def test_one_gpu_device_calls_match_the_op(implementation, head_dim, n, load_bal
     _check_device_calls(implementation, head_dim, n, load_balance, layout, gpu)
 
 
-@pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "no_mask"])
-@pytest.mark.parametrize("n, load_balance", [(2, False), (4, True), (2, True)])
+@some_fast({"n, load_balance": [(2, False), (4, True), (2, True)], "is_causal": {"causal": True, "no_mask": False}},
+           fast=["2-False-causal", "4-True-no_mask"])
 def test_device_calls_match_the_op_on_the_xla_path(n, load_balance, is_causal):
     _check_device_calls("xla", 32, n, load_balance, "head_major", jax.devices()[0], is_causal=is_causal)
 
@@ -425,7 +427,7 @@ def _random_packing(seed: int, total: int) -> tuple[tuple[int, ...], int]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("implementation, head_dim", [("cudnn", 64), ("fa3", 128), ("dew", 128)])
+@pytest.mark.parametrize("implementation, head_dim", [("cudnn", 64), ("flash-attn3-jax", 128), ("dew-flash-attn", 128)])
 @pytest.mark.parametrize("n", [4, 8])
 def test_one_gpu_device_calls_on_random_packings(implementation, head_dim, n, seed):
     """As above, load-balanced, on random packings (_random_packing): pieces of one document in both of a
@@ -437,7 +439,7 @@ def test_one_gpu_device_calls_on_random_packings(implementation, head_dim, n, se
                         lengths=lengths, max_seqlen=max_seqlen, seed=seed)
 
 
-@pytest.mark.parametrize("seed", range(3))
+@some_fast({"seed": range(3)}, fast=["0"])  # random packings through every device's call
 def test_device_calls_on_random_packings_on_the_xla_path(seed):
     lengths, max_seqlen = _random_packing(seed, 512)
     _check_device_calls("xla", 16, 4, True, "head_major", jax.devices()[0], lengths=lengths, max_seqlen=max_seqlen,
@@ -452,7 +454,7 @@ def _check_device_calls(implementation, head_dim, n, load_balance, layout, devic
     the unsharded call and the float64 reference, a stats cotangent included."""
     from jax_ragged_attn.parallel import context_parallel as cp
     from jax_ragged_attn.parallel.load_balance import dual_chunk_order
-    from jax_ragged_attn.api import attend
+    from jax_ragged_attn.ops.ragged import attend
     from jax_ragged_attn.config import AttentionOptions
 
     rng = np.random.default_rng(21 + n if seed is None else 7000 + seed)
@@ -463,7 +465,7 @@ def _check_device_calls(implementation, head_dim, n, load_balance, layout, devic
     plan = cp.Plan(token_axis="cp", devices=n, load_balance=load_balance, max_seqlen=max_seqlen,
                    is_causal=is_causal, window_left=None, stats_axis=stats_axis)
     options = AttentionOptions(is_causal=is_causal, stats_layout=layout, return_stats=True,
-                               implementation=implementation)
+                               **implementation_options(implementation))
 
     def attend_chunk(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, *, seqused, diagonal_alignment):
         chunk_options = dataclasses.replace(options, diagonal_alignment=diagonal_alignment)
@@ -489,7 +491,7 @@ def _check_device_calls(implementation, head_dim, n, load_balance, layout, devic
     def unsharded(q, k, v, cu):
         return ragged_attention(q, k, v, cu, cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
                                 is_causal=is_causal, return_stats=True, stats_layout=layout,
-                                implementation=implementation)
+                                **implementation_options(implementation))
 
     d_out = rng.standard_normal((total, hq, head_dim)).astype("bfloat16")
     d_out[sum(lengths):] = 0
@@ -511,14 +513,3 @@ def _check_device_calls(implementation, head_dim, n, load_balance, layout, devic
                      f"{name} against one call")
         want = expected[name].T if name == "stats" and layout == "head_major" else expected[name]
         assert_close(np.asarray(got[i], np.float64), want, "bfloat16", f"{name} against the float64 reference")
-
-
-def test_bench_tool_runs_and_skips_the_cp_rows_on_one_device(capsys):
-    from benchmarks import context_parallel as bench
-
-    if len(jax.devices()) >= bench.DEVICES:
-        pytest.skip("this process has 2+ devices: the skip line is not printed")
-    assert bench.main(["--workloads", "tiny", "--implementation", "xla", "--calls", "1", "--repetitions", "1"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[2].startswith("| tiny | 1 GPU |")
-    assert all("skipped: needs 2 devices, this host has 1" in line for line in lines[3:5]), lines

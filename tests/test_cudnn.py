@@ -23,7 +23,7 @@ from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.testing import assert_close, packed_batch, reference_attention
-from jax_ragged_attn.testing.private_config import config_overrides
+from jax_ragged_attn.testing.private_config import backend_options
 
 _REASON = extension.cudnn_unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=f"cuDNN path unavailable: {_REASON}")]
@@ -101,7 +101,7 @@ def test_head_major_and_token_major_stats_give_the_same_gradients(heads):
     backward overwrite its own tile counter, and dQ/dK/dV came back all zero with no error."""
     case = Case(heads=heads, is_causal=True)
     batch, d_out = _batch(case, 1234)
-    config = _config(case, batch, "head_major", strategy="lean_memory")  # the layout the bug was in
+    config = _config(case, batch, "head_major", strategy="lean_memory")  # the layout the bug shows in
     info = cudnn.graph_info("backward", config)
     assert info["max_total_seq_len_applied"] and not info["fell_back"], info
     assert info["frontend_region_bytes"] >= info["expected_intermediate_bytes"] > 0, info
@@ -191,7 +191,7 @@ def test_poisoned_outputs_give_the_default_results(case):
     than keys without a key: cuDNN owns those rows, so they must read 0 from cuDNN itself."""
     batch, d_out = _batch(case, 41)
     default = _run(case, batch, d_out)
-    with config_overrides(poison_outputs=True):
+    with backend_options(poison_outputs=True):
         other = _run(case, batch, d_out)
     np.testing.assert_array_equal(other[0], default[0])
     np.testing.assert_array_equal(other[1], default[1])

@@ -24,6 +24,8 @@ from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.index import row_positions
 from jax_ragged_attn.testing import assert_close, packed_batch, stand_in_handler_args
 from jax_ragged_attn.backends.xla.ragged import attention_xla
+from jax_ragged_attn.backends.cudnn import options as cudnn_options
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
 OPTIONS = dict(is_causal=True, diagonal_alignment="bottom_right")
 # The arguments a plain call passes (q, k, v [, out, d_out, stats], then 7 index arrays); a guarded call adds
@@ -130,12 +132,13 @@ def _config(batch, layout="head_major", **changes):
     return dataclasses.replace(config, **changes)
 
 
-@pytest.mark.parametrize("poison_outputs", [False, True], ids=["unowned", "poisoned"])
-@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+@some_fast({"layout": ["head_major", "token_major"], "poison_outputs": {"unowned": False, "poisoned": True}},
+           fast=["head_major-poisoned", "token_major-unowned"])
 def test_outputs_and_gradients_match_the_xla_path_with_padding_cleaned(monkeypatch, batch, layout, poison_outputs):
     """The handler zeroes the rows it does not own first, with or without filling the outputs with NaN before
     (the stand-in starts from zeros when asked, and writes every row it owns)."""
-    config = _config(batch, layout, poison_outputs=poison_outputs)
+    monkeypatch.setattr(cudnn_options, "OPTIONS", cudnn_options.CudnnOptions(poison_outputs=poison_outputs))
+    config = _config(batch, layout)
     kernel = _install(monkeypatch, config)
     d_out = jnp.asarray(np.random.default_rng(1).standard_normal((batch.q.shape[0], 4, 8)), jnp.bfloat16)
 
@@ -207,7 +210,7 @@ def test_a_write_past_the_workspace_stops_the_computation(monkeypatch, batch):
         jax.block_until_ready(jax.jit(lambda *a: cudnn.attention_cudnn(*a, config))(*batch.args))
 
 
-@pytest.mark.parametrize("result", ["out", "stats", "dq", "dk", "dv"])
+@some_fast({"result": ["out", "stats", "dq", "dk", "dv"]}, fast=["out", "dk"])
 def test_a_write_outside_an_outputs_rows_stops_the_computation(monkeypatch, batch, result):
     config = _config(batch, guard_workspace=True)
     _install(monkeypatch, config, stray_row=result)
@@ -221,12 +224,13 @@ def test_a_write_outside_an_outputs_rows_stops_the_computation(monkeypatch, batc
         jax.block_until_ready(jax.jit(step)(*batch.args[:3]))
 
 
+@pytest.mark.slow  # as test_debug_infs.py
 @pytest.mark.parametrize("flag", ["debug_nans", "debug_infs"])
 @pytest.mark.parametrize("layout", ["head_major", "token_major"])
 def test_quiet_under_jax_debug_flags_eagerly(monkeypatch, batch, flag, layout):
-    """Issue 16 on the cuDNN wrapper: like cuDNN, the stand-in writes -inf stats for rows whose band is empty
-    (bottom-right causal with more queries than keys) and leaves unowned rows as they were, and the inputs'
-    padding holds NaN; an eager call under jax.debug_nans / debug_infs must still not stop, and must give
+    """Quiet under the debug flags on the cuDNN wrapper: like cuDNN, the stand-in writes -inf stats for rows whose
+    band is empty (bottom-right causal with more queries than keys) and leaves unowned rows as they were, and the
+    inputs' padding holds NaN; an eager call under jax.debug_nans / debug_infs must still not stop, and must give
     what it gives without the flag."""
     config = _config(batch, layout, return_stats=False)
     _install(monkeypatch, config)

@@ -1,4 +1,4 @@
-"""Issue 16: quiet under jax.debug_infs / jax.debug_nans unless the inputs hold inf or NaN.
+"""Quiet under jax.debug_infs / jax.debug_nans unless the inputs hold inf or NaN.
 
 Both checks make JAX raise FloatingPointError when a primitive (eagerly) or a jitted computation's output
 holds inf / NaN; for a jitted one it then reruns the computation op by op to name the primitive, so
@@ -26,6 +26,8 @@ from jax_ragged_attn.backends.shared.extension import cudnn_unavailable_reason
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 from jax_ragged_attn.inputs.segments import ragged_attention_segments
 from jax_ragged_attn.testing import packed_batch
+
+pytestmark = pytest.mark.slow  # every call under jax.debug_infs / debug_nans, eager and jitted
 
 _CUDNN_REASON = cudnn_unavailable_reason()
 IMPLEMENTATIONS = [

@@ -17,7 +17,7 @@ from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.backends.cudnn import graphs, kvcache as cudnn_kvcache, ragged as cudnn
 from jax_ragged_attn.backends.fa3 import dew, kvcache as fa3_kvcache, ragged as fa3
 from jax_ragged_attn.backends.shared import extension, known_issues
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
+from jax_ragged_attn.config import KVCacheConfig
 from jax_ragged_attn.backends.xla import ragged as xla
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.testing import declines
@@ -64,13 +64,9 @@ EXAMPLES = {
         cudnn_kvcache.unsupported_reason, _kvcache(total_q=20, seqlen_q=4, num_heads_q=2)),
     ("cudnn", "kvcache", "reaches into the rows cuDNN's paged graph reads"): (
         cudnn_kvcache.unsupported_reason, _kvcache(seqlen_q=10, window_left=cudnn_kvcache.TAIL - 5)),
-    ("dew", "ragged", "kernels are built without softcap"): (dew.unsupported_reason, _ragged(softcap=1.0)),
-    ("dew", "ragged", "FlashAttention-3 takes bfloat16 or float16 inputs"): (dew.unsupported_reason,
-                                                                             _ragged("float32")),
-    ("dew", "ragged", "kernels take equal head dims of"): (dew.unsupported_reason, _ragged(dqk=128, dv=64)),
-    ("dew", "ragged", "backward has no deterministic mode"): (dew.unsupported_reason, _ragged(deterministic=True)),
-    ("dew", "ragged", "aligns its causal mask and windows bottom-right"): (dew.unsupported_reason,
-                                                                           _ragged(is_causal=True)),
+    ("fa3", "ragged", "kernels are built without softcap"): (dew.unsupported_reason, _ragged(softcap=1.0)),
+    ("fa3", "ragged", "kernels take equal head dims of"): (dew.unsupported_reason, _ragged(dqk=128, dv=64)),
+    ("fa3", "ragged", "backward has no deterministic mode"): (dew.unsupported_reason, _ragged(deterministic=True)),
     ("fa3", "ragged", "called with softcap 0"): (fa3.unsupported_reason, _ragged(softcap=1.0)),
     ("fa3", "ragged", "FlashAttention-3 takes bfloat16 or float16 inputs"): (fa3.unsupported_reason,
                                                                              _ragged("float32")),
@@ -139,16 +135,17 @@ def test_a_backend_that_cannot_run_here_is_an_environment_skip(monkeypatch):
 
 
 def test_a_backend_is_recorded_under_its_registry_name_not_its_module_path():
-    """fa3/dew.py is implementation="dew": its softcap decline is dew's listed one, a skip (on the first GPU run
-    the recording named it ("fa3", "dew") from its path, and every listed decline of DewTest failed)."""
+    """fa3/dew.py is a provider of implementation="fa3" (fa3/providers.py): its softcap decline is dew's listed
+    one, a skip, recorded under the registry's name "fa3"."""
     from jax_ragged_attn.testing import fa3_emulator
 
     q = jnp.ones((8, 2, 128), jnp.bfloat16)
     cu = jnp.array([0, 5, 8], jnp.int32)
     with fa3_emulator.patched_dew(), declines.recorded() as seen, pytest.raises(NotImplementedError) as error:
-        ragged_attention(q, q, q, cu, cu, max_seqlen_q=5, max_seqlen_kv=5, softcap=2.0, implementation="dew")
-    assert [(d.backend, d.op) for d in seen] == [("dew", "ragged")]
-    assert "by design (backends/fa3/dew.py" in declines.verdict("dew", error.value, seen)
+        ragged_attention(q, q, q, cu, cu, max_seqlen_q=5, max_seqlen_kv=5, softcap=2.0, implementation="fa3",
+                         fa3_provider="dew-flash-attn")
+    assert [(d.backend, d.op) for d in seen] == [("fa3", "ragged")]
+    assert "by design (backends/fa3/dew.py" in declines.verdict("fa3", error.value, seen)
 
 
 def test_an_error_that_is_no_backend_decline_is_raised():
@@ -191,7 +188,7 @@ def test_a_stats_gradient_fence_asked_by_the_backward_is_recorded_and_listed(mon
 
 
 def test_every_backend_that_declines_a_stats_gradient_folds_sinks():
-    """api.py asks for a stats gradient with sinks only when stats are returned, because every backend that can
+    """ops/ragged.py asks for a stats gradient with sinks only when stats are returned, because every backend that can
     decline one folds the sinks into its plain backward otherwise."""
     from jax_ragged_attn import backends
 

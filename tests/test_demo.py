@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # the demo end to end
+
 DEMO = pathlib.Path(__file__).resolve().parent.parent / "examples" / "reversal.py"
 
 

@@ -18,6 +18,7 @@ import pytest
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.backends.fa3 import dew
 from jax_ragged_attn.testing import assert_close, fa3_emulator, reference_attention
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
 
 _DEW_REASON = dew.unavailable_reason()
@@ -29,8 +30,11 @@ def emulated():
         yield
 
 
-@pytest.fixture(params=["emulated", pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    _DEW_REASON is not None, reason=f"dew-flash-attn unavailable: {_DEW_REASON}")])])
+KERNELS = ["emulated", pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    _DEW_REASON is not None, reason=f"dew-flash-attn unavailable: {_DEW_REASON}")])]
+
+
+@pytest.fixture(params=KERNELS)
 def kernels(request):
     """The jnp stand-ins (everywhere), then the wheel's kernels (a Hopper GPU with it installed)."""
     if request.param == "emulated":
@@ -67,7 +71,8 @@ def test_one_gap_sequence_a_slot_without_seqused(emulated, monkeypatch, seqused,
 
     def loss(x, cu):
         return ragged_attention(x, x, x, cu, cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
-                                implementation="dew", is_causal=True, **used).astype(jnp.float32).sum()
+                                implementation="fa3", fa3_provider="dew-flash-attn", is_causal=True,
+                                **used).astype(jnp.float32).sum()
     if traced:
         jax.jit(jax.grad(loss))(x, cu)
     else:
@@ -100,15 +105,18 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case_name", sorted(CASES))
-@pytest.mark.parametrize("mask", ["none", "causal_bottom_right", "window_bottom_right"])
-@pytest.mark.parametrize("stats_layout", ["head_major", "token_major"])
+@some_fast({"kernels": KERNELS, "stats_layout": ["head_major", "token_major"],
+            "mask": ["none", "causal_bottom_right", "window_bottom_right"], "case_name": sorted(CASES)},
+           fast=["emulated-head_major-none-long_slots", "emulated-token_major-causal_bottom_right-same_long_slot",
+                 "emulated-head_major-window_bottom_right-same_slots", "emulated-token_major-none-seqused",
+                 "emulated-head_major-causal_bottom_right-slots_fit",
+                 "emulated-token_major-window_bottom_right-truncated"], indirect=["kernels"])
 def test_unused_rows_go_over_as_gap_sequences(kernels, case_name, mask, stats_layout):
     _check_against_reference(case_name, mask, stats_layout, head_dim=128)
 
 
-@pytest.mark.parametrize("head_dim", [64, 192, 256])
-@pytest.mark.parametrize("stats_layout", ["head_major", "token_major"])
+@some_fast({"kernels": KERNELS, "stats_layout": ["head_major", "token_major"], "head_dim": [64, 192, 256]},
+           fast=["emulated-head_major-64", "emulated-token_major-192", "emulated-head_major-256"], indirect=["kernels"])
 def test_every_head_dim_it_advertises(kernels, head_dim, stats_layout):
     """dew.HEAD_DIMS besides 128 (the semantic suite's): each one its own kernel in the wheel."""
     _check_against_reference("seqused", "causal_bottom_right", stats_layout, head_dim=head_dim)
@@ -153,7 +161,7 @@ def _check_against_reference(case_name, mask, stats_layout, head_dim, forward_on
     def attention(q, k, v):
         return ragged_attention(q, k, v, cu_q_array, cu_kv_array, max_seqlen_q=max_q,
                                 max_seqlen_kv=max_kv, return_stats=True, stats_layout=stats_layout,
-                                implementation="dew", **seqused, **options)
+                                implementation="fa3", fa3_provider="dew-flash-attn", **seqused, **options)
 
     cast = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
     if forward_only:  # no vjp: the forward clears V alone, so NaN gap queries meet NaN gap keys in the kernels
@@ -189,13 +197,16 @@ def test_implementation_none_takes_it_where_the_policy_prefers_fa3(emulated, mon
 
     def chosen(tokens, num_seqs, **options):
         cu = jnp.zeros(num_seqs + 1, jnp.int32)
-        return backends.choose(None, config(tokens, num_seqs, **options), RaggedIndex(cu, cu)).NAME
+        call, index = config(tokens, num_seqs, **options), RaggedIndex(cu, cu)
+        backend = backends.choose(None, call, index)
+        return backend.provider(call, index) if backend.NAME == "fa3" else backend.NAME
 
     assert dew.unavailable_reason() is None  # the stand-ins declared available
-    assert chosen(4096, 2) == "dew"  # 2,048 tokens a sequence: FA3's class
-    assert chosen(4096, 2, softcap=2.0) == "fa3"  # one it declines: the other wheel's FA3
-    assert chosen(65536, 119) not in ("dew", "fa3")  # 551 a sequence: cuDNN's class (the xla path on a CPU)
-    assert backends.get("dew").auto_candidate(config(65536, 119, autotune=True))
+    assert chosen(4096, 2) == "dew-flash-attn"  # 2,048 tokens a sequence: FA3's class
+    assert chosen(4096, 2, softcap=2.0) == "flash-attn3-jax"  # one it declines: the other wheel's FA3
+    # 551 tokens a sequence: cuDNN's class (the xla path on a CPU)
+    assert chosen(65536, 119) not in ("dew-flash-attn", "flash-attn3-jax")
+    assert backends.get("fa3").auto_candidate(config(65536, 119, autotune=True))
 
 
 def test_the_kvcache_op_names_its_backends_when_asked_for_dew():

@@ -213,7 +213,7 @@ def test_a_stale_mention_fails():
         "jax_ragged_attn.backends.fa3.ragged.unsupported_reason, jax_ragged_attn.backends.fa3.ragged.nothing",
         "the tool (jax_ragged_attn/tools/bench/cli.py) and `cudnn/extents.py`, https://x.org/a/_gone.py",
         "python -m benchmarks.sweep; python -m benchmarks.gone; _cudnn/ and shared/; T/(2n) rows",
-        "shared/packings.TABLE and _cudnn/launch.attention; cudnn/launch.no_such_name; flash_api.cpp, cudnn.h",
+        "index/packings.TABLE and _cudnn/launch.attention; cudnn/launch.no_such_name; flash_api.cpp, cudnn.h",
         "memory.estimate_bytes and memory.gone; /usr/lib/x.py, ~/.cache/jax_ragged_attn/autotune.json",
     ])
     aliases = {"memory": "jax_ragged_attn.backends.xla.memory"}

@@ -160,18 +160,6 @@ def test_sinks_through_the_stats_gradient(emulated):
         assert_close(np.asarray(g, np.float64), want[name], "bfloat16", name)
 
 
-def test_bench_rows_say_why_they_cannot_run():
-    from benchmarks import systems
-    from jax_ragged_attn.testing.workloads import WORKLOADS
-
-    for name in ("ours-fa3", "flash-attn3-jax"):
-        system = systems.SYSTEMS[name]
-        assert "head dim 128" in system.unsupported(WORKLOADS["W4-d64"])
-        assert system.unsupported(WORKLOADS["W1"]) is None
-        if _fa3.unavailable_reason() is not None:
-            assert system.unavailable() == _fa3.unavailable_reason()
-
-
 @pytest.mark.gpu
 def test_training_on_computed_inputs_copies_none_of_them():
     """Where q, k, v are intermediates (a projection's output), the padding clearing zeroes them in place: the
@@ -207,7 +195,7 @@ def _copies_of(hlo_text: str, shape: str) -> list[str]:
 
 
 def test_copies_of_finds_the_copies_the_h200_compiled():
-    # Two lines of the H200's compiled W1 step before Q and K were cleared in the forward (2026-12-04).
+    # Two lines of the H200's compiled W1 step where Q and K are cleared in the backward, after the forward read them.
     text = """
   %copy.10 = bf16[32768,16,128]{2,1,0} copy(%loop_multiply_fusion.2), metadata={scheduling_name="copy.10"}
   %copy-start.1 = (bf16[32768,16,128]{2,1,0}, bf16[32768,16,128]{2,1,0}, u32[]) copy-start(%p.3)

@@ -502,7 +502,7 @@ def test_window_size_must_be_a_pair_of_ints(window_size):
 
 
 def test_causal_cross_attention_is_bottom_right_not_ragged_attentions_default():
-    """The trap of the issue: for cross-attention FlashAttention's causal=True is ragged_attention's
+    """The trap: for cross-attention FlashAttention's causal=True is ragged_attention's
     diagonal_alignment="bottom_right", not its default top-left."""
     batch = _small_batch()
     bounds = dict(max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv)

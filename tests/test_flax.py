@@ -17,6 +17,7 @@ nnx = pytest.importorskip("flax.nnx", reason="the Flax module needs flax: pip in
 
 from jax_ragged_attn.flax import RaggedSelfAttention, apply_rope, positions_from_cu_seqlens  # noqa: E402
 from jax_ragged_attn.testing import assert_close  # noqa: E402
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
 FEATURES = 24
 LENGTHS = (5, 0, 9, 1, 7)  # a zero-length and a one-token sequence among them
@@ -95,7 +96,7 @@ def _reference_sequence(model: RaggedSelfAttention, x: np.ndarray):
     return y, (np.log(total) + top)[..., 0]
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@some_fast({"name": list(CONFIGS)}, fast=["gqa_causal", "mha_bidirectional_window", "mqa_window", "gqa_sinks"])
 def test_packed_equals_each_sequence_alone(name):
     model = _model(CONFIGS[name])
     x, cu, positions = _inputs(1)
@@ -137,8 +138,8 @@ def _loss_packed(model, x, cu, positions, cotangent):
     return jnp.sum(model(x, cu, positions, max_seqlen=MAX_SEQLEN) * cotangent)
 
 
-@pytest.mark.parametrize("name", ["mha_causal", "gqa_sinks", "mqa_window"])
-@pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
+@some_fast({"remat": {"plain": False, "remat": True}, "name": ["mha_causal", "gqa_sinks", "mqa_window"]},
+           fast=["plain-mha_causal", "remat-gqa_sinks", "plain-mqa_window"])
 def test_gradients_equal_the_sum_over_sequences_alone(name, remat):
     model = _model(CONFIGS[name], seed=3)
     x, cu, positions = _inputs(4)
@@ -325,6 +326,7 @@ def _child() -> None:
             print(json.dumps({"check": name, "ok": False, "detail": traceback.format_exc()}), flush=True)
 
 
+@pytest.mark.slow  # 4 devices; test_sharding.py is fast
 def test_sharded_parameters_match_unsharded():
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())

@@ -16,10 +16,11 @@ from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.shared import head_groups
 from jax_ragged_attn.backends.xla import ragged as xla
 from jax_ragged_attn.backends.cudnn import extents, launch
-from jax_ragged_attn.backends.shared.packings import TABLE
+from jax_ragged_attn.index.packings import TABLE
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.index import RaggedIndex
 from jax_ragged_attn.testing import assert_close, packed_batch
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
 HEADS = [(8, 8), (8, 2), (8, 1), (12, 4), (6, 3)]
 
@@ -50,7 +51,7 @@ def _config(tq, tkv, hq, hkv, d, **changes):
 
 
 def test_each_tensor_is_bounded_by_its_own_extent():
-    # The decode case: one query per sequence against 256 x 2,048 cache rows, GQA 32/8, d 128. K and
+    # The serving decode case: one query per sequence against 256 x 2,048 cache rows, GQA 32/8, d 128. K and
     # V hold 5.4e8 elements: the forward fits (the old bound, max(Tq, Tkv) * Hq * D, refused it).
     decode = _config(256, 256 * 2048, 32, 8, 128)
     assert extents.fits(decode, backward=False)
@@ -102,7 +103,8 @@ SPLITS = [("none", *heads, layout) for heads, layout in zip(HEADS, ["head_major"
 SPLITS += [("kv", 8, 8, "token_major"), ("qkv", 6, 6, "head_major")]
 
 
-@pytest.mark.parametrize("packing,num_heads_q,num_heads_kv,layout", SPLITS)
+@some_fast({"packing,num_heads_q,num_heads_kv,layout": SPLITS},
+           fast=["kv-8-8-token_major", "none-8-1-head_major", "qkv-6-6-head_major"])
 def test_the_cudnn_backend_splits_a_call_past_the_limit_into_head_groups(monkeypatch, packing, num_heads_q,
                                                                         num_heads_kv, layout):
     rng = np.random.default_rng(num_heads_q * 10 + num_heads_kv)

@@ -44,7 +44,7 @@ class Timings:
     def __call__(self, config, same_index, candidate="fa3"):
         self.measured.append((config, same_index))
         self.candidates.append(candidate)
-        return dict(implementation=implementation_tuning.choose(self.ms["cudnn"], self.ms["fa3"], candidate),
+        return dict(implementation=implementation_tuning.choose(self.ms["cudnn"], self.ms["fa3"]),
                     cudnn_ms=self.ms["cudnn"], fa3_ms=self.ms["fa3"])
 
 
@@ -125,14 +125,15 @@ def test_dew_is_the_build_timed_where_it_serves(both_serve, monkeypatch, tmp_pat
     monkeypatch.setattr(dew, "unsupported_reason", lambda config, *index, **kwargs: None)
     monkeypatch.setattr(implementation_tuning, "_dew_version", lambda: "0.3.6")
     timings = both_serve(Timings(cudnn_ms=2.0, fa3_ms=1.5))
-    assert _choose(_config(autotune=True)) == "dew"
-    assert timings.candidates == ["dew"]
+    assert _choose(_config(autotune=True)) == "fa3"
+    assert timings.candidates == ["dew-flash-attn"]
     (key, entry), = json.loads((tmp_path / "autotune.json").read_text()).items()
     attributes = json.loads(key)[-1]
-    assert attributes["fa3_build"] == "dew" and attributes["fa3_wheel"] == "0.3.6" and entry["implementation"] == "dew"
+    assert attributes["fa3_build"] == "dew-flash-attn" and attributes["fa3_wheel"] == "0.3.6"
+    assert entry["implementation"] == "fa3"
     slower = Timings(cudnn_ms=1.0, fa3_ms=1.5)
     both_serve(slower)
-    assert _choose(_config(autotune=True, is_causal=False)) == "cudnn" and slower.candidates == ["dew"]
+    assert _choose(_config(autotune=True, is_causal=False)) == "cudnn" and slower.candidates == ["dew-flash-attn"]
 
 
 def test_a_call_fa3_cannot_serve_is_not_measured(both_serve, monkeypatch):

@@ -2,7 +2,7 @@
 
 The whole semantic suite also runs once per setting (`pytest --jax-config=strict`, `--jax-config=x64`; see
 conftest.py and .ci/run). These tests pin what one session cannot: each setting switched on inside a test
-(jax.config's context managers) against the float64 reference, and the conversions of index.py.
+(jax.config's context managers) against the float64 reference, and the conversions of index/__init__.py.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from jax_ragged_attn.index import as_int32
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 from jax_ragged_attn.inputs.segments import ragged_attention_segments
 from jax_ragged_attn.testing import assert_close, packed_batch, reference_attention
+
+pytestmark = pytest.mark.slow  # every global JAX setting (CI also runs the semantic suite under strict,x64)
 
 INT_DTYPES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
 

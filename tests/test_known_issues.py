@@ -30,12 +30,12 @@ from jax_ragged_attn.backends.cudnn import kvcache as cudnn_kvcache
 from jax_ragged_attn.backends.cudnn import paged as cudnn_paged
 from jax_ragged_attn.backends.shared import extension, known_issues
 from jax_ragged_attn.backends.shared.known_issues import TABLE, Versions
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
+from jax_ragged_attn.config import KVCacheConfig
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked
 from jax_ragged_attn.testing import assert_close, reference_attention
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention, reference_kvcache_attention_packed
-from jax_ragged_attn.testing.private_config import config_overrides
+from jax_ragged_attn.testing.private_config import backend_options
 
 _CUDNN_REASON = extension.cudnn_unavailable_reason()
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -380,7 +380,7 @@ def _window_batch(rng, lengths=(1500, 37)):
 @gpu
 def test_transformer_engine_2344_fence():
     """The fence on its release: cuDNN declines naming the report, implementation=None serves the call right.
-    The bug itself did not show on 9.14.0 in this package's forms (H100 2026-12-06, the entry's comment): the
+    The bug itself does not show on 9.14.0 in this package's forms (H100, the entry's comment): the
     lifted runs live in benchmarks/cudnn_bug_probe.py, where a form that shows it would be added."""
     issue = _issue("TransformerEngine#2344", "ragged")
     _need(issue)
@@ -450,7 +450,7 @@ def _no_query_grads(seed: int, packing: str = "none"):
     else:
         def attention(q, k, v):
             return ragged_attention(q, k, v, cu_q, cu_kv, implementation="cudnn", **options)
-    with config_overrides(poison_outputs=True):
+    with backend_options(poison_outputs=True):
         _, vjp = jax.vjp(attention, q, k, v)
         grads = vjp(d_out)
     return [np.asarray(g, np.float64) for g in grads], expected, (rows_q, rows_kv)
@@ -551,7 +551,7 @@ def test_the_no_query_workaround_zeroes_exactly_those_key_rows(monkeypatch, pack
     the workaround on (cuDNN 9.14 loaded), every key row of a sequence without query rows reads 0 in each
     key-side gradient part, and every other real key row keeps the kernel's value (unguarded)."""
     from jax_ragged_attn.backends.cudnn import launch
-    from jax_ragged_attn.backends.shared.packings import TABLE as PACKINGS
+    from jax_ragged_attn.index.packings import TABLE as PACKINGS
 
     if packing == "qkv":  # one buffer for q and kv: the sequence without queries has keys by seqused alone
         slots_q = slots_kv = (3, 5, 4)

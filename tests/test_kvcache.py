@@ -28,14 +28,15 @@ from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
 from jax_ragged_attn.backends.shared import known_issues
 from jax_ragged_attn.backends.xla import kvcache as xla_kvcache
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
+from jax_ragged_attn.config import KVCacheConfig
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
 from jax_ragged_attn.testing import assert_close, declines, fa3_emulator
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
 from jax_ragged_attn.testing.helpers import SeededCacheCase
-from jax_ragged_attn.testing.private_config import config_overrides
+from jax_ragged_attn.testing.private_config import backend_options
 from jax_ragged_attn.config import AttentionOptions
-from jax_ragged_attn.inputs.kvcache import kvcache_config
+from jax_ragged_attn.ops.kvcache import kvcache_config
+from tiers import slow_cases  # tests/ is on sys.path under pytest
 
 # name -> keywords of one case: heads (Hq, Hkv), Sq, paged, options.
 CASES = {
@@ -247,10 +248,10 @@ class XlaKVCacheTest(KVCacheTest):
     def setUp(self):
         super().setUp()
         # Blocks of 8 rows (2 pages): sequences straddle blocks, and the last block is shifted back.
-        self.enter_context(config_overrides(block_rows=8))
+        self.enter_context(backend_options(block_rows=8))
 
     def test_one_block_by_default(self):
-        with config_overrides(block_rows=None):
+        with backend_options(block_rows=None):
             self.check(self.make(paged=True, seqlen_q=2))
             self.check(self.make(seqlen_q=2))
 
@@ -376,7 +377,7 @@ class Fa3HeadTailKVCacheTest(Fa3KVCacheTest):
 
     def setUp(self):
         super().setUp()
-        self.enter_context(config_overrides(route="head_tail"))
+        self.enter_context(backend_options(route="head_tail"))
 
 
 @pytest.mark.skipif(_FA3_REASON is not None, reason=f"FlashAttention-3 unavailable: {_FA3_REASON}")
@@ -386,7 +387,7 @@ class Fa3KeySplitsKVCacheTest(Fa3KVCacheTest):
 
     def setUp(self):
         super().setUp()
-        self.enter_context(config_overrides(num_splits=3))
+        self.enter_context(backend_options(num_splits=3))
 
 
 def _fa3_stand_in(q, k_cache, v_cache, lengths, page_table, config, window):
@@ -400,6 +401,10 @@ def _fa3_stand_in(q, k_cache, v_cache, lengths, page_table, config, window):
     return fa3_emulator.kvcache_reads_unchecked(out, lse, lengths, page_table, config)
 
 
+# The route takes a contiguous cache as pages of one page per sequence: the fast tier runs the paged cases and one
+# contiguous case (the contiguous cache's own gathers stay fast in the xla classes), the slow tier the others.
+@slow_cases(*(f"test_attention_{case}_contiguous" for case in ("long_chunk", "mqa_five_queries", "chunked_prefill",
+                                                               "window", "mha")))
 class Fa3OneCallKVCacheTest(KVCacheTest):
     """fa3_kvcache's routes on any backend, the FA3 call replaced by the xla path with FA3's masks: decode-sized
     calls as one call over the full lengths (a contiguous cache read as one page per sequence), the rest
@@ -418,9 +423,10 @@ class Fa3OneCallKVCacheTest(KVCacheTest):
         for patcher in patchers:
             patcher.start()
             self.addCleanup(patcher.stop)
-        self.enter_context(config_overrides(route=self.route, tail_rows=7))
+        self.enter_context(backend_options(route=self.route, tail_rows=7))
 
 
+@pytest.mark.slow  # FA3's decode variants past the one-call route
 class Fa3OneCallUnmaskedKVCacheTest(Fa3OneCallKVCacheTest):
     """The one call as on the audited wheel, where the op layer leaves out its mask of queries without keys
     (fa3_kvcache.zeroes_rows_without_keys): the stand-in's out of such a query, probabilities all 0 times value
@@ -436,9 +442,11 @@ class Fa3OneCallUnmaskedKVCacheTest(Fa3OneCallKVCacheTest):
         config = kvcache_config(*self.make()[:4], None, AttentionOptions(is_causal=True))
         self.assertTrue(fa3_kvcache.zeroes_rows_without_keys(config))
         # The head / tail route merges two parts: the op layer masks it.
-        self.assertFalse(fa3_kvcache.zeroes_rows_without_keys(dataclasses.replace(config, route="head_tail")))
+        with backend_options(route="head_tail"):
+            self.assertFalse(fa3_kvcache.zeroes_rows_without_keys(config))
 
 
+@pytest.mark.slow  # FA3's decode variants past the one-call route
 class Fa3SplitKVCacheTest(Fa3OneCallKVCacheTest):
     """Every case through the head / tail split and merge (FA3 never reads a sequence's last TAIL rows)."""
 
@@ -453,9 +461,11 @@ def test_fa3_routes_by_query_rows():
     assert fa3_kvcache.route(config(1, 32)) == "one_call"  # decode, GQA 32/8: 4 rows
     assert fa3_kvcache.route(config(16, 32)) == "one_call"  # 64 rows: FA3 still reads without TMA
     assert fa3_kvcache.route(config(17, 32)) == "head_tail"  # 68: FA3 may take TMA, which reads past lengths
-    assert fa3_kvcache.route(dataclasses.replace(config(1, 32), route="head_tail")) == "head_tail"  # pinned
+    with backend_options(route="head_tail"):
+        assert fa3_kvcache.route(config(1, 32)) == "head_tail"  # pinned
     with pytest.raises(ValueError, match="route must be None or one of"):  # one call where it does not serve
-        dataclasses.replace(config(1, 32), route="one_call")
+        with backend_options(route="one_call"):
+            pass
 
 
 @pytest.mark.skipif(_CUDNN_REASON is not None, reason=f"cuDNN path unavailable: {_CUDNN_REASON}")
@@ -473,15 +483,7 @@ class CudnnKVCacheTest(KVCacheTest):
 
     def setUp(self):
         super().setUp()
-        self.enter_context(config_overrides(route="ragged"))
-
-
-def test_decode_bench_quick_runs(capsys):
-    from benchmarks import decode
-
-    assert decode.main(["--quick", "--calls", "1", "--repetitions", "1"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if "ours-xla" in line]
-    assert len(rows) == 8, rows  # 2 batches x 2 contexts x (contiguous, paged)
+        self.enter_context(backend_options(route="ragged"))
 
 
 def test_fa3_splits_fill_one_wave():

@@ -32,10 +32,10 @@ from jax_ragged_attn.backends.cudnn import kvcache as cudnn_kvcache
 from jax_ragged_attn.backends.xla import kvcache as xla_kvcache
 from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.backends.cudnn import paged
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
+from jax_ragged_attn.config import KVCacheConfig
 from jax_ragged_attn.testing import assert_close
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
-from jax_ragged_attn.testing.private_config import config_overrides
+from jax_ragged_attn.testing.private_config import backend_options
 
 _CUDNN_REASON = jax_ragged_attn.cudnn_unavailable_reason()
 gpu_only = pytest.mark.skipif(_CUDNN_REASON is not None, reason=f"cuDNN path unavailable: {_CUDNN_REASON}")
@@ -130,14 +130,18 @@ def test_without_cudnn_the_reason_is_that_first():
 
 
 def test_route_pinning():
-    """Tests pin a route through the private config field (testing.config_overrides)."""
+    """Tests pin a route through cuDNN's options (testing.backend_options)."""
     contiguous = _config(paged=False, page_size=64, num_pages=3, max_pages=1)
-    assert cudnn_kvcache.route(dataclasses.replace(contiguous, route="paged")) == "paged"
-    assert cudnn_kvcache.route(dataclasses.replace(contiguous, route="ragged")) == "ragged"
-    assert cudnn_kvcache.route(_config(route="ragged")) == "paged"  # a paged cache has one route
-    assert cudnn_kvcache.pinned_route(dataclasses.replace(contiguous, route="head_tail")) is None  # FA3's
+    with backend_options(route="paged"):
+        assert cudnn_kvcache.route(contiguous) == "paged"
+    with backend_options(route="ragged"):
+        assert cudnn_kvcache.route(contiguous) == "ragged"
+        assert cudnn_kvcache.route(_config()) == "paged"  # a paged cache has one route
+    with backend_options(route="head_tail"):
+        assert cudnn_kvcache.pinned_route(contiguous) is None  # FA3's
     with pytest.raises(ValueError, match="must be None or one of"):
-        dataclasses.replace(contiguous, route="fast")
+        with backend_options(route="fast"):
+            pass
 
 
 # ---- the extension: its field list and the handler's checks, on a CPU ----------------------------------------
@@ -250,7 +254,7 @@ class _CudnnKVCacheCases(KVCacheTest):
 
     def setUp(self):
         super().setUp()
-        self.enter_context(config_overrides(route=self.route))
+        self.enter_context(backend_options(route=self.route))
 
     def make(self, **kwargs):
         """As KVCacheTest.make, with page 0 an unused, all-NaN page wherever one exists: entries outside the
@@ -343,7 +347,7 @@ def test_contiguous_routes_agree():
     lengths = jnp.asarray([96, 50, 1, 0], jnp.int32)  # L = 96: the paged view takes pages of 32
     outs = {}
     for route in ("ragged", "paged"):
-        with config_overrides(route=route):
+        with backend_options(route=route):
             outs[route] = ragged_attention_with_kvcache(q, k, v, lengths, implementation="cudnn", return_stats=True)
     expected = reference_kvcache_attention(q, k, v, lengths)
     for route, (out, stats) in outs.items():
@@ -364,6 +368,7 @@ def _paged_stand_in(q, k_cache, v_cache, lengths, page_table, config, bounds=Non
     return xla_kvcache.attend(q, k_cache, v_cache, lengths, table, masks)
 
 
+@pytest.mark.slow  # every KV-cache case through cuDNN's paged route on a stand-in
 class CudnnPagedRouteStandInTest(KVCacheTest):
     """cudnn_kvcache's paged route with the graph replaced by the xla path over the same page view, TAIL small
     so heads and tails both carry keys: the split, its shifted masks, the merge and the contiguous view."""
@@ -382,7 +387,7 @@ class CudnnPagedRouteStandInTest(KVCacheTest):
         for patcher in patchers:
             patcher.start()
             self.addCleanup(patcher.stop)
-        self.enter_context(config_overrides(route="paged", tail_rows=7))
+        self.enter_context(backend_options(route="paged", tail_rows=7))
 
     def test_the_stand_in_is_what_runs(self):
         q, k, v, lengths, table = self.make(paged=True, seqlen_q=2)

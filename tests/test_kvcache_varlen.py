@@ -38,14 +38,16 @@ from jax_ragged_attn.backends.cudnn import paged
 from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
 from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.backends.shared import cache_attention, extension, known_issues
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, band, query_tiles
+from jax_ragged_attn.config import KVCacheConfig
+from jax_ragged_attn.index.kvcache import band, query_tiles
 from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
-from jax_ragged_attn.inputs import kvcache as kvcache_inputs
+from jax_ragged_attn.ops import kvcache as kvcache_inputs
 from jax_ragged_attn.testing import assert_close, declines, fa3_emulator
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention_packed
 from jax_ragged_attn.testing.helpers import SeededCacheCase
-from jax_ragged_attn.testing.private_config import config_overrides
+from jax_ragged_attn.testing.private_config import backend_options
+from tiers import slow_cases  # tests/ is on sys.path under pytest
 
 # name -> keywords of one case: heads (Hq, Hkv), max_seqlen_q, paged, options.
 CASES = {
@@ -248,6 +250,9 @@ class PackedKVCacheTest(SeededCacheCase, parameterized.TestCase):
             jax.grad(loss)(q)
 
 
+# The xla path's extra mixes, dtypes and vmap run in the slow tier; every case, the appends and the tiles'
+# arithmetic stay fast.
+@slow_cases("test_random_mixes")
 class XlaPackedTest(PackedKVCacheTest):
     __test__ = True
     implementation = "xla"
@@ -255,18 +260,21 @@ class XlaPackedTest(PackedKVCacheTest):
     def setUp(self):
         super().setUp()
         # Tiles of 2 queries and blocks of 8 rows (2 pages): chunks straddle tiles, sequences straddle blocks.
-        self.enter_context(config_overrides(query_tile=2, block_rows=8))
+        self.enter_context(backend_options(query_tile=2, block_rows=8))
 
+    @pytest.mark.slow
     def test_default_tiles_and_blocks(self):
-        with config_overrides(query_tile=None, block_rows=None):  # cache_attention.QUERY_TILE, the budget's rows
+        with backend_options(query_tile=None, block_rows=None):  # cache_attention.QUERY_TILE, the budget's rows
             self.check(self.mix())
             self.check(self.mix(paged=False))
 
     @parameterized.parameters(jnp.bfloat16, jnp.float16)
+    @pytest.mark.slow
     def test_half_precision(self, dtype):
         with mock.patch.object(self, "dtype", dtype):
             self.check(self.mix(), local_window_size=(4, 0))
 
+    @pytest.mark.slow
     def test_vmap(self):
         parts = [self.mix(share=False, batch=7, spare_rows=2) for _ in range(2)]
         pages = max(p[1].shape[0] for p in parts)
@@ -283,6 +291,7 @@ class XlaPackedTest(PackedKVCacheTest):
             expected = reference_kvcache_attention_packed(q, k, v, n, cu, m, page_table=t)
             assert_close(out[i], expected["out"], self.dtype, f"vmapped element {i}")
 
+    @pytest.mark.slow
     def test_sinks_gradient(self):
         q, k, v, lengths, cu, max_q, table = self.mix()
         sinks = jnp.asarray(self.rng.standard_normal(4), jnp.float32)
@@ -338,6 +347,7 @@ def _fa3_tile_stand_in(q, k_cache, v_cache, lengths, page_table, config, window,
     return out, jnp.where(jnp.isneginf(lse), jnp.inf, lse)  # FA3's lse of a query without keys
 
 
+@pytest.mark.slow  # FA3's tiles on a stand-in
 class Fa3TilesStandInTest(PackedKVCacheTest):
     """fa3_kvcache.attend_packed on any backend: the tiles, seqused_q / seqused_k and masks it hands FA3, the
     kernel call replaced by _fa3_tile_stand_in; tiles of 2 query rows (packed_tile_rows 4, group 2), so chunks
@@ -355,7 +365,7 @@ class Fa3TilesStandInTest(PackedKVCacheTest):
         for patcher in patchers:
             patcher.start()
             self.addCleanup(patcher.stop)
-        self.enter_context(config_overrides(packed_tile_rows=4))
+        self.enter_context(backend_options(packed_tile_rows=4))
 
     @parameterized.parameters(False, True)
     def test_non_causal_one_tile_per_sequence(self, paged):
@@ -442,6 +452,10 @@ def _paged_handler_stand_in(q, k_cache, v_cache, table, seq_len_q, seq_len_kv, o
     return o, stats, jnp.zeros(types[2].shape, jnp.uint8)
 
 
+# The route takes a contiguous cache as pages of one page per sequence: the fast tier runs the paged cases and one
+# contiguous case, the slow tier the other contiguous ones and the random mixes.
+@slow_cases("test_random_mixes", *(f"test_attention_{case}_contiguous"
+                                   for case in ("causal", "mqa", "sinks", "mha", "non_causal", "scale", "softcap")))
 class CudnnPackedStandInTest(PackedKVCacheTest):
     """cudnn_kvcache.attend_packed on any machine: paged.attend_packed's offsets, seq_len_q and stats gather,
     the head / tail split per row and its merge, the contiguous cache's page view; the FFI handler replaced by
@@ -470,7 +484,7 @@ class CudnnPackedStandInTest(PackedKVCacheTest):
         for patcher in patchers:
             patcher.start()
             self.addCleanup(patcher.stop)
-        self.enter_context(config_overrides(tail_rows=7))
+        self.enter_context(backend_options(tail_rows=7))
 
     def test_the_stand_in_is_what_runs(self):
         with mock.patch.object(paged, "attend_packed", wraps=paged.attend_packed) as spy:
@@ -661,11 +675,3 @@ class PackedAppendTest(parameterized.TestCase):
         k2, _ = step(k, jnp.zeros_like(k), k_new, lengths, cu, table)
         self.assertTrue(k.is_deleted())
         self.assertEqual(float(k2.sum()), 10 * 4 * 32)  # the 10 rows of cu[-1], each written once
-
-
-def test_mixed_bench_quick_runs(capsys):
-    from benchmarks import kvcache_mixed
-
-    assert kvcache_mixed.main(["--quick", "--calls", "1", "--repetitions", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "ours-xla" in out and "ours-xla-packed" in out, out

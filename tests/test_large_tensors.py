@@ -109,6 +109,6 @@ def test_packed_mha_past_two_to_the_31_on_fa3():
 
 
 def test_one_query_per_sequence_against_a_large_gqa_cache_on_cudnn():
-    # The decode shape (256 x 2,048 rows, GQA 32/8) made larger: 288 sequences, so K and V (6.0e8
+    # The serving decode shape (256 x 2,048 rows, GQA 32/8) made larger: 288 sequences, so K and V (6.0e8
     # elements) fit unsplit but the backward's per-query-head dK/dV (2.4e9) does not.
     _check_against_halves([1] * 288, [2048] * 288, 32, 8, "cudnn", min_groups=2)

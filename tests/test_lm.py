@@ -19,6 +19,8 @@ from flax import nnx  # noqa: E402
 
 from jax_ragged_attn.tools import lm  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the tool end to end
+
 # A tiny model and a short run (under a minute on 2 CPU cores), GQA so that the kv-packed path trains too.
 TINY = ["--preset", "cpu", "--steps", "80", "--width", "64", "--heads", "2", "--kv-heads", "1", "--layers", "1",
         "--capacity", "1024", "--max-seqlen", "128", "--max-seqs", "16", "--lr", "1e-2", "--eval-bytes", "16384",

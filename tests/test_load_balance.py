@@ -22,6 +22,8 @@ from jax_ragged_attn.parallel.load_balance import (balanced_document_order, caus
 from jax_ragged_attn.testing.multidevice import report_checks, run_checks_in_child
 from jax_ragged_attn.testing.workloads import seeded_lengths
 
+pytestmark = pytest.mark.slow  # 4-device children: the reorder on sharded arrays for every T = 2n*k
+
 reorder, restore = sharding.reorder_for_load_balance, sharding.restore_order
 
 

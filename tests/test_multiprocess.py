@@ -14,6 +14,10 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # 2 processes under jax.distributed
+
 CASES = {  # name: (context_strategy, load_balance, causal)
     "all_gather_natural_causal": ("all_gather", False, True),
     "all_gather_balanced_causal": ("all_gather", True, True),

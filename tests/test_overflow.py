@@ -28,6 +28,7 @@ from jax_ragged_attn.inputs.data import pack_documents
 from jax_ragged_attn.features.overflow import Overflow
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 from jax_ragged_attn.index import sanitize_cu_seqlens
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
 CAPACITY_Q, CAPACITY_KV = 12, 10
 MAX_SEQLEN_Q, MAX_SEQLEN_KV = 4, 5
@@ -124,7 +125,10 @@ def _assert_message(message: str, fragments):
         assert fragment in message, f"{fragment!r} missing from: {message}"
 
 
-@pytest.mark.parametrize("row_name", ROWS)
+@some_fast({"implementation": ["xla", "cudnn_stand_in"], "row_name": list(ROWS)},
+           fast=["xla-valid", "xla-q_past_capacity", "xla-kv_negative", "xla-q_not_starting_at_0",
+                 "cudnn_stand_in-kv_decreasing", "cudnn_stand_in-kv_longer_than_max_seqlen_kv",
+                 "cudnn_stand_in-q_longer_than_max_seqlen_q"], indirect=["implementation"])
 def test_default_mode_runs_and_counts_what_was_dropped(inputs, implementation, row_name):
     row = ROWS[row_name]
     f = _attend(inputs, implementation, return_overflow=True)
@@ -140,7 +144,10 @@ def test_default_mode_runs_and_counts_what_was_dropped(inputs, implementation, r
     assert int(np.sum(np.all(inside == 0, axis=(1, 2)))) == row.counts[0], row_name
 
 
-@pytest.mark.parametrize("row_name", INVALID)
+@some_fast({"implementation": ["xla", "cudnn_stand_in"], "row_name": list(INVALID)},
+           fast=["xla-q_past_capacity", "xla-kv_negative", "xla-q_longer_than_max_seqlen_q",
+                 "cudnn_stand_in-kv_decreasing", "cudnn_stand_in-kv_longer_than_max_seqlen_kv",
+                 "cudnn_stand_in-q_not_starting_at_0"], indirect=["implementation"])
 def test_check_mode_raises_naming_argument_index_and_values(inputs, implementation, row_name):
     row = INVALID[row_name]
     f = _attend(inputs, implementation, check=True)
@@ -210,6 +217,7 @@ def test_input_errors_lets_other_exceptions_through():
         raise ValueError("unrelated")
 
 
+@pytest.mark.slow
 def test_gradient_with_overflow_as_aux(inputs, implementation):
     """The counts are integers with no gradient: jax.grad with has_aux sees the same gradients."""
     q, k, v = _for(implementation, inputs)

@@ -20,11 +20,12 @@ from jax_ragged_attn.features import checks
 from jax_ragged_attn.inputs import packed
 from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.backends.cudnn import graphs, launch
+from jax_ragged_attn.backends.cudnn import options as cudnn_options
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.index import cu_seqlens_from_lengths
 from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.testing import assert_close
-from jax_ragged_attn.testing.private_config import config_overrides
+from jax_ragged_attn.testing.private_config import backend_options
 
 OPTIONS = dict(is_causal=True, diagonal_alignment="bottom_right")
 
@@ -138,7 +139,8 @@ def _lowered_cudnn_grad(monkeypatch, layout, guard=False, poison=False):
     view = jax.ShapeDtypeStruct((t, h, d), jnp.bfloat16)
     config = make_config(view, view, view, cu, cu, AttentionOptions(is_causal=True), max_seqlen_q=16,
                          max_seqlen_kv=16, packing=layout)
-    config = dataclasses.replace(config, guard_workspace=guard, poison_outputs=poison)
+    config = dataclasses.replace(config, guard_workspace=guard)
+    monkeypatch.setattr(cudnn_options, "OPTIONS", cudnn_options.CudnnOptions(poison_outputs=poison))
     if layout == "qkv":
         args = (jnp.zeros((t, 3, h, d), jnp.bfloat16),)
     elif layout == "kv":
@@ -270,7 +272,7 @@ def test_cudnn_packed_strides_match_the_reference(case, monkeypatch, tmp_path):
     max_q = max(max(case["lengths_q"]), 1)
     max_kv = max(max(case["lengths_kv"]), 1)
     try:
-        with config_overrides(poison_outputs=case["poison_outputs"]):
+        with backend_options(poison_outputs=case["poison_outputs"]):
             _check_against_reference(case["layout"], arrays, ref_qkv, cu_q, cu_kv, max_q, max_kv, case["dtype"],
                                      case["stats_layout"], rng, implementation="cudnn", check=case["check"],
                                      autotune=case["autotune"])

@@ -13,7 +13,7 @@ from jax_ragged_attn.index import cu_seqlens_from_lengths, row_positions, saniti
 
 @pytest.fixture(params=["compare_all", "scan"])
 def scan_kind(request, monkeypatch):
-    """Both ways index.py counts and takes running maxima: every pair compared (small batches) and the
+    """Both ways index/__init__.py counts and takes running maxima: every pair compared (small batches) and the
     linear-work scans (past COMPARE_ALL_LIMIT)."""
     if request.param == "scan":
         monkeypatch.setattr(index, "COMPARE_ALL_LIMIT", 0)

@@ -64,6 +64,7 @@ def test_a_bad_shape_class_names_itself(bad):
         AttentionOptions(policy_tokens_per_sequence=bad)
 
 
+@pytest.mark.slow  # a second sharded-batch shape class
 def test_the_sharded_op_passes_its_whole_batchs_shape_class(monkeypatch):
     """sharded_ragged_attention(token_axis=...) gives every device's call T / B of the caller's batch."""
     from jax_ragged_attn.parallel import sharding

@@ -97,7 +97,9 @@ def test_readme_has_a_quickstart_first():
     assert text[: text.index("```python")].count("\n") < 40, "the Quickstart belongs on the first screen"
 
 
-@pytest.mark.parametrize("page", [README, *DOC_PAGES], ids=lambda p: str(p.relative_to(ROOT)))
+# The docs pages' blocks run in the slow tier, the README's in the fast tier.
+@pytest.mark.parametrize("page", [README, *(pytest.param(p, marks=pytest.mark.slow) for p in DOC_PAGES)],
+                         ids=lambda p: str(p.relative_to(ROOT)))
 def test_python_blocks_run_in_order_in_one_process(page):
     blocks = runnable_blocks(page)
     if not blocks:
@@ -108,6 +110,7 @@ def test_python_blocks_run_in_order_in_one_process(page):
                                    f"{result.stderr[-4000:]}"
 
 
+@pytest.mark.slow  # 4 devices; the same calls run fast above
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_example_script_runs(script):
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=TIME_LIMIT_S,

@@ -32,6 +32,8 @@ from jax_ragged_attn.testing import assert_close, packed_batch
 from jax_ragged_attn.testing.multidevice import cudnn_gpus, report_checks, run_checks_in_child
 from jax_ragged_attn.testing.reference import reference_attention
 
+pytestmark = pytest.mark.slow  # 4-device children: the ring against all-gather, masks and meshes
+
 EXPLICIT, AUTO = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
 
 

@@ -25,6 +25,7 @@ from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.inputs.segments import ragged_attention_segments, segments_to_cu_seqlens
 from jax_ragged_attn.testing import assert_close
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
 
 def segment_runs(segment_ids) -> list[tuple[int, int, int]]:
@@ -332,7 +333,7 @@ def _segments_call(rng, implementation="xla", **options):
     return f
 
 
-@pytest.mark.parametrize("row", DROP_ROWS)
+@some_fast({"row": list(DROP_ROWS)}, fast=["fits", "segments_longer_than_max_seqlen", "two_segments_past_max_segments"])
 def test_default_mode_counts_dropped_segments_and_cut_tokens(rng, row):
     max_segments, max_seqlen, dropped, cut, _ = DROP_ROWS[row]
     f = _segments_call(rng, return_overflow=True)
@@ -375,7 +376,7 @@ def test_check_mode_names_segment_ids_row_and_token(rng, monkeypatch, row, imple
         assert fragment in str(raised.value), f"{fragment!r} missing from: {raised.value}"
 
 
-@pytest.mark.parametrize("row", DROP_ROWS)
+@some_fast({"row": list(DROP_ROWS)}, fast=["both", "segments_longer_than_max_seqlen", "two_segments_past_max_segments"])
 def test_numpy_segment_ids_warn_outside_check_mode(rng, row):
     max_segments, max_seqlen, _, _, fragments = DROP_ROWS[row]
     f = _segments_call(rng)

@@ -41,7 +41,7 @@ from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.testing import PackedBatch, assert_close, packed_batch, reference_attention
 from jax_ragged_attn.backends.fa3 import dew as _dew, ragged as _fa3
 from jax_ragged_attn.testing import declines, fa3_emulator
-from jax_ragged_attn.testing.private_config import config_overrides
+from jax_ragged_attn.testing.private_config import backend_options, config_overrides
 
 LAYOUTS = ("head_major", "token_major")
 
@@ -506,7 +506,7 @@ class CudnnPoisonedOutputsTest(CudnnTest):
 
     def setUp(self):
         super().setUp()
-        self.enter_context(config_overrides(poison_outputs=True))
+        self.enter_context(backend_options(poison_outputs=True))
 
 
 class CudnnLeanMemoryTest(CudnnTest):
@@ -534,6 +534,10 @@ class Fa3Test(SemanticsTest):
                   head_dim=_fa3.FA3_HEAD_DIM)
     deterministic_by_default = False  # dQ is accumulated with atomics unless deterministic=True
     bottom_right_only = True
+
+    def setUp(self):
+        super().setUp()
+        self.enter_context(config_overrides(fa3_provider="flash-attn3-jax"))
 
 
 EMULATED_CASES = ("mha", "causal", "causal_bottom_right", "mqa_causal_bottom_right", "window_causal_bottom_right",
@@ -567,28 +571,33 @@ _DEW_REASON = _dew.unavailable_reason()
 @pytest.mark.gpu
 @pytest.mark.skipif(_DEW_REASON is not None, reason=f"dew-flash-attn unavailable: {_DEW_REASON}")
 class DewTest(SemanticsTest):
-    """FlashAttention-3's kernels as dew-flash-attn builds them, through implementation="dew" (the FA3 wrapper
+    """FlashAttention-3's kernels as dew-flash-attn builds them, through implementation="fa3" (the FA3 wrapper
     with the sequences' unused rows handed over as sequences of their own): cuDNN's sizes at head dim 128.
     Declines (a top-left mask it cannot prove, deterministic=True) are skips with the reason."""
 
     __test__ = True
-    implementation = "dew"
+    implementation = "fa3"
     dtypes = ("bfloat16", "float16")
     sizes = Sizes(num_seqs=6, max_seqlen=(160, 192), slack=(37, 21), head_dim_unit=32, window_unit=4,
                   head_dim=128)
     deterministic_by_default = False
     bottom_right_only = True
 
+    def setUp(self):
+        super().setUp()
+        self.enter_context(config_overrides(fa3_provider="dew-flash-attn"))
+
 
 class DewEmulatedTest(Fa3EmulatedTest):
     """fa3/dew.py (the offsets with gaps for the rows past each sequence's used ones) around the same stand-ins,
     taking offsets alone as dew-flash-attn's kernels do: on the CPU in CI."""
 
-    implementation = "dew"
+    implementation = "fa3"
 
     def setUp(self):
         SemanticsTest.setUp(self)
         self.enter_context(fa3_emulator.patched_dew())
+        self.enter_context(config_overrides(fa3_provider="dew-flash-attn"))
 
 
 # Only a few of the named cases here (ones FA3 serves, across its masks, GQA and empty sequences), so that CI

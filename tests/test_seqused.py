@@ -23,7 +23,8 @@ from jax_ragged_attn.backends.fa3 import dew, ragged as fa3
 from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.features.checks import RaggedAttentionInputError
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
-from jax_ragged_attn.testing import assert_close, reference_attention
+from jax_ragged_attn.testing import assert_close, implementation_options, reference_attention
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
 _CUDNN_REASON = extension.cudnn_unavailable_reason()
 
@@ -36,15 +37,15 @@ def _gpu(name: str, reason: str | None, what: str):
 IMPLEMENTATIONS = [
     pytest.param("xla", id="xla"),
     _gpu("cudnn", _CUDNN_REASON, "cuDNN path"),
-    _gpu("fa3", fa3.unavailable_reason(), "FlashAttention-3"),
+    _gpu("flash-attn3-jax", fa3.unavailable_reason(), "FlashAttention-3"),
     # dew-flash-attn's kernels take no seqused: its wrapper hands the unused rows over as sequences of their own.
-    _gpu("dew", dew.unavailable_reason(), "dew-flash-attn"),
+    _gpu("dew-flash-attn", dew.unavailable_reason(), "dew-flash-attn"),
 ]
 # (dtype, head dim) each runs at: the GPU kernels take 16-bit inputs; the FA3 wheels' common head dim is 128.
-PROFILES = {"xla": (jnp.float32, 8), "cudnn": (jnp.bfloat16, 64), "fa3": (jnp.bfloat16, 128),
-            "dew": (jnp.bfloat16, 128)}
+PROFILES = {"xla": (jnp.float32, 8), "cudnn": (jnp.bfloat16, 64), "flash-attn3-jax": (jnp.bfloat16, 128),
+            "dew-flash-attn": (jnp.bfloat16, 128)}
 # FA3's kernels align masks bottom-right only; a top-left mask over slots of unequal lengths is declined.
-BOTTOM_RIGHT_ONLY = {"fa3", "dew"}
+BOTTOM_RIGHT_ONLY = {"flash-attn3-jax", "dew-flash-attn"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +118,7 @@ def _run(implementation, case, q, k, v, d_out, d_stats, dtype, *, stats_layout, 
     cu_q, cu_kv = _offsets(case.slots_q), _offsets(case.slots_kv)
     used_q, used_kv = np.asarray(case.used_q, np.int32), np.asarray(case.used_kv, np.int32)
     kwargs = dict(max_seqlen_q=max(case.slots_q), max_seqlen_kv=max(case.slots_kv), return_stats=True,
-                  stats_layout=stats_layout, implementation=implementation, **options)
+                  stats_layout=stats_layout, **implementation_options(implementation), **options)
     cast = lambda x: jnp.asarray(x, dtype)
     # The cotangents' NaN rows are the op's to ignore (they belong to no used row).
     g_out, g_stats = jnp.asarray(d_out, jnp.float32), jnp.asarray(d_stats, jnp.float32)
@@ -147,10 +148,9 @@ def _check(got, expected, rows_q, rows_kv, dtype):
         assert_close(got[name], expected[name], dtype, name)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("case_name", sorted(CASES))
-@pytest.mark.parametrize("mask", ["none", "causal", "causal_bottom_right"])
-@pytest.mark.parametrize("stats_layout", ["head_major", "token_major"])
+@some_fast({"stats_layout": ["head_major", "token_major"], "mask": ["none", "causal", "causal_bottom_right"],
+            "case_name": sorted(CASES), "implementation": IMPLEMENTATIONS},
+           fast=["head_major-none-cache-xla", "token_major-causal-gaps-xla", "head_major-causal_bottom_right-full-xla"])
 def test_seqused_against_reference(implementation, case_name, mask, stats_layout):
     if mask == "causal" and implementation in BOTTOM_RIGHT_ONLY:
         pytest.skip(f"implementation={implementation!r} declines a top-left mask it cannot prove bottom-right "
@@ -173,7 +173,7 @@ def test_full_slots_equal_plain_cu_seqlens(implementation):
     q, k, v, *_ = _inputs(case, (4, 4), dim, dtype, _seed("full", implementation), slack=0)
     q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
     cu_q, cu_kv = jnp.asarray(_offsets(case.slots_q)), jnp.asarray(_offsets(case.slots_kv))
-    kwargs = dict(max_seqlen_q=7, max_seqlen_kv=7, is_causal=True, implementation=implementation,
+    kwargs = dict(max_seqlen_q=7, max_seqlen_kv=7, is_causal=True, **implementation_options(implementation),
                   diagonal_alignment="bottom_right" if implementation in BOTTOM_RIGHT_ONLY else "top_left")
     plain = ragged_attention(q, k, v, cu_q, cu_kv, **kwargs)
     used = ragged_attention(q, k, v, cu_q, cu_kv, seqused_q=jnp.asarray(case.used_q), seqused_kv=jnp.asarray(case.used_kv),
@@ -190,7 +190,7 @@ def test_packed_wrappers_take_seqused(implementation):
     cu = jnp.asarray(_offsets(slots))
     rng = np.random.default_rng(_seed("packed", implementation))
     qkv = jnp.asarray(rng.standard_normal((22, 3, 2, dim)), dtype)
-    kwargs = dict(is_causal=True, implementation=implementation)
+    kwargs = dict(is_causal=True, **implementation_options(implementation))
     out = ragged_attention_qkvpacked(qkv, cu, max_seqlen=9, seqused_q=used, seqused_kv=used, **kwargs)
     expected = ragged_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu, max_seqlen_q=9, max_seqlen_kv=9,
                                 seqused_q=used, seqused_kv=used, **kwargs)

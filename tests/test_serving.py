@@ -17,6 +17,7 @@ from flax import nnx  # noqa: E402
 
 from jax_ragged_attn.tools import lm  # noqa: E402
 from jax_ragged_attn.tools.lm import serving  # noqa: E402
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
 TINY = ["--preset", "cpu", "--width", "64", "--heads", "2", "--kv-heads", "1", "--layers", "1", "--capacity", "1024",
         "--max-seqlen", "128"]
@@ -33,7 +34,7 @@ REQUESTS = [serving.Request(b"import os\nimport sys\n\ndef ", 12, samples=3),  #
             serving.Request(b"# comment\n", 9), serving.Request(b"for i in range(10):\n    print(i)\n", 16)]
 
 
-@pytest.mark.parametrize("steps_per_call", [1, 8])
+@some_fast({"steps_per_call": [1, 8]}, fast=["8"])
 def test_continuous_batching_writes_the_fixed_batch_bytes(tiny, steps_per_call):
     # Greedy: each continuation is the fixed-batch generation's (generation.generate, prefilled as a phase of
     # its own, decoded in batches of 3), though here prompts are read in chunks of at most 7 rows beside other
@@ -54,6 +55,7 @@ def test_continuous_batching_writes_the_fixed_batch_bytes(tiny, steps_per_call):
     assert np.all(served.latency > 0) and served.seconds >= served.latency.max() - 1e-6
 
 
+@pytest.mark.slow  # schedule-independence (the bytes against the fixed batches' stay fast)
 def test_draws_follow_the_request_not_the_schedule(tiny):
     # Sampled (temperature 0.7): a request's bytes depend on its keys alone, so two slots or four, a large
     # token budget or a small one, give the same continuations.
@@ -92,6 +94,7 @@ def test_requests_that_do_not_fit_are_refused(tiny):
         serving.ServingConfig.for_setup(setup, slots=3, budget=4, page_size=8, steps_per_call=0)
 
 
+@pytest.mark.slow
 def test_report_prints_both_side_by_side(tiny, capsys):
     model, setup = tiny
     _, held_out, _ = lm.stdlib_files()
@@ -113,8 +116,8 @@ def test_report_prints_both_side_by_side(tiny, capsys):
 
 def test_the_reported_backend_is_chosen_for_the_steps_own_call(tiny, monkeypatch):
     """The report's "packed attention by X" asks the op's policy about the call the step makes (causal, the
-    attention's scale), not a look-alike: a non-causal stand-in was asked before, which FA3 declines for packed
-    steps wider than its tile while it serves the causal step."""
+    attention's scale), not a look-alike: FA3 declines a non-causal call for packed steps wider than its tile
+    while it serves the causal step, so a non-causal stand-in would name the wrong backend."""
     model, setup = tiny
     config = serving.ServingConfig.for_setup(setup, slots=2, budget=8, page_size=8)
     asked = []

@@ -19,6 +19,8 @@ from jax_ragged_attn.parallel.sharding import reorder_for_load_balance, restore_
 from jax_ragged_attn.testing import assert_close
 from jax_ragged_attn.testing.multidevice import report_checks, run_checks_in_child
 
+pytestmark = pytest.mark.slow  # 4-device children
+
 CASES = {  # name: (mesh shape, mesh axes, sharded_ragged_attention keywords)
     "heads": ((4,), ("m",), dict(head_axis="m")),
     "tokens_natural": ((4,), ("m",), dict(token_axis="m")),

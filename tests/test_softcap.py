@@ -1,4 +1,4 @@
-"""Logit soft-capping (softcap, issue 35): scores s = scale * q.k become c * tanh(s / c) before the mask, sinks
+"""Logit soft-capping (softcap): scores s = scale * q.k become c * tanh(s / c) before the mask, sinks
 and softmax. One test base run against each implementation (xla on any backend; cuDNN on a GPU, skipped with
 the reason elsewhere), held to the float64 reference (testing/reference.py, whose hand-written backward is
 itself checked against finite differences here): out, stats in both layouts and every gradient (q, k, v,

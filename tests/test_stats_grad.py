@@ -23,9 +23,11 @@ from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.inputs import packed
 from jax_ragged_attn.backends.shared import extension, stats_grad
 from jax_ragged_attn.backends.cudnn import launch
+from jax_ragged_attn.backends.cudnn import options as cudnn_options
 from jax_ragged_attn.config import PACKINGS, AttentionOptions, make_config
 from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.testing import assert_close, packed_batch, stand_in_handler_args
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
 # GQA, causal bottom-right, an empty query sequence (1), a sequence with queries but no keys (3) and one with
 # more queries than keys (2: its first rows attend nothing), capacity padding on both sides.
@@ -50,7 +52,7 @@ def _rows(offsets, per_row: int, lengths, capacity: int):
 
 # Where the handlers find q, k and v in their three buffer arguments, per `packing` attribute (0 none, 1 kv,
 # 2 qkv; ffi/layouts.h): the part of a packed [T, parts, H, D] row, or None for an unpacked [T, H, D] buffer.
-# Written out here rather than read from shared/packings.py, so that a wrong table entry shows up.
+# Written out here rather than read from index/packings.py, so that a wrong table entry shows up.
 PARTS_OF = {0: (None, None, None), 1: (None, 0, 1), 2: (0, 1, 2)}
 # The backward's results per packing: (dq, dk, dv), (dq, dkv) or (dqkv,), each in its input's shape.
 PACK_GRADIENTS = {0: lambda g: g, 1: lambda g: (g[0], jnp.stack(g[1:], axis=1)), 2: lambda g: (jnp.stack(g, axis=1),)}
@@ -334,9 +336,10 @@ def _unpacked_gradients(grads, packing: str) -> tuple:
     return d_qkv[:, 0], d_qkv[:, 1], d_qkv[:, 2]
 
 
-@pytest.mark.parametrize("mode", ["unowned", "poisoned", "check_mode"])
-@pytest.mark.parametrize("stats_in_loss", [False, True], ids=["stats_as_aux", "stats_in_the_loss"])
-@pytest.mark.parametrize("packing", ["kv", "qkv"])
+@some_fast({"packing": ["kv", "qkv"], "stats_in_loss": {"stats_as_aux": False, "stats_in_the_loss": True},
+            "mode": ["unowned", "poisoned", "check_mode"]},
+           fast=["kv-stats_as_aux-check_mode", "kv-stats_in_the_loss-poisoned", "qkv-stats_as_aux-unowned",
+                 "qkv-stats_in_the_loss-check_mode"])
 def test_packed_buffers_get_gradients_in_their_own_layout(monkeypatch, rng, packing, stats_in_loss, mode):
     """The one custom_vjp (launch.attention) with packed buffers: the handlers receive the packed buffers and
     the backward writes one gradient per buffer, (dq, dkv) or (dqkv,), each part's rows masked by its side;
@@ -344,8 +347,8 @@ def test_packed_buffers_get_gradients_in_their_own_layout(monkeypatch, rng, pack
     dtype = "bfloat16"
     guard = mode == "check_mode"
     batch = _packed_batch(rng, packing)
-    config, kernel = _install(monkeypatch, batch, "head_major", guard_workspace=guard, packing=packing,
-                              poison_outputs=mode == "poisoned")
+    monkeypatch.setattr(cudnn_options, "OPTIONS", cudnn_options.CudnnOptions(poison_outputs=mode == "poisoned"))
+    config, kernel = _install(monkeypatch, batch, "head_major", guard_workspace=guard, packing=packing)
     buffers = _packed_buffers(batch, packing)
     d_out, d_stats = _cotangents(rng, batch, dtype)
     weights = jnp.asarray(d_stats.T)
@@ -421,6 +424,7 @@ def test_the_public_packed_wrappers_reach_the_packed_cudnn_launch(monkeypatch, r
     assert kernel.backward_packings == [PACKINGS.index(packing)] * calls, kernel.backward_packings
 
 
+@pytest.mark.slow
 def test_dv_past_the_head_dim_limit_raises_naming_it(monkeypatch, rng):
     limit = cudnn.MAX_HEAD_DIM - stats_grad.EXTRA_COLUMNS  # 240: the widest Dv that still fits
     batch = _batch(rng, "bfloat16", head_dim_v=limit + 8)
@@ -478,6 +482,7 @@ def test_the_two_columns_carry_g_to_near_float32(rng, dtype):
     assert relative.max() <= eps**2, f"worst relative error {relative.max():.3g} at g={g[np.argmax(relative)]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packing", PACKINGS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_split_bottom_right_backward_matches_the_reference(monkeypatch, rng, layout, packing):

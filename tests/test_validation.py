@@ -169,7 +169,7 @@ def test_valid_call_passes():
 @pytest.mark.skipif(_CUDNN_REASON is None, reason="a GPU with cuDNN is present; this checks the answer without one")
 def test_cudnn_without_a_gpu_names_the_gpu_not_the_dtype():
     """float32 and head dim 12 are both wrong for cuDNN too, but on a machine without it the reason to give is
-    that one (issue 36): changing the dtype would not help."""
+    that one: changing the dtype would not help."""
     for changes in (dict(), dict(q=_zeros(6, 4, 12), k=_zeros(5, 2, 12), v=_zeros(5, 2, 12))):
         with pytest.raises(NotImplementedError) as caught:
             ragged_attention(**{**VALID, **changes, "implementation": "cudnn"})

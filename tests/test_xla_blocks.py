@@ -25,8 +25,10 @@ from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.backends.xla import memory as xla_memory
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.testing import assert_close, packed_batch, random_lengths
-from jax_ragged_attn.testing.private_config import config_overrides
+from jax_ragged_attn.testing.private_config import backend_options
 from jax_ragged_attn.testing.reference import reference_attention
+
+pytestmark = pytest.mark.slow  # 1-5 row tiles of the xla path (its semantics: test_semantics.py's XlaTest, fast)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +85,7 @@ def rng(request) -> np.random.Generator:
 
 
 def _run_case(rng, case: Case, dtype: str, blocks, layout: str, **private):
-    """private: the private config fields to set (testing.private_config), e.g. xla_fused_backward."""
+    """private: the backend options to set (testing.backend_options), e.g. xla_fused_backward."""
     seqlens_kv = case.seqlens_q if case.seqlens_kv is None else case.seqlens_kv
     batch = packed_batch(rng, case.seqlens_q, seqlens_kv, num_heads_q=case.heads[0], num_heads_kv=case.heads[1],
                          head_dim_qk=case.dims[0], head_dim_v=case.dims[1], dtype=jnp.dtype(dtype),
@@ -109,7 +111,7 @@ def _run_case(rng, case: Case, dtype: str, blocks, layout: str, **private):
     stats_cotangent = d_stats if layout == "token_major" else d_stats.T
     cotangent = (jnp.asarray(d_out, batch.q.dtype), jnp.asarray(stats_cotangent, jnp.float32))
     primals = (batch.q, batch.k, batch.v, None if sinks is None else jnp.asarray(sinks))
-    with config_overrides(**private):
+    with backend_options(**private):
         (out, stats), grads = jax.jit(forward_and_vjp)(primals, cotangent)
     return batch, expected, out, stats if layout == "token_major" else stats.T, grads
 
@@ -160,8 +162,10 @@ def test_the_fused_backward_is_the_cpu_default():
                          head_dim_v=8, dtype=jnp.float32)
     config = make_config(*batch.args, max_seqlen_q=3, max_seqlen_kv=3)
     assert xla_memory.fused_backward(config) == (jax.default_backend() == "cpu")
-    assert not xla_memory.fused_backward(dataclasses.replace(config, xla_fused_backward=False))
-    assert xla_memory.fused_backward(dataclasses.replace(config, xla_fused_backward=True))
+    with backend_options(xla_fused_backward=False):
+        assert not xla_memory.fused_backward(config)
+    with backend_options(xla_fused_backward=True):
+        assert xla_memory.fused_backward(config)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

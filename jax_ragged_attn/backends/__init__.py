@@ -4,38 +4,36 @@ Three kernel families, each a package serving both ops (`ragged.py` for ragged_a
 ragged_attention_with_kvcache) with its private helpers beside them, and what several families share:
 
     cudnn/     cuDNN's fused SDPA graphs through this package's C++ FFI extension
-    fa3/       FlashAttention-3 through the optional flash-attn3-jax wheel (Hopper); dew.py: the same wrapper
-               around FA3 as the optional dew-flash-attn wheel builds it (implementation="dew")
+    fa3/       FlashAttention-3 (Hopper) from an optional wheel, its provider: dew-flash-attn or flash-attn3-jax
     xla/       pure JAX: serves every call, everywhere (the portable fallback and the tests' second reference)
-    shared/    head groups, packings, the stats-gradient formula, row zeroing, the KV-cache index arithmetic,
-               the head/tail split; imported by any family, importing none
+    shared/    the extension, head groups, the stats-gradient formula, row zeroing, the KV-cache index clamp,
+               attention over a cache in jnp, the head/tail split; imported by any family, importing none
 
 Families never import each other (tests/test_layout.py holds it). Each op's backend surface is a Protocol
 in protocol.py (RaggedBackend, KVCacheBackend); every registered module satisfies its op's.
 
-`REGISTRIES` maps each op to its backends in preference order, each imported when first asked for. Adding a
-backend is a module and one line here. `choose` serves implementation=None and names the reason when a
-requested backend cannot serve the call; policy.py holds the measured policy and tuning.py the autotune
-between GPU kernels.
+`REGISTRIES` maps each op to its backends in preference order, each imported when first asked for, and `OPS`
+to how implementation=None chooses among them (OpSpec). Adding a backend is a module and one line here.
+`choose` serves implementation=None and names the reason when a requested backend cannot serve the call;
+policy.py holds the measured policy and tuning.py the autotune between GPU kernels.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 from jax_ragged_attn.backends import policy
 
 # Preference order for implementation=None: the first that is an automatic candidate and serves the call.
 REGISTRY = {
-    # FA3 as dew-flash-attn builds it, before the flash-attn3-jax wheel's: its kernels ran faster on every row
-    # where both serve (H100, docs/PERFORMANCE.md); a candidate where the policy prefers FA3 (dew.auto_candidate).
-    "dew": "jax_ragged_attn.backends.fa3.dew",
-    "fa3": "jax_ragged_attn.backends.fa3.ragged",  # a candidate where the measured policy prefers it (fa3.auto_candidate)
+    # A candidate where the measured policy prefers it (providers.auto_candidate); its provider: fa3_provider, or
+    # the first installed that serves (providers.PROVIDERS).
+    "fa3": "jax_ragged_attn.backends.fa3.providers",
     "cudnn": "jax_ragged_attn.backends.cudnn.ragged",
     "xla": "jax_ragged_attn.backends.xla.ragged",  # serves everything, everywhere: the portable fallback
 }
 FALLBACK = "xla"
-FA3_BUILDS = ("dew", "fa3")  # two builds of FlashAttention-3's kernels: autotune=True times the first serving
 
 # ragged_attention_with_kvcache's backends, in the same preference order.
 KVCACHE = {
@@ -44,6 +42,21 @@ KVCACHE = {
     "xla": "jax_ragged_attn.backends.xla.kvcache",  # blocked online softmax in jnp: serves everything
 }
 REGISTRIES = {"ragged": REGISTRY, "kvcache": KVCACHE}
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """How implementation=None chooses among one op's backends (REGISTRIES[op], in preference order).
+
+    measured: the shipped policy applies (policy.py): JAX_RAGGED_ATTN_IMPLEMENTATION pins a backend, every
+    candidate is asked (autotune=True times the GPU kernels that serve), and a GPU call left to the fallback
+    warns. Otherwise the first candidate that serves runs."""
+
+    measured: bool
+    fallback: str = FALLBACK
+
+
+OPS = {"ragged": OpSpec(measured=True), "kvcache": OpSpec(measured=False)}
 
 
 def get(name: str, op: str = "ragged"):
@@ -70,51 +83,47 @@ def unsupported_reason(backend, config, index, *, stats_gradient: bool = False) 
 def choose(implementation: str | None, config, index, *, stats_gradient: bool = False, op: str = "ragged"):
     """The backend module that runs this call. A named implementation that cannot serve it raises
     NotImplementedError with the reason; implementation=None takes the first automatic candidate in the op's
-    registry that serves it (ragged: with autotune=True, the measured faster of the GPU kernels that serve
-    it, and a warning on a GPU when only the portable fallback is left)."""
+    registry that serves it, as its OpSpec says (measured: the pin, with autotune=True the measured faster of
+    the GPU kernels that serve it, and a warning on a GPU when only the portable fallback is left)."""
+    spec = OPS[op]
     if implementation is not None:
         backend = get(implementation, op)
         reason = unsupported_reason(backend, config, index, stats_gradient=stats_gradient)
         if reason is not None:
             raise NotImplementedError(f"implementation={implementation!r} cannot serve this call: {reason}")
         return backend
-    if op != "ragged":
-        for name in REGISTRIES[op]:
-            backend = get(name, op)
-            if name == FALLBACK or (_auto_candidate(backend, config)
-                                    and unsupported_reason(backend, config, index) is None):
-                return backend
-        return get(FALLBACK, op)
-    pin = policy.pinned()
-    if pin is not None:
-        if pin not in REGISTRY:
-            raise ValueError(f"{policy.ENV_VAR} must name one of {tuple(REGISTRY)}, got {pin!r}")
-        if unsupported_reason(get(pin), config, index, stats_gradient=stats_gradient) is None:
-            policy.report(pin, config, f"pinned by {policy.ENV_VAR}")
-            return get(pin)
+    if spec.measured:
+        pin = policy.pinned()
+        if pin is not None:
+            if pin not in REGISTRIES[op]:
+                raise ValueError(f"{policy.ENV_VAR} must name one of {tuple(REGISTRIES[op])}, got {pin!r}")
+            if unsupported_reason(get(pin, op), config, index, stats_gradient=stats_gradient) is None:
+                policy.report(pin, config, f"pinned by {policy.ENV_VAR}")
+                return get(pin, op)
     serving, declined = [], []
-    for name in REGISTRY:
-        backend = get(name)
-        if name == FALLBACK or not _auto_candidate(backend, config):
+    for name in REGISTRIES[op]:
+        backend = get(name, op)
+        if name == spec.fallback or not _auto_candidate(backend, config):
             continue
         reason = unsupported_reason(backend, config, index, stats_gradient=stats_gradient)
         (declined if reason else serving).append((name, reason or backend))
+        if serving and not spec.measured:
+            return backend
     if not serving:
-        from jax_ragged_attn.backends.xla.memory import warn_cudnn_fallback
+        if spec.measured:
+            from jax_ragged_attn.backends.xla.memory import warn_cudnn_fallback
 
-        reasons = dict(declined)
-        reason = reasons.get("cudnn") or next(iter(reasons.values()), "no GPU kernel serves it")
-        warn_cudnn_fallback(reason, config)
-        policy.report(FALLBACK, config, reason)
-        return get(FALLBACK)
+            reasons = dict(declined)
+            reason = reasons.get("cudnn") or next(iter(reasons.values()), "no GPU kernel serves it")
+            warn_cudnn_fallback(reason, config)
+            policy.report(spec.fallback, config, reason)
+        return get(spec.fallback, op)
     names = [name for name, _ in serving]
-    builds = [name for name in names if name in FA3_BUILDS]
-    if config.autotune and "cudnn" in names and builds:
+    if config.autotune and {"cudnn", "fa3"} <= set(names):
         from jax_ragged_attn.backends import tuning
 
-        # cuDNN against the FA3 build the order prefers (dew's where it serves).
-        name = tuning.faster(config, index.cu_seqlens_q, index.cu_seqlens_kv, candidate=builds[0])
+        name = tuning.faster(config, index)
         policy.report(name, config, "measured faster (autotune=True)")
-        return get(name)
+        return get(name, op)
     policy.report(serving[0][0], config, "the first serving candidate of the policy (backends/policy.py)")
     return serving[0][1]

@@ -15,8 +15,8 @@ step (inputs made in the jit, fa3_compare --inputs computed) the clearing is in 
 by less than it trails there with jit-argument inputs. The split stays at 1,024 tokens a sequence, the
 smaller of the two losses; autotune=True times the two as a step meets them (tuning.py).
 
-"FA3" is either build of its kernels: where the dew-flash-attn wheel is installed and serves the call, its build
-(implementation="dew") goes first: on the H100 (2026-12-06, benchmarks/peers.py) it ran W1, W2, W6 and the
+"FA3" is either provider of its kernels (fa3/providers.py): where the dew-flash-attn wheel is installed and
+serves the call, its build goes first: on the H100 (2026-12-06, benchmarks/peers.py) it ran W1, W2, W6 and the
 head dim 64 and 256 rows 1-3 % faster than the flash-attn3-jax wheel's and 11-16 % faster than cuDNN (fwd+bwd,
 inputs made in the jit), and on W5 (the short class) level with cuDNN in a step but 1.25x behind it with
 jit-argument inputs (its padding clearing copies them), so the threshold stands for it too.
@@ -60,7 +60,7 @@ def tokens_per_sequence(config) -> float:
 
 
 def pinned() -> str | None:
-    """The backend JAX_RAGGED_ATTN_IMPLEMENTATION names ("cudnn", "fa3", "dew", "xla"), or None. implementation=None
+    """The backend JAX_RAGGED_ATTN_IMPLEMENTATION names ("cudnn", "fa3", "xla"), or None. implementation=None
     runs it wherever it can serve the call and chooses as usual elsewhere."""
     value = os.environ.get(ENV_VAR, "").strip().lower()
     return value or None

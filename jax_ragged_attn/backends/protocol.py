@@ -29,7 +29,7 @@ class RaggedBackend(Protocol):
         """None when it can serve the call here, else one sentence naming the cause."""
 
     def attend(self, buffers: tuple, index, config, *, stats: Any = True) -> tuple:
-        """(out, stats or None) of the buffers laid out as config.packing says (shared/packings.py); index an
+        """(out, stats or None) of the buffers laid out as config.packing says (index/packings.py); index an
         index.RaggedIndex; stats False (not needed), "raw" (an epilogue masks them) or True (the documented
         stats). Differentiable in the buffers and the stats."""
 
@@ -45,7 +45,7 @@ class KVCacheBackend(Protocol):
     NAME: str
 
     def unsupported_reason(self, config) -> str | None:
-        """config a shared.kvcache_config.KVCacheConfig; None when it can serve the call here."""
+        """config a config.KVCacheConfig; None when it can serve the call here."""
 
     def attend(self, q, k_cache, v_cache, lengths, page_table, config) -> tuple:
         """(out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32), forward only. lengths: cache_seqlens clamped into
@@ -55,7 +55,7 @@ class KVCacheBackend(Protocol):
 
     def attend_packed(self, q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config) -> tuple:
         """Packed queries (config.packed; unsupported_reason declines those it cannot serve): (out [T, Hq, Dv],
-        lse [Hq, T] float32) of q [T, Hq, D], sequence b's queries the rows kvcache_config.packed_query_rows
+        lse [Hq, T] float32) of q [T, Hq, D], sequence b's queries the rows index.kvcache.packed_query_rows
         gives it. cu_seqlens_q int32 [B + 1] as passed (sanitising is the backend's); the rest as attend."""
 
 

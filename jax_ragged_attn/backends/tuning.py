@@ -1,8 +1,8 @@
 """autotune=True with implementation=None: run whichever of cuDNN and FlashAttention-3 is faster for this shape.
 
-"FlashAttention-3" is the build that implementation=None would take (backends/__init__.py's order): dew-flash-
-attn's where it serves the call (implementation="dew"), else the flash-attn3-jax wheel's ("fa3"); the one timed
-is the `candidate` below, and a choice stored for one build is never read for the other. The scratch call has
+"FlashAttention-3" is implementation="fa3" with the provider it would run (fa3/providers.py: dew-flash-attn's
+kernels where they serve the call, else the flash-attn3-jax wheel's); the one timed is the `provider` below, and
+a choice stored for one provider is never read for the other. The scratch call has
 no seqused, so dew is timed on its one-gap-a-slot layout (fa3/dew.py PAIRED); a call with seqused runs its
 three-a-slot layout, measured 0.05 ms slower on W5 (H100): the stored choice does not tell them apart.
 
@@ -40,6 +40,8 @@ DIRECTION = "implementation"  # the cache entries' kind, beside cuDNN's "forward
 # 2026-12-04) are not reused.
 TIMED_INPUTS = "computed"
 
+FLASH_ATTN3_JAX = "flash-attn3-jax"  # the provider whose wheel version every key holds (_versions)
+
 _lock = threading.Lock()
 _chosen: dict[str, dict] = {}  # key -> entry, this process
 
@@ -61,9 +63,8 @@ def _versions() -> tuple[list, str]:
     return [gpu, ext.cudnn_version(), list(ext.frontend_version)], fa3_version
 
 
-# Config fields neither GPU kernel's timing depends on: the xla path's blocks and backward, and the tests'
-# NaN-filled outputs.
-UNTIMED_FIELDS = ("xla_block_size", "poison_outputs", "xla_fused_backward")
+# Config fields neither GPU kernel's timing depends on: the xla path's blocks.
+UNTIMED_FIELDS = ("xla_block_size",)
 
 
 def timed_config(config: AttentionConfig) -> AttentionConfig:
@@ -83,24 +84,25 @@ def _dew_version() -> str:
         return "none"
 
 
-def key(config: AttentionConfig, same_index: bool, candidate: str = "fa3") -> str:
-    # Laid out as cuDNN's plan entries ([gpu, cudnn, frontend, kind, attributes]), the FA3 wheel's version
-    # among the attributes; dew's entries name their build too (fa3's keys are as they were before dew).
+def key(config: AttentionConfig, same_index: bool, provider: str = FLASH_ATTN3_JAX) -> str:
+    # Laid out as cuDNN's plan entries ([gpu, cudnn, frontend, kind, attributes]), the FA3 provider's wheel
+    # version among the attributes; other providers' entries name their provider too (flash-attn3-jax's keys
+    # stay those stored before there were several).
     versions, fa3_version = _versions()
     fields = dataclasses.asdict(timed_config(config))
-    for name in UNTIMED_FIELDS:  # so that a stored choice stays valid whatever they are
+    for name in UNTIMED_FIELDS + ("fa3_provider",):  # so that a stored choice stays valid whatever they are
         fields.pop(name)
-    wheel = dict(fa3_wheel=fa3_version) if candidate == "fa3" else dict(fa3_build=candidate, fa3_wheel=_dew_version())
+    wheel = (dict(fa3_wheel=fa3_version) if provider == FLASH_ATTN3_JAX
+             else dict(fa3_build=provider, fa3_wheel=_dew_version()))
     return json.dumps([*versions, DIRECTION, dict(sorted(fields.items()), **wheel,
                                                   same_cu_seqlens=same_index, inputs=TIMED_INPUTS)])
 
 
-def choose(cudnn_ms: float, fa3_ms: float, candidate: str = "fa3") -> str:
-    """`candidate` (the FA3 build timed) only when it is faster than cuDNN by more than autotune.MARGIN (timing
-    noise is about 1 %)."""
+def choose(cudnn_ms: float, fa3_ms: float) -> str:
+    """"fa3" only when it is faster than cuDNN by more than autotune.MARGIN (timing noise is about 1 %)."""
     from jax_ragged_attn.backends.cudnn import autotune
 
-    return candidate if fa3_ms < cudnn_ms * (1 - autotune.MARGIN) else "cudnn"
+    return "fa3" if fa3_ms < cudnn_ms * (1 - autotune.MARGIN) else "cudnn"
 
 
 def _scratch(config: AttentionConfig, same_index: bool):
@@ -181,46 +183,50 @@ def _loop_ms(step, args) -> float:
     return median_loop_seconds(step, args) * 1e3
 
 
-def measure(config: AttentionConfig, same_index: bool, candidate: str = "fa3") -> dict:
-    """Times cuDNN and `candidate` (an FA3 build: "fa3" or "dew") now (no cache) and returns the entry that would
-    be stored (fa3_ms: the candidate's time)."""
+def measure(config: AttentionConfig, same_index: bool, provider: str = FLASH_ATTN3_JAX) -> dict:
+    """Times cuDNN and FA3 through `provider` now (no cache) and returns the entry that would be stored (fa3_ms:
+    FA3's time)."""
     from jax_ragged_attn import backends
+    from jax_ragged_attn.index import RaggedIndex
 
-    config = timed_config(config)
+    config = dataclasses.replace(timed_config(config), fa3_provider=provider)
     buffers, cu_q, cu_kv = _scratch(config, same_index)
-    reason = backends.get(candidate).unsupported_reason(config, cu_q, cu_kv)
+    reason = backends.get("fa3").unsupported_reason(config, RaggedIndex(cu_q, cu_kv))
     if reason is not None:  # e.g. a top-left mask the scratch lengths cannot prove: nothing to compare
         return dict(implementation="cudnn", fa3_declined=reason)
     import jax.numpy as jnp
 
     args = (*buffers, jnp.float32(1))
-    times = {name: _loop_ms(_step(name, config, cu_q, cu_kv), args) for name in ("cudnn", candidate)}
-    return dict(implementation=choose(times["cudnn"], times[candidate], candidate), cudnn_ms=times["cudnn"],
-                fa3_ms=times[candidate])
+    times = {name: _loop_ms(_step(name, config, cu_q, cu_kv), args) for name in ("cudnn", "fa3")}
+    return dict(implementation=choose(times["cudnn"], times["fa3"]), cudnn_ms=times["cudnn"], fa3_ms=times["fa3"])
 
 
-def _measure_outside_any_trace(config: AttentionConfig, same_index: bool, candidate: str = "fa3") -> dict:
+def _measure_outside_any_trace(config: AttentionConfig, same_index: bool, provider: str = FLASH_ATTN3_JAX) -> dict:
     # JAX's current trace is thread-local: on a fresh thread the scratch computation runs eagerly even when
     # the call being tuned is being traced under jit.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(measure, config, same_index, candidate).result()
+        return pool.submit(measure, config, same_index, provider).result()
 
 
-def entry(config: AttentionConfig, same_index: bool, candidate: str = "fa3") -> dict:
+def entry(config: AttentionConfig, same_index: bool, provider: str = FLASH_ATTN3_JAX) -> dict:
     """The stored choice for this configuration: from this process, else the disk cache, else measured now."""
     from jax_ragged_attn.backends.cudnn import autotune
 
     def measure():
         try:
-            return _measure_outside_any_trace(config, same_index, candidate), True
+            return _measure_outside_any_trace(config, same_index, provider), True
         except Exception as error:  # noqa: BLE001 - e.g. no memory for scratch: keep cuDNN, say why
             warnings.warn(f"timing cuDNN against FlashAttention-3 failed, using cuDNN: "
                           f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=6)
             return dict(implementation="cudnn", failed=f"{type(error).__name__}: {error}"), False
 
-    return autotune.remembered(key(config, same_index, candidate), _chosen, _lock, measure)
+    return autotune.remembered(key(config, same_index, provider), _chosen, _lock, measure)
 
 
-def faster(config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv, candidate: str = "fa3") -> str:
-    """"cudnn" or `candidate`: the measured faster of the two for this call (both can serve it)."""
-    return entry(config, same_index=cu_seqlens_q is cu_seqlens_kv, candidate=candidate)["implementation"]
+def faster(config: AttentionConfig, index) -> str:
+    """"cudnn" or "fa3": the measured faster of the two for this call (both can serve it), FA3 timed through the
+    provider that would run it."""
+    from jax_ragged_attn.backends.fa3 import providers
+
+    same_index = index.cu_seqlens_q is index.cu_seqlens_kv
+    return entry(config, same_index, providers.provider(config, index))["implementation"]

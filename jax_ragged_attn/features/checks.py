@@ -60,6 +60,7 @@ import functools
 import logging
 import os
 import sys
+import types
 import warnings
 
 import jax
@@ -143,7 +144,7 @@ def _with_one_frame(error: BaseException) -> BaseException:
     def check_mode_input_error():
         try:
             raise error
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - raised only to give it this frame's traceback
             pass
         finally:
             done.release()
@@ -257,7 +258,8 @@ def _warn(values: np.ndarray, element_rank: int, name: str, problems_of) -> None
 def _first_frame_outside_the_package() -> int:
     """The stacklevel, seen from our caller, of the first frame outside jax_ragged_attn: the user's call."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # jax_ragged_attn/, not features/
-    frame, level = sys._getframe(1), 1
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame, level = frame.f_back, level + 1
     return level
@@ -304,7 +306,7 @@ def seqused_problems(cu: np.ndarray, seqused: np.ndarray, name: str, seqused_nam
                      max_seqlen: int, bound: str) -> list[str]:
     """What is wrong with one [B + 1] cu_seqlens (the slots' offsets) and its [B] seqused: the offsets as for
     cu_seqlens but a slot may exceed max_seqlen; seqused within [0, slot length] and at most max_seqlen."""
-    problems = [p for p in cu_seqlens_problems(cu, name, capacity, np.iinfo(np.int64).max, bound)]
+    problems = cu_seqlens_problems(cu, name, capacity, np.iinfo(np.int64).max, bound)
     seqused = seqused.astype(np.int64)
     slots = np.diff(cu.astype(np.int64))
     if (seqused < 0).any():
@@ -350,12 +352,15 @@ def _lengths_outside(lengths: np.ndarray, capacity: int, what: str) -> list[str]
 def _first_bad_entry(page_table: np.ndarray, touched: np.ndarray, num_pages: int) -> tuple[int, int] | None:
     """(b, p) of the first page-table entry outside [0, num_pages) among those `touched` marks, or None."""
     bad = touched & ((page_table < 0) | (page_table >= num_pages))
-    return tuple(int(i) for i in np.argwhere(bad)[0]) if bad.any() else None
+    if not bad.any():
+        return None
+    b, p = np.argwhere(bad)[0]
+    return int(b), int(p)
 
 
 def cache_index_problems(lengths: np.ndarray, page_table: np.ndarray | None, config) -> list[str]:
     """What is wrong with one ragged_attention_with_kvcache call's cache_seqlens [B] and page_table
-    [B, max_pages] (None: contiguous); config its KVCacheConfig (backends/shared/kvcache_config.py)."""
+    [B, max_pages] (None: contiguous); config its KVCacheConfig (index/kvcache.py)."""
     problems = []
     lengths = lengths.astype(np.int64)
     where = "k_cache.shape[1]" if not config.paged else f"page_table.shape[1] * page_size = {config.max_pages} * " \
@@ -435,7 +440,9 @@ def padded_rows(x: jax.Array, axis: int, rows: int) -> jax.Array:
     widths = [(0, 0)] * x.ndim
     widths[axis] = (rows, rows)
     # Under jax.debug_nans the NaN itself would stop the program: pad with zeros there.
-    poison = 0 if (jax.config.jax_debug_nans or jax.config.jax_debug_infs) else jnp.nan
+    # jax.config's options are properties it adds at import time, which a type checker cannot see.
+    debug = jax.config.jax_debug_nans or jax.config.jax_debug_infs  # type: ignore[attr-defined]
+    poison = 0 if debug else jnp.nan
     return jnp.pad(x, widths, constant_values=poison)
 
 
@@ -469,7 +476,7 @@ def verified_output_band(result: jax.Array, axis: int, rows: int, *, name: str, 
     return jax.pure_callback(check, jax.ShapeDtypeStruct((), np.int32), band, vmap_method="sequential")
 
 
-# ---- the check feature of one call (api.attend, inputs/kvcache.py) -----------------------------------------
+# ---- the check feature of one call (ops.ragged.attend, ops/kvcache.py) -----------------------------------------
 
 
 def apply_check(check: bool | None, config, index):
@@ -532,10 +539,8 @@ def append_index_problems(lengths: np.ndarray, page_table: np.ndarray | None, cu
     whose new rows run past its capacity, a page-table entry outside [0, num_pages) that would receive rows;
     cu (packed: [B + 1] cu_seqlens_k_new over new_rows rows, None: new_rows each) as it would be clamped."""
     lengths = lengths.astype(np.int64)
-    if cu is None:
-        counts = np.full(lengths.shape, new_rows, np.int64)
-    else:
-        counts = host_slots(cu, new_rows)
+    counts = np.full(lengths.shape, new_rows, np.int64) if cu is None else host_slots(cu, new_rows)
+    assert counts is not None  # cu is a host array here, never a tracer
     problems = _lengths_outside(lengths, capacity, "the capacity")
     start = np.clip(lengths, 0, capacity)
     end = start + counts  # rows start .. end - 1 are written

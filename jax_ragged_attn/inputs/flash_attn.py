@@ -23,9 +23,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn.api import ragged_attention
+from jax_ragged_attn.ops.ragged import ragged_attention
 from jax_ragged_attn.index import as_int32, sanitize_cu_seqlens
-from jax_ragged_attn.inputs.kvcache import kvcache_append, ragged_attention_with_kvcache
+from jax_ragged_attn.ops.kvcache import kvcache_append, ragged_attention_with_kvcache
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -52,8 +52,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
       seqused_q, seqused_k: keyword-only (FlashAttention 3's): None, or integer [B]; sequence b uses only the
         first seqused[b] rows of its slot cu_seqlens[b]:cu_seqlens[b+1].
       implementation: keyword-only, as `ragged_attention`'s: None chooses by the shipped policy (FA3 from
-        1,024 tokens a sequence where one of its wheels is installed, cuDNN, else the xla path); "cudnn", "fa3",
-        "dew" or "xla" asks for one.
+        1,024 tokens a sequence where one of its wheels is installed, cuDNN, else the xla path); "cudnn", "fa3"
+        or "xla" asks for one.
 
     Returns:
       out [total_q, Hq, Dv] in q's dtype; with return_attn_probs=True, (out, softmax_lse, None) where

@@ -5,7 +5,7 @@ costs a full copy of the activations forward and a full-size concatenate of the 
 cuDNN path neither happens: the packed buffer goes to the kernels as it is, each part addressed through its
 token stride (3*H*D or 2*Hkv*D elements) and its offset within a row (ffi/layouts.h), and the backward
 writes dQ, dK and dV into one gradient buffer of the packed shape. How each packing lies is one entry of
-shared/packings.TABLE, and one custom_vjp (cudnn/launch.attention) serves them all.
+index/packings.TABLE, and one custom_vjp (cudnn/launch.attention) serves them all.
 
 The xla path slices the parts and lets autodiff assemble the gradient: correct everywhere, with the copies.
 
@@ -15,7 +15,7 @@ The xla path slices the parts and lets autodiff assemble the gradient: correct e
 
 from __future__ import annotations
 
-from jax_ragged_attn.api import attend
+from jax_ragged_attn.ops.ragged import attend
 from jax_ragged_attn.config import AttentionOptions
 
 
@@ -25,7 +25,7 @@ def ragged_attention_qkvpacked(qkv, cu_seqlens, *, max_seqlen: int, scale: float
                                implementation: str | None = None, deterministic: bool = False,
                                check: bool | None = None, autotune: bool = False, strategy: str = "fastest",
                                return_overflow: bool = False, seqused_q=None, seqused_kv=None, sinks=None,
-                               softcap: float | None = None):
+                               softcap: float | None = None, fa3_provider: str | None = None):
     """Self-attention over a fused projection qkv [T, 3, H, D] (FlashAttention's qkvpacked layout).
 
     Sequence b owns rows cu_seqlens[b]:cu_seqlens[b+1] of q, k and v alike. Every option means what it
@@ -36,7 +36,7 @@ def ragged_attention_qkvpacked(qkv, cu_seqlens, *, max_seqlen: int, scale: float
                                local_window_size=local_window_size, stats_layout=stats_layout,
                                return_stats=return_stats, implementation=implementation,
                                deterministic=deterministic, check=check, autotune=autotune,
-                               strategy=strategy, softcap=softcap)
+                               strategy=strategy, softcap=softcap, fa3_provider=fa3_provider)
     return attend((qkv,), cu_seqlens, cu_seqlens, options, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
                   packing="qkv", return_overflow=return_overflow, seqused_q=seqused_q, seqused_kv=seqused_kv,
                   sinks=sinks)
@@ -49,7 +49,7 @@ def ragged_attention_kvpacked(q, kv, cu_seqlens_q, cu_seqlens_kv, *, max_seqlen_
                               implementation: str | None = None, deterministic: bool = False,
                               check: bool | None = None, autotune: bool = False, strategy: str = "fastest",
                               return_overflow: bool = False, seqused_q=None, seqused_kv=None, sinks=None,
-                              softcap: float | None = None):
+                              softcap: float | None = None, fa3_provider: str | None = None):
     """Attention of q [Tq, Hq, D] over a fused projection kv [Tkv, 2, Hkv, D] (FlashAttention's kvpacked).
 
     Every option means what it means in `ragged_attention`. Returns out [Tq, Hq, D] (and stats, then the
@@ -59,7 +59,7 @@ def ragged_attention_kvpacked(q, kv, cu_seqlens_q, cu_seqlens_kv, *, max_seqlen_
                                local_window_size=local_window_size, stats_layout=stats_layout,
                                return_stats=return_stats, implementation=implementation,
                                deterministic=deterministic, check=check, autotune=autotune,
-                               strategy=strategy, softcap=softcap)
+                               strategy=strategy, softcap=softcap, fa3_provider=fa3_provider)
     return attend((q, kv), cu_seqlens_q, cu_seqlens_kv, options, max_seqlen_q=max_seqlen_q,
                   max_seqlen_kv=max_seqlen_kv, packing="kv", return_overflow=return_overflow, seqused_q=seqused_q,
                   seqused_kv=seqused_kv, sinks=sinks)

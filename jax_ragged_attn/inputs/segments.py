@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn.features import checks
-from jax_ragged_attn.api import attend
+from jax_ragged_attn.ops.ragged import attend
 from jax_ragged_attn.config import AttentionOptions
 
 

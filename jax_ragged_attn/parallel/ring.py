@@ -4,7 +4,7 @@ sharded_ragged_attention(..., token_axis=..., context_strategy="ring"). Device r
 keeps its own query rows (natural chunk r of n, or chunks r and 2n-1-r of 2n with load_balance=True) and
 its own K/V shard. The shards travel one device along the ring per step (lax.ppermute r -> r + 1), so at
 step s device r holds the shard of device (r - s) mod n; after n - 1 steps every query row has met every
-key row. Each step attends the local queries to the visiting block with the op (api.attend with stats,
+key row. Each step attends the local queries to the visiting block with the op (ops.ragged.attend with stats,
 so the same implementation - cuDNN or xla - serves the blocks as any other call), and the partial results
 merge exactly by their log-sum-exp:
 
@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ragged_attn.parallel import context_parallel as cp
-from jax_ragged_attn.api import attend
+from jax_ragged_attn.ops.ragged import attend
 from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.index import sanitize_cu_seqlens
 

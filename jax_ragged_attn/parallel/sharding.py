@@ -34,7 +34,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jax_ragged_attn.parallel import context_parallel as cp
 from jax_ragged_attn.parallel import ring
-from jax_ragged_attn.api import attend
+from jax_ragged_attn.ops.ragged import attend
 from jax_ragged_attn.features.checks import check_enabled, checked_cu_seqlens
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.index import as_int32
@@ -84,7 +84,7 @@ def sharded_ragged_attention(
     options, rest = AttentionOptions.split(kwargs)
     return_overflow = rest.pop("return_overflow", False)
     same = cu_seqlens_q is cu_seqlens_kv
-    cu_seqlens_q = as_int32(cu_seqlens_q, "cu_seqlens_q")  # any integer dtype (index.py)
+    cu_seqlens_q = as_int32(cu_seqlens_q, "cu_seqlens_q")  # any integer dtype (index/__init__.py)
     cu_seqlens_kv = cu_seqlens_q if same else as_int32(cu_seqlens_kv, "cu_seqlens_kv")
     if not isinstance(return_overflow, bool):
         raise ValueError(f"return_overflow must be a Python bool, got {type(return_overflow).__name__}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from typing import Any, Callable
 from unittest import mock
 
@@ -181,19 +182,16 @@ EXPECTED = (
             lambda c: c.packed, "backends/cudnn/kvcache.py packed_version_reason (cuDNN < 9.8)"),
     Decline("cudnn", "kvcache", "reaches into the rows cuDNN's paged graph reads", _cudnn_paged_window,
             "backends/cudnn/kvcache.py paged_reason (shared/head_tail.py window_reason)"),
-    # FlashAttention-3, ragged_attention
-    # dew-flash-attn's build of FA3's kernels, ragged_attention (fa3/dew.py)
-    Decline("dew", "ragged", "kernels are built without softcap", lambda c: bool(c.softcap), _DEW),
-    Decline("dew", "ragged", "FlashAttention-3 takes bfloat16 or float16 inputs", _fa3_dtype, _DEW),
-    Decline("dew", "ragged", "kernels take equal head dims of", _dew_head_dims, _DEW),
-    Decline("dew", "ragged", "backward has no deterministic mode", lambda c: bool(c.deterministic), _DEW),
-    Decline("dew", "ragged", "aligns its causal mask and windows bottom-right",
-            lambda c: _bounded(c) and c.diagonal_alignment == "top_left", _DEW + " (fa3/ragged.py alignment_reason)"),
-    Decline("fa3", "ragged", "called with softcap 0", lambda c: bool(c.softcap), _FA3),
-    Decline("fa3", "ragged", "FlashAttention-3 takes bfloat16 or float16 inputs", _fa3_dtype, _FA3),
-    Decline("fa3", "ragged", "kernels are built for head dim", _fa3_head_dims, _FA3),
+    # FlashAttention-3, ragged_attention (fa3/providers.py): dew-flash-attn's declines, both providers', then
+    # flash-attn3-jax's
+    Decline("fa3", "ragged", "kernels are built without softcap", lambda c: bool(c.softcap), _DEW),
+    Decline("fa3", "ragged", "kernels take equal head dims of", _dew_head_dims, _DEW),
+    Decline("fa3", "ragged", "backward has no deterministic mode", lambda c: bool(c.deterministic), _DEW),
+    Decline("fa3", "ragged", "FlashAttention-3 takes bfloat16 or float16 inputs", _fa3_dtype, _FA3 + ", " + _DEW),
     Decline("fa3", "ragged", "aligns its causal mask and windows bottom-right",
-            lambda c: _bounded(c) and c.diagonal_alignment == "top_left", _FA3),
+            lambda c: _bounded(c) and c.diagonal_alignment == "top_left", _FA3 + " (alignment_reason), " + _DEW),
+    Decline("fa3", "ragged", "called with softcap 0", lambda c: bool(c.softcap), _FA3),
+    Decline("fa3", "ragged", "kernels are built for head dim", _fa3_head_dims, _FA3),
     # FlashAttention-3, ragged_attention_with_kvcache
     Decline("fa3", "kvcache", "called with softcap 0", lambda c: bool(c.softcap), _FA3_KVCACHE),
     Decline("fa3", "kvcache", "FlashAttention-3 takes bfloat16 or float16 inputs", _fa3_dtype, _FA3_KVCACHE),
@@ -209,9 +207,24 @@ EXPECTED = (
 )
 
 
+def _provider_reasons(reason: str) -> list[str]:
+    """The reasons of each FA3 provider in a decline that joins them (fa3/providers.py unsupported_reason:
+    "dew-flash-attn: ...; flash-attn3-jax: ..."), or [reason]."""
+    from jax_ragged_attn.config import FA3_PROVIDERS
+
+    pattern = "(?:^|; )(?:" + "|".join(re.escape(name) for name in FA3_PROVIDERS) + "): "
+    parts = [part for part in re.split(pattern, reason) if part]
+    return parts if re.match(pattern, reason) else [reason]
+
+
 def expected(backend: str, op: str, config, reason: str) -> Decline | None:
     """The entry of EXPECTED that covers this decline, or None. cuDNN's KV-cache op runs a contiguous cache as
-    a ragged call: a ragged reason there is held to the ragged entries, on that call's configuration."""
+    a ragged call: a ragged reason there is held to the ragged entries, on that call's configuration. A decline
+    joining several FA3 providers' reasons is expected where each of them is."""
+    parts = _provider_reasons(reason)
+    if len(parts) > 1:
+        entries = [expected(backend, op, config, part) for part in parts]
+        return entries[0] if all(entries) else None
     for entry in EXPECTED:
         if (entry.backend, entry.op) == (backend, op) and entry.says in reason and entry.when(config):
             return entry
@@ -227,11 +240,9 @@ def unavailable_reason(backend: str) -> str | None:
 
         return extension.cudnn_unavailable_reason()
     if backend == "fa3":
-        return _fa3_module().unavailable_reason()
-    if backend == "dew":
-        from jax_ragged_attn.backends.fa3 import dew
+        from jax_ragged_attn.backends.fa3 import providers
 
-        return dew.unavailable_reason()
+        return providers.unavailable_reason()
     return None
 
 
@@ -247,7 +258,7 @@ class Declined:
 
 def _registered_as(module) -> tuple[str, str]:
     """(the implementation name, the op) a backend module is registered as: its registry entry, not its path
-    (fa3/dew.py is implementation="dew" of ragged_attention)."""
+    (fa3/providers.py is implementation="fa3" of ragged_attention)."""
     for op, registry in backends.REGISTRIES.items():
         for name, path in registry.items():
             if path == module.__name__:

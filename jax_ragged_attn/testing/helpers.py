@@ -203,3 +203,11 @@ class SeededCacheCase:
     @property
     def capacity(self) -> int:
         return self.max_pages * self.page_size
+
+
+def implementation_options(name: str) -> dict:
+    """The op's keywords that run a test's backend label: an FA3 provider's name ("dew-flash-attn",
+    "flash-attn3-jax") is implementation="fa3" with that provider, any other label the implementation so named."""
+    from jax_ragged_attn.config import FA3_PROVIDERS
+
+    return dict(implementation="fa3", fa3_provider=name) if name in FA3_PROVIDERS else dict(implementation=name)

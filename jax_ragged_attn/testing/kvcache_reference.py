@@ -1,7 +1,7 @@
 """A float64 NumPy reference for attention over a KV cache, written from the semantics, for tests only.
 
 It loops over sequences and queries and reads the cache one row at a time through the page table, sharing no
-code with the backends (nor with backends/shared/kvcache_config.py):
+code with the backends (nor with index/kvcache.py):
 
 - Sequence b uses rows 0 .. n - 1 of its cache, n = cache_seqlens[b] clamped into [0, capacity]; row r is
   k_cache[b, r] (contiguous) or k_cache[page_table[b, r // P], r % P] (paged, page size P). A row whose

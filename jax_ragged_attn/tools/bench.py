@@ -121,7 +121,7 @@ def _inputs(shape: dict):
 
 def time_implementation(implementation: str, shape: dict, calls: int, repeats: int) -> dict[str, float | str]:
     """{"forward": s, "forward+backward": s} per call, or the reason it was skipped or failed, per direction."""
-    from jax_ragged_attn.api import ragged_attention
+    from jax_ragged_attn.ops.ragged import ragged_attention
 
     args, d_out = _inputs(shape)
 

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn import api, testing
+from jax_ragged_attn import testing
+from jax_ragged_attn.ops import ragged as api
 from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.shared import extension, known_issues
 from jax_ragged_attn.config import AttentionOptions, make_config
@@ -141,7 +142,7 @@ def default_choice(q, k, v, cu, max_len: int) -> str:
     name = backends.choose(None, config, RaggedIndex(cu, cu, same=True)).NAME
     pinned = policy.pinned()
     why = (f"pinned by {policy.ENV_VAR}={pinned}" if pinned == name else
-           "the shipped policy prefers FA3 here (backends/policy.py)" if name in ("fa3", "dew") else
+           "the shipped policy prefers FA3 here (backends/policy.py)" if name == "fa3" else
            "the shipped policy keeps cuDNN here (backends/policy.py)" if name == "cudnn" else
            "no GPU kernel serves this call here")
     return f"{name} ({why})"

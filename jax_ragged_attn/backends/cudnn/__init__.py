@@ -8,6 +8,7 @@
     extents.py    head groups sized so every tensor stays below the int32 offsets' 2**31 elements
     strategy.py   the backward's intermediate layout; autotune.py the plan timing and its on-disk store
     sinks.py      sinks folded into the plain backward
+    options.py    its test hooks (NaN-poisoned outputs, a KV-cache route), set through testing.backend_options
 
 Imports run one way: the registry (backends/__init__.py) imports these modules; they import the shared
 helpers (backends/shared/) and the lower layers (config, index, features), never another family.

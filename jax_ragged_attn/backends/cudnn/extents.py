@@ -21,7 +21,8 @@ A call that passes the bound runs as several over groups of heads (head_groups.p
 
 from __future__ import annotations
 
-from jax_ragged_attn.backends.shared import head_groups, packings
+from jax_ragged_attn.backends.shared import head_groups
+from jax_ragged_attn.index import packings
 from jax_ragged_attn.backends.shared import stats_grad
 from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.features import checks

@@ -87,7 +87,7 @@ ZERO_OUTPUTS = ("no", "all", "unowned", "poisoned")
 
 def ffi_kwargs(config: AttentionConfig, direction: str, zero_outputs: str = "no", layout: str | None = None) -> dict:
     """The FFI call's attributes: ffi_attributes, each typed as the extension declares its field.
-    `zero_outputs`: one of ZERO_OUTPUTS (launch.py: "unowned", "poisoned" with config.poison_outputs, "no"
+    `zero_outputs`: one of ZERO_OUTPUTS (launch.py: "unowned", "poisoned" with OPTIONS.poison_outputs, "no"
     where the results are passed in)."""
     attributes = {**ffi_attributes(config, direction, layout), "zero_outputs": ZERO_OUTPUTS.index(zero_outputs)}
     fields = extension.config_fields()

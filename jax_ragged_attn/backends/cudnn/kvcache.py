@@ -31,7 +31,7 @@ H200 (cuDNN 9.19, decode: one query, GQA 32/8, d 128, bf16, plain loop of jitted
 ms: 8 x 2k 0.095 / 0.085, 8 x 32k 0.675 / 0.824, 64 x 2k 0.247 / 0.470, 256 x 8k 2.06 / 9.97, 64 x 32k
 2.05 / 10.16, 256 x 32k 7.55 / out of memory. The ragged kernel zeroes the rows past each length in place,
 which on a cache XLA must keep (a jit argument) is a copy of the whole cache per call. Tests pin either
-through the private config field `route` (testing.config_overrides).
+through cuDNN's options, `route` (testing.backend_options).
 
 The ragged kernel keeps NaN in rows past seqused out of its results (tests/test_kvcache.py's
 CudnnKVCacheTest, NaN-poisoned caches); tests/test_kvcache_cudnn.py checks the paged route the same way.
@@ -39,20 +39,18 @@ CudnnKVCacheTest, NaN-poisoned caches); tests/test_kvcache_cudnn.py checks the p
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jax_ragged_attn.backends.cudnn import options
 from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.shared import head_tail as kvcache_head_tail
 from jax_ragged_attn.backends.shared import extension, known_issues
 from jax_ragged_attn.backends.cudnn import paged
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
-from jax_ragged_attn.config import AttentionConfig, AttentionOptions, make_config
+from jax_ragged_attn.config import AttentionConfig, KVCacheConfig
 from jax_ragged_attn.index import RaggedIndex
 
 NAME = "cudnn"
-ROUTES = ("paged", "ragged")  # config.route values this backend reads (tests); others' are not its own
+ROUTES = ("paged", "ragged")  # OPTIONS.route values this backend reads (tests); others' are not its own
 # Rows of each sequence's end the paged kernel never reads (shared/head_tail.py): at least cuDNN's widest key
 # tile (128 rows on Hopper), twice that for margin.
 TAIL = 256
@@ -63,26 +61,20 @@ def tail(config: KVCacheConfig) -> int:
 
 
 def pinned_route(config: KVCacheConfig) -> str | None:
-    """The route the tests pinned (config.route "paged" or "ragged", contiguous caches), or None."""
-    return config.route if config.route in ROUTES else None
+    """The route the tests pinned (OPTIONS.route "paged" or "ragged", contiguous caches), or None."""
+    return options.OPTIONS.route if options.OPTIONS.route in ROUTES else None
 
 
 def ragged_config(config: KVCacheConfig) -> AttentionConfig:
-    """The ragged call a contiguous cache becomes (see the module docstring)."""
-    dtype = np.dtype(config.dtype)
-    window = None
-    if config.window_left is not None or config.window_right is not None:
-        window = (-1 if config.window_left is None else config.window_left,
-                  -1 if config.window_right is None else config.window_right)
-    options = AttentionOptions(scale=config.scale, is_causal=config.is_causal, diagonal_alignment="bottom_right",
-                               local_window_size=window, stats_layout="head_major", return_stats=True,
-                               softcap=config.softcap or None)
-    rows_q, rows_kv = config.batch * config.seqlen_q, config.batch * config.capacity
-    cu = jax.ShapeDtypeStruct((config.batch + 1,), jnp.int32)
-    return make_config(jax.ShapeDtypeStruct((rows_q, config.num_heads_q, config.head_dim_qk), dtype),
-                       jax.ShapeDtypeStruct((rows_kv, config.num_heads_kv, config.head_dim_qk), dtype),
-                       jax.ShapeDtypeStruct((rows_kv, config.num_heads_kv, config.head_dim_v), dtype),
-                       cu, cu, options, max_seqlen_q=config.seqlen_q, max_seqlen_kv=config.capacity)
+    """The ragged call a contiguous cache becomes (see the module docstring): B sequences of Sq query rows and
+    `capacity` key rows each, bottom-right aligned, with the cache call's mask, scale and softcap."""
+    return AttentionConfig(
+        num_seqs=config.batch, capacity_q=config.batch * config.seqlen_q, capacity_kv=config.batch * config.capacity,
+        num_heads_q=config.num_heads_q, num_heads_kv=config.num_heads_kv, head_dim_qk=config.head_dim_qk,
+        head_dim_v=config.head_dim_v, max_seqlen_q=config.seqlen_q, max_seqlen_kv=config.capacity,
+        dtype=config.dtype, scale=config.scale, is_causal=config.is_causal, diagonal_alignment="bottom_right",
+        window_left=config.window_left, window_right=config.window_right, stats_layout="head_major",
+        softcap=config.softcap)
 
 
 def route(config: KVCacheConfig) -> str:

@@ -25,9 +25,9 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_ragged_attn.features import checks
 from jax_ragged_attn.backends.shared import extension, known_issues, stats_grad
-from jax_ragged_attn.backends.cudnn import extents, graphs
+from jax_ragged_attn.backends.cudnn import extents, graphs, options
 from jax_ragged_attn.backends.cudnn.graphs import MAX_HEAD_DIM, INT32_LIMIT, ffi_kwargs, graph_info
-from jax_ragged_attn.backends.shared.packings import TABLE
+from jax_ragged_attn.index.packings import TABLE
 from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.index import (
     query_rows_with_keys,
@@ -64,10 +64,10 @@ def _launch(direction: str, inputs, result_specs, names, cu_q, cu_kv, config: At
         types += (jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),)
         args = (*(x for x, _ in inputs), *_index_arrays(cu_q, cu_kv, config, seqused))
         # The handler zeroes, on the stream before the graph runs, the rows no sequence owns (its own small
-        # kernel; whole outputs where that kernel cannot load). config.poison_outputs (tests) fills every
+        # kernel; whole outputs where that kernel cannot load). OPTIONS.poison_outputs (tests) fills every
         # output with NaN first, so a row cuDNN should write but skips reads NaN, not 0.
         call = jax.ffi.ffi_call(target, types, vmap_method="sequential")
-        zero_outputs = "poisoned" if config.poison_outputs else "unowned"
+        zero_outputs = "poisoned" if options.OPTIONS.poison_outputs else "unowned"
         *results, _ = call(*args, **ffi_kwargs(config, direction, zero_outputs=zero_outputs))
         return results, jnp.bool_(True)
 
@@ -256,10 +256,10 @@ def _writes_key_rows_in_place(config: AttentionConfig) -> bool:
       one gradient holds dQ too, whose rows both calls write, so it is summed whole (as before).
     - an unguarded launch whose rectangle leaves the rows it does not own 0 and that trusts cuDNN to write no
       row the graph does not own. Check mode pads every buffer with guard rows and verifies each call's own
-      canary bands, and config.poison_outputs exists to show that each call writes every row it owns, which
+      canary bands, and OPTIONS.poison_outputs exists to show that each call writes every row it owns, which
       rows the rectangle already zeroed would hide: these two keep the sum of two separately masked calls.
     """
-    if config.guard_workspace or config.poison_outputs:
+    if config.guard_workspace or options.OPTIONS.poison_outputs:
         return False
     return any("q" not in b.holds for b in TABLE[config.packing].buffers)
 

@@ -29,7 +29,7 @@ They are not bit-reproducible: two H200 runs of one call once gave stats one flo
 every tolerance; the padded graphs have not shown it). MIN_SEQLEN_Q = 2 would pad the queries again
 (zeros; seq_len_q keeps the real count). The
 workspace is an extra uint8 result sized at trace time, as launch.py does for the training graphs. Rows
-cuDNN does not write (queries without keys, padding) hold anything: inputs/kvcache.py masks them.
+cuDNN does not write (queries without keys, padding) hold anything: ops/kvcache.py masks them.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ import numpy as np
 
 from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.backends.cudnn.graphs import CUDNN_DTYPES, MAX_HEAD_DIM, device_ordinal
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, safe_page_table
+from jax_ragged_attn.config import KVCacheConfig
+from jax_ragged_attn.index.kvcache import safe_page_table
 from jax_ragged_attn.index import row_positions, sanitize_cu_seqlens, sequence_lengths
 
 TARGET = extension.PAGED_FORWARD_TARGET

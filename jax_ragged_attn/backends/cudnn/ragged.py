@@ -1,6 +1,6 @@
 """The cuDNN backend: the compiled extension, the graphs it builds, and the differentiable launch.
 
-Imports run one way: the api imports this package through the registry (backends/__init__.py); this package
+Imports run one way: the ops import this package through the registry (backends/__init__.py); this package
 imports the extension and the lower layers (config, index, features), never the other way round.
 """
 

@@ -1,6 +1,6 @@
-"""implementation="dew": FlashAttention-3's Hopper kernels as built by the dew-flash-attn wheel, through the same
-wrapper as implementation="fa3" (fa3/ragged.py: padding safety, masks and their alignment, both stats layouts,
-the stats gradient's second backward call, row masking), with this module's two kernel calls.
+"""The dew-flash-attn provider of implementation="fa3" (providers.py): FlashAttention-3's Hopper kernels as that
+wheel builds them, through FA3's wrapper (fa3/ragged.py: padding safety, masks and their alignment, both stats
+layouts, the stats gradient's second backward call, row masking), with this module's two kernel calls.
 
 dew-flash-attn (`pip install 'jax_ragged_attn[dew]'`: dew-flash-attn-cu13, Apache-2.0 / BSD-3, Python >= 3.11, a CUDA 13 JAX) compiles
 FlashAttention-3 for head dims 64, 128, 192 and 256 and patches its varlen backward to launch over the batch's
@@ -30,8 +30,8 @@ outside them after, so what the gap sequences compute is never read.
 
 Declined, with the reason: softcap (not in the build), deterministic=True (its backward has no deterministic
 mode), head dims other than Dqk = Dv in 64, 128, 192, 256, float32, a top-left causal / windowed mask FA3's
-bottom-right one cannot be proven equal to, no Hopper GPU, the wheel not installed. implementation=None picks
-it where the policy prefers FA3 (at least 1,024 tokens a sequence on Hopper) and it serves the call: on the
+bottom-right one cannot be proven equal to, no Hopper GPU, the wheel not installed. implementation="fa3" takes
+it first where it serves the call (providers.py): on the
 H100 (2026-12-06, docs/PERFORMANCE.md) it ran every such row, d 64, 128 and 256, fwd+bwd with inputs made in
 the jit, 1-3 % faster than the flash-attn3-jax wheel's kernels and 11-16 % faster than cuDNN's (d 64 to 256).
 """
@@ -51,7 +51,7 @@ from jax_ragged_attn.backends.fa3 import ragged as fa3
 from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.index import RaggedIndex, host_slots
 
-NAME = "dew"
+NAME = "dew"  # this module's binding of the kernels (fa3/ragged.py _kernels); the provider is "dew-flash-attn"
 WHEEL = "dew-flash-attn-cu13"
 INSTALL = "pip install 'jax_ragged_attn[dew]'"
 HEAD_DIMS = (64, 128, 192, 256)  # the FA3 kernels its library holds (Dqk = Dv)
@@ -59,7 +59,6 @@ LIBRARY = "libdew_flash_attn3.so"  # FlashAttention-3 for sm90, beside the packa
 TARGETS = ("dew_flash3_mha_varlen_fwd", "dew_flash3_mha_varlen_bwd")
 TARGET_PREFIX = "jax_ragged_attn_"  # our registrations of its handlers
 SCRATCH_ROWS = 128  # the backward's scratch: 128 rows per sequence and 128 more, per head (its own sizing)
-READS_INDEX = True  # unsupported_reason proves a top-left mask from the lengths
 
 
 # ---- availability ------------------------------------------------------------------------------------------
@@ -99,7 +98,7 @@ def unavailable_reason() -> str | None:
 def unsupported_reason(config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv=None,
                        seqused=(None, None)) -> str | None:
     """None when dew-flash-attn's kernels can serve this call here, else a sentence saying why not (the index
-    proves a top-left mask, as for implementation="fa3")."""
+    proves a top-left mask, as for the flash-attn3-jax provider)."""
     if isinstance(cu_seqlens_q, RaggedIndex):
         cu_seqlens_q, cu_seqlens_kv, seqused = cu_seqlens_q.cu_seqlens_q, cu_seqlens_q.cu_seqlens_kv, \
             cu_seqlens_q.seqused
@@ -115,17 +114,9 @@ def unsupported_reason(config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv
     return fa3.alignment_reason(config, cu_seqlens_q, cu_seqlens_kv, seqused) or unavailable_reason()
 
 
-def auto_candidate(config: AttentionConfig) -> bool:
-    """implementation=None considers it where the shipped policy prefers FA3's kernels (policy.py), ahead of
-    the flash-attn3-jax wheel's, and with autotune=True, which times it against cuDNN (tuning.py)."""
-    from jax_ragged_attn.backends import policy
-
-    return policy.prefers_fa3(config) or config.autotune
-
-
 def attend(buffers, index, config: AttentionConfig, *, stats=True):
     """(out, stats) of the parts sliced out of packed buffers; autodiff assembles their gradients."""
-    from jax_ragged_attn.backends.shared.packings import TABLE
+    from jax_ragged_attn.index.packings import TABLE
 
     # Without seqused a slot's unused rows are only those max_seqlen cuts: one gap sequence a slot (PAIRED), or
     # none where no slot can be cut (PLAIN: the offsets dew-flash-attn's own call passes).
@@ -202,7 +193,8 @@ def _backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, confi
 # of a 3.99 ms fwd+bwd (0.05 ms after this layout). A slot cut by max_seqlen on both sides (a sequence that
 # check=True rejects as longer than max_seqlen) then computes its gap queries against its gap keys: up to its
 # uncut attention (a 32k slot cut to 1k: about 1,000 times the cut call's work, where the three-a-slot layout and
-# implementation="fa3" stay linear), its results masked like every other unowned row. api.py's docstring says so.
+# the flash-attn3-jax provider stay linear), its results masked like every other unowned row. ops/ragged.py's
+# docstring says so.
 PAIRED = "paired"
 
 

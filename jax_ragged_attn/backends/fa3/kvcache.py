@@ -5,7 +5,7 @@ mode (no cu_seqlens) with cache_seqlens as seqused_k and, for a paged cache, the
 that handler itself, registered under our own name by backends/fa3/ragged.py (`_registered`), with the same inputs
 and attributes the wheel's lowering passes. Forward only (the wheel has no kvcache backward either).
 
-- Lengths: cache_seqlens clamped into [0, capacity] (kvcache_config.clamped_lengths) as seqused_k; FA3 aligns
+- Lengths: cache_seqlens clamped into [0, capacity] (index.kvcache.clamped_lengths) as seqused_k; FA3 aligns
   its causal mask and windows bottom-right, which is the op's query position (cache_seqlens - Sq + i).
 - Page table: entries outside [0, num_pages) are replaced by page 0 before the kernel sees them (by the op
   layer, with the lengths' clamp in one launch: READS_TABLE_UNCHECKED), so it never addresses memory outside
@@ -13,7 +13,7 @@ and attributes the wheel's lowering passes. Forward only (the wheel has no kvcac
   out instead), so the result of a sequence that uses one is unspecified: check=True names the entry.
 - Split-KV: `num_splits` (FA3's flash decoding) from the heuristic in `num_splits`, where B x Hkv query tiles
   would leave most of the GPU's 132 SMs idle; the wheel's caller-sized accumulators come back as outputs.
-- Rows with no key, sinks and the stats layout are applied by inputs/kvcache.py; out's rows with no key are
+- Rows with no key, sinks and the stats layout are applied by ops/kvcache.py; out's rows with no key are
   FA3's own zeros on the one call (zeroes_rows_without_keys: one launch fewer a decode step).
 
 - Unused rows, one call where FA3 zero-fills them: FA3's paged loader without TMA reads keys and values with
@@ -32,7 +32,7 @@ and attributes the wheel's lowering passes. Forward only (the wheel has no kvcac
 
 Declined, with the reason: dtypes other than bfloat16/float16, head dims other than 128 (the wheel's kernels),
 softcap, a left window in (TAIL - Sq, TAIL) on the head / tail route, the wheel not installed, no Hopper GPU.
-Tests pin the head / tail route through the private config field route="head_tail" (testing.config_overrides).
+Tests pin the head / tail route through FA3's options, route="head_tail" (testing.backend_options).
 The one call won where both serve (H200 decode, docs/PERFORMANCE.md: 64 x 2k 0.134 against 0.224 ms).
 """
 
@@ -45,10 +45,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ragged_attn.backends.fa3 import options
 from jax_ragged_attn.backends.fa3 import ragged as fa3
 from jax_ragged_attn.backends.shared import head_tail as kvcache_head_tail
 from jax_ragged_attn.backends.shared import known_issues
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, query_tiles, rows_with_keys
+from jax_ragged_attn.config import KVCacheConfig
+from jax_ragged_attn.index.kvcache import query_tiles, rows_with_keys
 
 NAME = "fa3"
 # FA3 reads cache_seqlens and the page table without bounds: the op layer hands attend both made safe, in one
@@ -87,8 +89,8 @@ def tail(config: KVCacheConfig) -> int:
 
 def route(config: KVCacheConfig) -> str:
     """"one_call" where FA3's zero-filling paged loader serves the call (module docstring), else "head_tail"
-    (also where a test pinned it: config.route)."""
-    if config.route != "head_tail" and config.seqlen_q * config.group_size <= ZERO_FILL_MAX_ROWS:
+    (also where a test pinned it: OPTIONS.route)."""
+    if options.OPTIONS.route != "head_tail" and config.seqlen_q * config.group_size <= ZERO_FILL_MAX_ROWS:
         return "one_call"
     return "head_tail"
 
@@ -120,12 +122,12 @@ def auto_candidate(config: KVCacheConfig) -> bool:
 def num_splits(config: KVCacheConfig) -> int:
     """Key splits so that B x Hkv x query tiles x splits fills the SMs in one wave (1 where the tiles alone
     come near): a second, partial wave cost more than it split (H200, 8 x 32k decode: 2 splits 0.249 ms,
-    3 splits 0.299, benchmarks/sweep_decode_splits.py, which sets config.num_splits; H100 2026-12-06, 4 to 32
+    3 splits 0.299, benchmarks/sweep_decode_splits.py, which sets OPTIONS.num_splits; H100 2026-12-06, 4 to 32
     splits all 15 % slower than 2, benchmarks/decode_few.py). Each split keeps at least MIN_SPLIT_TILES key
     tiles: below that the combine kernel costs more than the parallelism gains (H100, 8 x 2k decode, every row
     in the same rounds: 1 split 5 % faster than 2 on a paged cache, 15 % on a contiguous one; raw FA3 8 %)."""
-    if config.num_splits is not None:
-        return config.num_splits
+    if options.OPTIONS.num_splits is not None:
+        return options.OPTIONS.num_splits
     tiles = config.batch * config.num_heads_kv * math.ceil(config.seqlen_q * config.group_size / BLOCK_M)
     if tiles >= 0.8 * NUM_SMS:
         return 1
@@ -231,7 +233,7 @@ def _head_tail(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
 # The wheel's forward handler cannot take cu_seqlens_q with a paged cache: in varlen-q mode it reads the value
 # head dim off v's third dimension (head_size_v = v.dimensions()[2], csrc/flash_attn/flash.cpp), which for a
 # cache [num_pages, page_size, Hkv, D] is Hkv, and its check on differing head dims then refuses head dim 128.
-# So the packed rows run in batch mode, as tiles (kvcache_config.query_tiles): tile n holds up to `size`
+# So the packed rows run in batch mode, as tiles (index.kvcache.query_tiles): tile n holds up to `size`
 # consecutive queries of one sequence, q [N, size, Hq, D] gathered from the packed rows, seqused_q = its
 # query count, its sequence's page-table row, and seqused_k = its last query's position + 1, so that FA3's
 # bottom-right diagonal (seqused_k - seqused_q + i) is each query's position. size x group <= packed_tile_rows()
@@ -249,8 +251,8 @@ def _head_tail(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
 
 def packed_tile_rows(config: KVCacheConfig) -> int:
     """Query rows a packed tile holds: zero_fill_rows() (FA3's 128-row query tile for head dim 128 on the audited
-    wheel), or the tests' smaller one (config.packed_tile_rows)."""
-    return config.packed_tile_rows or zero_fill_rows()
+    wheel), or the tests' smaller one (OPTIONS.packed_tile_rows)."""
+    return options.OPTIONS.packed_tile_rows or zero_fill_rows()
 
 
 def packed_tile(config: KVCacheConfig) -> int:

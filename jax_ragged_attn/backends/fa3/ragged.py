@@ -1,4 +1,4 @@
-"""implementation="fa3": FlashAttention-3's Hopper kernels through the flash-attn3-jax wheel's FFI targets.
+"""FlashAttention-3's wrapper, and its kernels as the flash-attn3-jax wheel provides them (providers.py).
 
 The wheel (`pip install jax_ragged_attn[fa3]`, an optional extra) ships FlashAttention-3 compiled as XLA FFI
 handlers. This module calls those handlers itself (the wheel's own Python wrapper hides the forward's
@@ -28,14 +28,12 @@ wheel as well registers nothing twice. It serves every semantic the op promises 
 - Packed QKV / KV: the parts are sliced out (copies) and autodiff assembles the gradients in the packed shape.
 - deterministic=True: FA3's deterministic backward. strategy: FA3's backward has one intermediate layout,
   sized by the token capacity (strategy="lean_memory"'s), and serves both values. autotune: ignored.
-- Check mode: cu_seqlens are validated by api.apply_check before they reach the kernels (FA3 has no workspace
-  to guard).
+- Check mode: cu_seqlens are validated by features.checks.apply_check before they reach the kernels (FA3 has no
+  workspace to guard).
 
-implementation=None picks FA3 where the shipped policy (policy.py: per GPU and shape class, from measurements)
-has it faster than cuDNN, and with autotune=True where a measurement of the configuration found it faster
-(tuning.py). Declined, with the reason (NotImplementedError for
-implementation="fa3"): head dims other than 128 or Dv != Dqk, float32, a top-left causal / windowed mask
-whose q and kv lengths may differ, no Hopper GPU, the wheel not installed.
+The flash-attn3-jax provider declines, with the reason (providers.py passes it on): head dims other than 128 or
+Dv != Dqk, float32, a top-left causal / windowed mask whose q and kv lengths may differ, no Hopper GPU, the
+wheel not installed.
 """
 
 from __future__ import annotations
@@ -51,7 +49,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from jax_ragged_attn.backends import policy
 from jax_ragged_attn.backends.shared import stats_grad
 from jax_ragged_attn.backends.shared.row_zeroing import zero_unused_rows
 from jax_ragged_attn.config import AttentionConfig
@@ -169,26 +166,14 @@ def alignment_reason(config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv, sequs
     return None
 
 
-def preferred(config: AttentionConfig) -> bool:
-    """Whether implementation=None picks FA3 for a call it can serve: where the shipped policy, measured per GPU
-    and shape class, has it faster than cuDNN (policy.py)."""
-    return policy.prefers_fa3(config)
+# ---- the provider surface (providers.py) -------------------------------------------------------------------
 
-
-# ---- the backend surface (backends/__init__.py) ------------------------------------------------------------
-
-NAME = "fa3"
-READS_INDEX = True  # unsupported_reason proves a top-left mask from the lengths
-
-
-def auto_candidate(config: AttentionConfig) -> bool:
-    """implementation=None considers FA3 where the policy prefers it, or measures it with autotune=True."""
-    return preferred(config) or config.autotune
+NAME = "fa3"  # this module's binding of the kernels (_kernels); the provider is WHEEL
 
 
 def attend(buffers, index, config: AttentionConfig, *, stats=True):
     """(out, stats) of the parts sliced out of packed buffers; autodiff assembles their gradients."""
-    from jax_ragged_attn.backends.shared.packings import TABLE
+    from jax_ragged_attn.index.packings import TABLE
 
     return attention(*TABLE[config.packing].split(buffers), index.cu_seqlens_q, index.cu_seqlens_kv, config,
                      index.seqused)

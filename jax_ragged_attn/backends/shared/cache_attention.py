@@ -16,7 +16,7 @@ entry outside the cache is replaced by page 0 before the gather (no address outs
 its rows are masked: absent keys.
 
 Packed queries (`attend_packed`, q [T, Hq, D] over cu_seqlens_q): the rows are cut into tiles of at most
-QUERY_TILE consecutive queries of one sequence (kvcache_config.query_tiles), and the tiles run as the batch
+QUERY_TILE consecutive queries of one sequence (index.kvcache.query_tiles), and the tiles run as the batch
 of the same recurrence, each reading its own sequence's cache rows (its page-table row, or its slot of a
 contiguous cache, gathered per block). A sequence of n queries reads its cache ceil(n / QUERY_TILE) times
 per block, a decode row once; the rows a step holds stay within the budget, cache rows gathered included.
@@ -29,13 +29,14 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_ragged_attn.backends.shared.kvcache_config import (KVCacheConfig, band, key_band, query_tiles,
-                                                           safe_page_table, valid_pages)
+from jax_ragged_attn.backends.shared import options
+from jax_ragged_attn.config import KVCacheConfig
+from jax_ragged_attn.index.kvcache import band, key_band, query_tiles, safe_page_table, valid_pages
 
 # float32 scores one step may hold ([B, Hq, Sq, rows]); the block's rows follow from it.
 SCORES_BUDGET_BYTES = 256 << 20
 # Packed queries: consecutive queries of one sequence per tile (the module docstring); tests set a smaller one
-# through the private config field query_tile.
+# through OPTIONS.query_tile.
 QUERY_TILE = 16
 
 
@@ -43,8 +44,8 @@ def block_rows(config: KVCacheConfig, row_bytes: int | None = None) -> int:
     """Rows of the cache one step reads: whole pages of a paged cache, at most the capacity. row_bytes: what
     one cache row of a step costs (default its float32 scores, [B, Hq, Sq])."""
     row_bytes = row_bytes or 4 * config.batch * config.num_heads_q * config.seqlen_q
-    # config.block_rows: tests set it small, so that sequences straddle blocks.
-    rows = config.block_rows or SCORES_BUDGET_BYTES // row_bytes
+    # OPTIONS.block_rows: tests set it small, so that sequences straddle blocks.
+    rows = options.OPTIONS.block_rows or SCORES_BUDGET_BYTES // row_bytes
     pages = min(max(rows // config.page_size, 1), config.max_pages)
     return pages * config.page_size if config.paged else min(max(rows, 1), config.capacity)
 
@@ -98,7 +99,7 @@ def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
 def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config: KVCacheConfig):
     """(out [T, Hq, Dv] in q's dtype, lse [Hq, T] float32) of packed queries q [T, Hq, D] (config.packed):
     rows that are no query read out 0 and lse -inf. lengths: clamped cache_seqlens [B]."""
-    tiles = query_tiles(cu_seqlens_q, lengths, config, min(config.query_tile or QUERY_TILE, config.seqlen_q))
+    tiles = query_tiles(cu_seqlens_q, lengths, config, min(options.OPTIONS.query_tile or QUERY_TILE, config.seqlen_q))
     used = tiles.slot_used()  # [N, M]
     first, last = band(tiles.positions(), lengths[tiles.sequence][:, None], config)
     first, last = jnp.where(used, first, 1), jnp.where(used, last, 0)  # no query: an empty band

@@ -19,7 +19,8 @@ import jax
 import numpy as np
 
 from jax_ragged_attn.backends.shared import extension
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig, clamped_lengths, safe_page_table
+from jax_ragged_attn.config import KVCacheConfig
+from jax_ragged_attn.index.kvcache import clamped_lengths, safe_page_table
 
 
 def reference(cache_seqlens: jax.Array, page_table: jax.Array, config: KVCacheConfig) -> tuple[jax.Array, jax.Array]:

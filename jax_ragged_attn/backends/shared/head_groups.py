@@ -21,7 +21,7 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from jax_ragged_attn.backends.shared.packings import TABLE
+from jax_ragged_attn.index.packings import TABLE
 from jax_ragged_attn.config import AttentionConfig
 
 

@@ -26,9 +26,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jax_ragged_attn.backends.shared import cache_attention
-from jax_ragged_attn.backends.shared.kvcache_config import (KVCacheConfig, band, key_band, packed_query_rows,
-                                                           safe_page_table)
+from jax_ragged_attn.backends.shared import cache_attention, options
+from jax_ragged_attn.config import KVCacheConfig
+from jax_ragged_attn.index.kvcache import band, key_band, packed_query_rows, safe_page_table
 
 # head_call(q, k_cache, v_cache, head_lengths, page_table, config, left, right) -> (out [B, Sq, Hq, Dv],
 # lse [B, Hq, Sq]): the kernel bottom-right over head_lengths rows with bounds left / right (None: no bound);
@@ -37,8 +37,8 @@ HeadCall = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 def tail_rows(config: KVCacheConfig, kernel_tail: int) -> int:
-    """The tail a backend splits at: its own `kernel_tail`, or the tests' smaller one (config.tail_rows)."""
-    return config.tail_rows or kernel_tail
+    """The tail a backend splits at: its own `kernel_tail`, or the tests' smaller one (OPTIONS.tail_rows)."""
+    return options.OPTIONS.tail_rows or kernel_tail
 
 
 def window_reason(config: KVCacheConfig, tail: int, kernel: str) -> str | None:

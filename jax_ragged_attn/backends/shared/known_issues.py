@@ -416,11 +416,11 @@ def warn_once() -> None:
 
 def loaded_versions() -> Versions:
     """The versions of the loaded libraries and the GPU's compute capability (None where there is none)."""
-    from jax_ragged_attn.backends.shared import extension
-
+    # The compiled module itself, not extension.py: extension.py warns through this module (warn_once), so
+    # reading the versions through it would make the two import each other.
     try:
-        ext = extension.module()
-    except NotImplementedError:  # no extension: no cuDNN path to fence
+        from jax_ragged_attn import _ext as ext
+    except ImportError:  # no extension: no cuDNN path to fence
         ext = None
     return Versions(cudnn=cudnn_version_tuple(ext.cudnn_version()) if ext else None,
                     cudnn_frontend=tuple(ext.frontend_version) if ext else None,

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from jax_ragged_attn.backends.shared.cache_attention import attend, attend_packed
-from jax_ragged_attn.backends.shared.kvcache_config import KVCacheConfig
+from jax_ragged_attn.config import KVCacheConfig
 
 NAME = "xla"
 

@@ -30,6 +30,7 @@ import warnings
 import jax
 import numpy as np
 
+from jax_ragged_attn.backends.xla import options
 from jax_ragged_attn.config import AttentionConfig
 
 MEMORY_LIMIT_ENV = "JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT"
@@ -39,8 +40,7 @@ MEMORY_LIMIT_ENV = "JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT"
 # runs a scatter-add in order (the CPU), so dQ stays deterministic; two passes elsewhere (a GPU's scatter-add
 # of overlapping rows uses atomics, whose order varies run to run, and the xla path promises bit-identical
 # gradients whatever `deterministic` says). What determinism costs on the H200's W1 (bf16, balanced
-# forward): fwd+bwd 70.5 ms two-pass against 54.6 ms fused. Tests run either through the private config
-# field xla_fused_backward.
+# forward): fwd+bwd 70.5 ms two-pass against 54.6 ms fused. Tests run either through xla/options.py.
 
 # 128 x 128 blocks on a GPU: a step of W1 (32k tokens, 16 heads) holds 256 MiB of float32 scores, small
 # beside an H200, and large enough that a step's matmuls keep the device busy. 64 x 64 on the CPU: with the
@@ -58,9 +58,9 @@ _F32 = 4
 
 
 def fused_backward(config: AttentionConfig) -> bool:
-    """Whether this call's backward runs the fused pass: config.xla_fused_backward (tests), else on a CPU only."""
-    if config.xla_fused_backward is not None:
-        return config.xla_fused_backward
+    """Whether this call's backward runs the fused pass: OPTIONS.xla_fused_backward (tests), else on a CPU only."""
+    if options.OPTIONS.xla_fused_backward is not None:
+        return options.OPTIONS.xla_fused_backward
     return jax.default_backend() == "cpu"
 
 
@@ -222,5 +222,5 @@ def warn_cudnn_fallback(reason: str, config: AttentionConfig) -> None:
         f"backward (blocks {block_q}x{block_kv}, xla_block_size). Pass implementation='xla' to choose it "
         f"explicitly (and silence this), or remove the reason to run cuDNN. Shown once per reason.",
         CudnnFallbackWarning,
-        stacklevel=5,  # warn <- backends.choose <- api.attend <- entry point <- the caller
+        stacklevel=5,  # warn <- backends.choose <- ops.ragged.attend <- entry point <- the caller
     )

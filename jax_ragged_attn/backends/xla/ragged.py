@@ -46,8 +46,11 @@ cannot overflow, so jax.debug_infs / jax.debug_nans stay quiet unless the inputs
 -inf ever produced is the documented stats of rows without keys, and only when stats are returned.
 
 NaN or Inf in a row that is not a real token of some sequence (capacity padding, rows cut by max_seqlen)
-is never read. A non-finite value in a real token reaches its own sequence, and may also reach sequences
-that share a block with it (0 * inf in a tile's matmul); a fused kernel's blocks stay within one sequence.
+is never read. A non-finite value in a real token reaches its own sequence only, as in a fused kernel whose
+tiles never hold two sequences: a tile here may, and an exact 0 weight times NaN is NaN, so the tiles' value
+and gradient operands hold 0 in place of every non-finite entry (_finite), and the rows that entry reaches are
+set to NaN afterwards. In the forward that is every query row whose band holds a non-finite value row; in the
+backward, every gradient row of a sequence with a non-finite input, cotangent or saved output.
 """
 
 from __future__ import annotations
@@ -90,6 +93,8 @@ class _Bands(NamedTuple):
     key_first: jax.Array  # [Tkv] the first query row that attends a key row, Tq when none
     key_last: jax.Array  # [Tkv] the last one, -1 when none
     key_valid: jax.Array  # [Tkv] bool: a real key within max_seqlen_kv (only those rows are ever read)
+    seq_q: jax.Array  # [Tq] each query row's sequence (clamped to the last one for padding rows)
+    seq_kv: jax.Array  # [Tkv] each key row's sequence, likewise
 
 
 def _bands(cu_q, cu_kv, config: AttentionConfig, used_q=None, used_kv=None) -> _Bands:
@@ -105,7 +110,7 @@ def _bands(cu_q, cu_kv, config: AttentionConfig, used_q=None, used_kv=None) -> _
         return 0 if config.diagonal_alignment == "top_left" else lengths_kv[seq] - lengths_q[seq]
 
     seq, pos, valid = row_positions(cu_q, tq, config.max_seqlen_q, used_q)
-    seq = jnp.minimum(seq, last_seq)
+    seq = seq_q = jnp.minimum(seq, last_seq)
     first, last = jnp.zeros_like(pos), lengths_kv[seq] - 1
     if left is not None:
         first = jnp.maximum(first, pos + offset(seq) - left)
@@ -116,7 +121,7 @@ def _bands(cu_q, cu_kv, config: AttentionConfig, used_q=None, used_kv=None) -> _
     last = jnp.where(attends, cu_kv[seq] + last, -1)
 
     seq, pos, key_valid = row_positions(cu_kv, tkv, config.max_seqlen_kv, used_kv)
-    seq = jnp.minimum(seq, last_seq)
+    seq = seq_kv = jnp.minimum(seq, last_seq)
     key_first, key_last = jnp.zeros_like(pos), lengths_q[seq] - 1
     if right is not None:
         key_first = jnp.maximum(key_first, pos - offset(seq) - right)
@@ -125,7 +130,7 @@ def _bands(cu_q, cu_kv, config: AttentionConfig, used_q=None, used_kv=None) -> _
     attended = key_valid & (key_first <= key_last)
     key_first = jnp.where(attended, cu_q[seq] + key_first, tq)
     key_last = jnp.where(attended, cu_q[seq] + key_last, -1)
-    return _Bands(first, last, key_first, key_last, key_valid)
+    return _Bands(first, last, key_first, key_last, key_valid, seq_q, seq_kv)
 
 
 def attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, sinks=None, *,
@@ -135,7 +140,7 @@ def attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig,
 
     sinks: None or [Hq], one logit per query head that joins each row's softmax without a value.
     seqused_q, seqused_kv: None or int32 [B]: sequence b uses only the first seqused[b] rows of its slot.
-    return_stats: None reads config.return_stats (api.attend sets it); False returns stats None, and then no
+    return_stats: None reads config.return_stats (ops.ragged.attend sets it); False returns stats None, and then no
     -inf is computed anywhere; "raw" returns them with 0 instead of -inf on rows without keys.
     block_q, block_kv, memory_limit: override config.xla_block_size / JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT
     (xla_memory.py). Raises WorkingSetTooLargeError (a MemoryError) at trace time when the estimated
@@ -176,6 +181,23 @@ def _steps(first, last, block: int, step: int):
 def _clean(x, rows_ok, dtype=jnp.float32):
     """x in `dtype` with rows that are never attended set to 0: NaN there must not meet a 0 weight."""
     return jnp.where(rows_ok[:, None, None], x, 0).astype(dtype)
+
+
+def _finite(x, rows_ok, dtype=jnp.float32):
+    """_clean, and every non-finite entry set to 0 as well: a tile's masked products (an exact 0 weight times
+    the entry) must not turn NaN for another sequence's rows. The caller sets the rows the entry really reaches
+    to NaN (_nonfinite_rows)."""
+    return jnp.where(rows_ok.reshape(rows_ok.shape + (1,) * (x.ndim - 1)) & jnp.isfinite(x), x, 0).astype(dtype)
+
+
+def _nonfinite_rows(x, rows_ok):
+    """[rows] bool: a row in rows_ok with a non-finite entry."""
+    return rows_ok & ~jnp.all(jnp.isfinite(x).reshape(x.shape[0], -1), axis=1)
+
+
+def _poison(x, rows):
+    """x with the rows marked in `rows` ([len(x)] bool) set to NaN."""
+    return jnp.where(rows.reshape(rows.shape + (1,) * (x.ndim - 1)), jnp.nan, x)
 
 
 def _dot(plan, spec, a, b):
@@ -279,7 +301,8 @@ def _forward(plan: _Plan, q, k, v, sinks, bands: _Bands):
     row_shape = (c.num_heads_kv, c.group_size, bq)  # one block's state rows, as the tiles' matmuls lay them out
     q_tiles = _query_blocks(plan, _clean(q, bands.first <= bands.last, plan.operand))
     q_tiles = q_tiles.reshape(n, bq, c.num_heads_kv, c.group_size, c.head_dim_qk)
-    k_clean, v_clean = (_clean(x, bands.key_valid, plan.operand) for x in (k, v))
+    # Keys need no such care: a masked score is replaced (jnp.where), never multiplied by 0. Values are.
+    k_clean, v_clean = _clean(k, bands.key_valid, plan.operand), _finite(v, bands.key_valid, plan.operand)
     key_tile = _key_tiles(plan, k_clean, v_clean, first, last, low)
 
     def tile(block, r, valid, state, side):
@@ -309,7 +332,20 @@ def _forward(plan: _Plan, q, k, v, sinks, bands: _Bands):
     safe_sum = jnp.where(attends, row_sum, 1.0)
     out = jnp.where(attends[..., None], acc / safe_sum[..., None], 0.0)
     lse = jnp.where(attends, row_max + jnp.log(safe_sum), 0.0)
-    return _heads_last(out)[:c.capacity_q], _heads_last(lse)[:c.capacity_q]
+    out = _heads_last(out)[:c.capacity_q]
+    return _poison_value_bands(out, v, bands, c), _heads_last(lse)[:c.capacity_q]
+
+
+def _poison_value_bands(out, v, bands: _Bands, c: AttentionConfig):
+    """out [Tq, Hq, Dv] with NaN in each (row, head) whose band holds a value row with a non-finite entry in
+    that head's kv head: counted with a prefix sum over the key rows, since a band is an interval."""
+    bad = (bands.key_valid[:, None] & ~jnp.all(jnp.isfinite(v), axis=-1)).astype(jnp.int32)  # [Tkv, Hkv]
+    before = jnp.concatenate([jnp.zeros((1, c.num_heads_kv), jnp.int32), jnp.cumsum(bad, axis=0)])
+    first = jnp.clip(bands.first, 0, c.capacity_kv)
+    after_last = jnp.clip(bands.last + 1, 0, c.capacity_kv)
+    reached = (bands.first <= bands.last)[:, None] & (before[after_last] - before[first] > 0)  # [Tq, Hkv]
+    reached = jnp.repeat(reached, c.group_size, axis=1)  # query heads are grouped by kv head
+    return jnp.where(reached[..., None], jnp.nan, out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -329,17 +365,25 @@ def _attention_bwd(plan: _Plan, residuals, cotangents):
     q, k, v, sinks, bands, out, lse = residuals
     d_out, d_lse = cotangents
     attends = bands.first <= bands.last
+    attended = bands.key_first <= bands.key_last
+    # A sequence with a non-finite input, cotangent or saved output gets NaN in all its gradient rows; the
+    # tiles see 0 in place of each such entry, so no other sequence's rows do (the module docstring).
     # Cotangents of rows without keys are ignored (they may hold anything, NaN included).
-    d_out = _clean(d_out, attends)
-    d_lse = jnp.where(attends[:, None], d_lse, 0.0)
+    bad_q = (_nonfinite_rows(q, attends) | _nonfinite_rows(d_out, attends) | _nonfinite_rows(out, attends)
+             | _nonfinite_rows(d_lse, attends) | _nonfinite_rows(lse, attends))
+    bad_kv = _nonfinite_rows(k, bands.key_valid) | _nonfinite_rows(v, bands.key_valid)
+    bad_seq = (jnp.zeros(c.num_seqs, bool).at[bands.seq_q].max(bad_q).at[bands.seq_kv].max(bad_kv))
+    d_out = _finite(d_out, attends)
+    d_lse = _finite(d_lse, attends)
+    out, lse = _finite(out, attends), _finite(lse, attends)
     # dS = P * (dP - delta) with delta = rowsum(dO * O) - d_lse: the stats cotangent enters here only,
     # since d lse_i / d s_ij = p_ij.
     delta = jnp.sum(d_out * out, axis=-1) - d_lse  # [Tq, Hq]
     # The tiles' operands in the matmul dtype (float32, or the bfloat16 / float16 inputs' own).
     d_out = d_out.astype(plan.operand)
-    q_clean = _clean(q, attends, plan.operand)
-    k_clean = _clean(k, bands.key_valid, plan.operand)
-    v_clean = _clean(v, bands.key_valid, plan.operand)
+    q_clean = _finite(q, attends, plan.operand)
+    k_clean = _finite(k, bands.key_valid, plan.operand)
+    v_clean = _finite(v, bands.key_valid, plan.operand)
 
     if xla_memory.fused_backward(c):
         d_k, d_v, d_q = _dkv_pass(plan, q_clean, k_clean, v_clean, d_out, lse, delta, bands, with_dq=True)
@@ -350,7 +394,10 @@ def _attention_bwd(plan: _Plan, residuals, cotangents):
     if sinks is not None:
         # The sink is a logit without a value: d sink = sum_i p_sink,i * (d_lse_i - rowsum(dO * O)_i).
         logit = jnp.where(attends[:, None], sinks.astype(jnp.float32)[None, :] - lse, _MASKED)
-        d_sinks = -jnp.sum(jnp.exp(logit) * delta, axis=0).astype(sinks.dtype)
+        d_sinks = -jnp.sum(jnp.exp(logit) * delta, axis=0)
+        d_sinks = jnp.where(jnp.any(bad_seq), jnp.nan, d_sinks).astype(sinks.dtype)  # every sequence reaches it
+    d_q = _poison(d_q, attends & bad_seq[bands.seq_q])
+    d_k, d_v = (_poison(x, attended & bad_seq[bands.seq_kv]) for x in (d_k, d_v))
     return (d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_sinks,
             jax.tree.map(lambda _: None, bands))
 
@@ -552,7 +599,7 @@ def unsupported_reason(config: AttentionConfig) -> str | None:
 
 def attend(buffers, index, config: AttentionConfig, *, stats=True):
     """(out, stats) of the parts sliced out of packed buffers; autodiff assembles their gradients."""
-    from jax_ragged_attn.backends.shared.packings import TABLE
+    from jax_ragged_attn.index.packings import TABLE
 
     return attention_xla(*TABLE[config.packing].split(buffers), index.cu_seqlens_q, index.cu_seqlens_kv, config,
                          return_stats=stats, seqused_q=index.seqused_q, seqused_kv=index.seqused_kv)

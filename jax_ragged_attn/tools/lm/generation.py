@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_ragged_attn.inputs.kvcache import kvcache_append, ragged_attention_with_kvcache
+from jax_ragged_attn.ops.kvcache import kvcache_append, ragged_attention_with_kvcache
 from jax_ragged_attn.tools.lm.model import ByteLM, Setup, split_heads
 
 PAGE_SIZE = 64  # cache rows per page

@@ -44,7 +44,7 @@ from flax import nnx
 from jax_ragged_attn import backends
 from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.index import row_positions
-from jax_ragged_attn.inputs.kvcache import kvcache_append, kvcache_config, ragged_attention_with_kvcache
+from jax_ragged_attn.ops.kvcache import kvcache_append, kvcache_config, ragged_attention_with_kvcache
 from jax_ragged_attn.tools.lm.generation import empty_caches, generate
 from jax_ragged_attn.tools.lm.model import ByteLM, Setup, split_heads
 

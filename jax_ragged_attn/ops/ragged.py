@@ -1,14 +1,14 @@
-"""The public entry point: features composed around one backend call.
+"""ragged_attention: the features composed around one backend call.
 
 Every entry point (this one, inputs/packed.py, inputs/segments.py, parallel/sharding.py, ...) builds an
 `AttentionOptions` from its keywords first thing and hands the buffers to `attend`, which runs, in order:
 
-    index arrays made int32, one RaggedIndex     (index.py)
+    index arrays made int32, one RaggedIndex     (index/)
     the static config, validated                  (config.py)
     the bottom-right mask run as top-left         (features/bottom_right.py)
     check mode, or host-side warnings             (features/checks.py)
     the backend the registry picks                (backends/__init__.py: cuDNN, FlashAttention-3, xla)
-    sinks: folded into the backend or an epilogue (features/sinks.py)
+    sinks: folded into the backend or an epilogue (features/sinks.py, through ops/common.py)
     overflow counts                               (features/overflow.py)
 """
 
@@ -17,18 +17,15 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from jax_ragged_attn import backends
-from jax_ragged_attn.backends.shared.packings import TABLE
 from jax_ragged_attn.config import AttentionConfig, AttentionOptions, make_config
 from jax_ragged_attn.features.bottom_right import as_top_left
 from jax_ragged_attn.features.checks import apply_check
 from jax_ragged_attn.features.keyword_hints import reject_unknown_keywords
 from jax_ragged_attn.features.overflow import cu_seqlens_overflow
-from jax_ragged_attn.features.sinks import apply_sinks
 from jax_ragged_attn.index import RaggedIndex, as_int32
+from jax_ragged_attn.index.packings import TABLE
+from jax_ragged_attn.ops import common
 
 
 def ragged_attention(
@@ -57,6 +54,7 @@ def ragged_attention(
     seqused_kv: jax.Array | None = None,
     softcap: float | None = None,
     xla_block_size: int | tuple[int, int] | None = None,
+    fa3_provider: str | None = None,
     **unknown,
 ):
     """Scaled dot-product attention over sequences packed into one token buffer (the THD / varlen layout).
@@ -83,19 +81,19 @@ def ragged_attention(
         (below) are the only inf the op computes, so jax.debug_infs reports them; jax.debug_nans never
         fires, and with return_stats=False neither does jax.debug_infs (unless the inputs hold inf/NaN).
       implementation: None chooses per call by the policy shipped in backends/policy.py: FlashAttention-3
-        where an optional FA3 wheel (dew-flash-attn, else flash-attn3-jax) is installed and serves the call,
-        the GPU is a Hopper and the call has at least 1,024 tokens a sequence (capacity Tq / B), cuDNN below
-        that or where FA3 cannot serve the call, and "xla" where no GPU kernel can (with a warning on a GPU).
-        autotune=True times cuDNN against that FA3 build instead of applying the threshold; the environment
-        variable JAX_RAGGED_ATTN_IMPLEMENTATION ("cudnn", "fa3", "dew" or "xla") pins one for every call it
-        can serve. "cudnn" and "fa3" raise NotImplementedError
-        saying why where they cannot serve the call (FA3: Hopper, bfloat16 / float16, head dim 128, no
-        softcap; backends/fa3/ragged.py); "xla" is the portable jnp implementation and serves every call.
-        "dew" runs FA3's kernels as the optional dew-flash-attn wheel builds them (head dims 64, 128, 192,
-        256; no softcap, no deterministic backward; backends/fa3/dew.py); where it is installed,
-        implementation=None takes it before the flash-attn3-jax wheel's FA3 (measured faster) and at every
-        head dim it serves. A sequence longer than max_seqlen (which check=True rejects; cut otherwise) costs
-        dew, without seqused, up to that sequence's uncut attention.
+        where an optional FA3 wheel is installed and serves the call, the GPU is a Hopper and the call has at
+        least 1,024 tokens a sequence (capacity Tq / B), cuDNN below that or where FA3 cannot serve the call,
+        and "xla" where no GPU kernel can (with a warning on a GPU). autotune=True times cuDNN against FA3
+        instead of applying the threshold; the environment variable JAX_RAGGED_ATTN_IMPLEMENTATION ("cudnn",
+        "fa3" or "xla") pins one for every call it can serve. "cudnn" and "fa3" raise NotImplementedError
+        saying why where they cannot serve the call; "xla" is the portable jnp implementation and serves every
+        call. "fa3" runs FlashAttention-3's kernels from fa3_provider's wheel (backends/fa3/providers.py).
+      fa3_provider: whose FlashAttention-3 kernels "fa3" runs: "dew-flash-attn" (head dims 64, 128, 192, 256;
+        no softcap, no deterministic backward; backends/fa3/dew.py), "flash-attn3-jax" (head dim 128, no
+        softcap; backends/fa3/ragged.py), or None: the first of the two that is installed and serves the call
+        (dew-flash-attn's measured faster). Both need a Hopper GPU and bfloat16 / float16. A sequence longer
+        than max_seqlen (which check=True rejects; cut otherwise) costs dew-flash-attn, without seqused, up to
+        that sequence's uncut attention.
       deterministic: run cuDNN's deterministic backward, so dQ/dK/dV are bit-identical run to run (it keeps
         dP in a dense workspace: slower and much more memory). The xla path is deterministic anyway.
       check: validate cu_seqlens at run time (start at 0, never decrease, stay within the capacity, no
@@ -155,7 +153,8 @@ def ragged_attention(
                                local_window_size=local_window_size, stats_layout=stats_layout,
                                return_stats=return_stats, implementation=implementation,
                                deterministic=deterministic, check=check, autotune=autotune,
-                               strategy=strategy, softcap=softcap, xla_block_size=xla_block_size)
+                               strategy=strategy, softcap=softcap, xla_block_size=xla_block_size,
+                               fa3_provider=fa3_provider)
     return attend((q, k, v), cu_seqlens_q, cu_seqlens_kv, options, max_seqlen_q=max_seqlen_q,
                   max_seqlen_kv=max_seqlen_kv, sinks=sinks, return_overflow=return_overflow, seqused_q=seqused_q,
                   seqused_kv=seqused_kv)
@@ -169,7 +168,7 @@ def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOption
     A backend that reads packed buffers in place (cuDNN) returns their gradients in their own layout; the
     others slice the parts out and let autodiff assemble the gradients (correct everywhere, with copies).
     """
-    buffers = tuple(_as_array(x, b.name) for x, b in zip(buffers, TABLE[packing].buffers))
+    buffers = tuple(common.as_array(x) for x, _ in zip(buffers, TABLE[packing].buffers))
     q, k, v = TABLE[packing].views(buffers)
     same = cu_seqlens_q is cu_seqlens_kv  # one array for both (qkv-packed, segments): checked once
     cu_seqlens_q = as_int32(cu_seqlens_q, "cu_seqlens" if same and packing == "qkv" else "cu_seqlens_q")
@@ -190,22 +189,22 @@ def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOption
     # Sinks need the stats' gradient where they are an epilogue; without returned stats a backend with
     # attend_with_sinks folds them into its plain backward instead. Every backend that can decline a stats
     # gradient (stats_gradient_unsupported: cuDNN) folds, so only returned stats make them ask it.
-    backend = backends.choose(options.implementation, inner, index,
-                              stats_gradient=sinks is not None and options.return_stats)
+    backend = common.choose("ragged", options, inner, index, stats_gradient=sinks is not None and options.return_stats)
     folds_sinks = sinks is not None and not options.return_stats and hasattr(backend, "attend_with_sinks")
     if folds_sinks:
         out, stats = backend.attend_with_sinks(buffers, index, sinks, inner), None
     else:
         wanted = "raw" if sinks is not None and not options.return_stats else options.return_stats
         out, stats = backend.attend(buffers, index, inner, stats=wanted)  # False: no -inf computed (debug_infs)
-    if sinks is not None and not folds_sinks:
-        out, stats = apply_sinks(out, stats, sinks, index.real_rows_q(config), index.rows_with_keys(config),
-                                 config.stats_layout, options.return_stats)
-    result = (out, stats) if options.return_stats else (out,)
+    overflow = ()
     if return_overflow:  # from the cu_seqlens as the caller passed them (checked ones are the same values)
-        result += (cu_seqlens_overflow(index.cu_seqlens_q, index.cu_seqlens_kv, config, same=index.same,
-                                       seqused=index.seqused),)
-    return result if len(result) > 1 else out
+        overflow = (cu_seqlens_overflow(index.cu_seqlens_q, index.cu_seqlens_kv, config, same=index.same,
+                                        seqused=index.seqused),)
+    epilogue = sinks is not None and not folds_sinks
+    return common.result(out, stats, sinks if epilogue else None,
+                         index.real_rows_q(config) if epilogue else None,
+                         index.rows_with_keys(config) if epilogue else None,
+                         config.stats_layout, options.return_stats, overflow)
 
 
 def _check_keywords_only(positional: tuple, max_seqlen_q, max_seqlen_kv) -> None:
@@ -218,12 +217,6 @@ def _check_keywords_only(positional: tuple, max_seqlen_q, max_seqlen_kv) -> None
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
         if value is None:  # None is the default only so that a positional call reaches the TypeError above
             raise ValueError(f"{name} is required (keyword-only): a static Python int >= 1, got None")
-
-
-def _as_array(x, name: str):
-    """NumPy arrays as jnp.asarray makes them, the way jax.nn.dot_product_attention takes them: float64 becomes
-    float32 unless jax_enable_x64 is on. Anything else as it is (make_config names what it cannot take)."""
-    return jnp.asarray(x) if isinstance(x, np.ndarray) else x
 
 
 def _seqused(seqused, name: str, config: AttentionConfig):

@@ -1,4 +1,4 @@
-"""What every KV-cache backend shares: the static description of one decode call, and its index arithmetic.
+"""The index arithmetic of a KV-cache call (config.KVCacheConfig), shared by the op and every backend.
 
 A call attends B sequences' newest Sq queries to their cache. Sequence b uses rows 0 .. len[b] - 1 of its
 cache (len = cache_seqlens clamped into [0, capacity]); query i sits at position len[b] - Sq + i, the
@@ -34,63 +34,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_ragged_attn.config import MaskedConfig
+from jax_ragged_attn.config import KVCacheConfig
 from jax_ragged_attn.index import row_positions, sanitize_cu_seqlens, sequence_lengths
-
-
-# The routes a test may pin (KVCacheConfig.route): cuDNN's two, FA3's head / tail split.
-PINNED_ROUTES = ("paged", "ragged", "head_tail")
-
-
-@dataclasses.dataclass(frozen=True)
-class KVCacheConfig(MaskedConfig):
-    """Shapes and options of one ragged_attention_with_kvcache call (hashable: a nondiff argument)."""
-
-    batch: int  # B
-    seqlen_q: int  # Sq: each sequence's newest queries
-    num_heads_q: int
-    num_heads_kv: int
-    head_dim_qk: int
-    head_dim_v: int
-    dtype: str  # numpy name
-    paged: bool
-    page_size: int  # paged: rows per page; contiguous: L (one "page" per sequence)
-    num_pages: int  # paged: pages in the cache; contiguous: B
-    max_pages: int  # paged: page_table.shape[1]; contiguous: 1
-    scale: float
-    is_causal: bool
-    window_left: int | None  # keys at most this far left of the query's position; None: no limit
-    window_right: int | None  # at most this far right; None: no limit
-    has_sinks: bool = False  # sinks are an epilogue of the op layer: backends never see them
-    softcap: float = 0.0  # scores become softcap * tanh(score / softcap) before the softmax; 0: no cap
-    total_q: int = 0  # packed queries: q [T, Hq, D] over cu_seqlens_q, seqlen_q being max_seqlen_q; 0: [B, Sq]
-    # For tests and benchmarks only, set through testing.config_overrides (no keyword reaches them); None: the
-    # backend decides. route: a kernel's route, "paged" / "ragged" on cuDNN (cudnn/kvcache.py), "head_tail" on
-    # FA3 (fa3/kvcache.py), each backend ignoring the other's; block_rows: the xla path's cache rows a step
-    # (shared/cache_attention.py); num_splits: FA3's key splits (fa3/kvcache.py num_splits); tail_rows: the
-    # head / tail split's tail on FA3 and cuDNN (their TAIL; tests make it small so that heads and tails both
-    # carry keys); query_tile: the xla path's queries a packed tile (cache_attention.QUERY_TILE);
-    # packed_tile_rows: FA3's query rows a packed tile (fa3/kvcache.py packed_tile_rows).
-    route: str | None = None
-    block_rows: int | None = None
-    num_splits: int | None = None
-    tail_rows: int | None = None
-    query_tile: int | None = None
-    packed_tile_rows: int | None = None
-
-    def __post_init__(self):
-        if self.route not in (None, *PINNED_ROUTES):
-            raise ValueError(f"route must be None or one of {PINNED_ROUTES}, got {self.route!r}")
-
-    @property
-    def capacity(self) -> int:
-        """Rows a sequence can hold: L, or max_pages * page_size."""
-        return self.max_pages * self.page_size
-
-    @property
-    def packed(self) -> bool:
-        """q is [T, Hq, D] with cu_seqlens_q (the module docstring), not [B, Sq, Hq, D]."""
-        return self.total_q > 0
 
 
 def clamped_lengths(cache_seqlens: jax.Array, config: KVCacheConfig) -> jax.Array:

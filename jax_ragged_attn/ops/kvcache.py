@@ -11,11 +11,10 @@ Packed (a serving step: prefill chunks and decode rows of any length in one call
                                         max_seqlen_q=M, page_table=page_table)   # q, out [T, Hq, D]
 
 The caches are contiguous [B, L, Hkv, D] or paged [num_pages, page_size, Hkv, D] with an integer page table
-[B, max_pages]; backends/shared/kvcache_config.py spells out how rows map to memory. This module validates the
-arguments with the checks ragged_attention runs (config.check_heads, AttentionOptions), runs check mode
-(features/checks.py), picks the backend from the registry (backends.KVCACHE: FlashAttention-3, cuDNN over a
-contiguous cache, xla), and applies what every backend shares once: rows without keys (out 0, stats -inf),
-sinks (features/sinks.py's epilogue) and the stats layout.
+[B, max_pages]; index/kvcache.py spells out how rows map to memory. This module validates the arguments
+with the checks ragged_attention runs (config.check_heads, AttentionOptions), runs check mode
+(features/checks.py), picks the backend from the registry (FlashAttention-3, cuDNN, xla) and applies what every
+backend shares once: rows without keys (out 0, stats -inf), sinks (ops/common.py) and the stats layout.
 """
 
 from __future__ import annotations
@@ -28,13 +27,12 @@ import numpy as np
 
 from jax_ragged_attn import backends
 from jax_ragged_attn.backends.shared.cache_index import safe_cache_index
-from jax_ragged_attn.backends.shared.kvcache_config import (KVCacheConfig, clamped_lengths, packed_query_rows,
-                                                           packed_rows_with_keys, rows_with_keys)
-from jax_ragged_attn.config import AttentionOptions, _static_int, check_array, check_heads, masked_fields
+from jax_ragged_attn.config import AttentionOptions, KVCacheConfig, _static_int, check_array, check_heads, masked_fields
 from jax_ragged_attn.features import keyword_hints
 from jax_ragged_attn.features.checks import apply_append_check, apply_cache_check
-from jax_ragged_attn.features.sinks import apply_sinks
 from jax_ragged_attn.index import as_int32, row_positions, sanitize_cu_seqlens
+from jax_ragged_attn.index.kvcache import clamped_lengths, packed_query_rows, packed_rows_with_keys, rows_with_keys
+from jax_ragged_attn.ops import common
 
 
 def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, cu_seqlens_q=None, max_seqlen_q=None,
@@ -94,7 +92,7 @@ def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, cu_seql
     options = AttentionOptions(scale=scale, is_causal=is_causal, local_window_size=local_window_size,
                                stats_layout=stats_layout, return_stats=return_stats, implementation=implementation,
                                check=check, softcap=softcap)
-    q, k_cache, v_cache = (jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in (q, k_cache, v_cache))
+    q, k_cache, v_cache = (common.as_array(x) for x in (q, k_cache, v_cache))
     cache_seqlens = as_int32(cache_seqlens, "cache_seqlens")
     page_table = None if page_table is None else as_int32(page_table, "page_table")
     cu_seqlens_q = None if cu_seqlens_q is None else as_int32(cu_seqlens_q, "cu_seqlens_q")
@@ -102,7 +100,7 @@ def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, cu_seql
                             cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
     cache_seqlens, page_table, cu_seqlens_q = apply_cache_check(options.check, config, cache_seqlens, page_table,
                                                                 cu_seqlens_q)
-    backend = backends.choose(options.implementation, config, None, op="kvcache")
+    backend = common.choose("kvcache", options, config, None)
     cache_seqlens = jnp.asarray(cache_seqlens)
     page_table = None if page_table is None else jnp.asarray(page_table)
     if page_table is not None and getattr(backend, "READS_TABLE_UNCHECKED", False):
@@ -121,13 +119,13 @@ def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, cu_seql
         real = jnp.ones_like(keys)
     if not getattr(backend, "zeroes_rows_without_keys", lambda config: False)(config):
         out = jnp.where(keys[..., None, None], out, jnp.zeros((), out.dtype))
-    if sinks is not None:  # the epilogue ragged_attention runs, on the rows and head-major stats
-        out, stats = apply_sinks(out, lse, sinks, real, keys, "head_major", options.return_stats)
-    else:
-        stats = jnp.where(keys[..., None, :], lse, -jnp.inf) if options.return_stats else None
-    if not options.return_stats:
-        return out
-    return out, (jnp.swapaxes(stats, -1, -2) if options.stats_layout == "token_major" else stats)
+    if sinks is None and options.return_stats:
+        lse = jnp.where(keys[..., None, :], lse, -jnp.inf)
+    result = common.result(out, lse, sinks, real, keys, "head_major", options.return_stats)
+    if options.return_stats and options.stats_layout == "token_major":
+        out, stats = result
+        return out, jnp.swapaxes(stats, -1, -2)
+    return result
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
