@@ -13,9 +13,16 @@
 #include <string>
 #include <tuple>
 
+#include "xla/ffi/api/ffi.h"
+
 namespace jax_ragged_attn {
 
 enum class DType : int64_t { kBFloat16 = 0, kFloat16 = 1 };
+
+// The buffers' element type for a DType value (the dtype field of this and the paged configuration).
+inline xla::ffi::DataType element_type(int64_t dtype) {
+  return dtype == static_cast<int64_t>(DType::kFloat16) ? xla::ffi::DataType::F16 : xla::ffi::DataType::BF16;
+}
 
 // How q, k and v lie in memory. Packed layouts are the fused projections' outputs, read (and their
 // gradients written) in place through strides: no split, no concatenate.
@@ -37,30 +44,30 @@ enum class ZeroOutputs : int64_t {
 
 // X(type, name, default, label in describe(), value names in describe(): "a|b|c" for 0, 1, 2; "" prints
 // the number). The order is the attribute order Python builds and the order of the struct's members.
-#define JAX_RAGGED_ATTN_CONFIG_FIELDS(X)                                                                       \
-  X(int64_t, num_seqs, 0, "B", "")                                                                             \
-  X(int64_t, capacity_q, 0, "Tq", "")  /* rows of q, padding included */                                       \
-  X(int64_t, capacity_kv, 0, "Tkv", "")                                                                        \
-  X(int64_t, num_heads_q, 0, "Hq", "")                                                                         \
-  X(int64_t, num_heads_kv, 0, "Hkv", "")                                                                       \
-  X(int64_t, head_dim_qk, 0, "Dqk", "")                                                                        \
-  X(int64_t, head_dim_v, 0, "Dv", "")                                                                          \
-  X(int64_t, max_seqlen_q, 0, "max_seqlen_q", "")                                                              \
-  X(int64_t, max_seqlen_kv, 0, "max_seqlen_kv", "")                                                            \
-  X(int64_t, dtype, 0, "dtype", "bfloat16|float16") /* DType */                                                \
-  X(float, scale, 1.0f, "scale", "")                                                                           \
+#define JAX_RAGGED_ATTN_CONFIG_FIELDS(X)                                                                         \
+  X(int64_t, num_seqs, 0, "B", "")                                                                               \
+  X(int64_t, capacity_q, 0, "Tq", "") /* rows of q, padding included */                                          \
+  X(int64_t, capacity_kv, 0, "Tkv", "")                                                                          \
+  X(int64_t, num_heads_q, 0, "Hq", "")                                                                           \
+  X(int64_t, num_heads_kv, 0, "Hkv", "")                                                                         \
+  X(int64_t, head_dim_qk, 0, "Dqk", "")                                                                          \
+  X(int64_t, head_dim_v, 0, "Dv", "")                                                                            \
+  X(int64_t, max_seqlen_q, 0, "max_seqlen_q", "")                                                                \
+  X(int64_t, max_seqlen_kv, 0, "max_seqlen_kv", "")                                                              \
+  X(int64_t, dtype, 0, "dtype", "bfloat16|float16") /* DType */                                                  \
+  X(float, scale, 1.0f, "scale", "")                                                                             \
   X(float, softcap, 0.0f, "softcap", "") /* > 0: scores capped to softcap * tanh(s / softcap); 0: no cap */      \
-  X(int64_t, bottom_right, 0, "alignment", "top_left|bottom_right") /* the diagonal's alignment */             \
-  X(int64_t, left_bound, -1, "left_bound", "")   /* keys at most this far left of the diagonal; -1 unbounded */ \
+  X(int64_t, bottom_right, 0, "alignment", "top_left|bottom_right") /* the diagonal's alignment */               \
+  X(int64_t, left_bound, -1, "left_bound", "")   /* keys at most this far left of the diagonal; -1 unbounded */  \
   X(int64_t, right_bound, -1, "right_bound", "") /* keys at most this far right of the diagonal; -1 unbounded */ \
-  X(int64_t, stats_token_major, 0, "stats", "head_major|token_major") /* stats [H, T] or [T, H] */             \
-  /* backward: bound the ragged intermediates by the capacities */                                             \
-  X(int64_t, use_max_total_seq_len, 1, "max_total_seq_len", "unset|capacity")                                  \
-  X(int64_t, deterministic, 0, "deterministic", "") /* backward: cuDNN's deterministic algorithm */            \
-  X(int64_t, plan_index, -1, "plan", "") /* which of cuDNN's candidate plans runs; -1: the heuristic's first */ \
-  X(int64_t, packing, 0, "packing", "none|kv|qkv") /* Packing */                                             \
+  X(int64_t, stats_token_major, 0, "stats", "head_major|token_major") /* stats [H, T] or [T, H] */               \
+  /* backward: bound the ragged intermediates by the capacities */                                               \
+  X(int64_t, use_max_total_seq_len, 1, "max_total_seq_len", "unset|capacity")                                    \
+  X(int64_t, deterministic, 0, "deterministic", "") /* backward: cuDNN's deterministic algorithm */              \
+  X(int64_t, plan_index, -1, "plan", "") /* which of cuDNN's candidate plans runs; -1: the heuristic's first */  \
+  X(int64_t, packing, 0, "packing", "none|kv|qkv") /* Packing */                                                 \
   /* how rows the graph does not own come to read 0 (ZeroOutputs), done by the handler before the graph runs. */ \
-  /* Not part of the graph: one cached graph serves every value (graph_cache.cc's cached_graph). */             \
+  /* Not part of the graph: one cached graph serves every value (graph_cache.cc's cached_graph). */              \
   X(int64_t, zero_outputs, 0, "zero_outputs", "no|all|unowned|poisoned") /* ZeroOutputs */
 
 // The attribute type Python must pass for a field's C++ type (jax.ffi attributes are typed); a field of
@@ -68,9 +75,13 @@ enum class ZeroOutputs : int64_t {
 template <typename T>
 constexpr const char* attribute_type();
 template <>
-constexpr const char* attribute_type<int64_t>() { return "int64"; }
+constexpr const char* attribute_type<int64_t>() {
+  return "int64";
+}
 template <>
-constexpr const char* attribute_type<float>() { return "float32"; }
+constexpr const char* attribute_type<float>() {
+  return "float32";
+}
 
 struct ConfigField {
   const char* name;
@@ -118,13 +129,22 @@ struct AttentionConfig {
   bool operator==(const AttentionConfig& other) const { return key() == other.key(); }
   bool operator<(const AttentionConfig& other) const { return key() < other.key(); }
 
+  // Calls f(name, field) for every field of `self` (const or not), in order: the Python-dict decoding
+  // (module.cc) is written once for this and the paged configuration.
+  template <typename Self, typename F>
+  static void for_each_field(Self& self, F&& f) {
+#define JAX_RAGGED_ATTN_FIELD_VISIT(type, name, default_value, label, names) f(#name, self.name);
+    JAX_RAGGED_ATTN_CONFIG_FIELDS(JAX_RAGGED_ATTN_FIELD_VISIT)
+#undef JAX_RAGGED_ATTN_FIELD_VISIT
+  }
+
   // "B=2 Tq=128 ... packing=none": every field, for error messages.
   std::string describe() const {
     std::ostringstream s;
     const char* separator = "";
 #define JAX_RAGGED_ATTN_FIELD_DESCRIBE(type, name, default_value, label, names) \
-  s << separator << label << "=";                                              \
-  internal::describe_value(s, name, names);                                    \
+  s << separator << label << "=";                                               \
+  internal::describe_value(s, name, names);                                     \
   separator = " ";
     JAX_RAGGED_ATTN_CONFIG_FIELDS(JAX_RAGGED_ATTN_FIELD_DESCRIBE)
 #undef JAX_RAGGED_ATTN_FIELD_DESCRIBE

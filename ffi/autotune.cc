@@ -21,10 +21,11 @@ Fn cudart(const char* name) {
 }
 
 // Returns from the enclosing function with the runtime's name and description of a failed call's status.
-#define CUDA_OK(call, what)                                                     \
-  if (const cudaError_t cuda_status = (call); cuda_status == cudaSuccess) {    \
-  } else                                                                        \
-    return ErrorStream(xla::ffi::ErrorCode::kInternal) << "autotuning: " << what << ": " << cuda_error_string(cuda_status)
+#define CUDA_OK(call, what)                                                 \
+  if (const cudaError_t cuda_status = (call); cuda_status == cudaSuccess) { \
+  } else                                                                    \
+    return ErrorStream(xla::ffi::ErrorCode::kInternal)                      \
+           << "autotuning: " << what << ": " << cuda_error_string(cuda_status)
 
 // Device memory freed on every path out.
 class Scratch {
@@ -82,12 +83,11 @@ xla::ffi::Error variant_pack(Scratch& scratch, const AttentionConfig& c, bool fo
     int64_t capacity, token_stride, part_offset, elem_size;
   };
   const int64_t o_stride = c.num_heads_q * c.head_dim_v;
-  std::vector<Spec> tensors = {
-      {TensorUid::kQ, c.capacity_q, q_token_stride(c), 0, io},
-      {TensorUid::kK, c.capacity_kv, k_token_stride(c), k_part_offset(c), io},
-      {TensorUid::kV, c.capacity_kv, v_token_stride(c), v_part_offset(c), io},
-      {TensorUid::kO, c.capacity_q, o_stride, 0, io},
-      {TensorUid::kStats, c.capacity_q, c.num_heads_q, 0, 4}};
+  std::vector<Spec> tensors = {{TensorUid::kQ, c.capacity_q, q_token_stride(c), 0, io},
+                               {TensorUid::kK, c.capacity_kv, k_token_stride(c), k_part_offset(c), io},
+                               {TensorUid::kV, c.capacity_kv, v_token_stride(c), v_part_offset(c), io},
+                               {TensorUid::kO, c.capacity_q, o_stride, 0, io},
+                               {TensorUid::kStats, c.capacity_q, c.num_heads_q, 0, 4}};
   if (!forward) {
     tensors.insert(tensors.end(), {{TensorUid::kDO, c.capacity_q, o_stride, 0, io},
                                    {TensorUid::kDQ, c.capacity_q, q_token_stride(c), 0, io},

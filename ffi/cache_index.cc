@@ -1,4 +1,4 @@
-// A handler for the KV-cache index clamp (row_zeroing.cu): what a kernel that reads a cache's lengths and page
+// A handler for the KV-cache index clamp (own_kernels.cu): what a kernel that reads a cache's lengths and page
 // table without bounds (FlashAttention-3's kvcache kernel, backends/fa3/kvcache.py) is given, made safe in one
 // launch instead of two XLA fusions.
 //
@@ -10,7 +10,7 @@
 #include <cuda_runtime_api.h>
 
 #include "check.h"
-#include "row_zeroing.h"
+#include "own_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -25,9 +25,9 @@ ffi::Error clamp_cache_index_impl(cudaStream_t stream, int32_t device, ffi::Buff
             table_out->element_count() == table.element_count())
       << "the results must match the arguments' sizes, got " << lengths_out->element_count() << " and "
       << table_out->element_count() << " for " << lengths.element_count() << " and " << table.element_count();
-  FFI_CHECK(capacity >= 0 && num_pages >= 0) << "capacity and num_pages must not be negative, got " << capacity
-                                             << " and " << num_pages;
-  const std::string unavailable = prepare_row_zeroing(device);
+  FFI_CHECK(capacity >= 0 && num_pages >= 0)
+      << "capacity and num_pages must not be negative, got " << capacity << " and " << num_pages;
+  const std::string unavailable = prepare_own_kernels(device);
   FFI_CHECK(unavailable.empty()) << "the KV-cache index kernel cannot run here: " << unavailable;
   return clamp_cache_index(lengths.typed_data(), lengths_out->typed_data(),
                            static_cast<int64_t>(lengths.element_count()), capacity, table.typed_data(),

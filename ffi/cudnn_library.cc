@@ -114,8 +114,8 @@ xla::ffi::Error compute_capability(int device, int* sm_version) {
   using GetAttribute = cudaError_t (*)(int*, cudaDeviceAttr, int);
   int major = 0, minor = 0;
   try {
-    auto fn = reinterpret_cast<GetAttribute>(cudnn_frontend::detail::get_cuda_symbol(
-        cudnn_frontend::detail::CudaLibrary::CUDART, "cudaDeviceGetAttribute"));
+    auto fn = reinterpret_cast<GetAttribute>(
+        cudnn_frontend::detail::get_cuda_symbol(cudnn_frontend::detail::CudaLibrary::CUDART, "cudaDeviceGetAttribute"));
     const cudaError_t a = fn(&major, cudaDevAttrComputeCapabilityMajor, device);
     const cudaError_t b = fn(&minor, cudaDevAttrComputeCapabilityMinor, device);
     FFI_CHECK(a == cudaSuccess && b == cudaSuccess)

@@ -158,7 +158,9 @@ xla::ffi::Error build_forward(cudnnHandle_t handle, const AttentionConfig& c, bo
   const GraphInputs in = declare_inputs(*g, c);
 
   fe::graph::SDPA_attributes attributes;
-  attributes.set_name("ragged_sdpa_forward").set_generate_stats(true).set_attn_scale(c.scale)
+  attributes.set_name("ragged_sdpa_forward")
+      .set_generate_stats(true)
+      .set_attn_scale(c.scale)
       .set_implementation(implementation);
   apply_forward_masks(attributes, c, in.seq_len_q, in.seq_len_kv);
   auto [o, stats] = g->sdpa(in.q, in.k, in.v, attributes);
@@ -174,7 +176,9 @@ xla::ffi::Error build_backward(cudnnHandle_t handle, const AttentionConfig& c, b
                                CachedGraph* out) {
   auto g = std::make_shared<InspectableGraph>();
   const fe::DataType_t io = io_data_type(c);
-  g->set_io_data_type(io).set_intermediate_data_type(fe::DataType_t::FLOAT).set_compute_data_type(fe::DataType_t::FLOAT);
+  g->set_io_data_type(io)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
   const GraphInputs in = declare_inputs(*g, c);
   auto o = ragged_tensor(*g, TensorUid::kO, "o", o_layout(c), in.offset_o, io);
   auto d_o = ragged_tensor(*g, TensorUid::kDO, "d_o", o_layout(c), in.offset_o, io);
@@ -209,8 +213,8 @@ xla::ffi::Error build_backward(cudnnHandle_t handle, const AttentionConfig& c, b
 bool frontend_applies_max_total(const AttentionConfig& c, int sm_version) {
   const int major = sm_version / 10;
   const bool ampere_style = (major == 8 || major == 12) && cudnn_version() >= 91801;
-  return c.use_max_total_seq_len && cudnn_version() >= 90600 && c.head_dim_qk % 16 == 0 &&
-         c.head_dim_v % 16 == 0 && !ampere_style;
+  return c.use_max_total_seq_len && cudnn_version() >= 90600 && c.head_dim_qk % 16 == 0 && c.head_dim_v % 16 == 0 &&
+         !ampere_style;
 }
 
 // Test-only switch (JAX_RAGGED_ATTN_DISABLE_FULL_EXTENT_FALLBACK=1 when the extension loads, or the module
@@ -279,8 +283,7 @@ xla::ffi::Error finalize_graph(InspectableGraph& g, cudnnHandle_t handle, int64_
         << "plan_index " << plan_index << " is out of range: cuDNN offers " << g.get_execution_plan_count()
         << " plans for this graph (a stale autotuning cache?) [" << description << "]";
     FFI_RETURN_IF_ERROR(from_frontend(g.build_plan_at_index(plan_index), "build_plan_at_index"));
-    FFI_RETURN_IF_ERROR(
-        from_frontend(g.get_workspace_size_plan_at_index(plan_index, workspace), "get_workspace_size"));
+    FFI_RETURN_IF_ERROR(from_frontend(g.get_workspace_size_plan_at_index(plan_index, workspace), "get_workspace_size"));
     if (g.get_plan_name_at_index(plan_index, out->plan_name).is_bad()) out->plan_name = "?";
   } else {
     FFI_RETURN_IF_ERROR(from_frontend(g.build_plans(handle), "build_plans"));

@@ -29,10 +29,10 @@ enum class TensorUid : int64_t {
   kDV,
   kSeqLenQ,
   kSeqLenKV,
-  kOffsetQ,   // ragged offsets of Q, dQ: cu_q * Hq * Dqk
-  kOffsetK,   // K, dK: cu_kv * Hkv * Dqk
-  kOffsetV,   // V, dV: cu_kv * Hkv * Dv
-  kOffsetO,   // O, dO: cu_q * Hq * Dv
+  kOffsetQ,      // ragged offsets of Q, dQ: cu_q * Hq * Dqk
+  kOffsetK,      // K, dK: cu_kv * Hkv * Dqk
+  kOffsetV,      // V, dV: cu_kv * Hkv * Dv
+  kOffsetO,      // O, dO: cu_q * Hq * Dv
   kOffsetStats,  // cu_q (head-major) or cu_q * Hq (token-major)
 };
 
@@ -53,7 +53,7 @@ struct CachedGraph {
   bool max_total_seq_len_applied = false;
   int64_t frontend_region_bytes = 0;
   int64_t expected_intermediate_bytes = 0;
-  bool fell_back = false;  // the region was short, so the graph was rebuilt without max_total_seq_len
+  bool fell_back = false;   // the region was short, so the graph was rebuilt without max_total_seq_len
   int64_t plan_index = -1;  // the candidate that runs; -1: the heuristic's first choice (graph.execute)
   std::string plan_name;    // cuDNN's engine tag of that plan
 };
@@ -99,7 +99,7 @@ xla::ffi::Error frontend_status(cudnn_frontend::error_t status, const char* stag
 // Builds a forward SDPA graph with the frontend's AUTO implementation, and where that fails, with its COMPOSITE
 // node. With cuDNN 9.21 or newer as both headers and library (a pip build of this package and pip's cuDNN),
 // AUTO picks the unified SDPA node for every graph it accepts, softcap's score modifier included, and cuDNN
-// 9.28.1 has no Hopper engine for that one ("No valid engine configs", H200, 2026-12-05); the composite node,
+// 9.28.1 has no Hopper engine for that one ("No valid engine configs" on an H200); the composite node,
 // which older headers always built, serves it. `build(implementation)` may throw: each attempt's exception
 // becomes its error. Where both fail: the composite's error code (kUnimplemented: not supported), both messages.
 xla::ffi::Error build_forward_auto_then_composite(

@@ -155,8 +155,8 @@ xla::ffi::Error tune_plans(int device, bool forward, const AttentionConfig& conf
       FFI_RETURN_IF_ERROR(build_graph(device, handle, direction, config, settings, /*tuning=*/true, &graph));
       return time_candidate_plans(handle, *graph.graph, config, forward, out);
     } catch (const std::exception& e) {
-      return ErrorStream(xla::ffi::ErrorCode::kInternal) << "autotuning threw: " << e.what() << " ["
-                                                         << config.describe() << "]";
+      return ErrorStream(xla::ffi::ErrorCode::kInternal)
+             << "autotuning threw: " << e.what() << " [" << config.describe() << "]";
     }
   });
 }

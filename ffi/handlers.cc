@@ -19,7 +19,7 @@
 // by XLA. They are checked against their results and never read. By default (row masking "unowned") there
 // are none, and the zero_outputs attribute has the handler zero, on the stream before the graph runs, the
 // rows the graph does not own (padding, rows past max_seqlen, sequences without keys) with the row-zeroing
-// kernel (row_zeroing.h), or whole outputs with cudaMemsetAsync ("memset", or where the kernel cannot load).
+// kernel (own_kernels.h), or whole outputs with cudaMemsetAsync ("memset", or where the kernel cannot load).
 #include "handlers.h"
 
 #include <algorithm>
@@ -31,18 +31,17 @@
 #include "cudnn_library.h"
 #include "graph_cache.h"
 #include "layouts.h"
+#include "own_kernels.h"
 #include "pinned_graphs.h"
-#include "row_zeroing.h"
 
 namespace ffi = xla::ffi;
 
 // The attribute decoding, generated from the one field list: the members in the struct's order, by name.
-#define JAX_RAGGED_ATTN_STRUCT_MEMBER(type, name, default_value, label, names) \
-  , ::xla::ffi::StructMember<type>(#name)
+#define JAX_RAGGED_ATTN_STRUCT_MEMBER(type, name, default_value, label, names) , ::xla::ffi::StructMember<type>(#name)
 // Expands the field list into the macro's argument list before the macro splits it at the commas.
 #define JAX_RAGGED_ATTN_REGISTER_STRUCT(...) XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(__VA_ARGS__)
-JAX_RAGGED_ATTN_REGISTER_STRUCT(jax_ragged_attn::AttentionConfig
-                                    JAX_RAGGED_ATTN_CONFIG_FIELDS(JAX_RAGGED_ATTN_STRUCT_MEMBER));
+JAX_RAGGED_ATTN_REGISTER_STRUCT(
+    jax_ragged_attn::AttentionConfig JAX_RAGGED_ATTN_CONFIG_FIELDS(JAX_RAGGED_ATTN_STRUCT_MEMBER));
 #undef JAX_RAGGED_ATTN_REGISTER_STRUCT
 #undef JAX_RAGGED_ATTN_STRUCT_MEMBER
 
@@ -51,38 +50,11 @@ namespace {
 
 using Int32Buffer = ffi::Buffer<ffi::S32>;
 
-ffi::DataType element_type(const AttentionConfig& c) {
-  return c.dtype == static_cast<int64_t>(DType::kFloat16) ? ffi::DataType::F16 : ffi::DataType::BF16;
-}
-
-std::string shape_string(ffi::Span<const int64_t> dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-// A buffer of the configured dtype and exactly the expected shape; anything else could let cuDNN address
-// memory outside it.
-ffi::Error check_buffer(const std::string& name, ffi::DataType type, ffi::Span<const int64_t> dims,
-                        ffi::DataType expected_type, std::vector<int64_t> expected_dims, const AttentionConfig& c) {
-  const bool same_shape = dims.size() == expected_dims.size() &&
-                          std::equal(dims.begin(), dims.end(), expected_dims.begin());
-  FFI_CHECK(type == expected_type && same_shape)
-      << name << " is " << shape_string(dims) << " of type " << static_cast<int>(type) << ", expected "
-      << shape_string(ffi::Span<const int64_t>(expected_dims.data(), expected_dims.size())) << " of type "
-      << static_cast<int>(expected_type) << " [" << c.describe() << "]";
-  return ffi::Error::Success();
-}
+// Bytes per element of q, k, v, o and the gradients.
+int64_t element_bytes(const AttentionConfig& c) { return static_cast<int64_t>(ffi::ByteWidth(element_type(c.dtype))); }
 
 ffi::Error check_index(const char* name, const Int32Buffer& buffer, int64_t expected, const AttentionConfig& c) {
-  return check_buffer(name, ffi::DataType::S32, buffer.dimensions(), ffi::DataType::S32, {expected}, c);
-}
-
-ffi::Error check_workspace(int64_t have, const CachedGraph& graph, const AttentionConfig& c) {
-  FFI_CHECK(have >= graph.workspace_bytes)
-      << "the workspace XLA allocated (" << have << " bytes) is smaller than the graph needs (" << graph.workspace_bytes
-      << " bytes): the configuration at trace time and at run time differ [" << c.describe() << "]";
-  return ffi::Error::Success();
+  return check_buffer(name, buffer, ffi::DataType::S32, {expected}, c);
 }
 
 struct IndexArgs {
@@ -138,8 +110,10 @@ std::vector<int64_t> stats_shape(const AttentionConfig& c) {
   return {c.num_heads_q, c.capacity_q};
 }
 
-// `elements` into a bf16/fp16 buffer.
-void* at(void* base, int64_t elements) { return static_cast<char*>(base) + elements * 2; }
+// `elements` into a buffer of the configured dtype.
+void* at(void* base, int64_t elements, const AttentionConfig& c) {
+  return static_cast<char*>(base) + elements * element_bytes(c);
+}
 
 // Device pointers of the three parts, checked against their shapes first.
 struct Parts {
@@ -151,11 +125,11 @@ struct Parts {
 ffi::Error qkv_parts(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                      const AttentionConfig& c, Parts* parts) {
   FFI_RETURN_IF_ERROR(check_packing(c));
-  const ffi::DataType t = element_type(c);
-  FFI_RETURN_IF_ERROR(check_buffer("q", q.element_type(), q.dimensions(), t, q_shape(c), c));
-  FFI_RETURN_IF_ERROR(check_buffer("k", k.element_type(), k.dimensions(), t, k_shape(c), c));
-  FFI_RETURN_IF_ERROR(check_buffer("v", v.element_type(), v.dimensions(), t, v_shape(c), c));
-  *parts = {q.untyped_data(), at(k.untyped_data(), k_part_offset(c)), at(v.untyped_data(), v_part_offset(c))};
+  const ffi::DataType t = element_type(c.dtype);
+  FFI_RETURN_IF_ERROR(check_buffer("q", q, t, q_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("k", k, t, k_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("v", v, t, v_shape(c), c));
+  *parts = {q.untyped_data(), at(k.untyped_data(), k_part_offset(c), c), at(v.untyped_data(), v_part_offset(c), c)};
   return ffi::Error::Success();
 }
 
@@ -182,8 +156,7 @@ ffi::Error check_guarded_args(const ffi::RemainingArgs& guarded, const std::vect
     const ResultView& result = !with_workspace ? results[i] : i == 0 ? results.back() : results[i - 1];
     ffi::ErrorOr<ffi::AnyBuffer> arg = guarded.get<ffi::AnyBuffer>(i);
     if (arg.has_error()) return arg.error();
-    FFI_RETURN_IF_ERROR(check_buffer(std::string("the initial buffer aliased to ") + result.name,
-                                     arg->element_type(), arg->dimensions(), result.type,
+    FFI_RETURN_IF_ERROR(check_buffer(std::string("the initial buffer aliased to ") + result.name, *arg, result.type,
                                      std::vector<int64_t>(result.dims.begin(), result.dims.end()), c));
   }
   return ffi::Error::Success();
@@ -206,13 +179,13 @@ ffi::Error check_zero_outputs(const AttentionConfig& c) {
   return ffi::Error::Success();
 }
 
-// Before the graph runs, as the zero_outputs attribute asks (ZeroOutputs, checked by check_zero_outputs): rows the graph does not own
-// (padding, rows past max_seqlen, sequences without keys) must read 0.
+// Before the graph runs, as the zero_outputs attribute asks (ZeroOutputs, checked by check_zero_outputs): rows the
+// graph does not own (padding, rows past max_seqlen, sequences without keys) must read 0.
 ffi::Error zero_unowned_outputs(int32_t device, const std::vector<OutputRows>& outputs, const AttentionConfig& c,
                                 cudaStream_t stream) {
   const auto mode = static_cast<ZeroOutputs>(c.zero_outputs);
   if (mode == ZeroOutputs::kNo) return ffi::Error::Success();
-  std::string unavailable = mode == ZeroOutputs::kAll ? "not asked for" : prepare_row_zeroing(device);
+  std::string unavailable = mode == ZeroOutputs::kAll ? "not asked for" : prepare_own_kernels(device);
   FFI_CHECK(mode != ZeroOutputs::kPoisoned || unavailable.empty())
       << "row masking 'poisoned' needs the row-zeroing kernel: " << unavailable;
   for (const OutputRows& output : outputs) {
@@ -228,9 +201,9 @@ ffi::Error zero_unowned_outputs(int32_t device, const std::vector<OutputRows>& o
   return ffi::Error::Success();
 }
 
-ffi::Error forward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                        Int32Buffer seq_len_q, Int32Buffer seq_len_kv, Int32Buffer offset_q, Int32Buffer offset_k,
-                        Int32Buffer offset_v, Int32Buffer offset_o, Int32Buffer offset_stats,
+ffi::Error forward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                        ffi::AnyBuffer v, Int32Buffer seq_len_q, Int32Buffer seq_len_kv, Int32Buffer offset_q,
+                        Int32Buffer offset_k, Int32Buffer offset_v, Int32Buffer offset_o, Int32Buffer offset_stats,
                         ffi::RemainingArgs guarded, ffi::Result<ffi::AnyBuffer> o,
                         ffi::Result<ffi::Buffer<ffi::F32>> stats, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
                         AttentionConfig c) {
@@ -243,17 +216,16 @@ ffi::Error forward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins,
   Parts in;
   FFI_RETURN_IF_ERROR(qkv_parts(q, k, v, c, &in));
   FFI_RETURN_IF_ERROR(check_indices(idx, c));
-  FFI_RETURN_IF_ERROR(check_buffer("o", o->element_type(), o->dimensions(), element_type(c), o_shape(c), c));
-  FFI_RETURN_IF_ERROR(check_buffer("stats", ffi::DataType::F32, stats->dimensions(), ffi::DataType::F32,
-                                   stats_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("o", *o, element_type(c.dtype), o_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("stats", *stats, ffi::DataType::F32, stats_shape(c), c));
   FFI_RETURN_IF_ERROR(check_zero_outputs(c));
 
   std::shared_ptr<const CachedGraph> graph;
   FFI_RETURN_IF_ERROR(pinned_graph(pins, device, [&](auto* out) { return forward_graph(device, c, out); }, &graph));
-  FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace->element_count()), *graph, c));
-  const int64_t o_row = c.num_heads_q * c.head_dim_v * 2;
-  const RowOwnership queries{offset_o.untyped_data(), c.num_heads_q * c.head_dim_v, seq_len_q.untyped_data(),
-                             nullptr, c.num_seqs};
+  FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace->element_count()), graph->workspace_bytes, c));
+  const int64_t o_row = c.num_heads_q * c.head_dim_v * element_bytes(c);
+  const RowOwnership queries{offset_o.untyped_data(), c.num_heads_q * c.head_dim_v, seq_len_q.untyped_data(), nullptr,
+                             c.num_seqs};
   const RowOwnership stats_owner{offset_stats.untyped_data(), c.stats_token_major ? c.num_heads_q : 1,
                                  seq_len_q.untyped_data(), nullptr, c.num_seqs};
   // Token-major stats: a row of Hq floats; head-major: one float in each of Hq slices of Tq.
@@ -291,11 +263,11 @@ GradientLayout gradient_layout(const AttentionConfig& c) {
   return {{{"d_q", q_shape(c)}, {"d_k", k_shape(c)}, {"d_v", v_shape(c)}}, {0, 1, 2}};
 }
 
-ffi::Error backward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                         ffi::AnyBuffer o, ffi::AnyBuffer d_o, ffi::Buffer<ffi::F32> stats, Int32Buffer seq_len_q,
-                         Int32Buffer seq_len_kv, Int32Buffer offset_q, Int32Buffer offset_k, Int32Buffer offset_v,
-                         Int32Buffer offset_o, Int32Buffer offset_stats, ffi::RemainingArgs guarded,
-                         ffi::RemainingRets rets, AttentionConfig c) {
+ffi::Error backward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                         ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer d_o, ffi::Buffer<ffi::F32> stats,
+                         Int32Buffer seq_len_q, Int32Buffer seq_len_kv, Int32Buffer offset_q, Int32Buffer offset_k,
+                         Int32Buffer offset_v, Int32Buffer offset_o, Int32Buffer offset_stats,
+                         ffi::RemainingArgs guarded, ffi::RemainingRets rets, AttentionConfig c) {
   const IndexArgs idx{seq_len_q, seq_len_kv, offset_q, offset_k, offset_v, offset_o, offset_stats};
   // The packing decides the result list, so it must be a valid one before the results are read.
   FFI_RETURN_IF_ERROR(check_packing(c));
@@ -303,8 +275,8 @@ ffi::Error backward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins
   const size_t num_gradients = layout.buffers.size();
   FFI_CHECK(rets.size() == num_gradients + 1)
       << "the backward with packing " << c.packing << " returns " << num_gradients
-      << " gradient buffer(s) and then the workspace (" << num_gradients + 1 << " results), got " << rets.size()
-      << " [" << c.describe() << "]";
+      << " gradient buffer(s) and then the workspace (" << num_gradients + 1 << " results), got " << rets.size() << " ["
+      << c.describe() << "]";
   std::vector<ffi::AnyBuffer> results;
   std::vector<ResultView> views;
   for (size_t i = 0; i < rets.size(); ++i) {
@@ -316,43 +288,42 @@ ffi::Error backward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins
   }
   const ffi::AnyBuffer& workspace = results.back();
   FFI_CHECK(workspace.element_type() == ffi::DataType::U8)
-      << "the backward's last result is the workspace, uint8; got type " << static_cast<int>(workspace.element_type())
-      << " [" << c.describe() << "]";
+      << "the backward's last result is the workspace, uint8; got type " << dtype_name(workspace.element_type()) << " ["
+      << c.describe() << "]";
   FFI_RETURN_IF_ERROR(check_guarded_args(guarded, views, c));
 
-  const ffi::DataType t = element_type(c);
+  const ffi::DataType t = element_type(c.dtype);
   for (size_t i = 0; i < num_gradients; ++i) {
     const auto& [name, shape] = layout.buffers[i];
-    FFI_RETURN_IF_ERROR(check_buffer(name, results[i].element_type(), results[i].dimensions(), t, shape, c));
+    FFI_RETURN_IF_ERROR(check_buffer(name, results[i], t, shape, c));
   }
-  const Parts grads{at(results[layout.part[0]].untyped_data(), 0),
-                    at(results[layout.part[1]].untyped_data(), k_part_offset(c)),
-                    at(results[layout.part[2]].untyped_data(), v_part_offset(c))};
+  const Parts grads{at(results[layout.part[0]].untyped_data(), 0, c),
+                    at(results[layout.part[1]].untyped_data(), k_part_offset(c), c),
+                    at(results[layout.part[2]].untyped_data(), v_part_offset(c), c)};
 
   Parts in;
   FFI_RETURN_IF_ERROR(qkv_parts(q, k, v, c, &in));
   FFI_RETURN_IF_ERROR(check_indices(idx, c));
-  FFI_RETURN_IF_ERROR(check_buffer("o", o.element_type(), o.dimensions(), t, o_shape(c), c));
-  FFI_RETURN_IF_ERROR(check_buffer("d_o", d_o.element_type(), d_o.dimensions(), t, o_shape(c), c));
-  FFI_RETURN_IF_ERROR(
-      check_buffer("stats", ffi::DataType::F32, stats.dimensions(), ffi::DataType::F32, stats_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("o", o, t, o_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("d_o", d_o, t, o_shape(c), c));
+  FFI_RETURN_IF_ERROR(check_buffer("stats", stats, ffi::DataType::F32, stats_shape(c), c));
   FFI_RETURN_IF_ERROR(check_zero_outputs(c));
 
   std::shared_ptr<const CachedGraph> graph;
   FFI_RETURN_IF_ERROR(pinned_graph(pins, device, [&](auto* out) { return backward_graph(device, c, out); }, &graph));
-  FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace.element_count()), *graph, c));
+  FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace.element_count()), graph->workspace_bytes, c));
   // Each part of a gradient buffer has its own rows: dQ's are the queries', dK's and dV's the keys' (and a
   // sequence without queries gets its dK/dV rows zeroed too, whatever cuDNN does with them).
-  const RowOwnership queries{offset_q.untyped_data(), q_token_stride(c), seq_len_q.untyped_data(), nullptr,
-                             c.num_seqs};
+  const RowOwnership queries{offset_q.untyped_data(), q_token_stride(c), seq_len_q.untyped_data(), nullptr, c.num_seqs};
   const RowOwnership keys{offset_k.untyped_data(), k_token_stride(c), seq_len_kv.untyped_data(),
                           seq_len_q.untyped_data(), c.num_seqs};
   const RowOwnership values{offset_v.untyped_data(), v_token_stride(c), seq_len_kv.untyped_data(),
                             seq_len_q.untyped_data(), c.num_seqs};
+  const int64_t e = element_bytes(c);
   const OwnedRows part_rows[3] = {
-      {{grads.q, c.capacity_q, q_token_stride(c) * 2, c.num_heads_q * c.head_dim_qk * 2}, queries},
-      {{grads.k, c.capacity_kv, k_token_stride(c) * 2, c.num_heads_kv * c.head_dim_qk * 2}, keys},
-      {{grads.v, c.capacity_kv, v_token_stride(c) * 2, c.num_heads_kv * c.head_dim_v * 2}, values}};
+      {{grads.q, c.capacity_q, q_token_stride(c) * e, c.num_heads_q * c.head_dim_qk * e}, queries},
+      {{grads.k, c.capacity_kv, k_token_stride(c) * e, c.num_heads_kv * c.head_dim_qk * e}, keys},
+      {{grads.v, c.capacity_kv, v_token_stride(c) * e, c.num_heads_kv * c.head_dim_v * e}, values}};
   std::vector<OutputRows> outputs;
   for (size_t i = 0; i < num_gradients; ++i) {
     outputs.push_back({results[i].untyped_data(), results[i].size_bytes(), {}});
@@ -390,7 +361,7 @@ ffi::Error initialize_impl(Direction direction, int32_t device, PinnedGraphs* pi
         return direction == Direction::kForward ? forward_graph(device, c, out) : backward_graph(device, c, out);
       },
       &graph));
-  (void)prepare_row_zeroing(device);  // where it cannot load, the execute stage falls back to memset
+  (void)prepare_own_kernels(device);  // where it cannot load, the execute stage falls back to memset
   return ffi::Error::Success();
 }
 
@@ -404,10 +375,10 @@ ffi::Error initialize_backward(int32_t device, PinnedGraphs* pins, AttentionConf
 }  // namespace
 }  // namespace jax_ragged_attn
 
-#define JAX_RAGGED_ATTN_INITIALIZE_BINDING                            \
-  ffi::Ffi::Bind<ffi::ExecutionStage::kInitialize>()                  \
-      .Ctx<ffi::DeviceOrdinal>()                                      \
-      .Ctx<ffi::State<jax_ragged_attn::PinnedGraphs>>()               \
+#define JAX_RAGGED_ATTN_INITIALIZE_BINDING              \
+  ffi::Ffi::Bind<ffi::ExecutionStage::kInitialize>()    \
+      .Ctx<ffi::DeviceOrdinal>()                        \
+      .Ctx<ffi::State<jax_ragged_attn::PinnedGraphs>>() \
       .Attrs<jax_ragged_attn::AttentionConfig>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnForwardInitialize, jax_ragged_attn::initialize_forward,
@@ -415,13 +386,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnForwardInitialize, jax_ragged_attn::i
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnBackwardInitialize, jax_ragged_attn::initialize_backward,
                               JAX_RAGGED_ATTN_INITIALIZE_BINDING);
 
-#define JAX_RAGGED_ATTN_INDEX_ARGS                     \
-  .Arg<ffi::Buffer<ffi::S32>>()     /* seq_len_q */    \
-      .Arg<ffi::Buffer<ffi::S32>>() /* seq_len_kv */   \
-      .Arg<ffi::Buffer<ffi::S32>>() /* offset_q */     \
-      .Arg<ffi::Buffer<ffi::S32>>() /* offset_k */     \
-      .Arg<ffi::Buffer<ffi::S32>>() /* offset_v */     \
-      .Arg<ffi::Buffer<ffi::S32>>() /* offset_o */     \
+#define JAX_RAGGED_ATTN_INDEX_ARGS                   \
+  .Arg<ffi::Buffer<ffi::S32>>()     /* seq_len_q */  \
+      .Arg<ffi::Buffer<ffi::S32>>() /* seq_len_kv */ \
+      .Arg<ffi::Buffer<ffi::S32>>() /* offset_q */   \
+      .Arg<ffi::Buffer<ffi::S32>>() /* offset_k */   \
+      .Arg<ffi::Buffer<ffi::S32>>() /* offset_v */   \
+      .Arg<ffi::Buffer<ffi::S32>>() /* offset_o */   \
       .Arg<ffi::Buffer<ffi::S32>>() /* offset_stats */
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnForward, jax_ragged_attn::forward_impl,
@@ -432,11 +403,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnForward, jax_ragged_attn::forward_imp
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k
                                   .Arg<ffi::AnyBuffer>()  // v
-                                  JAX_RAGGED_ATTN_INDEX_ARGS
-                                  .RemainingArgs()                // [workspace,] o, stats: see above
-                                  .Ret<ffi::AnyBuffer>()          // o
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // stats
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // workspace
+                              JAX_RAGGED_ATTN_INDEX_ARGS
+                                  .RemainingArgs()               // [workspace,] o, stats: see above
+                                  .Ret<ffi::AnyBuffer>()         // o
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // stats
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // workspace
                                   .Attrs<jax_ragged_attn::AttentionConfig>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
@@ -451,8 +422,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnBackward, jax_ragged_attn::backward_i
                                   .Arg<ffi::AnyBuffer>()         // o
                                   .Arg<ffi::AnyBuffer>()         // d_o
                                   .Arg<ffi::Buffer<ffi::F32>>()  // stats
-                                  JAX_RAGGED_ATTN_INDEX_ARGS
-                                  .RemainingArgs()   // [workspace,] each gradient: see above
-                                  .RemainingRets()   // the gradients per packing, then the workspace
+                              JAX_RAGGED_ATTN_INDEX_ARGS
+                                  .RemainingArgs()  // [workspace,] each gradient: see above
+                                  .RemainingRets()  // the gradients per packing, then the workspace
                                   .Attrs<jax_ragged_attn::AttentionConfig>(),
                               {ffi::Traits::kCmdBufferCompatible});

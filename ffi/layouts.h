@@ -22,9 +22,7 @@ struct TensorLayout {
 inline TensorLayout token_layout(int64_t b, int64_t h, int64_t s, int64_t d, int64_t token_stride) {
   return {{b, h, s, d}, {s * token_stride, d, token_stride, 1}};
 }
-inline TensorLayout token_layout(int64_t b, int64_t h, int64_t s, int64_t d) {
-  return token_layout(b, h, s, d, h * d);
-}
+inline TensorLayout token_layout(int64_t b, int64_t h, int64_t s, int64_t d) { return token_layout(b, h, s, d, h * d); }
 
 // Elements from one token's row to the next, and where in that row each part starts, per packing.
 inline int64_t parts(const AttentionConfig& c, bool kv_side) {
@@ -39,7 +37,8 @@ inline int64_t k_part_offset(const AttentionConfig& c) {
   return c.packing == static_cast<int64_t>(Packing::kQKV) ? c.num_heads_q * c.head_dim_qk : 0;
 }
 inline int64_t v_part_offset(const AttentionConfig& c) {
-  return k_part_offset(c) + (c.packing == static_cast<int64_t>(Packing::kSeparate) ? 0 : c.num_heads_kv * c.head_dim_qk);
+  return k_part_offset(c) +
+         (c.packing == static_cast<int64_t>(Packing::kSeparate) ? 0 : c.num_heads_kv * c.head_dim_qk);
 }
 
 // What a packed layout relies on, or nullptr: the parts share one row, so they share its head dim (and,

@@ -17,22 +17,22 @@
 namespace jax_ragged_attn {
 
 // X(type, name, label in describe()). The order is the struct's and the exported list's.
-#define JAX_RAGGED_ATTN_PAGED_FIELDS(X)                                                                        \
-  X(int64_t, num_seqs, "B")                                                                                    \
-  X(int64_t, seqlen_q, "Sq")          /* query rows per sequence as the graph sees them (packed: max_seqlen_q) */ \
-  X(int64_t, num_heads_q, "Hq")                                                                                \
-  X(int64_t, num_heads_kv, "Hkv")                                                                              \
-  X(int64_t, head_dim_qk, "Dqk")                                                                               \
-  X(int64_t, head_dim_v, "Dv")                                                                                 \
-  X(int64_t, num_pages, "num_pages")  /* pages in the cache (a contiguous cache: B) */                          \
-  X(int64_t, page_size, "page_size")  /* rows per page (a contiguous cache: L) */                               \
-  X(int64_t, max_pages, "max_pages")  /* page-table entries per sequence (a contiguous cache: 1) */             \
-  X(int64_t, dtype, "dtype")          /* DType: 0 bfloat16, 1 float16 */                                        \
-  X(float, scale, "scale")                                                                                     \
-  X(float, softcap, "softcap")        /* > 0: scores capped to softcap * tanh(s / softcap); 0: no cap */         \
+#define JAX_RAGGED_ATTN_PAGED_FIELDS(X)                                                                         \
+  X(int64_t, num_seqs, "B")                                                                                     \
+  X(int64_t, seqlen_q, "Sq") /* query rows per sequence as the graph sees them (packed: max_seqlen_q) */        \
+  X(int64_t, num_heads_q, "Hq")                                                                                 \
+  X(int64_t, num_heads_kv, "Hkv")                                                                               \
+  X(int64_t, head_dim_qk, "Dqk")                                                                                \
+  X(int64_t, head_dim_v, "Dv")                                                                                  \
+  X(int64_t, num_pages, "num_pages") /* pages in the cache (a contiguous cache: B) */                           \
+  X(int64_t, page_size, "page_size") /* rows per page (a contiguous cache: L) */                                \
+  X(int64_t, max_pages, "max_pages") /* page-table entries per sequence (a contiguous cache: 1) */              \
+  X(int64_t, dtype, "dtype")         /* DType: 0 bfloat16, 1 float16 */                                         \
+  X(float, scale, "scale")                                                                                      \
+  X(float, softcap, "softcap")           /* > 0: scores capped to softcap * tanh(s / softcap); 0: no cap */     \
   X(int64_t, left_bound, "left_bound")   /* keys at most this far left of the query's position; -1 unbounded */ \
-  X(int64_t, right_bound, "right_bound") /* at most this far right (0: causal); -1 unbounded */ \
-  X(int64_t, total_q, "T")            /* packed queries: q, o [T, Hq, D] at ragged offsets; 0: dense [B, Sq, Hq, D] */
+  X(int64_t, right_bound, "right_bound") /* at most this far right (0: causal); -1 unbounded */                 \
+  X(int64_t, total_q, "T") /* packed queries: q, o [T, Hq, D] at ragged offsets; 0: dense [B, Sq, Hq, D] */
 
 struct PagedConfig {
 #define JAX_RAGGED_ATTN_PAGED_MEMBER(type, name, label) type name = 0;
@@ -47,6 +47,14 @@ struct PagedConfig {
   }
   bool operator<(const PagedConfig& other) const { return key() < other.key(); }
   bool operator==(const PagedConfig& other) const { return key() == other.key(); }
+
+  // Calls f(name, field) for every field of `self`, in order (as AttentionConfig::for_each_field).
+  template <typename Self, typename F>
+  static void for_each_field(Self& self, F&& f) {
+#define JAX_RAGGED_ATTN_PAGED_VISIT(type, name, label) f(#name, self.name);
+    JAX_RAGGED_ATTN_PAGED_FIELDS(JAX_RAGGED_ATTN_PAGED_VISIT)
+#undef JAX_RAGGED_ATTN_PAGED_VISIT
+  }
 
   int64_t max_seq_len_kv() const { return max_pages * page_size; }
   bool packed() const { return total_q > 0; }

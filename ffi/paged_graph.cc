@@ -82,8 +82,8 @@ xla::ffi::Error build_paged(cudnnHandle_t handle, const PagedConfig& c, fe::Atte
   auto q = input(*g, PagedUid::kQ, "q", {b, hq, s, dqk}, {s * hq * dqk, dqk, hq * dqk, 1}, io, offset_q);
   auto k = input(*g, PagedUid::kK, "k_cache", {pages, hkv, rows, dqk}, {rows * hkv * dqk, dqk, hkv * dqk, 1}, io);
   auto v = input(*g, PagedUid::kV, "v_cache", {pages, hkv, rows, dv}, {rows * hkv * dv, dv, hkv * dv, 1}, io);
-  auto table = input(*g, PagedUid::kPageTable, "page_table", {b, 1, c.max_pages, 1},
-                     {c.max_pages, c.max_pages, 1, 1}, fe::DataType_t::INT32);
+  auto table = input(*g, PagedUid::kPageTable, "page_table", {b, 1, c.max_pages, 1}, {c.max_pages, c.max_pages, 1, 1},
+                     fe::DataType_t::INT32);
   auto seq_len_q = input(*g, PagedUid::kSeqLenQ, "seq_len_q", {b, 1, 1, 1}, {1, 1, 1, 1}, fe::DataType_t::INT32);
   auto seq_len_kv = input(*g, PagedUid::kSeqLenKV, "seq_len_kv", {b, 1, 1, 1}, {1, 1, 1, 1}, fe::DataType_t::INT32);
 

@@ -46,8 +46,8 @@ enum class PagedUid : int64_t {
   kPageTable,
   kSeqLenQ,
   kSeqLenKV,
-  kOffsetQ,  // packed queries only: cu_seqlens_q * Hq * Dqk
-  kOffsetO,  // cu_seqlens_q * Hq * Dv
+  kOffsetQ,      // packed queries only: cu_seqlens_q * Hq * Dqk
+  kOffsetO,      // cu_seqlens_q * Hq * Dv
   kOffsetStats,  // cu_seqlens_q * Hq
 };
 

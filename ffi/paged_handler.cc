@@ -33,77 +33,50 @@ namespace ffi = xla::ffi;
 #define JAX_RAGGED_ATTN_PAGED_MEMBER(type, name, label) , ::xla::ffi::StructMember<type>(#name)
 // Expands the field list into the macro's argument list before the macro splits it at the commas.
 #define JAX_RAGGED_ATTN_REGISTER_PAGED(...) XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(__VA_ARGS__)
-JAX_RAGGED_ATTN_REGISTER_PAGED(jax_ragged_attn::PagedConfig
-                                   JAX_RAGGED_ATTN_PAGED_FIELDS(JAX_RAGGED_ATTN_PAGED_MEMBER));
+JAX_RAGGED_ATTN_REGISTER_PAGED(jax_ragged_attn::PagedConfig JAX_RAGGED_ATTN_PAGED_FIELDS(JAX_RAGGED_ATTN_PAGED_MEMBER));
 #undef JAX_RAGGED_ATTN_REGISTER_PAGED
 #undef JAX_RAGGED_ATTN_PAGED_MEMBER
 
 namespace jax_ragged_attn {
 namespace {
 
-std::string shape_string(const std::vector<int64_t>& dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-// Exactly the expected type and shape: anything else could let cuDNN address memory outside the buffer.
-ffi::Error check_buffer(const char* name, ffi::DataType type, ffi::Span<const int64_t> dims,
-                        ffi::DataType expected_type, const std::vector<int64_t>& expected, const PagedConfig& c) {
-  const std::vector<int64_t> got(dims.begin(), dims.end());
-  FFI_CHECK(type == expected_type && got == expected)
-      << name << " is " << shape_string(got) << " of type " << static_cast<int>(type) << ", expected "
-      << shape_string(expected) << " of type " << static_cast<int>(expected_type) << " [" << c.describe() << "]";
-  return ffi::Error::Success();
-}
-
-ffi::Error paged_forward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
-                              ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> page_table,
+ffi::Error paged_forward_impl(cudaStream_t stream, int32_t device, PinnedGraphs* pins, ffi::AnyBuffer q,
+                              ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> page_table,
                               ffi::Buffer<ffi::S32> seq_len_q, ffi::Buffer<ffi::S32> seq_len_kv,
                               ffi::Buffer<ffi::S32> offset_q, ffi::Buffer<ffi::S32> offset_o,
-                              ffi::Buffer<ffi::S32> offset_stats,
-                              ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> stats,
-                              ffi::Result<ffi::Buffer<ffi::U8>> workspace, PagedConfig c) {
+                              ffi::Buffer<ffi::S32> offset_stats, ffi::Result<ffi::AnyBuffer> o,
+                              ffi::Result<ffi::Buffer<ffi::F32>> stats, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
+                              PagedConfig c) {
   const std::string problem = paged_config_problem(c);
   FFI_CHECK(problem.empty()) << problem;
-  const ffi::DataType t = c.dtype == static_cast<int64_t>(DType::kFloat16) ? ffi::DataType::F16 : ffi::DataType::BF16;
+  const ffi::DataType t = element_type(c.dtype);
+  const ffi::DataType s32 = ffi::DataType::S32;
   const int64_t b = c.num_seqs;
   // Packed: [T, Hq, D] rows; dense: [B, Sq, Hq, D].
   const auto rows_of = [&](int64_t dim) {
     return c.packed() ? std::vector<int64_t>{c.total_q, c.num_heads_q, dim}
                       : std::vector<int64_t>{b, c.seqlen_q, c.num_heads_q, dim};
   };
-  FFI_RETURN_IF_ERROR(check_buffer("q", q.element_type(), q.dimensions(), t, rows_of(c.head_dim_qk), c));
-  FFI_RETURN_IF_ERROR(check_buffer("k_cache", k_cache.element_type(), k_cache.dimensions(), t,
-                                   {c.num_pages, c.page_size, c.num_heads_kv, c.head_dim_qk}, c));
-  FFI_RETURN_IF_ERROR(check_buffer("v_cache", v_cache.element_type(), v_cache.dimensions(), t,
-                                   {c.num_pages, c.page_size, c.num_heads_kv, c.head_dim_v}, c));
-  FFI_RETURN_IF_ERROR(check_buffer("page_table", ffi::DataType::S32, page_table.dimensions(), ffi::DataType::S32,
-                                   {b, c.max_pages}, c));
+  FFI_RETURN_IF_ERROR(check_buffer("q", q, t, rows_of(c.head_dim_qk), c));
   FFI_RETURN_IF_ERROR(
-      check_buffer("seq_len_q", ffi::DataType::S32, seq_len_q.dimensions(), ffi::DataType::S32, {b}, c));
-  FFI_RETURN_IF_ERROR(
-      check_buffer("seq_len_kv", ffi::DataType::S32, seq_len_kv.dimensions(), ffi::DataType::S32, {b}, c));
+      check_buffer("k_cache", k_cache, t, {c.num_pages, c.page_size, c.num_heads_kv, c.head_dim_qk}, c));
+  FFI_RETURN_IF_ERROR(check_buffer("v_cache", v_cache, t, {c.num_pages, c.page_size, c.num_heads_kv, c.head_dim_v}, c));
+  FFI_RETURN_IF_ERROR(check_buffer("page_table", page_table, s32, {b, c.max_pages}, c));
+  FFI_RETURN_IF_ERROR(check_buffer("seq_len_q", seq_len_q, s32, {b}, c));
+  FFI_RETURN_IF_ERROR(check_buffer("seq_len_kv", seq_len_kv, s32, {b}, c));
   const int64_t offsets = c.packed() ? b + 1 : 0;
-  FFI_RETURN_IF_ERROR(
-      check_buffer("offset_q", ffi::DataType::S32, offset_q.dimensions(), ffi::DataType::S32, {offsets}, c));
-  FFI_RETURN_IF_ERROR(
-      check_buffer("offset_o", ffi::DataType::S32, offset_o.dimensions(), ffi::DataType::S32, {offsets}, c));
-  FFI_RETURN_IF_ERROR(check_buffer("offset_stats", ffi::DataType::S32, offset_stats.dimensions(), ffi::DataType::S32,
-                                   {offsets}, c));
-  FFI_RETURN_IF_ERROR(check_buffer("o", o->element_type(), o->dimensions(), t, rows_of(c.head_dim_v), c));
-  FFI_RETURN_IF_ERROR(check_buffer("stats", ffi::DataType::F32, stats->dimensions(), ffi::DataType::F32,
-                                   c.packed() ? std::vector<int64_t>{c.total_q, c.num_heads_q}
-                                              : std::vector<int64_t>{b, c.num_heads_q, c.seqlen_q},
-                                   c));
+  FFI_RETURN_IF_ERROR(check_buffer("offset_q", offset_q, s32, {offsets}, c));
+  FFI_RETURN_IF_ERROR(check_buffer("offset_o", offset_o, s32, {offsets}, c));
+  FFI_RETURN_IF_ERROR(check_buffer("offset_stats", offset_stats, s32, {offsets}, c));
+  FFI_RETURN_IF_ERROR(check_buffer("o", *o, t, rows_of(c.head_dim_v), c));
+  const std::vector<int64_t> stats_shape =
+      c.packed() ? std::vector<int64_t>{c.total_q, c.num_heads_q} : std::vector<int64_t>{b, c.num_heads_q, c.seqlen_q};
+  FFI_RETURN_IF_ERROR(check_buffer("stats", *stats, ffi::DataType::F32, stats_shape, c));
   FFI_CHECK(workspace->dimensions().size() == 1) << "the workspace must be a 1-D uint8 buffer [" << c.describe() << "]";
 
   std::shared_ptr<const CachedGraph> graph;
   FFI_RETURN_IF_ERROR(pinned_graph(pins, device, [&](auto* out) { return paged_graph(device, c, out); }, &graph));
-  FFI_CHECK(static_cast<int64_t>(workspace->element_count()) >= graph->workspace_bytes)
-      << "the workspace XLA allocated (" << workspace->element_count() << " bytes) is smaller than the graph needs ("
-      << graph->workspace_bytes << " bytes): the configuration at trace time and at run time differ ["
-      << c.describe() << "]";
+  FFI_RETURN_IF_ERROR(check_workspace(static_cast<int64_t>(workspace->element_count()), graph->workspace_bytes, c));
   std::unordered_map<int64_t, void*> pack = {
       {static_cast<int64_t>(PagedUid::kQ), q.untyped_data()},
       {static_cast<int64_t>(PagedUid::kK), k_cache.untyped_data()},
@@ -144,17 +117,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnPagedForward, jax_ragged_attn::paged_
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Ctx<ffi::State<jax_ragged_attn::PinnedGraphs>>()
-                                  .Arg<ffi::AnyBuffer>()              // q
-                                  .Arg<ffi::AnyBuffer>()              // k_cache
-                                  .Arg<ffi::AnyBuffer>()              // v_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // page_table
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // seq_len_q
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // seq_len_kv
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // offset_q
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // offset_o
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // offset_stats
-                                  .Ret<ffi::AnyBuffer>()              // o
-                                  .Ret<ffi::Buffer<ffi::F32>>()       // stats
-                                  .Ret<ffi::Buffer<ffi::U8>>()        // workspace
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // k_cache
+                                  .Arg<ffi::AnyBuffer>()         // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_len_q
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_len_kv
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_q
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_o
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offset_stats
+                                  .Ret<ffi::AnyBuffer>()         // o
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // stats
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // workspace
                                   .Attrs<jax_ragged_attn::PagedConfig>(),
                               {ffi::Traits::kCmdBufferCompatible});

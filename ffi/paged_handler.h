@@ -1,5 +1,5 @@
 // The paged KV-cache forward handler (paged_handler.cc), registered from Python for platform "CUDA" under
-// the name module.cc exports (paged_registration).
+// the name module.cc's table gives it.
 #pragma once
 
 #include "xla/ffi/api/api.h"

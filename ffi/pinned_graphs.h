@@ -9,7 +9,7 @@
 //   initialize   (before each execution, on the device's stream, outside any capture): looks the graph up in
 //                the cache, building it on a miss, and pins it in the state for that device;
 //   execute      (possibly inside a capture): uses the pinned graph; it looks the cache up only where no
-//                initialize stage ran for this device, as before pinning existed.
+//                initialize stage ran for this device.
 // The LRU still bounds how many graphs are found by lookup; a graph evicted from it lives on while an executable
 // pins it, and is freed with the last executable that does.
 #pragma once

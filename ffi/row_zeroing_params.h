@@ -1,5 +1,5 @@
 // The row-zeroing kernel's outputs, passed by value as one kernel parameter. Included by the kernel
-// (row_zeroing.cu, compiled to PTX by nvcc) and by its launcher (row_zeroing.cc, compiled by the host compiler),
+// (own_kernels.cu, compiled to PTX by nvcc) and by its launcher (own_kernels.cc, compiled by the host compiler),
 // so both sides read one layout; the static_assert pins its size, which tests/test_row_zeroing.py checks
 // against the PTX's parameter.
 #pragma once

@@ -6,8 +6,7 @@ namespace jax_ragged_attn {
 
 int64_t ragged_span_bytes(int64_t max_total_seq_len, const Dims4& dim, const Dims4& stride, int64_t elem_size) {
   if (max_total_seq_len <= 0) return 0;
-  return ((max_total_seq_len - 1) * stride[2] + (dim[1] - 1) * stride[1] + (dim[3] - 1) * stride[3] + 1) *
-         elem_size;
+  return ((max_total_seq_len - 1) * stride[2] + (dim[1] - 1) * stride[1] + (dim[3] - 1) * stride[3] + 1) * elem_size;
 }
 
 int64_t token_stride_only_bytes(int64_t max_total_seq_len, const Dims4& stride, int64_t elem_size) {

@@ -1,4 +1,4 @@
-// A handler of its own for the row-zeroing kernel (row_zeroing.h): zero, in place, the rows of packed buffers
+// A handler of its own for the row-zeroing kernel (own_kernels.h): zero, in place, the rows of packed buffers
 // that no sequence uses. Kernels that read or write whole tiles past a sequence's end (FlashAttention-3,
 // backends/fa3.py) need their inputs' unused rows cleared and their outputs' unwritten rows zeroed; a
 // jnp.where does that with a full pass over each tensor, this touches only the rows no sequence owns (one
@@ -18,7 +18,7 @@
 
 #include "check.h"
 #include "cudnn_library.h"
-#include "row_zeroing.h"
+#include "own_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -32,10 +32,9 @@ ffi::Error zero_rows_impl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::
   FFI_CHECK(starts.element_count() == lengths.element_count() + 1 && gate.element_count() == lengths.element_count())
       << "starts must have one entry more than lengths and gate, got " << starts.element_count() << ", "
       << lengths.element_count() << " and " << gate.element_count();
-  FFI_CHECK(buffers.size() == results.size())
-      << "each buffer must come back as a result (aliased), got " << buffers.size() << " buffers and "
-      << results.size() << " results";
-  const std::string unavailable = prepare_row_zeroing(device);
+  FFI_CHECK(buffers.size() == results.size()) << "each buffer must come back as a result (aliased), got "
+                                              << buffers.size() << " buffers and " << results.size() << " results";
+  const std::string unavailable = prepare_own_kernels(device);
   FFI_CHECK(unavailable.empty()) << "the row-zeroing kernel cannot run here: " << unavailable;
   const RowOwnership owner{starts.typed_data(), 1, lengths.typed_data(), gate.typed_data(),
                            static_cast<int64_t>(lengths.element_count())};

@@ -1,6 +1,6 @@
 """backends/shared/cache_index.safe_cache_index: a KV cache's lengths clamped into [0, capacity] and its page
 table's entries outside [0, num_pages) replaced by page 0, what FA3's kvcache kernel (which reads both without
-bounds) is given. On a GPU one launch of the extension's kernel (ffi/row_zeroing.cu), elsewhere two jnp
+bounds) is given. On a GPU one launch of the extension's kernel (ffi/own_kernels.cu), elsewhere two jnp
 expressions; both bit for bit against NumPy on garbage, and the op layer hands FA3 the safe pair."""
 
 from __future__ import annotations

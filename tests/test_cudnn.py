@@ -143,7 +143,7 @@ def test_workspace_is_an_xla_buffer_of_the_reported_size():
 
 
 def test_the_row_zeroing_kernel_is_ready_so_the_default_zeroes_only_unowned_rows():
-    """The default row masking runs our PTX kernel (ffi/row_zeroing.cu); were it unable to load, the handlers
+    """The default row masking runs our PTX kernel (ffi/own_kernels.cu); were it unable to load, the handlers
     would quietly zero whole outputs instead (correct, slower): on a supported GPU that must not happen."""
     case = Case(is_causal=True)
     batch, _ = _batch(case, 10)

@@ -41,9 +41,14 @@ def _config(**overrides):
 def test_extension_registers_one_forward_and_one_backward_handler(ext):
     """Check mode and the packed layouts are the same two handlers (tests/test_handler_contract.py)."""
     capsules = ext.registrations()
-    assert extension.targets() == {"forward": extension.FORWARD_TARGET, "backward": extension.BACKWARD_TARGET}
-    assert set(capsules) == {extension.FORWARD_TARGET, extension.BACKWARD_TARGET}
-    assert all(type(c).__name__ == "PyCapsule" for c in capsules.values())
+    assert extension.targets() == {"forward": extension.FORWARD_TARGET, "backward": extension.BACKWARD_TARGET,
+                                   "paged_forward": extension.PAGED_FORWARD_TARGET,
+                                   "zero_rows": "jax_ragged_attn_zero_rows",
+                                   "clamp_cache_index": "jax_ragged_attn_clamp_cache_index"}
+    assert set(capsules) == set(extension.targets().values())
+    # A handler is a capsule, or a dict of FFI stage capsules.
+    assert all(type(c).__name__ == "PyCapsule" for handler in capsules.values()
+               for c in (handler.values() if isinstance(handler, dict) else [handler]))
 
 
 def test_reports_the_cudnn_headers_it_was_built_against(ext):

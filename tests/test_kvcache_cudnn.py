@@ -164,9 +164,9 @@ def test_the_extension_declares_the_same_fields():
     assert "int max_seq_len_kv" in ext.paged_config_problem({**paged.attributes(_config()), "page_size": 2**30})
     with pytest.raises(ValueError, match="unknown paged configuration field"):
         ext.paged_config_problem({**paged.attributes(_config()), "stats_token_major": 0})
-    name, capsule = ext.paged_registration()
-    assert name == paged.TARGET and type(capsule).__name__ == "PyCapsule"
-    assert name not in ext.registrations(), "the training handlers' registrations stay the two"
+    name, stages = paged.TARGET, ext.registrations()[paged.TARGET]
+    assert name == ext.targets()["paged_forward"] and type(stages["execute"]).__name__ == "PyCapsule"
+    assert name not in (extension.FORWARD_TARGET, extension.BACKWARD_TARGET), "the training handlers stay the two"
 
 
 B, SQ, HQ, HKV, D, PAGES, PAGE, MAX_PAGES = 2, 2, 4, 2, 64, 6, 16, 3
@@ -189,7 +189,7 @@ def _call(harness, args, results, attributes):  # noqa: F811 - harness is the im
     pointer = ctypes.pythonapi.PyCapsule_GetPointer
     pointer.restype = ctypes.c_void_p
     pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-    handler = pointer(ext.paged_registration()[1], None)
+    handler = pointer(ext.registrations()[paged.TARGET]["execute"], None)
     kinds = dict(ext.paged_config_fields())
     attributes = sorted(attributes.items())  # XLA passes them sorted by name
     code = harness.harness_call(
@@ -209,7 +209,7 @@ def test_the_handler_passes_every_check_of_a_valid_call(harness):  # noqa: F811
         code, message = _call(harness, args, results, attributes)
         assert code != 0 and "cuDNN is not loaded" in message, (code, message)
     traits = harness.harness_traits(ctypes.c_void_p(ctypes.pythonapi.PyCapsule_GetPointer(
-        _ext().paged_registration()[1], None)))
+        _ext().registrations()[paged.TARGET]["execute"], None)))
     assert traits & 1, "XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE"
 
 

@@ -1,12 +1,13 @@
 // ffi/build_fallback.h on a CPU, for tests/test_extension.py: the second way is tried only where the first
 // failed or threw, a success of either is returned as it is, and where both fail the error carries the
 // second's code and both messages. Exits 0 when every check passes.
+#include "build_fallback.h"
+
 #include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "build_fallback.h"
 #include "expect.h"
 
 namespace {

@@ -29,6 +29,11 @@ XLA_FFI_Error* device_ordinal_get(XLA_FFI_DeviceOrdinal_Get_Args* args) {
   args->device_ordinal = 0;
   return nullptr;
 }
+// No FFI state: the attention handlers then look their graph up without pinning it (ffi/pinned_graphs.h).
+XLA_FFI_Error* state_get(XLA_FFI_State_Get_Args* args) {
+  args->state = nullptr;
+  return nullptr;
+}
 }  // namespace
 
 extern "C" {
@@ -44,6 +49,7 @@ int harness_call(void* handler, int nargs, const int* arg_dtypes, const int* arg
   api.XLA_FFI_Error_Create = error_create;
   api.XLA_FFI_Stream_Get = stream_get;
   api.XLA_FFI_DeviceOrdinal_Get = device_ordinal_get;
+  api.XLA_FFI_State_Get = state_get;
 
   auto buffers = [](int n, const int* dtypes, const int* ranks, const int64_t* dims, std::vector<XLA_FFI_Buffer>& out,
                     std::vector<void*>& ptrs) {
@@ -51,8 +57,12 @@ int harness_call(void* handler, int nargs, const int* arg_dtypes, const int* arg
     ptrs.resize(n);
     const int64_t* d = dims;
     for (int i = 0; i < n; ++i) {
-      out[i] = XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, static_cast<XLA_FFI_DataType>(dtypes[i]),
-                              reinterpret_cast<void*>(0x10000 * (i + 1)), ranks[i], const_cast<int64_t*>(d)};
+      out[i] = XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE,
+                              nullptr,
+                              static_cast<XLA_FFI_DataType>(dtypes[i]),
+                              reinterpret_cast<void*>(0x10000 * (i + 1)),
+                              ranks[i],
+                              const_cast<int64_t*>(d)};
       d += ranks[i];
       ptrs[i] = &out[i];
     }
@@ -89,8 +99,8 @@ int harness_call(void* handler, int nargs, const int* arg_dtypes, const int* arg
   frame.stage = XLA_FFI_ExecutionStage_EXECUTE;
   frame.args = XLA_FFI_Args{XLA_FFI_Args_STRUCT_SIZE, nullptr, nargs, arg_types.data(), arg_ptrs.data()};
   frame.rets = XLA_FFI_Rets{XLA_FFI_Rets_STRUCT_SIZE, nullptr, nrets, ret_types.data(), ret_ptrs.data()};
-  frame.attrs = XLA_FFI_Attrs{XLA_FFI_Attrs_STRUCT_SIZE, nullptr, nattrs, attr_types.data(), name_ptrs.data(),
-                              attr_ptrs.data()};
+  frame.attrs =
+      XLA_FFI_Attrs{XLA_FFI_Attrs_STRUCT_SIZE, nullptr, nattrs, attr_types.data(), name_ptrs.data(), attr_ptrs.data()};
   last_message.clear();
   last_code = 0;
   auto fn = reinterpret_cast<XLA_FFI_Error* (*)(XLA_FFI_CallFrame*)>(handler);

@@ -3,6 +3,8 @@
 // build in progress, failures handed to every waiter and then forgotten. Builds here are stand-ins that
 // block on a gate the test opens. Exits 0 when every check passes; a caller stuck on someone else's build
 // is reported by a watchdog (exit 2) instead of hanging the test run.
+#include "lru_graph_cache.h"
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -15,7 +17,6 @@
 #include <vector>
 
 #include "expect.h"
-#include "lru_graph_cache.h"
 
 namespace {
 
@@ -57,7 +58,8 @@ void within_deadline(const char* what, Fn&& fn) {
     done = true;
   });
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (!done && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  while (!done && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   if (!done) {
     std::fprintf(stderr, "%s: still waiting after 20 s, blocked behind a build in progress\n", what);
     std::_Exit(2);
@@ -210,8 +212,7 @@ void failures_reach_every_waiter_and_are_forgotten() {
 void an_exception_is_an_error() {
   Cache cache(8);
   std::shared_ptr<const Graph> out;
-  const Error status = cache.get(
-      4, [](Graph*) -> Error { throw std::runtime_error("frontend says no"); }, &out);
+  const Error status = cache.get(4, [](Graph*) -> Error { throw std::runtime_error("frontend says no"); }, &out);
   EXPECT(status.failure() && *status.errc() == xla::ffi::ErrorCode::kInternal);
   EXPECT(status.message().find("frontend says no") != std::string::npos);
   EXPECT(out == nullptr);

@@ -46,7 +46,7 @@ from jax_ragged_attn.config import KVCacheConfig
 from jax_ragged_attn.index.kvcache import safe_page_table
 from jax_ragged_attn.index import row_positions, sanitize_cu_seqlens, sequence_lengths
 
-TARGET = "jax_ragged_attn_paged_forward"  # ffi/module.cc's kPagedTarget
+TARGET = extension.PAGED_FORWARD_TARGET
 # Query rows the graph is built for at least (see the module docstring): 1, true decode graphs.
 MIN_SEQLEN_Q = 1
 # A packed graph's query dim (max_seqlen_q) is at least 2: its stats are ragged, and a ragged-stats graph of
@@ -157,7 +157,7 @@ def unsupported_reason(config: KVCacheConfig, bounds: tuple | None = None) -> st
     reason = extension.cudnn_unavailable_reason()
     if reason is not None:
         return reason
-    if not hasattr(extension.module(), "paged_registration"):
+    if "paged_forward" not in extension.module().targets():
         return "the built extension predates the paged handler: rebuild it (scripts/install.sh)"
     reason = static_reason(config)
     if reason is not None:

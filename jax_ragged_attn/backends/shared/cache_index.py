@@ -8,7 +8,7 @@ page 0 (a sequence that uses such an entry gets an unspecified result; check=Tru
 
 As two jnp expressions that is two XLA kernels (shapes [B] and [B, P]: XLA fuses neither into the other), a
 launch each; at 8 x 2k decode, where a call is tens of microseconds and mostly launches, that was one launch
-in four. On a GPU the extension's clamp kernel (ffi/row_zeroing.cu) does both in one. Elsewhere (the CPU,
+in four. On a GPU the extension's clamp kernel (ffi/own_kernels.cu) does both in one. Elsewhere (the CPU,
 where the tests' FA3 stand-in runs; a GPU where the kernel cannot load) the two expressions, which
 `reference` also is.
 """
@@ -31,7 +31,7 @@ def reference(cache_seqlens: jax.Array, page_table: jax.Array, config: KVCacheCo
 def safe_cache_index(cache_seqlens: jax.Array, page_table: jax.Array,
                      config: KVCacheConfig) -> tuple[jax.Array, jax.Array]:
     """(lengths int32 like cache_seqlens, table int32 like page_table): the module docstring's clamps."""
-    target = extension.own_kernel_target("cache_index_registration")
+    target = extension.own_kernel_target("clamp_cache_index")
     if target is None:
         return reference(cache_seqlens, page_table, config)
     types = (jax.ShapeDtypeStruct(cache_seqlens.shape, np.int32), jax.ShapeDtypeStruct(page_table.shape, np.int32))

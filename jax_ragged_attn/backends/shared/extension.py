@@ -41,19 +41,32 @@ def module():
     return ext
 
 
+# The names ffi/module.cc's table gives its FFI targets, by role: what HLO tools look for where the extension is
+# not importable (nothing can call a target then).
+_TARGET_NAMES = {
+    "forward": "jax_ragged_attn_forward",
+    "backward": "jax_ragged_attn_backward",
+    "paged_forward": "jax_ragged_attn_paged_forward",
+    "zero_rows": "jax_ragged_attn_zero_rows",
+    "clamp_cache_index": "jax_ragged_attn_clamp_cache_index",
+}
+
+
 def targets() -> dict[str, str]:
-    """{"forward": name, "backward": name}: the two FFI targets the extension registers (ffi/module.cc).
-    Check mode and the packed layouts are the same two handlers (see ffi/handlers.cc for their contract)."""
+    """{role: name} of every FFI target the extension registers (ffi/module.cc's table): the ragged attention's
+    "forward" and "backward" (check mode and the packed layouts are the same two handlers, ffi/handlers.cc),
+    the KV-cache op's "paged_forward", and our own kernels' "zero_rows" and "clamp_cache_index"."""
     ext = _module()
     if isinstance(ext, ImportError):
-        # Without the extension nothing can call a target, but HLO tools still look for their names.
-        return {"forward": "jax_ragged_attn_forward", "backward": "jax_ragged_attn_backward"}
+        return dict(_TARGET_NAMES)
     return dict(ext.targets())
 
 
-# The target names, for callers that want constants.
-FORWARD_TARGET = targets()["forward"]
-BACKWARD_TARGET = targets()["backward"]
+# The target names, for callers that want constants (the table's names where a stale build lacks one).
+_NAMES = {**_TARGET_NAMES, **targets()}
+FORWARD_TARGET = _NAMES["forward"]
+BACKWARD_TARGET = _NAMES["backward"]
+PAGED_FORWARD_TARGET = _NAMES["paged_forward"]
 
 
 @functools.cache
@@ -90,14 +103,8 @@ def _initialize() -> str | None:
     # The attention handlers' FFI state (ffi/pinned_graphs.h) is a type XLA must know before their targets.
     for name, registration in ext.state_type_registrations().items():
         jax.ffi.register_ffi_type(name, registration, platform="CUDA")
-    for name, stages in ext.registrations().items():
-        jax.ffi.register_ffi_target(name, stages, platform="CUDA")
-    if hasattr(ext, "zero_rows_registration"):  # the row utility other backends use (backends/shared/row_zeroing.py)
-        jax.ffi.register_ffi_target(*ext.zero_rows_registration(), platform="CUDA")
-    if hasattr(ext, "cache_index_registration"):  # the KV-cache index clamp (backends/shared/cache_index.py)
-        jax.ffi.register_ffi_target(*ext.cache_index_registration(), platform="CUDA")
-    if hasattr(ext, "paged_registration"):  # the KV-cache op's paged forward (backends/cudnn/paged.py)
-        jax.ffi.register_ffi_target(*ext.paged_registration(), platform="CUDA")
+    for name, handler in ext.registrations().items():  # a capsule, or a dict of FFI stages
+        jax.ffi.register_ffi_target(name, handler, platform="CUDA")
     try:
         ext.load_cudnn(_wheel_cudnn_path())
     except RuntimeError as error:
@@ -118,23 +125,22 @@ def cudnn_unavailable_reason() -> str | None:
     return reason
 
 
-def own_kernel_target(registration: str) -> str | None:
-    """The FFI target the extension's `registration` function names (zero_rows_registration,
-    cache_index_registration), when JAX runs on a GPU and its kernels of our own (ffi/row_zeroing.cu's PTX) can
-    run there, else None: the caller then computes the same with jnp."""
+def own_kernel_target(role: str) -> str | None:
+    """The FFI target of `role` ("zero_rows", "clamp_cache_index"), when JAX runs on a GPU and our own kernels
+    (ffi/own_kernels.cu's PTX) can run there, else None: the caller then computes the same with jnp."""
     if jax.default_backend() != "gpu":
         return None
-    return _own_kernel_target(registration, device_ordinal())
+    return _own_kernel_target(role, device_ordinal())
 
 
 @functools.cache
-def _own_kernel_target(registration: str, device: int) -> str | None:
+def _own_kernel_target(role: str, device: int) -> str | None:
     if cudnn_unavailable_reason() is not None:  # also registers the extension's targets
         return None
     ext = module()
-    if not hasattr(ext, registration) or ext.prepare_row_zeroing(device) != "":
+    if ext.prepare_own_kernels(device) != "":
         return None
-    return getattr(ext, registration)()[0]
+    return targets().get(role)
 
 
 def versions() -> dict:

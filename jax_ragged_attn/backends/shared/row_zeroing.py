@@ -26,14 +26,14 @@ from jax_ragged_attn.index import row_positions
 def _kernel_target(buffers) -> str | None:
     if any((x.size // max(x.shape[0], 1)) * x.dtype.itemsize % 4 for x in buffers):  # the kernel writes 4-byte words
         return None
-    return extension.own_kernel_target("zero_rows_registration")
+    return extension.own_kernel_target("zero_rows")
 
 
 def zero_unused_rows(buffers: tuple, starts: jax.Array, lengths: jax.Array, gate: jax.Array | None = None) -> tuple:
     """`buffers` (each [T, ...], rows along the leading axis; T may differ between them) with every row outside
     [starts[b], starts[b] + lengths[b]) set to 0, and every row of a sequence whose gate is 0. starts:
     sanitised int32 cu_seqlens [B + 1]; lengths: the rows each sequence uses, int32 [B], at most its slot
-    (index.sequence_lengths). On a GPU one kernel launch serves up to four buffers (ffi/row_zeroing.cu)."""
+    (index.sequence_lengths). On a GPU one kernel launch serves up to four buffers (ffi/own_kernels.cu)."""
     buffers = tuple(buffers)
     if not buffers:
         return buffers

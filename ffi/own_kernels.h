@@ -1,6 +1,7 @@
-// Zeroes only the rows of an output that the cuDNN graph will not write, with a kernel of our own
-// (ffi/row_zeroing.cu, loaded from PTX at run time). See row_zeroing.cu for why and for the ownership rule.
-// The same PTX holds the KV-cache index clamp (clamp_cache_index, below).
+// The project's own CUDA kernels (ffi/own_kernels.cu, one PTX module loaded and JIT-compiled at run time):
+// zero_unowned_rows zeroes only the rows of an output that the cuDNN graph will not write (see own_kernels.cu
+// for why and for the ownership rule); clamp_cache_index makes a KV cache's lengths and page table safe for a
+// kernel that reads them without bounds.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -33,13 +34,13 @@ struct RowOwnership {
   int64_t num_seqs;
 };
 
-// Loads the kernel once per process and readies it on `device` (trace time; also called by handlers, in
-// relaxed stream-capture mode). Returns "" when it can run there, else why not (a CUDA runtime older than
+// Loads the kernels once per process and readies them on `device` (trace time; also called by handlers, in
+// relaxed stream-capture mode). Returns "" when they can run there, else why not (a CUDA runtime older than
 // 12.0, a driver that cannot JIT the PTX): the handlers then zero whole outputs instead.
-std::string prepare_row_zeroing(int device);
+std::string prepare_own_kernels(int device);
 
 // Enqueues the zeroing of every row of `region` that `owner` does not own on `stream`. Requires
-// prepare_row_zeroing() == "" for the stream's device.
+// prepare_own_kernels() == "" for the stream's device.
 xla::ffi::Error zero_unowned_rows(const RowRegion& region, const RowOwnership& owner, cudaStream_t stream);
 
 // The same for `count` regions that share `owner`: one launch for each JAX_RAGGED_ATTN_MAX_ZERO_REGIONS of
@@ -48,7 +49,7 @@ xla::ffi::Error zero_unowned_rows(const RowRegion* regions, size_t count, const 
                                   cudaStream_t stream);
 
 // Enqueues, in one launch, lengths_out = lengths clamped into [0, capacity] and table_out = table with every
-// entry outside [0, num_pages) replaced by 0 (row_zeroing.cu). Requires prepare_row_zeroing() == "".
+// entry outside [0, num_pages) replaced by 0 (own_kernels.cu). Requires prepare_own_kernels() == "".
 xla::ffi::Error clamp_cache_index(const int32_t* lengths, int32_t* lengths_out, int64_t num_lengths, int64_t capacity,
                                   const int32_t* table, int32_t* table_out, int64_t num_entries, int64_t num_pages,
                                   cudaStream_t stream);

@@ -1,8 +1,9 @@
-// The kernels of our own: zero the rows of an output that the cuDNN graph will not write; and (at the end)
-// clamp a KV cache's lengths and page table into the cache for a kernel that reads them without bounds.
+// The project's own CUDA kernels: jax_ragged_attn_zero_unowned_rows zeroes the rows of an output that the cuDNN
+// graph will not write; jax_ragged_attn_clamp_cache_index (at the end) clamps a KV cache's lengths and page table
+// into the cache for a kernel that reads them without bounds.
 //
-// Not compiled by the build. scripts/generate_row_zeroing_ptx.sh turns it into PTX (ffi/row_zeroing_ptx.inc),
-// which the extension hands to the CUDA runtime's JIT at run time (row_zeroing.cc): the build needs no CUDA
+// Not compiled by the build. scripts/generate_own_kernels_ptx.sh turns it into PTX (ffi/own_kernels_ptx.inc),
+// which the extension hands to the CUDA runtime's JIT at run time (own_kernels.cc): the build needs no CUDA
 // toolkit, and one wheel serves every GPU the driver knows. tests/test_row_zeroing.py checks that the
 // checked-in PTX is this file's.
 //
@@ -62,15 +63,16 @@ extern "C" __global__ void jax_ragged_attn_zero_unowned_rows(
       const int quads = words >> 2;
       const bool wide = (words & 3) == 0 && (slices == 1 || quads >= 32) &&
                         ((reinterpret_cast<unsigned long long>(base) | static_cast<unsigned long long>(row_stride) |
-                          static_cast<unsigned long long>(slice_stride)) & 15) == 0;
+                          static_cast<unsigned long long>(slice_stride)) &
+                         15) == 0;
       for (unsigned pending = pending_rows; pending != 0; pending &= pending - 1) {
         const long long unowned_row = first + __ffs(pending) - 1;
         if (unowned_row >= regions.rows[r]) break;  // this output has fewer rows; the bits go up with the row
         char* p = base + unowned_row * row_stride;
         if (wide) {
           // 16-byte stores, slice by slice: a quarter of the store instructions and no division per store. A
-          // context-parallel device's key window is mostly rows no piece owns, where the 4-byte stores with a
-          // division each were issue-bound (0.22 ms of a 3.5 ms CP-c device step on the H200, 2026-12-04).
+          // context-parallel device's key window is mostly rows no piece owns, where 4-byte stores with a
+          // division each are issue-bound.
           for (int slice = 0; slice < slices; ++slice) {
             int4* out = reinterpret_cast<int4*>(p + slice * slice_stride);
             for (int i = lane; i < quads; i += 32) out[i] = make_int4(0, 0, 0, 0);
@@ -87,12 +89,13 @@ extern "C" __global__ void jax_ragged_attn_zero_unowned_rows(
 
 // cache_seqlens clamped into [0, capacity] and page-table entries outside [0, num_pages) replaced by page 0, in
 // one launch: FlashAttention-3's kvcache kernel reads both without bounds, so these are what keeps a bad length
-// or entry from making it read outside the cache. Two XLA fusions did the same (shapes [B] and [B, P], which XLA
-// does not fuse), a launch each, at 8 x 2k decode several microseconds of a call of tens. Elementwise over each
-// flat array, so any leading batch axes (vmap) are served alike.
-extern "C" __global__ void jax_ragged_attn_clamp_cache_index(const int* lengths, int* lengths_out, long long num_lengths,
-                                                            long long capacity, const int* table, int* table_out,
-                                                            long long num_entries, long long num_pages) {
+// or entry from making it read outside the cache. As XLA code the two are two fusions (shapes [B] and [B, P], which
+// XLA does not fuse), a launch each: at 8 x 2k decode several microseconds of a call of tens. Elementwise over
+// each flat array, so any leading batch axes (vmap) are served alike.
+extern "C" __global__ void jax_ragged_attn_clamp_cache_index(const int* lengths, int* lengths_out,
+                                                             long long num_lengths, long long capacity,
+                                                             const int* table, int* table_out, long long num_entries,
+                                                             long long num_pages) {
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
   for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_lengths + num_entries;
        i += stride) {
