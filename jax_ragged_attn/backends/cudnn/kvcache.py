@@ -20,11 +20,11 @@ Two routes, both forward only:
 
 Packed queries (q [T, Hq, D] over cu_seqlens_q, a serving step) take the paged route, with ragged offsets on
 the graph's Q, O and stats (paged.attend_packed) and the same head / tail split per row (head_tail.attend_packed); a
-contiguous cache through its page view. On the H200 (2026-12-05, cuDNN 9.19) tests/test_kvcache_varlen.py's
-CudnnPackedTest passes, its decode-only cases too since the packed graphs' 2-row floor (paged.PACKED_MIN_SEQLEN_Q;
-before it, one-row graphs with grouped heads got every head but the first of each KV group wrong), so
-implementation=None takes this route where FA3 declines a packed call; the main job's serving ran on it at 1.26x
-the fixed batches' throughput (xla: 0.81x).
+contiguous cache through its page view. tests/test_kvcache_varlen.py's CudnnPackedTest passes on it (cuDNN
+9.19, H200), decode-only cases included thanks to the packed graphs' 2-row floor (paged.PACKED_MIN_SEQLEN_Q:
+one-row graphs with grouped heads get every head but the first of each KV group wrong), so implementation=None
+takes this route where FA3 declines a packed call; the main job's serving runs on it
+(docs/PERFORMANCE.md#serving-step).
 
 A contiguous cache takes the paged route where it serves the call, else the ragged one. Measured on the
 H200 (cuDNN 9.19, decode: one query, GQA 32/8, d 128, bf16, plain loop of jitted calls), paged / ragged in

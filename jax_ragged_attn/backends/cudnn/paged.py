@@ -51,9 +51,9 @@ TARGET = "jax_ragged_attn_paged_forward"  # ffi/module.cc's kPagedTarget
 MIN_SEQLEN_Q = 1
 # A packed graph's query dim (max_seqlen_q) is at least 2: its stats are ragged, and a ragged-stats graph of
 # one query row with grouped heads writes the stats of the first head of each KV group only (cudnn-frontend
-# #1083; the H200 showed it on cuDNN 9.19 too, as the ragged graphs did: graphs.MIN_GRAPH_SEQLEN). The merge
-# of head and tail reads those stats, so a decode-only packed step (max_seqlen_q = 1) came out wrong for every
-# head but the first of each group (CudnnPackedTest decode_only, 2026-12-05). The dim only bounds the rows:
+# #1083; cuDNN 9.19 on the H200 shows it too, as the ragged graphs do: graphs.MIN_GRAPH_SEQLEN). The merge
+# of head and tail reads those stats, so a decode-only packed step (max_seqlen_q = 1) would come out wrong for
+# every head but the first of each group (CudnnPackedTest decode_only checks it). The dim only bounds the rows:
 # seq_len_q and the ragged offsets keep each sequence to its own, and the spare rows cover a tile's overreach.
 PACKED_MIN_SEQLEN_Q = 2
 INT_MAX = 2**31 - 1  # cuDNN's max_seq_len_kv is an int

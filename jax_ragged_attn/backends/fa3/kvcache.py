@@ -33,7 +33,7 @@ and attributes the wheel's lowering passes. Forward only (the wheel has no kvcac
 Declined, with the reason: dtypes other than bfloat16/float16, head dims other than 128 (the wheel's kernels),
 softcap, a left window in (TAIL - Sq, TAIL) on the head / tail route, the wheel not installed, no Hopper GPU.
 Tests pin the head / tail route through FA3's options, route="head_tail" (testing.backend_options).
-The one call won where both serve (H200 decode, docs/PERFORMANCE.md: 64 x 2k 0.134 against 0.224 ms).
+The one call is faster than cuDNN's decode where both serve (docs/PERFORMANCE.md#decode).
 """
 
 from __future__ import annotations
@@ -121,11 +121,9 @@ def auto_candidate(config: KVCacheConfig) -> bool:
 
 def num_splits(config: KVCacheConfig) -> int:
     """Key splits so that B x Hkv x query tiles x splits fills the SMs in one wave (1 where the tiles alone
-    come near): a second, partial wave cost more than it split (H200, 8 x 32k decode: 2 splits 0.249 ms,
-    3 splits 0.299, benchmarks/sweep_decode_splits.py, which sets OPTIONS.num_splits; H100 2026-12-06, 4 to 32
-    splits all 15 % slower than 2, benchmarks/decode_few.py). Each split keeps at least MIN_SPLIT_TILES key
-    tiles: below that the combine kernel costs more than the parallelism gains (H100, 8 x 2k decode, every row
-    in the same rounds: 1 split 5 % faster than 2 on a paged cache, 15 % on a contiguous one; raw FA3 8 %)."""
+    come near): a second, partial wave costs more than it splits. Each split keeps at least MIN_SPLIT_TILES key
+    tiles: below that the combine kernel costs more than the parallelism gains
+    (docs/PERFORMANCE.md#what-the-measurements-found, "FA3's key splits"; tests set OPTIONS.num_splits)."""
     if options.OPTIONS.num_splits is not None:
         return options.OPTIONS.num_splits
     tiles = config.batch * config.num_heads_kv * math.ceil(config.seqlen_q * config.group_size / BLOCK_M)
