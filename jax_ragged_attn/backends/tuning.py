@@ -8,11 +8,11 @@ slower: the stored choice does not tell them apart.
 
 Where both can serve a call (FA3: an optional wheel, a Hopper GPU, head dim 128, or 64 to 256 with dew's,
 16-bit inputs), neither is faster everywhere: cuDNN leads on many short sequences and FA3 on long ones
-(docs/PERFORMANCE.md#against-every-peer). So with autotune the choice is measured once per configuration: a jitted forward + backward
-of each, on scratch buffers shaped as the call (equal-length sequences filling the capacities, the way
-cudnn/autotune.py times cuDNN's plans) made inside the step as a model makes them, timed as a user's loop
-meets it (CALLS calls, then one block; the median of SAMPLES such loops after a warm-up). cuDNN, which serves
-every semantic the op has, is kept unless FA3 is faster by more than autotune.MARGIN.
+(docs/PERFORMANCE.md#against-every-peer). So with autotune the choice is measured once per configuration: a
+jitted forward + backward of each, on scratch buffers shaped as the call (equal-length sequences filling the
+capacities, the way cudnn/autotune.py times cuDNN's plans) made inside the step as a model makes them, timed
+as a user's loop meets it (CALLS calls, then one block; the median of SAMPLES such loops after a warm-up).
+cuDNN, which serves every semantic the op has, is kept unless FA3 is faster by more than autotune.MARGIN.
 
 The choice is stored beside cuDNN's plan choices (same file, see cudnn/autotune.py), keyed by GPU model, cuDNN,
 cudnn-frontend and flash-attn3-jax versions and every field of the configuration that reaches a kernel, so

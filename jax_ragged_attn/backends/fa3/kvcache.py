@@ -56,8 +56,8 @@ NAME = "fa3"
 # FA3 reads cache_seqlens and the page table without bounds: the op layer hands attend both made safe, in one
 # launch on a GPU (backends/shared/cache_index.py).
 READS_TABLE_UNCHECKED = True
-# implementation=None picks FA3's kvcache kernels wherever they serve the call: the issue's measurements put
-# them at 70-81 % of the H200's bandwidth, 2-4x the ragged cuDNN kernel over a flat cache.
+# implementation=None picks FA3's kvcache kernels wherever they serve the call: the fastest decode here, at
+# 72-79 % of the H200's bandwidth and ahead of cuDNN on every row (docs/PERFORMANCE.md#decode).
 AUTO = True
 NUM_SMS = 132  # H200
 BLOCK_M, BLOCK_N = 128, 128  # FA3's tile for head dim 128 (query rows packed across a GQA group)

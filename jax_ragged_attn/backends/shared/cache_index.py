@@ -8,9 +8,9 @@ page 0 (a sequence that uses such an entry gets an unspecified result; check=Tru
 
 As two jnp expressions that is two XLA kernels (shapes [B] and [B, P]: XLA fuses neither into the other), a
 launch each; at 8 x 2k decode, where a call is tens of microseconds and mostly launches, that is one launch
-in four (docs/PERFORMANCE.md#what-the-measurements-found, "Host overhead"). On a GPU the extension's clamp kernel (ffi/row_zeroing.cu) does both in one. Elsewhere (the CPU,
-where the tests' FA3 stand-in runs; a GPU where the kernel cannot load) the two expressions, which
-`reference` also is.
+in four (docs/PERFORMANCE.md#what-the-measurements-found, "Host overhead"). On a GPU the extension's clamp
+kernel (ffi/row_zeroing.cu) does both in one. Elsewhere (the CPU, where the tests' FA3 stand-in runs; a GPU
+where the kernel cannot load) the two expressions, which `reference` also is.
 """
 
 from __future__ import annotations
