@@ -8,7 +8,7 @@ Two routes, both forward only:
   them (never an address outside the cache; the result of a sequence that uses such an entry is then
   unspecified, as on the fa3 path: check=True names the entry). cuDNN's paged kernel loads whole key tiles
   and multiplies the values of rows past a sequence's length by their zero probability (measured on the
-  H200, cuDNN 9.19: a NaN-poisoned unused row or page made the sequence's output NaN), so it reads each
+  H200, cuDNN 9.19: a NaN-poisoned unused row or page makes the sequence's output NaN), so it reads each
   sequence's head only and the xla path its last TAIL rows (shared/head_tail.py, as FA3's head / tail
   route).
 - "ragged": the ragged training kernel over a contiguous cache flattened into a packed buffer [B * L, Hkv, D]

@@ -139,7 +139,7 @@ def _fa3_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, w
     page_table: every entry a page of the cache (READS_TABLE_UNCHECKED: the op layer's, or _as_paged's)."""
     batch, seqlen_q, heads_q, dim = q.shape
     is_causal, left, right = window
-    # With seqused_q (packed tiles), FA3's split-KV gave results that differed run to run on the H200
+    # With seqused_q (packed tiles), FA3's split-KV gives results that differ run to run on the H200
     # (flash-attn3-jax 0.2.3: 13 % of a decode-row call's outputs, and NaN from NaN-poisoned caches in some
     # runs, none with the same call without seqused_q): one split there. A mixed step's tiles fill the GPU
     # without splits (num_splits' heuristic gives 1 there anyway); decode rows alone take the fixed form.
