@@ -2,18 +2,17 @@
 
 "FlashAttention-3" is implementation="fa3" with the provider it would run (fa3/providers.py: dew-flash-attn's
 kernels where they serve the call, else the flash-attn3-jax wheel's); the one timed is the `provider` below, and
-a choice stored for one provider is never read for the other. The scratch call has
-no seqused, so dew is timed on its one-gap-a-slot layout (fa3/dew.py PAIRED); a call with seqused runs its
-three-a-slot layout, measured 0.05 ms slower on W5 (H100): the stored choice does not tell them apart.
+a choice stored for one provider is never read for the other. The scratch call has no seqused, so dew is timed
+on its one-gap-a-slot layout (fa3/dew.py PAIRED); a call with seqused runs its three-a-slot layout, a little
+slower: the stored choice does not tell them apart.
 
 Where both can serve a call (FA3: an optional wheel, a Hopper GPU, head dim 128, or 64 to 256 with dew's,
-16-bit inputs), neither is
-faster everywhere: on the H200 cuDNN led on many short sequences and FA3 on a few long GQA ones (docs/
-PERFORMANCE.md). So with autotune the choice is measured once per configuration: a jitted forward + backward
-of each, on scratch buffers shaped as the call (equal-length sequences filling the capacities, the way
-cudnn/autotune.py times cuDNN's plans) made inside the step as a model makes them, timed as a user's loop
-meets it (CALLS calls, then one block; the median of SAMPLES such loops after a warm-up). cuDNN, which serves
-every semantic the op has, is kept unless FA3 is faster by more than autotune.MARGIN.
+16-bit inputs), neither is faster everywhere: cuDNN leads on many short sequences and FA3 on long ones
+(docs/PERFORMANCE.md#against-every-peer). So with autotune the choice is measured once per configuration: a
+jitted forward + backward of each, on scratch buffers shaped as the call (equal-length sequences filling the
+capacities, the way cudnn/autotune.py times cuDNN's plans) made inside the step as a model makes them, timed
+as a user's loop meets it (CALLS calls, then one block; the median of SAMPLES such loops after a warm-up).
+cuDNN, which serves every semantic the op has, is kept unless FA3 is faster by more than autotune.MARGIN.
 
 The choice is stored beside cuDNN's plan choices (same file, see cudnn/autotune.py), keyed by GPU model, cuDNN,
 cudnn-frontend and flash-attn3-jax versions and every field of the configuration that reaches a kernel, so
@@ -36,8 +35,8 @@ from jax_ragged_attn.config import AttentionConfig
 CALLS = 5  # calls per timed loop (plain dispatch, one block at the end)
 SAMPLES = 7  # timed loops; their median is the figure
 DIRECTION = "implementation"  # the cache entries' kind, beside cuDNN's "forward" / "backward" plan choices
-# How the timed step gets its inputs (see _step); in the key, so choices timed on jit arguments (before
-# 2026-12-04) are not reused.
+# How the timed step gets its inputs (see _step); in the key, so choices timed on jit arguments are not
+# reused.
 TIMED_INPUTS = "computed"
 
 FLASH_ATTN3_JAX = "flash-attn3-jax"  # the provider whose wheel version every key holds (_versions)
@@ -87,7 +86,7 @@ def _dew_version() -> str:
 def key(config: AttentionConfig, same_index: bool, provider: str = FLASH_ATTN3_JAX) -> str:
     # Laid out as cuDNN's plan entries ([gpu, cudnn, frontend, kind, attributes]), the FA3 provider's wheel
     # version among the attributes; other providers' entries name their provider too (flash-attn3-jax's keys
-    # stay those stored before there were several).
+    # name none, so the choices already stored for it stay valid).
     versions, fa3_version = _versions()
     fields = dataclasses.asdict(timed_config(config))
     for name in UNTIMED_FIELDS + ("fa3_provider",):  # so that a stored choice stays valid whatever they are
@@ -141,8 +140,8 @@ def _step(implementation: str, config: AttentionConfig, cu_q, cu_kv):
         # The tuned call runs inside a model's step, where q, k, v and the output's cotangent are intermediates
         # (a projection's output, a later layer's gradient), not jit arguments: made here the same way, so
         # FA3's padding clearing zeroes them in place as it would there, instead of being timed with XLA's
-        # copies of arguments (on the H200, W5: FA3 1.8 % faster than cuDNN in a step, 14 % slower on
-        # arguments; docs/PERFORMANCE.md).
+        # copies of arguments, which reverse the order on short sequences
+        # (docs/PERFORMANCE.md#what-the-measurements-found, "The FA3 / cuDNN policy").
         q, k, v, d_out = (x * scale.astype(x.dtype) for x in (q, k, v, d_out))
         out, pullback = jax.vjp(attend, q, k, v)
         return out, pullback(d_out)

@@ -1,51 +1,16 @@
 """Check mode (check=True or JAX_RAGGED_ATTN_CHECK=1): input data the op would drop or clamp is an error.
 
-Without it, cu_seqlens are clamped monotone into the buffers (packing.sanitize_cu_seqlens), sequences longer
+Without it, cu_seqlens are clamped monotone into the buffers (index.sanitize_cu_seqlens), sequences longer
 than max_seqlen are cut and segments past max_segments are treated as padding: no kernel addresses outside
 its buffers, and `return_overflow=True` counts what was dropped (overflow.py), but a malformed batch
 silently becomes a different, valid one. With check mode, it stops the computation with a
 `RaggedAttentionInputError` (a ValueError) naming the argument, the index and the values.
 
-Mechanism: where the values are concrete (an eager call), they are checked on the host right here and the
-error is raised from this module, as a plain Python exception. Under a trace (jit, vmap, grad), the check
-is a `jax.pure_callback` whose result *is* the checked array, copied back unchanged by a NumPy function
-that raises on bad values. Why this one, measured on jax 0.10.2 (CPU):
-
-- The attention consumes the callback's result, so it cannot start before the check has passed, and a
-  raising callback aborts the XLA program (a later op that depends on it never runs). `jax.debug.callback`
-  returns nothing to depend on: the kernels could run on the bad values while the check is still pending.
-- It composes with jit, vmap (the check receives the batched [..., B + 1] array once), grad, custom_vjp,
-  lax.scan and jax.checkpoint. `io_callback` carries an effect, which `jax.checkpoint` rejects ("Effects
-  not supported in partial-eval of `checkpoint`/`remat`"); `jax.experimental.buffer_callback` wraps an
-  error exactly as pure_callback does.
-- `jax.experimental.checkify` (and jax's error_check, not public in jax 0.10) make the caller wrap the
-  function and raise the error themselves; forgetting that would silently drop the check, the failure we
-  are here to prevent.
-
-What the user sees under a trace: XLA carries the callback's exception as text, so the exception raised
-where the jitted call runs (or, with asynchronous dispatch, where a result is read) is jaxlib's:
-`JaxRuntimeError` on a jitted function's first call (and where a result is read), `ValueError` on its later
-calls (jit's C++ fast path). Its text is jaxlib's "INTERNAL: CpuCallback error calling callback: " and then
-the Python exception as nanobind renders it: "Traceback (most recent call last):", one line per frame from
-the outermost caller down, and "RaggedAttentionInputError: <the message>" last. Neither the first line nor
-the type can be changed from Python (jaxlib formats them in C++, and a raised Python exception always has a
-traceback), so the callback keeps the rest short: it raises the error with a traceback of one frame, made by
-raising it once in a thread of its own (`_with_one_frame`), and the text is three lines, the third naming
-the argument, the index and the values:
-
-    INTERNAL: CpuCallback error calling callback: Traceback (most recent call last):
-      File ".../jax_ragged_attn/features/checks.py", line 123, in check_mode_input_error
-    RaggedAttentionInputError: cu_seqlens_q is invalid: it decreases at index 2: cu_seqlens_q[1] = 3 > ...
-
-(the same last line is the last one Python prints for an uncaught error). JAX also logs the callback's
-traceback at ERROR level before raising; a filter on JAX's callback logger (below) turns that record into
-one line with the message, so the first line on stderr says what is wrong. Where the callback runs inside
-our own call (a transformation outside jit: jax.vmap, jax.grad of an eager function), the error is re-raised
-as `RaggedAttentionInputError` there. Code that wants the dedicated type under jit wraps the call (and the
-read of its result) in `input_errors()`, which re-raises such a failure as `RaggedAttentionInputError` with
-only the message. A pure_callback whose result is unused is dead code and is removed with it, so only
-values that reach a kernel are checked. On a GPU each check is one small device-to-host round trip and a
-stream sync.
+Concrete values (an eager call) are checked on the host here and raise as they are; traced ones are checked by
+a `jax.pure_callback` whose result is the checked array, so the kernels wait for it. Under jit the error reaches
+the caller wrapped in jaxlib's runtime error, whose type depends on jax's dispatch path and whose first line
+jaxlib fixes; the last line is the check's message (the comment above `check_callback` says why and how;
+`input_errors()` re-raises it as RaggedAttentionInputError).
 
 Host-resident inputs (NumPy arrays) cost nothing to read, so they are checked when the call is traced
 whatever the mode: check mode raises, otherwise a `RaggedAttentionInputWarning` says what will be dropped.
@@ -118,9 +83,49 @@ def input_errors():
         raise RaggedAttentionInputError(message) from None
 
 
+# How a check raises. Where the values are concrete (an eager call), they are checked on the host right here
+# and the error is raised from this module, as a plain Python exception. Under a trace (jit, vmap, grad), the
+# check is a `jax.pure_callback` whose result *is* the checked array, copied back unchanged by a NumPy function
+# that raises on bad values. Why this one (jax 0.10.2, CPU):
+#
+# - The attention consumes the callback's result, so it cannot start before the check has passed, and a
+#   raising callback aborts the XLA program (a later op that depends on it never runs). `jax.debug.callback`
+#   returns nothing to depend on: the kernels could run on the bad values while the check is still pending.
+# - It composes with jit, vmap (the check receives the batched [..., B + 1] array once), grad, custom_vjp,
+#   lax.scan and jax.checkpoint. `io_callback` carries an effect, which `jax.checkpoint` rejects ("Effects
+#   not supported in partial-eval of `checkpoint`/`remat`"); `jax.experimental.buffer_callback` wraps an
+#   error exactly as pure_callback does.
+# - `jax.experimental.checkify` (and jax's error_check, not public in jax 0.10) make the caller wrap the
+#   function and raise the error themselves; forgetting that would silently drop the check, the failure we
+#   are here to prevent.
+#
+# What the user sees under a trace: XLA carries the callback's exception as text, so the exception raised
+# where the jitted call runs (or, with asynchronous dispatch, where a result is read) is jaxlib's:
+# `JaxRuntimeError` on a jitted function's first call (and where a result is read), `ValueError` on its later
+# calls (jit's C++ fast path). Its text is jaxlib's "INTERNAL: CpuCallback error calling callback: " and then
+# the Python exception as nanobind renders it: "Traceback (most recent call last):", one line per frame from
+# the outermost caller down, and "RaggedAttentionInputError: <the message>" last. Neither the first line nor
+# the type can be changed from Python (jaxlib formats them in C++, and a raised Python exception always has a
+# traceback), so the callback keeps the rest short: it raises the error with a traceback of one frame, made by
+# raising it once in a thread of its own (`_with_one_frame`), and the text is three lines, the third naming
+# the argument, the index and the values:
+#
+#     INTERNAL: CpuCallback error calling callback: Traceback (most recent call last):
+#       File ".../jax_ragged_attn/features/checks.py", line 123, in check_mode_input_error
+#     RaggedAttentionInputError: cu_seqlens_q is invalid: it decreases at index 2: cu_seqlens_q[1] = 3 > ...
+#
+# (the same last line is the last one Python prints for an uncaught error). JAX also logs the callback's
+# traceback at ERROR level before raising; a filter on JAX's callback logger (_OneLineForInputErrors) turns
+# that record into one line with the message, so the first line on stderr says what is wrong. Where the
+# callback runs inside our own call (a transformation outside jit: jax.vmap, jax.grad of an eager function),
+# the error is re-raised as `RaggedAttentionInputError` there. Code that wants the dedicated type under jit
+# wraps the call (and the read of its result) in `input_errors()`, which re-raises such a failure as
+# `RaggedAttentionInputError` with only the message. A pure_callback whose result is unused is dead code and
+# is removed with it, so only values that reach a kernel are checked. On a GPU each check is one small
+# device-to-host round trip and a stream sync.
 def check_callback(check, result_shape_dtypes, *args, vmap_method: str):
     """`jax.pure_callback(check, ...)` for a check that raises RaggedAttentionInputError: the error leaves the
-    callback with a one-frame traceback (so XLA's text of it is three lines, see the module docstring), and
+    callback with a one-frame traceback (so XLA's text of it is three lines, see above), and
     where the callback runs inside this call (a transformation outside jit) it arrives unwrapped."""
     def run(*values):
         try:

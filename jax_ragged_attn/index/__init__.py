@@ -48,16 +48,16 @@ def sanitize_cu_seqlens(cu_seqlens: jax.Array, capacity: int) -> jax.Array:
     [5, 2, 9, 4] with capacity 6 -> [5, 5, 6, 6].
 
     The optimization barrier keeps XLA from constant-folding what derives from cu_seqlens a jitted function
-    closes over: on the GPU (jax 0.11.2), XLA folded row_positions of the constant [0, 1] (capacity 2)
+    closes over: on the GPU (jax 0.11.2), XLA folds row_positions of the constant [0, 1] (capacity 2)
     through a cummax, a scatter-add and a cumsum to sequence [1, 1] instead of [0, 1], so the one real
-    row read as padding and the op returned out 0 for it, silently (tests/test_packing.py has the case).
+    row would read as padding and the op return out 0 for it, silently (tests/test_packing.py has the case).
     """
     return jnp.clip(running_max(jax.lax.optimization_barrier(cu_seqlens)), 0, capacity)
 
 
 # Up to this many (row, entry) pairs, the scans below compare every pair: one fused kernel on a GPU, where
-# lax.cummax / jnp.cumsum lower to reduce_window, which XLA runs as passes of a tree (W1 fwd+bwd in a step on
-# the H100: 0.013 ms of such passes over the row index, 2026-12-06). Past it, the linear-work scan: 2^24
+# lax.cummax / jnp.cumsum lower to reduce_window, which XLA runs as passes of a tree
+# (docs/PERFORMANCE.md#what-the-measurements-found, "Index scans"). Past it, the linear-work scan: 2^24
 # compares cost about what those passes do, and a million rows of a thousand sequences would cost more.
 COMPARE_ALL_LIMIT = 1 << 24
 

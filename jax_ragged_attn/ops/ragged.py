@@ -61,92 +61,34 @@ def ragged_attention(
     """Scaled dot-product attention over sequences packed into one token buffer (the THD / varlen layout).
 
     Args:
-      q: [Tq, Hq, Dqk]; k: [Tkv, Hkv, Dqk]; v: [Tkv, Hkv, Dv]. Hq must be a multiple of Hkv (MHA, GQA, MQA):
-        query head h reads key/value head h // (Hq // Hkv).
-      cu_seqlens_q, cu_seqlens_kv: integer [B + 1] (any integer dtype, NumPy or jax; used as int32). Sequence
-        b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1] and key rows cu_seqlens_kv[b]:cu_seqlens_kv[b+1].
-        Zero-length sequences are fine. Tq and Tkv are static capacities; rows past cu_seqlens[-1] are padding. Values are clamped monotone into [0, T]
-        before use, so no value can make a kernel address outside the buffers (return_overflow counts the
-        entries clamped; check=True raises instead).
-      max_seqlen_q, max_seqlen_kv: static upper bounds of the sequence lengths (rows of a longer sequence
-        past the bound are treated as padding; return_overflow counts them, check=True raises). Bounds
-        above the capacities are clamped to Tq / Tkv: a generous bound costs nothing.
-      scale: multiplies q.k; default 1/sqrt(Dqk).
-      is_causal: query i sees key j only if j <= diagonal.
-      diagonal_alignment: "top_left" (diagonal d = i) or "bottom_right" (d = i + skv - sq), per sequence.
-      local_window_size: (left, right) keeps d - left <= j <= d + right; an int w means (w, w). A negative
-        side has no limit (FlashAttention's -1): (-1, 0) is causal with any reach back, -1 is no window.
-      stats_layout: "head_major" returns stats [Hq, Tq] (FlashAttention's softmax_lse); "token_major"
-        returns [Tq, Hq] (cuDNN's and TransformerEngine's).
-      return_stats: also return the float32 natural-log log-sum-exp of the attended logits. Its -inf rows
-        (below) are the only inf the op computes, so jax.debug_infs reports them; jax.debug_nans never
-        fires, and with return_stats=False neither does jax.debug_infs (unless the inputs hold inf/NaN).
-      implementation: None chooses per call by the policy shipped in backends/policy.py: FlashAttention-3
-        where an optional FA3 wheel is installed and serves the call, the GPU is a Hopper and the call has at
-        least 1,024 tokens a sequence (capacity Tq / B), cuDNN below that or where FA3 cannot serve the call,
-        and "xla" where no GPU kernel can (with a warning on a GPU). autotune=True times cuDNN against FA3
-        instead of applying the threshold; the environment variable JAX_RAGGED_ATTN_IMPLEMENTATION ("cudnn",
-        "fa3" or "xla") pins one for every call it can serve. "cudnn" and "fa3" raise NotImplementedError
-        saying why where they cannot serve the call; "xla" is the portable jnp implementation and serves every
-        call. "fa3" runs FlashAttention-3's kernels from fa3_provider's wheel (backends/fa3/providers.py).
-      fa3_provider: whose FlashAttention-3 kernels "fa3" runs: "dew-flash-attn" (head dims 64, 128, 192, 256;
-        no softcap, no deterministic backward; backends/fa3/dew.py), "flash-attn3-jax" (head dim 128, no
-        softcap; backends/fa3/ragged.py), or None: the first of the two that is installed and serves the call
-        (dew-flash-attn's measured faster). Both need a Hopper GPU and bfloat16 / float16. A sequence longer
-        than max_seqlen (which check=True rejects; cut otherwise) costs dew-flash-attn, without seqused, up to
-        that sequence's uncut attention.
-      deterministic: run cuDNN's deterministic backward, so dQ/dK/dV are bit-identical run to run (it keeps
-        dP in a dense workspace: slower and much more memory). The xla path is deterministic anyway.
-      check: validate cu_seqlens at run time (start at 0, never decrease, stay within the capacity, no
-        sequence longer than max_seqlen) and, on cuDNN, surround the workspace with a verified canary band;
-        a violation stops the computation with checks.RaggedAttentionInputError naming the argument, index
-        and values (under jit XLA delivers it wrapped: see checks.input_errors). None reads
-        JAX_RAGGED_ATTN_CHECK. Off, cu_seqlens are clamped into the buffers instead (see above), and NumPy
-        cu_seqlens that will be clamped or cut raise a RaggedAttentionInputWarning when traced. Costs a
-        device-to-host round trip per call (none when the values are concrete: an eager call).
-      autotune: on cuDNN, time every candidate plan cuDNN offers for this configuration once (at trace
-        time, on scratch buffers) and run the fastest; the heuristic's choice is kept unless another plan
-        is measurably faster. Choices persist on disk per (GPU, cuDNN version, configuration); see
-        jax_ragged_attn/backends/cudnn/autotune.py. The xla path ignores it. With strategy="fastest" it also times
-        the backward's two intermediate layouts (where the padded one is within its workspace bound) and
-        keeps the lean one unless the padded one is more than 3 % faster. With implementation=None, where
-        FlashAttention-3 can serve the call too, it also times a forward + backward of each once per
-        configuration and runs FA3 only if it is more than 3 % faster (backends/tuning.py).
-      strategy: on cuDNN, speed or memory first for the backward's fp32 intermediates. "fastest" (default):
-        a layout padded to [B, max_seqlen_q] when its workspace is at most twice the lean one's (or at most
-        256 MiB more), measured 0.6-18 % faster backward on the H200; else the lean one. "lean_memory":
-        always the layout sized by the token capacity Tq. The forward is the same either way and gradients
-        agree to rounding (see jax_ragged_attn/backends/cudnn/strategy.py). The xla path ignores it.
-      sinks: None or [Hq] float, one learnable logit per query head (gpt-oss style) that joins every row's
-        softmax without a value, so a row can put weight on "nothing"; differentiable. stats then include
-        the sink term, and a real query row without keys has the sink as its whole softmax: out 0, stats
-        sinks[h], and the sink gets that row's stats gradient. Every implementation: an elementwise epilogue
-        of the sink-free op through its log-sum-exp (sinks.py), so cuDNN serves sinks where it can
-        differentiate its stats (Dv <= 240).
-      seqused_q, seqused_kv: None, or integer [B] (FlashAttention's seqused_q / seqused_k): sequence b uses
-        only the first seqused[b] rows of its slot cu_seqlens[b]:cu_seqlens[b+1]; the rest of the slot is
-        treated like capacity padding (never read, out 0 / stats -inf / gradients 0). Offsets then need not
-        be a tight prefix sum: fixed-size slots of a KV cache, or pieces with gaps. Values are clamped into
-        [0, slot length] (and max_seqlen); check=True raises for a value outside [0, slot length]. Bottom-right
-        alignment counts the used lengths.
-      softcap: None, 0 (no cap) or c > 0: the scores are capped to c * tanh(scale * q.k / c) before the mask,
-        sinks and softmax (Gemma 2, Grok); stats are the log-sum-exp of the capped scores and every gradient
-        carries the cap's derivative. A negative or non-finite value is a ValueError. cuDNN serves it through
-        its graph's score modifier where the loaded cuDNN builds one (else implementation=None falls back to
-        xla); FlashAttention-3's wheel has no softcap and declines.
-      xla_block_size: the xla path's query and key block rows, (block_q, block_kv) or an int for both; None:
-        128 on a GPU, 64 on a CPU. Its working set grows with block_kv (a step holds Tq * Hq * block_kv float32
-        scores): smaller blocks are the way out of its WorkingSetTooLargeError; one-query-per-sequence calls
-        run faster with a small block_q ((8, 128): 52 against 83 ms on 64 queries over 64 x 512 keys, 2-core
-        CPU). Part of the static config (a jit cache key); the GPU kernels ignore it.
-      return_overflow: also return an overflow.Overflow of int32 scalars counting what this call dropped
-        (truncated_rows_q, truncated_rows_kv, invalid_cu_seqlens; dropped_segments is 0 here), computed on
-        the device with no host round trip; all zero when nothing was lost. They carry no gradient.
+      q: [Tq, Hq, Dqk]; k: [Tkv, Hkv, Dqk]; v: [Tkv, Hkv, Dv]. Query head h reads key/value head h // (Hq // Hkv).
+      cu_seqlens_q, cu_seqlens_kv: integer [B + 1]; sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
+        and key rows cu_seqlens_kv[b]:cu_seqlens_kv[b+1]. Tq, Tkv are static capacities; rows past
+        cu_seqlens[-1] are padding. Values are clamped monotone into [0, T] before any kernel reads them.
+      max_seqlen_q, max_seqlen_kv: keyword-only static bounds; a longer sequence's extra rows are padding.
+      scale: multiplies q.k; default 1/sqrt(Dqk). softcap: None, 0 or c > 0 caps scores to c * tanh(s / c).
+      is_causal, diagonal_alignment ("top_left" | "bottom_right"), local_window_size ((left, right) or an int;
+        a negative side has no limit): the mask, per sequence.
+      return_stats, stats_layout: also return the float32 log-sum-exp, [Hq, Tq] ("head_major") or [Tq, Hq].
+      sinks: None or [Hq] float, one learnable logit per query head joining every row's softmax.
+      seqused_q, seqused_kv: None or integer [B]: sequence b uses the first seqused[b] rows of its slot.
+      implementation: None (chosen per call), "cudnn", "fa3" (fa3_provider: "dew-flash-attn",
+        "flash-attn3-jax" or None for the first that serves the call) or "xla" (portable, serves every call).
+      check: validate the index arrays at run time and raise RaggedAttentionInputError (None reads
+        JAX_RAGGED_ATTN_CHECK). return_overflow: also return an Overflow counting what the call dropped.
+      deterministic, autotune, strategy (cuDNN), xla_block_size (xla): speed, memory and reproducibility.
 
     Returns:
-      out [Tq, Hq, Dv] in q's dtype, or (out, stats) with return_stats=True, with the Overflow appended
-      last when return_overflow=True: (out, overflow) or (out, stats, overflow). Rows with no attended key
-      and padding rows read out = 0 and stats = -inf, and their gradients are 0.
+      out [Tq, Hq, Dv] in q's dtype; (out, stats) with return_stats; the Overflow appended last with
+      return_overflow. Rows with no attended key and padding rows read out = 0 and stats = -inf, and their
+      gradients are 0.
+
+    Raises:
+      ValueError for malformed input (rank, dtype, shape, a negative softcap), NotImplementedError where the
+      named implementation cannot serve the call (saying why), TypeError for FlashAttention's keyword names
+      (naming ours) or positional bounds.
+
+    Every keyword in full, the input layouts and what happens to input that does not fit: docs/API.md.
     """
     reject_unknown_keywords(ragged_attention, unknown)  # FlashAttention's names: the TypeError says ours
     _check_keywords_only(positional, max_seqlen_q, max_seqlen_kv)

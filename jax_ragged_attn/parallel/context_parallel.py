@@ -130,8 +130,7 @@ def device_chunks_attention(plan: Plan, attend, q, k_all, v_all, cu, r):
     (two_chunk_slots) with explicit offsets over disjoint key rows (a document that reaches both chunks
     appears in both windows, and the windows' backward adds the two copies' dK/dV). One call instead of two halves the
     launches and the per-call passes and gives the kernels twice the tiles to fill the GPU with; a device's
-    share of short documents is a small call, where those matter (CP-c n = 8 on the H200: 0.218 -> 0.208 of
-    one GPU's time, docs/PERFORMANCE.md).
+    share of short documents is a small call, where those matter (CP-c in docs/PERFORMANCE.md#context-parallel).
     """
     n, rows = plan.devices, q.shape[0] // plan.chunks_per_device
     chunk_ids = [r] if not plan.load_balance else [r, 2 * n - 1 - r]
@@ -156,7 +155,7 @@ def two_chunk_call(plan: Plan, cu, r, rows: int, total: int):
     """(slots, window starts, window size) of device r's one call over its two chunks r and 2n-1-r, each of
     `rows` rows, against `total` gathered key rows: the B + 1 slots (two_chunk_slots) in the call's rows, chunk
     j's queries from j * rows and its key window's rows from j * size, and the first gathered row of each
-    window. Public so benchmarks/cp_call_variants.py launches the same slots differently."""
+    window."""
     parts, starts = [], []
     for j, chunk in enumerate((r, 2 * plan.devices - 1 - r)):
         pieces = chunk_pieces(cu, chunk * rows, rows, max_seqlen=plan.max_seqlen, is_causal=plan.is_causal)

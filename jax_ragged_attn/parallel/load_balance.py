@@ -11,8 +11,8 @@ The dual-chunk order cuts the token axis into 2n chunks of C = T/(2n) rows and g
 `permute_chunks` applies that order (or its inverse) to a JAX array. On an array split along the token axis
 over a mesh axis of n devices it exchanges half-shards with two collective permutes inside a shard_map, so
 the result keeps the input's sharding and nothing is all-gathered; anywhere else it permutes a [2n, T/(2n)]
-view of the axis, which XLA's partitioner handles for any T (jnp.split into 2n pieces, the first version, is
-refused by sharding-in-types on a split axis when T/(2n) is not a multiple of n).
+view of the axis, which XLA's partitioner handles for any T (jnp.split into 2n pieces is refused by
+sharding-in-types on a split axis when T/(2n) is not a multiple of n).
 
 The rest is NumPy for the host: `causal_work_per_device` measures each device's share of the causal
 query-key pairs of a packing, and `balanced_document_order` chooses the order of a batch's documents so that

@@ -131,9 +131,9 @@ def _build() -> dict[str, Workload]:
         dataclasses.replace(w1, name="W4-d64", description="W1 with head dim 64", head_dim=64),
         dataclasses.replace(w1, name="W4-d256", description="W1 with head dim 256", head_dim=256),
         dataclasses.replace(w1, name="W4-noncausal", description="W1 without the causal mask", causal=False),
-        Workload("W5", "119 medium sequences (issue 13's middle shape)", seeded_lengths(119, 64, 1022, total=65536),
+        Workload("W5", "119 medium sequences", seeded_lengths(119, 64, 1022, total=65536),
                  16, 16, 128),
-        Workload("W6", "16 sequences of 128..8192, GQA (issue 33's third shape)", seeded_lengths(16, 128, 8192), 32, 8,
+        Workload("W6", "16 sequences of 128..8192, GQA", seeded_lengths(16, 128, 8192), 32, 8,
                  128),
         Workload("tiny", "a smoke test that runs anywhere", seeded_lengths(4, 8, 64), 4, 2, 32),
     ]

@@ -76,11 +76,10 @@ def _cudart_version(path: str) -> str:
     return f"{value.value // 1000}.{value.value % 1000 // 10}"
 
 
-# cuDNN 9.28.1 (what `pip install "jax[cuda13]"` installed on 2026-12-04) against 9.19.0 on the H200, this op's
-# cuDNN path, fwd+bwd (benchmarks/fa3_compare.py, docs/PERFORMANCE.md): W1 3.050 against 3.128-3.144 ms, W2
-# 37.31 against 38.56-38.66 ms; the GPU test suite passed on both.
+# The cuDNN the advice line recommends: 9.28.1 runs this op's cuDNN path fwd+bwd 2-3 % faster than 9.19.0 on the
+# same machine (docs/PERFORMANCE.md#per-cudnn-release); the GPU test suite passes on both.
 FASTER_CUDNN = 92800
-FASTER_CUDNN_NOTE = ("cuDNN 9.28 ran this op's cuDNN path 2.5-3.5 % faster than 9.19 on the H200 (fwd+bwd, "
+FASTER_CUDNN_NOTE = ("cuDNN 9.28 ran this op's cuDNN path 2-3 % faster than 9.19 on the H200 (fwd+bwd, "
                      "docs/PERFORMANCE.md): pip install -U nvidia-cudnn-cu13 (or -cu12)")
 
 

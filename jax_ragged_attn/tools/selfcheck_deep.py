@@ -87,7 +87,7 @@ RAGGED_CASES = (
     RaggedCase("deterministic backward", options=(("is_causal", True), ("deterministic", True)), twice=True),
     RaggedCase("unequal head dims (Dqk 160, Dv 128)", dims=(160, 128)),
     # Past one 128-row tile: cuDNN 9.14's Hopper backward of Dv 144 on Dqk 128 (a stats cotangent's widened
-    # columns) was right in the first tile and wrong after it (known_issues.py, TransformerEngine#2185).
+    # columns) is right in the first tile and wrong after it (known_issues.py, TransformerEngine#2185).
     RaggedCase("stats gradient, sequences past one 128-row tile", slots_q=(300, 0, 200, 129),
                slots_kv=(300, 0, 200, 129), stats_gradient=True),
     RaggedCase("one query row per sequence, grouped heads", slots_q=(1, 1, 0, 1), slots_kv=(40, 7, 3, 19),

@@ -54,7 +54,7 @@ def _plain_attributes(config: AttentionConfig) -> dict:
         num_heads_kv=config.num_heads_kv,
         head_dim_qk=config.head_dim_qk,
         head_dim_v=config.head_dim_v,
-        # At least 2: measured on the H200 (cuDNN 9.19), graphs built for s_q = 1 wrote wrong or NaN stats
+        # At least 2: on the H200 (cuDNN 9.19), graphs built for s_q = 1 write wrong or NaN stats
         # (sweep seeds 78 and 182; cudnn-frontend#1083 reports the same on 9.26-9.27, known_issues.py) and the
         # backward refuses s_q = s_kv = 1. The lengths are still capped at
         # the caller's max_seqlen (packing.sequence_lengths), so a larger bound changes no result.

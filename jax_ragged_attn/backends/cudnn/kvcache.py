@@ -8,7 +8,7 @@ Two routes, both forward only:
   them (never an address outside the cache; the result of a sequence that uses such an entry is then
   unspecified, as on the fa3 path: check=True names the entry). cuDNN's paged kernel loads whole key tiles
   and multiplies the values of rows past a sequence's length by their zero probability (measured on the
-  H200, cuDNN 9.19: a NaN-poisoned unused row or page made the sequence's output NaN), so it reads each
+  H200, cuDNN 9.19: a NaN-poisoned unused row or page makes the sequence's output NaN), so it reads each
   sequence's head only and the xla path its last TAIL rows (shared/head_tail.py, as FA3's head / tail
   route).
 - "ragged": the ragged training kernel over a contiguous cache flattened into a packed buffer [B * L, Hkv, D]
@@ -20,11 +20,11 @@ Two routes, both forward only:
 
 Packed queries (q [T, Hq, D] over cu_seqlens_q, a serving step) take the paged route, with ragged offsets on
 the graph's Q, O and stats (paged.attend_packed) and the same head / tail split per row (head_tail.attend_packed); a
-contiguous cache through its page view. On the H200 (2026-12-05, cuDNN 9.19) tests/test_kvcache_varlen.py's
-CudnnPackedTest passes, its decode-only cases too since the packed graphs' 2-row floor (paged.PACKED_MIN_SEQLEN_Q;
-before it, one-row graphs with grouped heads got every head but the first of each KV group wrong), so
-implementation=None takes this route where FA3 declines a packed call; the main job's serving ran on it at 1.26x
-the fixed batches' throughput (xla: 0.81x).
+contiguous cache through its page view. tests/test_kvcache_varlen.py's CudnnPackedTest passes on it (cuDNN
+9.19, H200), decode-only cases included thanks to the packed graphs' 2-row floor (paged.PACKED_MIN_SEQLEN_Q:
+one-row graphs with grouped heads get every head but the first of each KV group wrong), so implementation=None
+takes this route where FA3 declines a packed call; the main job's serving runs on it
+(docs/PERFORMANCE.md#serving-step).
 
 A contiguous cache takes the paged route where it serves the call, else the ragged one. Measured on the
 H200 (cuDNN 9.19, decode: one query, GQA 32/8, d 128, bf16, plain loop of jitted calls), paged / ragged in

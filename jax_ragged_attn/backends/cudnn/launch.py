@@ -7,11 +7,8 @@ is an attribute. The handler zeroes the rows the graph does not own itself, with
 the graph runs (zero_outputs "unowned"); initial buffers aliased to the results may follow the index arrays
 instead (check mode's guarded workspace and outputs, the split bottom-right backward's second call).
 
-How those rows become 0 was measured four ways on the H200 (docs/PERFORMANCE.md, issue 13): zeroing only the
-unowned rows won over a cudaMemsetAsync of each whole output (forward+backward 0.967 against 1.027 ms on 512
-short sequences, 2.603 against 2.797 on 119 medium ones), and that memset over XLA's zero-filled outputs
-aliased to the results and a `where` over each output after the call (W1 forward 0.879 against 0.890 and
-0.904 ms); the three losers were removed.
+Zeroing only the unowned rows, in the handler, is the fastest way to make them 0: a memset of each whole output
+costs more a call (docs/PERFORMANCE.md#what-the-measurements-found, "Row zeroing").
 """
 
 from __future__ import annotations
@@ -219,8 +216,8 @@ def _backward(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, confi
     no configuration proves it at trace time, and branching on the lengths would copy them to the host. The
     one provable case, one array serving as both cu_seqlens with the same seqused and bounds, never gets here:
     features/bottom_right.py runs it as top-left. An empty rectangle costs a launch whose every sequence
-    has 0 keys. Measured on the H200 (docs/PERFORMANCE.md, issue 22): 0.64-0.74x the one bottom-right call's
-    forward+backward, which was removed as an option.
+    has 0 keys. The two calls take 0.64-0.74x the time of one bottom-right call, which does not skip masked tiles
+    (docs/PERFORMANCE.md#what-the-measurements-found).
     """
     if not _splits_bottom_right(config):
         return _backward_call(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config, seqused)

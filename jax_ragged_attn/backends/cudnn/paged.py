@@ -21,10 +21,10 @@ and query i sits at seq_len_kv[b] - Sq + i (cuDNN's bottom-right diagonal over t
     B = 2, Sq = 1, page_size 4, cache_seqlens [6, 0], page_table [[3, 1], [7, -1]]
       -> seq_len_kv [6, 0], seq_len_q [1, 0], table [[3, 1], [0, 0]] (num_pages = 4: 7 and -1 become 0)
 
-Decode steps (Sq = 1) get graphs built for s_q = 1, unlike the ragged graphs (graphs.py: s_q = 1 wrote
+Decode steps (Sq = 1) get graphs built for s_q = 1, unlike the ragged graphs (graphs.py: s_q = 1 writes
 wrong stats there on the H200, cuDNN 9.19). The paged ones pass every case of tests/test_kvcache.py against
 the float64 reference, stats included, on the H200, and cuDNN picks decode kernels for them: 2.8x faster
-than the same graphs padded to s_q = 2 (256 x 8k decode, GQA 32/8, d 128: 2.06 against 5.80 ms).
+than the same graphs padded to s_q = 2 (docs/PERFORMANCE.md#what-the-measurements-found, "cuDNN decode graphs").
 They are not bit-reproducible: two H200 runs of one call once gave stats one float32 ulp apart (within
 every tolerance; the padded graphs have not shown it). MIN_SEQLEN_Q = 2 would pad the queries again
 (zeros; seq_len_q keeps the real count). The
@@ -51,9 +51,9 @@ TARGET = extension.PAGED_FORWARD_TARGET
 MIN_SEQLEN_Q = 1
 # A packed graph's query dim (max_seqlen_q) is at least 2: its stats are ragged, and a ragged-stats graph of
 # one query row with grouped heads writes the stats of the first head of each KV group only (cudnn-frontend
-# #1083; the H200 showed it on cuDNN 9.19 too, as the ragged graphs did: graphs.MIN_GRAPH_SEQLEN). The merge
-# of head and tail reads those stats, so a decode-only packed step (max_seqlen_q = 1) came out wrong for every
-# head but the first of each group (CudnnPackedTest decode_only, 2026-12-05). The dim only bounds the rows:
+# #1083; cuDNN 9.19 on the H200 shows it too, as the ragged graphs do: graphs.MIN_GRAPH_SEQLEN). The merge
+# of head and tail reads those stats, so a decode-only packed step (max_seqlen_q = 1) would come out wrong for
+# every head but the first of each group (CudnnPackedTest decode_only checks it). The dim only bounds the rows:
 # seq_len_q and the ragged offsets keep each sequence to its own, and the spare rows cover a tile's overreach.
 PACKED_MIN_SEQLEN_Q = 2
 INT_MAX = 2**31 - 1  # cuDNN's max_seq_len_kv is an int

@@ -7,8 +7,8 @@ sums). cudnn-frontend offers two layouts for them:
 - "bounded" (`max_total_seq_len` set to the buffers' capacities): packed like the tokens, Tq rows. The
   smallest workspace, proportional to the token buffer (W1: 270.5 MB).
 - "padded" (`max_total_seq_len` unset): one dense [B, Hq, max_seqlen_q, ...] block, B * max_seqlen_q rows.
-  Faster on the H200 with cuDNN 9.19 (raw cuDNN backward, W1 2.32 vs 2.44 ms, 510 sequences of 16..256
-  0.705 vs 0.867 ms), but B * max_seqlen_q >= Tq, far more when the lengths are skewed (W1: 525.7 MB).
+  Faster (docs/PERFORMANCE.md#what-the-measurements-found, "The backward layout"), but B * max_seqlen_q >= Tq,
+  far more when the lengths are skewed (W1: 525.7 MB).
 
 Both are sized over their full extent: the bounded one is checked against the region the frontend reserved
 (ffi/graph_build.cc: frontends before 1.28 sized head-major stats Hq times too small), the padded one is
@@ -33,6 +33,8 @@ from jax_ragged_attn.backends.cudnn import autotune
 from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.config import AttentionConfig
 
+# The padded layout's workspace bound, from the six workloads where it ran faster at up to 1.94x the bounded
+# one's (docs/PERFORMANCE.md#what-the-measurements-found, "The backward layout").
 FASTEST_WORKSPACE_RATIO = 2.0
 FASTEST_EXTRA_BYTES = 256 << 20
 

@@ -1,39 +1,12 @@
-"""The dew-flash-attn provider of implementation="fa3" (providers.py): FlashAttention-3's Hopper kernels as that
-wheel builds them, through FA3's wrapper (fa3/ragged.py: padding safety, masks and their alignment, both stats
-layouts, the stats gradient's second backward call, row masking), with this module's two kernel calls.
+"""The dew-flash-attn provider of implementation="fa3" (providers.py): FlashAttention-3's Hopper kernels as the
+dew-flash-attn-cu13 wheel builds them (head dims 64 to 256, a varlen backward launched over the batch's blocks),
+called through their FFI targets by fa3/ragged.py's wrapper, which adds padding safety, masks, both stats layouts
+and row masking. The wheel's Python API hides the log-sum-exp and takes no seqused, hence the direct calls.
 
-dew-flash-attn (`pip install 'jax_ragged_attn[dew]'`: dew-flash-attn-cu13, Apache-2.0 / BSD-3, Python >= 3.11, a CUDA 13 JAX) compiles
-FlashAttention-3 for head dims 64, 128, 192 and 256 and patches its varlen backward to launch over the batch's
-blocks instead of sequences x max_seqlen. Measured on an H100 (docs/PERFORMANCE.md, 2026-12-06) it was the fastest
-system on every row of benchmarks/peers.py: 1-3 % ahead of the flash-attn3-jax wheel with inputs made in the
-jit, 15-23 % ahead of cuDNN at head dim 64. Its Python API hides the log-sum-exp and takes no seqused, so this
-module calls its FFI targets itself (registered under names of its own), as fa3/ragged.py does the other wheel's:
-
-- `dew_flash3_mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k)` -> (out, lse f32 [Hq, Tq] head-major, two
-  one-element scratch), attributes max_seqlen, max_seqlen_k (int64), softmax_scale (float64), is_causal,
-  window_size_left, window_size_right (int64; FA3's bottom-right band, -1 unbounded);
-- `dew_flash3_mha_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)` -> (dq, dk, dv per key head,
-  two float32 scratch of Hq * (Tq + 128 * (sequences + 1))), the same attributes.
-(As read in dew_flash_attn/__init__.py of dew_flash_attn_cu13-0.3.6, `_forward3` / `_backward3`.)
-
-Lengths without seqused. The kernels take each sequence as the rows between two offsets. Sequence b's used rows
-(min(slot length, max_seqlen, seqused), fa3/ragged.py `_index`) are the first of its slot, so the offsets handed
-over are [3B + 1] (`with_gaps`): sequence 3b is b's used queries and keys, 3b + 1 the rest of its query slot
-with no keys, 3b + 2 the rest of its key slot with no queries (rows cut by max_seqlen or seqused). A gap so costs
-its own tiles, not gap queries x gap keys (this build's varlen schedulers count tiles from the offsets, so a gap
-is computed whole, whatever max_seqlen). Without seqused the gaps are only max_seqlen's cuts, empty in the common
-case, and one gap sequence a slot holds both sides ([2B + 1], PAIRED: fewer sequences to schedule); where no
-slot can be longer than its max_seqlen (max_seqlen at least the buffer's rows, or concrete cu_seqlens that
-show it) there is no gap at all and the kernels get the caller's slots ([B + 1], PLAIN, `no_cut_rows`).
-fa3/ragged.py clears every row outside the used ones before the kernels read them and masks every result row
-outside them after, so what the gap sequences compute is never read.
-
-Declined, with the reason: softcap (not in the build), deterministic=True (its backward has no deterministic
-mode), head dims other than Dqk = Dv in 64, 128, 192, 256, float32, a top-left causal / windowed mask FA3's
-bottom-right one cannot be proven equal to, no Hopper GPU, the wheel not installed. implementation="fa3" takes
-it first where it serves the call (providers.py): on the
-H100 (2026-12-06, docs/PERFORMANCE.md) it ran every such row, d 64, 128 and 256, fwd+bwd with inputs made in
-the jit, 1-3 % faster than the flash-attn3-jax wheel's kernels and 11-16 % faster than cuDNN's (d 64 to 256).
+Declined, with the reason: softcap (not in the build), deterministic=True (no deterministic backward), head dims
+other than Dqk = Dv in 64, 128, 192, 256, float32, a top-left causal / windowed mask FA3's bottom-right one cannot
+be proven equal to, no Hopper GPU, the wheel not installed. implementation="fa3" takes it first where it serves the
+call: it is the fastest FA3 build on the rows it serves (docs/PERFORMANCE.md#against-every-peer).
 """
 
 from __future__ import annotations
@@ -56,6 +29,12 @@ WHEEL = "dew-flash-attn-cu13"
 INSTALL = "pip install 'jax_ragged_attn[dew]'"
 HEAD_DIMS = (64, 128, 192, 256)  # the FA3 kernels its library holds (Dqk = Dv)
 LIBRARY = "libdew_flash_attn3.so"  # FlashAttention-3 for sm90, beside the package's __init__.py
+# The wheel's targets (dew_flash_attn/__init__.py of dew_flash_attn_cu13-0.3.6, `_forward3` / `_backward3`):
+# - `dew_flash3_mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k)` -> (out, lse f32 [Hq, Tq] head-major, two
+#   one-element scratch), attributes max_seqlen, max_seqlen_k (int64), softmax_scale (float64), is_causal,
+#   window_size_left, window_size_right (int64; FA3's bottom-right band, -1 unbounded);
+# - `dew_flash3_mha_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)` -> (dq, dk, dv per key head,
+#   two float32 scratch of Hq * (Tq + 128 * (sequences + 1))), the same attributes.
 TARGETS = ("dew_flash3_mha_varlen_fwd", "dew_flash3_mha_varlen_bwd")
 TARGET_PREFIX = "jax_ragged_attn_"  # our registrations of its handlers
 SCRATCH_ROWS = 128  # the backward's scratch: 128 rows per sequence and 128 more, per head (its own sizing)
@@ -136,8 +115,8 @@ def no_cut_rows(config: AttentionConfig, index: RaggedIndex) -> bool:
     rows, or cu_seqlens known at trace time whose slots fit. Not for traced cu_seqlens with a smaller max_seqlen
     (a training step's): handing a longer slot over whole is not safe. FA3's backward preprocessing runs over
     max_seqlen rows of each sequence, so the rows of a longer one past it would be read with log-sum-exps and
-    row sums never written, inside the band of the sequence's used keys (a review of this session's first
-    version, which did so for causal self-attention; its tests had no slot past one 64-row tile)."""
+    row sums never written, inside the band of the sequence's used keys (a test needs a slot longer than one
+    64-row tile to see it)."""
     return all(_slots_fit(cu, capacity, max_seqlen) for cu, capacity, max_seqlen in (
         (index.cu_seqlens_q, config.capacity_q, config.max_seqlen_q),
         (index.cu_seqlens_kv, config.capacity_kv, config.max_seqlen_kv)))
@@ -151,6 +130,18 @@ def _slots_fit(cu, capacity: int, max_seqlen: int) -> bool:
 
 
 # ---- the kernels (fa3/ragged.py _kernels calls them with its own signature) ----------------------------------
+#
+# Lengths without seqused. The kernels take each sequence as the rows between two offsets. Sequence b's used rows
+# (min(slot length, max_seqlen, seqused), fa3/ragged.py `_index`) are the first of its slot, so the offsets handed
+# over are [3B + 1] (`with_gaps`): sequence 3b is b's used queries and keys, 3b + 1 the rest of its query slot
+# with no keys, 3b + 2 the rest of its key slot with no queries (rows cut by max_seqlen or seqused). A gap so costs
+# its own tiles, not gap queries x gap keys (this build's varlen schedulers count tiles from the offsets, so a gap
+# is computed whole, whatever max_seqlen). Without seqused the gaps are only max_seqlen's cuts, empty in the common
+# case, and one gap sequence a slot holds both sides ([2B + 1], PAIRED: fewer sequences to schedule); where no
+# slot can be longer than its max_seqlen (max_seqlen at least the buffer's rows, or concrete cu_seqlens that
+# show it) there is no gap at all and the kernels get the caller's slots ([B + 1], PLAIN, `no_cut_rows`).
+# fa3/ragged.py clears every row outside the used ones before the kernels read them and masks every result row
+# outside them after, so what the gap sequences compute is never read.
 
 
 def with_gaps(cu: jax.Array, used: jax.Array, side: str, paired: bool = False) -> jax.Array:
@@ -191,13 +182,12 @@ def _backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, confi
 
 # Calls without seqused: the rows a slot does not use are those max_seqlen cuts (none where max_seqlen bounds
 # every sequence, as FlashAttention's callers pass it), so one gap sequence a slot holds both sides' rest:
-# 2B + 1 offsets instead of 3B + 1. Each sequence, even an empty one, costs the kernels scheduling work: on the
-# H100 (2026-12-06, benchmarks/wrapper_overhead.py, W5 in a step) the two empty sequences a slot cost 0.09 ms
-# of a 3.99 ms fwd+bwd (0.05 ms after this layout). A slot cut by max_seqlen on both sides (a sequence that
+# 2B + 1 offsets instead of 3B + 1. Each sequence, even an empty one, costs the kernels scheduling work, and
+# the fewer sequences keep the wrapper's cost over the kernel small (docs/PERFORMANCE.md#what-the-measurements-found,
+# "What ours adds to a kernel"). A slot cut by max_seqlen on both sides (a sequence that
 # check=True rejects as longer than max_seqlen) then computes its gap queries against its gap keys: up to its
 # uncut attention (a 32k slot cut to 1k: about 1,000 times the cut call's work, where the three-a-slot layout and
-# the flash-attn3-jax provider stay linear), its results masked like every other unowned row. ops/ragged.py's
-# docstring says so.
+# the flash-attn3-jax provider stay linear), its results masked like every other unowned row. docs/API.md says so.
 PAIRED = "paired"
 
 
@@ -205,7 +195,7 @@ _forward_call_paired = functools.partial(_forward_call, paired=True)
 _backward_call_paired = functools.partial(_backward_call, paired=True)
 
 # Calls no_cut_rows proves: no gap sequence at all, the caller's [B + 1] slots, every row of which is used
-# (0.04-0.05 ms of W5's fwd+bwd over PAIRED on the H100: B sequences fewer to schedule).
+# (B sequences fewer to schedule than PAIRED).
 PLAIN = "plain"
 
 

@@ -33,7 +33,7 @@ and attributes the wheel's lowering passes. Forward only (the wheel has no kvcac
 Declined, with the reason: dtypes other than bfloat16/float16, head dims other than 128 (the wheel's kernels),
 softcap, a left window in (TAIL - Sq, TAIL) on the head / tail route, the wheel not installed, no Hopper GPU.
 Tests pin the head / tail route through FA3's options, route="head_tail" (testing.backend_options).
-The one call won where both serve (H200 decode, docs/PERFORMANCE.md: 64 x 2k 0.134 against 0.224 ms).
+The one call is faster than cuDNN's decode where both serve (docs/PERFORMANCE.md#decode).
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ NAME = "fa3"
 # FA3 reads cache_seqlens and the page table without bounds: the op layer hands attend both made safe, in one
 # launch on a GPU (backends/shared/cache_index.py).
 READS_TABLE_UNCHECKED = True
-# implementation=None picks FA3's kvcache kernels wherever they serve the call: the issue's measurements put
-# them at 70-81 % of the H200's bandwidth, 2-4x the ragged cuDNN kernel over a flat cache.
+# implementation=None picks FA3's kvcache kernels wherever they serve the call: the fastest decode here, at
+# 72-79 % of the H200's bandwidth and ahead of cuDNN on every row (docs/PERFORMANCE.md#decode).
 AUTO = True
 NUM_SMS = 132  # H200
 BLOCK_M, BLOCK_N = 128, 128  # FA3's tile for head dim 128 (query rows packed across a GQA group)
@@ -125,11 +125,9 @@ def auto_candidate(config: KVCacheConfig) -> bool:
 
 def num_splits(config: KVCacheConfig) -> int:
     """Key splits so that B x Hkv x query tiles x splits fills the SMs in one wave (1 where the tiles alone
-    come near): a second, partial wave cost more than it split (H200, 8 x 32k decode: 2 splits 0.249 ms,
-    3 splits 0.299, benchmarks/sweep_decode_splits.py, which sets OPTIONS.num_splits; H100 2026-12-06, 4 to 32
-    splits all 15 % slower than 2, benchmarks/decode_few.py). Each split keeps at least MIN_SPLIT_TILES key
-    tiles: below that the combine kernel costs more than the parallelism gains (H100, 8 x 2k decode, every row
-    in the same rounds: 1 split 5 % faster than 2 on a paged cache, 15 % on a contiguous one; raw FA3 8 %)."""
+    come near): a second, partial wave costs more than it splits. Each split keeps at least MIN_SPLIT_TILES key
+    tiles: below that the combine kernel costs more than the parallelism gains
+    (docs/PERFORMANCE.md#what-the-measurements-found, "FA3's key splits"; tests set OPTIONS.num_splits)."""
     if options.OPTIONS.num_splits is not None:
         return options.OPTIONS.num_splits
     tiles = config.batch * config.num_heads_kv * math.ceil(config.seqlen_q * config.group_size / BLOCK_M)
@@ -145,7 +143,7 @@ def _fa3_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, w
     page_table: every entry a page of the cache (READS_TABLE_UNCHECKED: the op layer's, or _as_paged's)."""
     batch, seqlen_q, heads_q, dim = q.shape
     is_causal, left, right = window
-    # With seqused_q (packed tiles), FA3's split-KV gave results that differed run to run on the H200
+    # With seqused_q (packed tiles), FA3's split-KV gives results that differ run to run on the H200
     # (flash-attn3-jax 0.2.3: 13 % of a decode-row call's outputs, and NaN from NaN-poisoned caches in some
     # runs, none with the same call without seqused_q): one split there. A mixed step's tiles fill the GPU
     # without splits (num_splits' heuristic gives 1 there anyway); decode rows alone take the fixed form.

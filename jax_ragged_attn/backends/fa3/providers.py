@@ -7,8 +7,8 @@
 Both run through one wrapper (ragged.py: padding safety, masks and their alignment, both stats layouts, the
 stats gradient's second backward call, row masking); a provider contributes its kernel calls and what they
 cannot serve. fa3_provider names one (it runs, or the call is declined with its reason); None takes the first
-in PROVIDERS' order that serves: dew-flash-attn's build ran 1-3 % faster than the flash-attn3-jax wheel's on
-every row where both serve (H100, docs/PERFORMANCE.md, "The fastest kernel by default").
+in PROVIDERS' order that serves: dew-flash-attn's build runs faster than the flash-attn3-jax wheel's on every
+row where both serve (docs/PERFORMANCE.md#against-every-peer).
 """
 
 from __future__ import annotations

@@ -284,7 +284,7 @@ def shares_rows(config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv, seqused) -
     """Whether queries and keys have the same used rows: one array for both cu_seqlens (and for both seqused),
     equal capacities and max_seqlen (self-attention, as a language model calls it). Then the index is
     sanitised once and Q, K, V (and dQ, dK, dV) are cleared in one call of the zero-rows kernel, not three
-    (H100, W1 fwd+bwd in a step: 42 us of the wrapper's small kernels over dew-flash-attn's own call, 2026-12-06)."""
+    (what the wrapper's small kernels add: docs/PERFORMANCE.md#what-the-measurements-found)."""
     return (cu_seqlens_q is cu_seqlens_kv and seqused[0] is seqused[1]
             and (config.capacity_q, config.max_seqlen_q) == (config.capacity_kv, config.max_seqlen_kv))
 
@@ -362,9 +362,9 @@ def _attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, config, seqused, bindin
         lambda x: x.value, (q, k, v, cu_seqlens_q, cu_seqlens_kv, seqused))
     # The backward needs Q and K cleared too (see _cleared). Clearing them here, where q and k are first used,
     # and keeping the cleared ones as residuals lets XLA zero a projection's output in place; cleared in the
-    # backward, after the forward kernel had read them, XLA copied both first (measured on the H200, W1 with
-    # computed inputs: fwd+bwd 3.407 ms against raw FA3's 3.288, of which 0.119 ms were those two copies). A
-    # forward-only call (no vjp) goes through _attention and clears V alone.
+    # backward, after the forward kernel has read them, XLA would copy both first
+    # (docs/PERFORMANCE.md#what-the-measurements-found, "Padding safety"). A forward-only call (no vjp) goes
+    # through _attention and clears V alone.
     index = cu_q, cu_kv, used_q, used_kv = _index(cu_seqlens_q, cu_seqlens_kv, config, seqused, shared)
     if shared:  # one call of the zero-rows kernel for all three
         q, k, v = _cleared((q, k, v), cu_q, used_q)

@@ -7,10 +7,10 @@ cache_seqlens clamped into [0, capacity] and the table with every entry outside 
 page 0 (a sequence that uses such an entry gets an unspecified result; check=True names the entry).
 
 As two jnp expressions that is two XLA kernels (shapes [B] and [B, P]: XLA fuses neither into the other), a
-launch each; at 8 x 2k decode, where a call is tens of microseconds and mostly launches, that was one launch
-in four. On a GPU the extension's clamp kernel (ffi/own_kernels.cu) does both in one. Elsewhere (the CPU,
-where the tests' FA3 stand-in runs; a GPU where the kernel cannot load) the two expressions, which
-`reference` also is.
+launch each; at 8 x 2k decode, where a call is tens of microseconds and mostly launches, that is one launch
+in four (docs/PERFORMANCE.md#what-the-measurements-found, "Host overhead"). On a GPU the extension's clamp
+kernel (ffi/own_kernels.cu) does both in one. Elsewhere (the CPU, where the tests' FA3 stand-in runs; a GPU
+where the kernel cannot load) the two expressions, which `reference` also is.
 """
 
 from __future__ import annotations

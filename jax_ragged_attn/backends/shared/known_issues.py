@@ -16,7 +16,7 @@ lifted (tests/test_known_issues.py; `lifted(key)` is the test-only switch), or, 
 this package's forms on an affected release, the test of its fence or workaround; and says whether an affected
 release installs from pip. docs/CUDNN_VERSIONS.md says how to run them against a given cuDNN.
 
-Considered and left out, because no path of this package reaches them (re-read on 2026-12-05):
+Considered and left out, because no path of this package reaches them:
 - TransformerEngine#3249 (THD backward with a sink token: the sink's gradient read the stats as dense, cuDNN
   before 9.26): cuDNN never gets a sink token here; sinks are an epilogue or folded into O and dO
   (backends/cudnn/sinks.py).
@@ -131,7 +131,7 @@ def cudnn_version_tuple(encoded: int) -> Version | None:
 def _packed_with_grouped_heads(op: str, config) -> bool:
     # Packed queries carry ragged stats, the report's form; their decode rows are sequences with one query
     # (seq_len_q = 1) whatever the graph's rows. The fixed form's decode (dense stats) is outside the entry: it
-    # was right on 9.27.0 (test_one_query_paged_decode_stats_are_right_on_every_cudnn).
+    # is right on 9.27.0 (test_one_query_paged_decode_stats_are_right_on_every_cudnn).
     return op == "kvcache" and config.packed and config.num_heads_q > config.num_heads_kv
 
 
@@ -178,14 +178,14 @@ TABLE: tuple[KnownIssue, ...] = (
         key="cudnn-frontend#1083",
         library="cudnn",
         first_affected=(9, 26, 0),
-        # The report is open; the range is the report's (9.26-9.27) up to 9.28.1, the first release this
-        # package's packed and decode cases were seen right on (9.28.0 was never run). In this package's graph
-        # forms the bug did not reproduce on an affected release: on cuDNN 9.27.0.42 from pip (H200 2026-12-05;
-        # H100 2026-12-06, the extension built against 9.28.1's headers) one-row packed graphs and one-row ragged
-        # graphs gave every head's stats within 6e-7 of the reference with the floors lowered to 1, and with the
-        # fence lifted the packed decode and every cuDNN case of tests/test_kvcache_varlen.py passed (29). The
-        # pattern did show on cuDNN 9.19 (H200 2026-12-05: one-row packed graphs with grouped heads wrote the
-        # first head's stats only), so the floor below stays on every release and nothing is declined.
+        # The report is open; the range is the report's (9.26-9.27) up to 9.28.1, the first release on which this
+        # package's packed and decode cases are known right (9.28.0 untested). In this package's graph forms the
+        # bug does not reproduce on an affected release: on cuDNN 9.27.0.42 from pip (H200; H100 with the
+        # extension built against 9.28.1's headers) one-row packed graphs and one-row ragged graphs give every
+        # head's stats within 6e-7 of the reference with the floors lowered to 1, and with the fence lifted the
+        # packed decode and every cuDNN case of tests/test_kvcache_varlen.py pass. The pattern does show on
+        # cuDNN 9.19 (H200: one-row packed graphs with grouped heads write the first head's stats only), so the
+        # floor below stays on every release and nothing is declined.
         first_fixed=(9, 28, 1),
         archs=None,  # reported on sm_80, sm_90 and sm_100
         backend="cudnn",
@@ -222,12 +222,12 @@ TABLE: tuple[KnownIssue, ...] = (
     KnownIssue(
         key=NO_QUERY_SEQUENCES,
         library="cudnn",
-        # Seen on 9.14.0 (H100, 2026-12-06, benchmarks/cudnn_bug_probe.py): a sequence with keys but no query
-        # rows (cross attention, a context-parallel chunk, seqused_q = 0) got its dK and dV rows unwritten,
-        # every row of it (700 of 700), in MHA and GQA, with or without a mask, so they held whatever the buffer
-        # held (NaN, or old values: the deep self-check's 4 failures). Every other row was right, keys outside
-        # every window included. Right on 9.19.0, 9.27.0 and 9.28.1; 9.12-9.13 and 9.15-9.18 never run, so the
-        # range is every release before 9.19.0 (NVIDIA wrote of a Hopper THD backward workspace-initialisation
+        # Seen on 9.14.0 (H100, benchmarks/cudnn_bug_probe.py): a sequence with keys but no query rows (cross
+        # attention, a context-parallel chunk, seqused_q = 0) gets its dK and dV rows unwritten, every row of it
+        # (700 of 700), in MHA and GQA, with or without a mask, so they hold whatever the buffer held (NaN, or
+        # old values: the deep self-check fails). Every other row is right, keys outside every window included.
+        # Right on 9.19.0, 9.27.0 and 9.28.1; 9.12-9.13 and 9.15-9.18 untested, so the range is every release
+        # before 9.19.0 (NVIDIA wrote of a Hopper THD backward workspace-initialisation
         # bug "fixed in 9.18" in TransformerEngine#2186, maybe this one; TransformerEngine zero-fills dQ, dK and
         # dV of every THD backward, which hides it).
         first_affected=None,
@@ -251,13 +251,13 @@ TABLE: tuple[KnownIssue, ...] = (
         library="cudnn",
         first_affected=(9, 11, 0),
         # TransformerEngine declines 128 <= Dqk != Dv (not 192 / 128) on Hopper from 9.11 on every later release
-        # ("until fixed"). Here (H100, 2026-12-06) cuDNN 9.14.0 failed 14 tests of the GPU suite, every one a
-        # backward with a stats cotangent, whose Dv is widened by 16 columns: Dqk 128 / Dv 144 and 64 / 144 gave
-        # wrong dQ, dK, dV (NaN too) past the first 128-row tile, with and without a mask, grouped heads or not
+        # ("until fixed"). On an H100 cuDNN 9.14.0 fails 14 tests of the GPU suite, every one a backward with a
+        # stats cotangent, whose Dv is widened by 16 columns: Dqk 128 / Dv 144 and 64 / 144 give wrong dQ, dK,
+        # dV (NaN too) past the first 128-row tile, with and without a mask, grouped heads or not
         # (benchmarks/cudnn_bug_probe.py). Right there: the plain backwards of 64 / 128, 128 / 64, 192 / 128,
         # 160 / 128 and equal dims, and the widened ones of 32 / 48 and 64 / 80. So the fence takes
         # TransformerEngine's condition and, seen here, Dv in (128, 256) above a smaller Dqk. 9.19.0, 9.27.0 and
-        # 9.28.1 passed the same tests: the range ends at 9.19.0; 9.15-9.18 were never run.
+        # 9.28.1 pass the same tests: the range ends at 9.19.0; 9.15-9.18 untested.
         first_fixed=(9, 19, 0),
         archs=frozenset({90}),
         backend="cudnn",
@@ -286,7 +286,7 @@ TABLE: tuple[KnownIssue, ...] = (
                      "but plain causal (padding masks included: every ragged call); TransformerEngine declines it "
                      "(NVIDIA's own report is internal)"),
         report="https://github.com/NVIDIA/TransformerEngine/pull/2344",
-        # Not reproduced in this package's forms on cuDNN 9.14.0.64 (H100 2026-12-06, the fence lifted, forward
+        # Not reproduced in this package's forms on cuDNN 9.14.0.64 (H100, the fence lifted, forward
         # and backward against the float64 reference: windows (64, 64) over 1500 keys, (128, 0) without causal
         # over 2048 keys with 16 heads, (256, 256) over 2048 + 1100 keys with grouped heads, (1000, 0)
         # bottom-right over 3000 keys, and the deep self-check's (32, 0) over 1100 keys; all right). Kept: the

@@ -39,17 +39,18 @@ MEMORY_LIMIT_ENV = "JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT"
 # dQ pass and a dK/dV pass (seven matmuls a tile: P and dP twice), add nothing with a scatter. Fused where XLA
 # runs a scatter-add in order (the CPU), so dQ stays deterministic; two passes elsewhere (a GPU's scatter-add
 # of overlapping rows uses atomics, whose order varies run to run, and the xla path promises bit-identical
-# gradients whatever `deterministic` says). What determinism costs on the H200's W1 (bf16, balanced
-# forward): fwd+bwd 70.5 ms two-pass against 54.6 ms fused. Tests run either through xla/options.py.
+# gradients whatever `deterministic` says). What determinism costs: docs/PERFORMANCE.md#the-xla-path. Tests run
+# either through xla/options.py.
 
 # 128 x 128 blocks on a GPU: a step of W1 (32k tokens, 16 heads) holds 256 MiB of float32 scores, small
-# beside an H200, and large enough that a step's matmuls keep the device busy. 64 x 64 on the CPU: with the
-# fused backward, fwd+bwd measured 299 against 377 ms on cpu-4k (fewer half-masked diagonal tiles and
-# blocks straddling two sequences) and 3.52 against 3.76 s on cpu-8k (benchmarks/xla_path.py, 2 cores).
+# beside an H200, and large enough that a step's matmuls keep the device busy. 64 x 64 on the CPU: fewer
+# half-masked diagonal tiles and blocks straddling two sequences, a faster fused fwd+bwd than 128 x 128 on
+# cpu-4k and cpu-8k (2 cores; the method: docs/PERFORMANCE.md#the-xla-path).
 # Matmul operands (matmul_dtype): bfloat16 / float16 inputs enter the tiles' matmuls in their own dtype, as do
 # the probabilities and dS (cast down), with float32 accumulation and a float32 softmax: what jax.nn's xla
 # attention and the fused kernels (cuDNN, FlashAttention) do, at the tensor cores' rate. Every operand float32
-# at precision HIGHEST lost on the H200's W1 (float32 FMA: 47.2 ms forward against 26.5 ms, PERFORMANCE.md).
+# at precision HIGHEST runs as FMA, much slower (docs/PERFORMANCE.md#what-the-measurements-found, "The xla path's
+# matmuls").
 # float32 and float64 inputs always run float32 at HIGHEST (no TF32).
 DEFAULT_BLOCK = 128
 DEFAULT_CPU_BLOCK = 64

@@ -137,7 +137,7 @@ def profile(setup: Setup, files, seed: int, timing: Timing, nnx_step: bool = Tru
                   feed_back(optimizer, [flat2, opt2], grads), 1))
 
     if nnx_step:
-        # The previous way, for reference: nnx.jit over the module and an nnx.Optimizer (per-parameter
+        # Flax's usual way, for reference: nnx.jit over the module and an nnx.Optimizer (per-parameter
         # updates), the same model and loss. Its extra time is per-call Python and small kernels.
         other = ByteLM(setup, rngs=nnx.Rngs(seed))
         optimizer_ = nnx.Optimizer(other, make_tx(setup.lr, setup.steps), wrt=nnx.Param)

@@ -25,8 +25,8 @@ request draws the same bytes however it is scheduled. Requests end after their n
 byte), so the host knows the whole schedule without reading a drawn byte: it plans `steps_per_call` steps and
 dispatches them as one call (a lax.scan over their schedules) without waiting for the device (a decode row's
 byte is its slot's last draw, read on the device), waits only where a request finishes (its latency), and
-reads every drawn byte back once at the end. One call a step cost the H200 more on the host than the step
-itself (2026-12-05: 0.72x the fixed batches' bytes/s, whose decode loop runs on the device in one call).
+reads every drawn byte back once at the end. One call a step costs more on the host than the step itself
+(0.72x the fixed batches' bytes/s on the H200, whose decode loop runs on the device in one call).
 """
 
 from __future__ import annotations
