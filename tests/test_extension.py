@@ -16,10 +16,10 @@ import pytest
 
 from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.shared import extension
-from jax_ragged_attn.backends.cudnn import launch
 from jax_ragged_attn.config import AttentionOptions, make_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
 
 @pytest.fixture(scope="module")
 def ext():
@@ -34,21 +34,35 @@ def _config(**overrides):
     k = jax.ShapeDtypeStruct((shapes["tkv"], shapes["hkv"], shapes["dqk"]), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((shapes["tkv"], shapes["hkv"], shapes["dv"]), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((shapes["b"] + 1,), jnp.int32)
-    return make_config(q, k, v, cu, cu, AttentionOptions(is_causal=True, stats_layout=shapes["layout"]),
-                       max_seqlen_q=300, max_seqlen_kv=400)
+    return make_config(
+        q,
+        k,
+        v,
+        cu,
+        cu,
+        AttentionOptions(is_causal=True, stats_layout=shapes["layout"]),
+        max_seqlen_q=300,
+        max_seqlen_kv=400,
+    )
 
 
 def test_extension_registers_one_forward_and_one_backward_handler(ext):
     """Check mode and the packed layouts are the same two handlers (tests/test_handler_contract.py)."""
     capsules = ext.registrations()
-    assert extension.targets() == {"forward": extension.FORWARD_TARGET, "backward": extension.BACKWARD_TARGET,
-                                   "paged_forward": extension.PAGED_FORWARD_TARGET,
-                                   "zero_rows": "jax_ragged_attn_zero_rows",
-                                   "clamp_cache_index": "jax_ragged_attn_clamp_cache_index"}
+    assert extension.targets() == {
+        "forward": extension.FORWARD_TARGET,
+        "backward": extension.BACKWARD_TARGET,
+        "paged_forward": extension.PAGED_FORWARD_TARGET,
+        "zero_rows": "jax_ragged_attn_zero_rows",
+        "clamp_cache_index": "jax_ragged_attn_clamp_cache_index",
+    }
     assert set(capsules) == set(extension.targets().values())
     # A handler is a capsule, or a dict of FFI stage capsules.
-    assert all(type(c).__name__ == "PyCapsule" for handler in capsules.values()
-               for c in (handler.values() if isinstance(handler, dict) else [handler]))
+    assert all(
+        type(c).__name__ == "PyCapsule"
+        for handler in capsules.values()
+        for c in (handler.values() if isinstance(handler, dict) else [handler])
+    )
 
 
 def test_reports_the_cudnn_headers_it_was_built_against(ext):
@@ -141,8 +155,20 @@ def _run_native_test(tmp_path, name: str, header: str) -> None:
     if not (ROOT / "ffi" / header).exists():  # tests run from an installed wheel, away from ffi/
         pytest.skip(f"ffi/{header} is not beside these tests (tests copied away from the source tree)")
     program = tmp_path / name
-    subprocess.run([compiler, "-std=c++17", "-pthread", f"-I{ROOT / 'ffi'}", "-isystem", jax.ffi.include_dir(),
-                    str(ROOT / "tests" / "native" / f"{name}.cc"), "-o", str(program)], check=True)
+    subprocess.run(
+        [
+            compiler,
+            "-std=c++17",
+            "-pthread",
+            f"-I{ROOT / 'ffi'}",
+            "-isystem",
+            jax.ffi.include_dir(),
+            str(ROOT / "tests" / "native" / f"{name}.cc"),
+            "-o",
+            str(program),
+        ],
+        check=True,
+    )
     result = subprocess.run([str(program)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -166,15 +192,26 @@ def test_an_install_without_the_extension_says_it_is_not_built(tmp_path):
     and where the build is described, not Python's "partially initialized module ... circular import"."""
     import sys
 
-    shutil.copytree(ROOT / "jax_ragged_attn", tmp_path / "jax_ragged_attn",
-                    ignore=shutil.ignore_patterns("_ext*.so", "_ext*.pyd", "__pycache__"))
-    script = ("from jax_ragged_attn.backends.shared import extension\n"
-              "print(extension.__file__)\n"
-              "print(extension.cudnn_unavailable_reason())\n"
-              "print(extension.versions()['extension'])\n"
-              "try:\n    extension.module()\nexcept NotImplementedError as error:\n    print(error)\n")
-    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
-                            env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)}, check=True)
+    shutil.copytree(
+        ROOT / "jax_ragged_attn",
+        tmp_path / "jax_ragged_attn",
+        ignore=shutil.ignore_patterns("_ext*.so", "_ext*.pyd", "__pycache__"),
+    )
+    script = (
+        "from jax_ragged_attn.backends.shared import extension\n"
+        "print(extension.__file__)\n"
+        "print(extension.cudnn_unavailable_reason())\n"
+        "print(extension.versions()['extension'])\n"
+        "try:\n    extension.module()\nexcept NotImplementedError as error:\n    print(error)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
+        check=True,
+    )
     where, *lines = result.stdout.splitlines()
     if not where.startswith(str(tmp_path)):
         pytest.skip(f"an editable install's import hook serves jax_ragged_attn from {where}, ahead of PYTHONPATH")

@@ -88,6 +88,7 @@ def cache_overflow(cache_seqlens, page_table, cu_seqlens_q, config) -> Overflow:
     if cu_seqlens_q is not None:
         invalid = invalid + invalid_entries(cu_seqlens_q, config.total_q)
         truncated_q = truncated_rows(cu_seqlens_q, config.total_q, config.seqlen_q)
-    counts = Overflow(truncated_rows_q=truncated_q, truncated_rows_kv=zero, invalid_cu_seqlens=invalid,
-                      dropped_segments=zero)
+    counts = Overflow(
+        truncated_rows_q=truncated_q, truncated_rows_kv=zero, invalid_cu_seqlens=invalid, dropped_segments=zero
+    )
     return jax.tree.map(jax.lax.stop_gradient, counts)

@@ -28,8 +28,10 @@ def unimportable_reason(error: ImportError) -> str:
     """Why the extension does not import, in a sentence. Without a built module Python's own text is about a
     circular import (`from jax_ragged_attn import _ext` inside the package's import), so that case is named."""
     if importlib.util.find_spec("jax_ragged_attn._ext") is None:
-        return ("the C++ extension is not built in this install (no jax_ragged_attn/_ext module; docs/INSTALL.md, "
-                "\"Building\", says how to build it)")
+        return (
+            "the C++ extension is not built in this install (no jax_ragged_attn/_ext module; docs/INSTALL.md, "
+            '"Building", says how to build it)'
+        )
     return f"the C++ extension is built but does not import: {error}"
 
 
@@ -79,7 +81,7 @@ def config_fields() -> tuple[tuple[str, str], ...]:
 def _wheel_cudnn_path() -> str:
     """libcudnn.so.9 inside the nvidia-cudnn wheel, for when jaxlib has not loaded one yet."""
     spec = importlib.util.find_spec("nvidia.cudnn") if importlib.util.find_spec("nvidia") else None
-    for base in (spec.submodule_search_locations if spec else []):
+    for base in spec.submodule_search_locations if spec else []:
         for path in glob.glob(os.path.join(base, "lib", "libcudnn.so.9*")):
             return path
     return ""
