@@ -27,40 +27,66 @@ import traceback
 
 import jax
 
+from benchmarks import report as bench_report
+from benchmarks import systems as bench_systems
+from benchmarks.timing import METHODS, Measurement, Settings, error_status, host_overhead, matmul_rate, rows_with_status
 from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.testing import workloads
 from jax_ragged_attn.testing.workloads import DIRECTIONS
 
-from benchmarks import report as bench_report, systems as bench_systems
-from benchmarks.timing import (METHODS, Measurement, Settings, error_status, host_overhead, matmul_rate,
-                               rows_with_status)
-
 
 def _parse(argv):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default=None,
-                        help="comma-separated: W1, W2, W3, W4 (= W4-d64,W4-d256,W4-noncausal), tiny, or all "
-                             "(default: all but tiny on a GPU, tiny elsewhere)")
-    parser.add_argument("--systems", default="all", help=f"comma-separated of {', '.join(bench_systems.SYSTEMS)}, "
-                                                         "or all (default)")
-    parser.add_argument("--iterations", type=int, default=None,
-                        help="timed calls per measurement, median reported (default 20; 2 with --quick)")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: one warm-up and 2 timed calls of at most 5 steps per measurement")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.attention", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--workloads",
+        default=None,
+        help="comma-separated: W1, W2, W3, W4 (= W4-d64,W4-d256,W4-noncausal), tiny, or all "
+        "(default: all but tiny on a GPU, tiny elsewhere)",
+    )
+    parser.add_argument(
+        "--systems", default="all", help=f"comma-separated of {', '.join(bench_systems.SYSTEMS)}, or all (default)"
+    )
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        help="timed calls per measurement, median reported (default 20; 2 with --quick)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: one warm-up and 2 timed calls of at most 5 steps per measurement",
+    )
     parser.add_argument("--out", default="bench_out", help="directory for bench.csv, bench.png, table.txt")
-    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                        help="skip measurements not started within this many seconds, so the run still ends "
-                             "with its table and files")
-    parser.add_argument("--method", default=",".join(METHODS),
-                        help="comma-separated timing methods: fori (a device-side loop of N steps in one jitted "
-                             "call), plain (N jitted calls from Python, then block_until_ready); default both")
-    parser.add_argument("--matmul-size", type=int, default=None, metavar="N",
-                        help="size of the dense bf16 [N, N] @ [N, N] matmul whose rate is the limit (default 8192 "
-                             "on a GPU, 512 elsewhere, where the fraction means nothing)")
-    parser.add_argument("--model", action="store_true",
-                        help="run the training-step benchmark instead; the other arguments go to "
-                             "python -m benchmarks.model_step (see its --help)")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="skip measurements not started within this many seconds, so the run still ends with its table and files",
+    )
+    parser.add_argument(
+        "--method",
+        default=",".join(METHODS),
+        help="comma-separated timing methods: fori (a device-side loop of N steps in one jitted "
+        "call), plain (N jitted calls from Python, then block_until_ready); default both",
+    )
+    parser.add_argument(
+        "--matmul-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="size of the dense bf16 [N, N] @ [N, N] matmul whose rate is the limit (default 8192 "
+        "on a GPU, 512 elsewhere, where the fraction means nothing)",
+    )
+    parser.add_argument(
+        "--model",
+        action="store_true",
+        help="run the training-step benchmark instead; the other arguments go to "
+        "python -m benchmarks.model_step (see its --help)",
+    )
     parser.add_argument("--list", action="store_true", help="list workloads and systems, then exit")
     args = parser.parse_args(argv)
     if args.iterations is not None and args.iterations < 1:
@@ -75,8 +101,14 @@ def _settings(args) -> Settings:
     # The step count per timed call comes from a FLOP-rate guess; a wrong guess only costs a recompile.
     rate = 3e14 if jax.default_backend() == "gpu" else 2e10
     if args.quick:
-        return Settings(iterations=args.iterations or 2, target_call_s=0.002, max_steps=5, warmup_calls=1,
-                        assumed_flops_per_s=rate, methods=args.methods)
+        return Settings(
+            iterations=args.iterations or 2,
+            target_call_s=0.002,
+            max_steps=5,
+            warmup_calls=1,
+            assumed_flops_per_s=rate,
+            methods=args.methods,
+        )
     return Settings(iterations=args.iterations or 20, assumed_flops_per_s=rate, methods=args.methods)
 
 
@@ -91,8 +123,10 @@ def limits(settings: Settings, size: int | None) -> tuple[dict[str, float], list
             text = f"{rates[method] / 1e12:.1f} TFLOP/s"
         except Exception as error:  # noqa: BLE001 - the table still prints, without the column
             text = error_status(error)
-        lines.append(f"dense limit ({method}): jitted bf16 [{size}, {size}] @ [{size}, {size}]: {text}"
-                     + ("" if on_gpu else " (not a GPU: the fraction of this limit means nothing here)"))
+        lines.append(
+            f"dense limit ({method}): jitted bf16 [{size}, {size}] @ [{size}, {size}]: {text}"
+            + ("" if on_gpu else " (not a GPU: the fraction of this limit means nothing here)")
+        )
     return rates, lines
 
 
@@ -122,8 +156,12 @@ def _summary(rows: list[Measurement], seconds: float) -> str:
     if all(not m.ok and m.status == rows[0].status for m in rows):
         parts = [rows[0].status]
     else:
-        parts = [f"{m.method} {m.direction} {m.median_s * 1e3:.3f} ms ({bench_report.format_tflops(m.tflops)} TFLOP/s)"
-                 if m.tflops is not None else f"{m.method} {m.direction} {m.status}" for m in rows]
+        parts = [
+            f"{m.method} {m.direction} {m.median_s * 1e3:.3f} ms ({bench_report.format_tflops(m.tflops)} TFLOP/s)"
+            if m.tflops is not None
+            else f"{m.method} {m.direction} {m.status}"
+            for m in rows
+        ]
     text = f"{rows[0].workload} {rows[0].system} ({seconds:.1f} s): " + ", ".join(parts)
     return text if len(text) <= 400 else text[:397] + "..."
 
@@ -177,8 +215,11 @@ def main(argv=None) -> int:
         # W1..W4 are GPU-sized: on a CPU one of them takes minutes per measurement.
         args.workloads = "all" if jax.default_backend() == "gpu" else "tiny"
         if args.workloads == "tiny":
-            print(f"backend {jax.default_backend()}: benchmarking the tiny workload only "
-                  "(pass --workloads all for the GPU-sized W1..W4)", flush=True)
+            print(
+                f"backend {jax.default_backend()}: benchmarking the tiny workload only "
+                "(pass --workloads all for the GPU-sized W1..W4)",
+                flush=True,
+            )
     chosen_workloads = workloads.select(args.workloads)
     systems = bench_systems.select(args.systems)
     # Off a GPU, the GPU systems are not tried: their rows go to the CSV as skipped, and to one line of the
@@ -196,18 +237,27 @@ def main(argv=None) -> int:
 
     started = time.perf_counter()
     measurements: list[Measurement] = []
-    not_run = [row for w in chosen_workloads for s in gpu_only
-               for row in rows_with_status(w, s.name, f"skipped: needs a GPU; JAX's backend is "
-                                           f"{jax.default_backend()!r}", DIRECTIONS, settings.methods)]
+    not_run = [
+        row
+        for w in chosen_workloads
+        for s in gpu_only
+        for row in rows_with_status(
+            w, s.name, f"skipped: needs a GPU; JAX's backend is {jax.default_backend()!r}", DIRECTIONS, settings.methods
+        )
+    ]
     pairs, say = _progress([(w, s) for w in chosen_workloads for s in systems])
     for workload, system in pairs:
         if hasattr(pairs, "set_description"):
             pairs.set_description(f"{workload.name} {system.name}")
         begun = time.perf_counter()
         if args.time_budget is not None and begun - started > args.time_budget:
-            rows = rows_with_status(workload, system.name,
-                                    f"skipped: time budget of {args.time_budget:.0f} s spent", DIRECTIONS,
-                                    settings.methods)
+            rows = rows_with_status(
+                workload,
+                system.name,
+                f"skipped: time budget of {args.time_budget:.0f} s spent",
+                DIRECTIONS,
+                settings.methods,
+            )
         else:
             rows = _measure(system, workload, settings)
         measurements += rows
@@ -226,11 +276,15 @@ def main(argv=None) -> int:
     text = bench_report.table(measurements, rates)
     if gpu_only:
         rows = len(chosen_workloads) * len(gpu_only) * len(settings.methods)  # one table row per method each
-        text += (f"\nskipped on {jax.default_backend().upper()}: {rows} rows needing a GPU: "
-                 f"{', '.join(s.name for s in gpu_only)} (in bench.csv as skipped)")
-    footer = [f"wrote {os.path.join(args.out, 'bench.csv')}, "
-              + (f"no plot ({plot_problem})" if plot_problem else plot_path)
-              + f"; {time.perf_counter() - started:.0f} s"]
+        text += (
+            f"\nskipped on {jax.default_backend().upper()}: {rows} rows needing a GPU: "
+            f"{', '.join(s.name for s in gpu_only)} (in bench.csv as skipped)"
+        )
+    footer = [
+        f"wrote {os.path.join(args.out, 'bench.csv')}, "
+        + (f"no plot ({plot_problem})" if plot_problem else plot_path)
+        + f"; {time.perf_counter() - started:.0f} s"
+    ]
     with open(os.path.join(args.out, "table.txt"), "w") as f:
         f.write("\n".join(header + overhead + ["", text, ""] + footer) + "\n")
     print("\n".join(overhead + footer))

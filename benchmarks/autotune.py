@@ -18,8 +18,8 @@ def _report(names: str) -> int:
     import jax.numpy as jnp
 
     from jax_ragged_attn.backends.cudnn import ragged as cudnn
-    from jax_ragged_attn.testing import workloads
     from jax_ragged_attn.config import AttentionOptions, make_config
+    from jax_ragged_attn.testing import workloads
 
     reason = extension.cudnn_unavailable_reason()
     if reason is not None:
@@ -28,18 +28,28 @@ def _report(names: str) -> int:
     print(f"{'workload':13} {'direction':9} {'plans':>5}  {'heuristic':>10}  {'tuned':>10}  {'gain':>6}  tuned plan")
     for w in workloads.select(names):
         t, b = w.total_tokens, w.num_seqs
-        shape = lambda h: jax.ShapeDtypeStruct((t, h, w.head_dim), jnp.dtype(w.dtype))  # noqa: E731
+        shape = lambda h: jax.ShapeDtypeStruct((t, h, w.head_dim), jnp.dtype(w.dtype))
         cu = jax.ShapeDtypeStruct((b + 1,), jnp.int32)
-        config = make_config(shape(w.num_heads_q), shape(w.num_heads_kv), shape(w.num_heads_kv), cu, cu,
-                             AttentionOptions(is_causal=w.causal, diagonal_alignment="bottom_right"),
-                             max_seqlen_q=w.max_seqlen, max_seqlen_kv=w.max_seqlen)
+        config = make_config(
+            shape(w.num_heads_q),
+            shape(w.num_heads_kv),
+            shape(w.num_heads_kv),
+            cu,
+            cu,
+            AttentionOptions(is_causal=w.causal, diagonal_alignment="bottom_right"),
+            max_seqlen_q=w.max_seqlen,
+            max_seqlen_kv=w.max_seqlen,
+        )
         for direction in ("forward", "backward"):
             # The graph that runs: for the backward, the intermediate layout strategy="fastest" picks.
             entry = tune(direction, cudnn.ffi_attributes(config, direction), cudnn.device_ordinal())
             ran = sum(p["ok"] for p in entry["plans"])
             gain = entry["heuristic_ms"] / entry["chosen_ms"]
-            print(f"{w.name:13} {direction:9} {ran:>2}/{len(entry['plans']):<2}  {entry['heuristic_ms']:>8.3f}ms"
-                  f"  {entry['chosen_ms']:>8.3f}ms  {gain:>5.2f}x  {entry['plan_name']}", flush=True)
+            print(
+                f"{w.name:13} {direction:9} {ran:>2}/{len(entry['plans']):<2}  {entry['heuristic_ms']:>8.3f}ms"
+                f"  {entry['chosen_ms']:>8.3f}ms  {gain:>5.2f}x  {entry['plan_name']}",
+                flush=True,
+            )
     return 0
 
 

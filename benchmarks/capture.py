@@ -140,15 +140,22 @@ def classify_hlo(hlo: str, targets=TARGETS) -> list[Occurrence]:
     occurrences = []
     for target, instruction, computation in custom_calls(hlo, targets):
         if not roots:
-            status, reason = UNKNOWN, ("the optimized HLO has no command_buffer computation: either nothing was "
-                                       "captured, or this XLA forms command buffers on thunks after the HLO "
-                                       "(read the thunk dump)")
+            status, reason = (
+                UNKNOWN,
+                (
+                    "the optimized HLO has no command_buffer computation: either nothing was "
+                    "captured, or this XLA forms command buffers on thunks after the HLO "
+                    "(read the thunk dump)"
+                ),
+            )
         elif computation in inside:
             via = computation if computation in roots else f"{computation}, reached from {', '.join(roots)}"
             status, reason = CAPTURED, f"HLO: in command-buffer computation {via}"
         else:
-            status, reason = NOT_CAPTURED, (f"HLO: in {computation}, outside the module's command-buffer "
-                                            f"computations ({', '.join(roots)})")
+            status, reason = (
+                NOT_CAPTURED,
+                (f"HLO: in {computation}, outside the module's command-buffer computations ({', '.join(roots)})"),
+            )
         occurrences.append(Occurrence(target, instruction, computation, status, reason))
     return occurrences
 
@@ -182,7 +189,9 @@ def parse_thunk_sequence(text: str) -> list[ThunkLine]:
             stack.pop()
         inside = any(kind == "kCommandBuffer" for _, kind in stack)
         thunk_id = int(match.group("id")) if match.group("id") is not None else None
-        thunks.append(ThunkLine(number, thunk_id, match.group("kind"), depth, inside, line[match.end():].strip(" \t:")))
+        thunks.append(
+            ThunkLine(number, thunk_id, match.group("kind"), depth, inside, line[match.end() :].strip(" \t:"))
+        )
         stack.append((depth, match.group("kind")))
     return thunks
 
@@ -199,13 +208,19 @@ def parse_thunk_metadata(text: str) -> list[tuple[int, str, str]]:
         thunk_id = re.search(r"\bthunk_id:\s*(\d+)", block)
         annotation = re.search(r"\bprofile_annotation:\s*\"((?:[^\"\\]|\\.)*)\"", block)
         kind = re.search(r"\bthunk_kind:\s*\"([^\"]*)\"", block)
-        entries.append((int(thunk_id.group(1)) if thunk_id else 0, annotation.group(1) if annotation else "",
-                        kind.group(1) if kind else ""))
+        entries.append(
+            (
+                int(thunk_id.group(1)) if thunk_id else 0,
+                annotation.group(1) if annotation else "",
+                kind.group(1) if kind else "",
+            )
+        )
     return entries
 
 
-def classify_thunks(hlo: str, thunk_sequence: str, metadata: str | None = None, *, passes_changed: bool = True,
-                    targets=TARGETS) -> list[Occurrence]:
+def classify_thunks(
+    hlo: str, thunk_sequence: str, metadata: str | None = None, *, passes_changed: bool = True, targets=TARGETS
+) -> list[Occurrence]:
     """Each custom call to `targets` in `hlo`, placed by the thunk dump of the same compiled module.
 
     thunk_sequence: the text of `thunk_sequence_after_thunk_passes.txt`, or, with passes_changed=False, of
@@ -219,8 +234,9 @@ def classify_thunks(hlo: str, thunk_sequence: str, metadata: str | None = None, 
         return []
     thunks = parse_thunk_sequence(thunk_sequence)
     if not thunks:
-        return [Occurrence(t, i, c, UNKNOWN, "the thunk dump has no line of the form '<id>: <kind>'")
-                for t, i, c in found]
+        return [
+            Occurrence(t, i, c, UNKNOWN, "the thunk dump has no line of the form '<id>: <kind>'") for t, i, c in found
+        ]
     calls = [t for t in thunks if t.kind == "kCustomCall"]
     source = "thunk_sequence_after_thunk_passes" if passes_changed else "thunk_sequence (thunk passes changed nothing)"
 
@@ -253,13 +269,20 @@ def classify_thunks(hlo: str, thunk_sequence: str, metadata: str | None = None, 
             status, reason = UNKNOWN, "the thunk dump has no kCustomCall thunk for this custom call"
         elif len(statuses) == 1:
             status = next(iter(statuses))
-            reason = (f"thunks, by elimination: all {len(calls)} kCustomCall thunks of the module are "
-                      f"{'inside' if status == CAPTURED else 'outside'} command buffers ({source}; "
-                      f"{'no thunk_metadata to name them' if not metadata else 'metadata did not name this one'})")
+            reason = (
+                f"thunks, by elimination: all {len(calls)} kCustomCall thunks of the module are "
+                f"{'inside' if status == CAPTURED else 'outside'} command buffers ({source}; "
+                f"{'no thunk_metadata to name them' if not metadata else 'metadata did not name this one'})"
+            )
         else:
-            status, reason = UNKNOWN, (f"thunks: {sum(t.in_command_buffer for t in calls)} of {len(calls)} "
-                                       "kCustomCall thunks are in command buffers and the metadata does not say "
-                                       "which one this is")
+            status, reason = (
+                UNKNOWN,
+                (
+                    f"thunks: {sum(t.in_command_buffer for t in calls)} of {len(calls)} "
+                    "kCustomCall thunks are in command buffers and the metadata does not say "
+                    "which one this is"
+                ),
+            )
         occurrences.append(Occurrence(target, instruction, computation, status, reason))
     return occurrences
 
@@ -289,8 +312,14 @@ def module_dump_files(names, module: str | None) -> dict[str, str | None]:
     return files
 
 
-def classify(hlo: str, *, thunk_after: str | None = None, thunk_before: str | None = None,
-             metadata: str | None = None, targets=TARGETS) -> list[Occurrence]:
+def classify(
+    hlo: str,
+    *,
+    thunk_after: str | None = None,
+    thunk_before: str | None = None,
+    metadata: str | None = None,
+    targets=TARGETS,
+) -> list[Occurrence]:
     """The HLO's answer where it has one; else the thunk dump's (texts, not paths); else UNKNOWN with both reasons."""
     from_hlo = classify_hlo(hlo, targets)
     if all(o.status != UNKNOWN for o in from_hlo):
@@ -300,8 +329,12 @@ def classify(hlo: str, *, thunk_after: str | None = None, thunk_before: str | No
     elif thunk_before is not None:
         from_thunks = classify_thunks(hlo, thunk_before, metadata, passes_changed=False, targets=targets)
     else:
-        return [dataclasses.replace(o, reason=o.reason + "; and no thunk dump was found (run with --xla_dump_to)")
-                if o.status == UNKNOWN else o for o in from_hlo]
+        return [
+            dataclasses.replace(o, reason=o.reason + "; and no thunk dump was found (run with --xla_dump_to)")
+            if o.status == UNKNOWN
+            else o
+            for o in from_hlo
+        ]
     merged = []
     for hlo_says, thunks_say in zip(from_hlo, from_thunks):
         if hlo_says.status != UNKNOWN:
@@ -325,6 +358,8 @@ def summary(occurrences: list[Occurrence], short: dict[str, str] | None = None) 
         if len(set(statuses)) == 1:
             parts.append(f"{name} {statuses[0]}" + (f" (x{len(statuses)})" if len(statuses) > 1 else ""))
         else:
-            parts.append(f"{name} {statuses.count(CAPTURED)}/{len(statuses)} captured"
-                         + (f", {statuses.count(UNKNOWN)} unknown" if UNKNOWN in statuses else ""))
+            parts.append(
+                f"{name} {statuses.count(CAPTURED)}/{len(statuses)} captured"
+                + (f", {statuses.count(UNKNOWN)} unknown" if UNKNOWN in statuses else "")
+            )
     return ", ".join(parts)

@@ -32,11 +32,10 @@ import tempfile
 import time
 import traceback
 
-from jax_ragged_attn.backends.shared.extension import BACKWARD_TARGET, FORWARD_TARGET
-from jax_ragged_attn.testing import workloads
-
 from benchmarks import capture as command_buffers
 from benchmarks.timing import Measurement, Settings, error_status, measure_jax
+from jax_ragged_attn.backends.shared.extension import BACKWARD_TARGET, FORWARD_TARGET
+from jax_ragged_attn.testing import workloads
 
 # The repository root: each mode's child runs `python -m benchmarks.command_buffers` from there.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,33 +43,53 @@ MODES = {
     "off": ("--xla_gpu_enable_command_buffer=",),
     "default": (),
     "on": ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL", "--xla_gpu_graph_min_graph_size=1"),
-    "on+while": ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL",
-                 "--xla_gpu_graph_min_graph_size=1"),
+    "on+while": (
+        "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL",
+        "--xla_gpu_graph_min_graph_size=1",
+    ),
 }
 DEFAULT_MODES = ("off", "default", "on")
 SYSTEM = "ours-hm"
 # Flags this tool sets itself; an inherited value of any of them is dropped from the child's XLA_FLAGS.
-_OWN_FLAGS = ("--xla_gpu_enable_command_buffer", "--xla_gpu_graph_min_graph_size", "--xla_dump_to",
-              "--xla_dump_hlo_as_text", "--xla_dump_hlo_module_re", "--xla_dump_include_timestamp")
+_OWN_FLAGS = (
+    "--xla_gpu_enable_command_buffer",
+    "--xla_gpu_graph_min_graph_size",
+    "--xla_dump_to",
+    "--xla_dump_hlo_as_text",
+    "--xla_dump_hlo_module_re",
+    "--xla_dump_include_timestamp",
+)
 _SHORT = {FORWARD_TARGET: "forward", BACKWARD_TARGET: "backward"}
 _LOOPS = {"forward": "fwd loop", "forward+backward": "fwd+bwd loop"}
 
 
 def _parse(argv):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.command_buffers", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.command_buffers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--workload", default="W3", help=f"one of {', '.join(workloads.WORKLOADS)} (default W3)")
-    parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                        help=f"comma-separated of {', '.join(MODES)} (default {','.join(DEFAULT_MODES)}); "
-                             "ratios are taken against the first")
+    parser.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma-separated of {', '.join(MODES)} (default {','.join(DEFAULT_MODES)}); "
+        "ratios are taken against the first",
+    )
     parser.add_argument("--iterations", type=int, default=10, help="timed calls per measurement (default 10)")
     parser.add_argument("--timeout", type=float, default=150.0, help="seconds allowed per mode (default 150)")
-    parser.add_argument("--out", default=os.path.join("bench_out", "command_buffers"),
-                        help="directory for table.txt, results.json and per-mode logs and thunk dumps")
+    parser.add_argument(
+        "--out",
+        default=os.path.join("bench_out", "command_buffers"),
+        help="directory for table.txt, results.json and per-mode logs and thunk dumps",
+    )
     parser.add_argument("--keep-dumps", action="store_true", help="keep every XLA dump file (in --out/<mode>/xla)")
-    parser.add_argument("--allow-cpu", action="store_true",
-                        help="a smoke test of this tool without a GPU: time the xla path instead (no custom calls, "
-                             "so nothing to capture)")
+    parser.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        help="a smoke test of this tool without a GPU: time the xla path instead (no custom calls, "
+        "so nothing to capture)",
+    )
     # Internal: one mode, in the subprocess whose XLA_FLAGS the parent set.
     parser.add_argument("--child", choices=tuple(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--dump-dir", help=argparse.SUPPRESS)
@@ -90,8 +109,9 @@ def _parse(argv):
 
 def child_xla_flags(inherited: str, mode: str, dump_dir: str) -> str:
     """The child's XLA_FLAGS: the inherited ones but those this tool sets, the mode's, then the dump flags."""
-    kept = [flag for flag in inherited.split()
-            if not any(flag == own or flag.startswith(own + "=") for own in _OWN_FLAGS)]
+    kept = [
+        flag for flag in inherited.split() if not any(flag == own or flag.startswith(own + "=") for own in _OWN_FLAGS)
+    ]
     return " ".join([*kept, *MODES[mode], f"--xla_dump_to={dump_dir}", "--xla_dump_hlo_as_text"])
 
 
@@ -150,13 +170,17 @@ class _DumpWatcher:
                 if any(name and f".{module}." in name for name in latest.values()):
                     files = latest
             texts = {key: self._read(name) for key, name in files.items()}
-            occurrences = command_buffers.classify(hlo, thunk_after=texts["after"], thunk_before=texts["before"],
-                                                   metadata=texts["metadata"])
+            occurrences = command_buffers.classify(
+                hlo, thunk_after=texts["after"], thunk_before=texts["before"], metadata=texts["metadata"]
+            )
             if keep_dir:
                 for name in filter(None, files.values()):
                     shutil.copy(os.path.join(self.dump_dir, name), keep_dir)
-            report[direction] = {"module": module, "files": files,
-                                 "occurrences": [dataclasses.asdict(o) for o in occurrences]}
+            report[direction] = {
+                "module": module,
+                "files": files,
+                "occurrences": [dataclasses.asdict(o) for o in occurrences],
+            }
         return report
 
 
@@ -172,8 +196,8 @@ def _child(args) -> int:
         if backend != "gpu" and not args.allow_cpu:
             result["status"] = f"skipped: needs a CUDA GPU; JAX's backend is {backend!r}"
         else:
-            from jax_ragged_attn.backends.shared import extension
             from benchmarks import systems as bench_systems
+            from jax_ragged_attn.backends.shared import extension
 
             implementation = "cudnn" if backend == "gpu" else "xla"
             reason = extension.cudnn_unavailable_reason() if implementation == "cudnn" else None
@@ -208,15 +232,34 @@ def _run_mode(mode: str, args) -> dict:
     json_path = os.path.join(mode_dir, "result.json")
     if os.path.exists(json_path):
         os.remove(json_path)
-    command = [sys.executable, "-m", "benchmarks.command_buffers", "--child", mode,
-               "--workload", args.workload, "--iterations", str(args.iterations),
-               "--dump-dir", dump_dir, "--json", json_path] + (["--allow-cpu"] if args.allow_cpu else [])
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.command_buffers",
+        "--child",
+        mode,
+        "--workload",
+        args.workload,
+        "--iterations",
+        str(args.iterations),
+        "--dump-dir",
+        dump_dir,
+        "--json",
+        json_path,
+    ] + (["--allow-cpu"] if args.allow_cpu else [])
     started = time.perf_counter()
     log_path = os.path.join(mode_dir, "child.log")
     try:
         with open(log_path, "w") as log:
-            completed = subprocess.run(command, env=child_environment(mode, dump_dir), stdout=log,
-                                       stderr=subprocess.STDOUT, timeout=args.timeout, check=False, cwd=ROOT)
+            completed = subprocess.run(
+                command,
+                env=child_environment(mode, dump_dir),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=args.timeout,
+                check=False,
+                cwd=ROOT,
+            )
         returncode = completed.returncode
     except subprocess.TimeoutExpired:
         returncode = None
@@ -262,20 +305,34 @@ def _capture_phrase(result: dict, direction: str) -> str:
 def report(results: list[dict], workload: workloads.Workload) -> str:
     """The text table: per mode the times, what was captured, the ratios to the first mode, then details."""
     implementation = next((r["implementation"] for r in results if r.get("implementation")), "cudnn")
-    lines = [f"command buffers on {workload.summary()}",
-             f"system: ragged_attention(implementation={implementation!r}), stats head-major; per-step device time, "
-             "the median of timed calls of an N-step jitted loop (bench_timing); bwd = fwd+bwd minus fwd", ""]
+    lines = [
+        f"command buffers on {workload.summary()}",
+        f"system: ragged_attention(implementation={implementation!r}), stats head-major; per-step device time, "
+        "the median of timed calls of an N-step jitted loop (bench_timing); bwd = fwd+bwd minus fwd",
+        "",
+    ]
     header = ("mode", "fwd ms", "fwd+bwd ms", "bwd ms", "captured in the fwd loop", "captured in the fwd+bwd loop")
     table = [header]
     for result in results:
         rows = _rows(result)
-        table.append((result["mode"], _ms(rows.get("forward")), _ms(rows.get("forward+backward")),
-                      _ms(rows.get("backward")), _capture_phrase(result, "forward"),
-                      _capture_phrase(result, "forward+backward")))
+        table.append(
+            (
+                result["mode"],
+                _ms(rows.get("forward")),
+                _ms(rows.get("forward+backward")),
+                _ms(rows.get("backward")),
+                _capture_phrase(result, "forward"),
+                _capture_phrase(result, "forward+backward"),
+            )
+        )
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
-        lines.append("  ".join(cell.ljust(w) if i in (0, 4) or i == len(row) - 1 else cell.rjust(w)
-                               for i, (cell, w) in enumerate(zip(row, widths))).rstrip())
+        lines.append(
+            "  ".join(
+                cell.ljust(w) if i in (0, 4) or i == len(row) - 1 else cell.rjust(w)
+                for i, (cell, w) in enumerate(zip(row, widths))
+            ).rstrip()
+        )
 
     base = _rows(results[0]) if results else {}
     if len(results) > 1:
@@ -299,8 +356,10 @@ def report(results: list[dict], workload: workloads.Workload) -> str:
         for direction, entry in result.get("capture", {}).items():
             loop = _LOOPS.get(direction, direction)
             for o in entry["occurrences"]:
-                lines.append(f"  {result['mode']}, {loop}: {_SHORT.get(o['target'], o['target'])} "
-                             f"({o['instruction']}): {o['status']}: {o['reason']}")
+                lines.append(
+                    f"  {result['mode']}, {loop}: {_SHORT.get(o['target'], o['target'])} "
+                    f"({o['instruction']}): {o['status']}: {o['reason']}"
+                )
             if not entry["occurrences"]:
                 lines.append(f"  {result['mode']}, {loop}: none of our custom calls in module {entry['module']}")
 
@@ -347,8 +406,10 @@ def main(argv=None) -> int:
         json.dump(results, f, indent=1)
     print()
     print(text, flush=True)
-    failed = any(r["status"] != "ok" or any(not m.ok and m.status.startswith("error") for m in _rows(r).values())
-                 for r in results)
+    failed = any(
+        r["status"] != "ok" or any(not m.ok and m.status.startswith("error") for m in _rows(r).values())
+        for r in results
+    )
     return 1 if failed else 0
 
 

@@ -25,42 +25,102 @@ from jax_ragged_attn.tools.selfcheck_deep import DTYPE, RaggedCase, _ragged_inpu
 CAUSAL_BR = (("is_causal", True), ("diagonal_alignment", "bottom_right"))
 CASES = (
     # Sequences with keys but no query rows (cross attention, context-parallel chunks, seqused_q = 0).
-    RaggedCase("no-query sequence, causal bottom-right", slots_q=(5, 0, 12, 3), slots_kv=(40, 7, 33, 19),
-               options=CAUSAL_BR),
-    RaggedCase("same lengths, every sequence has queries", slots_q=(5, 2, 12, 3), slots_kv=(40, 7, 33, 19),
-               options=CAUSAL_BR),
+    RaggedCase(
+        "no-query sequence, causal bottom-right", slots_q=(5, 0, 12, 3), slots_kv=(40, 7, 33, 19), options=CAUSAL_BR
+    ),
+    RaggedCase(
+        "same lengths, every sequence has queries", slots_q=(5, 2, 12, 3), slots_kv=(40, 7, 33, 19), options=CAUSAL_BR
+    ),
     RaggedCase("no-query sequence, no mask", slots_q=(5, 0, 12, 3), slots_kv=(40, 7, 33, 19)),
-    RaggedCase("no-query sequence first, top-left causal", slots_q=(0, 5, 12), slots_kv=(20, 40, 33),
-               options=(("is_causal", True),)),
+    RaggedCase(
+        "no-query sequence first, top-left causal",
+        slots_q=(0, 5, 12),
+        slots_kv=(20, 40, 33),
+        options=(("is_causal", True),),
+    ),
     RaggedCase("no-query sequence of 700 keys", slots_q=(5, 0, 12), slots_kv=(40, 700, 33)),
     RaggedCase("no-query sequence, MHA", slots_q=(5, 0, 12, 3), slots_kv=(40, 7, 33, 19), heads=(4, 4)),
-    RaggedCase("seqused_q 0 beside seqused_kv 2", slots_q=(9, 6, 12, 5), used_q=(4, 0, 12, 3),
-               slots_kv=(9, 6, 12, 5), used_kv=(7, 2, 12, 1)),
+    RaggedCase(
+        "seqused_q 0 beside seqused_kv 2",
+        slots_q=(9, 6, 12, 5),
+        used_q=(4, 0, 12, 3),
+        slots_kv=(9, 6, 12, 5),
+        used_kv=(7, 2, 12, 1),
+    ),
     # Keys no query reaches inside sequences that have queries.
-    RaggedCase("keys left of every window: 10 queries on 1000 keys, window (8, 0) bottom-right",
-               slots_q=(10, 3), slots_kv=(1000, 9), options=CAUSAL_BR + (("local_window_size", (8, 0)),)),
+    RaggedCase(
+        "keys left of every window: 10 queries on 1000 keys, window (8, 0) bottom-right",
+        slots_q=(10, 3),
+        slots_kv=(1000, 9),
+        options=CAUSAL_BR + (("local_window_size", (8, 0)),),
+    ),
     # Unequal head dims past one 128-row tile (the stats cotangent's backward widens Dv by 16: 128 -> 144).
-    RaggedCase("Dqk 128, Dv 144, 300 + 200 + 129 rows, GQA, causal", slots_q=(300, 200, 129),
-               slots_kv=(300, 200, 129), dims=(128, 144), options=(("is_causal", True),)),
-    RaggedCase("Dqk 128, Dv 144, 300 + 200 + 129 rows, MHA, no mask", slots_q=(300, 200, 129),
-               slots_kv=(300, 200, 129), heads=(4, 4), dims=(128, 144)),
-    RaggedCase("Dqk 192, Dv 128, 300 + 200 + 129 rows, causal", slots_q=(300, 200, 129),
-               slots_kv=(300, 200, 129), heads=(4, 4), dims=(192, 128), options=(("is_causal", True),)),
-    RaggedCase("Dqk 128, Dv 64, 300 + 200 + 129 rows, causal", slots_q=(300, 200, 129),
-               slots_kv=(300, 200, 129), heads=(4, 4), dims=(128, 64), options=(("is_causal", True),)),
-    RaggedCase("stats gradient, 300 + 200 + 129 rows, GQA, causal", slots_q=(300, 200, 129),
-               slots_kv=(300, 200, 129), stats_gradient=True),
-    RaggedCase("equal dims 128, 300 + 200 + 129 rows, GQA, causal", slots_q=(300, 200, 129),
-               slots_kv=(300, 200, 129)),
+    RaggedCase(
+        "Dqk 128, Dv 144, 300 + 200 + 129 rows, GQA, causal",
+        slots_q=(300, 200, 129),
+        slots_kv=(300, 200, 129),
+        dims=(128, 144),
+        options=(("is_causal", True),),
+    ),
+    RaggedCase(
+        "Dqk 128, Dv 144, 300 + 200 + 129 rows, MHA, no mask",
+        slots_q=(300, 200, 129),
+        slots_kv=(300, 200, 129),
+        heads=(4, 4),
+        dims=(128, 144),
+    ),
+    RaggedCase(
+        "Dqk 192, Dv 128, 300 + 200 + 129 rows, causal",
+        slots_q=(300, 200, 129),
+        slots_kv=(300, 200, 129),
+        heads=(4, 4),
+        dims=(192, 128),
+        options=(("is_causal", True),),
+    ),
+    RaggedCase(
+        "Dqk 128, Dv 64, 300 + 200 + 129 rows, causal",
+        slots_q=(300, 200, 129),
+        slots_kv=(300, 200, 129),
+        heads=(4, 4),
+        dims=(128, 64),
+        options=(("is_causal", True),),
+    ),
+    RaggedCase(
+        "stats gradient, 300 + 200 + 129 rows, GQA, causal",
+        slots_q=(300, 200, 129),
+        slots_kv=(300, 200, 129),
+        stats_gradient=True,
+    ),
+    RaggedCase("equal dims 128, 300 + 200 + 129 rows, GQA, causal", slots_q=(300, 200, 129), slots_kv=(300, 200, 129)),
     # TransformerEngine#2344's trigger (cuDNN 9.14.0: a left window, max_seqlen_kv > 1024, a mask but causal).
-    RaggedCase("window (64, 64) over 1500 keys", slots_q=(1500, 37), slots_kv=(1500, 37), heads=(2, 2),
-               options=(("local_window_size", (64, 64)),)),
-    RaggedCase("window (128, 0), no causal, 2048 keys, 16 heads", slots_q=(2048,), slots_kv=(2048,),
-               heads=(16, 16), options=(("local_window_size", (128, 0)),)),
-    RaggedCase("window (256, 256), 2 sequences of 2048 and 1100, GQA", slots_q=(2048, 1100),
-               slots_kv=(2048, 1100), heads=(8, 2), options=(("local_window_size", (256, 256)),)),
-    RaggedCase("window (1000, 0) bottom-right, 300 queries on 3000 keys", slots_q=(300,), slots_kv=(3000,),
-               heads=(4, 4), options=CAUSAL_BR + (("local_window_size", (1000, 0)),)),
+    RaggedCase(
+        "window (64, 64) over 1500 keys",
+        slots_q=(1500, 37),
+        slots_kv=(1500, 37),
+        heads=(2, 2),
+        options=(("local_window_size", (64, 64)),),
+    ),
+    RaggedCase(
+        "window (128, 0), no causal, 2048 keys, 16 heads",
+        slots_q=(2048,),
+        slots_kv=(2048,),
+        heads=(16, 16),
+        options=(("local_window_size", (128, 0)),),
+    ),
+    RaggedCase(
+        "window (256, 256), 2 sequences of 2048 and 1100, GQA",
+        slots_q=(2048, 1100),
+        slots_kv=(2048, 1100),
+        heads=(8, 2),
+        options=(("local_window_size", (256, 256)),),
+    ),
+    RaggedCase(
+        "window (1000, 0) bottom-right, 300 queries on 3000 keys",
+        slots_q=(300,),
+        slots_kv=(3000,),
+        heads=(4, 4),
+        options=CAUSAL_BR + (("local_window_size", (1000, 0)),),
+    ),
 )
 # Every fence and workaround the cases probe is lifted: the probe shows what cuDNN itself does.
 LIFT = ("TransformerEngine#2344", "TransformerEngine#2185", known_issues.NO_QUERY_SEQUENCES)

@@ -28,9 +28,8 @@ import sys
 import time
 import traceback
 
-from jax_ragged_attn.testing.workloads import Workload
-
 from benchmarks.timing import Measurement, Settings, derive_backward, error_status
+from jax_ragged_attn.testing.workloads import Workload
 
 SYSTEM = "raw-cudnn"
 PADDED_SYSTEM = "raw-cudnn-padded"  # the backward without max_total_seq_len
@@ -78,9 +77,13 @@ class _Problem:
 
         cu = [int(c) for c in workload.cu_seqlens()]
         self.seq_len = int32(list(workload.seqlens))
-        self.offsets = {"q": int32([c * hq * d for c in cu]), "k": int32([c * hkv * d for c in cu]),
-                        "v": int32([c * hkv * d for c in cu]), "o": int32([c * hq * d for c in cu]),
-                        "stats": int32([c * hq for c in cu])}
+        self.offsets = {
+            "q": int32([c * hq * d for c in cu]),
+            "k": int32([c * hkv * d for c in cu]),
+            "v": int32([c * hkv * d for c in cu]),
+            "o": int32([c * hq * d for c in cu]),
+            "stats": int32([c * hq for c in cu]),
+        }
         self.q, self.k, self.v = normal(t, hq, d), normal(t, hkv, d), normal(t, hkv, d)
         self.o = torch.empty_like(self.q)
         self.stats = torch.empty((t, hq), dtype=torch.float32, device=device)  # token-major
@@ -106,8 +109,12 @@ class _Graph:
     def __init__(self, cudnn, workload: Workload):
         self.cudnn, self.workload = cudnn, workload
         io = {"bfloat16": cudnn.data_type.BFLOAT16, "float16": cudnn.data_type.HALF}[workload.dtype]
-        self.graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
-                                   compute_data_type=cudnn.data_type.FLOAT, handle=_handle())
+        self.graph = cudnn.pygraph(
+            io_data_type=io,
+            intermediate_data_type=cudnn.data_type.FLOAT,
+            compute_data_type=cudnn.data_type.FLOAT,
+            handle=_handle(),
+        )
         b = workload.num_seqs
         self.declared = {name: self._index(name, b) for name in ("seq_len_q", "seq_len_kv")}
         for name in ("q", "k", "v", "o", "stats"):
@@ -125,7 +132,9 @@ class _Graph:
 
     def packed_output(self, tensor, heads: int, offset: str):
         dim, stride = _packed_layout(self.workload, heads)
-        return tensor.set_output(True).set_dim(dim).set_stride(stride).set_ragged_offset(self.declared[f"offset_{offset}"])
+        return (
+            tensor.set_output(True).set_dim(dim).set_stride(stride).set_ragged_offset(self.declared[f"offset_{offset}"])
+        )
 
     def stats_input(self):
         dim, stride = _stats_layout(self.workload)
@@ -134,12 +143,18 @@ class _Graph:
 
     def stats_output(self, tensor):
         dim, stride = _stats_layout(self.workload)
-        return (tensor.set_output(True).set_data_type(self.cudnn.data_type.FLOAT).set_dim(dim).set_stride(stride)
-                .set_ragged_offset(self.declared["offset_stats"]))
+        return (
+            tensor.set_output(True)
+            .set_data_type(self.cudnn.data_type.FLOAT)
+            .set_dim(dim)
+            .set_stride(stride)
+            .set_ragged_offset(self.declared["offset_stats"])
+        )
 
     def masking(self) -> dict:
-        options = dict(use_padding_mask=True, seq_len_q=self.declared["seq_len_q"],
-                       seq_len_kv=self.declared["seq_len_kv"])
+        options = dict(
+            use_padding_mask=True, seq_len_q=self.declared["seq_len_q"], seq_len_kv=self.declared["seq_len_kv"]
+        )
         if self.workload.causal:
             options.update(diagonal_alignment=self.cudnn.diagonal_alignment.TOP_LEFT, diagonal_band_right_bound=0)
         return options
@@ -163,8 +178,15 @@ class _Graph:
 
 def _forward(cudnn, workload: Workload, problem: _Problem):
     g = _Graph(cudnn, workload)
-    o, stats = g.graph.sdpa(name="ragged_sdpa_forward", q=g.declared["q"], k=g.declared["k"], v=g.declared["v"],
-                            generate_stats=True, attn_scale=1.0 / math.sqrt(workload.head_dim), **g.masking())
+    o, stats = g.graph.sdpa(
+        name="ragged_sdpa_forward",
+        q=g.declared["q"],
+        k=g.declared["k"],
+        v=g.declared["v"],
+        generate_stats=True,
+        attn_scale=1.0 / math.sqrt(workload.head_dim),
+        **g.masking(),
+    )
     o = g.packed_output(o, workload.num_heads_q, "o")
     stats = g.stats_output(stats)
     workspace = g.build()
@@ -180,16 +202,26 @@ def _backward(cudnn, workload: Workload, problem: _Problem, padded_intermediates
     # max_total_seq_len: the buffers' token capacity (= T here), as the package's "lean_memory" layout sets
     # it; unset, the intermediates are laid out padded to [B, H, max_seqlen] (strategy.py's "padded").
     bounds = {} if padded_intermediates else dict(max_total_seq_len_q=t, max_total_seq_len_kv=t)
-    d_q, d_k, d_v = g.graph.sdpa_backward(name="ragged_sdpa_backward", q=g.declared["q"], k=g.declared["k"],
-                                          v=g.declared["v"], o=o, dO=d_o, stats=stats,
-                                          attn_scale=1.0 / math.sqrt(workload.head_dim), **bounds, **g.masking())
+    d_q, d_k, d_v = g.graph.sdpa_backward(
+        name="ragged_sdpa_backward",
+        q=g.declared["q"],
+        k=g.declared["k"],
+        v=g.declared["v"],
+        o=o,
+        dO=d_o,
+        stats=stats,
+        attn_scale=1.0 / math.sqrt(workload.head_dim),
+        **bounds,
+        **g.masking(),
+    )
     d_q = g.packed_output(d_q, hq, "q")
     d_k = g.packed_output(d_k, hkv, "k")
     d_v = g.packed_output(d_v, hkv, "v")
     workspace = g.build()
     pack = g.inputs(problem)
-    pack.update({o: problem.o, d_o: problem.d_o, stats: problem.stats,
-                 d_q: problem.d_q, d_k: problem.d_k, d_v: problem.d_v})
+    pack.update(
+        {o: problem.o, d_o: problem.d_o, stats: problem.stats, d_q: problem.d_q, d_k: problem.d_k, d_v: problem.d_v}
+    )
     return g, pack, workspace
 
 
@@ -229,8 +261,9 @@ def _bytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _row(workload: Workload, direction: str, times, steps: int, enqueue_s: float, graphs, method: str,
-         **fields) -> Measurement:
+def _row(
+    workload: Workload, direction: str, times, steps: int, enqueue_s: float, graphs, method: str, **fields
+) -> Measurement:
     median = statistics.median(times)
     note = f"host enqueue {enqueue_s * 1e6:.0f} us/step"
     if enqueue_s > 0.8 * median:
@@ -238,13 +271,25 @@ def _row(workload: Workload, direction: str, times, steps: int, enqueue_s: float
     for g in graphs:
         if g.python_engine:
             note += f"; WARNING: cudnn-frontend ran its Python engine {g.python_engine}, not the cuDNN backend"
-    return Measurement(workload.name, SYSTEM, direction, median_s=median, min_s=min(times), max_s=max(times),
-                       iterations=len(times), steps=steps, flops=workload.flops(direction), note=note,
-                       method=method, **fields)
+    return Measurement(
+        workload.name,
+        SYSTEM,
+        direction,
+        median_s=median,
+        min_s=min(times),
+        max_s=max(times),
+        iterations=len(times),
+        steps=steps,
+        flops=workload.flops(direction),
+        note=note,
+        method=method,
+        **fields,
+    )
 
 
-def measure(workload: Workload, settings: Settings, system: str = SYSTEM,
-            padded_intermediates: bool = False) -> list[Measurement]:
+def measure(
+    workload: Workload, settings: Settings, system: str = SYSTEM, padded_intermediates: bool = False
+) -> list[Measurement]:
     """Forward and forward+backward timed, backward derived as for the JAX systems. `padded_intermediates`:
     the backward without max_total_seq_len (reported as `system`)."""
     import cudnn
@@ -253,8 +298,11 @@ def measure(workload: Workload, settings: Settings, system: str = SYSTEM,
     torch.cuda.synchronize()
     cudnn.set_stream(handle=_handle(), stream=torch.cuda.current_stream().cuda_stream)
     try:
-        rows = [row for method in settings.methods
-                for row in _measure(cudnn, torch, workload, settings, method, padded_intermediates)]
+        rows = [
+            row
+            for method in settings.methods
+            for row in _measure(cudnn, torch, workload, settings, method, padded_intermediates)
+        ]
         for row in rows:
             row.system = system
         return rows
@@ -262,8 +310,9 @@ def measure(workload: Workload, settings: Settings, system: str = SYSTEM,
         torch.cuda.empty_cache()
 
 
-def _measure(cudnn, torch, workload: Workload, settings: Settings, method: str,
-             padded_intermediates: bool) -> list[Measurement]:
+def _measure(
+    cudnn, torch, workload: Workload, settings: Settings, method: str, padded_intermediates: bool
+) -> list[Measurement]:
     problem = _Problem(torch, workload)
     inputs = _bytes(problem.q, problem.k, problem.v, problem.seq_len, *problem.offsets.values())
     rows, workspaces, forward = {}, {}, None
@@ -275,13 +324,22 @@ def _measure(cudnn, torch, workload: Workload, settings: Settings, method: str,
             forward.graph.execute(forward_pack, forward_ws, handle=_handle())
 
         times, steps, enqueue = _time_steps(torch, run_forward, settings, method)
-        rows["forward"] = _row(workload, "forward", times, steps, enqueue, [forward], method,
-                               workspace_bytes=workspaces["forward"],
-                               peak_bytes=inputs + _bytes(problem.o, problem.stats) + workspaces["forward"])
+        rows["forward"] = _row(
+            workload,
+            "forward",
+            times,
+            steps,
+            enqueue,
+            [forward],
+            method,
+            workspace_bytes=workspaces["forward"],
+            peak_bytes=inputs + _bytes(problem.o, problem.stats) + workspaces["forward"],
+        )
     except Exception as error:  # noqa: BLE001 - reported in the table; the other systems still run
         traceback.print_exc(file=sys.stderr)
-        rows["forward"] = Measurement(workload.name, SYSTEM, "forward", status=error_status(error),
-                                      flops=workload.flops("forward"), method=method)
+        rows["forward"] = Measurement(
+            workload.name, SYSTEM, "forward", status=error_status(error), flops=workload.flops("forward"), method=method
+        )
     try:
         if "forward" not in workspaces:
             raise RuntimeError("the forward graph could not be built")
@@ -295,13 +353,28 @@ def _measure(cudnn, torch, workload: Workload, settings: Settings, method: str,
         times, steps, enqueue = _time_steps(torch, run_both, settings, method)
         everything = inputs + _bytes(problem.o, problem.stats, problem.d_o, problem.d_q, problem.d_k, problem.d_v)
         both = sum(workspaces.values())
-        rows["forward+backward"] = _row(workload, "forward+backward", times, steps, enqueue, [forward, backward],
-                                        method, workspace_bytes=both, peak_bytes=everything + both)
+        rows["forward+backward"] = _row(
+            workload,
+            "forward+backward",
+            times,
+            steps,
+            enqueue,
+            [forward, backward],
+            method,
+            workspace_bytes=both,
+            peak_bytes=everything + both,
+        )
         rows["forward+backward"].note += _sanity(torch, problem, workload)
     except Exception as error:  # noqa: BLE001
         traceback.print_exc(file=sys.stderr)
-        rows["forward+backward"] = Measurement(workload.name, SYSTEM, "forward+backward", method=method,
-                                               status=error_status(error), flops=workload.flops("forward+backward"))
+        rows["forward+backward"] = Measurement(
+            workload.name,
+            SYSTEM,
+            "forward+backward",
+            method=method,
+            status=error_status(error),
+            flops=workload.flops("forward+backward"),
+        )
     rows["backward"] = derive_backward(rows["forward"], rows["forward+backward"], workspaces.get("backward"))
     return [rows["forward"], rows["backward"], rows["forward+backward"]]
 
@@ -309,6 +382,9 @@ def _measure(cudnn, torch, workload: Workload, settings: Settings, method: str,
 def _sanity(torch, problem: _Problem, workload: Workload) -> str:
     """A cheap check that the ceiling computed something: finite output and non-zero gradients."""
     t = workload.total_tokens
-    problems = [name for name, x in (("O", problem.o[:t]), ("dQ", problem.d_q[:t]), ("dK", problem.d_k[:t]))
-                if not bool(torch.isfinite(x).all()) or float(x.float().abs().max()) == 0.0]
+    problems = [
+        name
+        for name, x in (("O", problem.o[:t]), ("dQ", problem.d_q[:t]), ("dK", problem.d_k[:t]))
+        if not bool(torch.isfinite(x).all()) or float(x.float().abs().max()) == 0.0
+    ]
     return f"; WARNING: {', '.join(problems)} all zero or not finite" if problems else ""

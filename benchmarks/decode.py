@@ -23,18 +23,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import plain_loop_seconds
 from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
 from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.ops.kvcache import kvcache_config, ragged_attention_with_kvcache
 
-from benchmarks.timing import plain_loop_seconds
-
 PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
 IMPLEMENTATIONS = ("fa3", "cudnn", "xla")
-FULL = dict(batches=(8, 64, 256), contexts=(2048, 8192, 32768), heads=(32, 8), head_dim=128, page_size=256,
-            dtype="bfloat16", implementations=IMPLEMENTATIONS)
-QUICK = dict(batches=(2, 4), contexts=(256, 512), heads=(4, 2), head_dim=32, page_size=64, dtype="float32",
-             implementations=("xla",))
+FULL = dict(
+    batches=(8, 64, 256),
+    contexts=(2048, 8192, 32768),
+    heads=(32, 8),
+    head_dim=128,
+    page_size=256,
+    dtype="bfloat16",
+    implementations=IMPLEMENTATIONS,
+)
+QUICK = dict(
+    batches=(2, 4),
+    contexts=(256, 512),
+    heads=(4, 2),
+    head_dim=32,
+    page_size=64,
+    dtype="float32",
+    implementations=("xla",),
+)
 
 
 def _device_bytes() -> int | None:
@@ -78,35 +91,45 @@ def _time(function, args, calls: int, repetitions: int) -> float:
 
 def _row(batch, context, layout, system, seconds, bytes_read, note=""):
     rate = bytes_read / seconds / 1e9
-    print(f"{batch:>5} {context:>7} {layout:>10}  {system:<16} {seconds * 1e3:9.3f} {rate:9.0f} "
-          f"{100 * rate * 1e9 / PEAK_BYTES_PER_S:6.1f}%  {note}", flush=True)
+    print(
+        f"{batch:>5} {context:>7} {layout:>10}  {system:<16} {seconds * 1e3:9.3f} {rate:9.0f} "
+        f"{100 * rate * 1e9 / PEAK_BYTES_PER_S:6.1f}%  {note}",
+        flush=True,
+    )
 
 
 def run(shape: dict, calls: int, repetitions: int) -> None:
     rng = np.random.default_rng(0)
     raw, raw_reason = _raw_fa3()
     limit = _device_bytes()
-    print(f"# {jax.devices()[0].device_kind}; heads {shape['heads'][0]}/{shape['heads'][1]}, d {shape['head_dim']}, "
-          f"{shape['dtype']}, page {shape['page_size']}; flash-attn3-jax: {raw_reason or 'imported'}")
+    print(
+        f"# {jax.devices()[0].device_kind}; heads {shape['heads'][0]}/{shape['heads'][1]}, d {shape['head_dim']}, "
+        f"{shape['dtype']}, page {shape['page_size']}; flash-attn3-jax: {raw_reason or 'imported'}"
+    )
     print(f"{'B':>5} {'L':>7} {'layout':>10}  {'system':<16} {'ms':>9} {'GB/s':>9} {'peak':>7}  note")
     for batch in shape["batches"]:
         for context in shape["contexts"]:
             hkv, d = shape["heads"][1], shape["head_dim"]
             cache_bytes = 2 * batch * context * hkv * d * jnp.dtype(shape["dtype"]).itemsize
             if limit is not None and 1.5 * cache_bytes > limit:
-                print(f"# B={batch} L={context}: skipped, K+V {cache_bytes / 2**30:.1f} GiB does not fit "
-                      f"{limit / 2**30:.1f} GiB with room to run")
+                print(
+                    f"# B={batch} L={context}: skipped, K+V {cache_bytes / 2**30:.1f} GiB does not fit "
+                    f"{limit / 2**30:.1f} GiB with room to run"
+                )
                 continue
             q, k, v, lengths, table, bytes_read = _inputs(batch, context, shape, rng)
             paged_k = k.reshape(-1, shape["page_size"], *k.shape[2:])  # the same buffer, seen as pages
             paged_v = v.reshape(-1, shape["page_size"], *v.shape[2:])
-            for layout, args in (("contiguous", (q, k, v, lengths, None)),
-                                 (f"paged{shape['page_size']}", (q, paged_k, paged_v, lengths, table))):
+            for layout, args in (
+                ("contiguous", (q, k, v, lengths, None)),
+                (f"paged{shape['page_size']}", (q, paged_k, paged_v, lengths, table)),
+            ):
                 for name in shape["implementations"]:
                     label = name
 
                     def ours(q, k, v, lengths, table, name=name):
                         return ragged_attention_with_kvcache(q, k, v, lengths, page_table=table, implementation=name)
+
                     try:
                         seconds = _time(ours, args, calls, repetitions)
                     except NotImplementedError as error:
@@ -121,22 +144,33 @@ def run(shape: dict, calls: int, repetitions: int) -> None:
                         note = f"route={fa3_kvcache.route(config)}, num_splits={fa3_kvcache.num_splits(config)}"
                     _row(batch, context, layout, f"ours-{label}", seconds, bytes_read, note)
                 if raw is not None:
+
                     def wheel(q, k, v, lengths, table):
                         return raw(q, k, v, cache_seqlens=lengths, page_table=table, is_causal=True)
+
                     try:
-                        _row(batch, context, layout, "flash-attn3-jax", _time(wheel, args, calls, repetitions),
-                             bytes_read, "num_splits=1")
+                        _row(
+                            batch,
+                            context,
+                            layout,
+                            "flash-attn3-jax",
+                            _time(wheel, args, calls, repetitions),
+                            bytes_read,
+                            "num_splits=1",
+                        )
                     except Exception as error:  # noqa: BLE001
-                        print(f"# B={batch} L={context} {layout} flash-attn3-jax: failed: {type(error).__name__}: "
-                              f"{error}")
+                        print(
+                            f"# B={batch} L={context} {layout} flash-attn3-jax: failed: {type(error).__name__}: {error}"
+                        )
             del q, k, v, paged_k, paged_v
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small shapes, xla only (runs on a CPU in seconds)")
-    parser.add_argument("--implementations", default=None,
-                        help=f"comma-separated subset of {','.join(IMPLEMENTATIONS)}")
+    parser.add_argument(
+        "--implementations", default=None, help=f"comma-separated subset of {','.join(IMPLEMENTATIONS)}"
+    )
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default: the decode grid)")
     parser.add_argument("--contexts", default=None, help="comma-separated context lengths (default: the grid)")
     parser.add_argument("--calls", type=int, default=None, help="jitted calls per timed loop (default 50; quick 3)")

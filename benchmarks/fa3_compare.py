@@ -27,11 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import median_loop_seconds
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.testing import workloads as workloads_module
-
-from benchmarks.timing import median_loop_seconds
 
 CALLS, LOOPS = 20, 7
 
@@ -43,8 +42,10 @@ def _probe_batch(seed=0):
     cu_kv = np.concatenate([[0], np.cumsum(lengths_kv)]).astype(np.int32)
     tq, tkv = int(cu_q[-1]) + 29, int(cu_kv[-1]) + 11
     # bfloat16 values held in float32: the float32 reference sees exactly what FA3 sees.
-    q, k, v = (np.asarray(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16), np.float32)
-               for shape in ((tq, 8, 128), (tkv, 2, 128), (tkv, 2, 128)))
+    q, k, v = (
+        np.asarray(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16), np.float32)
+        for shape in ((tq, 8, 128), (tkv, 2, 128), (tkv, 2, 128))
+    )
     d_out = rng.standard_normal((tq, 8, 128)).astype(np.float32)
     d_stats = rng.standard_normal((tq, 8)).astype(np.float32)
     return q, k, v, cu_q, cu_kv, d_out, d_stats
@@ -54,11 +55,22 @@ def _run(implementation, dtype, args, options):
     q, k, v, cu_q, cu_kv, d_out, d_stats = args
 
     def loss(q, k, v):
-        out, stats = ragged_attention(q, k, v, cu_q, cu_kv, return_stats=True, stats_layout="token_major",
-                                      implementation=implementation, **options)
+        out, stats = ragged_attention(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_kv,
+            return_stats=True,
+            stats_layout="token_major",
+            implementation=implementation,
+            **options,
+        )
         finite = jnp.isfinite(stats)
-        return (jnp.sum(out.astype(jnp.float32) * d_out) + jnp.sum(jnp.where(finite, stats * d_stats, 0.0)),
-                (out, stats))
+        return (
+            jnp.sum(out.astype(jnp.float32) * d_out) + jnp.sum(jnp.where(finite, stats * d_stats, 0.0)),
+            (out, stats),
+        )
 
     cast = [jnp.asarray(x, dtype) for x in (q, k, v)]
     (_, (out, stats)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*cast)
@@ -68,16 +80,21 @@ def _run(implementation, dtype, args, options):
 def probe() -> bool:
     args = _probe_batch()
     cases = {
-        "causal bottom-right": dict(max_seqlen_q=200, max_seqlen_kv=200, is_causal=True,
-                                    diagonal_alignment="bottom_right"),
-        "window (16, 8) bottom-right, cut at 150/120": dict(max_seqlen_q=150, max_seqlen_kv=120,
-                                                            local_window_size=(16, 8),
-                                                            diagonal_alignment="bottom_right"),
+        "causal bottom-right": dict(
+            max_seqlen_q=200, max_seqlen_kv=200, is_causal=True, diagonal_alignment="bottom_right"
+        ),
+        "window (16, 8) bottom-right, cut at 150/120": dict(
+            max_seqlen_q=150, max_seqlen_kv=120, local_window_size=(16, 8), diagonal_alignment="bottom_right"
+        ),
         "no mask": dict(max_seqlen_q=200, max_seqlen_kv=200),
-        "causal bottom-right, seqused": dict(max_seqlen_q=200, max_seqlen_kv=200, is_causal=True,
-                                             diagonal_alignment="bottom_right",
-                                             seqused_q=np.array([90, 0, 200, 10, 5], np.int32),
-                                             seqused_kv=np.array([100, 3, 150, 0, 90], np.int32)),
+        "causal bottom-right, seqused": dict(
+            max_seqlen_q=200,
+            max_seqlen_kv=200,
+            is_causal=True,
+            diagonal_alignment="bottom_right",
+            seqused_q=np.array([90, 0, 200, 10, 5], np.int32),
+            seqused_kv=np.array([100, 3, 150, 0, 90], np.int32),
+        ),
     }
     ok = True
     names = ("out", "stats", "dq", "dk", "dv")
@@ -110,28 +127,52 @@ def _systems(workload):
 
     def ours(implementation, **extra):
         def f(q, k, v, cu):
-            return ragged_attention(q, k, v, cu, cu, max_seqlen_q=workload.max_seqlen,
-                                    max_seqlen_kv=workload.max_seqlen,
-                                    implementation=implementation, **options, **extra)
+            return ragged_attention(
+                q,
+                k,
+                v,
+                cu,
+                cu,
+                max_seqlen_q=workload.max_seqlen,
+                max_seqlen_kv=workload.max_seqlen,
+                implementation=implementation,
+                **options,
+                **extra,
+            )
+
         return f
 
     def raw(q, k, v, cu):
         from flash_attn3_jax import flash_mha_varlen
 
-        return flash_mha_varlen(q, k, v, cu, cu, max_seqlen_q=workload.max_seqlen, max_seqlen_k=workload.max_seqlen,
-                                is_causal=workload.causal)
+        return flash_mha_varlen(
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            max_seqlen_q=workload.max_seqlen,
+            max_seqlen_k=workload.max_seqlen,
+            is_causal=workload.causal,
+        )
 
     # "ours default": implementation=None, as a user meets it (the shipped policy, backends/policy.py);
     # "ours autotune": implementation=None with autotune=True, which times cuDNN against FA3 once (at trace) and
     # runs the faster (backends/tuning.py).
-    return {"ours default": ours(None), "ours cuDNN": ours("cudnn"), "ours fa3": ours("fa3"),
-            "ours autotune": ours(None, autotune=True), "flash-attn3-jax": raw}
+    return {
+        "ours default": ours(None),
+        "ours cuDNN": ours("cudnn"),
+        "ours fa3": ours("fa3"),
+        "ours autotune": ours(None, autotune=True),
+        "flash-attn3-jax": raw,
+    }
 
 
 def steps(f, inputs: str = "arguments"):
     """Jitted (forward(q, k, v, cu, s), forward + backward(q, k, v, cu, s, d_out)) of f(q, k, v, cu). With
     inputs="computed" q, k, v and d_out enter as x * s (intermediates, as a projection's output and a loss's
     backward make them); with "arguments" they reach f as they are and s is unused."""
+
     def made(x, s):
         return x * s.astype(x.dtype) if inputs == "computed" else x
 
@@ -145,8 +186,10 @@ def steps(f, inputs: str = "arguments"):
 
 
 def timing(names, inputs: str = "arguments") -> list[str]:
-    lines = [f"{'workload':<10} {'system':<34} {'fwd ms':>8} {'fwd+bwd ms':>11} {'bwd ms':>8} {'fwd+bwd / FA3':>14} "
-             f"{'- FA3 ms':>9}"]
+    lines = [
+        f"{'workload':<10} {'system':<34} {'fwd ms':>8} {'fwd+bwd ms':>11} {'bwd ms':>8} {'fwd+bwd / FA3':>14} "
+        f"{'- FA3 ms':>9}"
+    ]
     for name in names:
         workload = workloads_module.WORKLOADS[name]
         q, k, v, cu = workload.packed_inputs()
@@ -163,9 +206,11 @@ def timing(names, inputs: str = "arguments") -> list[str]:
         for system, (fwd, both) in results.items():
             ratio = f"{both / base:.3f}" if base else "-"
             extra = f"{(both - base) * 1e3:+9.3f}" if base else f"{'-':>9}"
-            lines.append(f"{name:<10} {system:<34} {fwd * 1e3:8.3f} {both * 1e3:11.3f} {(both - fwd) * 1e3:8.3f} "
-                         f"{ratio:>14} {extra}")
-        print("\n".join(lines[-len(results):]), flush=True)
+            lines.append(
+                f"{name:<10} {system:<34} {fwd * 1e3:8.3f} {both * 1e3:11.3f} {(both - fwd) * 1e3:8.3f} "
+                f"{ratio:>14} {extra}"
+            )
+        print("\n".join(lines[-len(results) :]), flush=True)
     return lines
 
 
@@ -174,8 +219,12 @@ def main(argv=None) -> int:
     parser.add_argument("--probe-only", action="store_true")
     parser.add_argument("--no-probe", action="store_true")
     parser.add_argument("--workloads", default="W1,W2")
-    parser.add_argument("--inputs", choices=("arguments", "computed"), default="arguments",
-                        help="q, k, v as the jit's arguments, or made inside it (see the module docstring)")
+    parser.add_argument(
+        "--inputs",
+        choices=("arguments", "computed"),
+        default="arguments",
+        help="q, k, v as the jit's arguments, or made inside it (see the module docstring)",
+    )
     args = parser.parse_args(argv)
     reason = _fa3.unavailable_reason()
     print(f"jax {jax.__version__}, devices {jax.devices()}; FA3: {reason or 'available'}", flush=True)
@@ -187,8 +236,7 @@ def main(argv=None) -> int:
         print(f"probe: {'all within tolerance' if ok else 'FAILURES above'}", flush=True)
     if not args.probe_only:
         print(f"inputs: {args.inputs}", flush=True)
-        print("\n".join(timing([w.strip() for w in args.workloads.split(",") if w.strip()], args.inputs)),
-              flush=True)
+        print("\n".join(timing([w.strip() for w in args.workloads.split(",") if w.strip()], args.inputs)), flush=True)
     return 0 if ok else 1
 
 

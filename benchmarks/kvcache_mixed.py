@@ -33,16 +33,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import plain_loop_seconds
 from jax_ragged_attn.backends.fa3 import ragged as fa3
 from jax_ragged_attn.ops.kvcache import ragged_attention_with_kvcache
 
-from benchmarks.timing import plain_loop_seconds
-
-FULL = dict(prefill=4, chunk=512, decode=60, contexts=(2048, 16384), heads=(32, 8), head_dim=128, page_size=256,
-            dtype="bfloat16", implementations=("fa3", "cudnn", "xla"), decode_batches=(8, 64, 256),
-            decode_contexts=(2048, 8192))
-QUICK = dict(prefill=2, chunk=16, decode=6, contexts=(64, 256), heads=(4, 2), head_dim=32, page_size=16,
-             dtype="float32", implementations=("xla",), decode_batches=(4,), decode_contexts=(128,))
+FULL = dict(
+    prefill=4,
+    chunk=512,
+    decode=60,
+    contexts=(2048, 16384),
+    heads=(32, 8),
+    head_dim=128,
+    page_size=256,
+    dtype="bfloat16",
+    implementations=("fa3", "cudnn", "xla"),
+    decode_batches=(8, 64, 256),
+    decode_contexts=(2048, 8192),
+)
+QUICK = dict(
+    prefill=2,
+    chunk=16,
+    decode=6,
+    contexts=(64, 256),
+    heads=(4, 2),
+    head_dim=32,
+    page_size=16,
+    dtype="float32",
+    implementations=("xla",),
+    decode_batches=(4,),
+    decode_contexts=(128,),
+)
 
 
 def _time(function, args, calls: int, repetitions: int) -> float:
@@ -66,7 +86,7 @@ def mixed_inputs(shape: dict, rng):
     table = np.zeros((counts.size, max_pages), np.int32)  # entries past a sequence's pages: page 0, never read
     at = 0
     for b, n in enumerate(used):
-        table[b, :n] = order[at:at + n]
+        table[b, :n] = order[at : at + n]
         at += n
     key = jax.random.key(0)
     q = jax.random.normal(key, (int(counts.sum()), hq, d), dtype)
@@ -79,15 +99,57 @@ def mixed_inputs(shape: dict, rng):
 def _handler(q, k, v, cu_q, used_q, used_k, table, max_q: int, lse_shape):
     """The wheel's forward handler (registered under our name by backends/fa3/ragged.py), num_splits 1."""
     e32, ef, eq = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32), jnp.zeros((0,), q.dtype)
-    types = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32),
-             jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32), jax.ShapeDtypeStruct((1, 1, 1), jnp.float32)]
-    return jax.ffi.ffi_call(fa3.TARGET_PREFIX + "flash_mha_fwd", types, has_side_effect=False,
-                            input_layouts=[None] * 21, output_layouts=[None] * 4)(
-        q, k, v, eq, eq, eq, cu_q, e32, e32, used_q, used_k, table, e32, e32, eq, eq, e32, ef, ef, ef, e32,
-        max_seqlen_q=max_q, max_seqlen_q_has_value=True, max_seqlen_k=0, max_seqlen_k_has_value=False,
-        softmax_scale_val=1.0 / math.sqrt(q.shape[-1]), softmax_scale_has_value=True, pack_gqa_val=False,
-        pack_gqa_has_value=False, is_causal=True, window_size_left=-1, window_size_right=0, attention_chunk=0,
-        softcap=0.0, is_rotary_interleaved=True, num_splits=1, sm_margin=0)[:2]
+    types = [
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct(lse_shape, jnp.float32),
+        jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32),
+        jax.ShapeDtypeStruct((1, 1, 1), jnp.float32),
+    ]
+    return jax.ffi.ffi_call(
+        fa3.TARGET_PREFIX + "flash_mha_fwd",
+        types,
+        has_side_effect=False,
+        input_layouts=[None] * 21,
+        output_layouts=[None] * 4,
+    )(
+        q,
+        k,
+        v,
+        eq,
+        eq,
+        eq,
+        cu_q,
+        e32,
+        e32,
+        used_q,
+        used_k,
+        table,
+        e32,
+        e32,
+        eq,
+        eq,
+        e32,
+        ef,
+        ef,
+        ef,
+        e32,
+        max_seqlen_q=max_q,
+        max_seqlen_q_has_value=True,
+        max_seqlen_k=0,
+        max_seqlen_k_has_value=False,
+        softmax_scale_val=1.0 / math.sqrt(q.shape[-1]),
+        softmax_scale_has_value=True,
+        pack_gqa_val=False,
+        pack_gqa_has_value=False,
+        is_causal=True,
+        window_size_left=-1,
+        window_size_right=0,
+        attention_chunk=0,
+        softcap=0.0,
+        is_rotary_interleaved=True,
+        num_splits=1,
+        sm_margin=0,
+    )[:2]
 
 
 def _row(name: str, seconds: float, reference: float | None, note: str = "") -> None:
@@ -98,36 +160,56 @@ def _row(name: str, seconds: float, reference: float | None, note: str = "") -> 
 def mixed(shape: dict, calls: int, repetitions: int) -> None:
     q, k, v, lengths, cu, table, counts = mixed_inputs(shape, np.random.default_rng(0))
     max_q = shape["chunk"]
-    print(f"# mixed step: {shape['prefill']} x {shape['chunk']}-query chunks + {shape['decode']} decode rows, "
-          f"contexts {shape['contexts'][0]}-{shape['contexts'][1]}, heads {shape['heads'][0]}/{shape['heads'][1]}, "
-          f"d {shape['head_dim']}, {shape['dtype']}, pages of {shape['page_size']} ({k.shape[0]} pages); "
-          f"{jax.devices()[0].device_kind}")
+    print(
+        f"# mixed step: {shape['prefill']} x {shape['chunk']}-query chunks + {shape['decode']} decode rows, "
+        f"contexts {shape['contexts'][0]}-{shape['contexts'][1]}, heads {shape['heads'][0]}/{shape['heads'][1]}, "
+        f"d {shape['head_dim']}, {shape['dtype']}, pages of {shape['page_size']} ({k.shape[0]} pages); "
+        f"{jax.devices()[0].device_kind}"
+    )
     reference, rows = None, []
     fa3_reason = fa3.unavailable_reason()
     if fa3_reason is None:
         try:
-            reference = _time(lambda q, k, v, cu, n, t: _handler(q, k, v, cu, jnp.zeros((0,), jnp.int32), n, t, max_q,
-                                                                  (1, q.shape[1], q.shape[0])),
-                              (q, k, v, cu, lengths, table), calls, repetitions)
+            reference = _time(
+                lambda q, k, v, cu, n, t: _handler(
+                    q, k, v, cu, jnp.zeros((0,), jnp.int32), n, t, max_q, (1, q.shape[1], q.shape[0])
+                ),
+                (q, k, v, cu, lengths, table),
+                calls,
+                repetitions,
+            )
             rows.append(("fa3-varlen", reference, "the wheel's handler, cu_seqlens_q + page table"))
         except Exception as error:  # noqa: BLE001 - the wheel refuses it: say so, time the padded form
-            print(f"# fa3-varlen: the wheel's handler refuses it: {type(error).__name__}: "
-                  f"{str(error).splitlines()[0][:240]}")
+            print(
+                f"# fa3-varlen: the wheel's handler refuses it: {type(error).__name__}: "
+                f"{str(error).splitlines()[0][:240]}"
+            )
         index = np.concatenate([np.arange(c) + s for c, s in zip(counts, np.asarray(cu)[:-1])])
-        padded = jnp.zeros((counts.size, max_q) + q.shape[1:], q.dtype).at[
-            np.repeat(np.arange(counts.size), counts), np.concatenate([np.arange(c) for c in counts])].set(q[index])
-        padded_s = _time(lambda q, k, v, used_q, n, t: _handler(q, k, v, jnp.zeros((0,), jnp.int32), used_q, n, t,
-                                                                max_q, (q.shape[0], q.shape[2], max_q)),
-                         (padded, k, v, jnp.asarray(counts), lengths, table), calls, repetitions)
+        padded = (
+            jnp.zeros((counts.size, max_q) + q.shape[1:], q.dtype)
+            .at[np.repeat(np.arange(counts.size), counts), np.concatenate([np.arange(c) for c in counts])]
+            .set(q[index])
+        )
+        padded_s = _time(
+            lambda q, k, v, used_q, n, t: _handler(
+                q, k, v, jnp.zeros((0,), jnp.int32), used_q, n, t, max_q, (q.shape[0], q.shape[2], max_q)
+            ),
+            (padded, k, v, jnp.asarray(counts), lengths, table),
+            calls,
+            repetitions,
+        )
         rows.append(("fa3-padded", padded_s, "FA3's kernel alone, q pre-padded to [B, max_seqlen_q]"))
         reference = reference or padded_s
         del padded
     else:
         print(f"# FA3's own kernel: not run ({fa3_reason})")
     for name in shape["implementations"]:
+
         def ours(q, k, v, n, cu, t, name=name):
-            return ragged_attention_with_kvcache(q, k, v, n, cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=t,
-                                                 implementation=name)
+            return ragged_attention_with_kvcache(
+                q, k, v, n, cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=t, implementation=name
+            )
+
         try:
             rows.append((f"ours-{name}", _time(ours, (q, k, v, lengths, cu, table), calls, repetitions), ""))
         except NotImplementedError as error:
@@ -160,16 +242,21 @@ def decode_only(shape: dict, calls: int, repetitions: int) -> None:
                 return ragged_attention_with_kvcache(q, k, v, n, page_table=t, implementation=implementation)
 
             def packed(q, k, v, n, t, cu):
-                return ragged_attention_with_kvcache(q[:, 0], k, v, n, cu_seqlens_q=cu, max_seqlen_q=1, page_table=t,
-                                                     implementation=implementation)
+                return ragged_attention_with_kvcache(
+                    q[:, 0], k, v, n, cu_seqlens_q=cu, max_seqlen_q=1, page_table=t, implementation=implementation
+                )
+
             try:
                 fixed_s = _time(fixed, (q, k, v, lengths, table), calls, repetitions)
                 packed_s = _time(packed, (q, k, v, lengths, table, cu), calls, repetitions)
             except NotImplementedError as error:
                 print(f"# B={batch} L={context}: declined: {error}")
                 continue
-            print(f"  B={batch:<4} L={context:<6} ours-{implementation} {fixed_s * 1e3:8.3f} ms   "
-                  f"ours-{implementation}-packed {packed_s * 1e3:8.3f} ms  ({packed_s / fixed_s:.3f}x)", flush=True)
+            print(
+                f"  B={batch:<4} L={context:<6} ours-{implementation} {fixed_s * 1e3:8.3f} ms   "
+                f"ours-{implementation}-packed {packed_s * 1e3:8.3f} ms  ({packed_s / fixed_s:.3f}x)",
+                flush=True,
+            )
             del k, v
 
 

@@ -40,27 +40,27 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.backends.shared import extension
-from jax_ragged_attn.testing.workloads import WORKLOADS, attention_flops, direction_flops, seeded_lengths
-
 from benchmarks import report as bench_report
 from benchmarks.systems import XLA_SCORES_LIMIT_BYTES
 from benchmarks.timing import Settings, error_status, matmul_rate, plain_loop_seconds, steps_for
+from jax_ragged_attn import ragged_attention
+from jax_ragged_attn.backends.shared import extension
+from jax_ragged_attn.testing.workloads import WORKLOADS, attention_flops, direction_flops, seeded_lengths
 
 try:
     from flax import nnx
 
     from jax_ragged_attn.tools import lm
 except (ImportError, SystemExit) as error:  # lm exits with the install line when flax/optax are missing
-    raise SystemExit(f"the training-step benchmark runs the main job's model: pip install 'jax_ragged_attn[flax]' "
-                     f"({error})") from None
+    raise SystemExit(
+        f"the training-step benchmark runs the main job's model: pip install 'jax_ragged_attn[flax]' ({error})"
+    ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,11 +104,18 @@ LENGTHS = {
 
 def make_block(config: ModelConfig, seed: int = 0):
     """The main job's decoder block at this configuration: float32 parameters, bfloat16 compute."""
-    return lm.Block(config.d_model, config.num_heads_q, config.num_heads_kv, head_dim=config.head_dim,
-                    hidden=config.d_mlp, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
+    return lm.Block(
+        config.d_model,
+        config.num_heads_q,
+        config.num_heads_kv,
+        head_dim=config.head_dim,
+        hidden=config.d_mlp,
+        dtype=jnp.bfloat16,
+        rngs=nnx.Rngs(seed),
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _structure(config: ModelConfig):
     """(graphdef, params treedef, parameter names, non-parameter state) of the block at this configuration."""
     graphdef, params, rest = nnx.split(make_block(config), nnx.Param, ...)
@@ -129,9 +136,11 @@ def _merge(params: dict, config: ModelConfig):
 
 def _attend(attention: Callable, positions):
     """lm.Block's attend callback around a system's attention(q, k, v) (q [..., Hq, D], k/v [..., Hkv, D])."""
+
     def attend(module, h):
         q, k, v = lm.split_heads(*module.project(h, positions))
         return module.project_out(attention(q, k, v))
+
     return attend
 
 
@@ -152,9 +161,11 @@ def _loss(params, x, positions, mask, *, attention, config):
 
 def make_step(config: ModelConfig, attention: Callable, seed: int = 0) -> lm.Trainer:
     """The main job's step (lm.make_trainer) over the block; batch = dict(x, positions, mask, index)."""
+
     def loss(module, batch):
         bound = functools.partial(attention, *batch["index"]) if batch["index"] else attention
         return _block_loss(module, batch["x"], batch["positions"], batch["mask"], bound)
+
     return lm.make_trainer(make_block(config, seed), loss, lm.make_tx(3e-4, 10_000))
 
 
@@ -193,8 +204,9 @@ def _layout(seqlens):
 
 
 def _jax_nn(q, k, v, lengths, implementation):
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lengths,
-                                        key_value_seq_lengths=lengths, implementation=implementation)
+    return jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths, implementation=implementation
+    )
 
 
 def _padded_attention(seqlens, implementation):
@@ -216,8 +228,9 @@ def _pad_unpad_attention(seqlens, implementation):
 
 def _ragged(seqlens, implementation):
     s = max(seqlens)
-    return lambda cu, q, k, v: ragged_attention(q, k, v, cu, cu, max_seqlen_q=s, max_seqlen_kv=s, is_causal=True,
-                                                implementation=implementation)
+    return lambda cu, q, k, v: ragged_attention(
+        q, k, v, cu, cu, max_seqlen_q=s, max_seqlen_kv=s, is_causal=True, implementation=implementation
+    )
 
 
 def _needs_gpu(_seqlens) -> str | None:
@@ -234,30 +247,56 @@ def _xla_fits(config: ModelConfig):
     def reason(seqlens) -> str | None:
         scores = len(seqlens) * config.num_heads_q * max(seqlens) ** 2 * 4
         if scores > XLA_SCORES_LIMIT_BYTES:
-            return (f"the xla path materialises [B, H, S, S] float32 scores: {scores / 1e9:.1f} GB here, over "
-                    f"the benchmark's {XLA_SCORES_LIMIT_BYTES / 1e9:.0f} GB limit")
+            return (
+                f"the xla path materialises [B, H, S, S] float32 scores: {scores / 1e9:.1f} GB here, over "
+                f"the benchmark's {XLA_SCORES_LIMIT_BYTES / 1e9:.0f} GB limit"
+            )
         return None
+
     return reason
 
 
 def systems(config: ModelConfig, padded_implementation: str = "cudnn") -> dict[str, ModelSystem]:
     """The four systems; padded_implementation="xla" runs the padded ones through jax.nn's xla path (tests)."""
-    lengths = lambda seqlens: (np.asarray(seqlens, np.int32),)  # noqa: E731
+    lengths = lambda seqlens: (np.asarray(seqlens, np.int32),)
     padded_gate = _needs_gpu if padded_implementation == "cudnn" else (lambda _: None)
-    return {s.name: s for s in (
-        ModelSystem("padded", "[B, max_len] through the whole block, jax.nn cudnn attention with lengths", True,
-                    functools.partial(_padded_attention, implementation=padded_implementation), lengths,
-                    padded_gate),
-        ModelSystem("pad-unpad", "packed block, q/k/v padded around jax.nn cudnn attention, output unpadded",
-                    False, functools.partial(_pad_unpad_attention, implementation=padded_implementation),
-                    lambda seqlens: (np.asarray(seqlens, np.int32), _layout(seqlens)[1]), padded_gate),
-        ModelSystem("ours-cudnn", "packed throughout, ragged_attention(implementation='cudnn')", False,
-                    functools.partial(_ragged, implementation="cudnn"), lambda seqlens: (_layout(seqlens)[0],),
-                    _needs_cudnn),
-        ModelSystem("ours-xla", "packed throughout, ragged_attention(implementation='xla')", False,
-                    functools.partial(_ragged, implementation="xla"), lambda seqlens: (_layout(seqlens)[0],),
-                    _xla_fits(config)),
-    )}
+    return {
+        s.name: s
+        for s in (
+            ModelSystem(
+                "padded",
+                "[B, max_len] through the whole block, jax.nn cudnn attention with lengths",
+                True,
+                functools.partial(_padded_attention, implementation=padded_implementation),
+                lengths,
+                padded_gate,
+            ),
+            ModelSystem(
+                "pad-unpad",
+                "packed block, q/k/v padded around jax.nn cudnn attention, output unpadded",
+                False,
+                functools.partial(_pad_unpad_attention, implementation=padded_implementation),
+                lambda seqlens: (np.asarray(seqlens, np.int32), _layout(seqlens)[1]),
+                padded_gate,
+            ),
+            ModelSystem(
+                "ours-cudnn",
+                "packed throughout, ragged_attention(implementation='cudnn')",
+                False,
+                functools.partial(_ragged, implementation="cudnn"),
+                lambda seqlens: (_layout(seqlens)[0],),
+                _needs_cudnn,
+            ),
+            ModelSystem(
+                "ours-xla",
+                "packed throughout, ragged_attention(implementation='xla')",
+                False,
+                functools.partial(_ragged, implementation="xla"),
+                lambda seqlens: (_layout(seqlens)[0],),
+                _xla_fits(config),
+            ),
+        )
+    }
 
 
 def make_batch(system: ModelSystem, seqlens, config: ModelConfig, seed: int = 0) -> Batch:
@@ -330,9 +369,13 @@ def _timed(call, flops: float, settings: Settings) -> tuple[list[float], int]:
 
 
 def measure(system: ModelSystem, name: str, seqlens, config: ModelConfig, settings: Settings) -> StepResult:
-    result = StepResult(name, system.name, tokens=sum(seqlens),
-                        computed_tokens=len(seqlens) * max(seqlens) if system.padded else sum(seqlens),
-                        useful_flops=config.useful_flops(seqlens))
+    result = StepResult(
+        name,
+        system.name,
+        tokens=sum(seqlens),
+        computed_tokens=len(seqlens) * max(seqlens) if system.padded else sum(seqlens),
+        useful_flops=config.useful_flops(seqlens),
+    )
     reason = system.unavailable(seqlens)
     if reason:
         result.status = f"skipped: {reason}"
@@ -370,8 +413,9 @@ def measure(system: ModelSystem, name: str, seqlens, config: ModelConfig, settin
     alone = jax.jit(forward_backward)
     args = (q, k, v, d_out, batch.index)
     result.attention_bytes = _memory(alone.lower(*args).compile())
-    attention_flops_ = direction_flops(attention_flops(seqlens, config.num_heads_q, config.head_dim, True),
-                                       "forward+backward")
+    attention_flops_ = direction_flops(
+        attention_flops(seqlens, config.num_heads_q, config.head_dim, True), "forward+backward"
+    )
     times, _ = _timed(lambda: alone(*args), attention_flops_, settings)
     result.attention_s = statistics.median(times)
     return result
@@ -382,37 +426,74 @@ def measure(system: ModelSystem, name: str, seqlens, config: ModelConfig, settin
 
 def table(results: list[StepResult], limit: float | None) -> str:
     base = {(r.lengths, r.system): r.tokens_per_s for r in results}
-    header = ("lengths", "system", "step ms", "Mtok/s", "vs padded", "vs pad-unpad", "TFLOP/s", "of limit",
-              "attn ms", "attn share", "step mem", "loss", "status")
+    header = (
+        "lengths",
+        "system",
+        "step ms",
+        "Mtok/s",
+        "vs padded",
+        "vs pad-unpad",
+        "TFLOP/s",
+        "of limit",
+        "attn ms",
+        "attn share",
+        "step mem",
+        "loss",
+        "status",
+    )
     lines = [header]
     for r in results:
+
         def versus(other):
             theirs = base.get((r.lengths, other))
             return f"{r.tokens_per_s / theirs:.2f}x" if r.tokens_per_s and theirs else "-"
 
         status = "; ".join(filter(None, [r.status, r.note]))
         status = status if len(status) <= 110 else status[:107] + "..."
-        lines.append((
-            r.lengths, r.system,
-            "-" if r.step_s is None else f"{r.step_s * 1e3:.3f}",
-            "-" if r.tokens_per_s is None else f"{r.tokens_per_s / 1e6:.3f}",
-            versus("padded"), versus("pad-unpad"),
-            "-" if r.tflops is None else bench_report.format_tflops(r.tflops),
-            bench_report.format_fraction(r.tflops * 1e12 / limit if r.tflops is not None and limit else None),
-            "-" if r.attention_s is None else f"{r.attention_s * 1e3:.3f}",
-            "-" if r.attention_share is None else f"{r.attention_share:.0%}",
-            "-" if r.step_bytes is None else f"{r.step_bytes / 1e6:,.0f} MB",
-            "-" if r.loss is None else f"{r.loss:.4f}", status,
-        ))
+        lines.append(
+            (
+                r.lengths,
+                r.system,
+                "-" if r.step_s is None else f"{r.step_s * 1e3:.3f}",
+                "-" if r.tokens_per_s is None else f"{r.tokens_per_s / 1e6:.3f}",
+                versus("padded"),
+                versus("pad-unpad"),
+                "-" if r.tflops is None else bench_report.format_tflops(r.tflops),
+                bench_report.format_fraction(r.tflops * 1e12 / limit if r.tflops is not None and limit else None),
+                "-" if r.attention_s is None else f"{r.attention_s * 1e3:.3f}",
+                "-" if r.attention_share is None else f"{r.attention_share:.0%}",
+                "-" if r.step_bytes is None else f"{r.step_bytes / 1e6:,.0f} MB",
+                "-" if r.loss is None else f"{r.loss:.4f}",
+                status,
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
-    return "\n".join("  ".join(cell.rjust(w) if 2 <= i <= 11 else cell.ljust(w)
-                               for i, (cell, w) in enumerate(zip(line, widths))) + "  " + line[-1]
-                     for line in lines)
+    return "\n".join(
+        "  ".join(cell.rjust(w) if 2 <= i <= 11 else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+        + "  "
+        + line[-1]
+        for line in lines
+    )
 
 
-CSV_FIELDS = ("lengths", "system", "status", "tokens", "computed_tokens", "step_ms", "tokens_per_s", "tflops",
-              "fraction_of_limit", "attention_ms", "attention_share", "step_bytes", "attention_bytes", "loss",
-              "calls", "repetitions")
+CSV_FIELDS = (
+    "lengths",
+    "system",
+    "status",
+    "tokens",
+    "computed_tokens",
+    "step_ms",
+    "tokens_per_s",
+    "tflops",
+    "fraction_of_limit",
+    "attention_ms",
+    "attention_share",
+    "step_bytes",
+    "attention_bytes",
+    "loss",
+    "calls",
+    "repetitions",
+)
 
 
 def write_csv(path: str, results: list[StepResult], limit: float | None) -> None:
@@ -425,28 +506,56 @@ def write_csv(path: str, results: list[StepResult], limit: float | None) -> None
         writer = csv.writer(f)
         writer.writerow(CSV_FIELDS)
         for r in results:
-            writer.writerow((r.lengths, r.system, r.status, r.tokens, r.computed_tokens,
-                             value(r.step_s and r.step_s * 1e3), value(r.tokens_per_s), value(r.tflops),
-                             value(r.tflops * 1e12 / limit if r.tflops is not None and limit else None),
-                             value(r.attention_s and r.attention_s * 1e3), value(r.attention_share),
-                             value(r.step_bytes, "{}"), value(r.attention_bytes, "{}"), value(r.loss),
-                             r.calls, r.repetitions))
+            writer.writerow(
+                (
+                    r.lengths,
+                    r.system,
+                    r.status,
+                    r.tokens,
+                    r.computed_tokens,
+                    value(r.step_s and r.step_s * 1e3),
+                    value(r.tokens_per_s),
+                    value(r.tflops),
+                    value(r.tflops * 1e12 / limit if r.tflops is not None and limit else None),
+                    value(r.attention_s and r.attention_s * 1e3),
+                    value(r.attention_share),
+                    value(r.step_bytes, "{}"),
+                    value(r.attention_bytes, "{}"),
+                    value(r.loss),
+                    r.calls,
+                    r.repetitions,
+                )
+            )
 
 
 def _parse(argv):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.model_step", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", default=None, help=f"comma-separated of {', '.join(LENGTHS)} "
-                                                        "(default W1,short; tiny with --quick)")
-    parser.add_argument("--systems", default="all", help="comma-separated of padded, pad-unpad, ours-cudnn, "
-                                                         "ours-xla, or all (default)")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.model_step",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--lengths", default=None, help=f"comma-separated of {', '.join(LENGTHS)} (default W1,short; tiny with --quick)"
+    )
+    parser.add_argument(
+        "--systems", default="all", help="comma-separated of padded, pad-unpad, ours-cudnn, ours-xla, or all (default)"
+    )
     parser.add_argument("--iterations", type=int, default=None, help="timed loops, median reported (default 7)")
     parser.add_argument("--quick", action="store_true", help="tiny block and lengths, 2 timed loops: a smoke run")
-    parser.add_argument("--matmul-size", type=int, default=None, help="the dense limit's matmul size "
-                                                                      "(default 8192 on a GPU, 512 elsewhere)")
+    parser.add_argument(
+        "--matmul-size",
+        type=int,
+        default=None,
+        help="the dense limit's matmul size (default 8192 on a GPU, 512 elsewhere)",
+    )
     parser.add_argument("--out", default="bench_out", help="directory for model_step.csv and model_step.txt")
-    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                        help="skip systems not started within this many seconds")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="skip systems not started within this many seconds",
+    )
     args = parser.parse_args(argv)
     if args.iterations is not None and args.iterations < 1:
         parser.error(f"--iterations must be >= 1, got {args.iterations}")
@@ -466,25 +575,37 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown systems {args.systems!r}; choose from {', '.join(available)} or all")
     on_gpu = jax.default_backend() == "gpu"
     rate = 3e14 if on_gpu else 2e10
-    settings = (Settings(iterations=args.iterations or 2, target_call_s=0.01, max_steps=3, warmup_calls=1,
-                         assumed_flops_per_s=rate) if args.quick
-                else Settings(iterations=args.iterations or 7, target_call_s=0.1, max_steps=20, warmup_calls=2,
-                              assumed_flops_per_s=rate))
+    settings = (
+        Settings(
+            iterations=args.iterations or 2, target_call_s=0.01, max_steps=3, warmup_calls=1, assumed_flops_per_s=rate
+        )
+        if args.quick
+        else Settings(
+            iterations=args.iterations or 7, target_call_s=0.1, max_steps=20, warmup_calls=2, assumed_flops_per_s=rate
+        )
+    )
     os.makedirs(args.out, exist_ok=True)
     size = args.matmul_size or (8192 if on_gpu else 512)
     try:
         limit = matmul_rate(size, settings, "plain")
-        limit_line = (f"dense limit: jitted bf16 [{size}, {size}] @ [{size}, {size}], plain method: "
-                      f"{limit / 1e12:.1f} TFLOP/s" + ("" if on_gpu else " (not a GPU: the fraction means nothing)"))
+        limit_line = (
+            f"dense limit: jitted bf16 [{size}, {size}] @ [{size}, {size}], plain method: "
+            f"{limit / 1e12:.1f} TFLOP/s" + ("" if on_gpu else " (not a GPU: the fraction means nothing)")
+        )
     except Exception as error:  # noqa: BLE001
         limit, limit_line = None, f"dense limit: {error_status(error)}"
-    header = [f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}",
-              f"block: d_model {config.d_model}, {config.num_heads_q}/{config.num_heads_kv} heads of "
-              f"{config.head_dim}, GELU MLP {config.d_mlp}, {config.matmul_parameters() / 1e6:.1f}M matmul parameters, "
-              "bf16 compute, the main job's block and step (lm.Block, lm.make_trainer: flat f32 AdamW); plain timing: N jitted steps then block_until_ready, median of "
-              f"{settings.iterations}", limit_line]
-    header += [f"lengths {n}: {len(LENGTHS[n])} sequences of {min(LENGTHS[n])}..{max(LENGTHS[n])}, "
-               f"{sum(LENGTHS[n]):,} tokens" for n in names]
+    header = [
+        f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}",
+        f"block: d_model {config.d_model}, {config.num_heads_q}/{config.num_heads_kv} heads of "
+        f"{config.head_dim}, GELU MLP {config.d_mlp}, {config.matmul_parameters() / 1e6:.1f}M matmul parameters, "
+        "bf16 compute, the main job's block and step (lm.Block, lm.make_trainer: flat f32 AdamW); plain timing: N jitted steps then block_until_ready, median of "
+        f"{settings.iterations}",
+        limit_line,
+    ]
+    header += [
+        f"lengths {n}: {len(LENGTHS[n])} sequences of {min(LENGTHS[n])}..{max(LENGTHS[n])}, {sum(LENGTHS[n]):,} tokens"
+        for n in names
+    ]
     print("\n".join(header), flush=True)
     started = time.perf_counter()
     results = []
@@ -500,9 +621,15 @@ def main(argv=None) -> int:
                     traceback.print_exc(file=sys.stderr)
                     results.append(StepResult(name, system_name, error_status(error)))
             r = results[-1]
-            print(f"{name} {system_name} ({time.perf_counter() - begun:.1f} s): "
-                  + (f"step {r.step_s * 1e3:.3f} ms, attention {r.attention_s * 1e3:.3f} ms, loss {r.loss:.4f}"
-                     if r.ok else r.status), flush=True)
+            print(
+                f"{name} {system_name} ({time.perf_counter() - begun:.1f} s): "
+                + (
+                    f"step {r.step_s * 1e3:.3f} ms, attention {r.attention_s * 1e3:.3f} ms, loss {r.loss:.4f}"
+                    if r.ok
+                    else r.status
+                ),
+                flush=True,
+            )
             write_csv(os.path.join(args.out, "model_step.csv"), results, limit)
     text = table(results, limit)
     with open(os.path.join(args.out, "model_step.txt"), "w") as f:

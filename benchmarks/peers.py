@@ -82,15 +82,14 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.timing import Settings, interleaved_loop_seconds, median_loop_seconds
 from jax_ragged_attn.testing import workloads as workloads_module
 from jax_ragged_attn.testing.workloads import Workload, attention_flops, direction_flops, seeded_lengths
-
-from benchmarks.timing import Settings, interleaved_loop_seconds, median_loop_seconds
 
 CALLS, LOOPS = 20, 7  # fa3_compare's
 QUICK_CALLS, QUICK_LOOPS = 2, 2
@@ -119,8 +118,11 @@ class UnequalWorkload(Workload):
 
     def packed_inputs(self, seed: int = 0):
         q, k, _, cu = super().packed_inputs(seed)
-        v = jax.random.normal(jax.random.fold_in(jax.random.key(seed), 7),
-                              (self.total_tokens, self.num_heads_kv, self.head_dim_v), jnp.dtype(self.dtype))
+        v = jax.random.normal(
+            jax.random.fold_in(jax.random.key(seed), 7),
+            (self.total_tokens, self.num_heads_kv, self.head_dim_v),
+            jnp.dtype(self.dtype),
+        )
         return q, k, v, cu
 
 
@@ -130,8 +132,11 @@ def head_dims(w: Workload) -> tuple[int, int]:
 
 _W1 = workloads_module.WORKLOADS["W1"]
 # The MLA row (not in workloads.py, which has no Dqk != Dv shape): W1's lengths and heads.
-LOCAL = {"MLA": UnequalWorkload("MLA", "W1 with Dqk 192 / Dv 128 (DeepSeek's MLA training shape)", _W1.seqlens,
-                                16, 16, 192, head_dim_v=128)}
+LOCAL = {
+    "MLA": UnequalWorkload(
+        "MLA", "W1 with Dqk 192 / Dv 128 (DeepSeek's MLA training shape)", _W1.seqlens, 16, 16, 192, head_dim_v=128
+    )
+}
 ALIASES = {"hd64": "W4-d64", "hd256": "W4-d256", "mla": "MLA"}
 DEFAULT_ROWS = ("W1", "W2", "W5", "W6", "W4-d64", "W4-d256", "MLA")
 
@@ -142,15 +147,23 @@ def workload(name: str) -> Workload:
         return LOCAL[name]
     if name in workloads_module.WORKLOADS:
         return workloads_module.WORKLOADS[name]
-    raise SystemExit(f"unknown workload {name!r}; choose from {', '.join(DEFAULT_ROWS)}, "
-                     f"{', '.join(workloads_module.WORKLOADS)} or {', '.join(ALIASES)}")
+    raise SystemExit(
+        f"unknown workload {name!r}; choose from {', '.join(DEFAULT_ROWS)}, "
+        f"{', '.join(workloads_module.WORKLOADS)} or {', '.join(ALIASES)}"
+    )
 
 
 def quick(w: Workload) -> Workload:
     """A tiny workload with w's head dims and head grouping: the CPU smoke run of w's row."""
     grouped = w.num_heads_q != w.num_heads_kv
-    return dataclasses.replace(w, name=f"{w.name}~tiny", description=f"tiny shape with {w.name}'s head dims",
-                               seqlens=seeded_lengths(4, 8, 64), num_heads_q=4, num_heads_kv=2 if grouped else 4)
+    return dataclasses.replace(
+        w,
+        name=f"{w.name}~tiny",
+        description=f"tiny shape with {w.name}'s head dims",
+        seqlens=seeded_lengths(4, 8, 64),
+        num_heads_q=4,
+        num_heads_kv=2 if grouped else 4,
+    )
 
 
 # ---- the peers ---------------------------------------------------------------------------------------------
@@ -179,17 +192,24 @@ def _config(w: Workload, **options):
 
     q, k, v, cu = jax.eval_shape(w.packed_inputs)  # shapes only: nothing is allocated
     cu = jnp.asarray(w.cu_seqlens())
-    config = make_config(q, k, v, cu, cu, AttentionOptions(is_causal=w.causal, **options), max_seqlen_q=w.max_seqlen,
-                         max_seqlen_kv=w.max_seqlen)
+    config = make_config(
+        q,
+        k,
+        v,
+        cu,
+        cu,
+        AttentionOptions(is_causal=w.causal, **options),
+        max_seqlen_q=w.max_seqlen,
+        max_seqlen_kv=w.max_seqlen,
+    )
     return config, RaggedIndex(cu, cu, same=True)
 
 
 def _ours(implementation: str | None):
     def attention(w: Workload):
+        from benchmarks.systems import _xla_unsupported
         from jax_ragged_attn import backends, ragged_attention
         from jax_ragged_attn.testing import implementation_options
-
-        from benchmarks.systems import _xla_unsupported
 
         options = implementation_options(implementation) if implementation else {}
 
@@ -198,8 +218,11 @@ def _ours(implementation: str | None):
         if implementation == "xla" or (implementation is None and _on_gpu() is None and _default_label(w) == "xla"):
             reason = _xla_unsupported(w)
             if reason is not None:
-                raise Declined(reason if implementation else f"it would run the xla path here (no GPU kernel "
-                                                             f"serves this row) and {reason}")
+                raise Declined(
+                    reason
+                    if implementation
+                    else f"it would run the xla path here (no GPU kernel serves this row) and {reason}"
+                )
         if implementation is not None:
             try:
                 backends.choose(options["implementation"], *_config(w, **options))
@@ -207,9 +230,12 @@ def _ours(implementation: str | None):
                 raise Declined(str(error)) from None
 
         def f(q, k, v, cu):
-            return ragged_attention(q, k, v, cu, cu, max_seqlen_q=w.max_seqlen, max_seqlen_kv=w.max_seqlen,
-                                    is_causal=w.causal, **options)
+            return ragged_attention(
+                q, k, v, cu, cu, max_seqlen_q=w.max_seqlen, max_seqlen_kv=w.max_seqlen, is_causal=w.causal, **options
+            )
+
         return f
+
     return attention
 
 
@@ -251,13 +277,17 @@ def _fa3_raw(w: Workload):
 
     dqk, dv = head_dims(w)
     if dqk != _fa3.FA3_HEAD_DIM or dv != _fa3.FA3_HEAD_DIM:
-        raise Declined(f"the {_fa3.WHEEL} wheel's kernels are built for head dim {_fa3.FA3_HEAD_DIM} only "
-                       f"(Dqk = Dv = {_fa3.FA3_HEAD_DIM}); this row has Dqk {dqk}, Dv {dv}")
+        raise Declined(
+            f"the {_fa3.WHEEL} wheel's kernels are built for head dim {_fa3.FA3_HEAD_DIM} only "
+            f"(Dqk = Dv = {_fa3.FA3_HEAD_DIM}); this row has Dqk {dqk}, Dv {dv}"
+        )
     from flash_attn3_jax import flash_mha_varlen
 
     def f(q, k, v, cu):
-        return flash_mha_varlen(q, k, v, cu, cu, max_seqlen_q=w.max_seqlen, max_seqlen_k=w.max_seqlen,
-                                is_causal=w.causal)
+        return flash_mha_varlen(
+            q, k, v, cu, cu, max_seqlen_q=w.max_seqlen, max_seqlen_k=w.max_seqlen, is_causal=w.causal
+        )
+
     return f
 
 
@@ -289,8 +319,10 @@ def _import_dew():
             where = _preload_cudart()
             import dew_flash_attn
         except Exception as error:  # noqa: BLE001
-            return None, (f"does not import: {type(first).__name__}: {first}; with libcudart preloaded "
-                          f"({where or 'none found on sys.path'}): {type(error).__name__}: {error}")
+            return None, (
+                f"does not import: {type(first).__name__}: {first}; with libcudart preloaded "
+                f"({where or 'none found on sys.path'}): {type(error).__name__}: {error}"
+            )
     except Exception as error:  # noqa: BLE001
         return None, f"does not import: {type(error).__name__}: {error}"
     return dew_flash_attn, None
@@ -303,9 +335,11 @@ def _dew_unavailable() -> str | None:
 def _dew(w: Workload):
     dqk, dv = head_dims(w)
     if dqk != dv:
-        raise Declined(f"flash_mha_varlen takes k and v of one shape and q, k of one width (its _check), so no "
-                       f"Dqk {dqk} / Dv {dv}; its FA3 library has symmetric hdim {DEW_HEAD_DIMS} kernels only "
-                       f"(padding V to {dqk} would time another kernel, not this row)")
+        raise Declined(
+            f"flash_mha_varlen takes k and v of one shape and q, k of one width (its _check), so no "
+            f"Dqk {dqk} / Dv {dv}; its FA3 library has symmetric hdim {DEW_HEAD_DIMS} kernels only "
+            f"(padding V to {dqk} would time another kernel, not this row)"
+        )
     if dqk > max(DEW_HEAD_DIMS):
         raise Declined(f"head dim {dqk} is over dew's 256")
     if w.dtype not in ("bfloat16", "float16"):
@@ -316,18 +350,22 @@ def _dew(w: Workload):
 
     def f(q, k, v, cu):
         return dew.flash_mha_varlen(q, k, v, cu, w.max_seqlen, is_causal=w.causal)
+
     return f
 
 
-PEERS: dict[str, Peer] = {p.name: p for p in (
-    Peer("ours default", lambda: None, _ours(None), _default_label),
-    Peer("ours cudnn", _cudnn_unavailable, _ours("cudnn")),
-    Peer("ours fa3", _fa3_unavailable, _ours("flash-attn3-jax")),
-    Peer("ours dew", _ours_dew_unavailable, _ours("dew-flash-attn")),
-    Peer("ours xla", lambda: None, _ours("xla")),
-    Peer("flash-attn3-jax", _fa3_raw_unavailable, _fa3_raw),
-    Peer("dew-flash-attn", _dew_unavailable, _dew),
-)}
+PEERS: dict[str, Peer] = {
+    p.name: p
+    for p in (
+        Peer("ours default", lambda: None, _ours(None), _default_label),
+        Peer("ours cudnn", _cudnn_unavailable, _ours("cudnn")),
+        Peer("ours fa3", _fa3_unavailable, _ours("flash-attn3-jax")),
+        Peer("ours dew", _ours_dew_unavailable, _ours("dew-flash-attn")),
+        Peer("ours xla", lambda: None, _ours("xla")),
+        Peer("flash-attn3-jax", _fa3_raw_unavailable, _fa3_raw),
+        Peer("dew-flash-attn", _dew_unavailable, _dew),
+    )
+}
 RAW_CUDNN = "raw cuDNN"
 SYSTEMS = (*PEERS, RAW_CUDNN)
 
@@ -370,8 +408,9 @@ class Budget:
         return None
 
 
-def _measure_jax(peer: Peer, w: Workload, arrays, calls: int, loops: int, budget: Budget,
-                 pending: list | None = None) -> list[Cell]:
+def _measure_jax(
+    peer: Peer, w: Workload, arrays, calls: int, loops: int, budget: Budget, pending: list | None = None
+) -> list[Cell]:
     """The peer's cells of one workload, each timed now, or with `pending` (interleaved timing) compiled now and
     appended as (cell, fn, args) for _time_interleaved."""
     cells = {(i, d): Cell(w.name, i, d, peer.name) for i in INPUTS for d in DIRECTIONS}
@@ -395,8 +434,10 @@ def _measure_jax(peer: Peer, w: Workload, arrays, calls: int, loops: int, budget
     q, k, v, cu, d_out, scale = arrays
     for inputs in INPUTS:
         forward, both = _steps(f, inputs)
-        for direction, fn, args in (("fwd", forward, (q, k, v, cu, scale)),
-                                    ("fwd+bwd", both, (q, k, v, cu, scale, d_out))):
+        for direction, fn, args in (
+            ("fwd", forward, (q, k, v, cu, scale)),
+            ("fwd+bwd", both, (q, k, v, cu, scale, d_out)),
+        ):
             cell = cells[(inputs, direction)]
             cell.label = label
             cell.reason = budget.reason()
@@ -423,13 +464,20 @@ def _raw_cudnn_unavailable() -> str | None:
 def _measure_raw_cudnn(w: Workload, calls: int, loops: int, budget: Budget) -> list[Cell]:
     cells = {(i, d): Cell(w.name, i, d, RAW_CUDNN) for i in INPUTS for d in DIRECTIONS}
     for d in DIRECTIONS:
-        cells[("computed", d)].reason = ("no computed-inputs form: cudnn_raw runs its graphs on torch buffers made "
-                                         "once, outside any jit (its figure is in the arguments row)")
+        cells[("computed", d)].reason = (
+            "no computed-inputs form: cudnn_raw runs its graphs on torch buffers made "
+            "once, outside any jit (its figure is in the arguments row)"
+        )
     dqk, dv = head_dims(w)
-    reason = (_raw_cudnn_unavailable()
-              or (f"benchmarks/cudnn_raw.py builds Dqk = Dv graphs only; this row has Dqk {dqk}, Dv {dv}"
-                  if dqk != dv else None)
-              or budget.reason())
+    reason = (
+        _raw_cudnn_unavailable()
+        or (
+            f"benchmarks/cudnn_raw.py builds Dqk = Dv graphs only; this row has Dqk {dqk}, Dv {dv}"
+            if dqk != dv
+            else None
+        )
+        or budget.reason()
+    )
     if reason is None:
         from benchmarks import cudnn_raw
 
@@ -477,8 +525,14 @@ def _print(cells: list[Cell]) -> None:
         print(f"{c.workload:<10} {c.inputs:<9} {c.direction:<7} {c.system:<16} {text}", flush=True)
 
 
-def measure(rows: list[Workload], systems: list[str], calls: int, loops: int,
-            budget: Budget | None = None, interleave: bool = False) -> list[Cell]:
+def measure(
+    rows: list[Workload],
+    systems: list[str],
+    calls: int,
+    loops: int,
+    budget: Budget | None = None,
+    interleave: bool = False,
+) -> list[Cell]:
     """Every system's cells of every row. interleave: the JAX systems' cells of a row are compiled first, then
     timed together in rounds (_time_interleaved); raw cuDNN (torch, outside JAX) is timed on its own."""
     budget = budget or Budget(None)
@@ -527,13 +581,18 @@ def table(cells: list[Cell], rows: list[tuple[str, str]], systems: list[str]) ->
     below the table with its reason."""
     by_key = {(c.workload, c.inputs, c.direction, c.system): c for c in cells}
     notes: dict[str, int] = {}
-    lines = ["| workload | dir | inputs | " + " | ".join(systems) + " |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in systems) + " |"]
+    lines = [
+        "| workload | dir | inputs | " + " | ".join(systems) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in systems) + " |",
+    ]
     for name, heading in rows:
         for direction in DIRECTIONS:
             for inputs in INPUTS:
-                row = [by_key.get((name, inputs, direction, s)) or
-                       Cell(name, inputs, direction, s, reason="not measured (not in this run)") for s in systems]
+                row = [
+                    by_key.get((name, inputs, direction, s))
+                    or Cell(name, inputs, direction, s, reason="not measured (not in this run)")
+                    for s in systems
+                ]
                 figures = [c.ms for c in row if c.ms is not None]
                 best = min(figures) if figures else None
                 texts = []
@@ -547,8 +606,10 @@ def table(cells: list[Cell], rows: list[tuple[str, str]], systems: list[str]) ->
                         texts.append(f"n/a [{number}]")
                 lines.append(f"| {heading} | {direction} | {inputs} | " + " | ".join(texts) + " |")
     lines.append("")
-    lines.append("ms per call (ratio to the row's fastest, in **bold**); ours default names the backend it ran. "
-                 "No figure: the reason below.")
+    lines.append(
+        "ms per call (ratio to the row's fastest, in **bold**); ours default names the backend it ran. "
+        "No figure: the reason below."
+    )
     lines += [f"[{n}] {key}" for key, n in notes.items()]
     return "\n".join(lines)
 
@@ -584,10 +645,12 @@ def _version(dist: str) -> str:
 
 def environment() -> list[str]:
     device = jax.devices()[0]
-    lines = [f"jax {jax.__version__}, backend {jax.default_backend()}, device {device.device_kind}"
-             + (f" (compute capability {device.compute_capability})" if hasattr(device, "compute_capability") else ""),
-             f"flash-attn3-jax {_version('flash-attn3-jax')}, {DEW_DIST} {_version(DEW_DIST)}, "
-             f"nvidia-cudnn-frontend {_version('nvidia-cudnn-frontend')}, torch {_version('torch')}"]
+    lines = [
+        f"jax {jax.__version__}, backend {jax.default_backend()}, device {device.device_kind}"
+        + (f" (compute capability {device.compute_capability})" if hasattr(device, "compute_capability") else ""),
+        f"flash-attn3-jax {_version('flash-attn3-jax')}, {DEW_DIST} {_version(DEW_DIST)}, "
+        f"nvidia-cudnn-frontend {_version('nvidia-cudnn-frontend')}, torch {_version('torch')}",
+    ]
     dew, reason = _import_dew()
     if dew is None:
         lines.append(f"dew-flash-attn: {reason}")
@@ -608,26 +671,45 @@ def environment() -> list[str]:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default=",".join(DEFAULT_ROWS),
-                        help=f"comma-separated rows (default {','.join(DEFAULT_ROWS)}; hd64, hd256, mla alias "
-                             "W4-d64, W4-d256, MLA)")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.peers",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--workloads",
+        default=",".join(DEFAULT_ROWS),
+        help=f"comma-separated rows (default {','.join(DEFAULT_ROWS)}; hd64, hd256, mla alias W4-d64, W4-d256, MLA)",
+    )
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated of {', '.join(SYSTEMS)}")
     parser.add_argument("--calls", type=int, default=None, help=f"jitted calls per timed loop (default {CALLS})")
     parser.add_argument("--loops", type=int, default=None, help=f"timed loops, median reported (default {LOOPS})")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"CPU smoke run: each row as a tiny shape of its head dims, {QUICK_CALLS} calls, "
-                             f"{QUICK_LOOPS} loops")
-    parser.add_argument("--interleave", action="store_true",
-                        help="time a row's JAX cells together: each of --loops rounds runs one loop of every "
-                             "cell, the median round reported (drift moves every column alike)")
-    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                        help="measurements not started within this many seconds are rows saying so: the table "
-                             "still prints (leave a command's limit room for the last measurement)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"CPU smoke run: each row as a tiny shape of its head dims, {QUICK_CALLS} calls, {QUICK_LOOPS} loops",
+    )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="time a row's JAX cells together: each of --loops rounds runs one loop of every "
+        "cell, the median round reported (drift moves every column alike)",
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="measurements not started within this many seconds are rows saying so: the table "
+        "still prints (leave a command's limit room for the last measurement)",
+    )
     parser.add_argument("--out", default=None, help="directory for peers.json and table.md (default: none)")
-    parser.add_argument("--merge", nargs="+", metavar="PEERS_JSON",
-                        help="measure nothing: print one table of these runs' peers.json (--out's), in order")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="PEERS_JSON",
+        help="measure nothing: print one table of these runs' peers.json (--out's), in order",
+    )
     args = parser.parse_args(argv)
     unknown = [s for s in args.systems.split(",") if s.strip() and s.strip() not in SYSTEMS]
     if unknown:
@@ -648,10 +730,12 @@ def main(argv=None) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     calls = args.calls or (QUICK_CALLS if args.quick else CALLS)
     loops = args.loops or (QUICK_LOOPS if args.quick else LOOPS)
-    timing = (f"timing: a plain loop of {calls} jitted calls then one block, per call; "
-              + (f"{loops} rounds, each one loop of every JAX cell of the row, the median round "
-                 f"(benchmarks/timing.py interleaved_loop_seconds; raw cuDNN: the median of {loops} loops)"
-                 if args.interleave else f"median of {loops} loops (benchmarks/timing.py median_loop_seconds)"))
+    timing = f"timing: a plain loop of {calls} jitted calls then one block, per call; " + (
+        f"{loops} rounds, each one loop of every JAX cell of the row, the median round "
+        f"(benchmarks/timing.py interleaved_loop_seconds; raw cuDNN: the median of {loops} loops)"
+        if args.interleave
+        else f"median of {loops} loops (benchmarks/timing.py median_loop_seconds)"
+    )
     header = environment() + [timing]
     print("\n".join(header), flush=True)
     started = time.perf_counter()
@@ -661,8 +745,16 @@ def main(argv=None) -> int:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "peers.json"), "w") as f:
-            json.dump({"header": header, "rows": [dict(name=n, title=t) for n, t in titles], "systems": systems,
-                       "cells": [c.as_dict() for c in cells]}, f, indent=1)
+            json.dump(
+                {
+                    "header": header,
+                    "rows": [dict(name=n, title=t) for n, t in titles],
+                    "systems": systems,
+                    "cells": [c.as_dict() for c in cells],
+                },
+                f,
+                indent=1,
+            )
         with open(os.path.join(args.out, "table.md"), "w") as f:
             f.write("\n".join(header) + "\n\n" + text + "\n")
     print(f"\n{len(rows)} rows in {time.perf_counter() - started:.0f} s\n", flush=True)

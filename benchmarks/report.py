@@ -9,10 +9,10 @@ from __future__ import annotations
 import csv
 import os
 
-from jax_ragged_attn.testing.workloads import DIRECTIONS
-
-from benchmarks.cudnn_raw import PADDED_SYSTEM as RAW_PADDED_SYSTEM, SYSTEM as RAW_SYSTEM
+from benchmarks.cudnn_raw import PADDED_SYSTEM as RAW_PADDED_SYSTEM
+from benchmarks.cudnn_raw import SYSTEM as RAW_SYSTEM
 from benchmarks.timing import Measurement
+from jax_ragged_attn.testing.workloads import DIRECTIONS
 
 _SHORT = {"forward": "fwd", "backward": "bwd", "forward+backward": "fwd+bwd"}
 
@@ -29,8 +29,11 @@ def _ratios(measurements: list[Measurement], systems) -> dict[int, float]:
         if m.system in systems and m.ok and m.median_s:
             key = (m.workload, m.direction, m.method)
             best[key] = min(best.get(key, m.median_s), m.median_s)
-    return {id(m): m.median_s / best[(m.workload, m.direction, m.method)]
-            for m in measurements if m.ok and (m.workload, m.direction, m.method) in best}
+    return {
+        id(m): m.median_s / best[(m.workload, m.direction, m.method)]
+        for m in measurements
+        if m.ok and (m.workload, m.direction, m.method) in best
+    }
 
 
 def ratios_to_raw(measurements: list[Measurement]) -> dict[int, float]:
@@ -77,8 +80,11 @@ def _collapsed(measurements: list[Measurement]) -> list[tuple[Measurement, str]]
     rows, i = [], 0
     while i < len(measurements):
         first = measurements[i]
-        group = [m for m in measurements[i:i + len(DIRECTIONS)]
-                 if (m.workload, m.system, m.method) == (first.workload, first.system, first.method)]
+        group = [
+            m
+            for m in measurements[i : i + len(DIRECTIONS)]
+            if (m.workload, m.system, m.method) == (first.workload, first.system, first.method)
+        ]
         if len(group) == len(DIRECTIONS) and not group[0].ok and len({m.status for m in group}) == 1:
             rows.append((group[0], "all"))
             i += len(group)
@@ -91,30 +97,69 @@ def _collapsed(measurements: list[Measurement]) -> list[tuple[Measurement, str]]
 def table(measurements: list[Measurement], limits: dict[str, float] | None = None) -> str:
     """One line per measurement in the order measured (one per system where all its rows share a reason)."""
     ratio, best = ratios_to_raw(measurements), ratios_to_best(measurements)
-    header = ("workload", "system", "method", "dir", "ms", "TFLOP/s", "of limit", "t/t_raw", "t/t_best",
-              "workspace", "device mem", "status")
+    header = (
+        "workload",
+        "system",
+        "method",
+        "dir",
+        "ms",
+        "TFLOP/s",
+        "of limit",
+        "t/t_raw",
+        "t/t_best",
+        "workspace",
+        "device mem",
+        "status",
+    )
     lines = [header]
     for m, direction in _collapsed(measurements):
-        lines.append((
-            m.workload, m.system, m.method, direction,
-            "-" if m.median_s is None else f"{m.median_s * 1e3:.3f}",
-            "-" if m.tflops is None else format_tflops(m.tflops),
-            format_fraction(fraction_of_limit(m, limits)),
-            f"{ratio[id(m)]:.2f}x" if id(m) in ratio else "-",
-            f"{best[id(m)]:.2f}x" if id(m) in best else "-",
-            _megabytes(m.workspace_bytes), _megabytes(m.peak_bytes), _status(m),
-        ))
+        lines.append(
+            (
+                m.workload,
+                m.system,
+                m.method,
+                direction,
+                "-" if m.median_s is None else f"{m.median_s * 1e3:.3f}",
+                "-" if m.tflops is None else format_tflops(m.tflops),
+                format_fraction(fraction_of_limit(m, limits)),
+                f"{ratio[id(m)]:.2f}x" if id(m) in ratio else "-",
+                f"{best[id(m)]:.2f}x" if id(m) in best else "-",
+                _megabytes(m.workspace_bytes),
+                _megabytes(m.peak_bytes),
+                _status(m),
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
     right = {4, 5, 6, 7, 8, 9, 10}
     return "\n".join(
         "  ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-        + "  " + line[-1]
-        for line in lines)
+        + "  "
+        + line[-1]
+        for line in lines
+    )
 
 
-CSV_FIELDS = ("workload", "system", "method", "direction", "status", "median_ms", "min_ms", "max_ms", "iterations",
-              "steps", "gflop", "tflops", "fraction_of_limit", "time_vs_raw", "time_vs_best", "workspace_bytes",
-              "device_bytes", "loop_copy_bytes", "note")
+CSV_FIELDS = (
+    "workload",
+    "system",
+    "method",
+    "direction",
+    "status",
+    "median_ms",
+    "min_ms",
+    "max_ms",
+    "iterations",
+    "steps",
+    "gflop",
+    "tflops",
+    "fraction_of_limit",
+    "time_vs_raw",
+    "time_vs_best",
+    "workspace_bytes",
+    "device_bytes",
+    "loop_copy_bytes",
+    "note",
+)
 
 
 def write_csv(path: str, measurements: list[Measurement], limits: dict[str, float] | None = None) -> None:
@@ -128,15 +173,29 @@ def write_csv(path: str, measurements: list[Measurement], limits: dict[str, floa
         writer.writerow(CSV_FIELDS)
         for m in measurements:
             fraction = fraction_of_limit(m, limits)
-            writer.writerow((m.workload, m.system, m.method, m.direction, m.status, ms(m.median_s), ms(m.min_s),
-                             ms(m.max_s), m.iterations, m.steps, f"{m.flops / 1e9:.3f}",
-                             "" if m.tflops is None else f"{m.tflops:.2f}",
-                             "" if fraction is None else f"{fraction:.4f}",
-                             f"{ratio[id(m)]:.4f}" if id(m) in ratio else "",
-                             f"{best[id(m)]:.4f}" if id(m) in best else "",
-                             "" if m.workspace_bytes is None else m.workspace_bytes,
-                             "" if m.peak_bytes is None else m.peak_bytes,
-                             "" if m.loop_copy_bytes is None else m.loop_copy_bytes, m.note))
+            writer.writerow(
+                (
+                    m.workload,
+                    m.system,
+                    m.method,
+                    m.direction,
+                    m.status,
+                    ms(m.median_s),
+                    ms(m.min_s),
+                    ms(m.max_s),
+                    m.iterations,
+                    m.steps,
+                    f"{m.flops / 1e9:.3f}",
+                    "" if m.tflops is None else f"{m.tflops:.2f}",
+                    "" if fraction is None else f"{fraction:.4f}",
+                    f"{ratio[id(m)]:.4f}" if id(m) in ratio else "",
+                    f"{best[id(m)]:.4f}" if id(m) in best else "",
+                    "" if m.workspace_bytes is None else m.workspace_bytes,
+                    "" if m.peak_bytes is None else m.peak_bytes,
+                    "" if m.loop_copy_bytes is None else m.loop_copy_bytes,
+                    m.note,
+                )
+            )
 
 
 def plot(path: str, measurements: list[Measurement]) -> str | None:
@@ -157,8 +216,12 @@ def plot(path: str, measurements: list[Measurement]) -> str | None:
     systems = list(dict.fromkeys(label(m) for m in measurements if m.tflops is not None))
     found = {(m.workload, label(m), m.direction): m.tflops for m in measurements}
     width = 0.8 / max(len(systems), 1)
-    figure, axes = plt.subplots(len(DIRECTIONS), 1, figsize=(max(7, 1.3 * len(workloads) * max(len(systems), 2) / 2),
-                                                             3.2 * len(DIRECTIONS)), squeeze=False)
+    figure, axes = plt.subplots(
+        len(DIRECTIONS),
+        1,
+        figsize=(max(7, 1.3 * len(workloads) * max(len(systems), 2) / 2), 3.2 * len(DIRECTIONS)),
+        squeeze=False,
+    )
     for axis, direction in zip(axes[:, 0], DIRECTIONS):
         for j, system in enumerate(systems):
             xs = [i + (j - (len(systems) - 1) / 2) * width for i in range(len(workloads))]

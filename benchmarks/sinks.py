@@ -17,9 +17,20 @@ from jax_ragged_attn.testing.workloads import WORKLOADS
 
 def step(implementation, with_sinks, q, k, v, cu, s, w):
     def loss(q, k, v, s):
-        out = ragged_attention(q, k, v, cu, cu, max_seqlen_q=w.max_seqlen, max_seqlen_kv=w.max_seqlen, is_causal=True,
-                               implementation=implementation, sinks=s if with_sinks else None)
+        out = ragged_attention(
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            max_seqlen_q=w.max_seqlen,
+            max_seqlen_kv=w.max_seqlen,
+            is_causal=True,
+            implementation=implementation,
+            sinks=s if with_sinks else None,
+        )
         return jnp.sum(out.astype(jnp.float32))
+
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
 
 
@@ -30,8 +41,11 @@ def main(argv=None) -> int:
     q, k, v, cu = w.packed_inputs()
     s = jnp.zeros((w.num_heads_q,), jnp.float32)
     print("| system | fwd+bwd ms |\n|---|---|")
-    for name, impl, sinks, calls in (("cudnn, no sinks", "cudnn", False, 20), ("cudnn, sinks (epilogue)", "cudnn", True, 20),
-                                     ("xla, sinks", "xla", True, 2)):
+    for name, impl, sinks, calls in (
+        ("cudnn, no sinks", "cudnn", False, 20),
+        ("cudnn, sinks (epilogue)", "cudnn", True, 20),
+        ("xla, sinks", "xla", True, 2),
+    ):
         f = step(impl, sinks, q, k, v, cu, s, w)
         jax.block_until_ready(f(q, k, v, s))
         times = []

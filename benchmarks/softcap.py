@@ -11,16 +11,25 @@ import statistics
 import jax
 import jax.numpy as jnp
 
+from benchmarks.timing import plain_loop_seconds
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.testing.workloads import WORKLOADS
-
-from benchmarks.timing import plain_loop_seconds
 
 
 def functions(w, cu, implementation, softcap):
     def attend(q, k, v):
-        return ragged_attention(q, k, v, cu, cu, max_seqlen_q=w.max_seqlen, max_seqlen_kv=w.max_seqlen,
-                                is_causal=w.causal, implementation=implementation, softcap=softcap)
+        return ragged_attention(
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            max_seqlen_q=w.max_seqlen,
+            max_seqlen_kv=w.max_seqlen,
+            is_causal=w.causal,
+            implementation=implementation,
+            softcap=softcap,
+        )
 
     def loss(q, k, v):
         return jnp.sum(attend(q, k, v).astype(jnp.float32))

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn.ops import ragged as api
 from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.shared import extension, stats_grad
 from jax_ragged_attn.config import STRATEGIES
+from jax_ragged_attn.ops import ragged as api
 from jax_ragged_attn.testing import assert_close, packed_batch
 from jax_ragged_attn.testing.reference import reference_attention
 
@@ -42,17 +42,30 @@ from jax_ragged_attn.testing.reference import reference_attention
 # and spends most of its time compiling; LLVM's -O0 halves that and leaves XLA's own HLO passes, which
 # decide the arithmetic, as they are.
 TIERS = {
-    "cpu": dict(implementation="xla", tokens=256, longest=64, work=2e6, slack=(4, 64),
-                compiler_options={"xla_backend_optimization_level": 0},
-                dtypes=(("float32", 2), ("bfloat16", 1), ("float16", 1)),
-                heads=(((2, 2), 2), ((4, 4), 1), ((4, 2), 2), ((6, 2), 1), ((3, 1), 1), ((4, 1), 1)),
-                dims=(((8, 8), 3), ((9, 9), 1), ((16, 16), 2), ((24, 16), 1), ((32, 32), 1)),
-                window=16),
-    "gpu": dict(implementation="cudnn", tokens=4096, longest=1024, work=2e9, slack=(64, 2048), compiler_options={},
-                dtypes=(("bfloat16", 2), ("float16", 1)),
-                heads=(((8, 8), 2), ((16, 16), 1), ((8, 2), 2), ((16, 4), 1), ((8, 1), 1), ((16, 1), 1)),
-                dims=(((64, 64), 2), ((72, 72), 1), ((128, 128), 3), ((192, 128), 1), ((256, 256), 1)),
-                window=256),
+    "cpu": dict(
+        implementation="xla",
+        tokens=256,
+        longest=64,
+        work=2e6,
+        slack=(4, 64),
+        compiler_options={"xla_backend_optimization_level": 0},
+        dtypes=(("float32", 2), ("bfloat16", 1), ("float16", 1)),
+        heads=(((2, 2), 2), ((4, 4), 1), ((4, 2), 2), ((6, 2), 1), ((3, 1), 1), ((4, 1), 1)),
+        dims=(((8, 8), 3), ((9, 9), 1), ((16, 16), 2), ((24, 16), 1), ((32, 32), 1)),
+        window=16,
+    ),
+    "gpu": dict(
+        implementation="cudnn",
+        tokens=4096,
+        longest=1024,
+        work=2e9,
+        slack=(64, 2048),
+        compiler_options={},
+        dtypes=(("bfloat16", 2), ("float16", 1)),
+        heads=(((8, 8), 2), ((16, 16), 1), ((8, 2), 2), ((16, 4), 1), ((8, 1), 1), ((16, 1), 1)),
+        dims=(((64, 64), 2), ((72, 72), 1), ((128, 128), 3), ((192, 128), 1), ((256, 256), 1)),
+        window=256,
+    ),
 }
 BATCH_SIZES = ((1, 3), (2, 3), (3, 2), (4, 2), (5, 1), (8, 2), (16, 1), (32, 1), (64, 1))
 LENGTHS = (("uniform", 3), ("heavy_tailed", 2), ("many_zero", 2), ("all_equal", 1), ("one_long", 2))
@@ -87,8 +100,16 @@ def _fit(lengths: list[int], budget: int) -> list[int]:
 
 
 def _slack(rng, small: int, large: int) -> int:
-    return int(_pick(rng, ((0, 2), (int(rng.integers(1, small, endpoint=True)), 2),
-                           (int(rng.integers(small, large, endpoint=True)), 1))))
+    return int(
+        _pick(
+            rng,
+            (
+                (0, 2),
+                (int(rng.integers(1, small, endpoint=True)), 2),
+                (int(rng.integers(small, large, endpoint=True)), 1),
+            ),
+        )
+    )
 
 
 def _max_seqlen(rng, lengths: list[int]) -> int:
@@ -106,8 +127,10 @@ def _max_seqlen(rng, lengths: list[int]) -> int:
 def _work(case: dict) -> float:
     """Multiply-adds of the reference (per sequence) and of the padded xla path, whichever is larger."""
     heads, dims = case["num_heads_q"], case["head_dim_qk"] + case["head_dim_v"]
-    per_sequence = sum(min(a, case["max_seqlen_q"]) * min(b, case["max_seqlen_kv"])
-                       for a, b in zip(case["seqlens_q"], case["seqlens_kv"]))
+    per_sequence = sum(
+        min(a, case["max_seqlen_q"]) * min(b, case["max_seqlen_kv"])
+        for a, b in zip(case["seqlens_q"], case["seqlens_kv"])
+    )
     padded = len(case["seqlens_q"]) * case["max_seqlen_q"] * case["max_seqlen_kv"]
     return max(per_sequence, padded if case["tier"] == "cpu" else 0) * heads * dims
 
@@ -127,8 +150,14 @@ def draw_case(seed: int, tier: str = "cpu") -> dict:
     seqlens_q, seqlens_kv = _fit(seqlens_q, spec["tokens"]), _fit(seqlens_kv, spec["tokens"])
     (hq, hkv), (dqk, dv) = _pick(rng, spec["heads"]), _pick(rng, spec["dims"])
     w = spec["window"]
-    window = _pick(rng, ((None, 3), (int(rng.integers(0, w, endpoint=True)), 1),
-                         ([int(rng.integers(0, w, endpoint=True)), int(rng.integers(0, w // 4, endpoint=True))], 1)))
+    window = _pick(
+        rng,
+        (
+            (None, 3),
+            (int(rng.integers(0, w, endpoint=True)), 1),
+            ([int(rng.integers(0, w, endpoint=True)), int(rng.integers(0, w // 4, endpoint=True))], 1),
+        ),
+    )
     case = dict(
         seed=int(seed),
         tier=tier,
@@ -153,8 +182,10 @@ def draw_case(seed: int, tier: str = "cpu") -> dict:
         # A cotangent into stats: cuDNN carries it on Dv + 16 value columns (stats_grad.py), so its head dim
         # limit leaves Dv = 256 out. The draw comes first in the `and`: every case of both tiers makes it, so
         # the draws after it depend on neither Dv nor the implementation.
-        stats_cotangent=bool(rng.random() < 0.5 and (spec["implementation"] == "xla" or
-                                                     dv + stats_grad.EXTRA_COLUMNS <= cudnn.MAX_HEAD_DIM)),
+        stats_cotangent=bool(
+            rng.random() < 0.5
+            and (spec["implementation"] == "xla" or dv + stats_grad.EXTRA_COLUMNS <= cudnn.MAX_HEAD_DIM)
+        ),
     )
     # Drawn last, so the axes above keep the values they had before this one existed. Check mode guards
     # every buffer the kernel writes with canary bands (cuDNN only; the xla path has no kernel to guard);
@@ -180,11 +211,17 @@ def describe(case: dict) -> str:
     """One short line: the axes a reader scans for."""
     window = case["local_window_size"]
     parts = [
-        f"B={len(case['seqlens_q'])}", case["lengths"], f"T={sum(case['seqlens_q'])}+{case['slack_q']}/"
-        f"{sum(case['seqlens_kv'])}+{case['slack_kv']}", f"S={case['max_seqlen_q']}/{case['max_seqlen_kv']}",
-        f"H={case['num_heads_q']}/{case['num_heads_kv']}", f"D={case['head_dim_qk']}/{case['head_dim_v']}",
-        case["dtype"], "causal" if case["is_causal"] else "full", case["diagonal_alignment"],
-        f"window={tuple(window) if isinstance(window, list) else window}", case["stats_layout"],
+        f"B={len(case['seqlens_q'])}",
+        case["lengths"],
+        f"T={sum(case['seqlens_q'])}+{case['slack_q']}/{sum(case['seqlens_kv'])}+{case['slack_kv']}",
+        f"S={case['max_seqlen_q']}/{case['max_seqlen_kv']}",
+        f"H={case['num_heads_q']}/{case['num_heads_kv']}",
+        f"D={case['head_dim_qk']}/{case['head_dim_v']}",
+        case["dtype"],
+        "causal" if case["is_causal"] else "full",
+        case["diagonal_alignment"],
+        f"window={tuple(window) if isinstance(window, list) else window}",
+        case["stats_layout"],
     ]
     if case["scale"] is not None:
         parts.append(f"scale={case['scale']}")
@@ -205,7 +242,7 @@ def _owned_rows(cu: np.ndarray, capacity: int, max_seqlen: int) -> np.ndarray:
     """[capacity] bool: the row belongs to a sequence (not padding, not cut by max_seqlen)."""
     owned = np.zeros(capacity, dtype=bool)
     for start, stop in zip(cu[:-1], cu[1:]):
-        owned[start:min(stop, start + max_seqlen)] = True
+        owned[start : min(stop, start + max_seqlen)] = True
     return owned
 
 
@@ -217,10 +254,18 @@ def _poisoned(x: jax.Array, owned: np.ndarray):
 
 def _inputs(case: dict):
     rng = np.random.default_rng([case["seed"], 1])  # the data's own stream, apart from the drawing's
-    batch = packed_batch(rng, case["seqlens_q"], case["seqlens_kv"], num_heads_q=case["num_heads_q"],
-                         num_heads_kv=case["num_heads_kv"], head_dim_qk=case["head_dim_qk"],
-                         head_dim_v=case["head_dim_v"], dtype=case["dtype"], slack_q=case["slack_q"],
-                         slack_kv=case["slack_kv"])
+    batch = packed_batch(
+        rng,
+        case["seqlens_q"],
+        case["seqlens_kv"],
+        num_heads_q=case["num_heads_q"],
+        num_heads_kv=case["num_heads_kv"],
+        head_dim_qk=case["head_dim_qk"],
+        head_dim_v=case["head_dim_v"],
+        dtype=case["dtype"],
+        slack_q=case["slack_q"],
+        slack_kv=case["slack_kv"],
+    )
     # packed_batch poisons the capacity padding; poison the rows cut by max_seqlen as well.
     owned_q = _owned_rows(np.asarray(batch.cu_seqlens_q), batch.q.shape[0], case["max_seqlen_q"])
     owned_kv = _owned_rows(np.asarray(batch.cu_seqlens_kv), batch.k.shape[0], case["max_seqlen_kv"])
@@ -237,9 +282,14 @@ def _inputs(case: dict):
 
 
 def _options(case: dict) -> dict:
-    return dict(max_seqlen_q=case["max_seqlen_q"], max_seqlen_kv=case["max_seqlen_kv"], scale=case["scale"],
-                is_causal=case["is_causal"], diagonal_alignment=case["diagonal_alignment"],
-                local_window_size=case["local_window_size"])
+    return dict(
+        max_seqlen_q=case["max_seqlen_q"],
+        max_seqlen_kv=case["max_seqlen_kv"],
+        scale=case["scale"],
+        is_causal=case["is_causal"],
+        diagonal_alignment=case["diagonal_alignment"],
+        local_window_size=case["local_window_size"],
+    )
 
 
 def _forward_backward(case: dict, arrays, d_out, d_stats):
@@ -248,10 +298,19 @@ def _forward_backward(case: dict, arrays, d_out, d_stats):
     head_major = case["stats_layout"] == "head_major"
 
     def attend(q, k, v):
-        return api.ragged_attention(q, k, v, cu_q, cu_kv, stats_layout=case["stats_layout"], return_stats=True,
-                                    implementation=case["implementation"], check=case.get("check", False),
-                                    strategy=case.get("strategy", "fastest"),
-                                    **_options(case))
+        return api.ragged_attention(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_kv,
+            stats_layout=case["stats_layout"],
+            return_stats=True,
+            implementation=case["implementation"],
+            check=case.get("check", False),
+            strategy=case.get("strategy", "fastest"),
+            **_options(case),
+        )
 
     @functools.partial(jax.jit, compiler_options=TIERS[case["tier"]]["compiler_options"])
     def step(q, k, v, d_out, d_stats):
@@ -275,8 +334,12 @@ def _compare(case: dict, arrays, reference_arrays, d_out, d_stats, owned_kv) -> 
         assert value.dtype == want, f"{name} has dtype {value.dtype}, expected {np.dtype(want).name}"
     out, stats, dq, dk, dv = (np.asarray(x, np.float64) for x in (out, stats, *grads))
 
-    expected = reference_attention(*reference_arrays, **_options(case), d_out=d_out.astype(np.float64),
-                                   d_stats=None if d_stats is None else d_stats.astype(np.float64))
+    expected = reference_attention(
+        *reference_arrays,
+        **_options(case),
+        d_out=d_out.astype(np.float64),
+        d_stats=None if d_stats is None else d_stats.astype(np.float64),
+    )
     assert_close(out, expected["out"], dtype, "out")
     # stats are float32 whatever the input dtype (test_cudnn.py holds them to float32 as well).
     assert_close(stats, expected["stats"], "float32", "stats")
@@ -286,12 +349,16 @@ def _compare(case: dict, arrays, reference_arrays, d_out, d_stats, owned_kv) -> 
     empty = np.isneginf(expected["stats"])  # [Tq, Hq]
     for name, value in (("out", out), ("dq", dq)):
         bad = empty & (value != 0).any(axis=-1)
-        assert not bad.any(), (f"{name}: {int(bad.sum())} (row, head) pairs that attend no key are not exactly 0, "
-                               f"e.g. {tuple(int(i) for i in np.argwhere(bad)[0])}")
+        assert not bad.any(), (
+            f"{name}: {int(bad.sum())} (row, head) pairs that attend no key are not exactly 0, "
+            f"e.g. {tuple(int(i) for i in np.argwhere(bad)[0])}"
+        )
     for name, grad in (("dk", dk), ("dv", dv)):
         bad = ~owned_kv & (grad != 0).any(axis=(1, 2))
-        assert not bad.any(), (f"{name}: {int(bad.sum())} key rows that belong to no sequence are not exactly 0, "
-                               f"e.g. row {int(np.argmax(bad))}")
+        assert not bad.any(), (
+            f"{name}: {int(bad.sum())} key rows that belong to no sequence are not exactly 0, "
+            f"e.g. row {int(np.argmax(bad))}"
+        )
 
 
 def run_case(case: dict) -> tuple[str, str]:
@@ -342,9 +409,13 @@ def main(argv=None) -> int:
     parser.add_argument("--num-tests", type=int, default=100)
     parser.add_argument("--tier", choices=tuple(TIERS), default="cpu")
     parser.add_argument("--repro", metavar="JSON", help="run exactly this case (as a failure prints it)")
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="worker processes (each compiles its own cases; the float64 reference and XLA's "
-                             "compiler, not the GPU, bound a GPU sweep)")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="worker processes (each compiles its own cases; the float64 reference and XLA's "
+        "compiler, not the GPU, bound a GPU sweep)",
+    )
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
@@ -368,8 +439,10 @@ def main(argv=None) -> int:
     if failures:
         print(f"  failed seeds: {failures}")
     # The verdict last, so the one line a log tail shows answers "did it pass?".
-    print(f"sweep: {counts['passed']} passed, {counts['skipped']} skipped, {counts['failed']} failed - "
-          + ("FAILED" if failures else "OK"))
+    print(
+        f"sweep: {counts['passed']} passed, {counts['skipped']} skipped, {counts['failed']} failed - "
+        + ("FAILED" if failures else "OK")
+    )
     return 1 if failures else 0
 
 

@@ -26,20 +26,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.sweep import case_line
 from jax_ragged_attn import ragged_attention_with_kvcache
 from jax_ragged_attn.testing import assert_close, declines
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention, reference_kvcache_attention_packed
-
-from benchmarks.sweep import case_line
 
 # Per tier: dtypes, (Hq, Hkv), head dims (Dqk, Dv), page sizes, the most pages a sequence, the most queries a
 # sequence. The gpu tier's page sizes include multiples of FA3's and cuDNN's key tiles (128), where a kernel
 # loading whole tiles would read unused rows.
 TIERS = {
-    "cpu": dict(implementation="xla", dtypes=("float32", "bfloat16"), heads=((2, 2), (4, 2), (6, 2), (3, 1)),
-                dims=((8, 8), (16, 16), (16, 8)), pages=(1, 2, 4, 5, 8), max_pages=6, max_queries=9),
-    "gpu": dict(implementation="cudnn", dtypes=("bfloat16", "float16"), heads=((8, 8), (8, 2), (32, 8), (16, 1)),
-                dims=((128, 128), (64, 64)), pages=(16, 64, 128, 256), max_pages=12, max_queries=150),
+    "cpu": dict(
+        implementation="xla",
+        dtypes=("float32", "bfloat16"),
+        heads=((2, 2), (4, 2), (6, 2), (3, 1)),
+        dims=((8, 8), (16, 16), (16, 8)),
+        pages=(1, 2, 4, 5, 8),
+        max_pages=6,
+        max_queries=9,
+    ),
+    "gpu": dict(
+        implementation="cudnn",
+        dtypes=("bfloat16", "float16"),
+        heads=((8, 8), (8, 2), (32, 8), (16, 1)),
+        dims=((128, 128), (64, 64)),
+        pages=(16, 64, 128, 256),
+        max_pages=12,
+        max_queries=150,
+    ),
 }
 
 
@@ -47,7 +60,7 @@ def draw_case(seed: int, tier: str = "cpu", implementation: str | None = None) -
     """One configuration, a JSON-able dict (its lengths spelled out); the same arguments give the same dict."""
     spec = TIERS[tier]
     rng = np.random.default_rng(seed)
-    pick = lambda options: options[int(rng.integers(len(options)))]  # noqa: E731
+    pick = lambda options: options[int(rng.integers(len(options)))]
     batch = int(pick((1, 2, 3, 5, 8)))
     paged = bool(rng.integers(2))
     page = int(pick(spec["pages"]))
@@ -63,13 +76,28 @@ def draw_case(seed: int, tier: str = "cpu", implementation: str | None = None) -
         lengths[0] = capacity + int(rng.integers(1, 5))
         lengths[-1] = -int(rng.integers(1, 3))
     counts = [int(x) for x in rng.integers(0, max_queries + 1, batch)] if packed else None
-    return dict(seed=seed, tier=tier, implementation=implementation or spec["implementation"],
-                dtype=pick(spec["dtypes"]), heads=list(pick(spec["heads"])), dims=list(pick(spec["dims"])),
-                paged=paged, page_size=page, max_pages=max_pages, lengths=lengths, packed=packed,
-                max_seqlen_q=max_queries, counts=counts, spare_rows=int(rng.integers(0, 4)),
-                is_causal=bool(rng.random() < 0.7), local_window_size=window,
-                softcap=float(pick((0.0, 0.0, 0.0, 5.0))), sinks=bool(rng.random() < 0.25),
-                stats_layout=pick(("head_major", "token_major")), unused_entry=bool(rng.random() < 0.3))
+    return dict(
+        seed=seed,
+        tier=tier,
+        implementation=implementation or spec["implementation"],
+        dtype=pick(spec["dtypes"]),
+        heads=list(pick(spec["heads"])),
+        dims=list(pick(spec["dims"])),
+        paged=paged,
+        page_size=page,
+        max_pages=max_pages,
+        lengths=lengths,
+        packed=packed,
+        max_seqlen_q=max_queries,
+        counts=counts,
+        spare_rows=int(rng.integers(0, 4)),
+        is_causal=bool(rng.random() < 0.7),
+        local_window_size=window,
+        softcap=float(pick((0.0, 0.0, 0.0, 5.0))),
+        sinks=bool(rng.random() < 0.25),
+        stats_layout=pick(("head_major", "token_major")),
+        unused_entry=bool(rng.random() < 0.3),
+    )
 
 
 def _rounded(x, dtype) -> np.ndarray:
@@ -88,7 +116,7 @@ def _inputs(case: dict):
         num_pages = batch * max_pages + 2
         k = np.full((num_pages, page, hkv, dqk), np.nan)
         v = np.full((num_pages, page, hkv, dv), np.nan)
-        table = rng.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+        table = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
         for b, n in enumerate(used):
             for p in range(math.ceil(n / page)):
                 rows = min(page, n - p * page)
@@ -104,7 +132,7 @@ def _inputs(case: dict):
     if case["packed"]:
         cu = np.concatenate([[0], np.cumsum(case["counts"])]).astype(np.int32)
         q = np.full((int(cu[-1]) + case["spare_rows"] or 1, hq, dqk), np.nan)
-        q[:cu[-1]] = rng.standard_normal((int(cu[-1]), hq, dqk))
+        q[: cu[-1]] = rng.standard_normal((int(cu[-1]), hq, dqk))
     else:
         cu = None
         q = rng.standard_normal((batch, case["max_seqlen_q"], hq, dqk))
@@ -114,8 +142,11 @@ def _inputs(case: dict):
 
 def _options(case: dict) -> dict:
     window = case["local_window_size"]
-    return dict(is_causal=case["is_causal"], local_window_size=None if window is None else tuple(window),
-                softcap=case["softcap"] or None)
+    return dict(
+        is_causal=case["is_causal"],
+        local_window_size=None if window is None else tuple(window),
+        softcap=case["softcap"] or None,
+    )
 
 
 def compare(case: dict) -> None:
@@ -123,19 +154,36 @@ def compare(case: dict) -> None:
     q, k, v, table, cu, sinks = _inputs(case)
     dtype, lengths = case["dtype"], np.asarray(case["lengths"], np.int32)
     packed = {} if cu is None else dict(cu_seqlens_q=jnp.asarray(cu), max_seqlen_q=case["max_seqlen_q"])
-    call = jax.jit(lambda q, k, v, n, t, s: ragged_attention_with_kvcache(
-        q, k, v, n, page_table=t, sinks=s, return_stats=True, stats_layout=case["stats_layout"],
-        implementation=case["implementation"], **packed, **_options(case)))
-    out, stats = call(*(jnp.asarray(x, dtype) for x in (q, k, v)), jnp.asarray(lengths),
-                      None if table is None else jnp.asarray(table), None if sinks is None else jnp.asarray(sinks))
+    call = jax.jit(
+        lambda q, k, v, n, t, s: ragged_attention_with_kvcache(
+            q,
+            k,
+            v,
+            n,
+            page_table=t,
+            sinks=s,
+            return_stats=True,
+            stats_layout=case["stats_layout"],
+            implementation=case["implementation"],
+            **packed,
+            **_options(case),
+        )
+    )
+    out, stats = call(
+        *(jnp.asarray(x, dtype) for x in (q, k, v)),
+        jnp.asarray(lengths),
+        None if table is None else jnp.asarray(table),
+        None if sinks is None else jnp.asarray(sinks),
+    )
     stats = np.asarray(stats, np.float64)
     if case["stats_layout"] == "token_major":
         stats = np.swapaxes(stats, -1, -2)
     if cu is None:
         expected = reference_kvcache_attention(q, k, v, lengths, page_table=table, sinks=sinks, **_options(case))
     else:
-        expected = reference_kvcache_attention_packed(q, k, v, lengths, cu, case["max_seqlen_q"], page_table=table,
-                                                      sinks=sinks, **_options(case))
+        expected = reference_kvcache_attention_packed(
+            q, k, v, lengths, cu, case["max_seqlen_q"], page_table=table, sinks=sinks, **_options(case)
+        )
     assert_close(out, expected["out"], dtype, "out")
     # The stats are float32 whatever the inputs' dtype, and the inputs are the values the op sees (as sweep.py).
     assert_close(stats, expected["stats"], "float32", "stats")
@@ -172,15 +220,26 @@ class _Skip(Exception):
 
 
 def describe(case: dict) -> str:
-    form = f"packed {sum(case['counts'])} rows, max {case['max_seqlen_q']}" if case["packed"] else \
-        f"Sq {case['max_seqlen_q']}"
-    cache = f"pages of {case['page_size']} x {case['max_pages']}" if case["paged"] else \
-        f"contiguous {case['page_size'] * case['max_pages']}"
-    extras = [name for name in ("sinks",) if case[name]] + (["softcap"] if case["softcap"] else []) + \
-        ([f"window {case['local_window_size']}"] if case["local_window_size"] else []) + \
-        ([] if case["is_causal"] else ["not causal"])
-    return (f"{case['implementation']} {case['dtype']} B={len(case['lengths'])} H={case['heads']} D={case['dims']} "
-            f"{form}, {cache} {' '.join(extras)}")
+    form = (
+        f"packed {sum(case['counts'])} rows, max {case['max_seqlen_q']}"
+        if case["packed"]
+        else f"Sq {case['max_seqlen_q']}"
+    )
+    cache = (
+        f"pages of {case['page_size']} x {case['max_pages']}"
+        if case["paged"]
+        else f"contiguous {case['page_size'] * case['max_pages']}"
+    )
+    extras = (
+        [name for name in ("sinks",) if case[name]]
+        + (["softcap"] if case["softcap"] else [])
+        + ([f"window {case['local_window_size']}"] if case["local_window_size"] else [])
+        + ([] if case["is_causal"] else ["not causal"])
+    )
+    return (
+        f"{case['implementation']} {case['dtype']} B={len(case['lengths'])} H={case['heads']} D={case['dims']} "
+        f"{form}, {cache} {' '.join(extras)}"
+    )
 
 
 def main(argv=None) -> int:
@@ -188,8 +247,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the first case's seed; case i uses seed + i")
     parser.add_argument("--num-tests", type=int, default=100)
     parser.add_argument("--tier", choices=tuple(TIERS), default="cpu")
-    parser.add_argument("--implementation", choices=("xla", "cudnn", "fa3"), default=None,
-                        help="default: the tier's (cpu: xla, gpu: cudnn)")
+    parser.add_argument(
+        "--implementation",
+        choices=("xla", "cudnn", "fa3"),
+        default=None,
+        help="default: the tier's (cpu: xla, gpu: cudnn)",
+    )
     parser.add_argument("--repro", metavar="JSON", help="run exactly this case (as a failure prints it)")
     args = parser.parse_args(argv)
     if args.repro is not None:

@@ -27,21 +27,20 @@ import dataclasses
 import functools
 import inspect
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import cudnn_raw as bench_cudnn_raw
+from benchmarks.timing import JaxCase, Measurement, Settings, measure_jax
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.testing.workloads import Workload
-
-from benchmarks import cudnn_raw as bench_cudnn_raw
-from benchmarks.timing import JaxCase, Measurement, Settings, measure_jax
 
 # The xla path holds several [B, H, S, S] float32 tensors at once in its backward; past this size per
 # tensor it is minutes per step or out of memory, and it is not the comparison anyone needs.
@@ -67,8 +66,14 @@ def _any_workload(_workload: Workload) -> None:
     return None
 
 
-def _jax_system(name: str, description: str, case: Callable[[Workload], JaxCase], unavailable,
-                unsupported=_any_workload, runs_on_cpu: bool = False) -> System:
+def _jax_system(
+    name: str,
+    description: str,
+    case: Callable[[Workload], JaxCase],
+    unavailable,
+    unsupported=_any_workload,
+    runs_on_cpu: bool = False,
+) -> System:
     def measure(workload: Workload, settings: Settings) -> list[Measurement]:
         return measure_jax(case(workload), workload, name, settings)
 
@@ -78,19 +83,28 @@ def _jax_system(name: str, description: str, case: Callable[[Workload], JaxCase]
 # ---- this package ----------------------------------------------------------------------------------------
 
 
-def _ours_case(workload: Workload, *, implementation: str, stats_layout: str = "head_major",
-               strategy: str = "fastest") -> JaxCase:
+def _ours_case(
+    workload: Workload, *, implementation: str, stats_layout: str = "head_major", strategy: str = "fastest"
+) -> JaxCase:
     q, k, v, cu = workload.packed_inputs()
     options = dict(max_seqlen_q=workload.max_seqlen, max_seqlen_kv=workload.max_seqlen, is_causal=workload.causal)
 
     def attention(q, k, v, cu):
-        return ragged_attention(q, k, v, cu, cu, stats_layout=stats_layout, implementation=implementation,
-                                strategy=strategy, **options)
+        return ragged_attention(
+            q, k, v, cu, cu, stats_layout=stats_layout, implementation=implementation, strategy=strategy, **options
+        )
 
     def workspace_bytes(direction: str) -> int:
-        config = make_config(q, k, v, cu, cu, AttentionOptions(is_causal=workload.causal, stats_layout=stats_layout,
-                                                               strategy=strategy),
-                             max_seqlen_q=workload.max_seqlen, max_seqlen_kv=workload.max_seqlen)
+        config = make_config(
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            AttentionOptions(is_causal=workload.causal, stats_layout=stats_layout, strategy=strategy),
+            max_seqlen_q=workload.max_seqlen,
+            max_seqlen_kv=workload.max_seqlen,
+        )
         graphs = {"forward": ("forward",), "backward": ("backward",), "forward+backward": ("forward", "backward")}
         return sum(cudnn.graph_info(g, config)["workspace_bytes"] for g in graphs[direction])
 
@@ -100,8 +114,10 @@ def _ours_case(workload: Workload, *, implementation: str, stats_layout: str = "
 def _xla_unsupported(workload: Workload) -> str | None:
     scores = workload.num_seqs * workload.num_heads_q * workload.max_seqlen**2 * 4
     if scores > XLA_SCORES_LIMIT_BYTES:
-        return (f"the xla path materialises [B, H, S, S] float32 scores: {scores / 1e9:.1f} GB here, over this "
-                f"benchmark's {XLA_SCORES_LIMIT_BYTES / 1e9:.0f} GB limit")
+        return (
+            f"the xla path materialises [B, H, S, S] float32 scores: {scores / 1e9:.1f} GB here, over this "
+            f"benchmark's {XLA_SCORES_LIMIT_BYTES / 1e9:.0f} GB limit"
+        )
     return None
 
 
@@ -122,8 +138,15 @@ def _jax_padded_case(workload: Workload) -> JaxCase:
     lengths = jnp.asarray(workload.seqlens, jnp.int32)
 
     def attention(q, k, v, lengths):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=workload.causal, query_seq_lengths=lengths,
-                                            key_value_seq_lengths=lengths, implementation="cudnn")
+        return jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=workload.causal,
+            query_seq_lengths=lengths,
+            key_value_seq_lengths=lengths,
+            implementation="cudnn",
+        )
 
     return JaxCase(attention, _padded(q, workload), _padded(k, workload), _padded(v, workload), (lengths,))
 
@@ -168,8 +191,18 @@ def _jax_packed_case(workload: Workload) -> JaxCase:
     mask = mask_type.PADDING_CAUSAL if workload.causal else mask_type.PADDING
 
     def attention(q, k, v, lengths, offsets):
-        out = function(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
-                       scale=1.0 / math.sqrt(workload.head_dim), mask_type=mask, qkv_layout="BTNH")
+        out = function(
+            q,
+            k,
+            v,
+            q_seqlen=lengths,
+            kv_seqlen=lengths,
+            q_offsets=offsets,
+            kv_offsets=offsets,
+            scale=1.0 / math.sqrt(workload.head_dim),
+            mask_type=mask,
+            qkv_layout="BTNH",
+        )
         return out[0] if isinstance(out, (tuple, list)) else out
 
     return JaxCase(attention, q[None], k[None], v[None], (lengths, offsets))
@@ -180,8 +213,10 @@ def _jax_packed_case(workload: Workload) -> JaxCase:
 
 def _fa3_unsupported(workload: Workload) -> str | None:
     if workload.head_dim != _fa3.FA3_HEAD_DIM:
-        return (f"the {_fa3.WHEEL} wheel's kernels take head dim {_fa3.FA3_HEAD_DIM} only, this workload "
-                f"{workload.head_dim}")
+        return (
+            f"the {_fa3.WHEEL} wheel's kernels take head dim {_fa3.FA3_HEAD_DIM} only, this workload "
+            f"{workload.head_dim}"
+        )
     return None
 
 
@@ -202,8 +237,16 @@ def _fa3_raw_case(workload: Workload) -> JaxCase:
     q, k, v, cu = workload.packed_inputs()
 
     def attention(q, k, v, cu):
-        return flash_mha_varlen(q, k, v, cu, cu, max_seqlen_q=workload.max_seqlen, max_seqlen_k=workload.max_seqlen,
-                                is_causal=workload.causal)
+        return flash_mha_varlen(
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            max_seqlen_q=workload.max_seqlen,
+            max_seqlen_k=workload.max_seqlen,
+            is_causal=workload.causal,
+        )
 
     return JaxCase(attention, q, k, v, (cu,))
 
@@ -222,30 +265,69 @@ def _raw_padded_measure(workload: Workload, settings: Settings) -> list[Measurem
 SYSTEMS: dict[str, System] = {
     s.name: s
     for s in (
-        System("raw-cudnn", "cudnn-frontend Python + torch, the same ragged graph: the ceiling",
-               functools.cache(bench_cudnn_raw.unavailable_reason), _any_workload, _raw_measure),
-        System(bench_cudnn_raw.PADDED_SYSTEM, "the same without max_total_seq_len: backward intermediates padded",
-               functools.cache(bench_cudnn_raw.unavailable_reason), _any_workload, _raw_padded_measure),
-        _jax_system("ours-hm", "ragged_attention(implementation='cudnn'), stats head-major",
-                    functools.partial(_ours_case, implementation="cudnn", stats_layout="head_major"),
-                    extension.cudnn_unavailable_reason),
-        _jax_system("ours-lean", "the same with strategy='lean_memory' (backward sized by the token capacity)",
-                    functools.partial(_ours_case, implementation="cudnn", strategy="lean_memory"),
-                    extension.cudnn_unavailable_reason),
-        _jax_system("ours-tm", "ragged_attention(implementation='cudnn'), stats token-major",
-                    functools.partial(_ours_case, implementation="cudnn", stats_layout="token_major"),
-                    extension.cudnn_unavailable_reason),
-        _jax_system("jax-padded", "jax.nn.dot_product_attention(implementation='cudnn'), padded [B, S, H, D]",
-                    _jax_padded_case, _needs_gpu),
-        _jax_system("jax-packed", "JAX's packed cuDNN path (q_offsets/kv_offsets)", _jax_packed_case,
-                    _jax_packed_unavailable),
-        _jax_system("xla", "ragged_attention(implementation='xla'), the portable path",
-                    functools.partial(_ours_case, implementation="xla"), lambda: None, _xla_unsupported,
-                    runs_on_cpu=True),
-        _jax_system("ours-fa3", "ragged_attention(implementation='fa3'): FlashAttention-3 behind this op",
-                    functools.partial(_ours_case, implementation="fa3"), _fa3.unavailable_reason, _fa3_unsupported),
-        _jax_system("flash-attn3-jax", "the flash-attn3-jax wheel's flash_mha_varlen, FlashAttention-3 unwrapped",
-                    _fa3_raw_case, _fa3_raw_unavailable, _fa3_unsupported),
+        System(
+            "raw-cudnn",
+            "cudnn-frontend Python + torch, the same ragged graph: the ceiling",
+            functools.cache(bench_cudnn_raw.unavailable_reason),
+            _any_workload,
+            _raw_measure,
+        ),
+        System(
+            bench_cudnn_raw.PADDED_SYSTEM,
+            "the same without max_total_seq_len: backward intermediates padded",
+            functools.cache(bench_cudnn_raw.unavailable_reason),
+            _any_workload,
+            _raw_padded_measure,
+        ),
+        _jax_system(
+            "ours-hm",
+            "ragged_attention(implementation='cudnn'), stats head-major",
+            functools.partial(_ours_case, implementation="cudnn", stats_layout="head_major"),
+            extension.cudnn_unavailable_reason,
+        ),
+        _jax_system(
+            "ours-lean",
+            "the same with strategy='lean_memory' (backward sized by the token capacity)",
+            functools.partial(_ours_case, implementation="cudnn", strategy="lean_memory"),
+            extension.cudnn_unavailable_reason,
+        ),
+        _jax_system(
+            "ours-tm",
+            "ragged_attention(implementation='cudnn'), stats token-major",
+            functools.partial(_ours_case, implementation="cudnn", stats_layout="token_major"),
+            extension.cudnn_unavailable_reason,
+        ),
+        _jax_system(
+            "jax-padded",
+            "jax.nn.dot_product_attention(implementation='cudnn'), padded [B, S, H, D]",
+            _jax_padded_case,
+            _needs_gpu,
+        ),
+        _jax_system(
+            "jax-packed", "JAX's packed cuDNN path (q_offsets/kv_offsets)", _jax_packed_case, _jax_packed_unavailable
+        ),
+        _jax_system(
+            "xla",
+            "ragged_attention(implementation='xla'), the portable path",
+            functools.partial(_ours_case, implementation="xla"),
+            lambda: None,
+            _xla_unsupported,
+            runs_on_cpu=True,
+        ),
+        _jax_system(
+            "ours-fa3",
+            "ragged_attention(implementation='fa3'): FlashAttention-3 behind this op",
+            functools.partial(_ours_case, implementation="fa3"),
+            _fa3.unavailable_reason,
+            _fa3_unsupported,
+        ),
+        _jax_system(
+            "flash-attn3-jax",
+            "the flash-attn3-jax wheel's flash_mha_varlen, FlashAttention-3 unwrapped",
+            _fa3_raw_case,
+            _fa3_raw_unavailable,
+            _fa3_unsupported,
+        ),
     )
 }
 

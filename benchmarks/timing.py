@@ -33,19 +33,18 @@ import re
 import statistics
 import sys
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks import capture as command_buffers
 from jax_ragged_attn.ops.ragged import ragged_attention
 from jax_ragged_attn.testing.workloads import Workload
+
 # The one timing loop (plain_loop_seconds, the library's: autotune's choice uses it too) and the helpers the main
 # job shares with the benchmarks come from the package's bench (jax_ragged_attn/tools/bench.py).
-from jax_ragged_attn.tools.bench import (device_bytes, interleaved_loop_seconds, median_loop_seconds,  # noqa: F401
-                                         plain_loop_seconds)
-
-from benchmarks import capture as command_buffers
+from jax_ragged_attn.tools.bench import device_bytes, interleaved_loop_seconds, median_loop_seconds, plain_loop_seconds  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +94,12 @@ def error_status(error: BaseException) -> str:
     return f"error: {type(error).__name__}: {message}"
 
 
-def rows_with_status(workload: Workload, system: str, status: str, directions,
-                     methods=("fori",)) -> list[Measurement]:
-    return [Measurement(workload.name, system, d, status=status, flops=workload.flops(d), method=m)
-            for m in methods for d in directions]
+def rows_with_status(workload: Workload, system: str, status: str, directions, methods=("fori",)) -> list[Measurement]:
+    return [
+        Measurement(workload.name, system, d, status=status, flops=workload.flops(d), method=m)
+        for m in methods
+        for d in directions
+    ]
 
 
 def steps_for(flops: float, settings: Settings) -> int:
@@ -109,8 +110,15 @@ def steps_for(flops: float, settings: Settings) -> int:
 
 def derive_backward(forward: Measurement, both: Measurement, workspace_bytes: int | None) -> Measurement:
     """The backward row: forward+backward minus forward, from the same steps-per-call timing method."""
-    row = Measurement(forward.workload, forward.system, "backward", flops=both.flops - forward.flops,
-                      workspace_bytes=workspace_bytes, note="forward+backward minus forward", method=both.method)
+    row = Measurement(
+        forward.workload,
+        forward.system,
+        "backward",
+        flops=both.flops - forward.flops,
+        workspace_bytes=workspace_bytes,
+        note="forward+backward minus forward",
+        method=both.method,
+    )
     if forward.ok and both.ok:
         row.median_s = both.median_s - forward.median_s
         row.iterations, row.steps = both.iterations, both.steps
@@ -180,8 +188,21 @@ def _call_seconds(compiled, args) -> float:
     return plain_loop_seconds(lambda: compiled(*args), 1, 1)[0]
 
 
-_BYTES_PER_ELEMENT = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-                      "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_BYTES_PER_ELEMENT = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+}
 _RESULT = re.compile(r"^\s*%?(\S+) = (\w+)\[([\d,]*)\]")
 
 
@@ -254,8 +275,15 @@ def _time_plain(function, args, flops: float, settings: Settings):
     return times, calls, compiled
 
 
-def _measure_direction(case: JaxCase, workload: Workload, system: str, direction: str, settings: Settings,
-                       on_compiled: Callable | None = None, method: str = "fori"):
+def _measure_direction(
+    case: JaxCase,
+    workload: Workload,
+    system: str,
+    direction: str,
+    settings: Settings,
+    on_compiled: Callable | None = None,
+    method: str = "fori",
+):
     flops = workload.flops(direction)
     if direction == "forward":
         loop, single, args = _forward_loop, _single_forward, (case.q, case.k, case.v, case.index)
@@ -292,21 +320,36 @@ def _measure_direction(case: JaxCase, workload: Workload, system: str, direction
 def _row(case, workload, system, direction, method, times, steps, flops, compiled) -> Measurement:
     hlo = compiled.as_text() or ""
     workspace = _workspace_bytes(case, direction) if case.workspace_bytes else cudnn_scratch_bytes(hlo)
-    return Measurement(workload.name, system, direction, median_s=statistics.median(times), min_s=min(times),
-                       max_s=max(times), iterations=len(times), steps=steps, flops=flops,
-                       workspace_bytes=workspace, peak_bytes=device_bytes(compiled),
-                       loop_copy_bytes=loop_copy_bytes(hlo) if method == "fori" else None, method=method)
+    return Measurement(
+        workload.name,
+        system,
+        direction,
+        median_s=statistics.median(times),
+        min_s=min(times),
+        max_s=max(times),
+        iterations=len(times),
+        steps=steps,
+        flops=flops,
+        workspace_bytes=workspace,
+        peak_bytes=device_bytes(compiled),
+        loop_copy_bytes=loop_copy_bytes(hlo) if method == "fori" else None,
+        method=method,
+    )
 
 
-def measure_jax(case: JaxCase, workload: Workload, system: str, settings: Settings,
-                on_compiled: Callable | None = None) -> list[Measurement]:
+def measure_jax(
+    case: JaxCase, workload: Workload, system: str, settings: Settings, on_compiled: Callable | None = None
+) -> list[Measurement]:
     """Per method of settings.methods: forward and forward+backward measured, backward derived.
 
     A failing direction is reported, not raised. on_compiled(direction, compiled), if given, is called
     after each compilation of a timed executable.
     """
-    return [row for method in settings.methods
-            for row in _measure_method(case, workload, system, settings, on_compiled, method)]
+    return [
+        row
+        for method in settings.methods
+        for row in _measure_method(case, workload, system, settings, on_compiled, method)
+    ]
 
 
 def _measure_method(case, workload, system, settings, on_compiled, method) -> list[Measurement]:
@@ -316,8 +359,14 @@ def _measure_method(case, workload, system, settings, on_compiled, method) -> li
             rows[direction] = _measure_direction(case, workload, system, direction, settings, on_compiled, method)
         except Exception as error:  # noqa: BLE001 - one failing direction must not hide the other
             traceback.print_exc(file=sys.stderr)  # the row keeps the message; stderr keeps where it came from
-            rows[direction] = Measurement(workload.name, system, direction, status=error_status(error),
-                                          flops=workload.flops(direction), method=method)
+            rows[direction] = Measurement(
+                workload.name,
+                system,
+                direction,
+                status=error_status(error),
+                flops=workload.flops(direction),
+                method=method,
+            )
     backward_workspace = None
     if case.workspace_bytes:
         backward_workspace = _workspace_bytes(case, "backward")
@@ -327,8 +376,9 @@ def _measure_method(case, workload, system, settings, on_compiled, method) -> li
     return [rows["forward"], rows["backward"], rows["forward+backward"]]
 
 
-def host_overhead(workload: Workload, implementation: str, calls: int = 100,
-                  rounds: int = 7) -> dict[str, tuple[float, float]]:
+def host_overhead(
+    workload: Workload, implementation: str, calls: int = 100, rounds: int = 7
+) -> dict[str, tuple[float, float]]:
     """Host cost of a cached jitted ragged_attention call next to a jitted `q * 2` of the same shapes.
 
     On a workload this small the device finishes first, so back-to-back calls (no sync between them)
@@ -340,9 +390,19 @@ def host_overhead(workload: Workload, implementation: str, calls: int = 100,
     per back-to-back call, seconds per call followed by a sync).
     """
     q, k, v, cu = workload.packed_inputs()
-    attention = jax.jit(lambda q, k, v, cu: ragged_attention(
-        q, k, v, cu, cu, max_seqlen_q=workload.max_seqlen, max_seqlen_kv=workload.max_seqlen,
-        is_causal=workload.causal, implementation=implementation))
+    attention = jax.jit(
+        lambda q, k, v, cu: ragged_attention(
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            max_seqlen_q=workload.max_seqlen,
+            max_seqlen_kv=workload.max_seqlen,
+            is_causal=workload.causal,
+            implementation=implementation,
+        )
+    )
     trivial = jax.jit(lambda q, k, v, cu: q * 2)
     functions = {f"ragged_attention[{implementation}]": attention, "q * 2": trivial}
     for function in functions.values():
@@ -351,8 +411,10 @@ def host_overhead(workload: Workload, implementation: str, calls: int = 100,
     samples = {name: ([], []) for name in functions}
     for _ in range(rounds):
         for name, function in functions.items():
+
             def call():
                 return function(q, k, v, cu)
+
             samples[name][0].extend(plain_loop_seconds(call, calls, 1))
             samples[name][1].append(statistics.median(plain_loop_seconds(call, 1, calls)))
     return {name: (statistics.median(a), statistics.median(b)) for name, (a, b) in samples.items()}

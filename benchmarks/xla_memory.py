@@ -34,12 +34,11 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jax_ragged_attn.backends.xla import ragged as current_xla
+from benchmarks.timing import plain_loop_seconds
 from jax_ragged_attn.backends.xla import memory as xla_memory
+from jax_ragged_attn.backends.xla import ragged as current_xla
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.testing.workloads import WORKLOADS
-
-from benchmarks.timing import plain_loop_seconds
 
 DIRECTIONS = ("forward", "forward+backward")
 # The repository root: each case's child runs `python -m benchmarks.xla_memory` from there.
@@ -52,9 +51,17 @@ def scaled_workloads(full: bool):
     w1, w3 = WORKLOADS["W1"], WORKLOADS["W3"]
     if full:
         return [w1, w3]
-    return [dataclasses.replace(w1, name="W1/8", seqlens=tuple(max(n // 8, 1) for n in w1.seqlens), num_heads_q=4,
-                                num_heads_kv=4, head_dim=64),
-            dataclasses.replace(w3, name="W3/8", seqlens=w3.seqlens[:64], num_heads_q=4, num_heads_kv=4)]
+    return [
+        dataclasses.replace(
+            w1,
+            name="W1/8",
+            seqlens=tuple(max(n // 8, 1) for n in w1.seqlens),
+            num_heads_q=4,
+            num_heads_kv=4,
+            head_dim=64,
+        ),
+        dataclasses.replace(w3, name="W3/8", seqlens=w3.seqlens[:64], num_heads_q=4, num_heads_kv=4),
+    ]
 
 
 def _load(path: str | None):
@@ -77,8 +84,9 @@ def run_case(case: dict) -> dict:
     impl = _load(case["impl"])
     q, k, v, cu = workload.packed_inputs()
     max_seqlen = workload.max_seqlen if case["max_seqlen"] == "exact" else workload.total_tokens
-    config = make_config(q, k, v, cu, cu, AttentionOptions(is_causal=workload.causal), max_seqlen_q=max_seqlen,
-                         max_seqlen_kv=max_seqlen)
+    config = make_config(
+        q, k, v, cu, cu, AttentionOptions(is_causal=workload.causal), max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen
+    )
     # No bound inside the benchmark: it reports sizes instead (a case past --budget is not run).
     extra = {"memory_limit": "off"} if impl is current_xla else {}
 
@@ -152,21 +160,33 @@ def main(argv=None) -> int:
             parser.error(f"unknown workloads {unknown}: choose from {[w.name for w in chosen]}")
         chosen = [w for w in chosen if w.name in names]
     impls = [("after", None)] + ([("before", args.before)] if args.before else [])
-    print(f"xla path on {jax.devices()[0].device_kind} ({jax.default_backend()}); budget {args.budget:.0%} of "
-          f"{xla_memory.device_memory_bytes() / 2**30:.0f} GiB")
+    print(
+        f"xla path on {jax.devices()[0].device_kind} ({jax.default_backend()}); budget {args.budget:.0%} of "
+        f"{xla_memory.device_memory_bytes() / 2**30:.0f} GiB"
+    )
     print("| workload | max_seqlen | direction | impl | xla MiB | estimate MiB | peak MiB | ms | status |")
     print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- |")
     for workload in chosen:
         for max_seqlen in args.max_seqlen.split(","):
             for direction in DIRECTIONS:
                 for name, path in impls:
-                    case = dict(impl=path, workload=workload.name, full=args.full, max_seqlen=max_seqlen,
-                                direction=direction, repeats=args.repeats, budget=args.budget)
+                    case = dict(
+                        impl=path,
+                        workload=workload.name,
+                        full=args.full,
+                        max_seqlen=max_seqlen,
+                        direction=direction,
+                        repeats=args.repeats,
+                        budget=args.budget,
+                    )
                     row = _child(case)
                     ms = f"{row['ms']:,.1f}" if "ms" in row else "-"
-                    print(f"| {workload.name} ({workload.total_tokens:,} tok) | {max_seqlen} | {direction} | {name} | "
-                          f"{_mib(row, 'xla_bytes')} | {_mib(row, 'estimate_bytes')} | {_mib(row, 'peak_bytes')} | "
-                          f"{ms} | {row['status']} |", flush=True)
+                    print(
+                        f"| {workload.name} ({workload.total_tokens:,} tok) | {max_seqlen} | {direction} | {name} | "
+                        f"{_mib(row, 'xla_bytes')} | {_mib(row, 'estimate_bytes')} | {_mib(row, 'peak_bytes')} | "
+                        f"{ms} | {row['status']} |",
+                        flush=True,
+                    )
     return 0
 
 

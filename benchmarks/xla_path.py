@@ -34,13 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn.backends.xla import ragged as current_xla
+from benchmarks.timing import interleaved_loop_seconds, plain_loop_seconds
 from jax_ragged_attn.backends.xla import memory as xla_memory
+from jax_ragged_attn.backends.xla import ragged as current_xla
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.index import cu_seqlens_from_lengths
 from jax_ragged_attn.testing.workloads import seeded_lengths
-
-from benchmarks.timing import interleaved_loop_seconds, plain_loop_seconds
 
 # name: (num_seqs, low, high, total tokens, heads, head dim)
 SHAPES = {
@@ -96,7 +95,7 @@ def _time_all(entries: dict, repeats: int, target: float) -> dict:
 
 def _with_grad(forward):
     """(forward, forward+backward) jitted: the second is grad of the output's float32 sum w.r.t. q, k, v."""
-    loss = lambda q, k, v: forward(q, k, v).astype(jnp.float32).sum()  # noqa: E731
+    loss = lambda q, k, v: forward(q, k, v).astype(jnp.float32).sum()
     return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
@@ -104,20 +103,22 @@ def systems(shape: str, dtype: str, before: str | None):
     """(lengths, the xla path's config, {name: (forward, forward+backward, args)}) for this shape."""
     lengths, q, k, v, cu = inputs(shape, dtype)
     max_seqlen = max(lengths)
-    config = make_config(q, k, v, cu, cu, AttentionOptions(is_causal=True), max_seqlen_q=max_seqlen,
-                         max_seqlen_kv=max_seqlen)
+    config = make_config(
+        q, k, v, cu, cu, AttentionOptions(is_causal=True), max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen
+    )
     out = {}
     impls = [("xla", current_xla)] + ([("xla before", _load(before))] if before else [])
     for name, impl in impls:
         extra = {"memory_limit": "off"} if "memory_limit" in impl.attention_xla.__code__.co_varnames else {}
-        fwd = lambda q, k, v, impl=impl, extra=extra: impl.attention_xla(q, k, v, cu, cu, config, **extra)[0]  # noqa: E731
+        fwd = lambda q, k, v, impl=impl, extra=extra: impl.attention_xla(q, k, v, cu, cu, config, **extra)[0]
         out[name] = (*_with_grad(fwd), (q, k, v))
 
     seq = jnp.asarray(lengths, jnp.int32)
 
     def dense(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=seq,
-                                            key_value_seq_lengths=seq, implementation="xla")
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, query_seq_lengths=seq, key_value_seq_lengths=seq, implementation="xla"
+        )
 
     out["jax.nn padded"] = (*_with_grad(dense), tuple(padded(x, lengths) for x in (q, k, v)))
     return lengths, config, out
@@ -136,11 +137,15 @@ def main(argv=None) -> int:
     for shape in args.shape.split(","):
         lengths, config, table = systems(shape, args.dtype, args.before)
         _, _, _, total, heads, dim = SHAPES[shape]
-        print(f"\n{shape}: {len(lengths)} sequences of {min(lengths)}..{max(lengths)} ({total:,} tokens), "
-              f"{heads} heads, head dim {dim}, causal")
+        print(
+            f"\n{shape}: {len(lengths)} sequences of {min(lengths)}..{max(lengths)} ({total:,} tokens), "
+            f"{heads} heads, head dim {dim}, causal"
+        )
         # What "xla" runs with, as xla.py resolves it at trace time (settings: jax_ragged_attn/backends/xla/memory.py).
-        print(f"xla: {'fused' if xla_memory.fused_backward(config) else 'two_pass'} backward, "
-              f"{xla_memory.matmul_dtype(config)} matmul operands, blocks {xla_memory.block_sizes(config)}")
+        print(
+            f"xla: {'fused' if xla_memory.fused_backward(config) else 'two_pass'} backward, "
+            f"{xla_memory.matmul_dtype(config)} matmul operands, blocks {xla_memory.block_sizes(config)}"
+        )
         wanted = args.directions.split(",")
         entries = {}
         for name, (fwd, both, fn_args) in table.items():

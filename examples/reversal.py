@@ -63,6 +63,7 @@ class Setup:
 
 # ---- Data: packed batches in NumPy. ----
 
+
 def pack(rng: np.random.Generator, setup: Setup) -> dict:
     """One packed batch: tokens, targets and loss mask [T], cu_seqlens [max_seqs + 1] (empty sequences last).
 
@@ -78,12 +79,12 @@ def pack(rng: np.random.Generator, setup: Setup) -> dict:
             break
         x = rng.integers(1, setup.vocab, size=n)
         sequence = np.concatenate([x, [SEP], x[::-1]])
-        tokens[used:used + 2 * n], targets[used:used + 2 * n] = sequence[:-1], sequence[1:]
-        mask[used + n:used + 2 * n] = 1
+        tokens[used : used + 2 * n], targets[used : used + 2 * n] = sequence[:-1], sequence[1:]
+        mask[used + n : used + 2 * n] = 1
         lengths.append(2 * n)
         used += 2 * n
     cu = np.full(setup.max_seqs + 1, used, np.int32)
-    cu[:len(lengths) + 1] = np.concatenate([[0], np.cumsum(lengths)])
+    cu[: len(lengths) + 1] = np.concatenate([[0], np.cumsum(lengths)])
     return dict(tokens=tokens, targets=targets, mask=mask, cu_seqlens=cu)
 
 
@@ -94,12 +95,13 @@ def to_padded(batch: dict, setup: Setup) -> dict:
     padded = {key: np.zeros((len(spans), setup.max_seqlen), batch[key].dtype) for key in ("tokens", "targets", "mask")}
     for row, (start, end) in enumerate(spans):
         for key in padded:
-            padded[key][row, :end - start] = batch[key][start:end]
+            padded[key][row, : end - start] = batch[key][start:end]
     padded["lengths"] = np.array([end - start for start, end in spans], np.int32)
     return padded
 
 
 # ---- The model: pre-norm transformer, learned positions, pure jnp. ----
+
 
 def init(key: jax.Array, setup: Setup) -> dict:
     d = setup.width
@@ -111,8 +113,10 @@ def init(key: jax.Array, setup: Setup) -> dict:
     return dict(
         embed=jax.random.normal(next(keys), (setup.vocab, d)),
         position=jax.random.normal(next(keys), (setup.max_seqlen, d)),
-        layers=[dict(qkv=dense(d, 3 * d), out=dense(d, d), up=dense(d, 4 * d), down=dense(4 * d, d))
-                for _ in range(setup.layers)],
+        layers=[
+            dict(qkv=dense(d, 3 * d), out=dense(d, d), up=dense(d, 4 * d), down=dense(4 * d, d))
+            for _ in range(setup.layers)
+        ],
         unembed=dense(d, setup.vocab),
     )
 
@@ -139,9 +143,17 @@ def _packed_inputs(batch, setup: Setup):
 
     def attend(q, k, v):
         dtype = jnp.dtype(setup.attention_dtype)
-        out = ragged_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), cu, cu, is_causal=True,
-                               max_seqlen_q=setup.max_seqlen, max_seqlen_kv=setup.max_seqlen,
-                               implementation=None)  # cuDNN where it can serve the call, else xla
+        out = ragged_attention(
+            q.astype(dtype),
+            k.astype(dtype),
+            v.astype(dtype),
+            cu,
+            cu,
+            is_causal=True,
+            max_seqlen_q=setup.max_seqlen,
+            max_seqlen_kv=setup.max_seqlen,
+            implementation=None,
+        )  # cuDNN where it can serve the call, else xla
         return out.astype(jnp.float32)
 
     # Padding rows (past cu_seqlens[-1]) count on past the last sequence: clip them into the table; their
@@ -154,9 +166,15 @@ def _padded_inputs(batch, setup: Setup, implementation):
 
     def attend(q, k, v):
         dtype = jnp.dtype(setup.attention_dtype)
-        out = jax.nn.dot_product_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), is_causal=True,
-                                           query_seq_lengths=lengths, key_value_seq_lengths=lengths,
-                                           implementation=implementation)
+        out = jax.nn.dot_product_attention(
+            q.astype(dtype),
+            k.astype(dtype),
+            v.astype(dtype),
+            is_causal=True,
+            query_seq_lengths=lengths,
+            key_value_seq_lengths=lengths,
+            implementation=implementation,
+        )
         return out.astype(jnp.float32)
 
     return jnp.broadcast_to(jnp.arange(batch["tokens"].shape[-1]), batch["tokens"].shape), attend
@@ -178,9 +196,11 @@ def _loss(params, batch, setup: Setup, padded):
 
 # ---- Training: Adam with warmup, cosine decay and clipping, written out to need no optimiser library. ----
 
+
 def adam_state(params) -> dict:
-    return dict(step=jnp.zeros((), jnp.int32), m=jax.tree.map(jnp.zeros_like, params),
-                v=jax.tree.map(jnp.zeros_like, params))
+    return dict(
+        step=jnp.zeros((), jnp.int32), m=jax.tree.map(jnp.zeros_like, params), v=jax.tree.map(jnp.zeros_like, params)
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("setup", "padded"), donate_argnums=(0, 1))
@@ -215,8 +235,10 @@ def train(setup: Setup, seed: int, eval_batches: int, progress: bool = True) -> 
             tokens += int(batch["cu_seqlens"][-1])
         seconds = time.perf_counter() - start
         if progress and ((step + 1) % max(1, setup.steps // 10) == 0 or step + 1 == setup.steps):
-            print(f"  step {step + 1}/{setup.steps}: loss {losses[-1]:.3f}, {tokens / max(seconds, 1e-9):,.0f} tokens/s",
-                  flush=True)
+            print(
+                f"  step {step + 1}/{setup.steps}: loss {losses[-1]:.3f}, {tokens / max(seconds, 1e-9):,.0f} tokens/s",
+                flush=True,
+            )
 
     correct = total = exact = sequences = 0
     for _ in range(eval_batches):
@@ -228,20 +250,37 @@ def train(setup: Setup, seed: int, eval_batches: int, progress: bool = True) -> 
         for a, b in zip(cu[:-1], cu[1:]):
             if b > a:
                 exact, sequences = exact + bool(right[a:b][mask[a:b]].all()), sequences + 1
-    return dict(losses=losses, tokens_per_s=tokens / max(seconds, 1e-9), accuracy=correct / max(total, 1),
-                exact=exact / max(sequences, 1), params=params, eval_tokens=total, eval_sequences=sequences)
+    return dict(
+        losses=losses,
+        tokens_per_s=tokens / max(seconds, 1e-9),
+        accuracy=correct / max(total, 1),
+        exact=exact / max(sequences, 1),
+        params=params,
+        eval_tokens=total,
+        eval_sequences=sequences,
+    )
 
 
 def attention_implementation(setup: Setup) -> str:
     """What implementation=None picks for the model's attention call here: 'cudnn', or 'xla (why not cuDNN)'."""
     reason = cudnn_unavailable_reason()  # first, so a CPU reads "no CUDA device", not the dtype chosen for it
     if reason is None:
-        shape = jax.ShapeDtypeStruct((setup.batch_tokens, setup.heads, setup.width // setup.heads),
-                                     setup.attention_dtype)
+        shape = jax.ShapeDtypeStruct(
+            (setup.batch_tokens, setup.heads, setup.width // setup.heads), setup.attention_dtype
+        )
         cu = jax.ShapeDtypeStruct((setup.max_seqs + 1,), jnp.int32)
-        reason = cudnn.unsupported_reason(make_config(
-            shape, shape, shape, cu, cu, AttentionOptions(is_causal=True), max_seqlen_q=setup.max_seqlen,
-            max_seqlen_kv=setup.max_seqlen))
+        reason = cudnn.unsupported_reason(
+            make_config(
+                shape,
+                shape,
+                shape,
+                cu,
+                cu,
+                AttentionOptions(is_causal=True),
+                max_seqlen_q=setup.max_seqlen,
+                max_seqlen_kv=setup.max_seqlen,
+            )
+        )
     return "cudnn" if reason is None else f"xla ({reason})"
 
 
@@ -251,8 +290,9 @@ def compare_padded(params, setup: Setup, seed: int) -> None:
     real = int(batch["cu_seqlens"][-1])
     padded = to_padded(batch, setup)
     timings = [("packed, ragged_attention", None)]
-    timings += [(f"padded {padded['tokens'].shape}, jax.nn.dot_product_attention({name!r})", name)
-                for name in ("cudnn", "xla")]
+    timings += [
+        (f"padded {padded['tokens'].shape}, jax.nn.dot_product_attention({name!r})", name) for name in ("cudnn", "xla")
+    ]
     for label, implementation in timings:
         data = batch if implementation is None else padded
         try:
@@ -274,6 +314,7 @@ def _step_seconds(params, batch, setup: Setup, padded, iterations: int = 20) -> 
     def call():
         state[:] = train_step(state[0], state[1], batch, setup, padded)
         return state[2]
+
     return plain_loop_seconds(call, iterations, 1)[0]
 
 
@@ -291,16 +332,21 @@ def plot_losses(losses, path: str) -> bool:
     ax = figure.subplots()
     ax.plot(losses, alpha=0.3, label="per batch")
     ax.plot(np.arange(len(smooth)) + window - 1, smooth, label=f"mean of {window}")
-    ax.set(xlabel="step", ylabel="cross-entropy on the reversed half", yscale="log",
-           title="reversing packed variable-length sequences")
+    ax.set(
+        xlabel="step",
+        ylabel="cross-entropy on the reversed half",
+        yscale="log",
+        title="reversing packed variable-length sequences",
+    )
     ax.legend()
     figure.savefig(path, dpi=100, bbox_inches="tight")
     return True
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python examples/reversal.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python examples/reversal.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-tokens", type=int, default=1024, help="rows of each packed batch")
@@ -323,9 +369,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def setup_from(args: argparse.Namespace) -> Setup:
-    return Setup(vocab=args.vocab, width=args.width, heads=args.heads, layers=args.layers, max_len=args.max_len,
-                 batch_tokens=args.batch_tokens, lr=args.lr, steps=args.steps,
-                 attention_dtype="bfloat16" if cudnn_unavailable_reason() is None else "float32")
+    return Setup(
+        vocab=args.vocab,
+        width=args.width,
+        heads=args.heads,
+        layers=args.layers,
+        max_len=args.max_len,
+        batch_tokens=args.batch_tokens,
+        lr=args.lr,
+        steps=args.steps,
+        attention_dtype="bfloat16" if cudnn_unavailable_reason() is None else "float32",
+    )
 
 
 def main(argv=None) -> int:
@@ -333,26 +387,37 @@ def main(argv=None) -> int:
     setup = setup_from(args)
     implementation = attention_implementation(setup)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}; attention: ragged_attention -> {implementation}")
-    print(f"task: reverse sequences of 1..{args.max_len} symbols, packed {setup.batch_tokens} rows per batch "
-          f"(up to {setup.max_seqs} sequences); model: {setup.layers} layers, width {setup.width}, "
-          f"{setup.heads} heads, {setup.attention_dtype} attention")
+    print(
+        f"task: reverse sequences of 1..{args.max_len} symbols, packed {setup.batch_tokens} rows per batch "
+        f"(up to {setup.max_seqs} sequences); model: {setup.layers} layers, width {setup.width}, "
+        f"{setup.heads} heads, {setup.attention_dtype} attention"
+    )
     result = train(setup, args.seed, args.eval_batches, progress=not args.no_progress)
-    print(f"trained {setup.steps} steps: loss {np.mean(result['losses'][:10]):.3f} -> "
-          f"{np.mean(result['losses'][-10:]):.3f}, {result['tokens_per_s']:,.0f} tokens/s")
+    print(
+        f"trained {setup.steps} steps: loss {np.mean(result['losses'][:10]):.3f} -> "
+        f"{np.mean(result['losses'][-10:]):.3f}, {result['tokens_per_s']:,.0f} tokens/s"
+    )
     if args.plot and plot_losses(result["losses"], args.plot):
         print(f"loss curve: {args.plot}")
     if implementation == "cudnn":
         print("one training step on one batch, packed vs padded:")
         compare_padded(result["params"], setup, args.seed)
-    print(f"held-out: token accuracy {result['accuracy']:.1%} over {result['eval_tokens']} tokens, "
-          f"{result['exact']:.1%} of {result['eval_sequences']} sequences reversed exactly")
+    print(
+        f"held-out: token accuracy {result['accuracy']:.1%} over {result['eval_tokens']} tokens, "
+        f"{result['exact']:.1%} of {result['eval_sequences']} sequences reversed exactly"
+    )
     if result["accuracy"] < args.min_accuracy:
-        print(f"\n*** DEMO FAILED: held-out token accuracy {result['accuracy']:.1%} is below --min-accuracy "
-              f"{args.min_accuracy:.1%}; the model did not learn to reverse packed sequences ***", file=sys.stderr)
+        print(
+            f"\n*** DEMO FAILED: held-out token accuracy {result['accuracy']:.1%} is below --min-accuracy "
+            f"{args.min_accuracy:.1%}; the model did not learn to reverse packed sequences ***",
+            file=sys.stderr,
+        )
         print(f"demo: FAILED (held-out token accuracy {result['accuracy']:.1%} < {args.min_accuracy:.1%})")
         return 1
-    print(f"demo: OK (held-out token accuracy {result['accuracy']:.1%} >= {args.min_accuracy:.1%}, "
-          f"attention {implementation.split(' ')[0]})")
+    print(
+        f"demo: OK (held-out token accuracy {result['accuracy']:.1%} >= {args.min_accuracy:.1%}, "
+        f"attention {implementation.split(' ')[0]})"
+    )
     return 0
 
 

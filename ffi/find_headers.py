@@ -11,8 +11,9 @@ import importlib.util
 import os
 import sys
 
-VENDORED_FRONTEND = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                 "third_party", "cudnn_frontend", "include")
+VENDORED_FRONTEND = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "third_party", "cudnn_frontend", "include"
+)
 
 
 def _package_dir(module: str) -> str | None:
@@ -79,19 +80,23 @@ def main() -> int:
         "CUDNN_FRONTEND_INCLUDE_DIR": (
             cudnn_frontend,
             f"nvidia-cudnn-frontend (the vendored copy {VENDORED_FRONTEND} is missing: use a full checkout, or "
-            "pip install --no-deps 'nvidia-cudnn-frontend>=1.28')"),
+            "pip install --no-deps 'nvidia-cudnn-frontend>=1.28')",
+        ),
         "CUDNN_INCLUDE_DIR": (cudnn, "nvidia-cudnn-cu13 (pip install --no-deps 'nvidia-cudnn-cu13<10')"),
         "CUDA_INCLUDE_DIR": (
             cuda_runtime,
             "nvidia-cuda-runtime, nvidia-cuda-crt, nvidia-cuda-cccl and nvidia-cuda-nvrtc (pip install --no-deps "
             "'nvidia-cuda-runtime<14' 'nvidia-cuda-crt<14' 'nvidia-cuda-cccl<14' 'nvidia-cuda-nvrtc<14') or a CUDA "
-            "toolkit"),
+            "toolkit",
+        ),
     }
     for name, (locate, package) in found.items():
         path = locate()
         if not path:
-            print(f"the headers for {name} were not found: install {package} into {sys.executable}'s environment",
-                  file=sys.stderr)
+            print(
+                f"the headers for {name} were not found: install {package} into {sys.executable}'s environment",
+                file=sys.stderr,
+            )
             return 1
         print(f"{name}={path}")
     return 0

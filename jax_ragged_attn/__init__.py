@@ -25,15 +25,23 @@ import jax as _jax
 # (docs/INSTALL.md's table): with an older jax (installed with --no-deps, or pinned by another package) say so
 # here rather than fail later inside the op.
 if tuple(int(part) for part in _jax.__version__.split(".")[:3] if part.isdigit()) < (0, 10, 2):
-    raise ImportError(f"jax_ragged_attn needs jax 0.10.2 or newer, found {_jax.__version__}: "
-                      "pip install -U 'jax>=0.10.2'")
+    raise ImportError(
+        f"jax_ragged_attn needs jax 0.10.2 or newer, found {_jax.__version__}: pip install -U 'jax>=0.10.2'"
+    )
 
-from jax_ragged_attn.backends.shared.extension import cudnn_unavailable_reason  # noqa: E402
-from jax_ragged_attn.config import AttentionConfig  # noqa: E402
-from jax_ragged_attn.inputs.flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
-from jax_ragged_attn.ops.kvcache import kvcache_append, ragged_attention_with_kvcache  # noqa: E402
-from jax_ragged_attn.ops.ragged import ragged_attention  # noqa: E402
+from jax_ragged_attn.backends.shared.extension import cudnn_unavailable_reason
+from jax_ragged_attn.config import AttentionConfig
+from jax_ragged_attn.inputs.flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+from jax_ragged_attn.ops.kvcache import kvcache_append, ragged_attention_with_kvcache
+from jax_ragged_attn.ops.ragged import ragged_attention
 
-__all__ = ["AttentionConfig", "cudnn_unavailable_reason", "flash_attn_varlen_func", "flash_attn_with_kvcache",
-           "kvcache_append", "ragged_attention", "ragged_attention_with_kvcache"]
+__all__ = [
+    "AttentionConfig",
+    "cudnn_unavailable_reason",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "kvcache_append",
+    "ragged_attention",
+    "ragged_attention_with_kvcache",
+]
 __version__ = "0.1.0"

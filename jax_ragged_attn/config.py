@@ -134,8 +134,10 @@ class KVCacheConfig(MaskedConfig):
 def check_implementation(implementation) -> None:
     """Checked first of all (AttentionOptions does it first), before any array is looked at."""
     if implementation == "dew":  # a wheel, not a kernel family: FA3's kernels as dew-flash-attn builds them
-        raise ValueError('implementation="dew" is spelled implementation="fa3", fa3_provider="dew-flash-attn": '
-                         "dew-flash-attn is one provider of FlashAttention-3's kernels")
+        raise ValueError(
+            'implementation="dew" is spelled implementation="fa3", fa3_provider="dew-flash-attn": '
+            "dew-flash-attn is one provider of FlashAttention-3's kernels"
+        )
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
 
@@ -177,11 +179,13 @@ class AttentionOptions:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if not isinstance(self.return_stats, bool):
-            raise ValueError(f"return_stats must be a Python bool, got {type(self.return_stats).__name__} "
-                             f"{self.return_stats!r}")
+            raise ValueError(
+                f"return_stats must be a Python bool, got {type(self.return_stats).__name__} {self.return_stats!r}"
+            )
         if self.diagonal_alignment not in DIAGONAL_ALIGNMENTS:
-            raise ValueError(f"diagonal_alignment must be one of {DIAGONAL_ALIGNMENTS}, got "
-                             f"{self.diagonal_alignment!r}")
+            raise ValueError(
+                f"diagonal_alignment must be one of {DIAGONAL_ALIGNMENTS}, got {self.diagonal_alignment!r}"
+            )
         if self.stats_layout not in STATS_LAYOUTS:
             raise ValueError(f"stats_layout must be one of {STATS_LAYOUTS}, got {self.stats_layout!r}")
         for name in ("is_causal", "deterministic", "autotune"):
@@ -206,8 +210,10 @@ class AttentionOptions:
     def split(cls, kwargs: dict) -> tuple[AttentionOptions, dict]:
         """(the options among `kwargs`, the other keywords): for entry points that forward **kwargs."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return (cls(**{k: v for k, v in kwargs.items() if k in names}),
-                {k: v for k, v in kwargs.items() if k not in names})
+        return (
+            cls(**{k: v for k, v in kwargs.items() if k in names}),
+            {k: v for k, v in kwargs.items() if k not in names},
+        )
 
 
 def _static_scale(scale) -> float:
@@ -227,14 +233,14 @@ def _static_softcap(softcap) -> float | None:
     if softcap is None:
         return None
     if isinstance(softcap, (bool, np.bool_, str, bytes)):  # float(True) == 1.0, float("50") == 50.0: mistakes
-        raise ValueError(f"softcap must be None or a positive Python float, got {type(softcap).__name__} "
-                         f"{softcap!r}")
+        raise ValueError(f"softcap must be None or a positive Python float, got {type(softcap).__name__} {softcap!r}")
     try:
         softcap = float(softcap)
     except (TypeError, ValueError):
         # A traced softcap too: like scale, it is baked into the cuDNN graph and the xla path's tiles.
-        raise ValueError(f"softcap must be None or a static positive Python float, got {type(softcap).__name__} "
-                         f"{softcap!r}") from None
+        raise ValueError(
+            f"softcap must be None or a static positive Python float, got {type(softcap).__name__} {softcap!r}"
+        ) from None
     if not math.isfinite(softcap) or softcap < 0 or softcap > float(np.finfo(np.float32).max):
         raise ValueError(f"softcap must be None, 0 (no cap) or a positive finite float, got {softcap}")
     return softcap or None
@@ -279,9 +285,7 @@ def _normalize_window(local_window_size) -> tuple[int | None, int | None] | None
         return None
     if isinstance(local_window_size, (tuple, list)):
         if len(local_window_size) != 2:
-            raise ValueError(
-                f"local_window_size must be an int or a (left, right) pair, got {local_window_size!r}"
-            )
+            raise ValueError(f"local_window_size must be an int or a (left, right) pair, got {local_window_size!r}")
         left, right = local_window_size
     else:
         left = right = local_window_size
@@ -313,8 +317,12 @@ def check_heads(q, k, v, sinks=None, *, k_name: str = "k", v_name: str = "v") ->
     hkv, dk = k.shape[-2:]
     if dk != dqk:
         raise ValueError(f"{k_name}'s head dim must equal q's ({dqk}), got {k_name} shape {tuple(k.shape)}")
-    for name, x, axis, label in (("q", q, -2, "Hq"), (k_name, k, -2, "Hkv"), ("q", q, -1, "Dqk"),
-                                 (v_name, v, -1, "Dv")):
+    for name, x, axis, label in (
+        ("q", q, -2, "Hq"),
+        (k_name, k, -2, "Hkv"),
+        ("q", q, -1, "Dqk"),
+        (v_name, v, -1, "Dv"),
+    ):
         if x.shape[axis] < 1:
             raise ValueError(f"{name}.shape[{x.ndim + axis}] ({label}) must be >= 1, got {x.shape[axis]}")
     if hq % hkv:
@@ -331,9 +339,13 @@ def masked_fields(options: AttentionOptions, head_dim_qk: int) -> dict:
     """The fields every MaskedConfig (both ops' configs) takes from the validated options: scale (1/sqrt(Dqk)
     by default), is_causal, the window's sides (None: no limit) and softcap (0.0: no cap)."""
     window_left, window_right = options.local_window_size or (None, None)
-    return dict(scale=1.0 / math.sqrt(head_dim_qk) if options.scale is None else options.scale,
-                is_causal=options.is_causal, window_left=window_left, window_right=window_right,
-                softcap=options.softcap or 0.0)
+    return dict(
+        scale=1.0 / math.sqrt(head_dim_qk) if options.scale is None else options.scale,
+        is_causal=options.is_causal,
+        window_left=window_left,
+        window_right=window_right,
+        softcap=options.softcap or 0.0,
+    )
 
 
 def make_config(

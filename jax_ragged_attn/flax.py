@@ -38,10 +38,11 @@ import jax.numpy as jnp
 try:
     from flax import nnx
 except ImportError as error:  # the library itself needs no Flax; only this module does
-    raise ImportError("jax_ragged_attn.flax needs Flax (NNX): pip install 'jax_ragged_attn[flax]' "
-                      f"(installs flax and optax); importing flax failed with: {error}") from error
+    raise ImportError(
+        "jax_ragged_attn.flax needs Flax (NNX): pip install 'jax_ragged_attn[flax]' "
+        f"(installs flax and optax); importing flax failed with: {error}"
+    ) from error
 
-from jax_ragged_attn.ops.ragged import ragged_attention
 from jax_ragged_attn.config import STRATEGIES, AttentionOptions
 from jax_ragged_attn.index import as_int32, count_at_or_before
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
@@ -76,11 +77,27 @@ class RaggedSelfAttention(nnx.Module):
       rngs: nnx.Rngs.
     """
 
-    def __init__(self, features: int, num_heads: int, *, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 is_causal: bool = True, local_window_size=None, sinks: bool = False,
-                 rope_base: float | None = 10_000.0, scale: float | None = None, implementation: str | None = None,
-                 strategy: str = "fastest", head_axis: str | None = None, dtype=None, param_dtype=jnp.float32,
-                 kernel_init=None, softcap: float | None = None, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        features: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        is_causal: bool = True,
+        local_window_size=None,
+        sinks: bool = False,
+        rope_base: float | None = 10_000.0,
+        scale: float | None = None,
+        implementation: str | None = None,
+        strategy: str = "fastest",
+        head_axis: str | None = None,
+        dtype=None,
+        param_dtype=jnp.float32,
+        kernel_init=None,
+        softcap: float | None = None,
+        rngs: nnx.Rngs,
+    ):
         self.features = _positive_int(features, "features")
         self.num_heads = _positive_int(num_heads, "num_heads")
         self.num_kv_heads = self.num_heads if num_kv_heads is None else _positive_int(num_kv_heads, "num_kv_heads")
@@ -88,13 +105,16 @@ class RaggedSelfAttention(nnx.Module):
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if head_dim is None:
             if self.features % self.num_heads:
-                raise ValueError(f"features ({self.features}) must be a multiple of num_heads ({self.num_heads}), "
-                                 "or pass head_dim")
+                raise ValueError(
+                    f"features ({self.features}) must be a multiple of num_heads ({self.num_heads}), or pass head_dim"
+                )
             head_dim = self.features // self.num_heads
         self.head_dim = _positive_int(head_dim, "head_dim")
         if rope_base is not None and (self.head_dim % 2 or not rope_base > 0):
-            raise ValueError(f"RoPE needs an even head_dim and rope_base > 0, got head_dim {self.head_dim}, "
-                             f"rope_base {rope_base!r}; pass rope_base=None to turn RoPE off")
+            raise ValueError(
+                f"RoPE needs an even head_dim and rope_base > 0, got head_dim {self.head_dim}, "
+                f"rope_base {rope_base!r}; pass rope_base=None to turn RoPE off"
+            )
         if not isinstance(is_causal, bool) or not isinstance(sinks, bool):
             raise ValueError(f"is_causal and sinks must be Python bools, got {is_causal!r} and {sinks!r}")
         self.is_causal, self.local_window_size, self.rope_base = is_causal, local_window_size, rope_base
@@ -109,7 +129,7 @@ class RaggedSelfAttention(nnx.Module):
         h, hkv, d, f = self.num_heads, self.num_kv_heads, self.head_dim, self.features
 
         def param(shape, fan_in, spec, init=kernel_init):
-            init = init or nnx.initializers.normal(stddev=fan_in ** -0.5)
+            init = init or nnx.initializers.normal(stddev=fan_in**-0.5)
             if head_axis is not None:
                 init = nnx.with_partitioning(init, spec)
             return nnx.Param(init(rngs.params(), shape, param_dtype))
@@ -120,15 +140,22 @@ class RaggedSelfAttention(nnx.Module):
             self.q_kernel = param((f, h, d), f, (None, head_axis, None))
             self.kv_kernel = param((f, 2, hkv, d), f, (None, None, head_axis, None))
         self.out_kernel = param((h, d, f), h * d, (head_axis, None, None))
-        self.sinks = (param((h,), 1, (head_axis,), nnx.initializers.zeros_init()) if sinks else None)
+        self.sinks = param((h,), 1, (head_axis,), nnx.initializers.zeros_init()) if sinks else None
 
     @property
     def packs_qkv(self) -> bool:
         """True for MHA: one [T, 3, H, D] projection; False for GQA/MQA: q [T, Hq, D] and kv [T, 2, Hkv, D]."""
         return self.num_kv_heads == self.num_heads
 
-    def __call__(self, x: jax.Array, cu_seqlens: jax.Array, positions: jax.Array | None = None, *,
-                 max_seqlen: int, return_stats: bool = False):
+    def __call__(
+        self,
+        x: jax.Array,
+        cu_seqlens: jax.Array,
+        positions: jax.Array | None = None,
+        *,
+        max_seqlen: int,
+        return_stats: bool = False,
+    ):
         """x [T, features] (sequence b owns rows cu_seqlens[b]:cu_seqlens[b+1]; rows past cu_seqlens[-1] are
         padding) -> y [T, features]; with return_stats also the attention's log-sum-exp [Hq, T] (float32).
 
@@ -179,9 +206,15 @@ class RaggedSelfAttention(nnx.Module):
 
     def attend(self, qkv, q, kv, cu_seqlens, *, max_seqlen: int, return_stats: bool = False):
         """The ragged attention on `project`'s output: out [T, Hq, D] (and stats [Hq, T])."""
-        options = dict(scale=self.scale, is_causal=self.is_causal, local_window_size=self.local_window_size,
-                       return_stats=return_stats, implementation=self.implementation, strategy=self.strategy,
-                       softcap=self.softcap)
+        options = dict(
+            scale=self.scale,
+            is_causal=self.is_causal,
+            local_window_size=self.local_window_size,
+            return_stats=return_stats,
+            implementation=self.implementation,
+            strategy=self.strategy,
+            softcap=self.softcap,
+        )
         bounds = dict(max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
         axis = self.head_axis
         packed, heads = jax.P(None, None, axis, None), jax.P(None, axis, None)  # [T, parts, H, D], [T, H, D]
@@ -189,20 +222,33 @@ class RaggedSelfAttention(nnx.Module):
         if self.sinks is not None:
             # The packed wrappers take sinks (the epilogue of sinks.py): the packed buffers stay in place.
             if self.packs_qkv:
+
                 def call(qkv, sinks, cu):
                     return ragged_attention_qkvpacked(qkv, cu, max_seqlen=max_seqlen, sinks=sinks, **options)
-                return self._on_heads(call, (qkv, self.sinks[...], cu_seqlens), (packed, jax.P(axis), jax.P()),
-                                      out_specs)
+
+                return self._on_heads(
+                    call, (qkv, self.sinks[...], cu_seqlens), (packed, jax.P(axis), jax.P()), out_specs
+                )
 
             def call(q, kv, sinks, cu):
                 return ragged_attention_kvpacked(q, kv, cu, cu, sinks=sinks, **bounds, **options)
-            return self._on_heads(call, (q, kv, self.sinks[...], cu_seqlens), (heads, packed, jax.P(axis), jax.P()),
-                                  out_specs)
+
+            return self._on_heads(
+                call, (q, kv, self.sinks[...], cu_seqlens), (heads, packed, jax.P(axis), jax.P()), out_specs
+            )
         if self.packs_qkv:
-            return self._on_heads(lambda qkv, cu: ragged_attention_qkvpacked(qkv, cu, max_seqlen=max_seqlen, **options),
-                                  (qkv, cu_seqlens), (packed, jax.P()), out_specs)
-        return self._on_heads(lambda q, kv, cu: ragged_attention_kvpacked(q, kv, cu, cu, **bounds, **options),
-                              (q, kv, cu_seqlens), (heads, packed, jax.P()), out_specs)
+            return self._on_heads(
+                lambda qkv, cu: ragged_attention_qkvpacked(qkv, cu, max_seqlen=max_seqlen, **options),
+                (qkv, cu_seqlens),
+                (packed, jax.P()),
+                out_specs,
+            )
+        return self._on_heads(
+            lambda q, kv, cu: ragged_attention_kvpacked(q, kv, cu, cu, **bounds, **options),
+            (q, kv, cu_seqlens),
+            (heads, packed, jax.P()),
+            out_specs,
+        )
 
     def _on_heads(self, fn, args, in_specs, out_specs):
         """fn(*args), inside shard_map over head_axis when the context mesh (jax.set_mesh) has that axis."""
@@ -211,8 +257,10 @@ class RaggedSelfAttention(nnx.Module):
             return fn(*args)
         devices = mesh.shape[self.head_axis]
         if self.num_kv_heads % devices:
-            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must be a multiple of the {devices} devices on "
-                             f"head_axis {self.head_axis!r}, so that each device holds whole GQA groups")
+            raise ValueError(
+                f"num_kv_heads ({self.num_kv_heads}) must be a multiple of the {devices} devices on "
+                f"head_axis {self.head_axis!r}, so that each device holds whole GQA groups"
+            )
         # check_vma=False: the cuDNN path's ffi_call has JAX's default rule for varying manual axes, which
         # refuses to mix head-sharded activations with the replicated cu_seqlens (as in sharding.py).
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
@@ -238,8 +286,9 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float = 10_000.0) -> ja
     half = x.shape[-1] // 2
     positions = jnp.asarray(positions)
     if positions.ndim > x.ndim - 1:
-        raise ValueError(f"positions must broadcast to x's shape without its last axis {x.shape[:-1]}, got shape "
-                         f"{positions.shape}")
+        raise ValueError(
+            f"positions must broadcast to x's shape without its last axis {x.shape[:-1]}, got shape {positions.shape}"
+        )
     # Leading axes made explicit, so that nothing relies on rank promotion (jax_numpy_rank_promotion="raise").
     positions = positions.reshape((1,) * (x.ndim - 1 - positions.ndim) + positions.shape)
     frequencies = base ** (-jnp.arange(half, dtype=jnp.float32) * 2 / x.shape[-1])

@@ -34,8 +34,17 @@ def _step(implementation, num_seqs, max_seqlen, heads, dim):
     @jax.jit
     def step(q, k, v, cu):
         def loss(q, k, v):
-            out = jra.ragged_attention(q, k, v, cu, cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
-                                       is_causal=True, implementation=implementation)
+            out = jra.ragged_attention(
+                q,
+                k,
+                v,
+                cu,
+                cu,
+                max_seqlen_q=max_seqlen,
+                max_seqlen_kv=max_seqlen,
+                is_causal=True,
+                implementation=implementation,
+            )
             return jnp.sum(out.astype(jnp.float32) ** 2)
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
@@ -69,8 +78,12 @@ def evict(rounds=3):
         after = ext.graph_cache_stats()
     finally:
         ext.set_graph_cache_capacity(256)
-    return {"check": "evict", "max_relative_error": worst, "evictions": after["evictions"] - before["evictions"],
-            "handler_builds": after["handler_builds"] - before["handler_builds"]}
+    return {
+        "check": "evict",
+        "max_relative_error": worst,
+        "evictions": after["evictions"] - before["evictions"],
+        "handler_builds": after["handler_builds"] - before["handler_builds"],
+    }
 
 
 def threads(calls=10):
@@ -79,6 +92,7 @@ def threads(calls=10):
     alone = [jax.block_until_ready(step(*args)) for step, args in steps]
     ext.set_graph_cache_capacity(2)
     try:
+
         def work(index):
             step, args = steps[index]
             return [jax.block_until_ready(step(*args)) for _ in range(calls)]
@@ -106,8 +120,9 @@ def _decode_loop(implementation, steps=16, batch=4, page_size=16, pages_per_seq=
             k_cache, v_cache, lengths, total = carry
             q, k, v = new[i, 0], new[i, 1, :, :, :hkv], new[i, 2, :, :, :hkv]
             k_cache, v_cache = jra.kvcache_append(k_cache, v_cache, k, v, lengths, page_table=page_table)
-            out = jra.ragged_attention_with_kvcache(q, k_cache, v_cache, lengths + 1, page_table=page_table,
-                                                    implementation=implementation)
+            out = jra.ragged_attention_with_kvcache(
+                q, k_cache, v_cache, lengths + 1, page_table=page_table, implementation=implementation
+            )
             return k_cache, v_cache, lengths + 1, total + out.astype(jnp.float32)
 
         zero = jnp.zeros((batch, 1, hq, dim), jnp.float32)
@@ -132,5 +147,4 @@ if __name__ == "__main__":
         print(json.dumps({"skip": reason}))
         sys.exit(0)
     for name in sys.argv[1].split(","):
-        print(json.dumps({**globals()[name](), "xla_flags": __import__("os").environ.get("XLA_FLAGS", "")}),
-              flush=True)
+        print(json.dumps({**globals()[name](), "xla_flags": __import__("os").environ.get("XLA_FLAGS", "")}), flush=True)

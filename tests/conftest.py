@@ -33,16 +33,19 @@ def _cuda_plugin_installed() -> bool:
 # tolerances. Only where JAX runs on the CPU (no CUDA plugin installed, or JAX_PLATFORMS=cpu): GPU kernels keep
 # XLA's default. Children inherit it (XLA_FLAGS); a level set by the caller is kept.
 TEST_XLA_FLAG = "--xla_backend_optimization_level=0"
-if (os.environ.get("JAX_PLATFORMS") == "cpu" or not _cuda_plugin_installed()) and \
-        "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+if (
+    os.environ.get("JAX_PLATFORMS") == "cpu" or not _cuda_plugin_installed()
+) and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAG}".strip()
 
 import pytest  # noqa: E402 - after the environment above, which must be set before jax is imported
 
 # Each name: JAX's environment variables and the jax.config values they stand for.
 JAX_CONFIGS = {
-    "strict": {"JAX_NUMPY_RANK_PROMOTION": ("jax_numpy_rank_promotion", "raise"),
-               "JAX_NUMPY_DTYPE_PROMOTION": ("jax_numpy_dtype_promotion", "strict")},
+    "strict": {
+        "JAX_NUMPY_RANK_PROMOTION": ("jax_numpy_rank_promotion", "raise"),
+        "JAX_NUMPY_DTYPE_PROMOTION": ("jax_numpy_dtype_promotion", "strict"),
+    },
     "x64": {"JAX_ENABLE_X64": ("jax_enable_x64", True)},
     "checks": {"JAX_ENABLE_CHECKS": ("jax_enable_checks", True)},
     "matmul_bf16": {"JAX_DEFAULT_MATMUL_PRECISION": ("jax_default_matmul_precision", "bfloat16")},
@@ -51,9 +54,12 @@ JAX_CONFIGS = {
 
 
 def pytest_addoption(parser):
-    parser.addoption("--jax-config", default=os.environ.get("JAX_RAGGED_ATTN_TEST_CONFIG", ""),
-                     help="comma-separated global JAX settings for the whole session (and its subprocesses): "
-                          + ", ".join(JAX_CONFIGS))
+    parser.addoption(
+        "--jax-config",
+        default=os.environ.get("JAX_RAGGED_ATTN_TEST_CONFIG", ""),
+        help="comma-separated global JAX settings for the whole session (and its subprocesses): "
+        + ", ".join(JAX_CONFIGS),
+    )
 
 
 def _requested(config) -> list[str]:
@@ -83,8 +89,9 @@ def pytest_configure(config):
 def pytest_report_header(config):
     names = _requested(config)
     if names:
-        return "jax configuration: " + ", ".join(f"{n} ({', '.join(f'{o}={v}' for o, v in JAX_CONFIGS[n].values())})"
-                                                 for n in names)
+        return "jax configuration: " + ", ".join(
+            f"{n} ({', '.join(f'{o}={v}' for o, v in JAX_CONFIGS[n].values())})" for n in names
+        )
     return None
 
 

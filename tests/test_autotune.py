@@ -11,23 +11,25 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.cudnn import autotune
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.config import AttentionOptions, make_config
 
 
 def _plan(index, ms, ok=True, message=""):
-    return dict(index=index, name=f"engine{index}", ok=ok, message=message, workspace_bytes=64 * index,
-                median_ms=ms)
+    return dict(index=index, name=f"engine{index}", ok=ok, message=message, workspace_bytes=64 * index, median_ms=ms)
 
 
-@pytest.mark.parametrize("plans, chosen", [
-    ([_plan(0, 1.00), _plan(1, 0.90)], 1),  # 10 % faster: replaces the heuristic's choice
-    ([_plan(0, 1.00), _plan(1, 0.98)], 0),  # within the margin: timing noise, keep the heuristic's
-    ([_plan(0, 1.00), _plan(1, 1.50)], 0),  # never slower than the heuristic's
-    ([_plan(0, 0.0, ok=False, message="no"), _plan(1, 2.0), _plan(2, 1.0)], 2),  # heuristic = first that ran
-])
+@pytest.mark.parametrize(
+    "plans, chosen",
+    [
+        ([_plan(0, 1.00), _plan(1, 0.90)], 1),  # 10 % faster: replaces the heuristic's choice
+        ([_plan(0, 1.00), _plan(1, 0.98)], 0),  # within the margin: timing noise, keep the heuristic's
+        ([_plan(0, 1.00), _plan(1, 1.50)], 0),  # never slower than the heuristic's
+        ([_plan(0, 0.0, ok=False, message="no"), _plan(1, 2.0), _plan(2, 1.0)], 2),  # heuristic = first that ran
+    ],
+)
 def test_choose_keeps_the_heuristic_unless_another_plan_is_clearly_faster(plans, chosen):
     assert autotune.choose(plans)["index"] == chosen
 
@@ -57,8 +59,9 @@ class FakeExtension:
     def graph_info(self, direction, device, attributes):
         # The backward's layout choice (strategy.py) reads both layouts' workspace: the padded one too large
         # here, so strategy="fastest" keeps the capacity-sized graph and autotune measures that one alone.
-        return dict(status="ok", message="", workspace_bytes=100 << 30 if not attributes["use_max_total_seq_len"]
-                    else 1 << 20)
+        return dict(
+            status="ok", message="", workspace_bytes=100 << 30 if not attributes["use_max_total_seq_len"] else 1 << 20
+        )
 
 
 @pytest.fixture
@@ -121,21 +124,32 @@ def test_autotuned_plans_run_and_match_the_reference(monkeypatch, tmp_path):
     import numpy as np
 
     import jax_ragged_attn as jra
-    from jax_ragged_attn.testing.reference import reference_attention
     from jax_ragged_attn.testing import assert_close, packed_batch
+    from jax_ragged_attn.testing.reference import reference_attention
 
     monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "autotune.json"))
     monkeypatch.setattr(autotune, "_chosen", {})
     rng = np.random.default_rng(7)
-    batch = packed_batch(rng, [300, 17, 0, 211], [280, 40, 5, 211], num_heads_q=8, num_heads_kv=2, head_dim_qk=128,
-                         head_dim_v=128, dtype="bfloat16", slack_q=29, slack_kv=3)
+    batch = packed_batch(
+        rng,
+        [300, 17, 0, 211],
+        [280, 40, 5, 211],
+        num_heads_q=8,
+        num_heads_kv=2,
+        head_dim_qk=128,
+        head_dim_v=128,
+        dtype="bfloat16",
+        slack_q=29,
+        slack_kv=3,
+    )
     options = dict(max_seqlen_q=300, max_seqlen_kv=280, is_causal=True, diagonal_alignment="bottom_right")
     d_out = rng.standard_normal((batch.q.shape[0], 8, 128)).astype("bfloat16")
 
     @jax.jit
     def step(q, k, v, d_out):
-        attend = lambda q, k, v: jra.ragged_attention(q, k, v, *batch.args[3:], implementation="cudnn",  # noqa: E731
-                                                      autotune=True, **options)
+        attend = lambda q, k, v: jra.ragged_attention(
+            q, k, v, *batch.args[3:], implementation="cudnn", autotune=True, **options
+        )
         out, vjp = jax.vjp(attend, q, k, v)
         return out, vjp(d_out)
 
@@ -151,12 +165,15 @@ def test_autotuned_plans_run_and_match_the_reference(monkeypatch, tmp_path):
     # A causal bottom-right backward runs as two graphs (rectangle + square, launch._backward), each timed in
     # both layouts, besides the bottom-right one the support check builds: 6.
     assert directions == ["backward"] * 6 + ["forward"], entries.keys()
-    assert sorted(json.loads(key)[4]["use_max_total_seq_len"] for key in entries if json.loads(key)[3] == "backward") \
-        == [0, 0, 0, 1, 1, 1]
+    assert sorted(
+        json.loads(key)[4]["use_max_total_seq_len"] for key in entries if json.loads(key)[3] == "backward"
+    ) == [0, 0, 0, 1, 1, 1]
     for entry in entries.values():
         assert any(p["ok"] for p in entry["plans"]) and entry["chosen_ms"] <= entry["heuristic_ms"]
-        print(f"autotune: {len(entry['plans'])} plans, heuristic {entry['heuristic_ms']:.3f} ms, chosen "
-              f"{entry['plan_name']} {entry['chosen_ms']:.3f} ms")
+        print(
+            f"autotune: {len(entry['plans'])} plans, heuristic {entry['heuristic_ms']:.3f} ms, chosen "
+            f"{entry['plan_name']} {entry['chosen_ms']:.3f} ms"
+        )
 
 
 def test_a_failed_measurement_warns_and_keeps_the_heuristic(fake, monkeypatch):

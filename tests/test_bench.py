@@ -12,10 +12,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from benchmarks import systems as bench_systems
 from jax_ragged_attn.testing import workloads
 from jax_ragged_attn.testing.workloads import WORKLOADS
-
-from benchmarks import systems as bench_systems
 
 pytestmark = pytest.mark.slow  # the package's bench end to end
 
@@ -41,8 +40,10 @@ def test_w2_w3_shapes():
     assert (w3.num_heads_q, w3.num_heads_kv, w3.head_dim, w3.causal) == (8, 8, 64, True)
 
 
-@pytest.mark.parametrize("name, change", [("W4-d64", dict(head_dim=64)), ("W4-d256", dict(head_dim=256)),
-                                          ("W4-noncausal", dict(causal=False))])
+@pytest.mark.parametrize(
+    "name, change",
+    [("W4-d64", dict(head_dim=64)), ("W4-d256", dict(head_dim=256)), ("W4-noncausal", dict(causal=False))],
+)
 def test_w4_differs_from_w1_only_where_named(name, change):
     expected = dataclasses.replace(WORKLOADS["W1"], name=name, description=WORKLOADS[name].description, **change)
     assert WORKLOADS[name] == expected
@@ -87,32 +88,55 @@ def test_packed_inputs():
     assert cu.tolist() == [0, *jnp.cumsum(jnp.asarray(tiny.seqlens)).tolist()]
 
 
-
 # ---- the package's own bench (python -m jax_ragged_attn.bench, jax_ragged_attn/tools/bench.py) ------------------
 
 
 def test_package_bench_times_your_shape_on_each_implementation(capsys):
     from jax_ragged_attn.tools import bench as package_bench
 
-    assert package_bench.main(["--lengths", "5,0,9", "--kv-lengths", "7,3,9", "--heads", "4", "--kv-heads", "2",
-                               "--head-dim", "32", "--dtype", "float32", "--calls", "2", "--repeats", "1"]) == 0
+    assert (
+        package_bench.main(
+            [
+                "--lengths",
+                "5,0,9",
+                "--kv-lengths",
+                "7,3,9",
+                "--heads",
+                "4",
+                "--kv-heads",
+                "2",
+                "--head-dim",
+                "32",
+                "--dtype",
+                "float32",
+                "--calls",
+                "2",
+                "--repeats",
+                "1",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].startswith("your shape: 3 sequences of 0..9 (14 tokens), keys 3..9 (19 tokens), 4/2 heads")
     header = next(i for i, line in enumerate(lines) if line.startswith("implementation"))
-    rows = {line.split()[0]: line for line in lines[header + 1:]}
+    rows = {line.split()[0]: line for line in lines[header + 1 :]}
     from jax_ragged_attn import backends
 
     assert set(rows) == set(backends.REGISTRY), lines  # each implementation a row (fa3, cudnn, xla)
     assert rows["xla"].count(" ms ") == 2 and rows["xla"].count("TFLOP/s") == 2, rows["xla"]  # forward, fwd+bwd
     if jax.default_backend() == "cpu":
         assert rows["cudnn"].split(None, 1)[1] == "skipped: no CUDA device: JAX's backend is 'cpu'", rows["cudnn"]
-    assert package_bench.forward_flops(dict(q=(5, 0, 9), kv=(7, 3, 9), heads=4, head_dim=32, causal=True)) == \
-        (4.0 * 4 * 32 * (5 * 7 + 9 * 9)) / 2
+    assert (
+        package_bench.forward_flops(dict(q=(5, 0, 9), kv=(7, 3, 9), heads=4, head_dim=32, causal=True))
+        == (4.0 * 4 * 32 * (5 * 7 + 9 * 9)) / 2
+    )
 
 
 def test_package_bench_entry_point_help_and_bad_flags():
-    run = subprocess.run([sys.executable, "-m", "jax_ragged_attn.bench", "--help"], capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "jax_ragged_attn.bench", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0 and "--lengths" in run.stdout and "--implementations" in run.stdout, run.stderr
     from jax_ragged_attn.tools import bench as package_bench
 

@@ -21,16 +21,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_stats_grad import CudnnArithmetic  # tests/ is on sys.path under pytest
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.backends.cudnn import graphs, launch
 from jax_ragged_attn.backends.cudnn import options as cudnn_options
+from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked
 from jax_ragged_attn.testing import assert_close, reference_attention
 from jax_ragged_attn.testing.private_config import backend_options
-from test_stats_grad import CudnnArithmetic  # tests/ is on sys.path under pytest
 
 _REASON = extension.cudnn_unavailable_reason()
 needs_cudnn = pytest.mark.skipif(_REASON is not None, reason=f"cuDNN path unavailable: {_REASON}")
@@ -76,9 +76,16 @@ class Batch:
 
     def args(self):
         """q, k, v in the dtype, then cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv."""
-        cast = lambda x: jnp.asarray(x, self.dtype)  # noqa: E731
-        return (cast(self.q), cast(self.k), cast(self.v), jnp.asarray(_offsets(SLOTS_Q)),
-                jnp.asarray(_offsets(SLOTS_KV)), jnp.asarray(USED_Q, jnp.int32), jnp.asarray(USED_KV, jnp.int32))
+        cast = lambda x: jnp.asarray(x, self.dtype)
+        return (
+            cast(self.q),
+            cast(self.k),
+            cast(self.v),
+            jnp.asarray(_offsets(SLOTS_Q)),
+            jnp.asarray(_offsets(SLOTS_KV)),
+            jnp.asarray(USED_Q, jnp.int32),
+            jnp.asarray(USED_KV, jnp.int32),
+        )
 
 
 def _batch(seed: int, heads, dim: int, dtype: str) -> Batch:
@@ -93,8 +100,16 @@ def _batch(seed: int, heads, dim: int, dtype: str) -> Batch:
 
     d_stats = np.zeros((tq, heads[0]))
     d_stats[rows_q] = rng.standard_normal((len(rows_q), heads[0]))
-    return Batch(poisoned(rows_q, tq, heads[0]), poisoned(rows_kv, tkv, heads[1]), poisoned(rows_kv, tkv, heads[1]),
-                 poisoned(rows_q, tq, heads[0]), d_stats, rows_q, rows_kv, dtype)
+    return Batch(
+        poisoned(rows_q, tq, heads[0]),
+        poisoned(rows_kv, tkv, heads[1]),
+        poisoned(rows_kv, tkv, heads[1]),
+        poisoned(rows_q, tq, heads[0]),
+        d_stats,
+        rows_q,
+        rows_kv,
+        dtype,
+    )
 
 
 def _expected(batch: Batch, with_stats: bool) -> dict:
@@ -102,9 +117,18 @@ def _expected(batch: Batch, with_stats: bool) -> dict:
     lengths_q = _lengths(SLOTS_Q, USED_Q, MAX_SEQLEN_Q)
     lengths_kv = _lengths(SLOTS_KV, USED_KV, MAX_SEQLEN_KV)
     rq, rkv = batch.rows_q, batch.rows_kv
-    tight = reference_attention(batch.q[rq], batch.k[rkv], batch.v[rkv], _offsets(lengths_q), _offsets(lengths_kv),
-                                max_seqlen_q=MAX_SEQLEN_Q, max_seqlen_kv=MAX_SEQLEN_KV, **CAUSAL,
-                                d_out=batch.d_out[rq], d_stats=batch.d_stats[rq] if with_stats else None)
+    tight = reference_attention(
+        batch.q[rq],
+        batch.k[rkv],
+        batch.v[rkv],
+        _offsets(lengths_q),
+        _offsets(lengths_kv),
+        max_seqlen_q=MAX_SEQLEN_Q,
+        max_seqlen_kv=MAX_SEQLEN_KV,
+        **CAUSAL,
+        d_out=batch.d_out[rq],
+        d_stats=batch.d_stats[rq] if with_stats else None,
+    )
     full = {name: np.zeros(x.shape) for name, x in (("dq", batch.q), ("dk", batch.k), ("dv", batch.v))}
     for name, rows in (("dq", rq), ("dk", rkv), ("dv", rkv)):
         full[name][rows] = tight[name]
@@ -140,14 +164,23 @@ def _unpacked(grads, packing: str):
 
 # --- On a GPU: the real kernels ---------------------------------------------------------------------------
 
+
 def _gpu_grads(batch: Batch, packing: str, layout: str, with_stats: bool):
     """jax.vjp of the public op (ragged_attention or ragged_attention_kvpacked) on cuDNN, traced afresh per
     call (testing.config_overrides applies). Without a stats cotangent only `out` is differentiated."""
     q, k, v, cu_q, cu_kv, used_q, used_kv = batch.args()
     d_out, d_stats = _cotangents(batch, layout, with_stats)
     op = ragged_attention if packing == "none" else ragged_attention_kvpacked
-    options = dict(max_seqlen_q=MAX_SEQLEN_Q, max_seqlen_kv=MAX_SEQLEN_KV, seqused_q=used_q, seqused_kv=used_kv,
-                   stats_layout=layout, return_stats=with_stats, implementation="cudnn", **CAUSAL)
+    options = dict(
+        max_seqlen_q=MAX_SEQLEN_Q,
+        max_seqlen_kv=MAX_SEQLEN_KV,
+        seqused_q=used_q,
+        seqused_kv=used_kv,
+        stats_layout=layout,
+        return_stats=with_stats,
+        implementation="cudnn",
+        **CAUSAL,
+    )
 
     @jax.jit
     def step(buffers, cu_q, cu_kv, cotangents):
@@ -193,8 +226,14 @@ def test_the_square_call_takes_the_rectangles_gradients_aliased_on_cudnn(packing
     and the first does not: dK/dV are written, not summed."""
     batch = _batch(103, (8, 2), 64, "bfloat16")
     q, k, v, cu_q, cu_kv, used_q, used_kv = batch.args()
-    options = dict(max_seqlen_q=MAX_SEQLEN_Q, max_seqlen_kv=MAX_SEQLEN_KV, seqused_q=used_q, seqused_kv=used_kv,
-                   implementation="cudnn", **CAUSAL)
+    options = dict(
+        max_seqlen_q=MAX_SEQLEN_Q,
+        max_seqlen_kv=MAX_SEQLEN_KV,
+        seqused_q=used_q,
+        seqused_kv=used_kv,
+        implementation="cudnn",
+        **CAUSAL,
+    )
     op = ragged_attention if packing == "none" else ragged_attention_kvpacked
     buffers = (q, k, v) if packing == "none" else (q, jnp.stack([k, v], axis=1))
     grads = jax.jit(lambda b, d: jax.vjp(lambda b: op(*b, cu_q, cu_kv, **options), b)[1](d)[0])
@@ -205,6 +244,7 @@ def test_the_square_call_takes_the_rectangles_gradients_aliased_on_cudnn(packing
 
 # --- On a CPU: the stand-in that does cuDNN's arithmetic, and the calls the wrapper makes -------------------
 
+
 class RecordingArithmetic(CudnnArithmetic):
     """The stand-in, also recording each backward call's (initial buffers aliased?, zero_outputs attribute):
     the stand-in itself keeps an initial buffer's rows whatever zero_outputs says, the handler would not."""
@@ -214,8 +254,9 @@ class RecordingArithmetic(CudnnArithmetic):
         self.backward_calls = []
 
     def __call__(self, target, result_types, *, vmap_method=None, input_output_aliases=None):
-        inner = super().__call__(target, result_types, vmap_method=vmap_method,
-                                 input_output_aliases=input_output_aliases)
+        inner = super().__call__(
+            target, result_types, vmap_method=vmap_method, input_output_aliases=input_output_aliases
+        )
 
         def call(*args, **attributes):
             if target == extension.BACKWARD_TARGET:
@@ -225,12 +266,21 @@ class RecordingArithmetic(CudnnArithmetic):
         return call
 
 
-def _stand_in_grads(monkeypatch, batch: Batch, packing: str, layout: str, with_stats: bool, check: bool,
-                    poison: bool = False):
+def _stand_in_grads(
+    monkeypatch, batch: Batch, packing: str, layout: str, with_stats: bool, check: bool, poison: bool = False
+):
     """jax.vjp of launch.attention with the stand-in kernel; returns (dq, dk, dv), the stand-in, the config."""
     q, k, v, cu_q, cu_kv, used_q, used_kv = batch.args()
-    config = make_config(q, k, v, cu_q, cu_kv, AttentionOptions(stats_layout=layout, **CAUSAL),
-                         max_seqlen_q=MAX_SEQLEN_Q, max_seqlen_kv=MAX_SEQLEN_KV)
+    config = make_config(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_kv,
+        AttentionOptions(stats_layout=layout, **CAUSAL),
+        max_seqlen_q=MAX_SEQLEN_Q,
+        max_seqlen_kv=MAX_SEQLEN_KV,
+    )
     config = dataclasses.replace(config, packing=packing, guard_workspace=check)
     monkeypatch.setattr(cudnn_options, "OPTIONS", cudnn_options.CudnnOptions(poison_outputs=poison))
     kernel = RecordingArithmetic(config)
@@ -244,8 +294,9 @@ def _stand_in_grads(monkeypatch, batch: Batch, packing: str, layout: str, with_s
         return vjp((d_out, jnp.zeros_like(stats) if d_stats is None else d_stats))[0]
 
     if d_stats is None:  # a symbolic zero for stats: the plain backward, in the packed buffers
-        grads = lambda buffers, d_out, _: jax.vjp(  # noqa: E731
-            lambda b: launch.attention(b, cu_q, cu_kv, config, (used_q, used_kv))[0], buffers)[1](d_out)[0]
+        grads = lambda buffers, d_out, _: jax.vjp(
+            lambda b: launch.attention(b, cu_q, cu_kv, config, (used_q, used_kv))[0], buffers
+        )[1](d_out)[0]
     return _unpacked(jax.jit(grads)(buffers, d_out, d_stats), packing), kernel, config
 
 
@@ -254,16 +305,20 @@ def _stand_in_grads(monkeypatch, batch: Batch, packing: str, layout: str, with_s
 # its unowned rows 0, the square's takes the rectangle's dK/dV (and a zero dQ) and zeroes nothing, or it would
 # zero the rectangle's rows.
 NO, UNOWNED, POISONED = (graphs.ZERO_OUTPUTS.index(m) for m in ("no", "unowned", "poisoned"))
-BACKWARD_CALLS = {"unowned": [(False, UNOWNED), (True, NO)], "poisoned": [(False, POISONED), (False, POISONED)],
-                  "check": [(True, NO), (True, NO)]}
+BACKWARD_CALLS = {
+    "unowned": [(False, UNOWNED), (True, NO)],
+    "poisoned": [(False, POISONED), (False, POISONED)],
+    "check": [(True, NO), (True, NO)],
+}
 
 
 @pytest.mark.parametrize("mode", sorted(BACKWARD_CALLS))
 @pytest.mark.parametrize("packing", ["none", "kv"])
 def test_split_on_the_stand_in_writes_key_rows_in_place_where_it_can(monkeypatch, packing, mode):
     batch = _batch(7, (4, 2), 16, "bfloat16")
-    split, kernel, config = _stand_in_grads(monkeypatch, batch, packing, "head_major", False, mode == "check",
-                                            poison=mode == "poisoned")
+    split, kernel, config = _stand_in_grads(
+        monkeypatch, batch, packing, "head_major", False, mode == "check", poison=mode == "poisoned"
+    )
     assert kernel.backward_calls == BACKWARD_CALLS[mode]
     assert launch._writes_key_rows_in_place(config) == (mode == "unowned")
     _check(split, _expected(batch, False), batch, f"split {packing} {mode}: ")

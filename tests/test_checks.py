@@ -41,11 +41,13 @@ VALID = {
 INVALID = {
     "does_not_start_at_0": ([2, 3, 7], "cu_seqlens_q", ["cu_seqlens_q[0] = 2, must be 0"]),
     "negative_start": ([-1, 3, 7], "cu_seqlens_kv", ["cu_seqlens_kv[0] = -1, must be 0"]),
-    "decreases": ([0, 3, 2, 5], "cu_seqlens_q",
-                  ["decreases at index 2", "cu_seqlens_q[1] = 3 > cu_seqlens_q[2] = 2"]),
+    "decreases": ([0, 3, 2, 5], "cu_seqlens_q", ["decreases at index 2", "cu_seqlens_q[1] = 3 > cu_seqlens_q[2] = 2"]),
     "past_capacity": ([0, 4, 8, 11], "cu_seqlens_kv", ["cu_seqlens_kv[3] = 11 is past the capacity 10"]),
-    "longer_than_max_seqlen": ([0, 2, 7], "cu_seqlens_kv",
-                               ["sequence 1 has 5 tokens", "7 - 2", "more than max_seqlen_kv = 4"]),
+    "longer_than_max_seqlen": (
+        [0, 2, 7],
+        "cu_seqlens_kv",
+        ["sequence 1 has 5 tokens", "7 - 2", "more than max_seqlen_kv = 4"],
+    ),
 }
 
 
@@ -112,8 +114,9 @@ def test_composes_with_grad_and_checkpoint():
     x = jnp.arange(3.0)
     grad = jax.jit(jax.grad(jax.checkpoint(loss)))(x, _cu([0, 2, 5]))
     np.testing.assert_array_equal(np.asarray(grad), [0.0, 2.0, 5.0])
-    _expect_error(lambda: jax.jit(jax.grad(jax.checkpoint(loss)))(x, _cu([0, 2, 9])), "cu_seqlens_q",
-                  ["sequence 1 has 7 tokens"])
+    _expect_error(
+        lambda: jax.jit(jax.grad(jax.checkpoint(loss)))(x, _cu([0, 2, 9])), "cu_seqlens_q", ["sequence 1 has 7 tokens"]
+    )
 
 
 def test_wired_in_front_of_ragged_attention():
@@ -128,14 +131,21 @@ def test_wired_in_front_of_ragged_attention():
         return ragged_attention(q, q, q, cu, cu, **options)
 
     cu = _cu([0, 4, 4, 7])
-    np.testing.assert_array_equal(np.asarray(jax.jit(attend, static_argnums=1)(cu, True)),
-                                  np.asarray(jax.jit(attend, static_argnums=1)(cu, False)))
-    _expect_error(lambda: jax.jit(attend, static_argnums=1)(_cu([0, 4, 9, 7]), True), "cu_seqlens_q",
-                  ["more than max_seqlen_q = 4"])
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(attend, static_argnums=1)(cu, True)),
+        np.asarray(jax.jit(attend, static_argnums=1)(cu, False)),
+    )
+    _expect_error(
+        lambda: jax.jit(attend, static_argnums=1)(_cu([0, 4, 9, 7]), True),
+        "cu_seqlens_q",
+        ["more than max_seqlen_q = 4"],
+    )
 
 
-@pytest.mark.parametrize("env, expected", [(None, False), ("", False), ("0", False), ("off", False),
-                                           ("1", True), ("true", True), (" YES ", True)])
+@pytest.mark.parametrize(
+    "env, expected",
+    [(None, False), ("", False), ("0", False), ("off", False), ("1", True), ("true", True), (" YES ", True)],
+)
 def test_check_enabled_reads_the_environment(monkeypatch, env, expected):
     if env is None:
         monkeypatch.delenv(ENV_VAR, raising=False)
@@ -163,6 +173,7 @@ def test_guard_band_intact_passes_and_clobbered_band_stops_the_computation():
 
 def test_concrete_values_are_checked_on_the_host_without_a_callback(monkeypatch):
     """Eagerly there is nothing to trace: the error is a plain RaggedAttentionInputError raised right here."""
+
     def no_callback(*args, **kwargs):
         raise AssertionError("concrete cu_seqlens went through a callback")
 
@@ -202,8 +213,7 @@ def test_under_jit_the_error_reads_as_the_check_without_input_errors():
     message, naming the argument, the index and the values, three lines in, with no traceback before it."""
     jitted = jax.jit(lambda cu: _check(cu) + 1)
     bad = _cu([0, 3, 2])
-    message = ("cu_seqlens_q is invalid: it decreases at index 2: cu_seqlens_q[1] = 3 > cu_seqlens_q[2] = 2. "
-               "Got [0 3 2]")
+    message = "cu_seqlens_q is invalid: it decreases at index 2: cu_seqlens_q[1] = 3 > cu_seqlens_q[2] = 2. Got [0 3 2]"
     _assert_names_it_first(_wrapped_lines(lambda: jitted(bad)), message)
     jax.block_until_ready(jitted(_cu([0, 1, 2])))  # compiled: later calls take the fast path
     _assert_names_it_first(_wrapped_lines(lambda: jitted(bad)), message)
@@ -213,11 +223,15 @@ def test_under_jit_through_ragged_attention_and_seqused():
     q = jnp.zeros((CAPACITY, 2, 8), jnp.float32)
     options = dict(max_seqlen_q=MAX_SEQLEN, max_seqlen_kv=MAX_SEQLEN, implementation="xla", check=True)
     attend = jax.jit(lambda cu: ragged_attention(q, q, q, cu, cu, **options))
-    _assert_names_it_first(_wrapped_lines(lambda: attend(_cu([0, 4, 9, 7]))),
-                           "cu_seqlens_q is invalid: it decreases at index 3: cu_seqlens_q[2] = 9 > cu_seqlens_q[3] = 7")
+    _assert_names_it_first(
+        _wrapped_lines(lambda: attend(_cu([0, 4, 9, 7]))),
+        "cu_seqlens_q is invalid: it decreases at index 3: cu_seqlens_q[2] = 9 > cu_seqlens_q[3] = 7",
+    )
     used = jax.jit(lambda cu, n: ragged_attention(q, q, q, cu, cu, seqused_q=n, seqused_kv=n, **options))
-    _assert_names_it_first(_wrapped_lines(lambda: used(_cu([0, 4, 8]), _cu([2, 5]))),
-                           "cu_seqlens_q / seqused_q are invalid: seqused_q[1] = 5 is more than the slot's 4 rows")
+    _assert_names_it_first(
+        _wrapped_lines(lambda: used(_cu([0, 4, 8]), _cu([2, 5]))),
+        "cu_seqlens_q / seqused_q are invalid: seqused_q[1] = 5 is more than the slot's 4 rows",
+    )
 
 
 def test_a_callback_run_inside_the_call_raises_the_named_error():
@@ -229,13 +243,27 @@ def test_a_callback_run_inside_the_call_raises_the_named_error():
     assert "\n" not in str(raised.value)
 
 
-@pytest.mark.parametrize("ids, max_segments, max_seqlen, expected", [
-    ([[1, 1, 0, 2], [2, 0, 0, 2]], 4, 4, []),
-    ([[1, 1, 0, 2], [2, 0, 0, 2]], 2, 4, ["segment_ids hold 4 segments, more than max_segments = 2: segments 2 to 3 "
-                                          "(row-major) would be dropped, the first of them at segment_ids[1, 0] = 2"]),
-    ([[3, 3, 3, 0], [4, 4, 0, 0]], 2, 2, ["segment 0 (segment_ids[0, 0:3] = 3) has 3 tokens, more than "
-                                          "max_seqlen = 2"]),
-    ([[0, 0], [0, 0]], 1, 1, []),
-])
+@pytest.mark.parametrize(
+    "ids, max_segments, max_seqlen, expected",
+    [
+        ([[1, 1, 0, 2], [2, 0, 0, 2]], 4, 4, []),
+        (
+            [[1, 1, 0, 2], [2, 0, 0, 2]],
+            2,
+            4,
+            [
+                "segment_ids hold 4 segments, more than max_segments = 2: segments 2 to 3 "
+                "(row-major) would be dropped, the first of them at segment_ids[1, 0] = 2"
+            ],
+        ),
+        (
+            [[3, 3, 3, 0], [4, 4, 0, 0]],
+            2,
+            2,
+            ["segment 0 (segment_ids[0, 0:3] = 3) has 3 tokens, more than max_seqlen = 2"],
+        ),
+        ([[0, 0], [0, 0]], 1, 1, []),
+    ],
+)
 def test_segment_problems_name_row_token_count_and_bound(ids, max_segments, max_seqlen, expected):
     assert checks.segment_problems(np.asarray(ids), max_segments, max_seqlen) == expected

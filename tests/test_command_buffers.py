@@ -37,8 +37,14 @@ def _run(checks: str, flags: str | None) -> list[dict]:
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent.parent), *filter(None, [env.get("PYTHONPATH")])])
     if flags is not None:
         env["XLA_FLAGS"] = flags
-    done = subprocess.run([sys.executable, str(SCRIPT), checks], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=SCRIPT.parent.parent)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), checks],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=SCRIPT.parent.parent,
+    )
     assert done.returncode == 0, f"{checks} under XLA_FLAGS={flags!r} failed:\n{done.stdout}\n{done.stderr[-6000:]}"
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.backends.cudnn import graphs
+from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.config import AttentionOptions, make_config
 
 

@@ -15,19 +15,19 @@ import re
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 import pytest
+from jax import lax
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.parallel.pieces import chunk_pieces, pieces_cu_seqlens
 from jax_ragged_attn.index import cu_seqlens_from_lengths
+from jax_ragged_attn.parallel.pieces import chunk_pieces, pieces_cu_seqlens
 from jax_ragged_attn.parallel.sharding import reorder_for_load_balance, restore_order, sharded_ragged_attention
+from jax_ragged_attn.testing import assert_close, implementation_options, packed_batch
 from jax_ragged_attn.testing.documents import dense_mask, random_document_lengths
 from jax_ragged_attn.testing.multidevice import cudnn_gpus, report_checks, run_checks_in_child
-from jax_ragged_attn.testing import assert_close, implementation_options, packed_batch
 from jax_ragged_attn.testing.reference import reference_attention
-from tiers import some_fast  # tests/ is on sys.path under pytest
 
 EXPLICIT, AUTO = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
 T = 64  # 4 devices: shards of 16 rows, balanced chunks of 8
@@ -50,7 +50,7 @@ def prefix_sum_mask(cu_q, cu_kv, rows: int, total: int, is_causal: bool, window_
             keep &= j <= i
         if window_left is not None:
             keep &= j >= i - window_left
-        mask[cu_q[b]:cu_q[b + 1], cu_kv[b]:cu_kv[b + 1]] = keep
+        mask[cu_q[b] : cu_q[b + 1], cu_kv[b] : cu_kv[b + 1]] = keep
     return mask
 
 
@@ -72,8 +72,9 @@ def test_pieces_give_the_dense_segment_mask(seed, n, load_balance, is_causal, wi
     want = dense_mask(cu, T, max_seqlen, is_causal, window_left)
     for chunk, rows in chunks(n, load_balance):
         start = chunk * rows
-        pieces = chunk_pieces(jnp.asarray(cu), start, rows, max_seqlen=max_seqlen, is_causal=is_causal,
-                              window_left=window_left)
+        pieces = chunk_pieces(
+            jnp.asarray(cu), start, rows, max_seqlen=max_seqlen, is_causal=is_causal, window_left=window_left
+        )
         q_start, q_len, kv_start, kv_len = (np.asarray(x) for x in pieces)
         # The pieces themselves: each query row's piece holds exactly the keys the dense mask gives it.
         got = np.zeros((rows, T), bool)
@@ -87,7 +88,7 @@ def test_pieces_give_the_dense_segment_mask(seed, n, load_balance, is_causal, wi
                 if window_left is not None:
                     keep &= j - cu[b] >= position - window_left
                 got[i, j] = keep
-        np.testing.assert_array_equal(got, want[start:start + rows], err_msg=f"pieces of chunk {chunk}")
+        np.testing.assert_array_equal(got, want[start : start + rows], err_msg=f"pieces of chunk {chunk}")
         if is_causal and window_left is None:  # a piece's keys are exactly those its last query needs
             assert all(kv_start[b] == cu[b] for b in range(len(lengths)) if q_len[b])
         # No two pieces share key rows: the cuDNN backward writes dK/dV per sequence.
@@ -96,8 +97,11 @@ def test_pieces_give_the_dense_segment_mask(seed, n, load_balance, is_causal, wi
         # The same pieces as the op reads them: a prefix sum with gap sequences, bottom-right aligned.
         cu_q, cu_kv = (np.asarray(x) for x in pieces_cu_seqlens(pieces))
         assert np.all(np.diff(cu_q) >= 0) and np.all(np.diff(cu_kv) >= 0) and cu_q[-1] <= rows and cu_kv[-1] <= T
-        np.testing.assert_array_equal(prefix_sum_mask(cu_q, cu_kv, rows, T, is_causal, window_left),
-                                      want[start:start + rows], err_msg=f"cu_seqlens of chunk {chunk}")
+        np.testing.assert_array_equal(
+            prefix_sum_mask(cu_q, cu_kv, rows, T, is_causal, window_left),
+            want[start : start + rows],
+            err_msg=f"cu_seqlens of chunk {chunk}",
+        )
 
 
 @pytest.mark.parametrize("starts", [(0, 5), (3, 3), (10, 0), (9, 2)], ids=["apart", "same", "last-first", "overlap"])
@@ -163,8 +167,9 @@ def test_two_chunks_fit_in_b_plus_one_ascending_slots(seed, n):
         cu_q, cu_kv = np.append(q_start, 2 * rows), np.append(kv_start, 2 * size)
         assert np.all(np.diff(cu_q) >= 0) and np.all(np.diff(cu_kv) >= 0), (cu_q, cu_kv)
         assert np.all(q_start + q_len <= cu_q[1:]) and np.all(kv_start + kv_len <= cu_kv[1:])
-        want = sorted((int(a), int(b), int(c), int(d)) for part in parts for a, b, c, d in zip(*map(np.asarray, part))
-                      if b > 0)
+        want = sorted(
+            (int(a), int(b), int(c), int(d)) for part in parts for a, b, c, d in zip(*map(np.asarray, part)) if b > 0
+        )
         got = sorted((int(a), int(b), int(c), int(d)) for a, b, c, d in zip(*slots) if b > 0)
         assert got == want, f"device {r}"
 
@@ -185,10 +190,28 @@ def test_reorder_is_the_dual_chunk_order_and_restore_undoes_it():
 CASES = {
     "natural_causal_gqa_head_major": ((4,), ("cp",), EXPLICIT, "cp", None, (4, 2), False, "head_major", "causal"),
     "balanced_window_mqa_token_major": ((4,), ("cp",), EXPLICIT, "cp", None, (4, 1), True, "token_major", "window"),
-    "natural_no_mask_heads_and_tokens_auto": ((2, 2), ("heads", "cp"), AUTO, "cp", "heads", (4, 2), False,
-                                              "token_major", "none"),
-    "balanced_causal_heads_and_tokens": ((2, 2), ("heads", "cp"), EXPLICIT, "cp", "heads", (4, 2), True,
-                                         "head_major", "causal"),
+    "natural_no_mask_heads_and_tokens_auto": (
+        (2, 2),
+        ("heads", "cp"),
+        AUTO,
+        "cp",
+        "heads",
+        (4, 2),
+        False,
+        "token_major",
+        "none",
+    ),
+    "balanced_causal_heads_and_tokens": (
+        (2, 2),
+        ("heads", "cp"),
+        EXPLICIT,
+        "cp",
+        "heads",
+        (4, 2),
+        True,
+        "head_major",
+        "causal",
+    ),
 }
 MASKS = {"causal": dict(is_causal=True), "window": dict(is_causal=True, local_window_size=(6, 0)), "none": {}}
 
@@ -200,10 +223,26 @@ def _check(seed, mesh_shape, mesh_axes, axis_type, token_axis, head_axis, heads,
     rng = np.random.default_rng(seed)
     lengths = random_lengths(rng, T, slack=int(rng.integers(1, 7)))
     hq, hkv = heads
-    batch = packed_batch(rng, lengths, lengths, num_heads_q=hq, num_heads_kv=hkv, head_dim_qk=8, head_dim_v=8,
-                         dtype=np.float32, slack_q=T - sum(lengths), slack_kv=T - sum(lengths))
-    options = dict(max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv, return_stats=True,
-                   stats_layout=layout, implementation="xla", **MASKS[mask])
+    batch = packed_batch(
+        rng,
+        lengths,
+        lengths,
+        num_heads_q=hq,
+        num_heads_kv=hkv,
+        head_dim_qk=8,
+        head_dim_v=8,
+        dtype=np.float32,
+        slack_q=T - sum(lengths),
+        slack_kv=T - sum(lengths),
+    )
+    options = dict(
+        max_seqlen_q=batch.max_seqlen_q,
+        max_seqlen_kv=batch.max_seqlen_kv,
+        return_stats=True,
+        stats_layout=layout,
+        implementation="xla",
+        **MASKS[mask],
+    )
     stats_axis = 1 if layout == "head_major" else 0
     d_out = jnp.asarray(rng.standard_normal((T, hq, 8)), jnp.float32)
     d_stats = jnp.asarray(rng.standard_normal((T, hq)), jnp.float32)  # token-major; transposed below if need be
@@ -217,18 +256,25 @@ def _check(seed, mesh_shape, mesh_axes, axis_type, token_axis, head_axis, heads,
         outputs, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, cu, cu, **options), q, k, v)
         return (*outputs, *pullback((d_out, d_stats)))
 
-    sharded = functools.partial(sharded_ragged_attention, mesh=mesh, token_axis=token_axis, head_axis=head_axis,
-                                load_balance=load_balance)
+    sharded = functools.partial(
+        sharded_ragged_attention, mesh=mesh, token_axis=token_axis, head_axis=head_axis, load_balance=load_balance
+    )
     args = (*(order(x) for x in batch.args[:3]), batch.cu_seqlens_q, order(d_out), order(d_stats_layout, stats_axis))
     compiled = jax.jit(functools.partial(forward_and_backward, sharded)).lower(*args).compile()
     got = compiled(*args)
     out, stats = got[:2]
     got = [restore_order(x, n, stats_axis if i == 1 else 0) if load_balance else x for i, x in enumerate(got)]
     unsharded = jax.jit(functools.partial(forward_and_backward, ragged_attention))(
-        *batch.args[:4], d_out, d_stats_layout)
-    reference = reference_attention(*batch.reference_args, d_out=np.asarray(d_out, np.float64),
-                                    d_stats=np.asarray(d_stats, np.float64), max_seqlen_q=batch.max_seqlen_q,
-                                    max_seqlen_kv=batch.max_seqlen_kv, **MASKS[mask])
+        *batch.args[:4], d_out, d_stats_layout
+    )
+    reference = reference_attention(
+        *batch.reference_args,
+        d_out=np.asarray(d_out, np.float64),
+        d_stats=np.asarray(d_stats, np.float64),
+        max_seqlen_q=batch.max_seqlen_q,
+        max_seqlen_kv=batch.max_seqlen_kv,
+        **MASKS[mask],
+    )
     for i, name in enumerate(("out", "stats", "dq", "dk", "dv")):
         assert_close(got[i], unsharded[i], np.float32, f"{name} against the unsharded op")
         want = reference[name].T if name == "stats" and layout == "head_major" else reference[name]
@@ -260,13 +306,25 @@ def test_one_device_token_axis_equals_the_op_and_counts_overflow(load_balance):
     """n = 1 in this process: the context-parallel path without collectives, and return_overflow counted
     from the caller's cu_seqlens (the longest document is cut by max_seqlen)."""
     lengths = (21, 0, 9, 30)
-    batch = packed_batch(np.random.default_rng(3), lengths, lengths, num_heads_q=4, num_heads_kv=2, head_dim_qk=8,
-                         head_dim_v=8, dtype=np.float32, slack_q=4, slack_kv=4)
-    options = dict(max_seqlen_q=25, max_seqlen_kv=25, is_causal=True, return_stats=True, return_overflow=True,
-                   implementation="xla")
+    batch = packed_batch(
+        np.random.default_rng(3),
+        lengths,
+        lengths,
+        num_heads_q=4,
+        num_heads_kv=2,
+        head_dim_qk=8,
+        head_dim_v=8,
+        dtype=np.float32,
+        slack_q=4,
+        slack_kv=4,
+    )
+    options = dict(
+        max_seqlen_q=25, max_seqlen_kv=25, is_causal=True, return_stats=True, return_overflow=True, implementation="xla"
+    )
     mesh = jax.make_mesh((1,), ("cp",))
-    got = jax.jit(functools.partial(sharded_ragged_attention, mesh=mesh, token_axis="cp", load_balance=load_balance,
-                                    **options))(*batch.args)
+    got = jax.jit(
+        functools.partial(sharded_ragged_attention, mesh=mesh, token_axis="cp", load_balance=load_balance, **options)
+    )(*batch.args)
     want = jax.jit(functools.partial(ragged_attention, **options))(*batch.args)
     for name, a, b in zip(("out", "stats"), got[:2], want[:2]):
         assert_close(a, b, np.float32, name)
@@ -275,9 +333,20 @@ def test_one_device_token_axis_equals_the_op_and_counts_overflow(load_balance):
 
 # ---- Bad input: validation needs only the axis sizes (an abstract mesh). ----
 
+
 def _args(total=T, lengths=(30, 20, 10)):
-    batch = packed_batch(np.random.default_rng(0), lengths, lengths, num_heads_q=4, num_heads_kv=2, head_dim_qk=8,
-                         head_dim_v=8, dtype=np.float32, slack_q=total - sum(lengths), slack_kv=total - sum(lengths))
+    batch = packed_batch(
+        np.random.default_rng(0),
+        lengths,
+        lengths,
+        num_heads_q=4,
+        num_heads_kv=2,
+        head_dim_qk=8,
+        head_dim_v=8,
+        dtype=np.float32,
+        slack_q=total - sum(lengths),
+        slack_kv=total - sum(lengths),
+    )
     return batch.args, dict(max_seqlen_q=30, max_seqlen_kv=30)
 
 
@@ -334,6 +403,7 @@ if __name__ == "__main__":
 
 # ---- On GPUs: CP=2 on the cuDNN path against one GPU. ----
 
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("context_strategy", ["all_gather", "ring"])
 @pytest.mark.parametrize("load_balance", [False, True])
@@ -346,11 +416,21 @@ def test_two_gpus_cudnn_context_parallel_matches_one_gpu(load_balance, context_s
     rng = np.random.default_rng(12)
     lengths = (300, 0, 1100, 64, 517, 9)  # 1100 crosses both balanced chunk edges; tail padding follows
     total = 2048
-    batch = packed_batch(rng, lengths, lengths, num_heads_q=16, num_heads_kv=4, head_dim_qk=128, head_dim_v=128,
-                         dtype="bfloat16", slack_q=total - sum(lengths), slack_kv=total - sum(lengths))
+    batch = packed_batch(
+        rng,
+        lengths,
+        lengths,
+        num_heads_q=16,
+        num_heads_kv=4,
+        head_dim_qk=128,
+        head_dim_v=128,
+        dtype="bfloat16",
+        slack_q=total - sum(lengths),
+        slack_kv=total - sum(lengths),
+    )
     options = dict(max_seqlen_q=1100, max_seqlen_kv=1100, is_causal=True, return_stats=True, implementation="cudnn")
     d_out = rng.standard_normal((total, 16, 128)).astype("bfloat16")
-    d_out[sum(lengths):] = 0
+    d_out[sum(lengths) :] = 0
     d_stats = rng.standard_normal((16, total)).astype(np.float32)
 
     def order(x, axis=0):
@@ -360,31 +440,49 @@ def test_two_gpus_cudnn_context_parallel_matches_one_gpu(load_balance, context_s
         outputs, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, cu, cu, **options), q, k, v)
         return (*outputs, *pullback((d_out, d_stats)))
 
-    sharded = functools.partial(sharded_ragged_attention, mesh=mesh, token_axis="cp", load_balance=load_balance,
-                                context_strategy=context_strategy)
-    args = (*(order(x) for x in batch.args[:3]), batch.cu_seqlens_q, order(jnp.asarray(d_out)),
-            order(jnp.asarray(d_stats), 1))
+    sharded = functools.partial(
+        sharded_ragged_attention,
+        mesh=mesh,
+        token_axis="cp",
+        load_balance=load_balance,
+        context_strategy=context_strategy,
+    )
+    args = (
+        *(order(x) for x in batch.args[:3]),
+        batch.cu_seqlens_q,
+        order(jnp.asarray(d_out)),
+        order(jnp.asarray(d_stats), 1),
+    )
     got = jax.jit(functools.partial(forward_and_backward, sharded))(*args)
     got = [restore_order(x, 2, 1 if i == 1 else 0) if load_balance else x for i, x in enumerate(got)]
     one_gpu = jax.jit(functools.partial(forward_and_backward, ragged_attention))(
-        *batch.args[:4], jnp.asarray(d_out), jnp.asarray(d_stats))
-    expected = reference_attention(*batch.reference_args, d_out=d_out.astype(np.float64),
-                                   d_stats=d_stats.T.astype(np.float64), max_seqlen_q=1100, max_seqlen_kv=1100,
-                                   is_causal=True)
+        *batch.args[:4], jnp.asarray(d_out), jnp.asarray(d_stats)
+    )
+    expected = reference_attention(
+        *batch.reference_args,
+        d_out=d_out.astype(np.float64),
+        d_stats=d_stats.T.astype(np.float64),
+        max_seqlen_q=1100,
+        max_seqlen_kv=1100,
+        is_causal=True,
+    )
     for i, name in enumerate(("out", "stats", "dq", "dk", "dv")):
         # bf16 tolerances for stats too: they are float32 results of bf16 inputs and bf16 matmuls.
-        assert_close(np.asarray(got[i], np.float64), np.asarray(one_gpu[i], np.float64), "bfloat16",
-                     f"{name} against one GPU")
+        assert_close(
+            np.asarray(got[i], np.float64), np.asarray(one_gpu[i], np.float64), "bfloat16", f"{name} against one GPU"
+        )
         want = expected[name].T if name == "stats" else expected[name]
         assert_close(np.asarray(got[i], np.float64), want, "bfloat16", f"{name} against the float64 reference")
 
 
 def _skip_unless_available(implementation: str) -> None:
     """FA3's providers are optional wheels (dew-flash-attn: the one implementation="fa3" takes where installed)."""
-    from jax_ragged_attn.backends.fa3 import dew, ragged as fa3
+    from jax_ragged_attn.backends.fa3 import dew
+    from jax_ragged_attn.backends.fa3 import ragged as fa3
 
     reason = {"flash-attn3-jax": fa3.unavailable_reason, "dew-flash-attn": dew.unavailable_reason}.get(
-        implementation, lambda: None)()
+        implementation, lambda: None
+    )()
     if reason:
         pytest.skip(reason)
 
@@ -401,8 +499,10 @@ def test_one_gpu_device_calls_match_the_op(implementation, head_dim, n, load_bal
     _check_device_calls(implementation, head_dim, n, load_balance, layout, gpu)
 
 
-@some_fast({"n, load_balance": [(2, False), (4, True), (2, True)], "is_causal": {"causal": True, "no_mask": False}},
-           fast=["2-False-causal", "4-True-no_mask"])
+@some_fast(
+    {"n, load_balance": [(2, False), (4, True), (2, True)], "is_causal": {"causal": True, "no_mask": False}},
+    fast=["2-False-causal", "4-True-no_mask"],
+)
 def test_device_calls_match_the_op_on_the_xla_path(n, load_balance, is_causal):
     _check_device_calls("xla", 32, n, load_balance, "head_major", jax.devices()[0], is_causal=is_causal)
 
@@ -435,42 +535,89 @@ def test_one_gpu_device_calls_on_random_packings(implementation, head_dim, n, se
     gpu = cudnn_gpus(1)[0]
     _skip_unless_available(implementation)
     lengths, max_seqlen = _random_packing(seed, 2048)
-    _check_device_calls(implementation, head_dim, n, True, "head_major" if seed % 2 else "token_major", gpu,
-                        lengths=lengths, max_seqlen=max_seqlen, seed=seed)
+    _check_device_calls(
+        implementation,
+        head_dim,
+        n,
+        True,
+        "head_major" if seed % 2 else "token_major",
+        gpu,
+        lengths=lengths,
+        max_seqlen=max_seqlen,
+        seed=seed,
+    )
 
 
 @some_fast({"seed": range(3)}, fast=["0"])  # random packings through every device's call
 def test_device_calls_on_random_packings_on_the_xla_path(seed):
     lengths, max_seqlen = _random_packing(seed, 512)
-    _check_device_calls("xla", 16, 4, True, "head_major", jax.devices()[0], lengths=lengths, max_seqlen=max_seqlen,
-                        seed=seed, total=512)
+    _check_device_calls(
+        "xla", 16, 4, True, "head_major", jax.devices()[0], lengths=lengths, max_seqlen=max_seqlen, seed=seed, total=512
+    )
 
 
-def _check_device_calls(implementation, head_dim, n, load_balance, layout, device, *, is_causal=True,
-                        lengths=FIXED_LENGTHS, max_seqlen=1100, seed=None, total=2048):
+def _check_device_calls(
+    implementation,
+    head_dim,
+    n,
+    load_balance,
+    layout,
+    device,
+    *,
+    is_causal=True,
+    lengths=FIXED_LENGTHS,
+    max_seqlen=1100,
+    seed=None,
+    total=2048,
+):
     """Every device's call as the sharded op runs it (context_parallel.device_chunks_attention against all the
     keys), on one device: with load_balance a device's two chunks are one call over their two key windows side
     by side, each chunk's first piece possibly offset (keys before its queries). Their rows together equal
     the unsharded call and the float64 reference, a stats cotangent included."""
+    from jax_ragged_attn.config import AttentionOptions
+    from jax_ragged_attn.ops.ragged import attend
     from jax_ragged_attn.parallel import context_parallel as cp
     from jax_ragged_attn.parallel.load_balance import dual_chunk_order
-    from jax_ragged_attn.ops.ragged import attend
-    from jax_ragged_attn.config import AttentionOptions
 
     rng = np.random.default_rng(21 + n if seed is None else 7000 + seed)
     hq, stats_axis = 8, 1 if layout == "head_major" else 0
-    batch = packed_batch(rng, lengths, lengths, num_heads_q=hq, num_heads_kv=2, head_dim_qk=head_dim,
-                         head_dim_v=head_dim, dtype="bfloat16", slack_q=total - sum(lengths),
-                         slack_kv=total - sum(lengths))
-    plan = cp.Plan(token_axis="cp", devices=n, load_balance=load_balance, max_seqlen=max_seqlen,
-                   is_causal=is_causal, window_left=None, stats_axis=stats_axis)
-    options = AttentionOptions(is_causal=is_causal, stats_layout=layout, return_stats=True,
-                               **implementation_options(implementation))
+    batch = packed_batch(
+        rng,
+        lengths,
+        lengths,
+        num_heads_q=hq,
+        num_heads_kv=2,
+        head_dim_qk=head_dim,
+        head_dim_v=head_dim,
+        dtype="bfloat16",
+        slack_q=total - sum(lengths),
+        slack_kv=total - sum(lengths),
+    )
+    plan = cp.Plan(
+        token_axis="cp",
+        devices=n,
+        load_balance=load_balance,
+        max_seqlen=max_seqlen,
+        is_causal=is_causal,
+        window_left=None,
+        stats_axis=stats_axis,
+    )
+    options = AttentionOptions(
+        is_causal=is_causal, stats_layout=layout, return_stats=True, **implementation_options(implementation)
+    )
 
     def attend_chunk(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, *, seqused, diagonal_alignment):
         chunk_options = dataclasses.replace(options, diagonal_alignment=diagonal_alignment)
-        return attend((q, k, v), cu_q, cu_kv, chunk_options, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-                      seqused_q=seqused[0], seqused_kv=seqused[1])
+        return attend(
+            (q, k, v),
+            cu_q,
+            cu_kv,
+            chunk_options,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_kv=max_seqlen_kv,
+            seqused_q=seqused[0],
+            seqused_kv=seqused[1],
+        )
 
     def by_device(q, k, v, cu):
         # The devices' shards in the dual-chunk order (device r: chunks r, 2n-1-r), each its own call; the
@@ -480,21 +627,31 @@ def _check_device_calls(implementation, head_dim, n, load_balance, layout, devic
         per_device = plan.chunks_per_device
         outs, stats = [None] * len(order), [None] * len(order)
         for r in range(n):
-            ids = order[r * per_device:(r + 1) * per_device]
-            q_device = jnp.concatenate([q[c * rows:(c + 1) * rows] for c in ids])
+            ids = order[r * per_device : (r + 1) * per_device]
+            q_device = jnp.concatenate([q[c * rows : (c + 1) * rows] for c in ids])
             out, s = cp.device_chunks_attention(plan, attend_chunk, q_device, k, v, cu, r)
             for j, c in enumerate(ids):
-                outs[c] = out[j * rows:(j + 1) * rows]
+                outs[c] = out[j * rows : (j + 1) * rows]
                 stats[c] = lax.slice_in_dim(s, j * rows, (j + 1) * rows, axis=stats_axis)
         return jnp.concatenate(outs), jnp.concatenate(stats, axis=stats_axis)
 
     def unsharded(q, k, v, cu):
-        return ragged_attention(q, k, v, cu, cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
-                                is_causal=is_causal, return_stats=True, stats_layout=layout,
-                                **implementation_options(implementation))
+        return ragged_attention(
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            max_seqlen_q=max_seqlen,
+            max_seqlen_kv=max_seqlen,
+            is_causal=is_causal,
+            return_stats=True,
+            stats_layout=layout,
+            **implementation_options(implementation),
+        )
 
     d_out = rng.standard_normal((total, hq, head_dim)).astype("bfloat16")
-    d_out[sum(lengths):] = 0
+    d_out[sum(lengths) :] = 0
     d_stats = rng.standard_normal((total, hq)).astype(np.float32)
     d_stats_layout = jnp.asarray(d_stats.T if layout == "head_major" else d_stats)
 
@@ -505,11 +662,17 @@ def _check_device_calls(implementation, head_dim, n, load_balance, layout, devic
     args = jax.device_put(batch.args[:4], device)
     got = jax.jit(functools.partial(forward_and_backward, by_device))(*args)
     one_call = jax.jit(functools.partial(forward_and_backward, unsharded))(*args)
-    expected = reference_attention(*batch.reference_args, d_out=d_out.astype(np.float64),
-                                   d_stats=d_stats.astype(np.float64), max_seqlen_q=max_seqlen,
-                                   max_seqlen_kv=max_seqlen, is_causal=is_causal)
+    expected = reference_attention(
+        *batch.reference_args,
+        d_out=d_out.astype(np.float64),
+        d_stats=d_stats.astype(np.float64),
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+        is_causal=is_causal,
+    )
     for i, name in enumerate(("out", "stats", "dq", "dk", "dv")):
-        assert_close(np.asarray(got[i], np.float64), np.asarray(one_call[i], np.float64), "bfloat16",
-                     f"{name} against one call")
+        assert_close(
+            np.asarray(got[i], np.float64), np.asarray(one_call[i], np.float64), "bfloat16", f"{name} against one call"
+        )
         want = expected[name].T if name == "stats" and layout == "head_major" else expected[name]
         assert_close(np.asarray(got[i], np.float64), want, "bfloat16", f"{name} against the float64 reference")

@@ -57,34 +57,61 @@ def _batch(case: Case, seed: int):
     lengths_q[list(case.empty)] = 0
     lengths_kv[list(case.empty)] = 0
     (hq, hkv), (dqk, dv) = case.heads, case.dims
-    batch = packed_batch(rng, lengths_q, lengths_kv, num_heads_q=hq, num_heads_kv=hkv, head_dim_qk=dqk,
-                         head_dim_v=dv, dtype=case.dtype, slack_q=CAPACITY_Q - int(lengths_q.sum()),
-                         slack_kv=CAPACITY_KV - int(lengths_kv.sum()))
+    batch = packed_batch(
+        rng,
+        lengths_q,
+        lengths_kv,
+        num_heads_q=hq,
+        num_heads_kv=hkv,
+        head_dim_qk=dqk,
+        head_dim_v=dv,
+        dtype=case.dtype,
+        slack_q=CAPACITY_Q - int(lengths_q.sum()),
+        slack_kv=CAPACITY_KV - int(lengths_kv.sum()),
+    )
     d_out = rng.standard_normal((CAPACITY_Q, hq, dv)).astype(case.dtype)
-    d_out[int(lengths_q.sum()):] = np.nan  # never read: the cotangent of padding rows is not the op's business
+    d_out[int(lengths_q.sum()) :] = np.nan  # never read: the cotangent of padding rows is not the op's business
     return batch, d_out
 
 
 def _options(case: Case) -> dict:
-    return dict(max_seqlen_q=MAX_SEQLEN_Q, max_seqlen_kv=MAX_SEQLEN_KV, is_causal=case.is_causal,
-                diagonal_alignment=case.alignment, local_window_size=case.window)
+    return dict(
+        max_seqlen_q=MAX_SEQLEN_Q,
+        max_seqlen_kv=MAX_SEQLEN_KV,
+        is_causal=case.is_causal,
+        diagonal_alignment=case.alignment,
+        local_window_size=case.window,
+    )
 
 
 def _config(case: Case, batch, layout: str, strategy: str = "fastest"):
-    options = AttentionOptions(is_causal=case.is_causal, diagonal_alignment=case.alignment,
-                               local_window_size=case.window, stats_layout=layout, strategy=strategy)
+    options = AttentionOptions(
+        is_causal=case.is_causal,
+        diagonal_alignment=case.alignment,
+        local_window_size=case.window,
+        stats_layout=layout,
+        strategy=strategy,
+    )
     return make_config(*batch.args, options, max_seqlen_q=MAX_SEQLEN_Q, max_seqlen_kv=MAX_SEQLEN_KV)
 
 
-def _run(case: Case, batch, d_out, layout: str | None = None, implementation: str = "cudnn",
-         strategy: str = "fastest"):
+def _run(case: Case, batch, d_out, layout: str | None = None, implementation: str = "cudnn", strategy: str = "fastest"):
     options = dict(_options(case), strategy=strategy)
 
     @jax.jit
     def step(q, k, v, cu_q, cu_kv, d_out):
         def attend(q, k, v):
-            return jra.ragged_attention(q, k, v, cu_q, cu_kv, stats_layout=layout or case.layout, return_stats=True,
-                                        implementation=implementation, **options)
+            return jra.ragged_attention(
+                q,
+                k,
+                v,
+                cu_q,
+                cu_kv,
+                stats_layout=layout or case.layout,
+                return_stats=True,
+                implementation=implementation,
+                **options,
+            )
 
         # stats as aux: no cotangent flows into it (an explicit zero array would, and take the widened
         # backward of stats_grad.py); the tests at the end differentiate through stats.
@@ -137,8 +164,11 @@ def test_workspace_is_an_xla_buffer_of_the_reported_size():
     batch, _ = _batch(case, 9)
     config = _config(case, batch, case.layout)
     workspace = cudnn.graph_info("forward", config)["workspace_bytes"]
-    hlo = jax.jit(lambda *a: jra.ragged_attention(*a, implementation="cudnn", **_options(case))).lower(
-        *batch.args).as_text()
+    hlo = (
+        jax.jit(lambda *a: jra.ragged_attention(*a, implementation="cudnn", **_options(case)))
+        .lower(*batch.args)
+        .as_text()
+    )
     assert f"tensor<{workspace}xui8>" in hlo
 
 
@@ -181,9 +211,11 @@ def test_strategy_picks_the_backward_layout_and_changes_no_result(layout):
         assert_close(a, b, case.dtype, f"{name}: fastest vs lean_memory")
 
 
-@pytest.mark.parametrize("case", [Case(heads=(8, 2), is_causal=True, empty=(2,)),
-                                  Case(is_causal=True, alignment="bottom_right", window=(16, 0))],
-                         ids=["causal-empty-sequence", "bottom-right-window"])
+@pytest.mark.parametrize(
+    "case",
+    [Case(heads=(8, 2), is_causal=True, empty=(2,)), Case(is_causal=True, alignment="bottom_right", window=(16, 0))],
+    ids=["causal-empty-sequence", "bottom-right-window"],
+)
 def test_poisoned_outputs_give_the_default_results(case):
     """The handler zeroes the rows cuDNN does not own before the graph runs (its row-zeroing kernel); with
     poison_outputs it fills every output with NaN first, so the results agree only if cuDNN writes every row
@@ -221,8 +253,9 @@ def test_check_mode_guard_bands_stay_intact_and_change_nothing(layout):
     @jax.jit
     def checked(q, k, v, d_out):
         def attend(q, k, v):
-            return jra.ragged_attention(q, k, v, *batch.args[3:], implementation="cudnn", check=True,
-                                        stats_layout=case.layout, **_options(case))
+            return jra.ragged_attention(
+                q, k, v, *batch.args[3:], implementation="cudnn", check=True, stats_layout=case.layout, **_options(case)
+            )
 
         out, vjp = jax.vjp(attend, q, k, v)
         return out, vjp(d_out)
@@ -244,8 +277,10 @@ def test_garbage_cu_seqlens_stay_inside_the_buffers():
     case = Case(heads=(8, 2), is_causal=True)
     batch, d_out = _batch(case, 41)
     config = dataclasses.replace(_config(case, batch, case.layout), guard_workspace=True)
-    garbage = [jnp.array([5, -7, 2000, 3, 900, 10**9, -1], jnp.int32), jnp.array([0, 10**6, 4, 4, 1173, 0, 2**31 - 1],
-                                                                                jnp.int32)]
+    garbage = [
+        jnp.array([5, -7, 2000, 3, 900, 10**9, -1], jnp.int32),
+        jnp.array([0, 10**6, 4, 4, 1173, 0, 2**31 - 1], jnp.int32),
+    ]
 
     @jax.jit
     def step(q, k, v, cu_q, cu_kv, d_out):
@@ -266,8 +301,16 @@ def _grads_through_stats(case: Case, batch, d_out, d_stats):
     @jax.jit
     def grads(q, k, v):
         def loss(q, k, v):
-            out, stats = jra.ragged_attention(q, k, v, *batch.args[3:], stats_layout=case.layout, return_stats=True,
-                                              implementation="cudnn", **_options(case))
+            out, stats = jra.ragged_attention(
+                q,
+                k,
+                v,
+                *batch.args[3:],
+                stats_layout=case.layout,
+                return_stats=True,
+                implementation="cudnn",
+                **_options(case),
+            )
             # -inf stats rows get a zero weight through `where`, so the loss stays finite there.
             total = jnp.sum(jnp.where(jnp.isfinite(stats), stats * weights, 0.0))
             return total if d_out is None else total + jnp.sum(out.astype(jnp.float32) * jnp.asarray(d_out))
@@ -307,15 +350,18 @@ def test_split_bottom_right_backward_matches_the_reference(layout, check):
         return [np.asarray(g, np.float64) for g in step(*batch.args, jnp.asarray(d_out), jnp.asarray(d_stats))]
 
     split = grads()
-    reference = reference_attention(*batch.reference_args, max_seqlen_q=MAX_SEQLEN_Q,
-                                                max_seqlen_kv=MAX_SEQLEN_KV, is_causal=True,
-                                                diagonal_alignment="bottom_right",
-                                                d_out=np.nan_to_num(d_out.astype(np.float64)) * ~batch.padding_q[:, None, None],
-                                                d_stats=d_stats.astype(np.float64) * ~batch.padding_q[:, None])
+    reference = reference_attention(
+        *batch.reference_args,
+        max_seqlen_q=MAX_SEQLEN_Q,
+        max_seqlen_kv=MAX_SEQLEN_KV,
+        is_causal=True,
+        diagonal_alignment="bottom_right",
+        d_out=np.nan_to_num(d_out.astype(np.float64)) * ~batch.padding_q[:, None, None],
+        d_stats=d_stats.astype(np.float64) * ~batch.padding_q[:, None],
+    )
     lengths_q, lengths_kv = np.array(batch.seqlens_q), np.array(batch.seqlens_kv)
     assert np.any(lengths_kv > lengths_q) and np.any((lengths_q > lengths_kv) & (lengths_kv > 0))
     for name, a in zip(("dq", "dk", "dv"), split):
         assert np.abs(a).max() > 0, name
         assert_close(a, reference[name], case.dtype, f"{name}: split vs float64 reference")
         assert np.all(a[batch.padding_q if name == "dq" else batch.padding_kv] == 0), name
-

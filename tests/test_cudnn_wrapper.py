@@ -15,17 +15,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
-from jax_ragged_attn.backends.cudnn import ragged as cudnn
-from jax_ragged_attn.features import checks
-from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.backends.cudnn import launch
+from jax_ragged_attn.backends.cudnn import options as cudnn_options
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
+from jax_ragged_attn.backends.shared import extension
+from jax_ragged_attn.backends.xla.ragged import attention_xla
 from jax_ragged_attn.config import AttentionOptions, make_config
+from jax_ragged_attn.features import checks
 from jax_ragged_attn.index import row_positions
 from jax_ragged_attn.testing import assert_close, packed_batch, stand_in_handler_args
-from jax_ragged_attn.backends.xla.ragged import attention_xla
-from jax_ragged_attn.backends.cudnn import options as cudnn_options
-from tiers import some_fast  # tests/ is on sys.path under pytest
 
 OPTIONS = dict(is_causal=True, diagonal_alignment="bottom_right")
 # The arguments a plain call passes (q, k, v [, out, d_out, stats], then 7 index arrays); a guarded call adds
@@ -69,7 +69,7 @@ class StandInKernel:
             workspace_guarded = len(result_types) - 1 in (input_output_aliases or {}).values()
             size = result_types[-1].shape[0] - (checks.GUARD_BYTES if workspace_guarded else 0)
             if self.overrun:
-                workspace = workspace.at[size:size + self.overrun].set(0)
+                workspace = workspace.at[size : size + self.overrun].set(0)
             return (*results, workspace)
 
         return call
@@ -85,7 +85,9 @@ class StandInKernel:
         cu_q = self._cu(off_q, c.num_heads_q * c.head_dim_qk)
         cu_kv = self._cu(off_k, c.num_heads_kv * c.head_dim_qk)
         # The kernel always writes stats, whatever the caller keeps.
-        out, stats = attention_xla(q, k, v, cu_q, cu_kv, dataclasses.replace(c, stats_layout="token_major", return_stats=True))
+        out, stats = attention_xla(
+            q, k, v, cu_q, cu_kv, dataclasses.replace(c, stats_layout="token_major", return_stats=True)
+        )
         rows = self._owned_rows(cu_q, c.capacity_q, c.max_seqlen_q)
         if c.stats_layout == "head_major":
             return (out, stats.T), (rows[:, None, None], rows[None, :])
@@ -114,8 +116,18 @@ def single_bottom_right_backward(monkeypatch):
 @pytest.fixture
 def batch():
     rng = np.random.default_rng(2024)
-    return packed_batch(rng, [17, 0, 24, 3], [20, 5, 9, 0], num_heads_q=4, num_heads_kv=2, head_dim_qk=16,
-                        head_dim_v=8, dtype="bfloat16", slack_q=11, slack_kv=6)
+    return packed_batch(
+        rng,
+        [17, 0, 24, 3],
+        [20, 5, 9, 0],
+        num_heads_q=4,
+        num_heads_kv=2,
+        head_dim_qk=16,
+        head_dim_v=8,
+        dtype="bfloat16",
+        slack_q=11,
+        slack_kv=6,
+    )
 
 
 def _install(monkeypatch, config, overrun=0, stray_row=None):
@@ -127,13 +139,16 @@ def _install(monkeypatch, config, overrun=0, stray_row=None):
 
 
 def _config(batch, layout="head_major", **changes):
-    config = make_config(*batch.args, AttentionOptions(stats_layout=layout, **OPTIONS), max_seqlen_q=24,
-                         max_seqlen_kv=20)
+    config = make_config(
+        *batch.args, AttentionOptions(stats_layout=layout, **OPTIONS), max_seqlen_q=24, max_seqlen_kv=20
+    )
     return dataclasses.replace(config, **changes)
 
 
-@some_fast({"layout": ["head_major", "token_major"], "poison_outputs": {"unowned": False, "poisoned": True}},
-           fast=["head_major-poisoned", "token_major-unowned"])
+@some_fast(
+    {"layout": ["head_major", "token_major"], "poison_outputs": {"unowned": False, "poisoned": True}},
+    fast=["head_major-poisoned", "token_major-unowned"],
+)
 def test_outputs_and_gradients_match_the_xla_path_with_padding_cleaned(monkeypatch, batch, layout, poison_outputs):
     """The handler zeroes the rows it does not own first, with or without filling the outputs with NaN before
     (the stand-in starts from zeros when asked, and writes every row it owns)."""
@@ -148,9 +163,9 @@ def test_outputs_and_gradients_match_the_xla_path_with_padding_cleaned(monkeypat
     assert_close(np.asarray(stats, np.float64), np.asarray(ref_stats, np.float64), "float32", "stats")
 
     grads = jax.vjp(lambda q, k, v: cudnn.attention_cudnn(q, k, v, *batch.args[3:], config)[0], *batch.args[:3])[1](
-        d_out)
-    ref_grads = jax.vjp(lambda q, k, v: attention_xla(q, k, v, *batch.args[3:], config)[0], *batch.args[:3])[1](
-        d_out)
+        d_out
+    )
+    ref_grads = jax.vjp(lambda q, k, v: attention_xla(q, k, v, *batch.args[3:], config)[0], *batch.args[:3])[1](d_out)
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert np.isfinite(np.asarray(g, np.float32)).all(), f"{name}: garbage rows leaked"
         assert_close(np.asarray(g, np.float64), np.asarray(r, np.float64), "bfloat16", name)
@@ -178,8 +193,9 @@ def test_stats_as_aux_take_the_plain_backward(monkeypatch, batch):
     _install(monkeypatch, config)
     shapes = []
     backward = launch._backward
-    monkeypatch.setattr(launch, "_backward",
-                        lambda buffers, *rest: shapes.append(buffers[2].shape) or backward(buffers, *rest))
+    monkeypatch.setattr(
+        launch, "_backward", lambda buffers, *rest: shapes.append(buffers[2].shape) or backward(buffers, *rest)
+    )
 
     def loss_with_stats_aux(q):
         out, stats = cudnn.attention_cudnn(q, *batch.args[1:], config)
@@ -195,7 +211,8 @@ def test_check_mode_passes_the_guarded_buffers_to_the_same_handlers_and_an_intac
     kernel = _install(monkeypatch, config)
     plain = cudnn.attention_cudnn(*batch.args, dataclasses.replace(config, guard_workspace=False))
     grads = jax.grad(lambda q: jnp.sum(cudnn.attention_cudnn(q, *batch.args[1:], config)[0].astype(jnp.float32)))(
-        batch.q)
+        batch.q
+    )
     guarded = cudnn.attention_cudnn(*batch.args, config)
     np.testing.assert_array_equal(np.asarray(guarded[0]), np.asarray(plain[0]))
     assert np.isfinite(np.asarray(grads, np.float32)).all()
@@ -216,8 +233,9 @@ def test_a_write_outside_an_outputs_rows_stops_the_computation(monkeypatch, batc
     _install(monkeypatch, config, stray_row=result)
 
     def step(q, k, v):
-        out, vjp, stats = jax.vjp(lambda q, k, v: cudnn.attention_cudnn(q, k, v, *batch.args[3:], config),
-                                  q, k, v, has_aux=True)
+        out, vjp, stats = jax.vjp(
+            lambda q, k, v: cudnn.attention_cudnn(q, k, v, *batch.args[3:], config), q, k, v, has_aux=True
+        )
         return out, stats, vjp(jnp.ones_like(out))
 
     with pytest.raises((RuntimeError, ValueError), match=f"cuDNN wrote outside the rows of {result}: "):
@@ -237,8 +255,7 @@ def test_quiet_under_jax_debug_flags_eagerly(monkeypatch, batch, flag, layout):
     d_out = jnp.asarray(np.random.default_rng(3).standard_normal((batch.q.shape[0], 4, 8)), jnp.bfloat16)
 
     def run():
-        out, vjp = jax.vjp(lambda q, k, v: cudnn.attention_cudnn(q, k, v, *batch.args[3:], config)[0],
-                           *batch.args[:3])
+        out, vjp = jax.vjp(lambda q, k, v: cudnn.attention_cudnn(q, k, v, *batch.args[3:], config)[0], *batch.args[:3])
         return out, vjp(d_out)
 
     expected = run()

@@ -7,15 +7,17 @@ import copy
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jax_ragged_attn.inputs.data import pack_documents
 from jax_ragged_attn.parallel.load_balance import causal_work_per_device
 from jax_ragged_attn.parallel.sharding import reorder_for_load_balance
 
 
-def _check_batch(batch, capacity: int, max_seqs: int, max_seqlen: int, pad_id: int = 0, *,
-                 input_order: bool = True) -> None:
+def _check_batch(
+    batch, capacity: int, max_seqs: int, max_seqlen: int, pad_id: int = 0, *, input_order: bool = True
+) -> None:
     """Every invariant one batch must satisfy on its own (in the natural order; input_order: its sequences
     sorted by (document, offset), as they are unless the packer balances context-parallel work)."""
     assert batch.context_parallel_devices is None
@@ -42,8 +44,8 @@ def _check_batch(batch, capacity: int, max_seqs: int, max_seqlen: int, pad_id: i
         np.testing.assert_array_equal(batch.positions[rows], np.arange(n))
         assert np.all(batch.segment_ids[rows] == s + 1)
         # Next-token targets within the sequence; the last row predicts nothing.
-        np.testing.assert_array_equal(batch.targets[cu[s]:cu[s + 1] - 1], batch.tokens[cu[s] + 1:cu[s + 1]])
-        assert batch.loss_mask[cu[s]:cu[s + 1] - 1].all() and not batch.loss_mask[cu[s + 1] - 1]
+        np.testing.assert_array_equal(batch.targets[cu[s] : cu[s + 1] - 1], batch.tokens[cu[s] + 1 : cu[s + 1]])
+        assert batch.loss_mask[cu[s] : cu[s + 1] - 1].all() and not batch.loss_mask[cu[s + 1] - 1]
         assert batch.targets[cu[s + 1] - 1] == pad_id
     pad = slice(cu[-1], t)
     assert np.all(batch.tokens[pad] == pad_id) and np.all(batch.segment_ids[pad] == 0)
@@ -61,9 +63,9 @@ def _reassemble(docs, batches, max_seqlen):
         cu = batch.cu_seqlens
         for s in range(batch.num_seqs):
             index, offset = int(batch.document_index[s]), int(batch.document_offset[s])
-            piece = batch.tokens[cu[s]:cu[s + 1]]
+            piece = batch.tokens[cu[s] : cu[s + 1]]
             assert offset % max_seqlen == 0, "pieces start at multiples of max_seqlen"
-            target = rebuilt[index][offset:offset + len(piece)]
+            target = rebuilt[index][offset : offset + len(piece)]
             assert len(target) == len(piece) and np.all(target == -1), f"document {index} offset {offset} twice"
             target[:] = piece
     return rebuilt
@@ -80,15 +82,24 @@ def _assert_same_batches(batches, expected):
 
 
 @settings(max_examples=150, deadline=None)
-@given(docs=documents, capacity=st.integers(1, 48), max_seqs=st.integers(1, 6), seqlen_fraction=st.floats(0.01, 1.0),
-       buffer_size=st.integers(1, 20), as_iterator=st.booleans(), shuffle_seed=st.none() | st.integers(0, 99))
-def test_every_token_once_in_order_within_capacity(docs, capacity, max_seqs, seqlen_fraction, buffer_size,
-                                                   as_iterator, shuffle_seed):
+@given(
+    docs=documents,
+    capacity=st.integers(1, 48),
+    max_seqs=st.integers(1, 6),
+    seqlen_fraction=st.floats(0.01, 1.0),
+    buffer_size=st.integers(1, 20),
+    as_iterator=st.booleans(),
+    shuffle_seed=st.none() | st.integers(0, 99),
+)
+def test_every_token_once_in_order_within_capacity(
+    docs, capacity, max_seqs, seqlen_fraction, buffer_size, as_iterator, shuffle_seed
+):
     max_seqlen = max(1, int(capacity * seqlen_fraction))
     source = iter(docs) if as_iterator else docs
     rng = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)
-    packer = pack_documents(source, capacity, max_seqs=max_seqs, max_seqlen=max_seqlen, buffer_size=buffer_size,
-                            rng=rng)
+    packer = pack_documents(
+        source, capacity, max_seqs=max_seqs, max_seqlen=max_seqlen, buffer_size=buffer_size, rng=rng
+    )
     batches = list(packer)
     for batch in batches:
         _check_batch(batch, capacity, max_seqs, max_seqlen)
@@ -135,8 +146,11 @@ def test_example_from_the_docstring():
 def test_long_document_is_split_into_max_seqlen_pieces():
     doc = np.arange(1, 26)  # 25 tokens, max_seqlen 10 -> pieces of 10, 10, 5
     batches = list(pack_documents([doc], 16, max_seqs=2, max_seqlen=10))
-    pieces = sorted((int(b.document_offset[s]), b.tokens[b.cu_seqlens[s]:b.cu_seqlens[s + 1]].tolist())
-                    for b in batches for s in range(b.num_seqs))
+    pieces = sorted(
+        (int(b.document_offset[s]), b.tokens[b.cu_seqlens[s] : b.cu_seqlens[s + 1]].tolist())
+        for b in batches
+        for s in range(b.num_seqs)
+    )
     assert pieces == [(0, list(range(1, 11))), (10, list(range(11, 21))), (20, list(range(21, 26)))]
     # The piece boundaries are not labels: 10 -> 11 and 20 -> 21 are never targets.
     for b in batches:
@@ -194,11 +208,13 @@ def test_rng_mixes_the_pieces_of_long_documents():
     # batches mix them (and the whole run is reproducible from the seed).
     docs = [np.full(32, 1), np.full(32, 2)]
     in_order = list(pack_documents(docs, 16, max_seqs=4, max_seqlen=4))
-    assert all(len(set(b.document_index[:b.num_seqs])) == 1 for b in in_order)
+    assert all(len(set(b.document_index[: b.num_seqs])) == 1 for b in in_order)
 
     def shuffled(seed):
-        return [b.document_index.tolist() for b in pack_documents(docs, 16, max_seqs=4, max_seqlen=4,
-                                                                  rng=np.random.default_rng(seed))]
+        return [
+            b.document_index.tolist()
+            for b in pack_documents(docs, 16, max_seqs=4, max_seqlen=4, rng=np.random.default_rng(seed))
+        ]
 
     assert any(len(set(index) - {-1}) == 2 for index in shuffled(0))
     assert shuffled(0) == shuffled(0)
@@ -212,9 +228,12 @@ def test_pad_id_fills_padding():
 
 # ---- Passes: the same batches every time, fill_rate before the first, a one-shot input never silent. ----
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(rng=np.random.default_rng(5)),
-                                    dict(context_parallel_devices=2, rng=np.random.default_rng(6))],
-                         ids=["in_order", "shuffled", "context_parallel"])
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(), dict(rng=np.random.default_rng(5)), dict(context_parallel_devices=2, rng=np.random.default_rng(6))],
+    ids=["in_order", "shuffled", "context_parallel"],
+)
 def test_every_pass_gives_the_same_batches(kwargs):
     docs = _random_docs(np.random.default_rng(3), 60, 40)
     before = copy.deepcopy(kwargs.get("rng"))  # the caller's generator as it was before the packer drew from it
@@ -258,8 +277,9 @@ def test_a_generator_gives_one_pass_and_a_second_raises():
     batches = list(packer)
     assert batches and packer.batches == len(batches)
     assert packer.fill_rate == pytest.approx(sum(b.num_tokens for b in batches) / (len(batches) * 32))
-    with pytest.raises(RuntimeError, match="one-shot iterator .* a second pass would yield no batch. To iterate "
-                                           "again, pass a list"):
+    with pytest.raises(
+        RuntimeError, match="one-shot iterator .* a second pass would yield no batch. To iterate again, pass a list"
+    ):
         list(packer)
     # Also when the first pass stopped early: the generator is partly consumed.
     packer = pack_documents(iter(docs), 32, max_seqs=4)
@@ -288,25 +308,28 @@ def test_a_reiterable_input_is_read_lazily_on_every_pass():
     _assert_same_batches([again], [first])
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(capacity=0), r"capacity must be >= 1, got 0"),
-    (dict(capacity=8.0), r"capacity must be an int, got float 8.0"),
-    (dict(capacity=True), r"capacity must be an int, got bool"),
-    (dict(max_seqs=0), r"max_seqs must be >= 1, got 0"),
-    (dict(max_seqs=None), r"max_seqs must be an int, got NoneType"),
-    (dict(max_seqlen=0), r"max_seqlen must be >= 1, got 0"),
-    (dict(max_seqlen=9), r"max_seqlen \(9\) must be <= capacity \(8\)"),
-    (dict(buffer_size=0), r"buffer_size must be >= 1, got 0"),
-    (dict(pad_id=2**40), r"pad_id must fit int32"),
-    (dict(pad_id="0"), r"pad_id must be an int, got str"),
-    (dict(rng=0), r"rng must be a numpy.random.Generator or None, got int"),
-    (dict(docs=5), r"docs must be an iterable of 1-D integer token arrays, got int"),
-    (dict(docs="abc"), r"docs must be an iterable of 1-D integer token arrays, got str"),
-    (dict(context_parallel_devices=0), r"context_parallel_devices must be >= 1, got 0"),
-    (dict(context_parallel_devices=2.0), r"context_parallel_devices must be an int, got float"),
-    (dict(context_parallel_devices=3), r"capacity \(8\) must be a multiple of 2 \* context_parallel_devices = 6"),
-    (dict(context_parallel_devices=2, balance_causal_work="yes"), r"balance_causal_work must be a bool, got str"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(capacity=0), r"capacity must be >= 1, got 0"),
+        (dict(capacity=8.0), r"capacity must be an int, got float 8.0"),
+        (dict(capacity=True), r"capacity must be an int, got bool"),
+        (dict(max_seqs=0), r"max_seqs must be >= 1, got 0"),
+        (dict(max_seqs=None), r"max_seqs must be an int, got NoneType"),
+        (dict(max_seqlen=0), r"max_seqlen must be >= 1, got 0"),
+        (dict(max_seqlen=9), r"max_seqlen \(9\) must be <= capacity \(8\)"),
+        (dict(buffer_size=0), r"buffer_size must be >= 1, got 0"),
+        (dict(pad_id=2**40), r"pad_id must fit int32"),
+        (dict(pad_id="0"), r"pad_id must be an int, got str"),
+        (dict(rng=0), r"rng must be a numpy.random.Generator or None, got int"),
+        (dict(docs=5), r"docs must be an iterable of 1-D integer token arrays, got int"),
+        (dict(docs="abc"), r"docs must be an iterable of 1-D integer token arrays, got str"),
+        (dict(context_parallel_devices=0), r"context_parallel_devices must be >= 1, got 0"),
+        (dict(context_parallel_devices=2.0), r"context_parallel_devices must be an int, got float"),
+        (dict(context_parallel_devices=3), r"capacity \(8\) must be a multiple of 2 \* context_parallel_devices = 6"),
+        (dict(context_parallel_devices=2, balance_causal_work="yes"), r"balance_causal_work must be a bool, got str"),
+    ],
+)
 def test_bad_arguments_raise_naming_the_argument(kwargs, message):
     arguments = dict(docs=[[1, 2]], capacity=8, max_seqs=2)
     arguments.update(kwargs)
@@ -314,12 +337,15 @@ def test_bad_arguments_raise_naming_the_argument(kwargs, message):
         pack_documents(arguments.pop("docs"), arguments.pop("capacity"), **arguments)
 
 
-@pytest.mark.parametrize("docs, message", [
-    ([[1, 2], [[1, 2]]], r"docs\[1\] must be a 1-D array of token ids, got shape \(1, 2\)"),
-    ([[1.5, 2.0]], r"docs\[0\] must hold integer token ids, got dtype float64"),
-    ([3], r"docs\[0\] must be a 1-D array of token ids, got shape \(\)"),
-    ([np.array([1, 2**40])], r"docs\[0\] holds token ids outside int32"),
-])
+@pytest.mark.parametrize(
+    "docs, message",
+    [
+        ([[1, 2], [[1, 2]]], r"docs\[1\] must be a 1-D array of token ids, got shape \(1, 2\)"),
+        ([[1.5, 2.0]], r"docs\[0\] must hold integer token ids, got dtype float64"),
+        ([3], r"docs\[0\] must be a 1-D array of token ids, got shape \(\)"),
+        ([np.array([1, 2**40])], r"docs\[0\] holds token ids outside int32"),
+    ],
+)
 def test_bad_documents_raise_naming_the_document(docs, message):
     packer = pack_documents(docs, 8, max_seqs=2)
     with pytest.raises(ValueError, match=message):
@@ -327,6 +353,7 @@ def test_bad_documents_raise_naming_the_document(docs, message):
 
 
 # ---- Batches for context parallelism: the dual-chunk order, and a balanced order of the sequences. ----
+
 
 def _fresh_seed() -> int:
     """A new seed every run, printed so that a failure can be replayed (pytest shows a failing test's output)."""
@@ -372,12 +399,18 @@ def test_dual_chunk_batches_are_reorder_for_load_balance_of_the_natural_ones(n):
 
 
 @settings(max_examples=60, deadline=None)
-@given(docs=documents, capacity_per_chunk=st.integers(1, 12), n=st.sampled_from([1, 2, 3, 4]),
-       max_seqs=st.integers(1, 6), buffer_size=st.integers(1, 20))
+@given(
+    docs=documents,
+    capacity_per_chunk=st.integers(1, 12),
+    n=st.sampled_from([1, 2, 3, 4]),
+    max_seqs=st.integers(1, 6),
+    buffer_size=st.integers(1, 20),
+)
 def test_balanced_batches_are_valid_and_hold_every_token(docs, capacity_per_chunk, n, max_seqs, buffer_size):
     capacity = 2 * n * capacity_per_chunk
-    batches = list(pack_documents(docs, capacity, max_seqs=max_seqs, buffer_size=buffer_size,
-                                  context_parallel_devices=n))
+    batches = list(
+        pack_documents(docs, capacity, max_seqs=max_seqs, buffer_size=buffer_size, context_parallel_devices=n)
+    )
     natural = [batch.natural_order() for batch in batches]
     for batch, plain in zip(batches, natural):
         _check_batch(plain, capacity, max_seqs, capacity, input_order=False)

@@ -32,8 +32,13 @@ pytestmark = pytest.mark.slow  # every call under jax.debug_infs / debug_nans, e
 _CUDNN_REASON = cudnn_unavailable_reason()
 IMPLEMENTATIONS = [
     "xla",
-    pytest.param("cudnn", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        _CUDNN_REASON is not None, reason=f"cuDNN path unavailable: {_CUDNN_REASON}")]),
+    pytest.param(
+        "cudnn",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(_CUDNN_REASON is not None, reason=f"cuDNN path unavailable: {_CUDNN_REASON}"),
+        ],
+    ),
 ]
 MODES = ["eager", "jit"]
 
@@ -61,8 +66,9 @@ class Scenario:
 
 SCENARIOS = {
     # bottom-right causal with sq > skv: the first rows of sequence 3 attend no key; sequence 1 is empty.
-    "causal_padding_empty_rows_gqa": Scenario((5, 0, 7, 4), (6, 0, 7, 2),
-                                              options=(("is_causal", True), ("diagonal_alignment", "bottom_right"))),
+    "causal_padding_empty_rows_gqa": Scenario(
+        (5, 0, 7, 4), (6, 0, 7, 2), options=(("is_causal", True), ("diagonal_alignment", "bottom_right"))
+    ),
     "window_mqa": Scenario((6, 9), (6, 9), heads=(4, 1), options=(("local_window_size", (2, 1)),)),
     "zero_length_kv": Scenario((3, 4), (0, 5)),
     "causal_every_row_attends": Scenario((5, 8), (5, 8), slack=(0, 0), options=(("is_causal", True),)),
@@ -74,26 +80,49 @@ SCENARIOS = {
 def _batch(scenario: Scenario, implementation: str, seed: int = 0):
     dtype = jnp.bfloat16 if implementation == "cudnn" else jnp.float32
     rng = np.random.default_rng(seed)
-    batch = packed_batch(rng, scenario.seqlens_q, scenario.seqlens_kv, num_heads_q=scenario.heads[0],
-                         num_heads_kv=scenario.heads[1], head_dim_qk=16, head_dim_v=16, dtype=dtype,
-                         slack_q=scenario.slack[0], slack_kv=scenario.slack[1], poison=3.0)
+    batch = packed_batch(
+        rng,
+        scenario.seqlens_q,
+        scenario.seqlens_kv,
+        num_heads_q=scenario.heads[0],
+        num_heads_kv=scenario.heads[1],
+        head_dim_qk=16,
+        head_dim_v=16,
+        dtype=dtype,
+        slack_q=scenario.slack[0],
+        slack_kv=scenario.slack[1],
+        poison=3.0,
+    )
     sinks = jnp.asarray(rng.standard_normal(scenario.heads[0]), jnp.float32) if scenario.sinks else None
     return batch, sinks
 
 
 def _attention(batch, sinks, scenario, implementation, **options):
     def attend(q, k, v, sinks):
-        return ragged_attention(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_kv, max_seqlen_q=batch.max_seqlen_q,
-                                max_seqlen_kv=batch.max_seqlen_kv, implementation=implementation, sinks=sinks,
-                                **dict(scenario.options), **options)
+        return ragged_attention(
+            q,
+            k,
+            v,
+            batch.cu_seqlens_q,
+            batch.cu_seqlens_kv,
+            max_seqlen_q=batch.max_seqlen_q,
+            max_seqlen_kv=batch.max_seqlen_kv,
+            implementation=implementation,
+            sinks=sinks,
+            **dict(scenario.options),
+            **options,
+        )
+
     return attend
 
 
 def _forward_and_vjp(f, primals, cotangent, mode):
     """f's outputs and its vjp, eagerly (every primitive checked) or under one jit."""
+
     def run(primals, cotangent):
         outputs, vjp = jax.vjp(f, *primals)
         return outputs, vjp(cotangent)
+
     outputs, grads = (run if mode == "eager" else jax.jit(run))(primals, cotangent)
     jax.block_until_ready((outputs, grads))
     return outputs, grads
@@ -163,29 +192,46 @@ def test_documented_minus_inf_stats_trip_debug_infs_only(name, layout, mode, imp
 def test_packed_and_segment_wrappers_are_quiet(wrapper, mode, implementation):
     dtype = jnp.bfloat16 if implementation == "cudnn" else jnp.float32
     rng = np.random.default_rng(4)
-    batch = packed_batch(rng, (5, 0, 7), (5, 0, 7), num_heads_q=2, num_heads_kv=2, head_dim_qk=16, head_dim_v=16,
-                         dtype=dtype, slack_q=4, slack_kv=4, poison=3.0)
+    batch = packed_batch(
+        rng,
+        (5, 0, 7),
+        (5, 0, 7),
+        num_heads_q=2,
+        num_heads_kv=2,
+        head_dim_qk=16,
+        head_dim_v=16,
+        dtype=dtype,
+        slack_q=4,
+        slack_kv=4,
+        poison=3.0,
+    )
     t = batch.q.shape[0]
     common = dict(is_causal=True, implementation=implementation)
     if wrapper == "qkvpacked":
-        f = functools.partial(ragged_attention_qkvpacked, cu_seqlens=batch.cu_seqlens_q,
-                              max_seqlen=batch.max_seqlen_q, **common)
+        f = functools.partial(
+            ragged_attention_qkvpacked, cu_seqlens=batch.cu_seqlens_q, max_seqlen=batch.max_seqlen_q, **common
+        )
         primals = (jnp.stack([batch.q, batch.k, batch.v], axis=1),)
     elif wrapper == "kvpacked":
-        f = functools.partial(ragged_attention_kvpacked, cu_seqlens_q=batch.cu_seqlens_q,
-                              cu_seqlens_kv=batch.cu_seqlens_kv, max_seqlen_q=batch.max_seqlen_q,
-                              max_seqlen_kv=batch.max_seqlen_kv, **common)
+        f = functools.partial(
+            ragged_attention_kvpacked,
+            cu_seqlens_q=batch.cu_seqlens_q,
+            cu_seqlens_kv=batch.cu_seqlens_kv,
+            max_seqlen_q=batch.max_seqlen_q,
+            max_seqlen_kv=batch.max_seqlen_kv,
+            **common,
+        )
         primals = (batch.q, jnp.stack([batch.k, batch.v], axis=1))
     else:
         rows, seq = 2, t // 2
         ids = np.zeros((rows, seq), np.int32)
-        ids[0, :3], ids[0, 3:seq - 2], ids[1, 1:seq - 1] = 1, 2, 1  # padding tokens at both ends of row 1
+        ids[0, :3], ids[0, 3 : seq - 2], ids[1, 1 : seq - 1] = 1, 2, 1  # padding tokens at both ends of row 1
         segment_ids = jnp.asarray(ids)
 
         def f(q, k, v):
             return ragged_attention_segments(q, k, v, segment_ids, max_segments=3, **common)
 
-        primals = tuple(x[:rows * seq].reshape(rows, seq, *x.shape[1:]) for x in (batch.q, batch.k, batch.v))
+        primals = tuple(x[: rows * seq].reshape(rows, seq, *x.shape[1:]) for x in (batch.q, batch.k, batch.v))
     d_out = jnp.ones(jax.eval_shape(f, *primals).shape, dtype)
     with checks():
         out, grads = _forward_and_vjp(f, primals, d_out, mode)
@@ -203,8 +249,9 @@ def test_jax_nn_debug_infs_regression_ported(dtype, implementation):
     q = jnp.ones((4, 1, 8), dtype)
     cu = jnp.array([0, 4], jnp.int32)
     with checks():
-        out = ragged_attention(q, q, q, cu, cu, max_seqlen_q=4, max_seqlen_kv=4, is_causal=True,
-                               implementation=implementation)
+        out = ragged_attention(
+            q, q, q, cu, cu, max_seqlen_q=4, max_seqlen_kv=4, is_causal=True, implementation=implementation
+        )
         # jax.nn itself promotes bfloat16/float16 with float32 implicitly, which the strict dtype promotion of a
         # --jax-config=strict session refuses (jax's, not this op's; the op ran above under it).
         with jax.numpy_dtype_promotion("standard"):

@@ -14,12 +14,15 @@ import numpy as np
 import pytest
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.backends.cudnn import graphs, kvcache as cudnn_kvcache, ragged as cudnn
-from jax_ragged_attn.backends.fa3 import dew, kvcache as fa3_kvcache, ragged as fa3
+from jax_ragged_attn.backends.cudnn import graphs
+from jax_ragged_attn.backends.cudnn import kvcache as cudnn_kvcache
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
+from jax_ragged_attn.backends.fa3 import dew
+from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
+from jax_ragged_attn.backends.fa3 import ragged as fa3
 from jax_ragged_attn.backends.shared import extension, known_issues
-from jax_ragged_attn.config import KVCacheConfig
 from jax_ragged_attn.backends.xla import ragged as xla
-from jax_ragged_attn.config import AttentionOptions, make_config
+from jax_ragged_attn.config import AttentionOptions, KVCacheConfig, make_config
 from jax_ragged_attn.testing import declines
 
 
@@ -32,16 +35,38 @@ def _skip(message):
 
 
 def _ragged(dtype="bfloat16", dqk=128, dv=128, tokens=64, heads=4, **options):
-    shape = lambda d: jax.ShapeDtypeStruct((tokens, heads, d), np.dtype(dtype))  # noqa: E731
+    shape = lambda d: jax.ShapeDtypeStruct((tokens, heads, d), np.dtype(dtype))
     cu = jax.ShapeDtypeStruct((3,), jnp.int32)
-    return make_config(shape(dqk), shape(dqk), shape(dv), cu, cu, AttentionOptions(**options), max_seqlen_q=tokens,
-                       max_seqlen_kv=tokens)
+    return make_config(
+        shape(dqk),
+        shape(dqk),
+        shape(dv),
+        cu,
+        cu,
+        AttentionOptions(**options),
+        max_seqlen_q=tokens,
+        max_seqlen_kv=tokens,
+    )
 
 
 def _kvcache(**overrides) -> KVCacheConfig:
-    fields = dict(batch=2, seqlen_q=1, num_heads_q=8, num_heads_kv=2, head_dim_qk=128, head_dim_v=128,
-                  dtype="bfloat16", paged=True, page_size=64, num_pages=16, max_pages=8, scale=0.1, is_causal=True,
-                  window_left=None, window_right=None)
+    fields = dict(
+        batch=2,
+        seqlen_q=1,
+        num_heads_q=8,
+        num_heads_kv=2,
+        head_dim_qk=128,
+        head_dim_v=128,
+        dtype="bfloat16",
+        paged=True,
+        page_size=64,
+        num_pages=16,
+        max_pages=8,
+        scale=0.1,
+        is_causal=True,
+        window_left=None,
+        window_right=None,
+    )
     return KVCacheConfig(**{**fields, **overrides})
 
 
@@ -52,38 +77,60 @@ EXAMPLES = {
     ("cudnn", "ragged", "ragged offsets are int32"): (graphs.unsupported_reason, _ragged(tokens=2**25, heads=1)),
     ("cudnn", "ragged", "which has a known bug there"): (graphs.unsupported_reason, _ragged()),
     ("cudnn", "ragged", "cannot differentiate through stats"): (cudnn.stats_gradient_unsupported, _ragged(dv=248)),
-    ("cudnn", "kvcache", "takes bfloat16 or float16 inputs"): (cudnn_kvcache.unsupported_reason,
-                                                                _kvcache(dtype="float32")),
-    ("cudnn", "kvcache", "head dims that are multiples of 8 up to"): (cudnn_kvcache.unsupported_reason,
-                                                                       _kvcache(head_dim_v=100)),
+    ("cudnn", "kvcache", "takes bfloat16 or float16 inputs"): (
+        cudnn_kvcache.unsupported_reason,
+        _kvcache(dtype="float32"),
+    ),
+    ("cudnn", "kvcache", "head dims that are multiples of 8 up to"): (
+        cudnn_kvcache.unsupported_reason,
+        _kvcache(head_dim_v=100),
+    ),
     ("cudnn", "kvcache", "page sizes that are powers of 2"): (cudnn_kvcache.unsupported_reason, _kvcache(page_size=48)),
-    ("cudnn", "kvcache", "of at most 2**31 - 1 rows"): (cudnn_kvcache.unsupported_reason,
-                                                         _kvcache(page_size=2**16, max_pages=2**15)),
+    ("cudnn", "kvcache", "of at most 2**31 - 1 rows"): (
+        cudnn_kvcache.unsupported_reason,
+        _kvcache(page_size=2**16, max_pages=2**15),
+    ),
     ("cudnn", "kvcache", "which has a known bug there"): (cudnn_kvcache.unsupported_reason, _kvcache()),
     ("cudnn", "kvcache", "packed queries (cu_seqlens_q) over a paged cache take cuDNN"): (
-        cudnn_kvcache.unsupported_reason, _kvcache(total_q=20, seqlen_q=4, num_heads_q=2)),
+        cudnn_kvcache.unsupported_reason,
+        _kvcache(total_q=20, seqlen_q=4, num_heads_q=2),
+    ),
     ("cudnn", "kvcache", "reaches into the rows cuDNN's paged graph reads"): (
-        cudnn_kvcache.unsupported_reason, _kvcache(seqlen_q=10, window_left=cudnn_kvcache.TAIL - 5)),
+        cudnn_kvcache.unsupported_reason,
+        _kvcache(seqlen_q=10, window_left=cudnn_kvcache.TAIL - 5),
+    ),
     ("fa3", "ragged", "kernels are built without softcap"): (dew.unsupported_reason, _ragged(softcap=1.0)),
     ("fa3", "ragged", "kernels take equal head dims of"): (dew.unsupported_reason, _ragged(dqk=128, dv=64)),
     ("fa3", "ragged", "backward has no deterministic mode"): (dew.unsupported_reason, _ragged(deterministic=True)),
     ("fa3", "ragged", "called with softcap 0"): (fa3.unsupported_reason, _ragged(softcap=1.0)),
-    ("fa3", "ragged", "FlashAttention-3 takes bfloat16 or float16 inputs"): (fa3.unsupported_reason,
-                                                                             _ragged("float32")),
+    ("fa3", "ragged", "FlashAttention-3 takes bfloat16 or float16 inputs"): (
+        fa3.unsupported_reason,
+        _ragged("float32"),
+    ),
     ("fa3", "ragged", "kernels are built for head dim"): (fa3.unsupported_reason, _ragged(dqk=64, dv=64)),
-    ("fa3", "ragged", "aligns its causal mask and windows bottom-right"): (fa3.unsupported_reason,
-                                                                           _ragged(is_causal=True)),
+    ("fa3", "ragged", "aligns its causal mask and windows bottom-right"): (
+        fa3.unsupported_reason,
+        _ragged(is_causal=True),
+    ),
     ("fa3", "kvcache", "called with softcap 0"): (fa3_kvcache.unsupported_reason, _kvcache(softcap=1.0)),
-    ("fa3", "kvcache", "FlashAttention-3 takes bfloat16 or float16 inputs"): (fa3_kvcache.unsupported_reason,
-                                                                              _kvcache(dtype="float32")),
+    ("fa3", "kvcache", "FlashAttention-3 takes bfloat16 or float16 inputs"): (
+        fa3_kvcache.unsupported_reason,
+        _kvcache(dtype="float32"),
+    ),
     ("fa3", "kvcache", "kernels are built for head dim"): (fa3_kvcache.unsupported_reason, _kvcache(head_dim_qk=64)),
     ("fa3", "kvcache", "reaches into the rows FA3 reads"): (
-        fa3_kvcache.unsupported_reason, _kvcache(seqlen_q=40, window_left=fa3_kvcache.TAIL - 5)),
+        fa3_kvcache.unsupported_reason,
+        _kvcache(seqlen_q=40, window_left=fa3_kvcache.TAIL - 5),
+    ),
     # packed queries (cu_seqlens_q: total_q rows, seqlen_q their max_seqlen_q)
     ("fa3", "kvcache", "FA3 serves packed queries in tiles of at most"): (
-        fa3_kvcache.unsupported_reason, _kvcache(total_q=20, seqlen_q=4, num_heads_q=2 * 129)),
+        fa3_kvcache.unsupported_reason,
+        _kvcache(total_q=20, seqlen_q=4, num_heads_q=2 * 129),
+    ),
     ("fa3", "kvcache", "packed queries with keys right of the diagonal"): (
-        fa3_kvcache.unsupported_reason, _kvcache(total_q=100, seqlen_q=64, is_causal=False)),
+        fa3_kvcache.unsupported_reason,
+        _kvcache(total_q=100, seqlen_q=64, is_causal=False),
+    ),
 }
 
 
@@ -106,8 +153,19 @@ def test_every_entry_is_what_its_backend_says_for_a_configuration_it_covers(monk
 def _call(implementation="xla", dtype=jnp.bfloat16):
     q = jnp.ones((8, 2, 128), dtype)
     cu = jnp.array([0, 5, 8], jnp.int32)
-    return declines.call(implementation, ragged_attention, q, q, q, cu, cu, max_seqlen_q=5, max_seqlen_kv=5,
-                         implementation=implementation, skip=_skip)
+    return declines.call(
+        implementation,
+        ragged_attention,
+        q,
+        q,
+        q,
+        cu,
+        cu,
+        max_seqlen_q=5,
+        max_seqlen_kv=5,
+        implementation=implementation,
+        skip=_skip,
+    )
 
 
 def test_a_decline_the_list_does_not_name_fails(monkeypatch):
@@ -119,8 +177,11 @@ def test_a_decline_the_list_does_not_name_fails(monkeypatch):
 def test_a_listed_reason_on_a_configuration_its_entry_does_not_cover_fails(monkeypatch):
     """cuDNN declining bfloat16 with its float32 sentence is a regression, not the float32 decline."""
     monkeypatch.setattr(extension, "cudnn_unavailable_reason", lambda: None)
-    monkeypatch.setattr(cudnn, "unsupported_reason",
-                        lambda config: f"the cuDNN path takes bfloat16 or float16 inputs, got {config.dtype}")
+    monkeypatch.setattr(
+        cudnn,
+        "unsupported_reason",
+        lambda config: f"the cuDNN path takes bfloat16 or float16 inputs, got {config.dtype}",
+    )
     with pytest.raises(AssertionError, match="does not list"):
         _call("cudnn", jnp.bfloat16)
     with pytest.raises(Skipped, match=r"by design \(backends/cudnn/graphs.py unsupported_reason\).*float32"):
@@ -142,8 +203,18 @@ def test_a_backend_is_recorded_under_its_registry_name_not_its_module_path():
     q = jnp.ones((8, 2, 128), jnp.bfloat16)
     cu = jnp.array([0, 5, 8], jnp.int32)
     with fa3_emulator.patched_dew(), declines.recorded() as seen, pytest.raises(NotImplementedError) as error:
-        ragged_attention(q, q, q, cu, cu, max_seqlen_q=5, max_seqlen_kv=5, softcap=2.0, implementation="fa3",
-                         fa3_provider="dew-flash-attn")
+        ragged_attention(
+            q,
+            q,
+            q,
+            cu,
+            cu,
+            max_seqlen_q=5,
+            max_seqlen_kv=5,
+            softcap=2.0,
+            implementation="fa3",
+            fa3_provider="dew-flash-attn",
+        )
     assert [(d.backend, d.op) for d in seen] == [("fa3", "ragged")]
     assert "by design (backends/fa3/dew.py" in declines.verdict("fa3", error.value, seen)
 

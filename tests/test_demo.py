@@ -31,8 +31,25 @@ def _load_demo():
 demo = _load_demo()
 
 # A tiny model and short run: a few seconds of CPU, enough for the loss to fall clearly.
-TINY = ["--steps", "60", "--batch-tokens", "128", "--max-len", "6", "--vocab", "9", "--width", "32", "--heads", "2",
-        "--layers", "1", "--eval-batches", "2", "--no-progress"]
+TINY = [
+    "--steps",
+    "60",
+    "--batch-tokens",
+    "128",
+    "--max-len",
+    "6",
+    "--vocab",
+    "9",
+    "--width",
+    "32",
+    "--heads",
+    "2",
+    "--layers",
+    "1",
+    "--eval-batches",
+    "2",
+    "--no-progress",
+]
 
 
 def _setup():
@@ -80,10 +97,13 @@ def test_changing_one_sequence_leaves_the_others_logits_unchanged():
     batch, lengths = _packed(setup)
     cu = batch["cu_seqlens"]
     # A middle sequence with room to merge it with its successor in the control below.
-    i = next(i for i in range(1, len(lengths) - 1) if 0 < lengths[i] and 0 < lengths[i + 1]
-             and lengths[i] + lengths[i + 1] <= setup.max_seqlen)
+    i = next(
+        i
+        for i in range(1, len(lengths) - 1)
+        if 0 < lengths[i] and 0 < lengths[i + 1] and lengths[i] + lengths[i + 1] <= setup.max_seqlen
+    )
     inside = np.zeros(setup.batch_tokens, bool)
-    inside[cu[i]:cu[i + 1]] = True
+    inside[cu[i] : cu[i + 1]] = True
     changed = dict(batch, tokens=np.where(inside, (batch["tokens"] % (setup.vocab - 1)) + 1, batch["tokens"]))
 
     before = np.asarray(demo.logits(params, batch, setup))
@@ -114,5 +134,5 @@ def test_padded_batch_gives_the_packed_logits():
     assert len(spans) == len(padded["lengths"])
     for row, (a, b) in enumerate(spans):
         assert padded["lengths"][row] == b - a
-        np.testing.assert_array_equal(padded["tokens"][row, :b - a], batch["tokens"][a:b])
-        np.testing.assert_allclose(padded_logits[row, :b - a], packed_logits[a:b], rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(padded["tokens"][row, : b - a], batch["tokens"][a:b])
+        np.testing.assert_allclose(padded_logits[row, : b - a], packed_logits[a:b], rtol=1e-4, atol=1e-4)

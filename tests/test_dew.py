@@ -14,12 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.backends.fa3 import dew
 from jax_ragged_attn.testing import assert_close, fa3_emulator, reference_attention
-from tiers import some_fast  # tests/ is on sys.path under pytest
-
 
 _DEW_REASON = dew.unavailable_reason()
 
@@ -30,8 +29,16 @@ def emulated():
         yield
 
 
-KERNELS = ["emulated", pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    _DEW_REASON is not None, reason=f"dew-flash-attn unavailable: {_DEW_REASON}")])]
+KERNELS = [
+    "emulated",
+    pytest.param(
+        "gpu",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(_DEW_REASON is not None, reason=f"dew-flash-attn unavailable: {_DEW_REASON}"),
+        ],
+    ),
+]
 
 
 @pytest.fixture(params=KERNELS)
@@ -53,9 +60,16 @@ def test_with_gaps_puts_each_unused_remainder_in_a_sequence_of_its_own():
         assert np.asarray(dew.with_gaps(cu, used, side, paired=True)).tolist() == [0, 3, 5, 9, 9, 9, 9]
 
 
-@pytest.mark.parametrize("seqused, max_seqlen, traced, sequences", [
-    (False, 5, False, 2 * 3), (True, 7, False, 3 * 3), (False, 7, False, 3), (False, 7, True, 2 * 3),
-    (False, 20, True, 3)])
+@pytest.mark.parametrize(
+    "seqused, max_seqlen, traced, sequences",
+    [
+        (False, 5, False, 2 * 3),
+        (True, 7, False, 3 * 3),
+        (False, 7, False, 3),
+        (False, 7, True, 2 * 3),
+        (False, 20, True, 3),
+    ],
+)
 def test_one_gap_sequence_a_slot_without_seqused(emulated, monkeypatch, seqused, max_seqlen, traced, sequences):
     """Without seqused only max_seqlen cuts leave rows unused: [2B + 1] offsets (fewer sequences for the
     kernels to schedule); with it [3B + 1], so a long unused rest of a slot is never gap queries x gap keys;
@@ -70,9 +84,24 @@ def test_one_gap_sequence_a_slot_without_seqused(emulated, monkeypatch, seqused,
     used = dict(seqused_q=jnp.asarray([6, 7, 4]), seqused_kv=jnp.asarray([6, 7, 4])) if seqused else {}
 
     def loss(x, cu):
-        return ragged_attention(x, x, x, cu, cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
-                                implementation="fa3", fa3_provider="dew-flash-attn", is_causal=True,
-                                **used).astype(jnp.float32).sum()
+        return (
+            ragged_attention(
+                x,
+                x,
+                x,
+                cu,
+                cu,
+                max_seqlen_q=max_seqlen,
+                max_seqlen_kv=max_seqlen,
+                implementation="fa3",
+                fa3_provider="dew-flash-attn",
+                is_causal=True,
+                **used,
+            )
+            .astype(jnp.float32)
+            .sum()
+        )
+
     if traced:
         jax.jit(jax.grad(loss))(x, cu)
     else:
@@ -105,18 +134,32 @@ CASES = {
 }
 
 
-@some_fast({"kernels": KERNELS, "stats_layout": ["head_major", "token_major"],
-            "mask": ["none", "causal_bottom_right", "window_bottom_right"], "case_name": sorted(CASES)},
-           fast=["emulated-head_major-none-long_slots", "emulated-token_major-causal_bottom_right-same_long_slot",
-                 "emulated-head_major-window_bottom_right-same_slots", "emulated-token_major-none-seqused",
-                 "emulated-head_major-causal_bottom_right-slots_fit",
-                 "emulated-token_major-window_bottom_right-truncated"], indirect=["kernels"])
+@some_fast(
+    {
+        "kernels": KERNELS,
+        "stats_layout": ["head_major", "token_major"],
+        "mask": ["none", "causal_bottom_right", "window_bottom_right"],
+        "case_name": sorted(CASES),
+    },
+    fast=[
+        "emulated-head_major-none-long_slots",
+        "emulated-token_major-causal_bottom_right-same_long_slot",
+        "emulated-head_major-window_bottom_right-same_slots",
+        "emulated-token_major-none-seqused",
+        "emulated-head_major-causal_bottom_right-slots_fit",
+        "emulated-token_major-window_bottom_right-truncated",
+    ],
+    indirect=["kernels"],
+)
 def test_unused_rows_go_over_as_gap_sequences(kernels, case_name, mask, stats_layout):
     _check_against_reference(case_name, mask, stats_layout, head_dim=128)
 
 
-@some_fast({"kernels": KERNELS, "stats_layout": ["head_major", "token_major"], "head_dim": [64, 192, 256]},
-           fast=["emulated-head_major-64", "emulated-token_major-192", "emulated-head_major-256"], indirect=["kernels"])
+@some_fast(
+    {"kernels": KERNELS, "stats_layout": ["head_major", "token_major"], "head_dim": [64, 192, 256]},
+    fast=["emulated-head_major-64", "emulated-token_major-192", "emulated-head_major-256"],
+    indirect=["kernels"],
+)
 def test_every_head_dim_it_advertises(kernels, head_dim, stats_layout):
     """dew.HEAD_DIMS besides 128 (the semantic suite's): each one its own kernel in the wheel."""
     _check_against_reference("seqused", "causal_bottom_right", stats_layout, head_dim=head_dim)
@@ -133,37 +176,69 @@ def _check_against_reference(case_name, mask, stats_layout, head_dim, forward_on
     slots_q, used_q, slots_kv, used_kv, max_q, max_kv = CASES[case_name]
     rng = np.random.default_rng(zlib.crc32(f"{case_name}/{mask}/{stats_layout}/{head_dim}".encode()))
     cu_q, cu_kv = (np.concatenate([[0], np.cumsum(s)]).astype(np.int32) for s in (slots_q, slots_kv))
-    rows = lambda cu, used: np.concatenate([np.arange(cu[b], cu[b] + n) for b, n in enumerate(used)])  # noqa
+    rows = lambda cu, used: np.concatenate([np.arange(cu[b], cu[b] + n) for b, n in enumerate(used)])
     rows_q, rows_kv = rows(cu_q, used_q), rows(cu_kv, used_kv)
     tq, tkv = int(cu_q[-1]) + 3, int(cu_kv[-1]) + 3
     q, d_out = (_poisoned(rng, tq, rows_q, 4, head_dim) for _ in range(2))
     k, v = (_poisoned(rng, tkv, rows_kv, 2, head_dim) for _ in range(2))
     d_stats = np.full((tq, 4), np.nan)
     d_stats[rows_q] = rng.standard_normal((len(rows_q), 4))
-    options = {"none": {}, "causal_bottom_right": dict(is_causal=True, diagonal_alignment="bottom_right"),
-               "window_bottom_right": dict(local_window_size=(3, 1), diagonal_alignment="bottom_right")}[mask]
-    tight_cu = lambda used: np.concatenate([[0], np.cumsum(used)]).astype(np.int64)  # noqa: E731
-    tight = reference_attention(q[rows_q], k[rows_kv], v[rows_kv], tight_cu(used_q), tight_cu(used_kv),
-                                max_seqlen_q=max(used_q), max_seqlen_kv=max(used_kv), d_out=d_out[rows_q],
-                                d_stats=d_stats[rows_q], **options)
-    expected = dict(out=np.zeros(q.shape), stats=np.full((tq, 4), -np.inf), dq=np.zeros(q.shape),
-                    dk=np.zeros(k.shape), dv=np.zeros(v.shape))
+    options = {
+        "none": {},
+        "causal_bottom_right": dict(is_causal=True, diagonal_alignment="bottom_right"),
+        "window_bottom_right": dict(local_window_size=(3, 1), diagonal_alignment="bottom_right"),
+    }[mask]
+    tight_cu = lambda used: np.concatenate([[0], np.cumsum(used)]).astype(np.int64)
+    tight = reference_attention(
+        q[rows_q],
+        k[rows_kv],
+        v[rows_kv],
+        tight_cu(used_q),
+        tight_cu(used_kv),
+        max_seqlen_q=max(used_q),
+        max_seqlen_kv=max(used_kv),
+        d_out=d_out[rows_q],
+        d_stats=d_stats[rows_q],
+        **options,
+    )
+    expected = dict(
+        out=np.zeros(q.shape),
+        stats=np.full((tq, 4), -np.inf),
+        dq=np.zeros(q.shape),
+        dk=np.zeros(k.shape),
+        dv=np.zeros(v.shape),
+    )
     for name, at in (("out", rows_q), ("stats", rows_q), ("dq", rows_q), ("dk", rows_kv), ("dv", rows_kv)):
         expected[name][at] = tight[name]
 
-    seqused = {} if case_name != "seqused" else dict(seqused_q=jnp.asarray(used_q, jnp.int32),
-                                                     seqused_kv=jnp.asarray(used_kv, jnp.int32))
+    seqused = (
+        {}
+        if case_name != "seqused"
+        else dict(seqused_q=jnp.asarray(used_q, jnp.int32), seqused_kv=jnp.asarray(used_kv, jnp.int32))
+    )
 
     same = slots_q == slots_kv  # then one array for both, as self-attention passes it
     cu_q_array = jnp.asarray(cu_q)
     cu_kv_array = cu_q_array if same else jnp.asarray(cu_kv)
 
     def attention(q, k, v):
-        return ragged_attention(q, k, v, cu_q_array, cu_kv_array, max_seqlen_q=max_q,
-                                max_seqlen_kv=max_kv, return_stats=True, stats_layout=stats_layout,
-                                implementation="fa3", fa3_provider="dew-flash-attn", **seqused, **options)
+        return ragged_attention(
+            q,
+            k,
+            v,
+            cu_q_array,
+            cu_kv_array,
+            max_seqlen_q=max_q,
+            max_seqlen_kv=max_kv,
+            return_stats=True,
+            stats_layout=stats_layout,
+            implementation="fa3",
+            fa3_provider="dew-flash-attn",
+            **seqused,
+            **options,
+        )
 
-    cast = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    cast = lambda x: jnp.asarray(x, jnp.bfloat16)
     if forward_only:  # no vjp: the forward clears V alone, so NaN gap queries meet NaN gap keys in the kernels
         out, stats = jax.jit(attention)(cast(q), cast(k), cast(v))
         got = dict(out=out, stats=stats.T if stats_layout == "head_major" else stats)
@@ -192,8 +267,16 @@ def test_implementation_none_takes_it_where_the_policy_prefers_fa3(emulated, mon
     def config(tokens, num_seqs, **options):
         x = jax.ShapeDtypeStruct((tokens, 4, 128), jnp.bfloat16)
         cu = jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32)
-        return make_config(x, x, x, cu, cu, AttentionOptions(is_causal=True, diagonal_alignment="bottom_right",
-                                                             **options), max_seqlen_q=tokens, max_seqlen_kv=tokens)
+        return make_config(
+            x,
+            x,
+            x,
+            cu,
+            cu,
+            AttentionOptions(is_causal=True, diagonal_alignment="bottom_right", **options),
+            max_seqlen_q=tokens,
+            max_seqlen_kv=tokens,
+        )
 
     def chosen(tokens, num_seqs, **options):
         cu = jnp.zeros(num_seqs + 1, jnp.int32)

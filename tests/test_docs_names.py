@@ -51,11 +51,13 @@ _FOLDER = r"(?:[\w-][\w.-]*/)+"
 # (`cudnn/launch.attention`); or a bare file name with a suffix. Never part of a longer token: not after a
 # word character, a dot, a slash (absolute paths, the tails of longer ones), `~`, `$` or `%`; a folder is
 # followed by a space or punctuation (not `T/(2n)`).
-_PATH = re.compile(rf"(?<![\w./~$%-])("
-                   rf"{_FOLDER}[\w.-]*\.(?:{_SUFFIX})(?![\w-])"
-                   rf"|{_FOLDER}(?=[\s`'\"),;:]|\.\s|\.?$)"
-                   rf"|{_FOLDER}\w+\.[A-Za-z_]\w*(?![\w/-])"
-                   rf"|[\w-][\w.-]*\.(?:{_SUFFIX})(?![\w/-]))")
+_PATH = re.compile(
+    rf"(?<![\w./~$%-])("
+    rf"{_FOLDER}[\w.-]*\.(?:{_SUFFIX})(?![\w-])"
+    rf"|{_FOLDER}(?=[\s`'\"),;:]|\.\s|\.?$)"
+    rf"|{_FOLDER}\w+\.[A-Za-z_]\w*(?![\w/-])"
+    rf"|[\w-][\w.-]*\.(?:{_SUFFIX})(?![\w/-]))"
+)
 _DOTTED = re.compile(r"(?<![\w./])((?:jax_ragged_attn|benchmarks)(?:\.[A-Za-z_]\w*)+)")
 _FILE = re.compile(rf".*\.(?:{_SUFFIX})")
 # Suffixes of files this repository holds none of: `folder/name.so` is a file, not a module and its attribute.
@@ -77,8 +79,11 @@ def mentions(text: str, aliases: dict[str, str] | None = None) -> list[tuple[int
                 found.append((number, match.group(1)))
         found += [(number, m.group(1)) for m in _DOTTED.finditer(line) if not _FILE.fullmatch(m.group(1))]
         if alias is not None:
-            found += [(number, aliases[m.group(1)] + m.group(2)) for m in alias.finditer(line)
-                      if not _FILE.fullmatch(m.group())]
+            found += [
+                (number, aliases[m.group(1)] + m.group(2))
+                for m in alias.finditer(line)
+                if not _FILE.fullmatch(m.group())
+            ]
     return found
 
 
@@ -119,8 +124,9 @@ _NAMES: set[str] = set()
 def _files_named() -> set[str]:
     if not _NAMES:
         for path in ROOT.rglob("*"):
-            if not any(part.startswith(".") or part in ("build", "__pycache__") for part in
-                       path.relative_to(ROOT).parts):
+            if not any(
+                part.startswith(".") or part in ("build", "__pycache__") for part in path.relative_to(ROOT).parts
+            ):
                 _NAMES.add(path.name)
     return _NAMES
 
@@ -208,14 +214,16 @@ def test_every_mentioned_name_exists():
 
 
 def test_a_stale_mention_fails():
-    text = "\n".join([
-        "see `_fa3.py` and backends/cudnn/launch.py",  # a module that moved; one that exists
-        "jax_ragged_attn.backends.fa3.ragged.unsupported_reason, jax_ragged_attn.backends.fa3.ragged.nothing",
-        "the tool (jax_ragged_attn/tools/bench/cli.py) and `cudnn/extents.py`, https://x.org/a/_gone.py",
-        "python -m benchmarks.sweep; python -m benchmarks.gone; _cudnn/ and shared/; T/(2n) rows",
-        "index/packings.TABLE and _cudnn/launch.attention; cudnn/launch.no_such_name; flash_api.cpp, cudnn.h",
-        "memory.estimate_bytes and memory.gone; /usr/lib/x.py, ~/.cache/jax_ragged_attn/autotune.json",
-    ])
+    text = "\n".join(
+        [
+            "see `_fa3.py` and backends/cudnn/launch.py",  # a module that moved; one that exists
+            "jax_ragged_attn.backends.fa3.ragged.unsupported_reason, jax_ragged_attn.backends.fa3.ragged.nothing",
+            "the tool (jax_ragged_attn/tools/bench/cli.py) and `cudnn/extents.py`, https://x.org/a/_gone.py",
+            "python -m benchmarks.sweep; python -m benchmarks.gone; _cudnn/ and shared/; T/(2n) rows",
+            "index/packings.TABLE and _cudnn/launch.attention; cudnn/launch.no_such_name; flash_api.cpp, cudnn.h",
+            "memory.estimate_bytes and memory.gone; /usr/lib/x.py, ~/.cache/jax_ragged_attn/autotune.json",
+        ]
+    )
     aliases = {"memory": "jax_ragged_attn.backends.xla.memory"}
     assert unresolved(text, PACKAGE / "backends" / "fake.py", aliases) == [
         "jax_ragged_attn/backends/fake.py:1: _fa3.py (no file of that name)",
@@ -239,10 +247,14 @@ def test_a_relative_path_resolves_from_the_mentioning_folder_only():
 
 
 def test_module_aliases_are_the_repository_modules_a_file_imports():
-    source = ("import numpy as np\nfrom jax_ragged_attn.backends.xla import memory as xla_memory\n"
-              "from jax_ragged_attn.backends import policy\nfrom jax_ragged_attn.config import AttentionConfig\n")
-    assert module_aliases(source) == {"xla_memory": "jax_ragged_attn.backends.xla.memory",
-                                      "policy": "jax_ragged_attn.backends.policy"}
+    source = (
+        "import numpy as np\nfrom jax_ragged_attn.backends.xla import memory as xla_memory\n"
+        "from jax_ragged_attn.backends import policy\nfrom jax_ragged_attn.config import AttentionConfig\n"
+    )
+    assert module_aliases(source) == {
+        "xla_memory": "jax_ragged_attn.backends.xla.memory",
+        "policy": "jax_ragged_attn.backends.policy",
+    }
 
 
 def test_python_text_keeps_comments_and_strings_at_their_lines():
@@ -250,4 +262,3 @@ def test_python_text_keeps_comments_and_strings_at_their_lines():
     lines = python_text(source).splitlines()
     assert "_gone.py" in lines[0] and "import" not in lines[0]
     assert "_also_gone.py" in lines[2] and "os.path" not in lines[3]
-

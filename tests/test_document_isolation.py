@@ -27,14 +27,18 @@ DOC = slice(LENGTHS[0], LENGTHS[0] + LENGTHS[1])
 def _implementations():
     yield pytest.param("xla", id="xla")
     reason = extension.cudnn_unavailable_reason()
-    yield pytest.param("cudnn", id="cudnn", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        reason is not None, reason=f"cuDNN path unavailable: {reason}")])
+    yield pytest.param(
+        "cudnn",
+        id="cudnn",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(reason is not None, reason=f"cuDNN path unavailable: {reason}")],
+    )
 
 
 def _call(implementation, q, k, v, d_out, cu, is_causal):
     def f(q, k, v):
-        return jra.ragged_attention(q, k, v, cu, cu, max_seqlen_q=32, max_seqlen_kv=32, is_causal=is_causal,
-                                    implementation=implementation)
+        return jra.ragged_attention(
+            q, k, v, cu, cu, max_seqlen_q=32, max_seqlen_kv=32, is_causal=is_causal, implementation=implementation
+        )
 
     out, pullback = jax.vjp(f, q, k, v)
     return (out, *pullback(d_out))
@@ -42,18 +46,24 @@ def _call(implementation, q, k, v, d_out, cu, is_causal):
 
 @pytest.mark.parametrize("implementation", list(_implementations()))
 # The fast tier plants NaN under a causal mask; inf and the full mask take the same paths (slow tier).
-@pytest.mark.parametrize("is_causal", [pytest.param(False, id="full", marks=pytest.mark.slow),
-                                       pytest.param(True, id="causal")])
-@pytest.mark.parametrize("value", [pytest.param(np.nan, id="nan"),
-                                   pytest.param(np.inf, id="inf", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "is_causal", [pytest.param(False, id="full", marks=pytest.mark.slow), pytest.param(True, id="causal")]
+)
+@pytest.mark.parametrize(
+    "value", [pytest.param(np.nan, id="nan"), pytest.param(np.inf, id="inf", marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("where", ["q", "k", "v", "d_out"])
 def test_a_non_finite_value_stays_in_its_document(implementation, is_causal, value, where):
     rng = np.random.default_rng(zlib.crc32(f"{where} {value} {is_causal}".encode()))
-    shapes = {"q": (CAPACITY, HEADS_Q, DIM), "k": (CAPACITY, HEADS_KV, DIM), "v": (CAPACITY, HEADS_KV, DIM),
-              "d_out": (CAPACITY, HEADS_Q, DIM)}
+    shapes = {
+        "q": (CAPACITY, HEADS_Q, DIM),
+        "k": (CAPACITY, HEADS_KV, DIM),
+        "v": (CAPACITY, HEADS_KV, DIM),
+        "d_out": (CAPACITY, HEADS_Q, DIM),
+    }
     clean = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
     for x in clean.values():
-        x[sum(LENGTHS):] = np.nan  # padding rows, never read
+        x[sum(LENGTHS) :] = np.nan  # padding rows, never read
     planted = dict(clean)
     planted[where] = clean[where].copy()
     planted[where][DOC.start + 5, 1, 7] = value  # one real row of document 1, mid-document
@@ -67,6 +77,6 @@ def test_a_non_finite_value_stays_in_its_document(implementation, is_causal, val
     others[DOC] = False
     for name, g, w in zip(("out", "d_q", "d_k", "d_v"), got, want):
         np.testing.assert_array_equal(g[others], w[others], err_msg=f"{name}: rows outside document 1 changed")
-        assert np.all(g[sum(LENGTHS):] == 0), f"{name}: padding rows are not exactly 0"
+        assert np.all(g[sum(LENGTHS) :] == 0), f"{name}: padding rows are not exactly 0"
     touched = [name for name, g in zip(("out", "d_q", "d_k", "d_v"), got) if not np.all(np.isfinite(g[DOC]))]
     assert touched, f"the {value} planted in {where} vanished: document 1's results are all finite"

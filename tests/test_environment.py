@@ -17,36 +17,49 @@ READS = ("get", "setdefault", "pop", "__getitem__", "__contains__")  # environ m
 
 def _is_environ(node: ast.AST) -> bool:
     return (isinstance(node, ast.Attribute) and node.attr == "environ") or (
-        isinstance(node, ast.Name) and node.id == "environ")
+        isinstance(node, ast.Name) and node.id == "environ"
+    )
 
 
 def _is_getenv(node: ast.AST) -> bool:
     return (isinstance(node, ast.Attribute) and node.attr == "getenv") or (
-        isinstance(node, ast.Name) and node.id == "getenv")
+        isinstance(node, ast.Name) and node.id == "getenv"
+    )
 
 
 def python_reads(source: str, where: str) -> set[str]:
     """The names a module's source reads from the environment; a read of an unresolvable name raises."""
     tree = ast.parse(source, where)
-    constants = {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
-                 and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
-                 for target in node.targets if isinstance(target, ast.Name)}
+    constants = {
+        target.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
 
     def name_of(node: ast.AST, line: int) -> str:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             return node.value
         if isinstance(node, ast.Name) and node.id in constants:
             return constants[node.id]
-        raise AssertionError(f"{where}:{line}: an environment read whose name the scan cannot resolve "
-                             f"({ast.unparse(node)}); use a string literal or a module-level constant")
+        raise AssertionError(
+            f"{where}:{line}: an environment read whose name the scan cannot resolve "
+            f"({ast.unparse(node)}); use a string literal or a module-level constant"
+        )
 
     names, seen = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and _is_getenv(node.func) and node.args:  # os.getenv(NAME)
             names.add(name_of(node.args[0], node.lineno))
             seen.add(id(node.func))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _is_environ(node.func.value)
-              and node.func.attr in READS and node.args):  # os.environ.get(NAME), .setdefault, .pop
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and _is_environ(node.func.value)
+            and node.func.attr in READS
+            and node.args
+        ):  # os.environ.get(NAME), .setdefault, .pop
             names.add(name_of(node.args[0], node.lineno))
             seen.add(id(node.func.value))
         elif isinstance(node, ast.Subscript) and _is_environ(node.value):  # os.environ[NAME]
@@ -55,16 +68,24 @@ def python_reads(source: str, where: str) -> set[str]:
         elif isinstance(node, ast.Compare) and any(_is_environ(c) for c in node.comparators):  # NAME in os.environ
             names.add(name_of(node.left, node.lineno))
             seen.update(id(c) for c in node.comparators)
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict" and (
-                node.args and _is_environ(node.args[0])):  # dict(os.environ, ...): a copy for a child process
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "dict"
+            and (node.args and _is_environ(node.args[0]))
+        ):  # dict(os.environ, ...): a copy for a child process
             seen.add(id(node.args[0]))
     for node in ast.walk(tree):  # any other use of os.environ could read a name the patterns above miss
-        if _is_environ(node) and id(node) not in seen and not (
-                isinstance(node, ast.Name) and isinstance(getattr(node, "ctx", None), ast.Store)):
+        if (
+            _is_environ(node)
+            and id(node) not in seen
+            and not (isinstance(node, ast.Name) and isinstance(getattr(node, "ctx", None), ast.Store))
+        ):
             if isinstance(node, ast.Attribute) and not (isinstance(node.value, ast.Name) and node.value.id == "os"):
                 continue  # some other object's .environ
-            raise AssertionError(f"{where}:{node.lineno}: a use of os.environ the scan does not read: "
-                                 f"{ast.unparse(node)}")
+            raise AssertionError(
+                f"{where}:{node.lineno}: a use of os.environ the scan does not read: {ast.unparse(node)}"
+            )
     return names
 
 
@@ -106,7 +127,7 @@ def test_every_documented_variable_is_read():
 
 
 def test_the_scan_finds_each_kind_of_read():
-    source = '''
+    source = """
 import os
 from os import environ, getenv
 ENV = "A_CONSTANT"
@@ -117,9 +138,8 @@ os.getenv("D_GETENV")
 environ.setdefault("E_SETDEFAULT", "1")
 getenv("F_BARE")
 env = dict(os.environ, CHILD="1")
-'''
-    assert python_reads(source, "t.py") == {"A_CONSTANT", "B_SUBSCRIPT", "C_IN", "D_GETENV", "E_SETDEFAULT",
-                                             "F_BARE"}
+"""
+    assert python_reads(source, "t.py") == {"A_CONSTANT", "B_SUBSCRIPT", "C_IN", "D_GETENV", "E_SETDEFAULT", "F_BARE"}
     for hidden in ("os.environ.get(name)", "os.environ.keys()", "os.getenv(prefix + 'X')"):
         try:
             python_reads(f"import os\n{hidden}\n", "t.py")

@@ -16,10 +16,10 @@ import pytest
 
 from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.shared import extension
-from jax_ragged_attn.backends.cudnn import launch
 from jax_ragged_attn.config import AttentionOptions, make_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
 
 @pytest.fixture(scope="module")
 def ext():
@@ -34,21 +34,35 @@ def _config(**overrides):
     k = jax.ShapeDtypeStruct((shapes["tkv"], shapes["hkv"], shapes["dqk"]), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((shapes["tkv"], shapes["hkv"], shapes["dv"]), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((shapes["b"] + 1,), jnp.int32)
-    return make_config(q, k, v, cu, cu, AttentionOptions(is_causal=True, stats_layout=shapes["layout"]),
-                       max_seqlen_q=300, max_seqlen_kv=400)
+    return make_config(
+        q,
+        k,
+        v,
+        cu,
+        cu,
+        AttentionOptions(is_causal=True, stats_layout=shapes["layout"]),
+        max_seqlen_q=300,
+        max_seqlen_kv=400,
+    )
 
 
 def test_extension_registers_one_forward_and_one_backward_handler(ext):
     """Check mode and the packed layouts are the same two handlers (tests/test_handler_contract.py)."""
     capsules = ext.registrations()
-    assert extension.targets() == {"forward": extension.FORWARD_TARGET, "backward": extension.BACKWARD_TARGET,
-                                   "paged_forward": extension.PAGED_FORWARD_TARGET,
-                                   "zero_rows": "jax_ragged_attn_zero_rows",
-                                   "clamp_cache_index": "jax_ragged_attn_clamp_cache_index"}
+    assert extension.targets() == {
+        "forward": extension.FORWARD_TARGET,
+        "backward": extension.BACKWARD_TARGET,
+        "paged_forward": extension.PAGED_FORWARD_TARGET,
+        "zero_rows": "jax_ragged_attn_zero_rows",
+        "clamp_cache_index": "jax_ragged_attn_clamp_cache_index",
+    }
     assert set(capsules) == set(extension.targets().values())
     # A handler is a capsule, or a dict of FFI stage capsules.
-    assert all(type(c).__name__ == "PyCapsule" for handler in capsules.values()
-               for c in (handler.values() if isinstance(handler, dict) else [handler]))
+    assert all(
+        type(c).__name__ == "PyCapsule"
+        for handler in capsules.values()
+        for c in (handler.values() if isinstance(handler, dict) else [handler])
+    )
 
 
 def test_reports_the_cudnn_headers_it_was_built_against(ext):
@@ -141,8 +155,20 @@ def _run_native_test(tmp_path, name: str, header: str) -> None:
     if not (ROOT / "ffi" / header).exists():  # tests run from an installed wheel, away from ffi/
         pytest.skip(f"ffi/{header} is not beside these tests (tests copied away from the source tree)")
     program = tmp_path / name
-    subprocess.run([compiler, "-std=c++17", "-pthread", f"-I{ROOT / 'ffi'}", "-isystem", jax.ffi.include_dir(),
-                    str(ROOT / "tests" / "native" / f"{name}.cc"), "-o", str(program)], check=True)
+    subprocess.run(
+        [
+            compiler,
+            "-std=c++17",
+            "-pthread",
+            f"-I{ROOT / 'ffi'}",
+            "-isystem",
+            jax.ffi.include_dir(),
+            str(ROOT / "tests" / "native" / f"{name}.cc"),
+            "-o",
+            str(program),
+        ],
+        check=True,
+    )
     result = subprocess.run([str(program)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
 

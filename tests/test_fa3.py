@@ -13,15 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks import fa3_compare
 from jax_ragged_attn import backends, ragged_attention
-from jax_ragged_attn.index import RaggedIndex
 from jax_ragged_attn.backends.fa3 import ragged as _fa3
-from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
 from jax_ragged_attn.config import AttentionOptions, make_config
+from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
+from jax_ragged_attn.index import RaggedIndex
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 from jax_ragged_attn.testing import assert_close, fa3_emulator, reference_attention
-
-from benchmarks import fa3_compare
 
 CU = np.array([0, 5, 5, 12], np.int32)
 T, H, D = 15, 4, 128
@@ -46,13 +45,16 @@ def emulated():
         yield
 
 
-@pytest.mark.parametrize("inputs,options,words", [
-    (dict(dtype=jnp.float32), {}, "bfloat16 or float16"),
-    (dict(dim=64), {}, "head dim 128"),
-    (dict(dim_v=64), {}, "Dv=64"),
-    ({}, dict(is_causal=True, cu_kv=np.array([0, 6, 6, 12], np.int32)), "bottom-right"),
-    ({}, dict(local_window_size=3, cu_kv=np.array([0, 6, 6, 12], np.int32)), "bottom-right"),
-])
+@pytest.mark.parametrize(
+    "inputs,options,words",
+    [
+        (dict(dtype=jnp.float32), {}, "bfloat16 or float16"),
+        (dict(dim=64), {}, "head dim 128"),
+        (dict(dim_v=64), {}, "Dv=64"),
+        ({}, dict(is_causal=True, cu_kv=np.array([0, 6, 6, 12], np.int32)), "bottom-right"),
+        ({}, dict(local_window_size=3, cu_kv=np.array([0, 6, 6, 12], np.int32)), "bottom-right"),
+    ],
+)
 def test_declines_with_the_reason(emulated, inputs, options, words):
     with pytest.raises(NotImplementedError, match="implementation='fa3' cannot serve this call") as error:
         _fa3_call(*_qkv(**inputs), **options)
@@ -61,8 +63,12 @@ def test_declines_with_the_reason(emulated, inputs, options, words):
 
 def test_top_left_mask_is_served_where_the_lengths_are_provably_equal(emulated):
     q, k, v = _qkv()
-    both = jax.jit(lambda q, k, v: (_fa3_call(q, k, v, is_causal=True),  # one array for both cu_seqlens
-                                    _fa3_call(q, k, v, cu_kv=CU.copy(), is_causal=True)))  # concrete and equal
+    both = jax.jit(
+        lambda q, k, v: (
+            _fa3_call(q, k, v, is_causal=True),  # one array for both cu_seqlens
+            _fa3_call(q, k, v, cu_kv=CU.copy(), is_causal=True),
+        )
+    )  # concrete and equal
     same, equal = both(q, k, v)
     np.testing.assert_array_equal(np.asarray(same, np.float32), np.asarray(equal, np.float32))
     # Traced cu_seqlens of two arrays prove nothing: declined.
@@ -81,13 +87,17 @@ def test_unavailable_reasons():
             assert "pip install 'jax_ragged_attn[fa3]'" in _fa3.unavailable_reason()
         _fa3.unavailable_reason.cache_clear()
         ampere = types.SimpleNamespace(compute_capability="8.0", device_kind="NVIDIA A100")
-        with mock.patch.object(_fa3, "_installed", lambda: True), \
-                mock.patch.object(jax, "default_backend", lambda: "gpu"), \
-                mock.patch.object(jax, "devices", lambda *a: [ampere]):
+        with (
+            mock.patch.object(_fa3, "_installed", lambda: True),
+            mock.patch.object(jax, "default_backend", lambda: "gpu"),
+            mock.patch.object(jax, "devices", lambda *a: [ampere]),
+        ):
             assert "Hopper" in _fa3.unavailable_reason() and "8.0" in _fa3.unavailable_reason()
         _fa3.unavailable_reason.cache_clear()
-        with mock.patch.object(_fa3, "_installed", lambda: True), \
-                mock.patch.object(jax, "default_backend", lambda: "cpu"):
+        with (
+            mock.patch.object(_fa3, "_installed", lambda: True),
+            mock.patch.object(jax, "default_backend", lambda: "cpu"),
+        ):
             assert "CUDA GPU" in _fa3.unavailable_reason()
     finally:
         _fa3.unavailable_reason.cache_clear()
@@ -108,6 +118,7 @@ def _loss(f):
     def loss(*args):
         out, stats = f(*args)
         return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.where(jnp.isfinite(stats), stats, 0.0) ** 2)
+
     return loss
 
 
@@ -122,8 +133,11 @@ def test_packed_gradients_in_the_packed_shape(emulated):
 
     @jax.jit
     def grads(q, k, v):
-        return (jax.grad(separate, argnums=(0, 1, 2))(q, k, v), jax.grad(qkv)(jnp.stack([q, k, v], axis=1)),
-                jax.grad(kv, argnums=(0, 1))(q, jnp.stack([k, v], axis=1)))
+        return (
+            jax.grad(separate, argnums=(0, 1, 2))(q, k, v),
+            jax.grad(qkv)(jnp.stack([q, k, v], axis=1)),
+            jax.grad(kv, argnums=(0, 1))(q, jnp.stack([k, v], axis=1)),
+        )
 
     (dq, dk, dv), dqkv, (dq_kv, dkv) = grads(q, k, v)
     assert dqkv.shape == (T, 3, H, D) and dkv.shape == (T, 2, H, D) and dqkv.dtype == dkv.dtype == q.dtype
@@ -133,8 +147,11 @@ def test_packed_gradients_in_the_packed_shape(emulated):
 
 def test_check_mode_raises_for_bad_cu_seqlens_and_passes_good_ones(emulated):
     q, k, v = _qkv()
-    f = jax.jit(lambda q, k, v, cu_q, cu_kv: _fa3_call(q, k, v, cu_q, cu_kv, check=True, is_causal=True,
-                                                        diagonal_alignment="bottom_right"))
+    f = jax.jit(
+        lambda q, k, v, cu_q, cu_kv: _fa3_call(
+            q, k, v, cu_q, cu_kv, check=True, is_causal=True, diagonal_alignment="bottom_right"
+        )
+    )
     jax.block_until_ready(f(q, k, v, CU, CU.copy()))
     bad = np.array([0, 9, 5, 12], np.int32)
     with pytest.raises(RaggedAttentionInputError, match="cu_seqlens"):
@@ -149,13 +166,24 @@ def test_sinks_through_the_stats_gradient(emulated):
     d_out = jnp.asarray(np.random.default_rng(1).standard_normal((T, H, D)), jnp.float32)
 
     def loss(q, k, v, sinks):
-        out = ragged_attention(q, k, v, CU, CU, max_seqlen_q=8, max_seqlen_kv=8, implementation="fa3",
-                               is_causal=True, sinks=sinks)
+        out = ragged_attention(
+            q, k, v, CU, CU, max_seqlen_q=8, max_seqlen_kv=8, implementation="fa3", is_causal=True, sinks=sinks
+        )
         return jnp.sum(out.astype(jnp.float32) * d_out)
 
     got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
-    want = reference_attention(q, k, v, CU, CU, max_seqlen_q=8, max_seqlen_kv=8, is_causal=True, sinks=sinks,
-                               d_out=np.asarray(d_out.astype(jnp.bfloat16), np.float64))
+    want = reference_attention(
+        q,
+        k,
+        v,
+        CU,
+        CU,
+        max_seqlen_q=8,
+        max_seqlen_kv=8,
+        is_causal=True,
+        sinks=sinks,
+        d_out=np.asarray(d_out.astype(jnp.bfloat16), np.float64),
+    )
     for g, name in zip(got, ("dq", "dk", "dv", "dsinks")):
         assert_close(np.asarray(g, np.float64), want[name], "bfloat16", name)
 
@@ -174,8 +202,9 @@ def test_training_on_computed_inputs_copies_none_of_them():
     q, k, v, d_out = (jax.random.normal(key, (tokens, heads, D), jnp.bfloat16) for key in keys)
 
     def attend(q, k, v, cu):
-        return ragged_attention(q, k, v, cu, cu, max_seqlen_q=700, max_seqlen_kv=700, is_causal=True,
-                                implementation="fa3")
+        return ragged_attention(
+            q, k, v, cu, cu, max_seqlen_q=700, max_seqlen_kv=700, is_causal=True, implementation="fa3"
+        )
 
     # q, k, v and d_out enter as x * s: intermediates, as a projection and a loss's backward make them.
     step = fa3_compare.steps(attend, "computed")[1]

@@ -30,8 +30,12 @@ import pytest
 from absl.testing import parameterized
 
 import jax_ragged_attn
-from jax_ragged_attn import (flash_attn_varlen_func, flash_attn_with_kvcache, ragged_attention,
-                             ragged_attention_with_kvcache)
+from jax_ragged_attn import (
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+    ragged_attention,
+    ragged_attention_with_kvcache,
+)
 from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.testing import assert_close, declines, packed_batch, reference_attention
 from jax_ragged_attn.testing.helpers import SeededCacheCase
@@ -116,8 +120,18 @@ class FlashAttnCompatTest(parameterized.TestCase):
     def batch(self, rng, dtype, heads=(4, 2)):
         lengths_q, lengths_k = zip(*self.sizes.lengths)
         d = self.sizes.head_dim
-        return packed_batch(rng, lengths_q, lengths_k, num_heads_q=heads[0], num_heads_kv=heads[1], head_dim_qk=d,
-                            head_dim_v=d, dtype=dtype, slack_q=self.sizes.slack[0], slack_kv=self.sizes.slack[1])
+        return packed_batch(
+            rng,
+            lengths_q,
+            lengths_k,
+            num_heads_q=heads[0],
+            num_heads_kv=heads[1],
+            head_dim_qk=d,
+            head_dim_v=d,
+            dtype=dtype,
+            slack_q=self.sizes.slack[0],
+            slack_kv=self.sizes.slack[1],
+        )
 
     def options(self, case: dict) -> dict:
         options = {key: value for key, value in case.items() if key != "heads"}
@@ -140,9 +154,16 @@ class FlashAttnCompatTest(parameterized.TestCase):
     def varlen(self, batch, **options):
         """flash_attn_varlen_func over the batch as a function of (q, k, v), FlashAttention's argument names."""
         return lambda q, k, v: flash_attn_varlen_func(
-            q, k, v, cu_seqlens_q=batch.cu_seqlens_q, cu_seqlens_k=batch.cu_seqlens_kv,
-            max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_kv, implementation=self.implementation,
-            **options)
+            q,
+            k,
+            v,
+            cu_seqlens_q=batch.cu_seqlens_q,
+            cu_seqlens_k=batch.cu_seqlens_kv,
+            max_seqlen_q=batch.max_seqlen_q,
+            max_seqlen_k=batch.max_seqlen_kv,
+            implementation=self.implementation,
+            **options,
+        )
 
     @parameterized.named_parameters(*[dict(testcase_name=name, case_name=name) for name in CASES])
     def test_forward_and_lse(self, case_name):
@@ -151,13 +172,21 @@ class FlashAttnCompatTest(parameterized.TestCase):
         options = self.options(case)
         for dtype in self.dtypes if case_name in ALL_DTYPES else self.dtypes[:1]:
             batch = self.batch(rng, dtype, case.get("heads", (4, 2)))
-            out, lse, probabilities = self.run_op(self.jit(self.varlen(batch, return_attn_probs=True, **options)),
-                                                  *batch.args[:3])
+            out, lse, probabilities = self.run_op(
+                self.jit(self.varlen(batch, return_attn_probs=True, **options)), *batch.args[:3]
+            )
             self.assertIsNone(probabilities)
             expected_out, expected_lse = fa_attention(
-                batch.q64, batch.k64, batch.v64, batch.cu_seqlens_q, batch.cu_seqlens_kv,
-                causal=options.get("causal", False), window_size=options.get("window_size", (-1, -1)),
-                scale=options.get("softmax_scale"), softcap=options.get("softcap", 0.0))
+                batch.q64,
+                batch.k64,
+                batch.v64,
+                batch.cu_seqlens_q,
+                batch.cu_seqlens_kv,
+                causal=options.get("causal", False),
+                window_size=options.get("window_size", (-1, -1)),
+                scale=options.get("softmax_scale"),
+                softcap=options.get("softcap", 0.0),
+            )
             self.assertEqual(out.dtype, batch.q.dtype)
             self.assertEqual((lse.shape, lse.dtype), ((batch.q.shape[1], batch.q.shape[0]), jnp.float32))
             assert_close(out, expected_out, dtype, f"{dtype} out")
@@ -166,11 +195,12 @@ class FlashAttnCompatTest(parameterized.TestCase):
             np.testing.assert_array_equal(np.asarray(out, np.float64)[empty], 0.0)
             if case_name == "causal":  # the first sq - sk rows of sequence 0 (more queries than keys) see no key
                 sq, sk = self.sizes.lengths[0]
-                self.assertTrue(np.isneginf(np.asarray(lse)[:, :sq - sk]).all())
-                self.assertTrue(np.isfinite(np.asarray(lse)[:, sq - sk:sq]).all())
+                self.assertTrue(np.isneginf(np.asarray(lse)[:, : sq - sk]).all())
+                self.assertTrue(np.isfinite(np.asarray(lse)[:, sq - sk : sq]).all())
 
-    @parameterized.named_parameters(*[dict(testcase_name=name, case_name=name)
-                                      for name in ("causal", "causal_gqa", "window_causal", "window")])
+    @parameterized.named_parameters(
+        *[dict(testcase_name=name, case_name=name) for name in ("causal", "causal_gqa", "window_causal", "window")]
+    )
     def test_gradients(self, case_name):
         """dq, dk, dv through FlashAttention's call, held to the float64 reference with bottom-right masks; the
         out cotangent is NaN on rows no sequence owns."""
@@ -182,14 +212,17 @@ class FlashAttnCompatTest(parameterized.TestCase):
         d_out = rng.standard_normal((batch.q.shape[0], batch.q.shape[1], batch.v.shape[2])).astype(dtype)
         d_out[~owned] = np.nan
         f = self.varlen(batch, **options)
-        grads = self.run_op(self.jit(lambda q, k, v, g: jax.vjp(f, q, k, v)[1](g)), *batch.args[:3],
-                            jnp.asarray(d_out))
+        grads = self.run_op(self.jit(lambda q, k, v, g: jax.vjp(f, q, k, v)[1](g)), *batch.args[:3], jnp.asarray(d_out))
         window = options.get("window_size", (-1, -1))
-        expected = reference_attention(*batch.reference_args, max_seqlen_q=batch.max_seqlen_q,
-                                       max_seqlen_kv=batch.max_seqlen_kv, is_causal=options.get("causal", False),
-                                       diagonal_alignment="bottom_right",
-                                       local_window_size=None if window == (-1, -1) else window,
-                                       d_out=np.nan_to_num(d_out.astype(np.float64)))
+        expected = reference_attention(
+            *batch.reference_args,
+            max_seqlen_q=batch.max_seqlen_q,
+            max_seqlen_kv=batch.max_seqlen_kv,
+            is_causal=options.get("causal", False),
+            diagonal_alignment="bottom_right",
+            local_window_size=None if window == (-1, -1) else window,
+            d_out=np.nan_to_num(d_out.astype(np.float64)),
+        )
         for name, grad in zip(("dq", "dk", "dv"), grads):
             assert_close(grad, expected[name], dtype, f"{dtype} {name}")
         self.assertGreater(np.abs(expected["dq"]).max(), 0)
@@ -199,11 +232,38 @@ class FlashAttnCompatTest(parameterized.TestCase):
         softcap, alibi_slopes, deterministic, return_attn_probs."""
         batch = self.batch(self.rng(), self.dtypes[0])
         window = (2 * self.sizes.window_unit, 0)
-        out, lse, _ = self.run_op(self.jit(lambda q, k, v: flash_attn_varlen_func(
-            q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_kv, batch.max_seqlen_q, batch.max_seqlen_kv, 0.0, 0.5,
-            True, window, 0.0, None, False, True)), *batch.args[:3])
-        expected_out, expected_lse = fa_attention(batch.q64, batch.k64, batch.v64, batch.cu_seqlens_q,
-                                                  batch.cu_seqlens_kv, causal=True, window_size=window, scale=0.5)
+        out, lse, _ = self.run_op(
+            self.jit(
+                lambda q, k, v: flash_attn_varlen_func(
+                    q,
+                    k,
+                    v,
+                    batch.cu_seqlens_q,
+                    batch.cu_seqlens_kv,
+                    batch.max_seqlen_q,
+                    batch.max_seqlen_kv,
+                    0.0,
+                    0.5,
+                    True,
+                    window,
+                    0.0,
+                    None,
+                    False,
+                    True,
+                )
+            ),
+            *batch.args[:3],
+        )
+        expected_out, expected_lse = fa_attention(
+            batch.q64,
+            batch.k64,
+            batch.v64,
+            batch.cu_seqlens_q,
+            batch.cu_seqlens_kv,
+            causal=True,
+            window_size=window,
+            scale=0.5,
+        )
         assert_close(out, expected_out, self.dtypes[0], "out")
         assert_close(lse, expected_lse, "float32", "softmax_lse")
 
@@ -216,9 +276,14 @@ class FlashAttnCompatTest(parameterized.TestCase):
     def test_deterministic_reruns_are_bit_identical(self):
         batch = self.batch(self.rng(), self.dtypes[0])
         f = self.varlen(batch, causal=True, deterministic=True)
-        loss = self.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.where(jnp.asarray(~batch.padding_q)[:, None, None],
-                                                                  f(q, k, v), 0).astype(jnp.float32)),
-                                argnums=(0, 1, 2)))
+        loss = self.jit(
+            jax.grad(
+                lambda q, k, v: jnp.sum(
+                    jnp.where(jnp.asarray(~batch.padding_q)[:, None, None], f(q, k, v), 0).astype(jnp.float32)
+                ),
+                argnums=(0, 1, 2),
+            )
+        )
         first, second = self.run_op(loss, *batch.args[:3]), self.run_op(loss, *batch.args[:3])
         for name, a, b in zip(("dq", "dk", "dv"), first, second):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
@@ -275,8 +340,9 @@ def fa_kvcache_attention(q, k_rows, v_rows, *, causal, window_size, scale=None):
     outs, lses = [], []
     for b in range(batch):
         cu_q, cu_k = np.array([0, sq]), np.array([0, len(k_rows[b])])
-        out, lse = fa_attention(q[b], k_rows[b], v_rows[b], cu_q, cu_k, causal=causal, window_size=window_size,
-                                scale=scale)
+        out, lse = fa_attention(
+            q[b], k_rows[b], v_rows[b], cu_q, cu_k, causal=causal, window_size=window_size, scale=scale
+        )
         outs.append(out)
         lses.append(lse)
     return np.stack(outs), np.stack(lses)
@@ -302,14 +368,14 @@ class FlashAttnKVCacheCompatTest(SeededCacheCase, parameterized.TestCase):
         room = self.capacity - new_rows
         before = np.array([room, 0, 1, room // 2, self.page_size], np.int32)  # full, empty, short, ...
         batch = len(before)
-        cast = lambda x: np.asarray(x, self.dtype).astype(np.float64)  # noqa: E731 (values the dtype holds)
+        cast = lambda x: np.asarray(x, self.dtype).astype(np.float64)
         q = cast(self.rng.standard_normal((batch, seqlen_q, hq, d)))
         rows_k = [cast(self.rng.standard_normal((n + new_rows, hkv, d))) for n in before]
         rows_v = [cast(self.rng.standard_normal((n + new_rows, hkv, d))) for n in before]
         if paged:
             num_pages = batch * self.max_pages + 1
             order = self.rng.permutation(num_pages)  # sequence b's pages anywhere in the cache
-            table = order[:batch * self.max_pages].reshape(batch, self.max_pages).astype(np.int32)
+            table = order[: batch * self.max_pages].reshape(batch, self.max_pages).astype(np.int32)
             k_cache = np.full((num_pages, self.page_size, hkv, d), np.nan)
         else:
             table = None
@@ -321,32 +387,59 @@ class FlashAttnKVCacheCompatTest(SeededCacheCase, parameterized.TestCase):
                 k_cache[at], v_cache[at] = rows_k[b][r], rows_v[b][r]
         new_k = np.stack([rows[n:] for rows, n in zip(rows_k, before)]) if new_rows else None
         new_v = np.stack([rows[n:] for rows, n in zip(rows_v, before)]) if new_rows else None
-        device = lambda x: None if x is None else jnp.asarray(x, self.dtype)  # noqa: E731
-        return dict(q=device(q), k_cache=device(k_cache), v_cache=device(v_cache), k=device(new_k),
-                    v=device(new_v), cache_seqlens=jnp.asarray(before), table=None if table is None else
-                    jnp.asarray(table)), (q, rows_k, rows_v)
+        device = lambda x: None if x is None else jnp.asarray(x, self.dtype)
+        return dict(
+            q=device(q),
+            k_cache=device(k_cache),
+            v_cache=device(v_cache),
+            k=device(new_k),
+            v=device(new_v),
+            cache_seqlens=jnp.asarray(before),
+            table=None if table is None else jnp.asarray(table),
+        ), (q, rows_k, rows_v)
 
     def call(self, arguments, **options):
         """flash_attn_with_kvcache through self.implementation; a decline testing/declines.py lists is a skip."""
-        return declines.call(self.implementation, flash_attn_with_kvcache, arguments["q"], arguments["k_cache"],
-                             arguments["v_cache"], arguments["k"], arguments["v"],
-                             cache_seqlens=arguments["cache_seqlens"], block_table=arguments["table"],
-                             implementation=self.implementation, skip=self.skipTest, **options)
+        return declines.call(
+            self.implementation,
+            flash_attn_with_kvcache,
+            arguments["q"],
+            arguments["k_cache"],
+            arguments["v_cache"],
+            arguments["k"],
+            arguments["v"],
+            cache_seqlens=arguments["cache_seqlens"],
+            block_table=arguments["table"],
+            implementation=self.implementation,
+            skip=self.skipTest,
+            **options,
+        )
 
     @parameterized.named_parameters(
-        [dict(testcase_name=f"{name}_{'paged' if paged else 'contiguous'}", paged=paged, **options)
-         for name, options in (("causal", dict(causal=True)), ("not_causal", dict(causal=False)),
-                               ("window", dict(causal=True, window_size=(4, 0))),
-                               ("mqa_scale", dict(causal=True, heads=(4, 1), softmax_scale=0.3)))
-         for paged in (False, True)])
+        [
+            dict(testcase_name=f"{name}_{'paged' if paged else 'contiguous'}", paged=paged, **options)
+            for name, options in (
+                ("causal", dict(causal=True)),
+                ("not_causal", dict(causal=False)),
+                ("window", dict(causal=True, window_size=(4, 0))),
+                ("mqa_scale", dict(causal=True, heads=(4, 1), softmax_scale=0.3)),
+            )
+            for paged in (False, True)
+        ]
+    )
     def test_append_then_attend(self, paged, heads=(4, 2), **options):
         """k and v written at cache_seqlens (the length before them), the queries attending the appended cache
         bottom-right; (out, softmax_lse, k_cache, v_cache)."""
         arguments, (q, rows_k, rows_v) = self.make(paged=paged, new_rows=2, heads=heads)
         out, lse, k_cache, v_cache = self.call(arguments, return_softmax_lse=True, **options)
-        expected_out, expected_lse = fa_kvcache_attention(q, rows_k, rows_v, causal=options["causal"],
-                                                          window_size=options.get("window_size", (-1, -1)),
-                                                          scale=options.get("softmax_scale"))
+        expected_out, expected_lse = fa_kvcache_attention(
+            q,
+            rows_k,
+            rows_v,
+            causal=options["causal"],
+            window_size=options.get("window_size", (-1, -1)),
+            scale=options.get("softmax_scale"),
+        )
         assert_close(out, expected_out, self.dtype, "out")
         assert_close(lse, expected_lse, self.dtype, "softmax_lse")
         self.assertEqual(lse.shape, (q.shape[0], q.shape[2], q.shape[1]))  # [B, Hq, Sq]
@@ -358,8 +451,12 @@ class FlashAttnKVCacheCompatTest(SeededCacheCase, parameterized.TestCase):
                 np.testing.assert_array_equal(np.asarray(v_cache[at], np.float64), rows_v[b][r])
 
     @parameterized.named_parameters(
-        [dict(testcase_name=f"{name}_{'paged' if paged else 'contiguous'}", paged=paged, causal=causal)
-         for name, causal in (("causal", True), ("not_causal", False)) for paged in (False, True)])
+        [
+            dict(testcase_name=f"{name}_{'paged' if paged else 'contiguous'}", paged=paged, causal=causal)
+            for name, causal in (("causal", True), ("not_causal", False))
+            for paged in (False, True)
+        ]
+    )
     def test_packed_queries_and_new_keys(self, paged, causal):
         """FlashAttention 3's varlen form (a serving step): sequence b appends m_b packed rows (cu_seqlens_k_new)
         and its m_b queries (cu_seqlens_q) attend the appended cache; out [T, Hq, Dv], softmax_lse [Hq, T]."""
@@ -367,20 +464,28 @@ class FlashAttnKVCacheCompatTest(SeededCacheCase, parameterized.TestCase):
         arguments, (q, rows_k, rows_v) = self.make(paged=paged, new_rows=int(new.max()), seqlen_q=int(new.max()))
         before = np.asarray(arguments["cache_seqlens"])
         cu = jnp.asarray(np.concatenate([[0], np.cumsum(new)]), jnp.int32)
-        pack = lambda x: jnp.concatenate([x[b, :m] for b, m in enumerate(new)])  # noqa: E731
-        out, lse, k_cache, _ = self.call(dict(arguments, q=pack(arguments["q"]), k=pack(arguments["k"]),
-                                              v=pack(arguments["v"])),
-                                         cu_seqlens_q=cu, cu_seqlens_k_new=cu, max_seqlen_q=int(new.max()),
-                                         return_softmax_lse=True, causal=causal)
+        pack = lambda x: jnp.concatenate([x[b, :m] for b, m in enumerate(new)])
+        out, lse, k_cache, _ = self.call(
+            dict(arguments, q=pack(arguments["q"]), k=pack(arguments["k"]), v=pack(arguments["v"])),
+            cu_seqlens_q=cu,
+            cu_seqlens_k_new=cu,
+            max_seqlen_q=int(new.max()),
+            return_softmax_lse=True,
+            causal=causal,
+        )
         self.assertEqual(out.shape, (int(new.sum()),) + q.shape[2:])
         self.assertEqual(lse.shape, (q.shape[2], int(new.sum())))  # [Hq, T]
         for b, m in enumerate(new):
             if not m:
                 continue
             rows = slice(int(cu[b]), int(cu[b + 1]))
-            expected_out, expected_lse = fa_kvcache_attention(q[b:b + 1, :m], [rows_k[b][:before[b] + m]],
-                                                              [rows_v[b][:before[b] + m]], causal=causal,
-                                                              window_size=(-1, -1))
+            expected_out, expected_lse = fa_kvcache_attention(
+                q[b : b + 1, :m],
+                [rows_k[b][: before[b] + m]],
+                [rows_v[b][: before[b] + m]],
+                causal=causal,
+                window_size=(-1, -1),
+            )
             assert_close(out[rows], expected_out[0], self.dtype, f"out of sequence {b}")
             assert_close(lse[:, rows], expected_lse[0], self.dtype, f"softmax_lse of sequence {b}")
             table = arguments["table"]
@@ -400,10 +505,20 @@ class FlashAttnKVCacheCompatTest(SeededCacheCase, parameterized.TestCase):
         """An int cache_seqlens is every sequence's length (0 here: the new row is written at row 0 and is the
         only key); FlashAttention 3's page_table names the table."""
         arguments, (q, rows_k, rows_v) = self.make(paged=not self.contiguous_only, new_rows=1, seqlen_q=2)
-        out, k_cache, _ = declines.call(self.implementation, flash_attn_with_kvcache, arguments["q"],
-                                        arguments["k_cache"], arguments["v_cache"], arguments["k"], arguments["v"],
-                                        cache_seqlens=0, page_table=arguments["table"], causal=False,
-                                        implementation=self.implementation, skip=self.skipTest)
+        out, k_cache, _ = declines.call(
+            self.implementation,
+            flash_attn_with_kvcache,
+            arguments["q"],
+            arguments["k_cache"],
+            arguments["v_cache"],
+            arguments["k"],
+            arguments["v"],
+            cache_seqlens=0,
+            page_table=arguments["table"],
+            causal=False,
+            implementation=self.implementation,
+            skip=self.skipTest,
+        )
         before = np.asarray(arguments["cache_seqlens"])
         new_k = [rows[n:] for rows, n in zip(rows_k, before)]
         new_v = [rows[n:] for rows, n in zip(rows_v, before)]
@@ -450,29 +565,43 @@ class Fa3FlashAttnKVCacheCompatTest(FlashAttnKVCacheCompatTest):
 
 
 def _small_batch():
-    return packed_batch(np.random.default_rng(0), (3, 2), (4, 2), num_heads_q=2, num_heads_kv=2, head_dim_qk=8,
-                        head_dim_v=8, dtype="float32")
+    return packed_batch(
+        np.random.default_rng(0),
+        (3, 2),
+        (4, 2),
+        num_heads_q=2,
+        num_heads_kv=2,
+        head_dim_qk=8,
+        head_dim_v=8,
+        dtype="float32",
+    )
 
 
-@pytest.mark.parametrize("keywords, argument", [
-    (dict(dropout_p=0.1), "dropout_p"),
-    (dict(alibi_slopes=jnp.ones(2)), "alibi_slopes"),
-    (dict(block_table=jnp.zeros((2, 1), jnp.int32)), "block_table"),
-])
+@pytest.mark.parametrize(
+    "keywords, argument",
+    [
+        (dict(dropout_p=0.1), "dropout_p"),
+        (dict(alibi_slopes=jnp.ones(2)), "alibi_slopes"),
+        (dict(block_table=jnp.zeros((2, 1), jnp.int32)), "block_table"),
+    ],
+)
 def test_varlen_unsupported_arguments_raise_naming_them(keywords, argument):
     batch = _small_batch()
     with pytest.raises(NotImplementedError, match=f"^{argument} is not supported: "):
         flash_attn_varlen_func(*batch.args, batch.max_seqlen_q, batch.max_seqlen_kv, **keywords)
 
 
-@pytest.mark.parametrize("keywords, argument", [
-    (dict(rotary_cos=jnp.ones((8, 4)), rotary_sin=jnp.ones((8, 4))), "rotary_cos"),
-    (dict(rotary_sin=jnp.ones((8, 4))), "rotary_sin"),
-    (dict(cache_batch_idx=jnp.arange(2)), "cache_batch_idx"),
-    (dict(cache_leftpad=jnp.zeros(2, jnp.int32)), "cache_leftpad"),
-    (dict(alibi_slopes=jnp.ones(2)), "alibi_slopes"),
-    (dict(num_splits=2), "num_splits"),
-])
+@pytest.mark.parametrize(
+    "keywords, argument",
+    [
+        (dict(rotary_cos=jnp.ones((8, 4)), rotary_sin=jnp.ones((8, 4))), "rotary_cos"),
+        (dict(rotary_sin=jnp.ones((8, 4))), "rotary_sin"),
+        (dict(cache_batch_idx=jnp.arange(2)), "cache_batch_idx"),
+        (dict(cache_leftpad=jnp.zeros(2, jnp.int32)), "cache_leftpad"),
+        (dict(alibi_slopes=jnp.ones(2)), "alibi_slopes"),
+        (dict(num_splits=2), "num_splits"),
+    ],
+)
 def test_kvcache_unsupported_arguments_raise_naming_them(keywords, argument):
     q, cache = jnp.ones((2, 1, 2, 8)), jnp.ones((2, 8, 2, 8))
     with pytest.raises(NotImplementedError, match=f"^{argument} is not supported: "):
@@ -487,8 +616,14 @@ def test_kvcache_argument_errors():
     with pytest.raises(ValueError, match="cache_seqlens is required with k and v"):
         flash_attn_with_kvcache(q, cache, cache, k=new, v=new)
     with pytest.raises(ValueError, match="not both"):
-        flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, block_table=jnp.zeros((2, 1), jnp.int32),
-                                page_table=jnp.zeros((2, 1), jnp.int32))
+        flash_attn_with_kvcache(
+            q,
+            cache,
+            cache,
+            cache_seqlens=3,
+            block_table=jnp.zeros((2, 1), jnp.int32),
+            page_table=jnp.zeros((2, 1), jnp.int32),
+        )
     # No cache_seqlens: the whole cache (FlashAttention's meaning without lengths).
     out = flash_attn_with_kvcache(q, cache, cache, causal=True, implementation="xla")
     np.testing.assert_allclose(np.asarray(out), 1.0, rtol=1e-6)
@@ -506,10 +641,13 @@ def test_causal_cross_attention_is_bottom_right_not_ragged_attentions_default():
     diagonal_alignment="bottom_right", not its default top-left."""
     batch = _small_batch()
     bounds = dict(max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv)
-    ours, bottom_right, top_left = jax.jit(lambda q, k, v, cu_q, cu_k: (
-        flash_attn_varlen_func(q, k, v, cu_q, cu_k, batch.max_seqlen_q, batch.max_seqlen_kv, causal=True),
-        ragged_attention(q, k, v, cu_q, cu_k, **bounds, is_causal=True, diagonal_alignment="bottom_right"),
-        ragged_attention(q, k, v, cu_q, cu_k, **bounds, is_causal=True)))(*batch.args)
+    ours, bottom_right, top_left = jax.jit(
+        lambda q, k, v, cu_q, cu_k: (
+            flash_attn_varlen_func(q, k, v, cu_q, cu_k, batch.max_seqlen_q, batch.max_seqlen_kv, causal=True),
+            ragged_attention(q, k, v, cu_q, cu_k, **bounds, is_causal=True, diagonal_alignment="bottom_right"),
+            ragged_attention(q, k, v, cu_q, cu_k, **bounds, is_causal=True),
+        )
+    )(*batch.args)
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(bottom_right))
     assert np.abs(np.asarray(ours) - np.asarray(top_left)).max() > 0.1
 
@@ -531,8 +669,9 @@ FA_NAMES = {
 def test_flash_attention_names_given_to_ragged_attention_name_ours(name):
     batch = _small_batch()
     value, ours = FA_NAMES[name]
-    with pytest.raises(TypeError, match=f"^ragged_attention\\(\\) got an unexpected keyword argument '{name}': "
-                                        f"pass {ours} instead") as raised:
+    with pytest.raises(
+        TypeError, match=f"^ragged_attention\\(\\) got an unexpected keyword argument '{name}': pass {ours} instead"
+    ) as raised:
         ragged_attention(*batch.args, max_seqlen_q=4, max_seqlen_kv=4, **{name: value})
     assert "flash_attn_varlen_func" in str(raised.value)
     if name in ("causal", "window_size"):
@@ -551,14 +690,22 @@ def test_unknown_keywords_are_still_named():
         ragged_attention(*batch.args, 4, 4)
 
 
-@pytest.mark.parametrize("name, value, ours", [("window_size", (2, 0), "local_window_size="),
-                                               ("softmax_scale", 0.5, "scale="), ("causal", False, "is_causal="),
-                                               ("return_softmax_lse", True, "return_stats="),
-                                               ("block_table", None, "page_table=")])
+@pytest.mark.parametrize(
+    "name, value, ours",
+    [
+        ("window_size", (2, 0), "local_window_size="),
+        ("softmax_scale", 0.5, "scale="),
+        ("causal", False, "is_causal="),
+        ("return_softmax_lse", True, "return_stats="),
+        ("block_table", None, "page_table="),
+    ],
+)
 def test_flash_attention_names_given_to_ragged_attention_with_kvcache_name_ours(name, value, ours):
     q, cache = jnp.ones((2, 1, 2, 8)), jnp.ones((2, 8, 2, 8))
-    with pytest.raises(TypeError, match=f"^ragged_attention_with_kvcache\\(\\) got an unexpected keyword argument "
-                                        f"'{name}': pass {ours} instead"):
+    with pytest.raises(
+        TypeError,
+        match=f"^ragged_attention_with_kvcache\\(\\) got an unexpected keyword argument '{name}': pass {ours} instead",
+    ):
         ragged_attention_with_kvcache(q, cache, cache, jnp.full(2, 3), **{name: value})
     with pytest.raises(TypeError, match="'k': append new keys and values with kvcache_append"):
         ragged_attention_with_kvcache(q, cache, cache, jnp.full(2, 3), k=q)

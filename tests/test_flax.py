@@ -15,9 +15,10 @@ import pytest
 
 nnx = pytest.importorskip("flax.nnx", reason="the Flax module needs flax: pip install 'jax_ragged_attn[flax]'")
 
+from tiers import some_fast  # tests/ is on sys.path under pytest
+
 from jax_ragged_attn.flax import RaggedSelfAttention, apply_rope, positions_from_cu_seqlens  # noqa: E402
 from jax_ragged_attn.testing import assert_close  # noqa: E402
-from tiers import some_fast  # tests/ is on sys.path under pytest
 
 FEATURES = 24
 LENGTHS = (5, 0, 9, 1, 7)  # a zero-length and a one-token sequence among them
@@ -55,6 +56,7 @@ def _model(config: dict, seed: int = 0, **extra) -> RaggedSelfAttention:
 
 # ---- An independent float64 reference: one sequence at a time, nothing packed, RoPE as complex rotation. ----
 
+
 def _reference_sequence(model: RaggedSelfAttention, x: np.ndarray):
     """(y [L, F], lse [Hq, L]) for one sequence alone, in float64 from the module's parameters."""
     n = x.shape[0]
@@ -69,11 +71,11 @@ def _reference_sequence(model: RaggedSelfAttention, x: np.ndarray):
     if model.rope_base is not None:
         half = d // 2
         angle = np.arange(n)[:, None, None] * model.rope_base ** (-2.0 * np.arange(half) / d)
-        rotate = lambda t: (t[..., :half] + 1j * t[..., half:]) * np.exp(1j * angle)  # noqa: E731
+        rotate = lambda t: (t[..., :half] + 1j * t[..., half:]) * np.exp(1j * angle)
         q, k = (np.concatenate([z.real, z.imag], axis=-1) for z in (rotate(q), rotate(k)))
     group = h // hkv
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # query head i reads kv head i // group
-    scale = model.scale if model.scale is not None else d ** -0.5
+    scale = model.scale if model.scale is not None else d**-0.5
     logits = np.einsum("qhd,khd->hqk", q, k) * scale
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
     keep = np.ones((n, n), bool)
@@ -121,8 +123,9 @@ def test_packed_equals_each_sequence_alone(name):
         # The same module on the sequence alone (no packing, positions derived from cu_seqlens).
         x_alone, cu_alone = _alone(x, cu, b)
         alone = packed(model, x_alone, cu_alone, positions_from_cu_seqlens(cu_alone, x.shape[0]))[0]
-        assert_close(alone[:end - start], np.asarray(y[start:end], np.float64), np.float32,
-                     f"{name} sequence {b} vs alone")
+        assert_close(
+            alone[: end - start], np.asarray(y[start:end], np.float64), np.float32, f"{name} sequence {b} vs alone"
+        )
     assert float(jnp.abs(y[:total]).max()) > 0.1
 
 
@@ -130,7 +133,7 @@ def _alone(x, cu, b):
     """Sequence b by itself: its rows first in a buffer of x's shape, the rest NaN, cu [0, n, n, ...] (one
     compiled program for every sequence; nothing else is in the buffer to leak)."""
     start, end = int(cu[b]), int(cu[b + 1])
-    alone = jnp.full_like(x, jnp.nan).at[:end - start].set(x[start:end])
+    alone = jnp.full_like(x, jnp.nan).at[: end - start].set(x[start:end])
     return alone, jnp.full_like(cu, end - start).at[0].set(0)
 
 
@@ -138,8 +141,10 @@ def _loss_packed(model, x, cu, positions, cotangent):
     return jnp.sum(model(x, cu, positions, max_seqlen=MAX_SEQLEN) * cotangent)
 
 
-@some_fast({"remat": {"plain": False, "remat": True}, "name": ["mha_causal", "gqa_sinks", "mqa_window"]},
-           fast=["plain-mha_causal", "remat-gqa_sinks", "plain-mqa_window"])
+@some_fast(
+    {"remat": {"plain": False, "remat": True}, "name": ["mha_causal", "gqa_sinks", "mqa_window"]},
+    fast=["plain-mha_causal", "remat-gqa_sinks", "plain-mqa_window"],
+)
 def test_gradients_equal_the_sum_over_sequences_alone(name, remat):
     model = _model(CONFIGS[name], seed=3)
     x, cu, positions = _inputs(4)
@@ -160,12 +165,11 @@ def test_gradients_equal_the_sum_over_sequences_alone(name, remat):
         if end == start:
             continue
         x_alone, cu_alone = _alone(x, cu, b)
-        cotangent_alone = jnp.zeros_like(cotangent).at[:end - start].set(cotangent[start:end])
-        g_model, g_x = grads(model, x_alone, cu_alone, positions_from_cu_seqlens(cu_alone, x.shape[0]),
-                             cotangent_alone)
+        cotangent_alone = jnp.zeros_like(cotangent).at[: end - start].set(cotangent[start:end])
+        g_model, g_x = grads(model, x_alone, cu_alone, positions_from_cu_seqlens(cu_alone, x.shape[0]), cotangent_alone)
         leaves = jax.tree.leaves(nnx.state(g_model, nnx.Param))
         expected_params = leaves if expected_params is None else [a + b for a, b in zip(expected_params, leaves)]
-        expected_x[start:end] = np.asarray(g_x[:end - start])
+        expected_x[start:end] = np.asarray(g_x[: end - start])
     got = jax.tree_util.tree_leaves_with_path(nnx.state(d_model, nnx.Param))
     assert len(got) == len(expected_params)
     for (path, a), b in zip(got, expected_params):
@@ -185,8 +189,12 @@ def test_positions_default_to_cu_seqlens():
     np.testing.assert_array_equal(nnx.jit(lambda model: model(x, cu, max_seqlen=MAX_SEQLEN))(model), y)
     # RoPE sees only distances within a sequence: global row numbers give the same result as restarted
     # positions, and stretched distances do not.
-    assert_close(call(model, jnp.arange(x.shape[0], dtype=jnp.int32)), np.asarray(y, np.float64), np.float32,
-                 "global row numbers as positions")
+    assert_close(
+        call(model, jnp.arange(x.shape[0], dtype=jnp.int32)),
+        np.asarray(y, np.float64),
+        np.float32,
+        "global row numbers as positions",
+    )
     assert not np.allclose(call(model, 2 * positions)[1:5], y[1:5], atol=1e-3)
 
 
@@ -202,10 +210,13 @@ def test_rope_scores_depend_on_relative_position_only():
     np.testing.assert_allclose(apply_rope(q, jnp.asarray(0)), q)
 
 
-@pytest.mark.parametrize("config, shapes", [
-    (dict(num_heads=4), ("qkv", (11, 3, 4, 6))),
-    (dict(num_heads=4, num_kv_heads=2), ("q", (11, 4, 6), "kv", (11, 2, 2, 6))),
-])
+@pytest.mark.parametrize(
+    "config, shapes",
+    [
+        (dict(num_heads=4), ("qkv", (11, 3, 4, 6))),
+        (dict(num_heads=4, num_kv_heads=2), ("q", (11, 4, 6), "kv", (11, 2, 2, 6))),
+    ],
+)
 def test_projection_is_laid_out_for_the_packed_ops(config, shapes):
     model = _model(config)
     x = jnp.ones((11, FEATURES), jnp.float32)  # float32 under x64 too: the reference einsum below is float32
@@ -239,15 +250,18 @@ def test_implementation_cudnn_without_gpu_says_why():
         model(x, cu, positions, max_seqlen=MAX_SEQLEN)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(num_heads=0), r"num_heads must be an int >= 1, got 0"),
-    (dict(num_heads=4, num_kv_heads=3), r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"),
-    (dict(num_heads=5), r"features \(24\) must be a multiple of num_heads \(5\), or pass head_dim"),
-    (dict(num_heads=4, head_dim=5), r"RoPE needs an even head_dim"),
-    (dict(num_heads=4, is_causal=1), r"is_causal and sinks must be Python bools"),
-    (dict(num_heads=2.0), r"num_heads must be an int, got float"),
-    (dict(num_heads=4, strategy="fast"), r"strategy must be one of \('fastest', 'lean_memory'\), got 'fast'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_heads=0), r"num_heads must be an int >= 1, got 0"),
+        (dict(num_heads=4, num_kv_heads=3), r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"),
+        (dict(num_heads=5), r"features \(24\) must be a multiple of num_heads \(5\), or pass head_dim"),
+        (dict(num_heads=4, head_dim=5), r"RoPE needs an even head_dim"),
+        (dict(num_heads=4, is_causal=1), r"is_causal and sinks must be Python bools"),
+        (dict(num_heads=2.0), r"num_heads must be an int, got float"),
+        (dict(num_heads=4, strategy="fast"), r"strategy must be one of \('fastest', 'lean_memory'\), got 'fast'"),
+    ],
+)
 def test_bad_construction_raises_naming_the_argument(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RaggedSelfAttention(FEATURES, **kwargs, rngs=nnx.Rngs(0))
@@ -263,10 +277,17 @@ def test_bad_call_raises_naming_the_argument():
 
 
 def test_missing_flax_names_the_extra():
-    code = ("import sys; sys.modules['flax'] = None\n"
-            "try:\n    import jax_ragged_attn.flax\nexcept ImportError as e:\n    print(e)")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    code = (
+        "import sys; sys.modules['flax'] = None\n"
+        "try:\n    import jax_ragged_attn.flax\nexcept ImportError as e:\n    print(e)"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
     assert run.returncode == 0, run.stderr
     assert "pip install 'jax_ragged_attn[flax]'" in run.stdout, run.stdout
 
@@ -305,15 +326,17 @@ def _sharded_check(config: dict) -> None:
         # The attention runs inside shard_map over heads, and nothing gathers the heads: the one collective
         # is the all-reduce of the output projection's sum over heads.
         graphdef, state = nnx.split(sharded)
-        plain_step = lambda state, *args: step(nnx.merge(graphdef, state), *args)  # noqa: E731
+        plain_step = lambda state, *args: step(nnx.merge(graphdef, state), *args)
         assert "shard_map" in str(jax.make_jaxpr(plain_step)(state, x, cu, positions, cotangent))
         hlo = jax.jit(plain_step).lower(state, x, cu, positions, cotangent).compile().as_text()
     found = [c for c in ("all-gather", "all-to-all", "collective-permute", "reduce-scatter") if c in hlo]
     assert not found, f"collectives that move heads between devices: {found}"
     assert_close(got[0], np.asarray(expected[0], np.float64), np.float32, "sharded y")
     assert_close(got[1], np.asarray(expected[1], np.float64), np.float32, "sharded loss")
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(nnx.state(got[2], nnx.Param)),
-                            jax.tree.leaves(nnx.state(expected[2], nnx.Param))):
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(nnx.state(got[2], nnx.Param)),
+        jax.tree.leaves(nnx.state(expected[2], nnx.Param)),
+    ):
         assert_close(np.asarray(a, np.float64), np.asarray(b, np.float64), np.float32, f"sharded d{path}")
 
 
@@ -328,8 +351,11 @@ def _child() -> None:
 
 @pytest.mark.slow  # 4 devices; test_sharding.py is fast
 def test_sharded_parameters_match_unsharded():
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip(),
+    )
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     results = {json.loads(line)["check"]: json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")}
     assert run.returncode == 0, f"child exited {run.returncode}:\n{run.stdout}\n{run.stderr[-4000:]}"
@@ -344,10 +370,17 @@ if __name__ == "__main__":
 
 # ---- GPU: the cuDNN path inside the module equals the xla path. ----
 
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [dict(num_heads=8), dict(num_heads=8, num_kv_heads=2),
-                                    dict(num_heads=8, num_kv_heads=2, local_window_size=(64, 0))],
-                         ids=["mha", "gqa", "gqa_window"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(num_heads=8),
+        dict(num_heads=8, num_kv_heads=2),
+        dict(num_heads=8, num_kv_heads=2, local_window_size=(64, 0)),
+    ],
+    ids=["mha", "gqa", "gqa_window"],
+)
 def test_cudnn_path_equals_xla_path(config):
     from jax_ragged_attn import cudnn_unavailable_reason
 
@@ -364,14 +397,16 @@ def test_cudnn_path_equals_xla_path(config):
     cotangent = jnp.asarray(rng.standard_normal(x.shape), jnp.bfloat16)
     results = {}
     for implementation in ("cudnn", "xla"):
-        model = RaggedSelfAttention(features, **config, dtype=jnp.bfloat16, implementation=implementation,
-                                    rngs=nnx.Rngs(0))
+        model = RaggedSelfAttention(
+            features, **config, dtype=jnp.bfloat16, implementation=implementation, rngs=nnx.Rngs(0)
+        )
 
         @nnx.jit
         def run(model, x):
             def loss(model, x):
                 y = model(x, cu, max_seqlen=max(lengths))
                 return jnp.sum((y * cotangent).astype(jnp.float32)), y
+
             (_, y), grads = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(model, x)
             return y, grads
 
@@ -380,6 +415,7 @@ def test_cudnn_path_equals_xla_path(config):
     assert_close(np.asarray(y_cudnn, np.float64), np.asarray(y_xla, np.float64), "bfloat16", "y")
     np.testing.assert_array_equal(np.asarray(y_cudnn[total:], np.float32), 0.0)
     assert_close(np.asarray(dx_cudnn[:total], np.float64), np.asarray(dx_xla[:total], np.float64), "bfloat16", "dx")
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(nnx.state(g_cudnn, nnx.Param)),
-                            jax.tree.leaves(nnx.state(g_xla, nnx.Param))):
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(nnx.state(g_cudnn, nnx.Param)), jax.tree.leaves(nnx.state(g_xla, nnx.Param))
+    ):
         assert_close(np.asarray(a, np.float64), np.asarray(b, np.float64), "bfloat16", f"d{path}")

@@ -11,16 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
+from jax_ragged_attn.backends.cudnn import extents, launch
 from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.shared import head_groups
 from jax_ragged_attn.backends.xla import ragged as xla
-from jax_ragged_attn.backends.cudnn import extents, launch
-from jax_ragged_attn.index.packings import TABLE
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.index import RaggedIndex
+from jax_ragged_attn.index.packings import TABLE
 from jax_ragged_attn.testing import assert_close, packed_batch
-from tiers import some_fast  # tests/ is on sys.path under pytest
 
 HEADS = [(8, 8), (8, 2), (8, 1), (12, 4), (6, 3)]
 
@@ -84,8 +84,15 @@ def _xla_launch(calls):
 
     def attention(buffers, cu_q, cu_kv, config, seqused=(None, None)):
         calls.append(config)
-        return xla.attention_xla(*TABLE[config.packing].split(buffers), cu_q, cu_kv, config, return_stats=True,
-                                 seqused_q=seqused[0], seqused_kv=seqused[1])
+        return xla.attention_xla(
+            *TABLE[config.packing].split(buffers),
+            cu_q,
+            cu_kv,
+            config,
+            return_stats=True,
+            seqused_q=seqused[0],
+            seqused_kv=seqused[1],
+        )
 
     return attention
 
@@ -103,20 +110,43 @@ SPLITS = [("none", *heads, layout) for heads, layout in zip(HEADS, ["head_major"
 SPLITS += [("kv", 8, 8, "token_major"), ("qkv", 6, 6, "head_major")]
 
 
-@some_fast({"packing,num_heads_q,num_heads_kv,layout": SPLITS},
-           fast=["kv-8-8-token_major", "none-8-1-head_major", "qkv-6-6-head_major"])
-def test_the_cudnn_backend_splits_a_call_past_the_limit_into_head_groups(monkeypatch, packing, num_heads_q,
-                                                                        num_heads_kv, layout):
+@some_fast(
+    {"packing,num_heads_q,num_heads_kv,layout": SPLITS},
+    fast=["kv-8-8-token_major", "none-8-1-head_major", "qkv-6-6-head_major"],
+)
+def test_the_cudnn_backend_splits_a_call_past_the_limit_into_head_groups(
+    monkeypatch, packing, num_heads_q, num_heads_kv, layout
+):
     rng = np.random.default_rng(num_heads_q * 10 + num_heads_kv)
     lengths_q = [13, 0, 20, 7]
     lengths_kv = lengths_q if packing != "none" else [9, 4, 20, 11]  # a packed row holds its token's q, k, v
-    batch = packed_batch(rng, lengths_q, lengths_kv, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
-                         head_dim_qk=16, head_dim_v=16, dtype="float32", slack_q=5, slack_kv=5)
+    batch = packed_batch(
+        rng,
+        lengths_q,
+        lengths_kv,
+        num_heads_q=num_heads_q,
+        num_heads_kv=num_heads_kv,
+        head_dim_qk=16,
+        head_dim_v=16,
+        dtype="float32",
+        slack_q=5,
+        slack_kv=5,
+    )
     buffers = _packed_buffers(batch, packing)
-    options = AttentionOptions(is_causal=True, diagonal_alignment="bottom_right", stats_layout=layout,
-                               return_stats=True)
-    config = make_config(batch.q, batch.k, batch.v, batch.cu_seqlens_q, batch.cu_seqlens_kv, options,
-                         max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv, packing=packing)
+    options = AttentionOptions(
+        is_causal=True, diagonal_alignment="bottom_right", stats_layout=layout, return_stats=True
+    )
+    config = make_config(
+        batch.q,
+        batch.k,
+        batch.v,
+        batch.cu_seqlens_q,
+        batch.cu_seqlens_kv,
+        options,
+        max_seqlen_q=batch.max_seqlen_q,
+        max_seqlen_kv=batch.max_seqlen_kv,
+        packing=packing,
+    )
     index = RaggedIndex(batch.cu_seqlens_q, batch.cu_seqlens_kv)
     calls = []
     monkeypatch.setattr(launch, "attention", _xla_launch(calls))
@@ -152,10 +182,28 @@ def test_the_cudnn_backend_splits_a_call_past_the_limit_into_head_groups(monkeyp
 
 def test_sinks_are_split_with_their_heads(monkeypatch):
     rng = np.random.default_rng(7)
-    batch = packed_batch(rng, [6, 9], [6, 9], num_heads_q=4, num_heads_kv=2, head_dim_qk=8, head_dim_v=8,
-                         dtype="float32", slack_q=3, slack_kv=3)
-    config = make_config(batch.q, batch.k, batch.v, batch.cu_seqlens_q, batch.cu_seqlens_kv,
-                         AttentionOptions(is_causal=True), max_seqlen_q=9, max_seqlen_kv=9)
+    batch = packed_batch(
+        rng,
+        [6, 9],
+        [6, 9],
+        num_heads_q=4,
+        num_heads_kv=2,
+        head_dim_qk=8,
+        head_dim_v=8,
+        dtype="float32",
+        slack_q=3,
+        slack_kv=3,
+    )
+    config = make_config(
+        batch.q,
+        batch.k,
+        batch.v,
+        batch.cu_seqlens_q,
+        batch.cu_seqlens_kv,
+        AttentionOptions(is_causal=True),
+        max_seqlen_q=9,
+        max_seqlen_kv=9,
+    )
     seen = []
 
     def with_sinks(buffers, cu_q, cu_kv, sinks, config, seqused=(None, None)):
@@ -165,8 +213,9 @@ def test_sinks_are_split_with_their_heads(monkeypatch):
     monkeypatch.setattr(cudnn.folded_sinks, "attention_with_sinks", with_sinks)
     monkeypatch.setattr(extents, "INT32_LIMIT", max(extents.tensor_extents(config).values()) // 2)
     sinks = jnp.asarray([1.0, 2.0, 3.0, 4.0])
-    out = cudnn.attend_with_sinks((batch.q, batch.k, batch.v), RaggedIndex(batch.cu_seqlens_q, batch.cu_seqlens_kv),
-                                  sinks, config)
+    out = cudnn.attend_with_sinks(
+        (batch.q, batch.k, batch.v), RaggedIndex(batch.cu_seqlens_q, batch.cu_seqlens_kv), sinks, config
+    )
     assert seen == [(2, [1.0, 2.0]), (2, [3.0, 4.0])]
     np.testing.assert_array_equal(np.asarray(out[0, :, 0]), [1.0, 2.0, 3.0, 4.0])
 

@@ -17,12 +17,13 @@ import pytest
 
 import jax_ragged_attn
 from jax_ragged_attn import backends
-from jax_ragged_attn.index import RaggedIndex
-from jax_ragged_attn.backends.cudnn import ragged as cudnn
-from jax_ragged_attn.backends.fa3 import dew, ragged as _fa3
 from jax_ragged_attn.backends import tuning as implementation_tuning
 from jax_ragged_attn.backends.cudnn import autotune
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
+from jax_ragged_attn.backends.fa3 import dew
+from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.config import AttentionOptions, make_config
+from jax_ragged_attn.index import RaggedIndex
 
 
 def _config(**changes):
@@ -44,8 +45,11 @@ class Timings:
     def __call__(self, config, same_index, candidate="fa3"):
         self.measured.append((config, same_index))
         self.candidates.append(candidate)
-        return dict(implementation=implementation_tuning.choose(self.ms["cudnn"], self.ms["fa3"]),
-                    cudnn_ms=self.ms["cudnn"], fa3_ms=self.ms["fa3"])
+        return dict(
+            implementation=implementation_tuning.choose(self.ms["cudnn"], self.ms["fa3"]),
+            cudnn_ms=self.ms["cudnn"],
+            fa3_ms=self.ms["fa3"],
+        )
 
 
 @pytest.fixture
@@ -73,11 +77,14 @@ def _choose(config, implementation=None, same=False):
     return backends.choose(implementation, config, index).NAME
 
 
-@pytest.mark.parametrize("cudnn_ms, fa3_ms, chosen", [
-    (1.00, 0.90, "fa3"),  # 10 % faster: FA3
-    (1.00, 0.98, "cudnn"),  # within the margin: timing noise, keep cuDNN (it serves every semantic)
-    (1.00, 1.20, "cudnn"),
-])
+@pytest.mark.parametrize(
+    "cudnn_ms, fa3_ms, chosen",
+    [
+        (1.00, 0.90, "fa3"),  # 10 % faster: FA3
+        (1.00, 0.98, "cudnn"),  # within the margin: timing noise, keep cuDNN (it serves every semantic)
+        (1.00, 1.20, "cudnn"),
+    ],
+)
 def test_fa3_is_chosen_only_when_clearly_faster(cudnn_ms, fa3_ms, chosen):
     assert implementation_tuning.choose(cudnn_ms, fa3_ms) == chosen
 
@@ -92,7 +99,7 @@ def test_the_choice_is_measured_once_then_read_from_disk(both_serve, monkeypatch
     monkeypatch.setattr(implementation_tuning, "_chosen", {})  # a new process: the file answers
     assert _choose(config) == "fa3"
     assert len(timings.measured) == 1
-    (key, entry), = json.loads((tmp_path / "autotune.json").read_text()).items()
+    ((key, entry),) = json.loads((tmp_path / "autotune.json").read_text()).items()
     gpu, cudnn_version, frontend, kind, attributes = json.loads(key)  # laid out as cuDNN's plan entries
     assert (gpu, cudnn_version, frontend, kind) == ("NVIDIA H200", 91900, [1, 32, 0], "implementation")
     assert attributes["fa3_wheel"] == "0.2.3" and attributes["max_seqlen_q"] == 96
@@ -127,7 +134,7 @@ def test_dew_is_the_build_timed_where_it_serves(both_serve, monkeypatch, tmp_pat
     timings = both_serve(Timings(cudnn_ms=2.0, fa3_ms=1.5))
     assert _choose(_config(autotune=True)) == "fa3"
     assert timings.candidates == ["dew-flash-attn"]
-    (key, entry), = json.loads((tmp_path / "autotune.json").read_text()).items()
+    ((key, entry),) = json.loads((tmp_path / "autotune.json").read_text()).items()
     attributes = json.loads(key)[-1]
     assert attributes["fa3_build"] == "dew-flash-attn" and attributes["fa3_wheel"] == "0.3.6"
     assert entry["implementation"] == "fa3"
@@ -183,15 +190,19 @@ def test_measure_times_both_on_scratch_shaped_as_the_call(monkeypatch):
         calls.append(step)
         q, k, v, d_out, scale = args  # the step makes its inputs x * scale, as a model's step makes them
         assert scale.shape == () and float(scale) == 1.0
-        assert (q.shape, k.shape, v.shape, d_out.shape) == ((256, 4, 128), (192, 2, 128), (192, 2, 128),
-                                                            (256, 4, 128))
+        assert (q.shape, k.shape, v.shape, d_out.shape) == ((256, 4, 128), (192, 2, 128), (192, 2, 128), (256, 4, 128))
         assert q.dtype == jnp.bfloat16 and bool(jnp.isfinite(q.astype(jnp.float32)).all())
         return 3.0 if len(calls) == 1 else 1.0
 
     steps = []
     monkeypatch.setattr(implementation_tuning, "_loop_ms", loop_ms)
-    monkeypatch.setattr(implementation_tuning, "_step", lambda name, config, cu_q, cu_kv: steps.append(
-        (name, np.asarray(cu_q).tolist(), np.asarray(cu_kv).tolist())) or name)
+    monkeypatch.setattr(
+        implementation_tuning,
+        "_step",
+        lambda name, config, cu_q, cu_kv: (
+            steps.append((name, np.asarray(cu_q).tolist(), np.asarray(cu_kv).tolist())) or name
+        ),
+    )
     entry = implementation_tuning.measure(config, same_index=False)
     assert entry == dict(implementation="fa3", cudnn_ms=3.0, fa3_ms=1.0)
     # Equal-length sequences filling the capacities, bounded by max_seqlen: 3 of min(96, 256 // 3) queries and
@@ -223,15 +234,24 @@ def test_on_hopper_with_the_wheel_autotune_runs_the_faster_and_matches_the_refer
     monkeypatch.setattr(implementation_tuning, "_chosen", {})
     monkeypatch.setattr(autotune, "_chosen", {})
     rng = np.random.default_rng(11)
-    batch = packed_batch(rng, [700, 0, 300, 1024], [700, 0, 300, 1024], num_heads_q=8, num_heads_kv=2,
-                         head_dim_qk=128, head_dim_v=128, dtype="bfloat16", slack_q=64, slack_kv=64)
+    batch = packed_batch(
+        rng,
+        [700, 0, 300, 1024],
+        [700, 0, 300, 1024],
+        num_heads_q=8,
+        num_heads_kv=2,
+        head_dim_qk=128,
+        head_dim_v=128,
+        dtype="bfloat16",
+        slack_q=64,
+        slack_kv=64,
+    )
     options = dict(max_seqlen_q=1024, max_seqlen_kv=1024, is_causal=True, diagonal_alignment="bottom_right")
     d_out = np.nan_to_num(rng.standard_normal((batch.q.shape[0], 8, 128))).astype("bfloat16")
 
     @jax.jit
     def step(q, k, v, d_out):
-        attend = lambda q, k, v: jax_ragged_attn.ragged_attention(q, k, v, *batch.args[3:], autotune=True,  # noqa: E731
-                                                      **options)
+        attend = lambda q, k, v: jax_ragged_attn.ragged_attention(q, k, v, *batch.args[3:], autotune=True, **options)
         out, vjp = jax.vjp(attend, q, k, v)
         return out, vjp(d_out)
 
@@ -240,11 +260,16 @@ def test_on_hopper_with_the_wheel_autotune_runs_the_faster_and_matches_the_refer
     assert_close(np.asarray(out, np.float64), expected["out"], "bfloat16", "out")
     for name, grad in zip(("dq", "dk", "dv"), grads):
         assert_close(np.asarray(grad, np.float64), expected[name], "bfloat16", name)
-    entries = {json.loads(k)[3]: v for k, v in json.loads((tmp_path / "autotune.json").read_text()).items()
-               if json.loads(k)[3] == "implementation"}
+    entries = {
+        json.loads(k)[3]: v
+        for k, v in json.loads((tmp_path / "autotune.json").read_text()).items()
+        if json.loads(k)[3] == "implementation"
+    }
     (entry,) = entries.values()
     # The FA3 candidate is the build implementation=None would take: dew-flash-attn's where installed, else
     # the flash-attn3-jax wheel's (backends/tuning.py); fa3_ms is its time.
     assert entry["implementation"] in ("cudnn", "fa3", "dew") and entry["cudnn_ms"] > 0 and entry["fa3_ms"] > 0
-    print(f"implementation autotune: cuDNN {entry['cudnn_ms']:.3f} ms, FA3 {entry['fa3_ms']:.3f} ms -> "
-          f"{entry['implementation']}")
+    print(
+        f"implementation autotune: cuDNN {entry['cudnn_ms']:.3f} ms, FA3 {entry['fa3_ms']:.3f} ms -> "
+        f"{entry['implementation']}"
+    )

@@ -30,8 +30,7 @@ from jax_ragged_attn.backends.cudnn import kvcache as cudnn_kvcache
 from jax_ragged_attn.backends.cudnn import paged as cudnn_paged
 from jax_ragged_attn.backends.shared import extension, known_issues
 from jax_ragged_attn.backends.shared.known_issues import TABLE, Versions
-from jax_ragged_attn.config import KVCacheConfig
-from jax_ragged_attn.config import AttentionOptions, make_config
+from jax_ragged_attn.config import AttentionOptions, KVCacheConfig, make_config
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked
 from jax_ragged_attn.testing import assert_close, reference_attention
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention, reference_kvcache_attention_packed
@@ -46,9 +45,23 @@ def _issue(key: str, op: str) -> known_issues.KnownIssue:
 
 
 def _kv_config(**overrides) -> KVCacheConfig:
-    fields = dict(batch=4, seqlen_q=1, num_heads_q=8, num_heads_kv=2, head_dim_qk=128, head_dim_v=128,
-                  dtype="bfloat16", paged=True, page_size=16, num_pages=80, max_pages=32, scale=0.088,
-                  is_causal=True, window_left=None, window_right=None)
+    fields = dict(
+        batch=4,
+        seqlen_q=1,
+        num_heads_q=8,
+        num_heads_kv=2,
+        head_dim_qk=128,
+        head_dim_v=128,
+        dtype="bfloat16",
+        paged=True,
+        page_size=16,
+        num_pages=80,
+        max_pages=32,
+        scale=0.088,
+        is_causal=True,
+        window_left=None,
+        window_right=None,
+    )
     return KVCacheConfig(**{**fields, **overrides})
 
 
@@ -62,8 +75,9 @@ def _ragged_config(seqlens_kv=(40, 300), max_q=64, heads=(8, 2), **options):
     q = jax.ShapeDtypeStruct((max_q * len(seqlens_kv), heads[0], 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((total, heads[1], 128), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((len(seqlens_kv) + 1,), jnp.int32)
-    return make_config(q, kv, kv, cu, cu, AttentionOptions(**options), max_seqlen_q=max_q,
-                       max_seqlen_kv=max(seqlens_kv))
+    return make_config(
+        q, kv, kv, cu, cu, AttentionOptions(**options), max_seqlen_q=max_q, max_seqlen_kv=max(seqlens_kv)
+    )
 
 
 # ---- the table's logic: everywhere --------------------------------------------------------------------------
@@ -85,9 +99,18 @@ def test_every_entry_is_complete():
         assert issue.installable and issue.description and issue.feature, issue.key
 
 
-@pytest.mark.parametrize("version, affected", [((9, 25, 1), False), ((9, 26, 0), True), ((9, 27, 0), True),
-                                               ((9, 27, 99), True), ((9, 28, 0), True), ((9, 28, 1), False),
-                                               (None, False)])
+@pytest.mark.parametrize(
+    "version, affected",
+    [
+        ((9, 25, 1), False),
+        ((9, 26, 0), True),
+        ((9, 27, 0), True),
+        ((9, 27, 99), True),
+        ((9, 28, 0), True),
+        ((9, 28, 1), False),
+        (None, False),
+    ],
+)
 def test_version_range_is_half_open(version, affected):
     assert _issue("cudnn-frontend#1083", "kvcache").affects(Versions(cudnn=version)) is affected
 
@@ -172,8 +195,11 @@ def test_the_fence_names_the_report_and_the_fixed_release():
     assert "cuDNN 9.14.0" in reason and "fixed in cuDNN 9.15.0" in reason
 
 
-@pytest.mark.parametrize("overrides", [dict(total_q=0), dict(num_heads_q=2), dict(num_heads_kv=8)],
-                         ids=["fixed_form_decode", "mha_2", "mha_8"])
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(total_q=0), dict(num_heads_q=2), dict(num_heads_kv=8)],
+    ids=["fixed_form_decode", "mha_2", "mha_8"],
+)
 def test_the_packed_entry_reads_the_feature(overrides):
     issue = _issue("cudnn-frontend#1083", "kvcache")
     assert issue.applies("kvcache", _packed_kv_config())
@@ -235,8 +261,9 @@ def test_cudnn_version_encoding():
 
 
 def test_the_warning_names_the_fenced_features_once(monkeypatch):
-    monkeypatch.setattr(known_issues, "loaded_versions",
-                        lambda: Versions(cudnn=(9, 14, 0), cudnn_frontend=(1, 27, 0), arch=90))
+    monkeypatch.setattr(
+        known_issues, "loaded_versions", lambda: Versions(cudnn=(9, 14, 0), cudnn_frontend=(1, 27, 0), arch=90)
+    )
     monkeypatch.setattr(known_issues, "_warned", False)
     with pytest.warns(known_issues.KnownIssueWarning) as caught:
         known_issues.warn_once()
@@ -291,9 +318,11 @@ def _need(issue: known_issues.KnownIssue) -> None:
     versions = known_issues.loaded_versions()
     if not issue.affects(versions):
         start = known_issues.format_version(issue.first_affected) if issue.first_affected else "any"
-        pytest.skip(f"{issue.key} reproduces on {issue.library} [{start}, "
-                    f"{known_issues.format_version(issue.first_fixed)}), loaded: "
-                    f"{known_issues.format_version(versions.of(issue.library))} (docs/CUDNN_VERSIONS.md)")
+        pytest.skip(
+            f"{issue.key} reproduces on {issue.library} [{start}, "
+            f"{known_issues.format_version(issue.first_fixed)}), loaded: "
+            f"{known_issues.format_version(versions.of(issue.library))} (docs/CUDNN_VERSIONS.md)"
+        )
 
 
 def _paged_decode(rng, lengths=(512, 300, 400, 280), heads=(8, 2), d=128, page=16, max_pages=32):
@@ -309,7 +338,7 @@ def _paged_decode(rng, lengths=(512, 300, 400, 280), heads=(8, 2), d=128, page=1
             rows = min(page, n - p * page)
             k[table[b, p], :rows], v[table[b, p], :rows] = rng.standard_normal((2, rows, heads[1], d))
     q = rng.standard_normal((len(lengths), 1, heads[0], d))
-    cast = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    cast = lambda x: jnp.asarray(x, jnp.bfloat16)
     return cast(q), cast(k), cast(v), jnp.asarray(lengths, jnp.int32), jnp.asarray(table)
 
 
@@ -321,8 +350,9 @@ def test_one_query_paged_decode_stats_are_right_on_every_cudnn():
     _need_cudnn()
     q, k, v, lengths, table = _paged_decode(np.random.default_rng(1083))
     expected = reference_kvcache_attention(q, k, v, lengths, page_table=table)
-    out, stats = ragged_attention_with_kvcache(q, k, v, lengths, page_table=table, return_stats=True,
-                                               implementation="cudnn")
+    out, stats = ragged_attention_with_kvcache(
+        q, k, v, lengths, page_table=table, return_stats=True, implementation="cudnn"
+    )
     assert_close(out, expected["out"], jnp.bfloat16, "out")
     assert_close(stats, expected["stats"], jnp.bfloat16, "stats")
 
@@ -339,8 +369,9 @@ def test_cudnn_frontend_1083_packed_decode_workaround():
     q = q[:, 0]  # [T = B, Hq, D]: one query row per sequence
     cu_q = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
     expected = reference_kvcache_attention_packed(q, k, v, lengths, cu_q, 1, page_table=table)
-    out, stats = ragged_attention_with_kvcache(q, k, v, lengths, cu_seqlens_q=cu_q, max_seqlen_q=1,
-                                               page_table=table, return_stats=True, implementation="cudnn")
+    out, stats = ragged_attention_with_kvcache(
+        q, k, v, lengths, cu_seqlens_q=cu_q, max_seqlen_q=1, page_table=table, return_stats=True, implementation="cudnn"
+    )
     assert_close(out, expected["out"], jnp.bfloat16, "out (2-row packed graphs)")
     assert_close(stats, expected["stats"], jnp.bfloat16, "stats (2-row packed graphs)")
 
@@ -357,18 +388,31 @@ def test_cudnn_frontend_1083_ragged_workaround():
     q = jnp.asarray(rng.standard_normal((3, 8, 128)), jnp.bfloat16)  # one query row per sequence
     k, v = (jnp.asarray(rng.standard_normal((sum(lengths_kv), 2, 128)), jnp.bfloat16) for _ in range(2))
     cu_q, cu_kv = jnp.arange(4, dtype=jnp.int32), jnp.asarray(np.cumsum((0,) + lengths_kv), jnp.int32)
-    expected = reference_attention(q, k, v, cu_q, cu_kv, max_seqlen_q=1, max_seqlen_kv=300, is_causal=True,
-                                   diagonal_alignment="bottom_right")
-    out, stats = ragged_attention(q, k, v, cu_q, cu_kv, max_seqlen_q=1, max_seqlen_kv=300, is_causal=True,
-                                  diagonal_alignment="bottom_right", return_stats=True, implementation="cudnn")
+    expected = reference_attention(
+        q, k, v, cu_q, cu_kv, max_seqlen_q=1, max_seqlen_kv=300, is_causal=True, diagonal_alignment="bottom_right"
+    )
+    out, stats = ragged_attention(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_kv,
+        max_seqlen_q=1,
+        max_seqlen_kv=300,
+        is_causal=True,
+        diagonal_alignment="bottom_right",
+        return_stats=True,
+        implementation="cudnn",
+    )
     assert_close(out, expected["out"], jnp.bfloat16, "out (s_q >= 2 graphs)")
     assert_close(np.asarray(stats).T, expected["stats"], jnp.bfloat16, "stats (s_q >= 2 graphs)")
 
 
 def _nan_padded(rng, rows: int, heads: int, dim: int = 128) -> jax.Array:
     """bfloat16 [rows + 3, heads, dim]: random rows, then 3 rows of NaN capacity padding."""
-    return jnp.asarray(np.concatenate([rng.standard_normal((rows, heads, dim)), np.full((3, heads, dim), np.nan)]),
-                       jnp.bfloat16)
+    return jnp.asarray(
+        np.concatenate([rng.standard_normal((rows, heads, dim)), np.full((3, heads, dim), np.nan)]), jnp.bfloat16
+    )
 
 
 def _window_batch(rng, lengths=(1500, 37)):
@@ -423,8 +467,7 @@ def test_reproduces_transformer_engine_2185_unequal_head_dims():
     for name, got in grads().items():  # implementation=None: a backend that serves it
         assert_close(got, expected[name], jnp.bfloat16, f"{name} (fence on)")
     # The stats cotangent widens Dv 128 to 144: that backward is fenced too, the forward is not.
-    loss = lambda q: jnp.sum(ragged_attention(q, k, k, cu, cu, return_stats=True, implementation="cudnn",  # noqa
-                                              **options)[1])
+    loss = lambda q: jnp.sum(ragged_attention(q, k, k, cu, cu, return_stats=True, implementation="cudnn", **options)[1])
     loss(q)
     with pytest.raises(NotImplementedError, match="TransformerEngine#2185"):
         jax.grad(loss)(q)
@@ -444,12 +487,16 @@ def _no_query_grads(seed: int, packing: str = "none"):
     rows_q, rows_kv = slice(0, sum(slots_q)), slice(0, sum(slots_kv))
     expected = reference_attention(q[rows_q], k[rows_kv], v[rows_kv], cu_q, cu_kv, d_out=d_out[rows_q], **options)
     if packing == "kv":
+
         def attention(q, k, v):
-            return ragged_attention_kvpacked(q, jnp.stack([k, v], axis=1), cu_q, cu_kv, implementation="cudnn",
-                                             **options)
+            return ragged_attention_kvpacked(
+                q, jnp.stack([k, v], axis=1), cu_q, cu_kv, implementation="cudnn", **options
+            )
     else:
+
         def attention(q, k, v):
             return ragged_attention(q, k, v, cu_q, cu_kv, implementation="cudnn", **options)
+
     with backend_options(poison_outputs=True):
         _, vjp = jax.vjp(attention, q, k, v)
         grads = vjp(d_out)
@@ -508,10 +555,21 @@ def test_reproduces_cudnn_frontend_462():
     cu = jnp.asarray(np.cumsum((0,) + lengths), jnp.int32)
 
     def grads(rows):  # `rows` of capacity: a graph of its own for each run
-        pad = lambda x: jnp.pad(x, ((0, rows - x.shape[0]), (0, 0), (0, 0)))  # noqa: E731
-        loss = lambda q, k, v: jnp.sum(ragged_attention(  # noqa: E731
-            q, k, v, cu, cu, max_seqlen_q=300, max_seqlen_kv=300, is_causal=True, strategy="lean_memory",
-            implementation="cudnn").astype(jnp.float32))
+        pad = lambda x: jnp.pad(x, ((0, rows - x.shape[0]), (0, 0), (0, 0)))
+        loss = lambda q, k, v: jnp.sum(
+            ragged_attention(
+                q,
+                k,
+                v,
+                cu,
+                cu,
+                max_seqlen_q=300,
+                max_seqlen_kv=300,
+                is_causal=True,
+                strategy="lean_memory",
+                implementation="cudnn",
+            ).astype(jnp.float32)
+        )
         return jax.grad(loss, argnums=(0, 1, 2))(pad(q), pad(k), pad(v))
 
     extension.module().set_full_extent_fallback_enabled(False)
@@ -538,8 +596,12 @@ def test_negative_lse_rows_keep_finite_gradients():
     d_out = np.asarray(jnp.asarray(rng.standard_normal((sum(lengths), 2, d)), jnp.bfloat16).astype(jnp.float32))
     expected = reference_attention(q, k, v, cu, cu, max_seqlen_q=192, max_seqlen_kv=192, d_out=d_out)
     assert expected["stats"].max() < -88.7
-    out, vjp = jax.vjp(lambda q, k, v: ragged_attention(q, k, v, cu, cu, max_seqlen_q=192, max_seqlen_kv=192,
-                                                         implementation="cudnn"), q, k, v)
+    out, vjp = jax.vjp(
+        lambda q, k, v: ragged_attention(q, k, v, cu, cu, max_seqlen_q=192, max_seqlen_kv=192, implementation="cudnn"),
+        q,
+        k,
+        v,
+    )
     for name, got in zip(("dq", "dk", "dv"), vjp(jnp.asarray(d_out, jnp.bfloat16))):
         assert_close(got, expected[name], jnp.bfloat16, name)
 
@@ -561,11 +623,21 @@ def test_the_no_query_workaround_zeroes_exactly_those_key_rows(monkeypatch, pack
         seqused_q = seqused_kv = None
     cu_q, cu_kv = (jnp.asarray(np.cumsum((0,) + s), jnp.int32) for s in (slots_q, slots_kv))
     tq, tkv = sum(slots_q) + 2, sum(slots_kv) + 2
-    x = lambda t, h: jax.ShapeDtypeStruct((t, h, 128), jnp.bfloat16)  # noqa: E731
+    x = lambda t, h: jax.ShapeDtypeStruct((t, h, 128), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((4,), jnp.int32)
-    config = dataclasses.replace(make_config(x(tq, 4), x(tkv, 2), x(tkv, 2), cu, cu, AttentionOptions(check=check),
-                                             max_seqlen_q=max(slots_q), max_seqlen_kv=max(slots_kv)),
-                                 packing=packing)
+    config = dataclasses.replace(
+        make_config(
+            x(tq, 4),
+            x(tkv, 2),
+            x(tkv, 2),
+            cu,
+            cu,
+            AttentionOptions(check=check),
+            max_seqlen_q=max(slots_q),
+            max_seqlen_kv=max(slots_kv),
+        ),
+        packing=packing,
+    )
     specs = PACKINGS[packing].gradient_specs(config)
 
     def fake_launch(direction, inputs, result_specs, names, cu_q, cu_kv, config, seqused=(None, None)):
@@ -574,11 +646,18 @@ def test_the_no_query_workaround_zeroes_exactly_those_key_rows(monkeypatch, pack
     monkeypatch.setattr(launch, "_launch", fake_launch)
     monkeypatch.setattr(known_issues, "loaded_versions", lambda: Versions(cudnn=(9, 14, 0), arch=90))
     dummy = [jnp.zeros(shape, dtype) for shape, dtype, _ in specs]  # the fake launch never reads them
-    grads = launch._backward_call(tuple(dummy), cu_q, cu_kv, jnp.zeros((tq, 4, 128), jnp.bfloat16),
-                                  jnp.zeros((4, tq), jnp.float32), jnp.zeros((tq, 4, 128), jnp.bfloat16), config,
-                                  (seqused_q, seqused_kv))
+    grads = launch._backward_call(
+        tuple(dummy),
+        cu_q,
+        cu_kv,
+        jnp.zeros((tq, 4, 128), jnp.bfloat16),
+        jnp.zeros((4, tq), jnp.float32),
+        jnp.zeros((tq, 4, 128), jnp.bfloat16),
+        config,
+        (seqused_q, seqused_kv),
+    )
     no_query_rows = np.zeros(tkv, bool)
-    no_query_rows[int(cu_kv[1]):int(cu_kv[2])] = True  # sequence 1 has keys and no query rows
+    no_query_rows[int(cu_kv[1]) : int(cu_kv[2])] = True  # sequence 1 has keys and no query rows
     other_rows = ~no_query_rows & (np.arange(tkv) < int(cu_kv[-1]))  # capacity padding is zeroed anyway
     for grad, holds in zip(grads, (buffer.holds for buffer in PACKINGS[packing].buffers)):
         g = np.asarray(grad, np.float32)

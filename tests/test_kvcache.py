@@ -21,22 +21,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl.testing import parameterized
+from tiers import slow_cases  # tests/ is on sys.path under pytest
 
 import jax_ragged_attn
 from jax_ragged_attn import kvcache_append, ragged_attention_with_kvcache
-from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
+from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.backends.shared import known_issues
 from jax_ragged_attn.backends.xla import kvcache as xla_kvcache
-from jax_ragged_attn.config import KVCacheConfig
+from jax_ragged_attn.config import AttentionOptions, KVCacheConfig
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
-from jax_ragged_attn.testing import assert_close, declines, fa3_emulator
-from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
-from jax_ragged_attn.testing.helpers import SeededCacheCase
-from jax_ragged_attn.testing.private_config import backend_options
-from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.ops.kvcache import kvcache_config
-from tiers import slow_cases  # tests/ is on sys.path under pytest
+from jax_ragged_attn.testing import assert_close, declines, fa3_emulator
+from jax_ragged_attn.testing.helpers import SeededCacheCase
+from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
+from jax_ragged_attn.testing.private_config import backend_options
 
 # name -> keywords of one case: heads (Hq, Hkv), Sq, paged, options.
 CASES = {
@@ -109,7 +108,7 @@ class KVCacheTest(SeededCacheCase, parameterized.TestCase):
                     k[page, :rows] = self.rng.standard_normal((rows, hkv, d))
                     v[page, :rows] = self.rng.standard_normal((rows, hkv, d))
             table = table.astype(np.int32)
-        cast = lambda x: jnp.asarray(x, self.dtype)  # noqa: E731
+        cast = lambda x: jnp.asarray(x, self.dtype)
         return cast(q), cast(k), cast(v), jnp.asarray(lengths), (None if table is None else jnp.asarray(table))
 
     def need(self, paged: bool) -> None:
@@ -119,8 +118,14 @@ class KVCacheTest(SeededCacheCase, parameterized.TestCase):
     def attend(self, *args, **kwargs):
         """The op through self.implementation; a decline testing/declines.py lists is a skip naming the reason,
         any other fails."""
-        return declines.call(self.implementation, ragged_attention_with_kvcache, *args,
-                             implementation=self.implementation, skip=self.skipTest, **kwargs)
+        return declines.call(
+            self.implementation,
+            ragged_attention_with_kvcache,
+            *args,
+            implementation=self.implementation,
+            skip=self.skipTest,
+            **kwargs,
+        )
 
     def check(self, args, *, sinks=None, compare=slice(None), **options):
         """Runs the op twice (bit-identical), both stats layouts, against the reference."""
@@ -128,13 +133,19 @@ class KVCacheTest(SeededCacheCase, parameterized.TestCase):
         if sinks is True:
             sinks = jnp.asarray(self.rng.standard_normal(q.shape[2]), jnp.float32)
         out, stats = self.attend(q, k, v, lengths, page_table=table, sinks=sinks, return_stats=True, **options)
-        again, token_major = self.attend(q, k, v, lengths, page_table=table, sinks=sinks, return_stats=True,
-                                         stats_layout="token_major", **options)
+        again, token_major = self.attend(
+            q, k, v, lengths, page_table=table, sinks=sinks, return_stats=True, stats_layout="token_major", **options
+        )
         # As float32: numpy's NaN-aware equality does not reach bfloat16 (a sequence outside `compare` may
         # hold NaN where it reads an entry outside the cache; the rest must agree, NaN-free).
-        pairs = ((np.asarray(out, np.float32)[compare], np.asarray(again, np.float32)[compare], "two runs differ"),
-                 (np.asarray(stats)[compare], np.asarray(token_major).transpose(0, 2, 1)[compare],
-                  "token_major is not the head-major stats transposed"))
+        pairs = (
+            (np.asarray(out, np.float32)[compare], np.asarray(again, np.float32)[compare], "two runs differ"),
+            (
+                np.asarray(stats)[compare],
+                np.asarray(token_major).transpose(0, 2, 1)[compare],
+                "token_major is not the head-major stats transposed",
+            ),
+        )
         for first, second, message in pairs:
             if self.bit_reproducible:
                 np.testing.assert_array_equal(first, second, message)
@@ -152,8 +163,12 @@ class KVCacheTest(SeededCacheCase, parameterized.TestCase):
     # ---- attention -----------------------------------------------------------------------------------------
 
     @parameterized.named_parameters(
-        [dict(case, testcase_name=f"{name}_{'paged' if paged else 'contiguous'}", paged=paged)
-         for name, case in CASES.items() for paged in (False, True)])
+        [
+            dict(case, testcase_name=f"{name}_{'paged' if paged else 'contiguous'}", paged=paged)
+            for name, case in CASES.items()
+            for paged in (False, True)
+        ]
+    )
     def test_attention(self, paged, seqlen_q=2, heads=(4, 2), **options):
         self.need(paged)
         self.check(self.make(seqlen_q=seqlen_q, heads=heads, paged=paged), **options)
@@ -175,18 +190,27 @@ class KVCacheTest(SeededCacheCase, parameterized.TestCase):
     def test_vmap(self, paged):
         self.need(paged)
         size = self.page_size  # both draw max_pages + 1 pages, so that the paged caches stack
-        parts = [self.make(paged=paged, extra_pages=0, lengths=lengths) for lengths in
-                 ([self.capacity, 0, 3], [size + 1, self.capacity - 2 * size, 3])]
+        parts = [
+            self.make(paged=paged, extra_pages=0, lengths=lengths)
+            for lengths in ([self.capacity, 0, 3], [size + 1, self.capacity - 2 * size, 3])
+        ]
         if paged:  # vmapped caches need one page count: both draw the same page total
             self.assertEqual(parts[0][1].shape, parts[1][1].shape)
         stacked = [None if parts[0][i] is None else jnp.stack([p[i] for p in parts]) for i in range(5)]
         self.attend(*parts[0][:4], page_table=parts[0][4])  # skips where declined
-        out = jax.vmap(lambda q, k, v, n, t: ragged_attention_with_kvcache(
-            q, k, v, n, page_table=t, implementation=self.implementation),
-            in_axes=(0, 0, 0, 0, None if not paged else 0))(*stacked)
+        out = jax.vmap(
+            lambda q, k, v, n, t: ragged_attention_with_kvcache(
+                q, k, v, n, page_table=t, implementation=self.implementation
+            ),
+            in_axes=(0, 0, 0, 0, None if not paged else 0),
+        )(*stacked)
         for i, part in enumerate(parts):
-            assert_close(out[i], reference_kvcache_attention(*part[:4], page_table=part[4])["out"], self.dtype,
-                         f"vmapped element {i}")
+            assert_close(
+                out[i],
+                reference_kvcache_attention(*part[:4], page_table=part[4])["out"],
+                self.dtype,
+                f"vmapped element {i}",
+            )
 
     def test_out_of_range_cache_seqlens_are_clamped(self):
         q, k, v, _, _ = self.make(lengths=[self.capacity] * 5)
@@ -212,8 +236,9 @@ class KVCacheTest(SeededCacheCase, parameterized.TestCase):
         bad = lengths.at[3].set(self.capacity + 1)
         with self.assertRaisesRegex(RaggedAttentionInputError, r"cache_seqlens\[3\] = %d" % (self.capacity + 1)):
             self.attend(q, k, v, bad, check=True)
-        run = jax.jit(lambda n: ragged_attention_with_kvcache(q, k, v, n, check=True,
-                                                              implementation=self.implementation))
+        run = jax.jit(
+            lambda n: ragged_attention_with_kvcache(q, k, v, n, check=True, implementation=self.implementation)
+        )
         with self.assertRaisesRegex(RaggedAttentionInputError, r"cache_seqlens\[3\]"), input_errors():
             jax.block_until_ready(run(bad))
         jax.block_until_ready(run(lengths))  # valid: no error
@@ -225,8 +250,11 @@ class KVCacheTest(SeededCacheCase, parameterized.TestCase):
         bad = table.at[1, 1].set(-2)
         with self.assertRaisesRegex(RaggedAttentionInputError, r"page_table\[1, 1\] = -2"):
             self.attend(q, k, v, lengths, page_table=bad, check=True)
-        run = jax.jit(lambda t: ragged_attention_with_kvcache(q, k, v, lengths, page_table=t, check=True,
-                                                              implementation=self.implementation))
+        run = jax.jit(
+            lambda t: ragged_attention_with_kvcache(
+                q, k, v, lengths, page_table=t, check=True, implementation=self.implementation
+            )
+        )
         with self.assertRaisesRegex(RaggedAttentionInputError, r"page_table\[1, 1\]"), input_errors():
             jax.block_until_ready(run(bad))
 
@@ -235,8 +263,11 @@ class KVCacheTest(SeededCacheCase, parameterized.TestCase):
     def test_gradient_raises(self):
         q, k, v, lengths, _ = self.make()
         self.attend(q, k, v, lengths)  # skips where declined
-        loss = lambda q: ragged_attention_with_kvcache(  # noqa: E731
-            q, k, v, lengths, implementation=self.implementation).astype(jnp.float32).sum()
+        loss = lambda q: (
+            ragged_attention_with_kvcache(q, k, v, lengths, implementation=self.implementation)
+            .astype(jnp.float32)
+            .sum()
+        )
         with self.assertRaisesRegex(NotImplementedError, "forward-only"):
             jax.grad(loss)(q)
 
@@ -263,8 +294,9 @@ class XlaKVCacheTest(KVCacheTest):
     def test_sinks_gradient(self):
         q, k, v, lengths, table = self.make(paged=True)
         sinks = jnp.asarray(self.rng.standard_normal(4), jnp.float32)
-        loss = lambda s: ragged_attention_with_kvcache(  # noqa: E731
-            q, k, v, lengths, page_table=table, sinks=s, implementation="xla").sum()
+        loss = lambda s: ragged_attention_with_kvcache(
+            q, k, v, lengths, page_table=table, sinks=s, implementation="xla"
+        ).sum()
         grad = jax.grad(loss)(sinks)
         step = 1e-3
         numeric = [(loss(sinks.at[h].add(step)) - loss(sinks.at[h].add(-step))) / (2 * step) for h in range(4)]
@@ -286,10 +318,14 @@ class XlaKVCacheTest(KVCacheTest):
             (lambda: ragged_attention_with_kvcache(q, k, v, lengths[:2], page_table=table), "cache_seqlens must be"),
             (lambda: ragged_attention_with_kvcache(q, k, v, lengths, page_table=table[:2]), "page_table must be"),
             (lambda: ragged_attention_with_kvcache(q, k, v, lengths), "contiguous k_cache"),
-            (lambda: ragged_attention_with_kvcache(q, k, v.astype(jnp.bfloat16), lengths, page_table=table),
-             "share a dtype"),
-            (lambda: ragged_attention_with_kvcache(q, k, v, lengths.astype(jnp.float32), page_table=table),
-             "cache_seqlens must have an integer dtype"),
+            (
+                lambda: ragged_attention_with_kvcache(q, k, v.astype(jnp.bfloat16), lengths, page_table=table),
+                "share a dtype",
+            ),
+            (
+                lambda: ragged_attention_with_kvcache(q, k, v, lengths.astype(jnp.float32), page_table=table),
+                "cache_seqlens must have an integer dtype",
+            ),
         ]:
             with self.assertRaisesRegex(ValueError, message):
                 call()
@@ -314,8 +350,9 @@ class XlaKVCacheTest(KVCacheTest):
         k_new = self.rng.standard_normal((3, 3, 1, 3)).astype(np.float32)
         table = np.array([[4, 1, -1], [0, 99, 2], [3, 3, 3]], np.int32)
         lengths = np.array([1, 2, 5], np.int32)
-        k2, v2 = kvcache_append(jnp.asarray(k), jnp.asarray(k), jnp.asarray(k_new), jnp.asarray(k_new), lengths,
-                                page_table=table)
+        k2, v2 = kvcache_append(
+            jnp.asarray(k), jnp.asarray(k), jnp.asarray(k_new), jnp.asarray(k_new), lengths, page_table=table
+        )
         want = k.copy()
         want[4, 1], want[1, 0], want[1, 1] = k_new[0, 0], k_new[0, 1], k_new[0, 2]  # rows 1, 2, 3
         # sequence 1: rows 2, 3 on page 99 (past the cache): not written; row 4 on page 2
@@ -331,8 +368,9 @@ class XlaKVCacheTest(KVCacheTest):
         # Sequences 1 and 3 need a page they do not have (-1): those rows are not written, and not attended.
         k2, v2 = kvcache_append(k, v, k_new, k_new, lengths, page_table=table)
         out = ragged_attention_with_kvcache(q, k2, v2, lengths + 2, page_table=table, implementation="xla")
-        assert_close(out, reference_kvcache_attention(q, k2, v2, lengths + 2, page_table=table)["out"],
-                     self.dtype, "out")
+        assert_close(
+            out, reference_kvcache_attention(q, k2, v2, lengths + 2, page_table=table)["out"], self.dtype, "out"
+        )
 
     @parameterized.parameters(False, True)
     def test_append_in_place_when_donated(self, paged):
@@ -340,9 +378,10 @@ class XlaKVCacheTest(KVCacheTest):
         k_new = jnp.ones((8, 1, 4, 32), jnp.float32)
         lengths = jnp.arange(8, dtype=jnp.int32)
         table = jnp.arange(64, dtype=jnp.int32).reshape(8, 8) if paged else None
-        step = jax.jit(lambda k, v, k_new, lengths, table: kvcache_append(k, v, k_new, k_new, lengths,
-                                                                            page_table=table),
-                       donate_argnums=(0, 1))
+        step = jax.jit(
+            lambda k, v, k_new, lengths, table: kvcache_append(k, v, k_new, k_new, lengths, page_table=table),
+            donate_argnums=(0, 1),
+        )
         compiled = step.lower(k, k, k_new, lengths, table).compile()
         text = compiled.as_text()
         self.assertIn("input_output_alias", text)
@@ -395,16 +434,21 @@ def _fa3_stand_in(q, k_cache, v_cache, lengths, page_table, config, window):
     FA3's window (is_causal, left, right), -1 for no bound; NaN where it is handed a length or page-table entry
     outside the cache, which FA3 reads unchecked (fa3_emulator.kvcache_reads_unchecked)."""
     is_causal, left, right = window
-    config = dataclasses.replace(config, is_causal=is_causal, window_left=None if left < 0 else left,
-                                 window_right=None if right < 0 else right)
+    config = dataclasses.replace(
+        config, is_causal=is_causal, window_left=None if left < 0 else left, window_right=None if right < 0 else right
+    )
     out, lse = xla_kvcache.attend(q, k_cache, v_cache, lengths, page_table, config)
     return fa3_emulator.kvcache_reads_unchecked(out, lse, lengths, page_table, config)
 
 
 # The route takes a contiguous cache as pages of one page per sequence: the fast tier runs the paged cases and one
 # contiguous case (the contiguous cache's own gathers stay fast in the xla classes), the slow tier the others.
-@slow_cases(*(f"test_attention_{case}_contiguous" for case in ("long_chunk", "mqa_five_queries", "chunked_prefill",
-                                                               "window", "mha")))
+@slow_cases(
+    *(
+        f"test_attention_{case}_contiguous"
+        for case in ("long_chunk", "mqa_five_queries", "chunked_prefill", "window", "mha")
+    )
+)
 class Fa3OneCallKVCacheTest(KVCacheTest):
     """fa3_kvcache's routes on any backend, the FA3 call replaced by the xla path with FA3's masks: decode-sized
     calls as one call over the full lengths (a contiguous cache read as one page per sequence), the rest
@@ -416,10 +460,15 @@ class Fa3OneCallKVCacheTest(KVCacheTest):
 
     def setUp(self):
         super().setUp()
-        patchers = [mock.patch.object(target, name, value) for target, name, value in (
-            (fa3_kvcache, "_fa3_call", _fa3_stand_in),
-            (_fa3, "unavailable_reason", lambda: None), (_fa3, "FA3_DTYPES", ("float32",)),
-            (_fa3, "FA3_HEAD_DIM", self.head_dim))]
+        patchers = [
+            mock.patch.object(target, name, value)
+            for target, name, value in (
+                (fa3_kvcache, "_fa3_call", _fa3_stand_in),
+                (_fa3, "unavailable_reason", lambda: None),
+                (_fa3, "FA3_DTYPES", ("float32",)),
+                (_fa3, "FA3_HEAD_DIM", self.head_dim),
+            )
+        ]
         for patcher in patchers:
             patcher.start()
             self.addCleanup(patcher.stop)
@@ -454,10 +503,23 @@ class Fa3SplitKVCacheTest(Fa3OneCallKVCacheTest):
 
 
 def test_fa3_routes_by_query_rows():
-    config = lambda seqlen_q, heads_q: KVCacheConfig(  # noqa: E731
-        batch=4, seqlen_q=seqlen_q, num_heads_q=heads_q, num_heads_kv=8, head_dim_qk=128, head_dim_v=128,
-        dtype="bfloat16", paged=False, page_size=2048, num_pages=4, max_pages=1, scale=1.0, is_causal=True,
-        window_left=None, window_right=None)
+    config = lambda seqlen_q, heads_q: KVCacheConfig(
+        batch=4,
+        seqlen_q=seqlen_q,
+        num_heads_q=heads_q,
+        num_heads_kv=8,
+        head_dim_qk=128,
+        head_dim_v=128,
+        dtype="bfloat16",
+        paged=False,
+        page_size=2048,
+        num_pages=4,
+        max_pages=1,
+        scale=1.0,
+        is_causal=True,
+        window_left=None,
+        window_right=None,
+    )
     assert fa3_kvcache.route(config(1, 32)) == "one_call"  # decode, GQA 32/8: 4 rows
     assert fa3_kvcache.route(config(16, 32)) == "one_call"  # 64 rows: FA3 still reads without TMA
     assert fa3_kvcache.route(config(17, 32)) == "head_tail"  # 68: FA3 may take TMA, which reads past lengths
@@ -487,10 +549,23 @@ class CudnnKVCacheTest(KVCacheTest):
 
 
 def test_fa3_splits_fill_one_wave():
-    config = lambda batch, capacity: KVCacheConfig(  # noqa: E731
-        batch=batch, seqlen_q=1, num_heads_q=32, num_heads_kv=8, head_dim_qk=128, head_dim_v=128,
-        dtype="bfloat16", paged=False, page_size=capacity, num_pages=batch, max_pages=1, scale=1.0, is_causal=True,
-        window_left=None, window_right=None)
+    config = lambda batch, capacity: KVCacheConfig(
+        batch=batch,
+        seqlen_q=1,
+        num_heads_q=32,
+        num_heads_kv=8,
+        head_dim_qk=128,
+        head_dim_v=128,
+        dtype="bfloat16",
+        paged=False,
+        page_size=capacity,
+        num_pages=batch,
+        max_pages=1,
+        scale=1.0,
+        is_causal=True,
+        window_left=None,
+        window_right=None,
+    )
     assert fa3_kvcache.num_splits(config(8, 32768)) == 2  # 64 tiles: 128 CTAs, one wave of 132 SMs
     assert fa3_kvcache.num_splits(config(2, 32768)) == 8
     assert fa3_kvcache.num_splits(config(2, 256)) == 1  # 2 key tiles: a split holds at least 16

@@ -29,9 +29,9 @@ from test_kvcache import KVCacheTest
 import jax_ragged_attn
 from jax_ragged_attn import ragged_attention_with_kvcache
 from jax_ragged_attn.backends.cudnn import kvcache as cudnn_kvcache
-from jax_ragged_attn.backends.xla import kvcache as xla_kvcache
-from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.backends.cudnn import paged
+from jax_ragged_attn.backends.shared import extension
+from jax_ragged_attn.backends.xla import kvcache as xla_kvcache
 from jax_ragged_attn.config import KVCacheConfig
 from jax_ragged_attn.testing import assert_close
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
@@ -42,9 +42,23 @@ gpu_only = pytest.mark.skipif(_CUDNN_REASON is not None, reason=f"cuDNN path una
 
 
 def _config(**overrides) -> KVCacheConfig:
-    fields = dict(batch=3, seqlen_q=2, num_heads_q=8, num_heads_kv=2, head_dim_qk=64, head_dim_v=64, dtype="bfloat16",
-                  paged=True, page_size=16, num_pages=10, max_pages=4, scale=0.125, is_causal=True, window_left=None,
-                  window_right=None)
+    fields = dict(
+        batch=3,
+        seqlen_q=2,
+        num_heads_q=8,
+        num_heads_kv=2,
+        head_dim_qk=64,
+        head_dim_v=64,
+        dtype="bfloat16",
+        paged=True,
+        page_size=16,
+        num_pages=10,
+        max_pages=4,
+        scale=0.125,
+        is_causal=True,
+        window_left=None,
+        window_right=None,
+    )
     return KVCacheConfig(**{**fields, **overrides})
 
 
@@ -53,21 +67,38 @@ def _config(**overrides) -> KVCacheConfig:
 
 def test_attributes_of_a_paged_call():
     assert paged.attributes(_config(window_left=5)) == dict(
-        num_seqs=3, seqlen_q=2, num_heads_q=8, num_heads_kv=2, head_dim_qk=64, head_dim_v=64, num_pages=10,
-        page_size=16, max_pages=4, dtype=0, scale=0.125, softcap=0.0, left_bound=5, right_bound=0, total_q=0)
+        num_seqs=3,
+        seqlen_q=2,
+        num_heads_q=8,
+        num_heads_kv=2,
+        head_dim_qk=64,
+        head_dim_v=64,
+        num_pages=10,
+        page_size=16,
+        max_pages=4,
+        dtype=0,
+        scale=0.125,
+        softcap=0.0,
+        left_bound=5,
+        right_bound=0,
+        total_q=0,
+    )
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (dict(is_causal=False), dict(left_bound=-1, right_bound=-1)),
-    (dict(is_causal=False, window_left=3, window_right=1), dict(left_bound=3, right_bound=1)),
-    (dict(window_right=4), dict(left_bound=-1, right_bound=0)),  # causal caps the right side at 0
-    (dict(dtype="float16", softcap=2.5), dict(dtype=1, softcap=2.5)),
-    (dict(seqlen_q=1), dict(seqlen_q=1)),  # a true decode graph
-    (dict(seqlen_q=5), dict(seqlen_q=5)),
-    (dict(seqlen_q=7, total_q=30), dict(seqlen_q=7, total_q=30)),  # packed: ragged Q / O, max_seqlen_q rows
-    # packed decode rows: a graph of 2 query rows, never 1 (cudnn-frontend#1083's ragged stats, paged.py)
-    (dict(seqlen_q=1, total_q=30), dict(seqlen_q=2, total_q=30)),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (dict(is_causal=False), dict(left_bound=-1, right_bound=-1)),
+        (dict(is_causal=False, window_left=3, window_right=1), dict(left_bound=3, right_bound=1)),
+        (dict(window_right=4), dict(left_bound=-1, right_bound=0)),  # causal caps the right side at 0
+        (dict(dtype="float16", softcap=2.5), dict(dtype=1, softcap=2.5)),
+        (dict(seqlen_q=1), dict(seqlen_q=1)),  # a true decode graph
+        (dict(seqlen_q=5), dict(seqlen_q=5)),
+        (dict(seqlen_q=7, total_q=30), dict(seqlen_q=7, total_q=30)),  # packed: ragged Q / O, max_seqlen_q rows
+        # packed decode rows: a graph of 2 query rows, never 1 (cudnn-frontend#1083's ragged stats, paged.py)
+        (dict(seqlen_q=1, total_q=30), dict(seqlen_q=2, total_q=30)),
+    ],
+)
 def test_attributes_carry_masks_dtype_and_padded_queries(overrides, expected):
     got = paged.attributes(_config(**overrides))
     assert {name: got[name] for name in expected} == expected
@@ -92,7 +123,7 @@ def test_padded_query_graphs_when_asked():
 
 
 def test_page_table_entries_outside_the_cache_become_page_zero():
-    table = jnp.asarray([[3, 9, -1, 10], [2**31 - 1, -2**31, 0, 5]], jnp.int32)
+    table = jnp.asarray([[3, 9, -1, 10], [2**31 - 1, -(2**31), 0, 5]], jnp.int32)
     np.testing.assert_array_equal(paged.page_table(table, _config(batch=2)), [[3, 9, 0, 0], [0, 0, 0, 5]])
 
 
@@ -102,12 +133,15 @@ def test_sequences_without_keys_run_no_queries():
     np.testing.assert_array_equal(seq_len_kv, [5, 0, 1])
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (dict(dtype="float32"), "bfloat16 or float16"),
-    (dict(head_dim_qk=20), "Dqk=20"),
-    (dict(head_dim_v=264), "Dv=264"),
-    (dict(page_size=2**20, max_pages=2**12), "at most 2**31 - 1 rows"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (dict(dtype="float32"), "bfloat16 or float16"),
+        (dict(head_dim_qk=20), "Dqk=20"),
+        (dict(head_dim_v=264), "Dv=264"),
+        (dict(page_size=2**20, max_pages=2**12), "at most 2**31 - 1 rows"),
+    ],
+)
 def test_static_reasons_name_the_cause(overrides, needle):
     assert needle in paged.static_reason(_config(**overrides))
 
@@ -125,8 +159,9 @@ def test_without_cudnn_the_reason_is_that_first():
     q = jnp.zeros((2, 1, 4, 16), jnp.float32)
     k = jnp.zeros((6, 4, 2, 16), jnp.float32)
     with pytest.raises(NotImplementedError, match="implementation='cudnn' cannot serve this call"):
-        ragged_attention_with_kvcache(q, k, k, jnp.asarray([3, 0]), page_table=jnp.zeros((2, 3), jnp.int32),
-                                      implementation="cudnn")
+        ragged_attention_with_kvcache(
+            q, k, k, jnp.asarray([3, 0]), page_table=jnp.zeros((2, 3), jnp.int32), implementation="cudnn"
+        )
 
 
 def test_route_pinning():
@@ -159,8 +194,9 @@ def test_the_extension_declares_the_same_fields():
     assert [name for name, _ in ext.paged_config_fields()] == list(paged.attributes(_config()))
     assert dict(ext.paged_config_fields())["scale"] == "float32"
     assert ext.paged_config_problem(paged.attributes(_config())) == ""
-    assert "Hq must be a multiple of Hkv" in ext.paged_config_problem({**paged.attributes(_config()),
-                                                                       "num_heads_kv": 3})
+    assert "Hq must be a multiple of Hkv" in ext.paged_config_problem(
+        {**paged.attributes(_config()), "num_heads_kv": 3}
+    )
     assert "int max_seq_len_kv" in ext.paged_config_problem({**paged.attributes(_config()), "page_size": 2**30})
     with pytest.raises(ValueError, match="unknown paged configuration field"):
         ext.paged_config_problem({**paged.attributes(_config()), "stats_token_major": 0})
@@ -170,10 +206,30 @@ def test_the_extension_declares_the_same_fields():
 
 
 B, SQ, HQ, HKV, D, PAGES, PAGE, MAX_PAGES = 2, 2, 4, 2, 64, 6, 16, 3
-ATTRIBUTES = paged.attributes(_config(batch=B, seqlen_q=SQ, num_heads_q=HQ, num_heads_kv=HKV, head_dim_qk=D,
-                                      head_dim_v=D, num_pages=PAGES, page_size=PAGE, max_pages=MAX_PAGES))
-ARGS = [(BF16, (B, SQ, HQ, D)), (BF16, (PAGES, PAGE, HKV, D)), (BF16, (PAGES, PAGE, HKV, D)),
-        (S32, (B, MAX_PAGES)), (S32, (B,)), (S32, (B,)), (S32, (0,)), (S32, (0,)), (S32, (0,))]  # dense: no offsets
+ATTRIBUTES = paged.attributes(
+    _config(
+        batch=B,
+        seqlen_q=SQ,
+        num_heads_q=HQ,
+        num_heads_kv=HKV,
+        head_dim_qk=D,
+        head_dim_v=D,
+        num_pages=PAGES,
+        page_size=PAGE,
+        max_pages=MAX_PAGES,
+    )
+)
+ARGS = [
+    (BF16, (B, SQ, HQ, D)),
+    (BF16, (PAGES, PAGE, HKV, D)),
+    (BF16, (PAGES, PAGE, HKV, D)),
+    (S32, (B, MAX_PAGES)),
+    (S32, (B,)),
+    (S32, (B,)),
+    (S32, (0,)),
+    (S32, (0,)),
+    (S32, (0,)),
+]  # dense: no offsets
 RESULTS = [(BF16, (B, SQ, HQ, D)), (F32, (B, HQ, SQ)), (U8, (4096,))]
 # Packed queries: q, o [T, Hq, D] and stats [T, Hq] at ragged offsets [B + 1] (paged_graph.h).
 T = 5
@@ -194,13 +250,19 @@ def _call(harness, args, results, attributes):  # noqa: F811 - harness is the im
     attributes = sorted(attributes.items())  # XLA passes them sorted by name
     code = harness.harness_call(
         ctypes.c_void_p(handler),
-        len(args), _array(ctypes.c_int, [d for d, _ in args]), _array(ctypes.c_int, [len(s) for _, s in args]),
+        len(args),
+        _array(ctypes.c_int, [d for d, _ in args]),
+        _array(ctypes.c_int, [len(s) for _, s in args]),
         _array(ctypes.c_int64, [x for _, s in args for x in s]),
-        len(results), _array(ctypes.c_int, [d for d, _ in results]), _array(ctypes.c_int, [len(s) for _, s in results]),
+        len(results),
+        _array(ctypes.c_int, [d for d, _ in results]),
+        _array(ctypes.c_int, [len(s) for _, s in results]),
         _array(ctypes.c_int64, [x for _, s in results for x in s]),
-        len(attributes), _array(ctypes.c_char_p, [n.encode() for n, _ in attributes]),
+        len(attributes),
+        _array(ctypes.c_char_p, [n.encode() for n, _ in attributes]),
         _array(ctypes.c_int, [F32 if kinds.get(n) == "float32" else S64 for n, _ in attributes]),
-        _array(ctypes.c_double, [float(v) for _, v in attributes]))
+        _array(ctypes.c_double, [float(v) for _, v in attributes]),
+    )
     return code, harness.harness_message().decode()
 
 
@@ -208,31 +270,51 @@ def test_the_handler_passes_every_check_of_a_valid_call(harness):  # noqa: F811
     for args, results, attributes in ((ARGS, RESULTS, ATTRIBUTES), (PACKED_ARGS, PACKED_RESULTS, PACKED_ATTRIBUTES)):
         code, message = _call(harness, args, results, attributes)
         assert code != 0 and "cuDNN is not loaded" in message, (code, message)
-    traits = harness.harness_traits(ctypes.c_void_p(ctypes.pythonapi.PyCapsule_GetPointer(
-        _ext().registrations()[paged.TARGET]["execute"], None)))
+    traits = harness.harness_traits(
+        ctypes.c_void_p(ctypes.pythonapi.PyCapsule_GetPointer(_ext().registrations()[paged.TARGET]["execute"], None))
+    )
     assert traits & 1, "XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE"
 
 
-@pytest.mark.parametrize("args, results, attributes, message", [
-    ([(BF16, (B, 1, HQ, D)), *ARGS[1:]], RESULTS, ATTRIBUTES, "q is [2, 1, 4, 64]"),
-    ([ARGS[0], (F16, (PAGES, PAGE, HKV, D)), *ARGS[2:]], RESULTS, ATTRIBUTES, "k_cache is"),
-    ([*ARGS[:2], (BF16, (PAGES, PAGE, HKV, 32)), *ARGS[3:]], RESULTS, ATTRIBUTES, "v_cache is [6, 16, 2, 32]"),
-    ([*ARGS[:3], (S32, (B, MAX_PAGES + 1)), *ARGS[4:]], RESULTS, ATTRIBUTES, "page_table is [2, 4]"),
-    ([*ARGS[:4], (S32, (B + 1,)), *ARGS[5:]], RESULTS, ATTRIBUTES, "seq_len_q is [3]"),
-    ([*ARGS[:6], (S32, (B + 1,)), *ARGS[7:]], RESULTS, ATTRIBUTES, "offset_q is [3]"),  # dense: offsets unused
-    ([(BF16, (T + 1, HQ, D)), *PACKED_ARGS[1:]], PACKED_RESULTS, PACKED_ATTRIBUTES, "q is [6, 4, 64]"),
-    (ARGS, RESULTS, PACKED_ATTRIBUTES, "q is [2, 2, 4, 64]"),  # packed attributes, dense buffers
-    ([*PACKED_ARGS[:7], (S32, (B,)), PACKED_ARGS[8]], PACKED_RESULTS, PACKED_ATTRIBUTES, "offset_o is [2]"),
-    ([*PACKED_ARGS[:8], (S32, (B + 2,))], PACKED_RESULTS, PACKED_ATTRIBUTES, "offset_stats is [4]"),
-    (PACKED_ARGS, [PACKED_RESULTS[0], (F32, (B, HQ, SQ)), RESULTS[2]], PACKED_ATTRIBUTES, "stats is [2, 4, 2]"),
-    (PACKED_ARGS, [(BF16, (T, HQ, 32)), *PACKED_RESULTS[1:]], PACKED_ATTRIBUTES, "o is [5, 4, 32]"),
-    (PACKED_ARGS, PACKED_RESULTS, {**PACKED_ATTRIBUTES, "total_q": -1}, "total_q must be 0"),
-    (ARGS, [RESULTS[0], (F32, (B, SQ, HQ)), RESULTS[2]], ATTRIBUTES, "stats is [2, 2, 4]"),
-    (ARGS, RESULTS, {**ATTRIBUTES, "dtype": 2}, "dtype must be 0 (bfloat16) or 1 (float16)"),
-    (ARGS, RESULTS, {**ATTRIBUTES, "left_bound": -3}, "left_bound and right_bound"),
-], ids=["q", "k-dtype", "v-dim", "table", "seq_len_q", "dense-offsets", "packed-q", "packed-attributes",
-        "packed-offset-o", "packed-offset-stats", "packed-dense-stats", "packed-o", "total-q", "stats-layout",
-        "dtype", "bounds"])
+@pytest.mark.parametrize(
+    "args, results, attributes, message",
+    [
+        ([(BF16, (B, 1, HQ, D)), *ARGS[1:]], RESULTS, ATTRIBUTES, "q is [2, 1, 4, 64]"),
+        ([ARGS[0], (F16, (PAGES, PAGE, HKV, D)), *ARGS[2:]], RESULTS, ATTRIBUTES, "k_cache is"),
+        ([*ARGS[:2], (BF16, (PAGES, PAGE, HKV, 32)), *ARGS[3:]], RESULTS, ATTRIBUTES, "v_cache is [6, 16, 2, 32]"),
+        ([*ARGS[:3], (S32, (B, MAX_PAGES + 1)), *ARGS[4:]], RESULTS, ATTRIBUTES, "page_table is [2, 4]"),
+        ([*ARGS[:4], (S32, (B + 1,)), *ARGS[5:]], RESULTS, ATTRIBUTES, "seq_len_q is [3]"),
+        ([*ARGS[:6], (S32, (B + 1,)), *ARGS[7:]], RESULTS, ATTRIBUTES, "offset_q is [3]"),  # dense: offsets unused
+        ([(BF16, (T + 1, HQ, D)), *PACKED_ARGS[1:]], PACKED_RESULTS, PACKED_ATTRIBUTES, "q is [6, 4, 64]"),
+        (ARGS, RESULTS, PACKED_ATTRIBUTES, "q is [2, 2, 4, 64]"),  # packed attributes, dense buffers
+        ([*PACKED_ARGS[:7], (S32, (B,)), PACKED_ARGS[8]], PACKED_RESULTS, PACKED_ATTRIBUTES, "offset_o is [2]"),
+        ([*PACKED_ARGS[:8], (S32, (B + 2,))], PACKED_RESULTS, PACKED_ATTRIBUTES, "offset_stats is [4]"),
+        (PACKED_ARGS, [PACKED_RESULTS[0], (F32, (B, HQ, SQ)), RESULTS[2]], PACKED_ATTRIBUTES, "stats is [2, 4, 2]"),
+        (PACKED_ARGS, [(BF16, (T, HQ, 32)), *PACKED_RESULTS[1:]], PACKED_ATTRIBUTES, "o is [5, 4, 32]"),
+        (PACKED_ARGS, PACKED_RESULTS, {**PACKED_ATTRIBUTES, "total_q": -1}, "total_q must be 0"),
+        (ARGS, [RESULTS[0], (F32, (B, SQ, HQ)), RESULTS[2]], ATTRIBUTES, "stats is [2, 2, 4]"),
+        (ARGS, RESULTS, {**ATTRIBUTES, "dtype": 2}, "dtype must be 0 (bfloat16) or 1 (float16)"),
+        (ARGS, RESULTS, {**ATTRIBUTES, "left_bound": -3}, "left_bound and right_bound"),
+    ],
+    ids=[
+        "q",
+        "k-dtype",
+        "v-dim",
+        "table",
+        "seq_len_q",
+        "dense-offsets",
+        "packed-q",
+        "packed-attributes",
+        "packed-offset-o",
+        "packed-offset-stats",
+        "packed-dense-stats",
+        "packed-o",
+        "total-q",
+        "stats-layout",
+        "dtype",
+        "bounds",
+    ],
+)
 def test_the_handler_names_what_is_wrong(harness, args, results, attributes, message):  # noqa: F811
     code, got = _call(harness, args, results, attributes)
     assert code != 0 and message in got, (code, got)
@@ -303,8 +385,9 @@ class CudnnPagedKVCacheTest(_CudnnKVCacheCases):
         # capacity 1024 rows: tiles in the middle of a sequence, and its end anywhere inside a page
         with mock.patch.object(self, "max_pages", 64):
             self.check(self.make(paged=True, seqlen_q=2, lengths=[1024, 1000, 517, 129, 3, 0]))
-            self.check(self.make(paged=True, seqlen_q=4, lengths=[1024, 1000, 517, 129, 3, 0]),
-                       local_window_size=(300, 0))  # a window that reaches the head: shifted bounds
+            self.check(
+                self.make(paged=True, seqlen_q=4, lengths=[1024, 1000, 517, 129, 3, 0]), local_window_size=(300, 0)
+            )  # a window that reaches the head: shifted bounds
 
 
 @gpu_only
@@ -379,11 +462,15 @@ class CudnnPagedRouteStandInTest(KVCacheTest):
 
     def setUp(self):
         super().setUp()
-        patchers = [mock.patch.object(target, name, value) for target, name, value in (
-            (paged, "attend", _paged_stand_in),
-            (extension, "cudnn_unavailable_reason", lambda: None),
-            (paged, "unsupported_reason", lambda config, bounds=None: paged.static_reason(config)),
-            (paged, "CUDNN_DTYPES", ("float32",)))]
+        patchers = [
+            mock.patch.object(target, name, value)
+            for target, name, value in (
+                (paged, "attend", _paged_stand_in),
+                (extension, "cudnn_unavailable_reason", lambda: None),
+                (paged, "unsupported_reason", lambda config, bounds=None: paged.static_reason(config)),
+                (paged, "CUDNN_DTYPES", ("float32",)),
+            )
+        ]
         for patcher in patchers:
             patcher.start()
             self.addCleanup(patcher.stop)
@@ -402,8 +489,10 @@ def test_contiguous_caches_take_the_paged_route_where_it_serves():
     contiguous = _config(paged=False, page_size=8192, num_pages=3, max_pages=1)
     with mock.patch.object(paged, "unsupported_reason", return_value=None):
         assert cudnn_kvcache.route(contiguous) == "paged"
-    with mock.patch.object(paged, "unsupported_reason", return_value="no graph"), \
-            mock.patch.object(cudnn_kvcache.cudnn, "unsupported_reason", return_value=None):
+    with (
+        mock.patch.object(paged, "unsupported_reason", return_value="no graph"),
+        mock.patch.object(cudnn_kvcache.cudnn, "unsupported_reason", return_value=None),
+    ):
         assert cudnn_kvcache.route(contiguous) == "ragged"
     with mock.patch.object(cudnn_kvcache.cudnn, "unsupported_reason", return_value=None):  # the window: ragged
         assert cudnn_kvcache.route(dataclasses.replace(contiguous, seqlen_q=5, window_left=253)) == "ragged"

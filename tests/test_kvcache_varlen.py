@@ -30,24 +30,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl.testing import parameterized
+from tiers import slow_cases  # tests/ is on sys.path under pytest
 
-from jax_ragged_attn import kvcache_append, ragged_attention_with_kvcache
 import jax_ragged_attn
-from jax_ragged_attn.backends.cudnn import kvcache as cudnn_kvcache
+from jax_ragged_attn import kvcache_append, ragged_attention_with_kvcache
 from jax_ragged_attn.backends.cudnn import paged
 from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
 from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.backends.shared import cache_attention, extension, known_issues
-from jax_ragged_attn.config import KVCacheConfig
-from jax_ragged_attn.index.kvcache import band, query_tiles
-from jax_ragged_attn.config import AttentionOptions
+from jax_ragged_attn.config import AttentionOptions, KVCacheConfig
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
+from jax_ragged_attn.index.kvcache import band, query_tiles
 from jax_ragged_attn.ops import kvcache as kvcache_inputs
 from jax_ragged_attn.testing import assert_close, declines, fa3_emulator
-from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention_packed
 from jax_ragged_attn.testing.helpers import SeededCacheCase
+from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention_packed
 from jax_ragged_attn.testing.private_config import backend_options
-from tiers import slow_cases  # tests/ is on sys.path under pytest
 
 # name -> keywords of one case: heads (Hq, Hkv), max_seqlen_q, paged, options.
 CASES = {
@@ -84,14 +82,18 @@ class PackedKVCacheTest(SeededCacheCase, parameterized.TestCase):
         d, rng = self.head_dim, self.rng
         counts = [min(max_q, 5), 1, 0, max_q, min(2, max_q)] + list(rng.integers(0, max_q + 1, batch - 5))
         counts = np.asarray(counts[:batch], np.int64)
-        lengths = [int(rng.integers(counts[0], self.capacity + 1)), int(rng.integers(1, self.capacity + 1)), 0,
-                   max(0, max_q - 3), self.capacity] + [int(rng.integers(counts[b], self.capacity + 1))
-                                                        for b in range(5, batch)]
+        lengths = [
+            int(rng.integers(counts[0], self.capacity + 1)),
+            int(rng.integers(1, self.capacity + 1)),
+            0,
+            max(0, max_q - 3),
+            self.capacity,
+        ] + [int(rng.integers(counts[b], self.capacity + 1)) for b in range(5, batch)]
         lengths = np.asarray(lengths[:batch], np.int64)
         total = int(counts.sum()) + spare_rows
         cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         q = rng.standard_normal((total, hq, d))
-        q[cu[-1]:] = np.nan  # rows past cu_seqlens_q[-1]: never read
+        q[cu[-1] :] = np.nan  # rows past cu_seqlens_q[-1]: never read
         if not paged:
             k = rng.standard_normal((batch, self.capacity, hkv, d))
             v = rng.standard_normal((batch, self.capacity, hkv, d))
@@ -127,16 +129,34 @@ class PackedKVCacheTest(SeededCacheCase, parameterized.TestCase):
                     k[page, :rows] = rng.standard_normal((rows, hkv, d))
                     v[page, :rows] = rng.standard_normal((rows, hkv, d))
             table = table.astype(np.int32)
-        cast = lambda x: jnp.asarray(x, self.dtype)  # noqa: E731
-        return (cast(q), cast(k), cast(v), jnp.asarray(lengths, jnp.int32), jnp.asarray(cu), max_q,
-                None if table is None else jnp.asarray(table))
+        cast = lambda x: jnp.asarray(x, self.dtype)
+        return (
+            cast(q),
+            cast(k),
+            cast(v),
+            jnp.asarray(lengths, jnp.int32),
+            jnp.asarray(cu),
+            max_q,
+            None if table is None else jnp.asarray(table),
+        )
 
     def attend(self, q, k, v, lengths, cu, max_q, table, **kwargs):
         """The op through self.implementation; a decline testing/declines.py lists is a skip naming the reason,
         any other fails."""
-        return declines.call(self.implementation, ragged_attention_with_kvcache, q, k, v, lengths, cu_seqlens_q=cu,
-                             max_seqlen_q=max_q, page_table=table, implementation=self.implementation,
-                             skip=self.skipTest, **kwargs)
+        return declines.call(
+            self.implementation,
+            ragged_attention_with_kvcache,
+            q,
+            k,
+            v,
+            lengths,
+            cu_seqlens_q=cu,
+            max_seqlen_q=max_q,
+            page_table=table,
+            implementation=self.implementation,
+            skip=self.skipTest,
+            **kwargs,
+        )
 
     def check(self, args, *, sinks=None, **options):
         """Runs the op twice (bit-identical), both stats layouts, against the reference."""
@@ -144,17 +164,19 @@ class PackedKVCacheTest(SeededCacheCase, parameterized.TestCase):
         if sinks is True:
             sinks = jnp.asarray(self.rng.standard_normal(q.shape[1]), jnp.float32)
         out, stats = self.attend(*args, sinks=sinks, return_stats=True, **options)
-        again, token_major = self.attend(*args, sinks=sinks, return_stats=True, stats_layout="token_major",
-                                         **options)
-        pairs = ((np.asarray(out, np.float32), np.asarray(again, np.float32), "two runs differ"),
-                 (np.asarray(stats), np.asarray(token_major).T, "token_major is not the head-major stats transposed"))
+        again, token_major = self.attend(*args, sinks=sinks, return_stats=True, stats_layout="token_major", **options)
+        pairs = (
+            (np.asarray(out, np.float32), np.asarray(again, np.float32), "two runs differ"),
+            (np.asarray(stats), np.asarray(token_major).T, "token_major is not the head-major stats transposed"),
+        )
         for first, second, message in pairs:
             if self.bit_reproducible:
                 np.testing.assert_array_equal(first, second, message)
             else:
                 assert_close(second, first, self.dtype, message)
-        expected = reference_kvcache_attention_packed(q, k, v, lengths, cu, max_q, page_table=table, sinks=sinks,
-                                                      **options)
+        expected = reference_kvcache_attention_packed(
+            q, k, v, lengths, cu, max_q, page_table=table, sinks=sinks, **options
+        )
         self.assertEqual(out.dtype, q.dtype)
         self.assertEqual(out.shape, q.shape[:2] + (v.shape[-1],))
         self.assertEqual(stats.shape, (q.shape[1], q.shape[0]))
@@ -162,8 +184,10 @@ class PackedKVCacheTest(SeededCacheCase, parameterized.TestCase):
         assert_close(stats, expected["stats"], self.dtype, "stats")
         padding = np.arange(q.shape[0]) >= int(cu[-1])
         self.assertTrue((np.asarray(out, np.float32)[padding] == 0).all(), "a row past cu_seqlens_q[-1] is not 0")
-        self.assertTrue(np.isneginf(np.asarray(stats)[:, padding]).all(),
-                        "a row past cu_seqlens_q[-1] has stats other than -inf (sinks or not: it is no query)")
+        self.assertTrue(
+            np.isneginf(np.asarray(stats)[:, padding]).all(),
+            "a row past cu_seqlens_q[-1] has stats other than -inf (sinks or not: it is no query)",
+        )
         no_keys = np.isneginf(expected["stats"]).T  # [T, Hq]
         self.assertTrue((np.asarray(out, np.float32)[no_keys] == 0).all(), "a query without keys is not 0")
         return out
@@ -171,8 +195,12 @@ class PackedKVCacheTest(SeededCacheCase, parameterized.TestCase):
     # ---- attention -------------------------------------------------------------------------------------------
 
     @parameterized.named_parameters(
-        [dict(case, testcase_name=f"{name}_{'paged' if paged else 'contiguous'}", paged=paged)
-         for name, case in CASES.items() for paged in (False, True)])
+        [
+            dict(case, testcase_name=f"{name}_{'paged' if paged else 'contiguous'}", paged=paged)
+            for name, case in CASES.items()
+            for paged in (False, True)
+        ]
+    )
     def test_attention(self, paged, heads=(4, 2), max_seqlen_q=None, **options):
         self.check(self.mix(paged=paged, heads=heads, max_seqlen_q=max_seqlen_q), **options)
 
@@ -185,8 +213,11 @@ class PackedKVCacheTest(SeededCacheCase, parameterized.TestCase):
         args = self.mix()
         q, k, v, lengths, cu, max_q, table = args
         self.attend(*args)  # skips where declined
-        run = jax.jit(lambda q, k, v, n, cu, t: ragged_attention_with_kvcache(
-            q, k, v, n, cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=t, implementation=self.implementation))
+        run = jax.jit(
+            lambda q, k, v, n, cu, t: ragged_attention_with_kvcache(
+                q, k, v, n, cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=t, implementation=self.implementation
+            )
+        )
         expected = reference_kvcache_attention_packed(q, k, v, lengths, cu, max_q, page_table=table)
         assert_close(run(q, k, v, lengths, cu, table), expected["out"], self.dtype, "out under jit")
 
@@ -204,8 +235,17 @@ class PackedKVCacheTest(SeededCacheCase, parameterized.TestCase):
         loose = self.check((q, k, v, lengths, cu, 1000 * q.shape[0], table))
         tight = self.check((q, k, v, lengths, cu, q.shape[0], table))
         np.testing.assert_array_equal(np.asarray(loose, np.float32), np.asarray(tight, np.float32))
-        config = kvcache_inputs.kvcache_config(q, k, v, lengths, table, AttentionOptions(is_causal=True), None,
-                                               cu_seqlens_q=cu, max_seqlen_q=1000 * q.shape[0])
+        config = kvcache_inputs.kvcache_config(
+            q,
+            k,
+            v,
+            lengths,
+            table,
+            AttentionOptions(is_causal=True),
+            None,
+            cu_seqlens_q=cu,
+            max_seqlen_q=1000 * q.shape[0],
+        )
         self.assertEqual(config.seqlen_q, q.shape[0], "max_seqlen_q is not clamped to the token count")
 
     def test_invalid_page_entries_are_never_read(self):
@@ -232,9 +272,19 @@ class PackedKVCacheTest(SeededCacheCase, parameterized.TestCase):
             call = {**dict(cu=cu, max_q=max_q, lengths=lengths, table=table), **bad}
             with self.assertRaisesRegex(RaggedAttentionInputError, message):
                 self.attend(q, k, v, call["lengths"], call["cu"], call["max_q"], call["table"], check=True)
-        run = jax.jit(lambda cu: ragged_attention_with_kvcache(q, k, v, lengths, cu_seqlens_q=cu, max_seqlen_q=max_q,
-                                                               page_table=table, check=True,
-                                                               implementation=self.implementation))
+        run = jax.jit(
+            lambda cu: ragged_attention_with_kvcache(
+                q,
+                k,
+                v,
+                lengths,
+                cu_seqlens_q=cu,
+                max_seqlen_q=max_q,
+                page_table=table,
+                check=True,
+                implementation=self.implementation,
+            )
+        )
         with self.assertRaisesRegex(RaggedAttentionInputError, r"cu_seqlens_q"), input_errors():
             jax.block_until_ready(run(cu.at[2].set(cu[1] - 1)))
         jax.block_until_ready(run(cu))
@@ -243,9 +293,20 @@ class PackedKVCacheTest(SeededCacheCase, parameterized.TestCase):
         q, k, v, lengths, cu, max_q, table = self.mix()
         q = jnp.nan_to_num(q)
         self.attend(q, k, v, lengths, cu, max_q, table)  # skips where declined
-        loss = lambda q: ragged_attention_with_kvcache(  # noqa: E731
-            q, k, v, lengths, cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=table,
-            implementation=self.implementation).astype(jnp.float32).sum()
+        loss = lambda q: (
+            ragged_attention_with_kvcache(
+                q,
+                k,
+                v,
+                lengths,
+                cu_seqlens_q=cu,
+                max_seqlen_q=max_q,
+                page_table=table,
+                implementation=self.implementation,
+            )
+            .astype(jnp.float32)
+            .sum()
+        )
         with self.assertRaisesRegex(NotImplementedError, "forward-only"):
             jax.grad(loss)(q)
 
@@ -279,14 +340,25 @@ class XlaPackedTest(PackedKVCacheTest):
         parts = [self.mix(share=False, batch=7, spare_rows=2) for _ in range(2)]
         pages = max(p[1].shape[0] for p in parts)
         total = max(p[0].shape[0] for p in parts)
-        parts = [(jnp.pad(q, ((0, total - q.shape[0]), (0, 0), (0, 0))),
-                  jnp.pad(k, ((0, pages - k.shape[0]),) + ((0, 0),) * 3, constant_values=np.nan),
-                  jnp.pad(v, ((0, pages - v.shape[0]),) + ((0, 0),) * 3, constant_values=np.nan), n, cu, m, t)
-                 for q, k, v, n, cu, m, t in parts]
+        parts = [
+            (
+                jnp.pad(q, ((0, total - q.shape[0]), (0, 0), (0, 0))),
+                jnp.pad(k, ((0, pages - k.shape[0]),) + ((0, 0),) * 3, constant_values=np.nan),
+                jnp.pad(v, ((0, pages - v.shape[0]),) + ((0, 0),) * 3, constant_values=np.nan),
+                n,
+                cu,
+                m,
+                t,
+            )
+            for q, k, v, n, cu, m, t in parts
+        ]
         max_q = parts[0][5]
         stacked = [jnp.stack([p[i] for p in parts]) for i in (0, 1, 2, 3, 4, 6)]
-        out = jax.vmap(lambda q, k, v, n, cu, t: ragged_attention_with_kvcache(
-            q, k, v, n, cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=t, implementation="xla"))(*stacked)
+        out = jax.vmap(
+            lambda q, k, v, n, cu, t: ragged_attention_with_kvcache(
+                q, k, v, n, cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=t, implementation="xla"
+            )
+        )(*stacked)
         for i, (q, k, v, n, cu, m, t) in enumerate(parts):
             expected = reference_kvcache_attention_packed(q, k, v, n, cu, m, page_table=t)
             assert_close(out[i], expected["out"], self.dtype, f"vmapped element {i}")
@@ -295,9 +367,9 @@ class XlaPackedTest(PackedKVCacheTest):
     def test_sinks_gradient(self):
         q, k, v, lengths, cu, max_q, table = self.mix()
         sinks = jnp.asarray(self.rng.standard_normal(4), jnp.float32)
-        loss = lambda s: ragged_attention_with_kvcache(  # noqa: E731
-            q, k, v, lengths, cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=table, sinks=s,
-            implementation="xla")[:int(cu[-1])].sum()
+        loss = lambda s: ragged_attention_with_kvcache(
+            q, k, v, lengths, cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=table, sinks=s, implementation="xla"
+        )[: int(cu[-1])].sum()
         grad = jax.grad(loss)(sinks)
         step = 1e-3
         numeric = [(loss(sinks.at[h].add(step)) - loss(sinks.at[h].add(-step))) / (2 * step) for h in range(4)]
@@ -314,17 +386,30 @@ class XlaPackedTest(PackedKVCacheTest):
         q, k, v, lengths, cu, max_q, table = self.mix()
         packed = dict(cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=table)
         for call, message in [
-            (lambda: ragged_attention_with_kvcache(q, k, v, lengths, cu_seqlens_q=cu, page_table=table),
-             "max_seqlen_q"),
+            (
+                lambda: ragged_attention_with_kvcache(q, k, v, lengths, cu_seqlens_q=cu, page_table=table),
+                "max_seqlen_q",
+            ),
             (lambda: ragged_attention_with_kvcache(q[None], k, v, lengths, **packed), "q must have rank 3"),
             (lambda: ragged_attention_with_kvcache(q, k, v, lengths[:3], **packed), "cache_seqlens must be"),
-            (lambda: ragged_attention_with_kvcache(q, k, v, lengths, cu_seqlens_q=cu[:4], max_seqlen_q=max_q,
-                                                   page_table=table), "cu_seqlens_q must be"),
-            (lambda: ragged_attention_with_kvcache(q, k, v, lengths, cu_seqlens_q=cu, max_seqlen_q=0,
-                                                   page_table=table), "max_seqlen_q"),
-            (lambda: ragged_attention_with_kvcache(q, k, v, lengths, cu_seqlens_q=cu.astype(jnp.float32),
-                                                   max_seqlen_q=max_q, page_table=table),
-             "cu_seqlens_q must have an integer dtype"),
+            (
+                lambda: ragged_attention_with_kvcache(
+                    q, k, v, lengths, cu_seqlens_q=cu[:4], max_seqlen_q=max_q, page_table=table
+                ),
+                "cu_seqlens_q must be",
+            ),
+            (
+                lambda: ragged_attention_with_kvcache(
+                    q, k, v, lengths, cu_seqlens_q=cu, max_seqlen_q=0, page_table=table
+                ),
+                "max_seqlen_q",
+            ),
+            (
+                lambda: ragged_attention_with_kvcache(
+                    q, k, v, lengths, cu_seqlens_q=cu.astype(jnp.float32), max_seqlen_q=max_q, page_table=table
+                ),
+                "cu_seqlens_q must have an integer dtype",
+            ),
         ]:
             with self.assertRaisesRegex(ValueError, message):
                 call()
@@ -335,14 +420,16 @@ def _fa3_tile_stand_in(q, k_cache, v_cache, lengths, page_table, config, window,
     first used_q rows aligned bottom-right on its `lengths` rows, FA3's window (is_causal, left, right); NaN
     where it is handed a length or entry outside the cache (fa3_emulator.kvcache_reads_unchecked)."""
     is_causal, left, right = window
-    config = dataclasses.replace(config, is_causal=is_causal, window_left=None if left < 0 else left,
-                                 window_right=None if right < 0 else right)
+    config = dataclasses.replace(
+        config, is_causal=is_causal, window_left=None if left < 0 else left, window_right=None if right < 0 else right
+    )
     used = jnp.full((q.shape[0],), q.shape[1], jnp.int32) if used_q is None else used_q
     position = lengths[:, None] - used[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
     first, last = band(position, lengths[:, None], config)
     last = jnp.where(jnp.arange(q.shape[1])[None, :] < used[:, None], last, -1)
-    out, lse = cache_attention._blocked(q, k_cache, v_cache, lengths, first, last, page_table, config,
-                                        cache_attention.block_rows(config))
+    out, lse = cache_attention._blocked(
+        q, k_cache, v_cache, lengths, first, last, page_table, config, cache_attention.block_rows(config)
+    )
     out, lse = fa3_emulator.kvcache_reads_unchecked(out, lse, lengths, page_table, config)
     return out, jnp.where(jnp.isneginf(lse), jnp.inf, lse)  # FA3's lse of a query without keys
 
@@ -358,10 +445,15 @@ class Fa3TilesStandInTest(PackedKVCacheTest):
 
     def setUp(self):
         super().setUp()
-        patchers = [mock.patch.object(target, name, value) for target, name, value in (
-            (fa3_kvcache, "_fa3_call", _fa3_tile_stand_in),
-            (_fa3, "unavailable_reason", lambda: None), (_fa3, "FA3_DTYPES", ("float32",)),
-            (_fa3, "FA3_HEAD_DIM", self.head_dim))]
+        patchers = [
+            mock.patch.object(target, name, value)
+            for target, name, value in (
+                (fa3_kvcache, "_fa3_call", _fa3_tile_stand_in),
+                (_fa3, "unavailable_reason", lambda: None),
+                (_fa3, "FA3_DTYPES", ("float32",)),
+                (_fa3, "FA3_HEAD_DIM", self.head_dim),
+            )
+        ]
         for patcher in patchers:
             patcher.start()
             self.addCleanup(patcher.stop)
@@ -376,8 +468,9 @@ class Fa3TilesStandInTest(PackedKVCacheTest):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_fa3.unavailable_reason() is not None,
-                    reason=f"FlashAttention-3 unavailable: {_fa3.unavailable_reason()}")
+@pytest.mark.skipif(
+    _fa3.unavailable_reason() is not None, reason=f"FlashAttention-3 unavailable: {_fa3.unavailable_reason()}"
+)
 class Fa3PackedTest(PackedKVCacheTest):
     """FA3's kernel (one call over tiles of 128 / group queries); pages of 40 rows (FA3 key tiles of 128 and
     pages straddle), unused rows and pages NaN, chunks of up to 70 queries (several tiles with GQA 4)."""
@@ -400,8 +493,9 @@ class Fa3PackedWholeTilePagesTest(Fa3PackedTest):
     max_pages = 6
 
 
-def _paged_handler_stand_in(q, k_cache, v_cache, table, seq_len_q, seq_len_kv, offset_q, offset_o, offset_stats, *,
-                            types, **attributes):
+def _paged_handler_stand_in(
+    q, k_cache, v_cache, table, seq_len_q, seq_len_kv, offset_q, offset_o, offset_stats, *, types, **attributes
+):
     """What ffi/paged_handler.cc promises for packed queries, in jnp: the buffer contract it checks (shapes,
     offsets [B + 1], total_q), then sequence b's seq_len_q[b] queries at rows offset_q[b] / (Hq * Dqk) on, over
     rows [0, seq_len_kv[b]) of its pages, query i on diagonal seq_len_kv[b] - seq_len_q[b] + i with the bounds,
@@ -429,8 +523,12 @@ def _paged_handler_stand_in(q, k_cache, v_cache, table, seq_len_q, seq_len_kv, o
     v = v_cache[table].reshape(batch, -1, *v_cache.shape[2:])
     group = heads_q // k.shape[2]
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q[q_rows].astype(jnp.float32), k.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST) * attributes["scale"]
+    s = (
+        jnp.einsum(
+            "bqhd,bkhd->bhqk", q[q_rows].astype(jnp.float32), k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+        )
+        * attributes["scale"]
+    )
     if attributes["softcap"] > 0:  # before the masks, as the graph's score modifier caps
         s = attributes["softcap"] * jnp.tanh(s / attributes["softcap"])
     position = seq_len_kv[:, None] - seq_len_q[:, None] + slot[None, :]  # [B, Sq]
@@ -454,8 +552,13 @@ def _paged_handler_stand_in(q, k_cache, v_cache, table, seq_len_q, seq_len_kv, o
 
 # The route takes a contiguous cache as pages of one page per sequence: the fast tier runs the paged cases and one
 # contiguous case, the slow tier the other contiguous ones and the random mixes.
-@slow_cases("test_random_mixes", *(f"test_attention_{case}_contiguous"
-                                   for case in ("causal", "mqa", "sinks", "mha", "non_causal", "scale", "softcap")))
+@slow_cases(
+    "test_random_mixes",
+    *(
+        f"test_attention_{case}_contiguous"
+        for case in ("causal", "mqa", "sinks", "mha", "non_causal", "scale", "softcap")
+    ),
+)
 class CudnnPackedStandInTest(PackedKVCacheTest):
     """cudnn_kvcache.attend_packed on any machine: paged.attend_packed's offsets, seq_len_q and stats gather,
     the head / tail split per row and its merge, the contiguous cache's page view; the FFI handler replaced by
@@ -473,14 +576,18 @@ class CudnnPackedStandInTest(PackedKVCacheTest):
                 return real_ffi_call(target, types, **kwargs)
             return lambda *args, **attributes: _paged_handler_stand_in(*args, types=types, **attributes)
 
-        patchers = [mock.patch.object(target, name, value) for target, name, value in (
-            (jax.ffi, "ffi_call", ffi_call),
-            (paged, "graph_info", lambda config, bounds=None: {"workspace_bytes": 16}),
-            (paged, "ffi_kwargs", paged.attributes),
-            (extension, "cudnn_unavailable_reason", lambda: None),
-            (paged, "unsupported_reason", lambda config, bounds=None: paged.static_reason(config)),
-            (paged, "CUDNN_DTYPES", ("float32",)),
-            (known_issues, "fence", lambda *args, **kwargs: None))]
+        patchers = [
+            mock.patch.object(target, name, value)
+            for target, name, value in (
+                (jax.ffi, "ffi_call", ffi_call),
+                (paged, "graph_info", lambda config, bounds=None: {"workspace_bytes": 16}),
+                (paged, "ffi_kwargs", paged.attributes),
+                (extension, "cudnn_unavailable_reason", lambda: None),
+                (paged, "unsupported_reason", lambda config, bounds=None: paged.static_reason(config)),
+                (paged, "CUDNN_DTYPES", ("float32",)),
+                (known_issues, "fence", lambda *args, **kwargs: None),
+            )
+        ]
         for patcher in patchers:
             patcher.start()
             self.addCleanup(patcher.stop)
@@ -495,8 +602,10 @@ class CudnnPackedStandInTest(PackedKVCacheTest):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(jax_ragged_attn.cudnn_unavailable_reason() is not None,
-                    reason=f"cuDNN path unavailable: {jax_ragged_attn.cudnn_unavailable_reason()}")
+@pytest.mark.skipif(
+    jax_ragged_attn.cudnn_unavailable_reason() is not None,
+    reason=f"cuDNN path unavailable: {jax_ragged_attn.cudnn_unavailable_reason()}",
+)
 class CudnnPackedTest(PackedKVCacheTest):
     """cuDNN's paged graph with ragged Q / O (ffi/paged_graph.h), bf16, head dim 128; pages of 32 rows, so the
     kernel's key tiles straddle pages; unused rows and pages NaN; chunks of up to 70 queries."""
@@ -512,9 +621,24 @@ class CudnnPackedTest(PackedKVCacheTest):
 
 
 def test_fa3_declines_what_one_tile_per_sequence_cannot_hold():
-    config = KVCacheConfig(batch=4, seqlen_q=64, num_heads_q=32, num_heads_kv=8, head_dim_qk=128, head_dim_v=128,
-                           dtype="bfloat16", paged=True, page_size=256, num_pages=64, max_pages=8, scale=1.0,
-                           is_causal=False, window_left=None, window_right=None, total_q=100)
+    config = KVCacheConfig(
+        batch=4,
+        seqlen_q=64,
+        num_heads_q=32,
+        num_heads_kv=8,
+        head_dim_qk=128,
+        head_dim_v=128,
+        dtype="bfloat16",
+        paged=True,
+        page_size=256,
+        num_pages=64,
+        max_pages=8,
+        scale=1.0,
+        is_causal=False,
+        window_left=None,
+        window_right=None,
+        total_q=100,
+    )
     with mock.patch.object(known_issues, "fa3_version", lambda: fa3_kvcache.AUDITED_WHEEL):
         assert "max_seqlen_q x (Hq / Hkv) <= 128" in fa3_kvcache.packed_reason(config)
         assert fa3_kvcache.packed_reason(dataclasses.replace(config, is_causal=True)) is None
@@ -526,9 +650,24 @@ def test_fa3_declines_what_one_tile_per_sequence_cannot_hold():
 def test_fa3_tiles_hold_128_query_rows_only_on_the_audited_wheel(version, rows):
     """Up to 128 query rows keep FA3 off TMA (its zero-filling loader) only where its head-dim-128 query tile is
     128 rows, as in flash-attn3-jax 0.2.3; upstream FA3 also has a 64-row tile, so any other wheel gets 64."""
-    config = KVCacheConfig(batch=4, seqlen_q=64, num_heads_q=32, num_heads_kv=8, head_dim_qk=128, head_dim_v=128,
-                           dtype="bfloat16", paged=True, page_size=256, num_pages=64, max_pages=8, scale=1.0,
-                           is_causal=True, window_left=None, window_right=None, total_q=100)
+    config = KVCacheConfig(
+        batch=4,
+        seqlen_q=64,
+        num_heads_q=32,
+        num_heads_kv=8,
+        head_dim_qk=128,
+        head_dim_v=128,
+        dtype="bfloat16",
+        paged=True,
+        page_size=256,
+        num_pages=64,
+        max_pages=8,
+        scale=1.0,
+        is_causal=True,
+        window_left=None,
+        window_right=None,
+        total_q=100,
+    )
     with mock.patch.object(known_issues, "fa3_version", lambda: version):
         assert fa3_kvcache.zero_fill_rows() == rows
         assert fa3_kvcache.packed_tile(config) == rows // 4
@@ -539,9 +678,24 @@ def test_fa3_tiles_hold_128_query_rows_only_on_the_audited_wheel(version, rows):
 def test_query_tiles_cover_every_query_once():
     rng = np.random.default_rng(0)
     batch, max_q, total = 6, 7, 44  # one shape for every draw: the op-by-op arithmetic compiles once per size
-    config = KVCacheConfig(batch=batch, seqlen_q=max_q, num_heads_q=2, num_heads_kv=1, head_dim_qk=8, head_dim_v=8,
-                           dtype="float32", paged=False, page_size=50, num_pages=batch, max_pages=1, scale=1.0,
-                           is_causal=True, window_left=None, window_right=None, total_q=total)
+    config = KVCacheConfig(
+        batch=batch,
+        seqlen_q=max_q,
+        num_heads_q=2,
+        num_heads_kv=1,
+        head_dim_qk=8,
+        head_dim_v=8,
+        dtype="float32",
+        paged=False,
+        page_size=50,
+        num_pages=batch,
+        max_pages=1,
+        scale=1.0,
+        is_causal=True,
+        window_left=None,
+        window_right=None,
+        total_q=total,
+    )
     for size in (1, 2, 3, 7):
         for _ in range(3):
             counts = rng.integers(0, max_q + 1, batch)
@@ -561,7 +715,6 @@ def test_query_tiles_cover_every_query_once():
 
 
 class PackedAppendTest(parameterized.TestCase):
-
     def setUp(self):
         super().setUp()
         self.rng = np.random.default_rng(zlib.crc32(self.id().encode()))
@@ -586,8 +739,9 @@ class PackedAppendTest(parameterized.TestCase):
         k_new = self.rng.standard_normal((9, 2, 4)).astype(np.float32)
         lengths = np.array([0, 4, 5], np.int32)  # 4 + 3 rows: the last past the capacity of 6
         cu = np.array([0, 3, 6, 8], np.int32)  # row 8: past cu[-1], never written
-        k2, v2 = kvcache_append(jnp.asarray(k), jnp.asarray(-k), jnp.asarray(k_new), jnp.asarray(-k_new), lengths,
-                                cu_seqlens_k_new=cu)
+        k2, v2 = kvcache_append(
+            jnp.asarray(k), jnp.asarray(-k), jnp.asarray(k_new), jnp.asarray(-k_new), lengths, cu_seqlens_k_new=cu
+        )
         want = self.expected(k, k_new, lengths, cu)
         np.testing.assert_array_equal(k2, want)
         np.testing.assert_array_equal(v2, -want)
@@ -600,8 +754,15 @@ class PackedAppendTest(parameterized.TestCase):
         cu = np.array([0, 3, 6, 9], np.int32)
         # sequence 0: rows 1-3 on pages 4, 1, 1; sequence 1: rows 2-3 on page 99 (outside: dropped), row 4 on
         # page 2; sequence 2: row 5 on page 5, rows 6-7 past its capacity of 6 (dropped).
-        k2, _ = kvcache_append(jnp.asarray(k), jnp.asarray(k), jnp.asarray(k_new), jnp.asarray(k_new), lengths,
-                               cu_seqlens_k_new=cu, page_table=table)
+        k2, _ = kvcache_append(
+            jnp.asarray(k),
+            jnp.asarray(k),
+            jnp.asarray(k_new),
+            jnp.asarray(k_new),
+            lengths,
+            cu_seqlens_k_new=cu,
+            page_table=table,
+        )
         want = self.expected(k, k_new, lengths, cu, table)
         np.testing.assert_array_equal(k2, want)
         untouched = [p for p in range(6) if p not in (4, 1, 2, 5)]
@@ -617,12 +778,20 @@ class PackedAppendTest(parameterized.TestCase):
         k = self.rng.standard_normal((num_pages, page_size, 2, 8)).astype(np.float32)
         cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         k_new = self.rng.standard_normal((int(cu[-1]) + 2, 2, 8)).astype(np.float32)
-        k2, v2 = kvcache_append(jnp.asarray(k), jnp.asarray(k), jnp.asarray(k_new), jnp.asarray(k_new), lengths,
-                                cu_seqlens_k_new=cu, page_table=table)
+        k2, v2 = kvcache_append(
+            jnp.asarray(k),
+            jnp.asarray(k),
+            jnp.asarray(k_new),
+            jnp.asarray(k_new),
+            lengths,
+            cu_seqlens_k_new=cu,
+            page_table=table,
+        )
         np.testing.assert_array_equal(k2, self.expected(k, k_new, lengths, cu, table))
         q = jnp.asarray(self.rng.standard_normal((k_new.shape[0], 4, 8)), jnp.float32)
-        out = ragged_attention_with_kvcache(q, k2, v2, lengths + counts, cu_seqlens_q=cu, max_seqlen_q=6,
-                                            page_table=table, implementation="xla")
+        out = ragged_attention_with_kvcache(
+            q, k2, v2, lengths + counts, cu_seqlens_q=cu, max_seqlen_q=6, page_table=table, implementation="xla"
+        )
         expected = reference_kvcache_attention_packed(q, k2, v2, lengths + counts, cu, 6, page_table=table)
         assert_close(out, expected["out"], jnp.float32, "out after the append")
 
@@ -631,29 +800,73 @@ class PackedAppendTest(parameterized.TestCase):
         k_new = jnp.ones((9, 1, 3), jnp.float32)
         table = jnp.asarray([[4, 1, -1], [0, 99, 2], [3, 5, 5]], jnp.int32)
         cu = jnp.asarray([0, 3, 6, 8], jnp.int32)
-        kvcache_append(k, k, k_new, k_new, jnp.asarray([1, 2, 2], jnp.int32), cu_seqlens_k_new=cu,
-                       page_table=table.at[1, 1].set(3), check=True)  # valid
+        kvcache_append(
+            k,
+            k,
+            k_new,
+            k_new,
+            jnp.asarray([1, 2, 2], jnp.int32),
+            cu_seqlens_k_new=cu,
+            page_table=table.at[1, 1].set(3),
+            check=True,
+        )  # valid
         for lengths, bad_table, message in [
             ([1, 2, 2], table, r"page_table\[1, 1\] = 99.*sequence 1"),
             ([1, 2, 5], table.at[1, 1].set(3), r"sequence 2.*cache_seqlens\[2\] = 5.*2 new rows.*capacity 6"),
         ]:
             with self.assertRaisesRegex(RaggedAttentionInputError, message):
-                kvcache_append(k, k, k_new, k_new, jnp.asarray(lengths, jnp.int32), cu_seqlens_k_new=cu,
-                               page_table=bad_table, check=True)
+                kvcache_append(
+                    k,
+                    k,
+                    k_new,
+                    k_new,
+                    jnp.asarray(lengths, jnp.int32),
+                    cu_seqlens_k_new=cu,
+                    page_table=bad_table,
+                    check=True,
+                )
         with self.assertRaisesRegex(RaggedAttentionInputError, r"cu_seqlens_k_new"):
-            kvcache_append(k, k, k_new, k_new, jnp.asarray([1, 2, 2], jnp.int32), cu_seqlens_k_new=cu.at[1].set(7),
-                           page_table=table.at[1, 1].set(3), check=True)
+            kvcache_append(
+                k,
+                k,
+                k_new,
+                k_new,
+                jnp.asarray([1, 2, 2], jnp.int32),
+                cu_seqlens_k_new=cu.at[1].set(7),
+                page_table=table.at[1, 1].set(3),
+                check=True,
+            )
 
     def test_validation_names_the_argument(self):
         k = jnp.zeros((3, 6, 2, 4), jnp.float32)
         lengths = jnp.zeros(3, jnp.int32)
         for call, message in [
-            (lambda: kvcache_append(k, k, jnp.zeros((5, 2, 4), k.dtype), jnp.zeros((5, 2, 4), k.dtype), lengths),
-             "k_new must have rank 4"),
-            (lambda: kvcache_append(k, k, jnp.zeros((5, 2, 4), k.dtype), jnp.zeros((5, 2, 4), k.dtype), lengths,
-                                    cu_seqlens_k_new=jnp.zeros(3, jnp.int32)), "cu_seqlens_k_new must be"),
-            (lambda: kvcache_append(k, k, jnp.zeros((5, 3, 4), k.dtype), jnp.zeros((5, 3, 4), k.dtype), lengths,
-                                    cu_seqlens_k_new=jnp.zeros(4, jnp.int32)), "k_new must be"),
+            (
+                lambda: kvcache_append(k, k, jnp.zeros((5, 2, 4), k.dtype), jnp.zeros((5, 2, 4), k.dtype), lengths),
+                "k_new must have rank 4",
+            ),
+            (
+                lambda: kvcache_append(
+                    k,
+                    k,
+                    jnp.zeros((5, 2, 4), k.dtype),
+                    jnp.zeros((5, 2, 4), k.dtype),
+                    lengths,
+                    cu_seqlens_k_new=jnp.zeros(3, jnp.int32),
+                ),
+                "cu_seqlens_k_new must be",
+            ),
+            (
+                lambda: kvcache_append(
+                    k,
+                    k,
+                    jnp.zeros((5, 3, 4), k.dtype),
+                    jnp.zeros((5, 3, 4), k.dtype),
+                    lengths,
+                    cu_seqlens_k_new=jnp.zeros(4, jnp.int32),
+                ),
+                "k_new must be",
+            ),
         ]:
             with self.assertRaisesRegex(ValueError, message):
                 call()
@@ -665,8 +878,12 @@ class PackedAppendTest(parameterized.TestCase):
         lengths = jnp.arange(8, dtype=jnp.int32)
         cu = jnp.asarray([0, 1, 1, 3, 4, 8, 9, 10, 10], jnp.int32)
         table = jnp.arange(64, dtype=jnp.int32).reshape(8, 8) if paged else None
-        step = jax.jit(lambda k, v, k_new, lengths, cu, table: kvcache_append(
-            k, v, k_new, k_new, lengths, cu_seqlens_k_new=cu, page_table=table), donate_argnums=(0, 1))
+        step = jax.jit(
+            lambda k, v, k_new, lengths, cu, table: kvcache_append(
+                k, v, k_new, k_new, lengths, cu_seqlens_k_new=cu, page_table=table
+            ),
+            donate_argnums=(0, 1),
+        )
         compiled = step.lower(k, k, k_new, lengths, cu, table).compile()
         memory = compiled.memory_analysis()
         cache_bytes = k.size * 4

@@ -18,15 +18,18 @@ import numpy as np
 import pytest
 
 import jax_ragged_attn as jra
+from jax_ragged_attn.backends.cudnn import extents
 from jax_ragged_attn.backends.fa3 import ragged as fa3
 from jax_ragged_attn.backends.shared import extension
-from jax_ragged_attn.backends.cudnn import extents
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.testing import tolerance
 
 _REASON = extension.cudnn_unavailable_reason()
-pytestmark = [pytest.mark.gpu, pytest.mark.soak,
-              pytest.mark.skipif(_REASON is not None, reason=f"cuDNN path unavailable: {_REASON}")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.soak,
+    pytest.mark.skipif(_REASON is not None, reason=f"cuDNN path unavailable: {_REASON}"),
+]
 
 PADDING = 64  # NaN rows after the last sequence
 
@@ -37,8 +40,9 @@ def _relative_error(actual, expected, finite_only=False):
     NaN where actual holds a NaN that expected does not."""
     a, e = actual.astype(jnp.float32), expected.astype(jnp.float32)
     nan_leak = jnp.any(jnp.isnan(a) & ~jnp.isnan(e))
-    error = jnp.max(jnp.where(jnp.isfinite(e), jnp.abs(a - e), 0.0)) / jnp.maximum(jnp.max(jnp.abs(
-        jnp.where(jnp.isfinite(e), e, 0.0))), 1.0)
+    error = jnp.max(jnp.where(jnp.isfinite(e), jnp.abs(a - e), 0.0)) / jnp.maximum(
+        jnp.max(jnp.abs(jnp.where(jnp.isfinite(e), e, 0.0))), 1.0
+    )
     return jnp.where(nan_leak, jnp.nan, error)
 
 
@@ -48,9 +52,15 @@ def _buffers(key, rows, heads, dim, real):
 
 
 def _run(q, k, v, d_out, cu_q, cu_kv, max_q, max_kv, implementation):
-    attend = functools.partial(jra.ragged_attention, max_seqlen_q=max_q, max_seqlen_kv=max_kv, is_causal=True,
-                               diagonal_alignment="bottom_right", return_stats=True,
-                               implementation=implementation)
+    attend = functools.partial(
+        jra.ragged_attention,
+        max_seqlen_q=max_q,
+        max_seqlen_kv=max_kv,
+        is_causal=True,
+        diagonal_alignment="bottom_right",
+        return_stats=True,
+        implementation=implementation,
+    )
     # The stats as aux: no cotangent reaches them, so the plain backward runs.
     out, vjp, stats = jax.vjp(lambda q, k, v: attend(q, k, v, cu_q, cu_kv), q, k, v, has_aux=True)
     return (out, stats, *vjp(d_out))
@@ -66,21 +76,37 @@ def _check_against_halves(lengths_q, lengths_kv, heads_q, heads_kv, implementati
     v = _buffers(keys[2], rows_kv, heads_kv, dim, cu_kv[-1])
     d_out = _buffers(keys[3], rows_q, heads_q, dim, cu_q[-1])
     max_q, max_kv = int(max(lengths_q)), int(max(lengths_kv))
-    config = make_config(q, k, v, jnp.asarray(cu_q, jnp.int32), jnp.asarray(cu_kv, jnp.int32),
-                         AttentionOptions(is_causal=True), max_seqlen_q=max_q, max_seqlen_kv=max_kv)
+    config = make_config(
+        q,
+        k,
+        v,
+        jnp.asarray(cu_q, jnp.int32),
+        jnp.asarray(cu_kv, jnp.int32),
+        AttentionOptions(is_causal=True),
+        max_seqlen_q=max_q,
+        max_seqlen_kv=max_kv,
+    )
     assert extents.groups(config) >= min_groups
 
-    whole = _run(q, k, v, d_out, jnp.asarray(cu_q, jnp.int32), jnp.asarray(cu_kv, jnp.int32), max_q, max_kv,
-                 implementation)
+    whole = _run(
+        q, k, v, d_out, jnp.asarray(cu_q, jnp.int32), jnp.asarray(cu_kv, jnp.int32), max_q, max_kv, implementation
+    )
     atol, _ = tolerance("bfloat16")
     half = len(lengths_q) // 2
     names = ("out", "stats", "dq", "dk", "dv")
     for first, last in ((0, half), (half, len(lengths_q))):
         (q0, q1), (k0, k1) = (int(cu_q[first]), int(cu_q[last])), (int(cu_kv[first]), int(cu_kv[last]))
-        part = _run(q[q0:q1], k[k0:k1], v[k0:k1], d_out[q0:q1],
-                    jnp.asarray(cu_q[first:last + 1] - q0, jnp.int32), jnp.asarray(cu_kv[first:last + 1] - k0,
-                                                                                   jnp.int32),
-                    max_q, max_kv, implementation)
+        part = _run(
+            q[q0:q1],
+            k[k0:k1],
+            v[k0:k1],
+            d_out[q0:q1],
+            jnp.asarray(cu_q[first : last + 1] - q0, jnp.int32),
+            jnp.asarray(cu_kv[first : last + 1] - k0, jnp.int32),
+            max_q,
+            max_kv,
+            implementation,
+        )
         rows = {"out": (q0, q1), "stats": (q0, q1), "dq": (q0, q1), "dk": (k0, k1), "dv": (k0, k1)}
         for name, got, expected in zip(names, whole, part):
             start, stop = rows[name]

@@ -44,8 +44,11 @@ def _library_modules():
 @pytest.mark.parametrize("path", _library_modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_imports_run_downwards(path):
     mine = _rank(_top(path))
-    above = sorted(name for name in _imported_modules(path)
-                   if name.count(".") >= 1 and name.split(".")[1] in LAYERS and _rank(name.split(".")[1]) > mine)
+    above = sorted(
+        name
+        for name in _imported_modules(path)
+        if name.count(".") >= 1 and name.split(".")[1] in LAYERS and _rank(name.split(".")[1]) > mine
+    )
     assert not above, f"{path.relative_to(PACKAGE)} (layer {_top(path)}) imports {above}, a layer above it"
 
 
@@ -57,12 +60,16 @@ def test_every_top_level_module_has_a_layer():
 def test_at_most_twelve_top_level_modules():
     """Modules and packages at the top level over 12 lines (the short aliases bench / selfcheck / __main__
     are not counted)."""
+
     def lines(entry: pathlib.Path) -> int:
         files = [entry] if entry.is_file() else list(entry.rglob("*.py"))
         return sum(len(f.read_text().splitlines()) for f in files)
 
-    counted = [e.name for e in PACKAGE.iterdir()
-               if (e.suffix == ".py" or (e.is_dir() and (e / "__init__.py").exists())) and lines(e) > 12]
+    counted = [
+        e.name
+        for e in PACKAGE.iterdir()
+        if (e.suffix == ".py" or (e.is_dir() and (e / "__init__.py").exists())) and lines(e) > 12
+    ]
     assert len(counted) <= 12, sorted(counted)
 
 
@@ -73,14 +80,22 @@ def test_the_benchmarks_stay_outside_the_wheel():
     importers = []
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
             if any(n == "benchmarks" or n.startswith("benchmarks.") for n in names):
                 importers.append(str(path.relative_to(PACKAGE)))
     assert not importers, f"these import the repository's benchmarks/, which the wheel lacks: {sorted(importers)}"
     tools = PACKAGE / "tools"
-    rest = {str(p.relative_to(tools)): len(p.read_text().splitlines()) for p in tools.rglob("*.py")
-            if p.relative_to(tools).parts[0] != "lm" and not p.relative_to(tools).parts[0].startswith("selfcheck")}
+    rest = {
+        str(p.relative_to(tools)): len(p.read_text().splitlines())
+        for p in tools.rglob("*.py")
+        if p.relative_to(tools).parts[0] != "lm" and not p.relative_to(tools).parts[0].startswith("selfcheck")
+    }
     assert sum(rest.values()) <= 400, f"tools/ beyond tools/lm/ and the self-check: {sum(rest.values())} lines: {rest}"
 
 
@@ -97,7 +112,7 @@ REGISTRY_MODULES = {"__init__.py", "policy.py", "tuning.py", "protocol.py"}  # t
 
 
 def _backend_part(path: pathlib.Path) -> str | None:
-    """"cudnn" / "fa3" / "xla" / "shared" for a module under backends/ (None for the registry's own)."""
+    """ "cudnn" / "fa3" / "xla" / "shared" for a module under backends/ (None for the registry's own)."""
     parts = path.relative_to(BACKENDS).parts
     return parts[0] if len(parts) > 1 else None
 
@@ -111,15 +126,21 @@ def test_backends_are_three_kernel_families_and_one_shared_folder():
         assert {"ragged.py", "kvcache.py"} <= {p.name for p in (BACKENDS / family).glob("*.py")}, family
 
 
-@pytest.mark.parametrize("path", sorted(p for p in BACKENDS.rglob("*.py") if _backend_part(p)),
-                         ids=lambda p: str(p.relative_to(BACKENDS)))
+@pytest.mark.parametrize(
+    "path", sorted(p for p in BACKENDS.rglob("*.py") if _backend_part(p)), ids=lambda p: str(p.relative_to(BACKENDS))
+)
 def test_families_never_import_each_other(path):
     """A family imports only itself, shared/ and the layers below; shared/ imports no family (function-local
     imports included: a lazy import is still a dependency). The registry's own modules import the families."""
     mine = _backend_part(path)
-    crossing = sorted(name for name in _imported_modules(path)
-                      if name.startswith("jax_ragged_attn.backends.") and len(name.split(".")) > 3
-                      and name.split(".")[2] in FAMILIES and name.split(".")[2] != mine)
+    crossing = sorted(
+        name
+        for name in _imported_modules(path)
+        if name.startswith("jax_ragged_attn.backends.")
+        and len(name.split(".")) > 3
+        and name.split(".")[2] in FAMILIES
+        and name.split(".")[2] != mine
+    )
     assert not crossing, f"backends/{path.relative_to(BACKENDS)} imports {crossing} across families"
 
 
@@ -144,8 +165,10 @@ def _import_graph(imports) -> dict[str, set[str]]:
     """module -> the package modules it imports (`imports(path, known)`). A package is initialised before any
     module in it, so an edge to one's own ancestor package is no cycle."""
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    return {name: {n for n in imports(path, set(modules)) if not (name + ".").startswith(n + ".")}
-            for name, path in modules.items()}
+    return {
+        name: {n for n in imports(path, set(modules)) if not (name + ".").startswith(n + ".")}
+        for name, path in modules.items()
+    }
 
 
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -153,7 +176,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
     def visit(name):
         if name in active:
-            return active[active.index(name):] + [name]
+            return active[active.index(name) :] + [name]
         if name in done:
             return None
         active.append(name)

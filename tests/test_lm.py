@@ -15,17 +15,48 @@ import pytest
 pytest.importorskip("flax.nnx", reason="the main job needs flax and optax: pip install 'jax_ragged_attn[flax]'")
 pytest.importorskip("optax", reason="the main job needs flax and optax: pip install 'jax_ragged_attn[flax]'")
 
-from flax import nnx  # noqa: E402
+from flax import nnx
 
-from jax_ragged_attn.tools import lm  # noqa: E402
+from jax_ragged_attn.tools import lm
 
 pytestmark = pytest.mark.slow  # the tool end to end
 
 # A tiny model and a short run (under a minute on 2 CPU cores), GQA so that the kv-packed path trains too.
-TINY = ["--preset", "cpu", "--steps", "80", "--width", "64", "--heads", "2", "--kv-heads", "1", "--layers", "1",
-        "--capacity", "1024", "--max-seqlen", "128", "--max-seqs", "16", "--lr", "1e-2", "--eval-bytes", "16384",
-        "--sample-bytes", "40", "--sample-prompts", "3", "--serve-requests", "2", "--serve-slots", "2",
-        "--serve-budget", "8", "--no-progress"]
+TINY = [
+    "--preset",
+    "cpu",
+    "--steps",
+    "80",
+    "--width",
+    "64",
+    "--heads",
+    "2",
+    "--kv-heads",
+    "1",
+    "--layers",
+    "1",
+    "--capacity",
+    "1024",
+    "--max-seqlen",
+    "128",
+    "--max-seqs",
+    "16",
+    "--lr",
+    "1e-2",
+    "--eval-bytes",
+    "16384",
+    "--sample-bytes",
+    "40",
+    "--sample-prompts",
+    "3",
+    "--serve-requests",
+    "2",
+    "--serve-slots",
+    "2",
+    "--serve-budget",
+    "8",
+    "--no-progress",
+]
 
 
 def test_main_learns_reports_plots_and_fails_above_the_bound(tmp_path, capsys):
@@ -46,14 +77,19 @@ def test_main_learns_reports_plots_and_fails_above_the_bound(tmp_path, capsys):
     fills = re.search(r"packed ([0-9.]+)%; padded to the longest document \(4096 bytes\) ([0-9.]+)%", out)
     assert float(fills.group(1)) > 95 and float(fills.group(2)) < float(fills.group(1)), out
     assert "sample (temperature 0.7, paged KV cache):\n" + "-" * 60 + "\nimport os\n\n\ndef " in out
-    assert re.search(r"generation, 3 prompts x 40 bytes: paged KV cache \(ragged_attention_with_kvcache, pages of 64 "
-                     r"rows\) [0-9,]+ bytes/s; full forward over \[3, 128\] per byte [0-9,]+ bytes/s", out), out
+    assert re.search(
+        r"generation, 3 prompts x 40 bytes: paged KV cache \(ragged_attention_with_kvcache, pages of 64 "
+        r"rows\) [0-9,]+ bytes/s; full forward over \[3, 128\] per byte [0-9,]+ bytes/s",
+        out,
+    ), out
     # Serving: 2 requests (the first with 3 continuations of --prompt), continuous batching beside fixed batches.
-    assert re.search(r"serving 2 requests \(4 continuations, .*\), 2 slots, packed attention by xla:\n  "
-                     r"continuous batching: [0-9,]+ "
-                     r"bytes/s, latency p50 [0-9.]+ s / p99 [0-9.]+ s \([0-9]+ steps of <= 8 tokens, [0-9]+ a call, "
-                     r"1 compilation",
-                     out), out
+    assert re.search(
+        r"serving 2 requests \(4 continuations, .*\), 2 slots, packed attention by xla:\n  "
+        r"continuous batching: [0-9,]+ "
+        r"bytes/s, latency p50 [0-9.]+ s / p99 [0-9.]+ s \([0-9]+ steps of <= 8 tokens, [0-9]+ a call, "
+        r"1 compilation",
+        out,
+    ), out
     assert re.search(r"fixed batches of 2 \(generation.generate\): [0-9,]+ bytes/s", out), out
     if jax.default_backend() == "cpu":
         assert "side-by-side" not in out  # on a CPU only when asked for (--compare-steps)
@@ -61,8 +97,9 @@ def test_main_learns_reports_plots_and_fails_above_the_bound(tmp_path, capsys):
 
 
 def test_module_entry_point_runs_the_lm():
-    run = subprocess.run([sys.executable, "-m", "jax_ragged_attn", "--help"], capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "jax_ragged_attn", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stderr
     assert "byte-level language model" in run.stdout and "--max-bits-per-byte" in run.stdout
 
@@ -101,13 +138,14 @@ def test_padded_run_computes_the_packed_logits(kv_heads):
     assert padded["tokens"].shape == (rows, setup.max_seqlen)
     packed_logits = nnx.jit(lambda m, b: m(b["tokens"], b["cu_seqlens"], b["positions"]))(model, batch.arrays())
     padded_logits = nnx.jit(lambda m, b: m.padded(b["tokens"], b["lengths"], "xla"))(
-        model, jax.tree.map(jnp.asarray, padded))
+        model, jax.tree.map(jnp.asarray, padded)
+    )
     cu = batch.cu_seqlens
     compared = 0
     for r in range(min(rows, batch.num_seqs)):
         a, b = int(cu[r]), int(cu[r + 1])
-        np.testing.assert_array_equal(padded["tokens"][r, :b - a], batch.tokens[a:b])
-        np.testing.assert_allclose(padded_logits[r, :b - a], packed_logits[a:b], rtol=2e-4, atol=2e-4)
+        np.testing.assert_array_equal(padded["tokens"][r, : b - a], batch.tokens[a:b])
+        np.testing.assert_allclose(padded_logits[r, : b - a], packed_logits[a:b], rtol=2e-4, atol=2e-4)
         compared += b - a
     assert compared == real > 0
 
@@ -140,18 +178,21 @@ def test_padded_pipeline_feeds_the_packers_stream_in_order():
     setup = _setup(capacity=512, max_seqlen=128, window_bytes=300)
     files = [bytes(range(i % 7, i % 7 + 50 * (i % 9 + 1) % 256)) * 2 for i in range(30)]
     files = [f for f in files if f]
-    expected = [doc[start:start + 128] for doc in lm.windows(files, np.random.default_rng([5, 0]), 300, epochs=1)
-                for start in range(0, len(doc), 128)]
+    expected = [
+        doc[start : start + 128]
+        for doc in lm.windows(files, np.random.default_rng([5, 0]), 300, epochs=1)
+        for start in range(0, len(doc), 128)
+    ]
     pipeline = lm.padded_batches(files, setup, seed=5)
     for b in range(3):
         arrays, real = next(pipeline)
         assert arrays["tokens"].shape == (4, 128)
-        pieces = expected[4 * b:4 * b + 4]
+        pieces = expected[4 * b : 4 * b + 4]
         assert real == sum(map(len, pieces))
         for r, piece in enumerate(pieces):
             n = len(piece)
             np.testing.assert_array_equal(arrays["tokens"][r, :n], piece)
-            np.testing.assert_array_equal(arrays["targets"][r, :n - 1], piece[1:])
+            np.testing.assert_array_equal(arrays["targets"][r, : n - 1], piece[1:])
             assert arrays["loss_mask"][r].sum() == n - 1 and arrays["lengths"][r] == n
             assert not arrays["tokens"][r, n:].any()
 
@@ -188,6 +229,7 @@ def test_flat_jitted_step_trains_as_nnx_optimizer_does():
         loss, grads = nnx.value_and_grad(lm.packed_loss)(model, batch)
         optimizer.update(model, grads)
         return loss
+
     expected = [float(step(reference, optimizer, batch)) for batch in batches]
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(reference, nnx.Param))):
@@ -214,27 +256,40 @@ def test_paged_kv_cache_gives_the_full_forward_next_byte_distribution(kv_heads):
     # distribution must be the full forward's over the same prefix.
     setup = _setup(kv_heads=kv_heads, capacity=256, max_seqlen=64)
     model = lm.ByteLM(setup, rngs=nnx.Rngs(4))
-    texts = [np.frombuffer(t, np.uint8).astype(np.int32) for t in (b"def add(a, b):\n    return a + b\n",
-                                                                    b"import os\nprint(os.sep)\n")]
+    texts = [
+        np.frombuffer(t, np.uint8).astype(np.int32)
+        for t in (b"def add(a, b):\n    return a + b\n", b"import os\nprint(os.sep)\n")
+    ]
     s, n0, steps, page_size = setup.max_seqlen, np.array([6, 11]), 12, 8
     graphdef, state = nnx.split(model)
-    forward = jax.jit(lambda state, tokens, n: nnx.merge(graphdef, state)(
-        tokens, jnp.stack([jnp.zeros((), jnp.int32), n]), jnp.arange(s, dtype=jnp.int32)))
+    forward = jax.jit(
+        lambda state, tokens, n: nnx.merge(graphdef, state)(
+            tokens, jnp.stack([jnp.zeros((), jnp.int32), n]), jnp.arange(s, dtype=jnp.int32)
+        )
+    )
     full = [forward(state, np.pad(t, (0, s - len(t))), len(t)) for t in texts]
     table = lm.page_table_for(n0 + steps, page_size)
     assert table.tolist() == [[0, 2, 4], [1, 3, 5]]
     caches = lm.empty_caches(model, 6, page_size)
     tokens = np.concatenate([t[:n] for t, n in zip(texts, n0)])
     cu = np.array([0, n0[0], n0.sum()], np.int32)
-    logits, caches = jax.jit(lambda state, tokens, cu, caches: lm.prefill(nnx.merge(graphdef, state), tokens, cu,
-                                                                          int(n0.max()), caches, table))(
-        state, tokens, cu, caches)
-    decode = jax.jit(lambda state, tokens, lengths, caches: lm.decode(nnx.merge(graphdef, state), tokens, lengths,
-                                                                      caches, table))
+    logits, caches = jax.jit(
+        lambda state, tokens, cu, caches: lm.prefill(
+            nnx.merge(graphdef, state), tokens, cu, int(n0.max()), caches, table
+        )
+    )(state, tokens, cu, caches)
+    decode = jax.jit(
+        lambda state, tokens, lengths, caches: lm.decode(nnx.merge(graphdef, state), tokens, lengths, caches, table)
+    )
     for i in range(steps + 1):
         for b in range(2):
-            np.testing.assert_allclose(jax.nn.softmax(logits[b]), jax.nn.softmax(full[b][n0[b] + i - 1]),
-                                       rtol=1e-4, atol=1e-6, err_msg=f"prompt {b}, position {n0[b] + i - 1}")
+            np.testing.assert_allclose(
+                jax.nn.softmax(logits[b]),
+                jax.nn.softmax(full[b][n0[b] + i - 1]),
+                rtol=1e-4,
+                atol=1e-6,
+                err_msg=f"prompt {b}, position {n0[b] + i - 1}",
+            )
         if i < steps:
             lengths = (n0 + i).astype(np.int32)
             logits, caches = decode(state, np.array([t[n] for t, n in zip(texts, lengths)], np.int32), lengths, caches)
@@ -250,13 +305,20 @@ def test_cache_path_generates_the_full_forward_bytes():
     forward, forward_s = lm.generate(model, setup, prompts, 12, seed=3, temperature=0, cached=False)
     assert cached == forward and cached_s > 0 and forward_s > 0
     assert [len(c) for c in cached] == [len(p) + 12 for p in prompts] and all(
-        c.startswith(p) for c, p in zip(cached, prompts))
-    assert lm.generate(model, setup, prompts, 12, seed=3)[0] == lm.generate(model, setup, prompts, 12, seed=3,
-                                                                             cached=False)[0]
+        c.startswith(p) for c, p in zip(cached, prompts)
+    )
+    assert (
+        lm.generate(model, setup, prompts, 12, seed=3)[0]
+        == lm.generate(model, setup, prompts, 12, seed=3, cached=False)[0]
+    )
     # Longer than the buffer: the prompt keeps its last max_seqlen - 1 bytes and the sample fills the rest.
     assert [len(t) for t in lm.generate(model, setup, [b"x" * 100, b"y"], 20, seed=3)[0]] == [64, 2]
-    assert lm.sample_prompts(b"first", [b"0123456789" * 9, b"abc"], 4) == [b"first", b"01234567", b"abc",
-                                                                          b"0123456789" * 2 + b"0123"]
+    assert lm.sample_prompts(b"first", [b"0123456789" * 9, b"abc"], 4) == [
+        b"first",
+        b"01234567",
+        b"abc",
+        b"0123456789" * 2 + b"0123",
+    ]
 
 
 def test_profile_prints_where_the_step_goes(capsys):
@@ -265,10 +327,18 @@ def test_profile_prints_where_the_step_goes(capsys):
     rows = lm.profile(setup, train[:20], 0, lm.Timing(warmup=1, steps=1, repeats=1), nnx_step=False)
     out = capsys.readouterr().out
     names = [name for name, _, _ in rows]
-    assert names[0].startswith("train step: jax.jit") and all(seconds > 0 for name, seconds, _ in rows
-                                                                 if not name.startswith("rest"))
-    for part in ("embedding (one-hot matmul)", "decoder block", "  attention alone (ragged op)", "  MLP alone",
-                 "head + loss", "optimizer (clip + AdamW on one flat vector", "rest of the step"):
+    assert names[0].startswith("train step: jax.jit") and all(
+        seconds > 0 for name, seconds, _ in rows if not name.startswith("rest")
+    )
+    for part in (
+        "embedding (one-hot matmul)",
+        "decoder block",
+        "  attention alone (ragged op)",
+        "  MLP alone",
+        "head + loss",
+        "optimizer (clip + AdamW on one flat vector",
+        "rest of the step",
+    ):
         assert any(name.startswith(part) for name in names), (part, names)
     assert "step breakdown (" in out and re.search(r"step: [0-9.]+ ms = [0-9,]+ useful tokens/s; matmuls", out)
     assert "the step and its parts timed in turns" in out
@@ -309,8 +379,9 @@ def test_progress_counts_only_finished_steps(monkeypatch):
 
     readings = []
     monkeypatch.setattr(lm.training, "make_trainer", lambda *args: FakeTrainer())
-    monkeypatch.setattr(lm.training, "progress_bar", lambda total: (lambda text, done=None: readings.append(text),
-                                                                    lambda: None))
+    monkeypatch.setattr(
+        lm.training, "progress_bar", lambda total: (lambda text, done=None: readings.append(text), lambda: None)
+    )
     setup = _setup(capacity=512, max_seqlen=128, steps=41)
     train, _, _ = lm.stdlib_files()
     result = lm.train(None, setup, train[:20], seed=0)
@@ -350,6 +421,8 @@ def test_generation_report_survives_a_failing_cache_call(monkeypatch, capsys):
     lm.sample_and_time(None, _setup(), [b"import ", b"def "], 10, 0)
     out = capsys.readouterr().out
     assert calls == [(True, None), (True, "xla"), (False, None)]
-    assert ("generation, 2 prompts x 10 bytes: paged KV cache (ragged_attention_with_kvcache, pages of 64 rows) "
-            "(the default implementation failed: NotImplementedError: cuDNN cannot serve this call; xla instead) "
-            "40 bytes/s; full forward over [2, 128] per byte 10 bytes/s (4.0x slower); the same bytes") in out, out
+    assert (
+        "generation, 2 prompts x 10 bytes: paged KV cache (ragged_attention_with_kvcache, pages of 64 rows) "
+        "(the default implementation failed: NotImplementedError: cuDNN cannot serve this call; xla instead) "
+        "40 bytes/s; full forward over [2, 128] per byte 10 bytes/s (4.0x slower); the same bytes"
+    ) in out, out

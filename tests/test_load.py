@@ -17,8 +17,8 @@ import pytest
 import jax_ragged_attn as jra
 from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.index import cu_seqlens_from_lengths
-from jax_ragged_attn.testing.reference import reference_attention
 from jax_ragged_attn.testing import assert_close, packed_batch
+from jax_ragged_attn.testing.reference import reference_attention
 
 _REASON = extension.cudnn_unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=f"cuDNN path unavailable: {_REASON}")]
@@ -30,8 +30,17 @@ def _training_step():
     @jax.jit
     def step(q, k, v, cu):
         def loss(q, k, v):
-            out = jra.ragged_attention(q, k, v, cu, cu, max_seqlen_q=MAX_SEQLEN, max_seqlen_kv=MAX_SEQLEN,
-                                       is_causal=True, implementation="cudnn")
+            out = jra.ragged_attention(
+                q,
+                k,
+                v,
+                cu,
+                cu,
+                max_seqlen_q=MAX_SEQLEN,
+                max_seqlen_kv=MAX_SEQLEN,
+                is_causal=True,
+                implementation="cudnn",
+            )
             return jnp.sum(out.astype(jnp.float32) ** 2)
 
         value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
@@ -65,25 +74,44 @@ def test_soak_ten_thousand_steps_with_changing_cu_seqlens():
     jax.block_until_ready(value)
     elapsed = time.perf_counter() - start
     stats = ext.graph_cache_stats()
-    print(f"10,000 steps in {elapsed:.1f} s ({elapsed / 1e4 * 1e3:.3f} ms/step); jit cache size "
-          f"{step._cache_size()}; graph cache {stats}")
+    print(
+        f"10,000 steps in {elapsed:.1f} s ({elapsed / 1e4 * 1e3:.3f} ms/step); jit cache size "
+        f"{step._cache_size()}; graph cache {stats}"
+    )
     assert step._cache_size() == 1, "the step recompiled"
     assert stats["misses"] == misses, "a graph was rebuilt during the soak"
     assert np.isfinite(float(value))
 
 
 def test_eight_threads_with_different_configurations_give_correct_results():
-    configs = [dict(heads=(h, hkv), causal=causal, layout=layout)
-               for h, hkv in ((8, 8), (8, 2)) for causal in (False, True) for layout in ("head_major", "token_major")]
+    configs = [
+        dict(heads=(h, hkv), causal=causal, layout=layout)
+        for h, hkv in ((8, 8), (8, 2))
+        for causal in (False, True)
+        for layout in ("head_major", "token_major")
+    ]
 
     def work(index: int, config: dict):
         rng = np.random.default_rng(100 + index)
         lengths = rng.integers(1, 200, size=4, endpoint=True)
-        batch = packed_batch(rng, lengths, lengths, num_heads_q=config["heads"][0], num_heads_kv=config["heads"][1],
-                             head_dim_qk=64, head_dim_v=64, dtype="bfloat16", slack_q=13, slack_kv=13)
+        batch = packed_batch(
+            rng,
+            lengths,
+            lengths,
+            num_heads_q=config["heads"][0],
+            num_heads_kv=config["heads"][1],
+            head_dim_qk=64,
+            head_dim_v=64,
+            dtype="bfloat16",
+            slack_q=13,
+            slack_kv=13,
+        )
         options = dict(max_seqlen_q=200, max_seqlen_kv=200, is_causal=config["causal"])
-        f = jax.jit(lambda *a: jra.ragged_attention(*a, stats_layout=config["layout"], return_stats=True,
-                                                    implementation="cudnn", **options))
+        f = jax.jit(
+            lambda *a: jra.ragged_attention(
+                *a, stats_layout=config["layout"], return_stats=True, implementation="cudnn", **options
+            )
+        )
         results = [f(*batch.args) for _ in range(20)]  # many calls in flight from every thread at once
         out, stats = (np.asarray(x, np.float64) for x in results[-1])
         ref = reference_attention(*batch.reference_args, **options)

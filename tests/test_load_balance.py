@@ -15,10 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn.parallel import context_parallel
-from jax_ragged_attn.parallel import sharding
-from jax_ragged_attn.parallel.load_balance import (balanced_document_order, causal_work_per_device, device_of_chunk,
-                                          dual_chunk_order, dual_chunk_rows, permute_chunks)
+from jax_ragged_attn.parallel import context_parallel, sharding
+from jax_ragged_attn.parallel.load_balance import (
+    balanced_document_order,
+    causal_work_per_device,
+    device_of_chunk,
+    dual_chunk_order,
+    dual_chunk_rows,
+    permute_chunks,
+)
 from jax_ragged_attn.testing.multidevice import report_checks, run_checks_in_child
 from jax_ragged_attn.testing.workloads import seeded_lengths
 
@@ -35,6 +40,7 @@ def fresh_seed() -> int:
 
 
 # ---- The order. ----
+
 
 def test_the_order_and_its_rows():
     assert dual_chunk_order(1) == [0, 1]
@@ -57,11 +63,12 @@ def test_rows_are_a_permutation_that_inverse_undoes(n, k):
     # Device r's shard (rows [r T/n, (r+1) T/n) of the reordered buffer) is natural chunks r and 2n-1-r.
     chunk = total // (2 * n)
     for r in range(n):
-        shard = rows[2 * r * chunk:2 * (r + 1) * chunk]
+        shard = rows[2 * r * chunk : 2 * (r + 1) * chunk]
         assert sorted(set((shard // chunk).tolist())) == sorted({r, 2 * n - 1 - r})
 
 
 # ---- JAX arrays on one device (the sharded cases run in the child below). ----
+
 
 @pytest.mark.parametrize("n, k, axis", [(2, 3, 0), (4, 5, 0), (4, 7, 1), (3, 5, -1), (8, 3, 1)])
 @pytest.mark.parametrize("jit", [False, True])
@@ -75,27 +82,33 @@ def test_reorder_and_restore_equal_the_row_permutation(n, k, axis, jit):
     y = forward(jnp.asarray(x), n, axis)
     np.testing.assert_array_equal(y, np.take(x, dual_chunk_rows(total, n), axis=axis))
     np.testing.assert_array_equal(backward(y, n, axis), x)
-    np.testing.assert_array_equal(backward(jnp.asarray(x), n, axis),
-                                  np.take(x, dual_chunk_rows(total, n, inverse=True), axis=axis))
+    np.testing.assert_array_equal(
+        backward(jnp.asarray(x), n, axis), np.take(x, dual_chunk_rows(total, n, inverse=True), axis=axis)
+    )
 
 
 def test_gradient_is_the_inverse_permutation():
     rng = np.random.default_rng(fresh_seed())
     x, w = (jnp.asarray(rng.standard_normal((40, 3)), jnp.float32) for _ in range(2))
     grad = jax.jit(jax.grad(lambda x: jnp.sum(reorder(x, 4) ** 2 * w)))(x)
-    np.testing.assert_allclose(grad, 2 * np.asarray(x) * np.asarray(w)[dual_chunk_rows(40, 4, inverse=True)],
-                               rtol=1e-6)
+    np.testing.assert_allclose(grad, 2 * np.asarray(x) * np.asarray(w)[dual_chunk_rows(40, 4, inverse=True)], rtol=1e-6)
     grad = jax.grad(lambda x: jnp.sum(restore(x, 4, 1) ** 2 * w.T))(x.T)
     np.testing.assert_allclose(grad, 2 * np.asarray(x.T) * np.asarray(w.T)[:, dual_chunk_rows(40, 4)], rtol=1e-6)
 
 
 def test_bad_arguments_raise_naming_the_function_or_argument():
     x = jnp.zeros((16, 3))
-    with pytest.raises(ValueError, match=r"reorder_for_load_balance: the token axis \(axis 0, 16 rows\) must be a "
-                                         r"multiple of 2n = 6 \(2 chunks for each of the 3 devices\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"reorder_for_load_balance: the token axis \(axis 0, 16 rows\) must be a "
+        r"multiple of 2n = 6 \(2 chunks for each of the 3 devices\)",
+    ):
         reorder(x, 3)
-    with pytest.raises(ValueError, match=r"restore_order: the token axis \(axis 1, 3 rows\) must be a multiple of "
-                                         r"2n = 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"restore_order: the token axis \(axis 1, 3 rows\) must be a multiple of "
+        r"2n = 4",
+    ):
         restore(x, 2, axis=1)
     with pytest.raises(ValueError, match=r"restore_order: axis 2 is out of range for an array of 2 dimensions"):
         restore(x, 2, axis=2)
@@ -109,11 +122,12 @@ def test_bad_arguments_raise_naming_the_function_or_argument():
 
 # ---- Causal work per device. ----
 
+
 def _work_by_rows(cu, n: int, capacity: int, load_balance: bool) -> np.ndarray:
     """The definition, row by row: a row at position p of its sequence costs p + 1 pairs."""
     per_row = np.zeros(capacity, np.int64)
     for b in range(len(cu) - 1):
-        per_row[cu[b]:cu[b + 1]] = np.arange(1, cu[b + 1] - cu[b] + 1)
+        per_row[cu[b] : cu[b + 1]] = np.arange(1, cu[b + 1] - cu[b] + 1)
     if load_balance:
         per_row = per_row[dual_chunk_rows(capacity, n)]
     return per_row.reshape(n, -1).sum(axis=1)
@@ -141,13 +155,16 @@ def test_causal_work_equals_the_row_by_row_count(batch):
             assert got.dtype == np.int64 and got.sum() == np.sum(lengths * (lengths + 1) // 2)
 
 
-@pytest.mark.parametrize("args, message", [
-    (([0, 5, 3], 2), r"cu_seqlens must start at 0 and never decrease"),
-    (([1, 5], 2), r"cu_seqlens must start at 0"),
-    (([0.0, 4.0], 2), r"cu_seqlens must be a 1-D integer array"),
-    (([0, 8], 3), r"capacity \(8\) must be a multiple of 2n = 6"),
-    (([0, 8], 0), r"n must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (([0, 5, 3], 2), r"cu_seqlens must start at 0 and never decrease"),
+        (([1, 5], 2), r"cu_seqlens must start at 0"),
+        (([0.0, 4.0], 2), r"cu_seqlens must be a 1-D integer array"),
+        (([0, 8], 3), r"capacity \(8\) must be a multiple of 2n = 6"),
+        (([0, 8], 0), r"n must be >= 1, got 0"),
+    ],
+)
 def test_causal_work_bad_arguments(args, message):
     with pytest.raises(ValueError, match=message):
         causal_work_per_device(*args)
@@ -156,6 +173,7 @@ def test_causal_work_bad_arguments(args, message):
 
 
 # ---- The balanced document order. ----
+
 
 def _work(lengths, order, n, capacity) -> np.ndarray:
     """The devices' causal pairs with the documents packed in this order."""
@@ -191,11 +209,14 @@ def test_balanced_order_evens_a_w_like_batch(n, batch):
     assert _work(lengths, order, n, 65536).max() <= _work(lengths, np.arange(16), n, 65536).max()
 
 
-@pytest.mark.parametrize("name, lengths, capacity", [
-    ("W1", seeded_lengths(16, 128, 4096, total=32768), 32768),
-    ("W5", seeded_lengths(119, 64, 1022, total=65536), 65536),
-    ("W3 padded", seeded_lengths(512, 16, 256), 73728),
-])
+@pytest.mark.parametrize(
+    "name, lengths, capacity",
+    [
+        ("W1", seeded_lengths(16, 128, 4096, total=32768), 32768),
+        ("W5", seeded_lengths(119, 64, 1022, total=65536), 65536),
+        ("W3 padded", seeded_lengths(512, 16, 256), 73728),
+    ],
+)
 def test_balanced_order_on_the_benchmark_batches(name, lengths, capacity):
     # The benchmark's batches (W3 with its 1,514 rows of padding at the end): within 5 % on 2 and 4
     # devices (measured: within 1 %), from 16-47 % apart in the given order on 4.
@@ -224,14 +245,17 @@ def test_balanced_order_small_cases():
     assert sorted(order.tolist()) == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("args, kwargs, message", [
-    (([1, 2], 2, 10), {}, r"balanced_document_order: the token axis \(10 rows\) must be a multiple of 2n = 4"),
-    (([5, 5], 2, 8), {}, r"lengths must sum to at most capacity \(8\), got 10"),
-    (([1, -1], 2, 8), {}, r"lengths must be a 1-D array of non-negative integers"),
-    (([1.5], 2, 8), {}, r"lengths must be a 1-D array of non-negative integers"),
-    (([1], 2, 8), dict(tolerance=1.5), r"tolerance must be in \[0, 1\), got 1.5"),
-    (([1], 2, 8), dict(descents=0), r"descents must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "args, kwargs, message",
+    [
+        (([1, 2], 2, 10), {}, r"balanced_document_order: the token axis \(10 rows\) must be a multiple of 2n = 4"),
+        (([5, 5], 2, 8), {}, r"lengths must sum to at most capacity \(8\), got 10"),
+        (([1, -1], 2, 8), {}, r"lengths must be a 1-D array of non-negative integers"),
+        (([1.5], 2, 8), {}, r"lengths must be a 1-D array of non-negative integers"),
+        (([1], 2, 8), dict(tolerance=1.5), r"tolerance must be in \[0, 1\), got 1.5"),
+        (([1], 2, 8), dict(descents=0), r"descents must be >= 1, got 0"),
+    ],
+)
 def test_balanced_order_bad_arguments(args, kwargs, message):
     with pytest.raises(ValueError, match=message):
         balanced_document_order(*args, **kwargs)
@@ -247,8 +271,16 @@ EXPLICIT, AUTO = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
 CASES = {
     "default_mesh_T40": ((4,), ("cp",), None, ("cp", None), (40, 3), 0, 4, "exchange"),
     "explicit_head_major_stats_T56": ((4,), ("cp",), EXPLICIT, (None, "cp"), (3, 56), 1, 4, "exchange"),
-    "explicit_heads_and_tokens_T44": ((2, 2), ("heads", "cp"), EXPLICIT, ("cp", "heads", None), (44, 4, 2), 0, 2,
-                                      "exchange"),
+    "explicit_heads_and_tokens_T44": (
+        (2, 2),
+        ("heads", "cp"),
+        EXPLICIT,
+        ("cp", "heads", None),
+        (44, 4, 2),
+        0,
+        2,
+        "exchange",
+    ),
     "explicit_two_mesh_axes_T72": ((2, 2), ("a", "b"), EXPLICIT, (("a", "b"), None), (72, 2), 0, 4, "exchange"),
     "explicit_split_over_4_n2_T36": ((4,), ("cp",), EXPLICIT, ("cp", None), (36, 2), 0, 2, "gather"),
     "explicit_tokens_replicated_T40": ((4,), ("cp",), EXPLICIT, (None, "cp"), (40, 4), 0, 4, "local"),
@@ -281,8 +313,11 @@ def _check(case) -> dict:
 
 def _check_with(rng, mesh_shape, mesh_axes, axis_types, spec, shape, axis, n, path):
     assert len(jax.devices()) == 4, f"expected 4 virtual devices, got {jax.devices()}"
-    mesh = (jax.make_mesh(mesh_shape, mesh_axes) if axis_types is None
-            else jax.make_mesh(mesh_shape, mesh_axes, axis_types=(axis_types,) * len(mesh_axes)))
+    mesh = (
+        jax.make_mesh(mesh_shape, mesh_axes)
+        if axis_types is None
+        else jax.make_mesh(mesh_shape, mesh_axes, axis_types=(axis_types,) * len(mesh_axes))
+    )
     auto = axis_types == AUTO
     split = jax.NamedSharding(mesh, jax.P(*spec))
     natural = rng.standard_normal(shape).astype(np.float32)
@@ -309,8 +344,11 @@ def _check_with(rng, mesh_shape, mesh_axes, axis_types, spec, shape, axis, n, pa
         y = run(forward)(x)
         np.testing.assert_array_equal(np.asarray(y), reordered, err_msg=f"{mode} reorder")
         np.testing.assert_array_equal(np.asarray(run(round_trip)(x)), natural, err_msg=f"{mode} round trip")
-        np.testing.assert_array_equal(np.asarray(run(lambda y: restore(y, n, axis))(jax.device_put(
-            jnp.asarray(reordered), split))), natural, err_msg=f"{mode} restore")
+        np.testing.assert_array_equal(
+            np.asarray(run(lambda y: restore(y, n, axis))(jax.device_put(jnp.asarray(reordered), split))),
+            natural,
+            err_msg=f"{mode} restore",
+        )
         with jax.set_mesh(mesh):  # a scalar loss of explicitly sharded arrays needs the mesh in context
             grad = run(jax.grad(loss))(x)
         np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-6, err_msg=f"{mode} grad")

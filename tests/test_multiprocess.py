@@ -35,8 +35,16 @@ def _free_port() -> int:
 def test_context_parallelism_over_two_processes():
     port = _free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    children = [subprocess.Popen([sys.executable, __file__, str(i), str(port)], env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    children = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(i), str(port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outputs = []
     for child in children:
         try:
@@ -72,7 +80,7 @@ def _child(process_id: int, port: int) -> None:
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     q, k, v = (rng.standard_normal((total, h, 8)).astype(np.float32) for h in (4, 2, 2))
     d_out = rng.standard_normal((total, 4, 8)).astype(np.float32)
-    d_out[cu[-1]:] = 0
+    d_out[cu[-1] :] = 0
     tokens = jax.NamedSharding(mesh, jax.P("cp", None, None))
 
     def global_array(x):
@@ -83,16 +91,27 @@ def _child(process_id: int, port: int) -> None:
 
         def sharded(q, k, v):
             order = (lambda x: reorder_for_load_balance(x, 4)) if balanced else (lambda x: x)
-            out = sharded_ragged_attention(order(q), order(k), order(v), cu, cu, mesh=mesh, token_axis="cp",
-                                           load_balance=balanced, context_strategy=strategy, **options)
+            out = sharded_ragged_attention(
+                order(q),
+                order(k),
+                order(v),
+                cu,
+                cu,
+                mesh=mesh,
+                token_axis="cp",
+                load_balance=balanced,
+                context_strategy=strategy,
+                **options,
+            )
             return restore_order(out, 4) if balanced else out
 
         args = tuple(global_array(x) for x in (q, k, v))
         out, pullback = jax.vjp(jax.jit(sharded), *args)
         grads = pullback(global_array(d_out))
         got = [multihost_utils.process_allgather(x, tiled=True) for x in (out, *grads)]
-        want_out, want_pullback = jax.vjp(lambda q, k, v: ragged_attention(q, k, v, cu, cu, **options),
-                                          jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+        want_out, want_pullback = jax.vjp(
+            lambda q, k, v: ragged_attention(q, k, v, cu, cu, **options), jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+        )
         want = [want_out, *want_pullback(jnp.asarray(d_out))]
         for what, g, w in zip(("out", "dq", "dk", "dv"), got, want):
             assert_close(np.asarray(g), np.asarray(w), "float32", f"{name}: {what}")

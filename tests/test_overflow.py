@@ -17,18 +17,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
 import jax_ragged_attn
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.cudnn import launch
-from jax_ragged_attn.features.checks import RaggedAttentionInputError, RaggedAttentionInputWarning, input_errors
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.config import AttentionOptions, make_config
-from jax_ragged_attn.inputs.data import pack_documents
+from jax_ragged_attn.features.checks import RaggedAttentionInputError, RaggedAttentionInputWarning, input_errors
 from jax_ragged_attn.features.overflow import Overflow
-from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 from jax_ragged_attn.index import sanitize_cu_seqlens
-from tiers import some_fast  # tests/ is on sys.path under pytest
+from jax_ragged_attn.inputs.data import pack_documents
+from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 
 CAPACITY_Q, CAPACITY_KV = 12, 10
 MAX_SEQLEN_Q, MAX_SEQLEN_KV = 4, 5
@@ -48,18 +48,37 @@ class Row:
 
 ROWS = {
     "valid": Row(VALID_Q, VALID_KV, (0, 0, 0)),
-    "q_longer_than_max_seqlen_q": Row([0, 6, 6, 7], VALID_KV, (2, 0, 0), (
-        "cu_seqlens_q is invalid", "sequence 0 has 6 tokens (cu_seqlens_q[1] - cu_seqlens_q[0] = 6 - 0)",
-        "more than max_seqlen_q = 4", "Got [0 6 6 7]")),
-    "kv_longer_than_max_seqlen_kv": Row(VALID_Q, [0, 2, 9, 10], (0, 2, 0), (
-        "cu_seqlens_kv is invalid", "sequence 1 has 7 tokens", "more than max_seqlen_kv = 5")),
+    "q_longer_than_max_seqlen_q": Row(
+        [0, 6, 6, 7],
+        VALID_KV,
+        (2, 0, 0),
+        (
+            "cu_seqlens_q is invalid",
+            "sequence 0 has 6 tokens (cu_seqlens_q[1] - cu_seqlens_q[0] = 6 - 0)",
+            "more than max_seqlen_q = 4",
+            "Got [0 6 6 7]",
+        ),
+    ),
+    "kv_longer_than_max_seqlen_kv": Row(
+        VALID_Q,
+        [0, 2, 9, 10],
+        (0, 2, 0),
+        ("cu_seqlens_kv is invalid", "sequence 1 has 7 tokens", "more than max_seqlen_kv = 5"),
+    ),
     "q_not_starting_at_0": Row([1, 3, 3, 7], VALID_KV, (0, 0, 1), ("cu_seqlens_q[0] = 1, must be 0",)),
-    "kv_decreasing": Row(VALID_Q, [0, 5, 4, 9], (0, 0, 1), (
-        "cu_seqlens_kv is invalid: it decreases at index 2", "cu_seqlens_kv[1] = 5 > cu_seqlens_kv[2] = 4")),
+    "kv_decreasing": Row(
+        VALID_Q,
+        [0, 5, 4, 9],
+        (0, 0, 1),
+        ("cu_seqlens_kv is invalid: it decreases at index 2", "cu_seqlens_kv[1] = 5 > cu_seqlens_kv[2] = 4"),
+    ),
     # Clamped to [0, 3, 3, 12]: its last sequence becomes 9 rows long, 5 of them past max_seqlen_q.
-    "q_past_capacity": Row([0, 3, 3, 15], VALID_KV, (5, 0, 1), (
-        "cu_seqlens_q[3] = 15 is past the capacity 12 (rows of the packed buffer)",
-        "sequence 2 has 12 tokens")),
+    "q_past_capacity": Row(
+        [0, 3, 3, 15],
+        VALID_KV,
+        (5, 0, 1),
+        ("cu_seqlens_q[3] = 15 is past the capacity 12 (rows of the packed buffer)", "sequence 2 has 12 tokens"),
+    ),
     "kv_negative": Row(VALID_Q, [-2, 5, 5, 9], (0, 0, 1), ("cu_seqlens_kv[0] = -2, must be 0",)),
 }
 INVALID = {name: row for name, row in ROWS.items() if row.fragments}
@@ -77,7 +96,7 @@ def inputs():
 
 @pytest.fixture(params=["xla", "cudnn_stand_in"])
 def implementation(request, monkeypatch):
-    """"xla", or "cudnn" served on this CPU by test_cudnn_wrapper's stand-in kernel (check mode guarded)."""
+    """ "xla", or "cudnn" served on this CPU by test_cudnn_wrapper's stand-in kernel (check mode guarded)."""
     if request.param == "xla":
         return "xla"
     from test_cudnn_wrapper import StandInKernel  # tests/ is on sys.path under pytest
@@ -85,8 +104,9 @@ def implementation(request, monkeypatch):
     kernel = StandInKernel()
     shapes = [jax.ShapeDtypeStruct((c, HEADS, DIM), jnp.bfloat16) for c in (CAPACITY_Q, CAPACITY_KV, CAPACITY_KV)]
     cu = jax.ShapeDtypeStruct((4,), jnp.int32)
-    kernel.config = make_config(*shapes, cu, cu, AttentionOptions(), max_seqlen_q=MAX_SEQLEN_Q,
-                                max_seqlen_kv=MAX_SEQLEN_KV)
+    kernel.config = make_config(
+        *shapes, cu, cu, AttentionOptions(), max_seqlen_q=MAX_SEQLEN_Q, max_seqlen_kv=MAX_SEQLEN_KV
+    )
     monkeypatch.setattr(jax.ffi, "ffi_call", kernel)
     monkeypatch.setattr(launch, "graph_info", lambda direction, config, layout=None: {"workspace_bytes": 64})
     monkeypatch.setattr(cudnn, "unsupported_reason", lambda config: None)
@@ -102,8 +122,17 @@ def _attend(inputs, implementation, **options):
     q, k, v = _for(implementation, inputs)
 
     def f(cu_q, cu_kv):
-        return ragged_attention(q, k, v, cu_q, cu_kv, max_seqlen_q=MAX_SEQLEN_Q, max_seqlen_kv=MAX_SEQLEN_KV,
-                                implementation=implementation, **options)
+        return ragged_attention(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_kv,
+            max_seqlen_q=MAX_SEQLEN_Q,
+            max_seqlen_kv=MAX_SEQLEN_KV,
+            implementation=implementation,
+            **options,
+        )
 
     return f
 
@@ -125,10 +154,19 @@ def _assert_message(message: str, fragments):
         assert fragment in message, f"{fragment!r} missing from: {message}"
 
 
-@some_fast({"implementation": ["xla", "cudnn_stand_in"], "row_name": list(ROWS)},
-           fast=["xla-valid", "xla-q_past_capacity", "xla-kv_negative", "xla-q_not_starting_at_0",
-                 "cudnn_stand_in-kv_decreasing", "cudnn_stand_in-kv_longer_than_max_seqlen_kv",
-                 "cudnn_stand_in-q_longer_than_max_seqlen_q"], indirect=["implementation"])
+@some_fast(
+    {"implementation": ["xla", "cudnn_stand_in"], "row_name": list(ROWS)},
+    fast=[
+        "xla-valid",
+        "xla-q_past_capacity",
+        "xla-kv_negative",
+        "xla-q_not_starting_at_0",
+        "cudnn_stand_in-kv_decreasing",
+        "cudnn_stand_in-kv_longer_than_max_seqlen_kv",
+        "cudnn_stand_in-q_longer_than_max_seqlen_q",
+    ],
+    indirect=["implementation"],
+)
 def test_default_mode_runs_and_counts_what_was_dropped(inputs, implementation, row_name):
     row = ROWS[row_name]
     f = _attend(inputs, implementation, return_overflow=True)
@@ -140,14 +178,22 @@ def test_default_mode_runs_and_counts_what_was_dropped(inputs, implementation, r
     # Independent of the counting code: with every sequence owning keys, a query row inside the (clamped)
     # sequences reads exactly 0 only if it was cut by max_seqlen_q.
     cu = np.asarray(sanitize_cu_seqlens(_cu(row.cu_q), CAPACITY_Q))
-    inside = np.asarray(out)[cu[0]:cu[-1]]
+    inside = np.asarray(out)[cu[0] : cu[-1]]
     assert int(np.sum(np.all(inside == 0, axis=(1, 2)))) == row.counts[0], row_name
 
 
-@some_fast({"implementation": ["xla", "cudnn_stand_in"], "row_name": list(INVALID)},
-           fast=["xla-q_past_capacity", "xla-kv_negative", "xla-q_longer_than_max_seqlen_q",
-                 "cudnn_stand_in-kv_decreasing", "cudnn_stand_in-kv_longer_than_max_seqlen_kv",
-                 "cudnn_stand_in-q_not_starting_at_0"], indirect=["implementation"])
+@some_fast(
+    {"implementation": ["xla", "cudnn_stand_in"], "row_name": list(INVALID)},
+    fast=[
+        "xla-q_past_capacity",
+        "xla-kv_negative",
+        "xla-q_longer_than_max_seqlen_q",
+        "cudnn_stand_in-kv_decreasing",
+        "cudnn_stand_in-kv_longer_than_max_seqlen_kv",
+        "cudnn_stand_in-q_not_starting_at_0",
+    ],
+    indirect=["implementation"],
+)
 def test_check_mode_raises_naming_argument_index_and_values(inputs, implementation, row_name):
     row = INVALID[row_name]
     f = _attend(inputs, implementation, check=True)
@@ -224,8 +270,17 @@ def test_gradient_with_overflow_as_aux(inputs, implementation):
     cu_q, cu_kv = _cu([0, 6, 6, 7]), _cu(VALID_KV)  # one query row cut
 
     def loss(q, k, v, return_overflow):
-        result = ragged_attention(q, k, v, cu_q, cu_kv, max_seqlen_q=MAX_SEQLEN_Q, max_seqlen_kv=MAX_SEQLEN_KV,
-                                  implementation=implementation, return_overflow=return_overflow)
+        result = ragged_attention(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_kv,
+            max_seqlen_q=MAX_SEQLEN_Q,
+            max_seqlen_kv=MAX_SEQLEN_KV,
+            implementation=implementation,
+            return_overflow=return_overflow,
+        )
         out, overflow = result if return_overflow else (result, None)
         return jnp.sum(jnp.square(out.astype(jnp.float32))), overflow
 
@@ -250,8 +305,7 @@ def test_vmap_gives_one_count_per_element(inputs):
 
 
 def test_return_stats_and_overflow_come_in_order(inputs):
-    out, stats, overflow = _attend(inputs, "xla", return_stats=True, return_overflow=True)(_cu(VALID_Q),
-                                                                                          _cu(VALID_KV))
+    out, stats, overflow = _attend(inputs, "xla", return_stats=True, return_overflow=True)(_cu(VALID_Q), _cu(VALID_KV))
     assert out.shape == (CAPACITY_Q, HEADS, DIM) and stats.shape == (HEADS, CAPACITY_Q)
     _assert_counts(overflow, (0, 0, 0))
     with pytest.raises(ValueError, match="return_overflow"):
@@ -264,10 +318,21 @@ def test_max_seqlen_above_the_capacity_loses_nothing(inputs):
     cu_q, cu_kv = _cu([0, 12, 12, 12]), _cu([0, 10, 10, 10])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        out, overflow = ragged_attention(q, k, v, cu_q, cu_kv, max_seqlen_q=10**9, max_seqlen_kv=10**9,
-                                         implementation="xla", check=True, return_overflow=True)
-    exact = ragged_attention(q, k, v, cu_q, cu_kv, max_seqlen_q=CAPACITY_Q, max_seqlen_kv=CAPACITY_KV,
-                             implementation="xla")
+        out, overflow = ragged_attention(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_kv,
+            max_seqlen_q=10**9,
+            max_seqlen_kv=10**9,
+            implementation="xla",
+            check=True,
+            return_overflow=True,
+        )
+    exact = ragged_attention(
+        q, k, v, cu_q, cu_kv, max_seqlen_q=CAPACITY_Q, max_seqlen_kv=CAPACITY_KV, implementation="xla"
+    )
     np.testing.assert_array_equal(np.asarray(out), np.asarray(exact))
     _assert_counts(overflow, (0, 0, 0))
 
@@ -276,18 +341,38 @@ def test_packed_wrappers_count_and_check(inputs):
     q, k, v = inputs
     kv = jnp.stack([k, v], axis=1)
     cu_q, cu_kv = _cu([0, 6, 6, 7]), _cu([0, 2, 9, 9])
-    out, overflow = jax.jit(lambda a, b: ragged_attention_kvpacked(
-        q, kv, a, b, max_seqlen_q=MAX_SEQLEN_Q, max_seqlen_kv=MAX_SEQLEN_KV, implementation="xla",
-        return_overflow=True))(cu_q, cu_kv)
+    out, overflow = jax.jit(
+        lambda a, b: ragged_attention_kvpacked(
+            q,
+            kv,
+            a,
+            b,
+            max_seqlen_q=MAX_SEQLEN_Q,
+            max_seqlen_kv=MAX_SEQLEN_KV,
+            implementation="xla",
+            return_overflow=True,
+        )
+    )(cu_q, cu_kv)
     _assert_counts(overflow, (2, 2, 0))
     with pytest.raises(RaggedAttentionInputError, match=r"cu_seqlens_q is invalid: sequence 0 has 6 tokens"):
-        ragged_attention_kvpacked(q, kv, cu_q, _cu(VALID_KV), max_seqlen_q=MAX_SEQLEN_Q,
-                                  max_seqlen_kv=MAX_SEQLEN_KV, implementation="xla", check=True)
+        ragged_attention_kvpacked(
+            q,
+            kv,
+            cu_q,
+            _cu(VALID_KV),
+            max_seqlen_q=MAX_SEQLEN_Q,
+            max_seqlen_kv=MAX_SEQLEN_KV,
+            implementation="xla",
+            check=True,
+        )
 
     qkv = jnp.stack([q[:CAPACITY_KV], k, v], axis=1)
     cu = _cu([3, 9, 2, 12])  # invalid entries 0, 2 and 3, counted once although the op reads it for q and kv
-    out, stats, overflow = jax.jit(lambda c: ragged_attention_qkvpacked(
-        qkv, c, max_seqlen=MAX_SEQLEN_KV, implementation="xla", return_stats=True, return_overflow=True))(cu)
+    out, stats, overflow = jax.jit(
+        lambda c: ragged_attention_qkvpacked(
+            qkv, c, max_seqlen=MAX_SEQLEN_KV, implementation="xla", return_stats=True, return_overflow=True
+        )
+    )(cu)
     # Clamped to [3, 9, 9, 10]: sequence 0 has 6 rows, 1 past max_seqlen, for q and kv alike.
     _assert_counts(overflow, (1, 1, 3))
     with pytest.raises(RaggedAttentionInputError, match=r"^cu_seqlens is invalid: cu_seqlens\[0\] = 3, must be 0"):
@@ -303,9 +388,18 @@ def test_batches_of_the_packer_lose_nothing(inputs):
     seen = 0
     for batch in pack_documents(docs, CAPACITY_KV, max_seqs=3, max_seqlen=MAX_SEQLEN_KV):
         cu = jnp.asarray(batch.cu_seqlens)
-        _, overflow = ragged_attention(q[:CAPACITY_KV], k, v, cu, cu, max_seqlen_q=MAX_SEQLEN_KV,
-                                       max_seqlen_kv=MAX_SEQLEN_KV, implementation="xla", check=True,
-                                       return_overflow=True)
+        _, overflow = ragged_attention(
+            q[:CAPACITY_KV],
+            k,
+            v,
+            cu,
+            cu,
+            max_seqlen_q=MAX_SEQLEN_KV,
+            max_seqlen_kv=MAX_SEQLEN_KV,
+            implementation="xla",
+            check=True,
+            return_overflow=True,
+        )
         _assert_counts(overflow, (0, 0, 0))
         seen += batch.num_tokens
     assert seen == sum(len(d) for d in docs)
@@ -320,8 +414,9 @@ _CUDNN_REASON = jax_ragged_attn.cudnn_unavailable_reason()
 def test_cudnn_path_on_gpu_counts_and_raises_the_same(row_name):
     row = ROWS[row_name]
     rng = np.random.default_rng(15)
-    inputs = [jnp.asarray(rng.standard_normal((c, HEADS, 64)), jnp.bfloat16)
-              for c in (CAPACITY_Q, CAPACITY_KV, CAPACITY_KV)]
+    inputs = [
+        jnp.asarray(rng.standard_normal((c, HEADS, 64)), jnp.bfloat16) for c in (CAPACITY_Q, CAPACITY_KV, CAPACITY_KV)
+    ]
     _, overflow = jax.jit(_attend(inputs, "cudnn", return_overflow=True))(_cu(row.cu_q), _cu(row.cu_kv))
     _assert_counts(overflow, row.counts, f"{row_name} cudnn: ")
     if not row.fragments:

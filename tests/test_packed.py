@@ -15,17 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ragged_attn.backends.cudnn import ragged as cudnn
-from jax_ragged_attn.features import checks
-from jax_ragged_attn.inputs import packed
-from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.backends.cudnn import graphs, launch
 from jax_ragged_attn.backends.cudnn import options as cudnn_options
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
+from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.config import AttentionOptions, make_config
+from jax_ragged_attn.features import checks
 from jax_ragged_attn.index import cu_seqlens_from_lengths
-from jax_ragged_attn.testing.reference import reference_attention
+from jax_ragged_attn.inputs import packed
 from jax_ragged_attn.testing import assert_close
 from jax_ragged_attn.testing.private_config import backend_options
+from jax_ragged_attn.testing.reference import reference_attention
 
 OPTIONS = dict(is_causal=True, diagonal_alignment="bottom_right")
 
@@ -36,9 +36,9 @@ def _packed_inputs(rng, lengths_q, lengths_kv, heads_q, heads_kv, dim, dtype, sl
     q = rng.standard_normal((tq, heads_q, dim))
     k = rng.standard_normal((tkv, heads_kv, dim))
     v = rng.standard_normal((tkv, heads_kv, dim))
-    q[sum(lengths_q):] = np.nan
-    k[sum(lengths_kv):] = np.nan
-    v[sum(lengths_kv):] = np.nan
+    q[sum(lengths_q) :] = np.nan
+    k[sum(lengths_kv) :] = np.nan
+    v[sum(lengths_kv) :] = np.nan
     q, k, v = (x.astype(dtype) for x in (q, k, v))  # the reference sees exactly the rounded values
     cu_q, cu_kv = cu_seqlens_from_lengths(lengths_q), cu_seqlens_from_lengths(lengths_kv)
     if layout == "qkv":
@@ -51,42 +51,53 @@ def _packed_inputs(rng, lengths_q, lengths_kv, heads_q, heads_kv, dim, dtype, sl
 def _attend(layout, arrays, cu_q, cu_kv, max_q, max_kv, **options):
     if layout == "qkv":
         return packed.ragged_attention_qkvpacked(arrays[0], cu_q, max_seqlen=max_q, return_stats=True, **options)
-    return packed.ragged_attention_kvpacked(*arrays, cu_q, cu_kv, max_seqlen_q=max_q, max_seqlen_kv=max_kv,
-                                            return_stats=True, **options)
+    return packed.ragged_attention_kvpacked(
+        *arrays, cu_q, cu_kv, max_seqlen_q=max_q, max_seqlen_kv=max_kv, return_stats=True, **options
+    )
 
 
-def _check_against_reference(layout, arrays, ref_qkv, cu_q, cu_kv, max_q, max_kv, dtype, stats_layout, rng,
-                             **options):
+def _check_against_reference(layout, arrays, ref_qkv, cu_q, cu_kv, max_q, max_kv, dtype, stats_layout, rng, **options):
     tq, hq = ref_qkv[0].shape[:2]
     d_out = rng.standard_normal((tq, hq, ref_qkv[2].shape[2])).astype(dtype)
-    d_out[int(cu_q[-1]):] = np.nan  # the cotangent of padding rows must never be read
+    d_out[int(cu_q[-1]) :] = np.nan  # the cotangent of padding rows must never be read
 
     @jax.jit
     def step(arrays, d_out):
         def attend(*arrays):
-            return _attend(layout, arrays, cu_q, cu_kv, max_q, max_kv, stats_layout=stats_layout, **OPTIONS,
-                           **options)
+            return _attend(layout, arrays, cu_q, cu_kv, max_q, max_kv, stats_layout=stats_layout, **OPTIONS, **options)
 
         (out, stats), vjp = jax.vjp(attend, *arrays)
-        return out, stats, vjp((d_out, jnp.zeros_like(stats)) if options.get("implementation") == "xla"
-                               else (d_out, None))
+        return (
+            out,
+            stats,
+            vjp((d_out, jnp.zeros_like(stats)) if options.get("implementation") == "xla" else (d_out, None)),
+        )
 
     if options.get("implementation") == "xla":
         out, stats, grads = step(arrays, jnp.asarray(d_out))
     else:  # stats as aux: no stats cotangent on the cuDNN path's plain backward
+
         @jax.jit
         def step_aux(arrays, d_out):
             def attend(*arrays):
-                out, stats = _attend(layout, arrays, cu_q, cu_kv, max_q, max_kv, stats_layout=stats_layout,
-                                     **OPTIONS, **options)
+                out, stats = _attend(
+                    layout, arrays, cu_q, cu_kv, max_q, max_kv, stats_layout=stats_layout, **OPTIONS, **options
+                )
                 return out, stats
 
             out, vjp, stats = jax.vjp(attend, *arrays, has_aux=True)
             return out, stats, vjp(d_out)
 
         out, stats, grads = step_aux(arrays, jnp.asarray(d_out))
-    expected = reference_attention(*ref_qkv, np.asarray(cu_q), np.asarray(cu_kv), max_seqlen_q=max_q,
-                                   max_seqlen_kv=max_kv, d_out=d_out.astype(np.float64), **OPTIONS)
+    expected = reference_attention(
+        *ref_qkv,
+        np.asarray(cu_q),
+        np.asarray(cu_kv),
+        max_seqlen_q=max_q,
+        max_seqlen_kv=max_kv,
+        d_out=d_out.astype(np.float64),
+        **OPTIONS,
+    )
     assert_close(np.asarray(out, np.float64), expected["out"], dtype, "out")
     stats = np.asarray(stats, np.float64)
     assert_close(stats.T if stats_layout == "head_major" else stats, expected["stats"], "float32", "stats")
@@ -110,22 +121,50 @@ def test_xla_path_matches_the_reference(layout, stats_layout):
     lengths_q = [9, 0, 13, 4]
     lengths_kv = lengths_q if layout == "qkv" else [7, 3, 13, 0]
     arrays, ref_qkv, cu_q, cu_kv = _packed_inputs(rng, lengths_q, lengths_kv, 4, heads_kv, 16, "float32", 5, layout)
-    _check_against_reference(layout, arrays, ref_qkv, cu_q, cu_kv, 13, 13, "float32", stats_layout, rng,
-                             implementation="xla")
+    _check_against_reference(
+        layout, arrays, ref_qkv, cu_q, cu_kv, 13, 13, "float32", stats_layout, rng, implementation="xla"
+    )
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: packed.ragged_attention_qkvpacked(jnp.zeros((8, 2, 4, 16)), jnp.array([0, 8], jnp.int32),
-                                               max_seqlen=8), r"qkv must be \[T, 3, H, D\], got shape \(8, 2, 4, 16\)"),
-    (lambda: packed.ragged_attention_qkvpacked(jnp.zeros((8, 3, 64)), jnp.array([0, 8], jnp.int32), max_seqlen=8),
-     r"qkv must be \[T, 3, H, D\]"),
-    (lambda: packed.ragged_attention_kvpacked(jnp.zeros((8, 4, 16)), jnp.zeros((8, 3, 2, 16)),
-                                              jnp.array([0, 8], jnp.int32), jnp.array([0, 8], jnp.int32),
-                                              max_seqlen_q=8, max_seqlen_kv=8), r"kv must be \[Tkv, 2, Hkv, D\]"),
-    (lambda: packed.ragged_attention_kvpacked(jnp.zeros((8, 3, 16), jnp.float32), jnp.zeros((8, 2, 2, 16), jnp.float32),
-                                              jnp.array([0, 8], jnp.int32), jnp.array([0, 8], jnp.int32),
-                                              max_seqlen_q=8, max_seqlen_kv=8), r"q's heads \(3\)"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            lambda: packed.ragged_attention_qkvpacked(
+                jnp.zeros((8, 2, 4, 16)), jnp.array([0, 8], jnp.int32), max_seqlen=8
+            ),
+            r"qkv must be \[T, 3, H, D\], got shape \(8, 2, 4, 16\)",
+        ),
+        (
+            lambda: packed.ragged_attention_qkvpacked(
+                jnp.zeros((8, 3, 64)), jnp.array([0, 8], jnp.int32), max_seqlen=8
+            ),
+            r"qkv must be \[T, 3, H, D\]",
+        ),
+        (
+            lambda: packed.ragged_attention_kvpacked(
+                jnp.zeros((8, 4, 16)),
+                jnp.zeros((8, 3, 2, 16)),
+                jnp.array([0, 8], jnp.int32),
+                jnp.array([0, 8], jnp.int32),
+                max_seqlen_q=8,
+                max_seqlen_kv=8,
+            ),
+            r"kv must be \[Tkv, 2, Hkv, D\]",
+        ),
+        (
+            lambda: packed.ragged_attention_kvpacked(
+                jnp.zeros((8, 3, 16), jnp.float32),
+                jnp.zeros((8, 2, 2, 16), jnp.float32),
+                jnp.array([0, 8], jnp.int32),
+                jnp.array([0, 8], jnp.int32),
+                max_seqlen_q=8,
+                max_seqlen_kv=8,
+            ),
+            r"q's heads \(3\)",
+        ),
+    ],
+)
 def test_malformed_packed_inputs_name_the_argument(call, message):
     with pytest.raises(ValueError, match=message):
         call()
@@ -137,8 +176,9 @@ def _lowered_cudnn_grad(monkeypatch, layout, guard=False, poison=False):
     t, h, d = 32, 4, 16
     cu = jnp.array([0, 10, 20, 25], jnp.int32)
     view = jax.ShapeDtypeStruct((t, h, d), jnp.bfloat16)
-    config = make_config(view, view, view, cu, cu, AttentionOptions(is_causal=True), max_seqlen_q=16,
-                         max_seqlen_kv=16, packing=layout)
+    config = make_config(
+        view, view, view, cu, cu, AttentionOptions(is_causal=True), max_seqlen_q=16, max_seqlen_kv=16, packing=layout
+    )
     config = dataclasses.replace(config, guard_workspace=guard)
     monkeypatch.setattr(cudnn_options, "OPTIONS", cudnn_options.CudnnOptions(poison_outputs=poison))
     if layout == "qkv":
@@ -190,8 +230,9 @@ def test_every_packing_calls_the_two_handlers_with_one_gradient_per_input(monkey
     text = _lowered_cudnn_grad(monkeypatch, layout, guard, poison=mode == "poisoned")
     calls = re.findall(r"custom_call @(jax_ragged_attn_\w+)\(([^)]*)\)(.*)", text)
     assert sorted(target for target, _, _ in calls) == sorted([extension.FORWARD_TARGET, extension.BACKWARD_TARGET])
-    gradients = {"none": ["32x4x16xbf16"] * 3, "kv": ["32x4x16xbf16", "32x2x4x16xbf16"],
-                 "qkv": ["32x3x4x16xbf16"]}[layout]
+    gradients = {"none": ["32x4x16xbf16"] * 3, "kv": ["32x4x16xbf16", "32x2x4x16xbf16"], "qkv": ["32x3x4x16xbf16"]}[
+        layout
+    ]
     for target, operands, rest in calls:
         results = re.findall(r"tensor<([^>]*)>", rest.rsplit("-> ", 1)[1])
         rows = 32 + 2 * checks.GUARD_ROWS if guard else 32  # check mode adds canary rows to every output
@@ -221,8 +262,17 @@ def test_ragged_offsets_step_over_every_part_of_a_packed_row(packing, parts):
     view_q = jax.ShapeDtypeStruct((20, 4, 16), jnp.bfloat16)
     view_kv = jax.ShapeDtypeStruct((20, 4 if packing == "qkv" else 2, 16), jnp.bfloat16)
     cu = jnp.array([0, 7, 7, 19], jnp.int32)
-    config = make_config(view_q, view_kv, view_kv, cu, cu, AttentionOptions(stats_layout="token_major"),
-                         max_seqlen_q=12, max_seqlen_kv=12, packing=packing)
+    config = make_config(
+        view_q,
+        view_kv,
+        view_kv,
+        cu,
+        cu,
+        AttentionOptions(stats_layout="token_major"),
+        max_seqlen_q=12,
+        max_seqlen_kv=12,
+        packing=packing,
+    )
     _, _, offset_q, offset_k, offset_v, offset_o, offset_stats = launch._index_arrays(cu, cu, config)
     hkv = view_kv.shape[1]
     np.testing.assert_array_equal(offset_q, np.asarray(cu) * parts[0] * 4 * 16)
@@ -248,13 +298,23 @@ def _fuzz_cases(count: int):
         batch = int(rng.integers(1, 9))
         lengths_q = [int(n) for n in rng.integers(0, 300, batch)]
         lengths_kv = lengths_q if layout == "qkv" else [int(n) for n in rng.integers(0, 300, batch)]
-        cases.append(dict(seed=seed, layout=layout, heads=(heads_q, heads_kv), dim=dim, lengths_q=lengths_q,
-                          lengths_kv=lengths_kv, slack=int(rng.integers(0, 40)),
-                          stats_layout=str(rng.choice(["head_major", "token_major"])),
-                          dtype=str(rng.choice(["bfloat16", "float16"])), check=bool(seed % 5 == 0),
-                          autotune=bool(seed % 4 == 1),
-                          # NaN in every output row cuDNN is trusted to write, both packings, both sides
-                          poison_outputs=seed % 3 == 1))
+        cases.append(
+            dict(
+                seed=seed,
+                layout=layout,
+                heads=(heads_q, heads_kv),
+                dim=dim,
+                lengths_q=lengths_q,
+                lengths_kv=lengths_kv,
+                slack=int(rng.integers(0, 40)),
+                stats_layout=str(rng.choice(["head_major", "token_major"])),
+                dtype=str(rng.choice(["bfloat16", "float16"])),
+                check=bool(seed % 5 == 0),
+                autotune=bool(seed % 4 == 1),
+                # NaN in every output row cuDNN is trusted to write, both packings, both sides
+                poison_outputs=seed % 3 == 1,
+            )
+        )
     return cases
 
 
@@ -267,15 +327,35 @@ def test_cudnn_packed_strides_match_the_reference(case, monkeypatch, tmp_path):
 
     monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "autotune.json"))  # autotune measures packed graphs
     rng = np.random.default_rng([case["seed"], 1])
-    arrays, ref_qkv, cu_q, cu_kv = _packed_inputs(rng, case["lengths_q"], case["lengths_kv"], *case["heads"],
-                                                  case["dim"], case["dtype"], case["slack"], case["layout"])
+    arrays, ref_qkv, cu_q, cu_kv = _packed_inputs(
+        rng,
+        case["lengths_q"],
+        case["lengths_kv"],
+        *case["heads"],
+        case["dim"],
+        case["dtype"],
+        case["slack"],
+        case["layout"],
+    )
     max_q = max(max(case["lengths_q"]), 1)
     max_kv = max(max(case["lengths_kv"]), 1)
     try:
         with backend_options(poison_outputs=case["poison_outputs"]):
-            _check_against_reference(case["layout"], arrays, ref_qkv, cu_q, cu_kv, max_q, max_kv, case["dtype"],
-                                     case["stats_layout"], rng, implementation="cudnn", check=case["check"],
-                                     autotune=case["autotune"])
+            _check_against_reference(
+                case["layout"],
+                arrays,
+                ref_qkv,
+                cu_q,
+                cu_kv,
+                max_q,
+                max_kv,
+                case["dtype"],
+                case["stats_layout"],
+                rng,
+                implementation="cudnn",
+                check=case["check"],
+                autotune=case["autotune"],
+            )
     except AssertionError as error:
         raise AssertionError(f"{case}: {error}") from None
 
@@ -301,11 +381,14 @@ def test_cudnn_compiled_program_has_no_full_size_concatenate(layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("changes, message", [
-    (dict(packing=2, num_heads_kv=2), "packed qkv needs Hq == Hkv and Tq == Tkv"),
-    (dict(packing=1, head_dim_v=64), "packed k and v need Dqk == Dv"),
-    (dict(packing=3), "packing must be 0"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(packing=2, num_heads_kv=2), "packed qkv needs Hq == Hkv and Tq == Tkv"),
+        (dict(packing=1, head_dim_v=64), "packed k and v need Dqk == Dv"),
+        (dict(packing=3), "packing must be 0"),
+    ],
+)
 def test_the_extension_refuses_packed_attributes_that_would_run_past_a_buffer(changes, message):
     """Defence in depth under the Python wrappers: graph building and tuning reject a packed layout whose
     parts do not fit one row, so no handler ever runs with it."""
@@ -313,8 +396,7 @@ def test_the_extension_refuses_packed_attributes_that_would_run_past_a_buffer(ch
         pytest.skip(f"cuDNN path unavailable: {_REASON}")
     view = jax.ShapeDtypeStruct((64, 4, 128), jnp.bfloat16)
     cu = jnp.array([0, 30, 64], jnp.int32)
-    config = make_config(view, view, view, cu, cu, AttentionOptions(is_causal=True), max_seqlen_q=40,
-                         max_seqlen_kv=40)
+    config = make_config(view, view, view, cu, cu, AttentionOptions(is_causal=True), max_seqlen_q=40, max_seqlen_kv=40)
     attributes = {**cudnn.ffi_attributes(config), **changes}
     ext = extension.module()
     for direction in ("forward", "backward"):

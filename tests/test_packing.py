@@ -82,15 +82,16 @@ def test_row_positions_of_constant_cu_seqlens_under_jit(seed):
     cu = jnp.asarray(cu_seqlens_from_lengths(lengths))
     got = jax.jit(lambda: row_positions(sanitize_cu_seqlens(cu, capacity), capacity, max_seqlen))()
     for name, a, b in zip(("sequence", "position", "valid"), got, _expected(np.asarray(cu), capacity, max_seqlen)):
-        np.testing.assert_array_equal(np.asarray(a), b,
-                                      err_msg=f"{name}: cu={np.asarray(cu).tolist()} capacity={capacity}")
+        np.testing.assert_array_equal(
+            np.asarray(a), b, err_msg=f"{name}: cu={np.asarray(cu).tolist()} capacity={capacity}"
+        )
 
 
 def test_running_max_of_int64_beyond_int32(scan_kind):
     """Under jax_enable_x64 an index array may be int64 below int32's range: the running maximum is still
     lax.cummax's (the compare-all path fills masked entries with the dtype's own minimum)."""
     with jax.enable_x64(True):
-        x = jnp.asarray(np.array([-2**40, -2**40, 5, -2**41, 7], np.int64))
+        x = jnp.asarray(np.array([-(2**40), -(2**40), 5, -(2**41), 7], np.int64))
         np.testing.assert_array_equal(np.asarray(index.running_max(x)), np.asarray(jax.lax.cummax(x, axis=0)))
 
 

@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import pytest
 
 from jax_ragged_attn import backends
-from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends import policy
-from jax_ragged_attn.backends.fa3 import dew, ragged as _fa3
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
+from jax_ragged_attn.backends.fa3 import dew
+from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.index import RaggedIndex
 
@@ -21,8 +22,9 @@ from jax_ragged_attn.index import RaggedIndex
 def _config(tokens: int, num_seqs: int, **options):
     q = jax.ShapeDtypeStruct((tokens, 4, 128), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32)
-    return make_config(q, q, q, cu, cu, AttentionOptions(is_causal=True, **options), max_seqlen_q=tokens,
-                       max_seqlen_kv=tokens)
+    return make_config(
+        q, q, q, cu, cu, AttentionOptions(is_causal=True, **options), max_seqlen_q=tokens, max_seqlen_kv=tokens
+    )
 
 
 def _index(num_seqs: int):
@@ -40,12 +42,15 @@ def hopper_with_both(monkeypatch):
     monkeypatch.delenv(policy.ENV_VAR, raising=False)
 
 
-@pytest.mark.parametrize("tokens, num_seqs, chosen", [
-    (32768, 16, "fa3"),  # W1: 2,048 tokens a sequence
-    (65536, 119, "cudnn"),  # W5: 551
-    (1024 * 8, 8, "fa3"),  # exactly the threshold
-    (1023 * 8, 8, "cudnn"),  # just below it
-])
+@pytest.mark.parametrize(
+    "tokens, num_seqs, chosen",
+    [
+        (32768, 16, "fa3"),  # W1: 2,048 tokens a sequence
+        (65536, 119, "cudnn"),  # W5: 551
+        (1024 * 8, 8, "fa3"),  # exactly the threshold
+        (1023 * 8, 8, "cudnn"),  # just below it
+    ],
+)
 def test_the_policy_splits_by_tokens_per_sequence(hopper_with_both, tokens, num_seqs, chosen):
     assert backends.choose(None, _config(tokens, num_seqs), _index(num_seqs)).NAME == chosen
 
@@ -71,13 +76,26 @@ def test_the_sharded_op_passes_its_whole_batchs_shape_class(monkeypatch):
 
     seen = []
     real = sharding.attend
-    monkeypatch.setattr(sharding, "attend", lambda *a, **kw: seen.append(a[3].policy_tokens_per_sequence)
-                        or real(*a, **kw))
+    monkeypatch.setattr(
+        sharding, "attend", lambda *a, **kw: seen.append(a[3].policy_tokens_per_sequence) or real(*a, **kw)
+    )
     q = jnp.zeros((64, 2, 8), jnp.float32)
     cu = jnp.array([0, 30, 50, 64], jnp.int32)
     mesh = jax.make_mesh((1,), ("cp",))
-    sharding.sharded_ragged_attention(q, q, q, cu, cu, mesh=mesh, token_axis="cp", load_balance=True,
-                                      max_seqlen_q=30, max_seqlen_kv=30, is_causal=True, implementation="xla")
+    sharding.sharded_ragged_attention(
+        q,
+        q,
+        q,
+        cu,
+        cu,
+        mesh=mesh,
+        token_axis="cp",
+        load_balance=True,
+        max_seqlen_q=30,
+        max_seqlen_kv=30,
+        is_causal=True,
+        implementation="xla",
+    )
     assert seen and set(seen) == {64 // 3}
 
 

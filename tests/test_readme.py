@@ -61,8 +61,11 @@ def runnable_blocks(path: pathlib.Path) -> list[tuple[str, str]]:
     """(where, code) of the blocks of `path` that run, in order."""
     has_flax = importlib.util.find_spec("flax") is not None
     name = path.relative_to(ROOT)
-    return [(f"{name}:{line}", code) for line, code, skipped in python_blocks(path.read_text())
-            if not skipped and (has_flax or "import flax" not in code and "from flax" not in code)]
+    return [
+        (f"{name}:{line}", code)
+        for line, code, skipped in python_blocks(path.read_text())
+        if not skipped and (has_flax or ("import flax" not in code and "from flax" not in code))
+    ]
 
 
 def _cpu_env() -> dict:
@@ -82,8 +85,9 @@ def test_block_extraction_follows_the_convention():
 
 def test_driver_names_the_failing_block():
     blocks = [("README.md:3", "q = 1\n"), ("README.md:9", "q = q.shape\n")]
-    result = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(blocks), capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", DRIVER], input=json.dumps(blocks), capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 1
     assert "block 2 of 2 (README.md:9) failed" in result.stderr, result.stderr
 
@@ -98,21 +102,35 @@ def test_readme_has_a_quickstart_first():
 
 
 # The docs pages' blocks run in the slow tier, the README's in the fast tier.
-@pytest.mark.parametrize("page", [README, *(pytest.param(p, marks=pytest.mark.slow) for p in DOC_PAGES)],
-                         ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "page",
+    [README, *(pytest.param(p, marks=pytest.mark.slow) for p in DOC_PAGES)],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
 def test_python_blocks_run_in_order_in_one_process(page):
     blocks = runnable_blocks(page)
     if not blocks:
         pytest.skip(f"{page.relative_to(ROOT)} has no runnable python block")
-    result = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(blocks), capture_output=True,
-                            text=True, timeout=TIME_LIMIT_S, env=_cpu_env(), cwd=ROOT)
-    assert result.returncode == 0, f"{page.relative_to(ROOT)}, run top to bottom in one process:\n" \
-                                   f"{result.stderr[-4000:]}"
+    result = subprocess.run(
+        [sys.executable, "-c", DRIVER],
+        input=json.dumps(blocks),
+        capture_output=True,
+        text=True,
+        timeout=TIME_LIMIT_S,
+        env=_cpu_env(),
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, (
+        f"{page.relative_to(ROOT)}, run top to bottom in one process:\n{result.stderr[-4000:]}"
+    )
 
 
 @pytest.mark.slow  # 4 devices; the same calls run fast above
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_example_script_runs(script):
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=TIME_LIMIT_S,
-                            env=_cpu_env(), cwd=ROOT)
-    assert result.returncode == 0, f"python {script.relative_to(ROOT)}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=TIME_LIMIT_S, env=_cpu_env(), cwd=ROOT
+    )
+    assert result.returncode == 0, (
+        f"python {script.relative_to(ROOT)}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    )

@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.parallel import ring
 from jax_ragged_attn.config import AttentionOptions
-from jax_ragged_attn.parallel.context_parallel import Plan
 from jax_ragged_attn.index import cu_seqlens_from_lengths
+from jax_ragged_attn.parallel import ring
+from jax_ragged_attn.parallel.context_parallel import Plan
 from jax_ragged_attn.parallel.sharding import reorder_for_load_balance, restore_order, sharded_ragged_attention
-from jax_ragged_attn.testing.documents import dense_mask, random_document_lengths
 from jax_ragged_attn.testing import assert_close, packed_batch
+from jax_ragged_attn.testing.documents import dense_mask, random_document_lengths
 from jax_ragged_attn.testing.multidevice import cudnn_gpus, report_checks, run_checks_in_child
 from jax_ragged_attn.testing.reference import reference_attention
 
@@ -41,8 +41,18 @@ def random_lengths(rng, total: int, *, slack: int) -> list[int]:
     return random_document_lengths(rng, total, slack=slack, longest=(total // 3, total // 2))
 
 
-def op_mask(cu_seqlens_q, cu_seqlens_kv, rows: int, cols: int, *, is_causal: bool, window=None,
-            alignment="bottom_right", seqused_q=None, seqused_kv=None) -> np.ndarray:
+def op_mask(
+    cu_seqlens_q,
+    cu_seqlens_kv,
+    rows: int,
+    cols: int,
+    *,
+    is_causal: bool,
+    window=None,
+    alignment="bottom_right",
+    seqused_q=None,
+    seqused_kv=None,
+) -> np.ndarray:
     """[rows, cols] bool: what the op attends for these arguments (ragged_attention's documented semantics,
     spelled out again): sequence b's queries are the first seqused_q[b] rows of its slot (all of it without
     seqused), its keys likewise; diagonal d = i (top-left) or i + skv - sq (bottom-right, used lengths);
@@ -60,8 +70,8 @@ def op_mask(cu_seqlens_q, cu_seqlens_kv, rows: int, cols: int, *, is_causal: boo
             keep &= j <= d
         if window is not None:
             keep &= (j >= d - window[0]) & (j <= d + window[1])
-        assert not mask[cu_q[b]:cu_q[b] + sq, cu_kv[b]:cu_kv[b] + skv].any(), "two sequences share rows"
-        mask[cu_q[b]:cu_q[b] + sq, cu_kv[b]:cu_kv[b] + skv] = keep
+        assert not mask[cu_q[b] : cu_q[b] + sq, cu_kv[b] : cu_kv[b] + skv].any(), "two sequences share rows"
+        mask[cu_q[b] : cu_q[b] + sq, cu_kv[b] : cu_kv[b] + skv] = keep
     return mask
 
 
@@ -77,8 +87,15 @@ def chunk_ids(device: int, n: int, load_balance: bool) -> list[int]:
 
 
 def make_ring(n: int, load_balance: bool, total: int, max_seqlen: int, is_causal: bool, window) -> ring._Ring:
-    plan = Plan(token_axis="cp", devices=n, load_balance=load_balance, max_seqlen=max_seqlen, is_causal=is_causal,
-                window_left=window, stats_axis=0)
+    plan = Plan(
+        token_axis="cp",
+        devices=n,
+        load_balance=load_balance,
+        max_seqlen=max_seqlen,
+        is_causal=is_causal,
+        window_left=window,
+        stats_axis=0,
+    )
     rows = total // (2 * n if load_balance else n)
     return ring._Ring(plan=plan, options=AttentionOptions(), chunk_rows=rows, window=window)
 
@@ -110,29 +127,40 @@ def test_every_step_attends_exactly_the_dense_mask(seed, total, n, load_balance,
             for chunk in chunk_ids(r, n, load_balance):
                 got = np.zeros((c, len(shard_rows)), bool)
                 if s == 0 and is_causal:  # each shard chunk its own call: itself causal, an earlier one whole
-                    calls = [(i, [i], dict(is_causal=i == chunk, alignment="top_left"))
-                             for i in shard if i <= chunk]
+                    calls = [(i, [i], dict(is_causal=i == chunk, alignment="top_left")) for i in shard if i <= chunk]
                 else:  # one call against the whole shard, without a mask
                     calls = [(shard[0], shard, dict(is_causal=False))]
                 for first, chunks, mask in calls:
-                    pieces = ring.block_pieces(jnp.asarray(cu), jnp.int32(chunk * c), c,
-                                               [jnp.int32(i * c) for i in chunks], c, max_seqlen=max_seqlen,
-                                               keys_up_to_queries=is_causal)
+                    pieces = ring.block_pieces(
+                        jnp.asarray(cu),
+                        jnp.int32(chunk * c),
+                        c,
+                        [jnp.int32(i * c) for i in chunks],
+                        c,
+                        max_seqlen=max_seqlen,
+                        keys_up_to_queries=is_causal,
+                    )
                     kv_start, kv_len = np.asarray(pieces.kv_start), np.asarray(pieces.kv_len)
                     assert np.all(kv_start[1:] >= kv_start[:-1] + kv_len[:-1]), "key runs overlap or descend"
                     offset = shard.index(first) * c
                     block = pieces_mask(pieces, c, len(chunks) * c, **mask)
-                    assert not (got[:, offset:offset + block.shape[1]] & block).any(), "a key attended twice"
-                    got[:, offset:offset + block.shape[1]] |= block
-                np.testing.assert_array_equal(got, want[chunk * c:(chunk + 1) * c][:, shard_rows],
-                                              err_msg=f"device {r}, step {s}, query chunk {chunk}")
+                    assert not (got[:, offset : offset + block.shape[1]] & block).any(), "a key attended twice"
+                    got[:, offset : offset + block.shape[1]] |= block
+                np.testing.assert_array_equal(
+                    got,
+                    want[chunk * c : (chunk + 1) * c][:, shard_rows],
+                    err_msg=f"device {r}, step {s}, query chunk {chunk}",
+                )
 
 
 @pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("total", [64, 40])
 @pytest.mark.parametrize("n, load_balance", [(2, False), (4, False), (4, True)])
-@pytest.mark.parametrize("chunks_and_rows", [(0, 0), (0, 3), (1, -1), (1, 0), (1, 1), (2, 3), (0, 100)],
-                         ids=["0", "3", "C-1", "C", "C+1", "2C+3", "100"])
+@pytest.mark.parametrize(
+    "chunks_and_rows",
+    [(0, 0), (0, 3), (1, -1), (1, 0), (1, 1), (2, 3), (0, 100)],
+    ids=["0", "3", "C-1", "C", "C+1", "2C+3", "100"],
+)
 def test_window_pairs_attend_exactly_the_dense_mask(seed, total, n, load_balance, chunks_and_rows):
     """Causal with a left window: every pair of natural chunks (query chunk, key chunk), laid out as the ring
     lays it out - the diagonal as identical runs, another chunk through window_layout / window_band with the
@@ -145,25 +173,48 @@ def test_window_pairs_attend_exactly_the_dense_mask(seed, total, n, load_balance
     layout = make_ring(n, load_balance, total, max_seqlen, True, left)
     for qc in range(chunks):
         for kc in range(chunks):
-            block = want[qc * c:(qc + 1) * c, kc * c:(kc + 1) * c]
+            block = want[qc * c : (qc + 1) * c, kc * c : (kc + 1) * c]
             if qc == kc:
-                pieces = ring.block_pieces(jnp.asarray(cu), jnp.int32(qc * c), c, [jnp.int32(qc * c)], c,
-                                           max_seqlen=max_seqlen, keys_up_to_queries=True)
+                pieces = ring.block_pieces(
+                    jnp.asarray(cu),
+                    jnp.int32(qc * c),
+                    c,
+                    [jnp.int32(qc * c)],
+                    c,
+                    max_seqlen=max_seqlen,
+                    keys_up_to_queries=True,
+                )
                 got = pieces_mask(pieces, c, c, is_causal=True, window=(left, 0), alignment="top_left")
             else:
-                branch, run, kv0, kv_end = (int(x) for x in ring.window_layout(
-                    layout, jnp.asarray(cu), jnp.int32(qc * c), jnp.int32(kc * c)))
+                branch, run, kv0, kv_end = (
+                    int(x) for x in ring.window_layout(layout, jnp.asarray(cu), jnp.int32(qc * c), jnp.int32(kc * c))
+                )
                 got = np.zeros((c, c), bool)
                 if branch:
                     assert branch == qc - kc, (branch, qc, kc)
                     sq, op_left = ring.window_band(layout, branch)
-                    got = op_mask([0, c], [kv0, c], c, c, is_causal=False, window=(op_left, c), seqused_q=[sq],
-                                  seqused_kv=[kv_end - kv0])
+                    got = op_mask(
+                        [0, c],
+                        [kv0, c],
+                        c,
+                        c,
+                        is_causal=False,
+                        window=(op_left, c),
+                        seqused_q=[sq],
+                        seqused_kv=[kv_end - kv0],
+                    )
                     got[run:] = False  # the rows past the crossing sequence's run are masked after the call
             np.testing.assert_array_equal(got, block, err_msg=f"query chunk {qc}, key chunk {kc}, window {left}")
     if not load_balance:  # the natural order takes only the steps the window reaches
-        reach = max((qc - kc for qc in range(chunks) for kc in range(qc)
-                     if want[qc * c:(qc + 1) * c, kc * c:(kc + 1) * c].any()), default=0)
+        reach = max(
+            (
+                qc - kc
+                for qc in range(chunks)
+                for kc in range(qc)
+                if want[qc * c : (qc + 1) * c, kc * c : (kc + 1) * c].any()
+            ),
+            default=0,
+        )
         assert reach + 1 <= layout.steps <= n
 
 
@@ -200,8 +251,18 @@ MESH = jax.sharding.AbstractMesh((4,), ("cp",))
 
 
 def _args(total=64, lengths=(30, 20, 10)):
-    batch = packed_batch(np.random.default_rng(0), lengths, lengths, num_heads_q=4, num_heads_kv=2, head_dim_qk=8,
-                         head_dim_v=8, dtype=np.float32, slack_q=total - sum(lengths), slack_kv=total - sum(lengths))
+    batch = packed_batch(
+        np.random.default_rng(0),
+        lengths,
+        lengths,
+        num_heads_q=4,
+        num_heads_kv=2,
+        head_dim_qk=8,
+        head_dim_v=8,
+        dtype=np.float32,
+        slack_q=total - sum(lengths),
+        slack_kv=total - sum(lengths),
+    )
     return batch.args, dict(max_seqlen_q=30, max_seqlen_kv=30)
 
 
@@ -223,17 +284,27 @@ def test_one_device_ring_equals_the_op(load_balance):
     cotangent, against the unsharded op."""
     rng = np.random.default_rng(5)
     lengths = (21, 0, 9, 30)
-    batch = packed_batch(rng, lengths, lengths, num_heads_q=4, num_heads_kv=2, head_dim_qk=8, head_dim_v=8,
-                         dtype=np.float32, slack_q=4, slack_kv=4)
+    batch = packed_batch(
+        rng,
+        lengths,
+        lengths,
+        num_heads_q=4,
+        num_heads_kv=2,
+        head_dim_qk=8,
+        head_dim_v=8,
+        dtype=np.float32,
+        slack_q=4,
+        slack_kv=4,
+    )
     options = dict(max_seqlen_q=30, max_seqlen_kv=30, is_causal=True, return_stats=True, implementation="xla")
     d_out = jnp.asarray(rng.standard_normal((64, 4, 8)), jnp.float32)
     d_stats = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
     mesh = jax.make_mesh((1,), ("cp",))
-    sharded = functools.partial(sharded_ragged_attention, mesh=mesh, token_axis="cp", load_balance=load_balance,
-                                context_strategy="ring")
+    sharded = functools.partial(
+        sharded_ragged_attention, mesh=mesh, token_axis="cp", load_balance=load_balance, context_strategy="ring"
+    )
     got = jax.jit(functools.partial(_forward_and_backward, sharded, options))(*batch.args[:4], d_out, d_stats)
-    want = jax.jit(functools.partial(_forward_and_backward, ragged_attention, options))(*batch.args[:4], d_out,
-                                                                                         d_stats)
+    want = jax.jit(functools.partial(_forward_and_backward, ragged_attention, options))(*batch.args[:4], d_out, d_stats)
     for name, a, b in zip(("out", "stats", "dq", "dk", "dv"), got, want):
         assert_close(a, b, np.float32, name)
 
@@ -246,24 +317,78 @@ def _forward_and_backward(attention, options, q, k, v, cu, d_out, d_stats):
 
 # ---- The child: the ring on 4 devices, each check reported as a JSON line. ----
 
-MASKS = {"causal": dict(is_causal=True), "window": dict(is_causal=True, local_window_size=(6, 0)),
-         "long_window": dict(is_causal=True, local_window_size=(20, 0)), "none": {}}
+MASKS = {
+    "causal": dict(is_causal=True),
+    "window": dict(is_causal=True, local_window_size=(6, 0)),
+    "long_window": dict(is_causal=True, local_window_size=(20, 0)),
+    "none": {},
+}
 # name: (T, mesh shape, mesh axes, axis type, head_axis, (Hq, Hkv), load_balance, stats layout, mask, cut)
 # token_axis is "cp" throughout; cut: max_seqlen 3 below the longest document, which the op then truncates.
 GROUPS = {
     "masks": {
-        "natural_causal_gqa_head_major": (64, (4,), ("cp",), EXPLICIT, None, (4, 2), False, "head_major", "causal",
-                                          False),
-        "balanced_window_mqa_token_major_cut": (64, (4,), ("cp",), EXPLICIT, None, (4, 1), True, "token_major",
-                                                "window", True),
-        "natural_long_window_head_major": (40, (4,), ("cp",), EXPLICIT, None, (2, 2), False, "head_major",
-                                           "long_window", False),
+        "natural_causal_gqa_head_major": (
+            64,
+            (4,),
+            ("cp",),
+            EXPLICIT,
+            None,
+            (4, 2),
+            False,
+            "head_major",
+            "causal",
+            False,
+        ),
+        "balanced_window_mqa_token_major_cut": (
+            64,
+            (4,),
+            ("cp",),
+            EXPLICIT,
+            None,
+            (4, 1),
+            True,
+            "token_major",
+            "window",
+            True,
+        ),
+        "natural_long_window_head_major": (
+            40,
+            (4,),
+            ("cp",),
+            EXPLICIT,
+            None,
+            (2, 2),
+            False,
+            "head_major",
+            "long_window",
+            False,
+        ),
     },
     "meshes": {
-        "natural_no_mask_heads_and_tokens_auto": (40, (2, 2), ("heads", "cp"), AUTO, "heads", (4, 2), False,
-                                                  "token_major", "none", False),
-        "balanced_causal_heads_and_tokens_cut": (40, (2, 2), ("heads", "cp"), EXPLICIT, "heads", (4, 2), True,
-                                                 "head_major", "causal", True),
+        "natural_no_mask_heads_and_tokens_auto": (
+            40,
+            (2, 2),
+            ("heads", "cp"),
+            AUTO,
+            "heads",
+            (4, 2),
+            False,
+            "token_major",
+            "none",
+            False,
+        ),
+        "balanced_causal_heads_and_tokens_cut": (
+            40,
+            (2, 2),
+            ("heads", "cp"),
+            EXPLICIT,
+            "heads",
+            (4, 2),
+            True,
+            "head_major",
+            "causal",
+            True,
+        ),
         "memory_ring_below_all_gather": None,
     },
 }
@@ -271,8 +396,10 @@ GROUP_ENV = "RING_TEST_GROUP"
 
 
 def _collectives(hlo: str) -> dict:
-    return {c: len(re.findall(rf"\b{c}(-start)?\(", hlo))
-            for c in ("collective-permute", "all-gather", "reduce-scatter", "all-to-all")}
+    return {
+        c: len(re.findall(rf"\b{c}(-start)?\(", hlo))
+        for c in ("collective-permute", "all-gather", "reduce-scatter", "all-to-all")
+    }
 
 
 def _check(seed, total, mesh_shape, mesh_axes, axis_type, head_axis, heads, load_balance, layout, mask, cut):
@@ -282,11 +409,27 @@ def _check(seed, total, mesh_shape, mesh_axes, axis_type, head_axis, heads, load
     rng = np.random.default_rng(100 + seed)
     lengths = random_lengths(rng, total, slack=int(rng.integers(1, 7)))
     hq, hkv = heads
-    batch = packed_batch(rng, lengths, lengths, num_heads_q=hq, num_heads_kv=hkv, head_dim_qk=8, head_dim_v=8,
-                         dtype=np.float32, slack_q=total - sum(lengths), slack_kv=total - sum(lengths))
+    batch = packed_batch(
+        rng,
+        lengths,
+        lengths,
+        num_heads_q=hq,
+        num_heads_kv=hkv,
+        head_dim_qk=8,
+        head_dim_v=8,
+        dtype=np.float32,
+        slack_q=total - sum(lengths),
+        slack_kv=total - sum(lengths),
+    )
     max_seqlen = batch.max_seqlen_q - 3 if cut else batch.max_seqlen_q
-    options = dict(max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen, return_stats=True, stats_layout=layout,
-                   implementation="xla", **MASKS[mask])
+    options = dict(
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+        return_stats=True,
+        stats_layout=layout,
+        implementation="xla",
+        **MASKS[mask],
+    )
     stats_axis = 1 if layout == "head_major" else 0
     d_out = jnp.asarray(rng.standard_normal((total, hq, 8)), jnp.float32)
     d_stats = jnp.asarray(rng.standard_normal((total, hq)), jnp.float32)  # token-major; transposed if need be
@@ -303,8 +446,14 @@ def _check(seed, total, mesh_shape, mesh_axes, axis_type, head_axis, heads, load
     args = (*(order(x) for x in batch.args[:3]), batch.cu_seqlens_q, order(d_out), order(d_stats_layout, stats_axis))
     compiled, seconds = {}, {}
     for strategy in ("ring", "all_gather"):
-        sharded = functools.partial(sharded_ragged_attention, mesh=mesh, token_axis="cp", head_axis=head_axis,
-                                    load_balance=load_balance, context_strategy=strategy)
+        sharded = functools.partial(
+            sharded_ragged_attention,
+            mesh=mesh,
+            token_axis="cp",
+            head_axis=head_axis,
+            load_balance=load_balance,
+            context_strategy=strategy,
+        )
         start = time.perf_counter()
         compiled[strategy] = jax.jit(functools.partial(_forward_and_backward, sharded, options)).lower(*args).compile()
         seconds[strategy] = round(time.perf_counter() - start, 1)
@@ -313,10 +462,16 @@ def _check(seed, total, mesh_shape, mesh_axes, axis_type, head_axis, heads, load
     got = natural(got)
     gathered = natural(compiled["all_gather"](*args))
     unsharded = jax.jit(functools.partial(_forward_and_backward, ragged_attention, options))(
-        *batch.args[:4], d_out, d_stats_layout)
-    reference = reference_attention(*batch.reference_args, d_out=np.asarray(d_out, np.float64),
-                                    d_stats=np.asarray(d_stats, np.float64), max_seqlen_q=max_seqlen,
-                                    max_seqlen_kv=max_seqlen, **MASKS[mask])
+        *batch.args[:4], d_out, d_stats_layout
+    )
+    reference = reference_attention(
+        *batch.reference_args,
+        d_out=np.asarray(d_out, np.float64),
+        d_stats=np.asarray(d_stats, np.float64),
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+        **MASKS[mask],
+    )
     for i, name in enumerate(("out", "stats", "dq", "dk", "dv")):
         assert_close(got[i], gathered[i], np.float32, f"{name} against all_gather")
         assert_close(got[i], unsharded[i], np.float32, f"{name} against the unsharded op")
@@ -344,10 +499,22 @@ def _memory(total: int = 4096, heads: int = 2, dim: int = 64) -> dict:
     x = jax.ShapeDtypeStruct((total, heads, dim), jnp.bfloat16, sharding=jax.NamedSharding(mesh, jax.P("cp")))
     temp = {}
     for strategy in ("ring", "all_gather"):
+
         def loss(q, k, v):
-            out = sharded_ragged_attention(q, k, v, cu, cu, mesh=mesh, token_axis="cp", context_strategy=strategy,
-                                           max_seqlen_q=total, max_seqlen_kv=total, is_causal=True,
-                                           implementation="xla")
+            out = sharded_ragged_attention(
+                q,
+                k,
+                v,
+                cu,
+                cu,
+                mesh=mesh,
+                token_axis="cp",
+                context_strategy=strategy,
+                max_seqlen_q=total,
+                max_seqlen_kv=total,
+                is_causal=True,
+                implementation="xla",
+            )
             return jnp.sum(out.astype(jnp.float32))
 
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
@@ -379,6 +546,7 @@ if __name__ == "__main__":
 
 # ---- On GPUs: the blocks on the cuDNN path. ----
 
+
 def _simulated_ring(blocks: ring._Ring, n: int, q, k, v, cu):
     """The ring's forward on one device: device r's step-s call (ring._step) for every r and s, merged as the
     ring merges them; q, k, v hold all devices' rows in device order. Autodiff through it differentiates each
@@ -389,8 +557,16 @@ def _simulated_ring(blocks: ring._Ring, n: int, q, k, v, cu):
         merged = None
         for s in range(blocks.steps):
             src = (r - s) % n
-            part = ring._step(blocks, s == 0, q[r * rows:(r + 1) * rows], k[src * rows:(src + 1) * rows],
-                              v[src * rows:(src + 1) * rows], cu, jnp.int32(r), jnp.int32(src))
+            part = ring._step(
+                blocks,
+                s == 0,
+                q[r * rows : (r + 1) * rows],
+                k[src * rows : (src + 1) * rows],
+                v[src * rows : (src + 1) * rows],
+                cu,
+                jnp.int32(r),
+                jnp.int32(src),
+            )
             merged = part if merged is None else ring.merge_partials(*merged, *part)
         outs.append(merged[0])
         lses.append(merged[1])
@@ -404,8 +580,10 @@ def _vjp(attention, q, k, v, cu, d_out, d_stats):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("load_balance, mask", [(False, "causal"), (True, "causal"), (False, "none"),
-                                                (False, "window100"), (True, "window300")])
+@pytest.mark.parametrize(
+    "load_balance, mask",
+    [(False, "causal"), (True, "causal"), (False, "none"), (False, "window100"), (True, "window300")],
+)
 def test_ring_blocks_on_cudnn_match_one_call(load_balance, mask):
     """One GPU: every block call of a 4-device ring on the cuDNN path (bf16, GQA 8/2, d 64, T 1024: chunks of
     256 rows, 128 balanced; windows 100 and 300 reach one and three chunks back), merged, against one cuDNN
@@ -415,33 +593,67 @@ def test_ring_blocks_on_cudnn_match_one_call(load_balance, mask):
     total, n, hq, hkv, dim = 1024, 4, 8, 2, 64
     lengths = (300, 0, 410, 64, 117, 9, 40)
     rng = np.random.default_rng(3)
-    batch = packed_batch(rng, lengths, lengths, num_heads_q=hq, num_heads_kv=hkv, head_dim_qk=dim, head_dim_v=dim,
-                         dtype="bfloat16", slack_q=total - sum(lengths), slack_kv=total - sum(lengths))
-    masks = {"causal": dict(is_causal=True), "none": {}, "window100": dict(is_causal=True, local_window_size=(100, 0)),
-             "window300": dict(is_causal=True, local_window_size=(300, 0))}
+    batch = packed_batch(
+        rng,
+        lengths,
+        lengths,
+        num_heads_q=hq,
+        num_heads_kv=hkv,
+        head_dim_qk=dim,
+        head_dim_v=dim,
+        dtype="bfloat16",
+        slack_q=total - sum(lengths),
+        slack_kv=total - sum(lengths),
+    )
+    masks = {
+        "causal": dict(is_causal=True),
+        "none": {},
+        "window100": dict(is_causal=True, local_window_size=(100, 0)),
+        "window300": dict(is_causal=True, local_window_size=(300, 0)),
+    }
     left = masks[mask].get("local_window_size", (None,))[0]
     longest = max(lengths)
-    plan = Plan(token_axis="cp", devices=n, load_balance=load_balance, max_seqlen=longest,
-                is_causal=bool(masks[mask]), window_left=left, stats_axis=0)
+    plan = Plan(
+        token_axis="cp",
+        devices=n,
+        load_balance=load_balance,
+        max_seqlen=longest,
+        is_causal=bool(masks[mask]),
+        window_left=left,
+        stats_axis=0,
+    )
     options = AttentionOptions(implementation="cudnn", return_stats=True, stats_layout="token_major", check=False)
     blocks = ring._Ring(plan=plan, options=options, chunk_rows=total // (2 * n if load_balance else n), window=left)
     d_out = rng.standard_normal((total, hq, dim)).astype("bfloat16")
-    d_out[sum(lengths):] = 0
+    d_out[sum(lengths) :] = 0
     d_stats = rng.standard_normal((total, hq)).astype(np.float32)
 
     def order(x):
         return reorder_for_load_balance(x, n) if load_balance else x
 
     got = jax.jit(lambda q, k, v, cu, do, ds: _vjp(functools.partial(_simulated_ring, blocks, n), q, k, v, cu, do, ds))(
-        *(order(x) for x in batch.args[:3]), batch.cu_seqlens_q, order(jnp.asarray(d_out)), order(jnp.asarray(d_stats)))
+        *(order(x) for x in batch.args[:3]), batch.cu_seqlens_q, order(jnp.asarray(d_out)), order(jnp.asarray(d_stats))
+    )
     got = [restore_order(x, n) if load_balance else x for x in got]
-    call = dict(max_seqlen_q=longest, max_seqlen_kv=longest, return_stats=True, stats_layout="token_major",
-                implementation="cudnn", **masks[mask])
+    call = dict(
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+        return_stats=True,
+        stats_layout="token_major",
+        implementation="cudnn",
+        **masks[mask],
+    )
     one = jax.jit(functools.partial(_forward_and_backward, ragged_attention, call))(
-        *batch.args[:4], jnp.asarray(d_out), jnp.asarray(d_stats))
-    expected = reference_attention(*batch.reference_args, d_out=d_out.astype(np.float64),
-                                   d_stats=d_stats.astype(np.float64), max_seqlen_q=longest, max_seqlen_kv=longest,
-                                   **masks[mask])
+        *batch.args[:4], jnp.asarray(d_out), jnp.asarray(d_stats)
+    )
+    expected = reference_attention(
+        *batch.reference_args,
+        d_out=d_out.astype(np.float64),
+        d_stats=d_stats.astype(np.float64),
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+        **masks[mask],
+    )
     for i, name in enumerate(("out", "stats", "dq", "dk", "dv")):
         assert_close(np.asarray(got[i], np.float64), np.asarray(one[i], np.float64), "bfloat16", f"{name}, one call")
         assert_close(np.asarray(got[i], np.float64), expected[name], "bfloat16", f"{name}, reference")

@@ -17,15 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
-from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.cudnn import launch
-from jax_ragged_attn.features.checks import RaggedAttentionInputError, RaggedAttentionInputWarning, input_errors
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.config import AttentionOptions, make_config
-from jax_ragged_attn.testing.reference import reference_attention
+from jax_ragged_attn.features.checks import RaggedAttentionInputError, RaggedAttentionInputWarning, input_errors
 from jax_ragged_attn.inputs.segments import ragged_attention_segments, segments_to_cu_seqlens
 from jax_ragged_attn.testing import assert_close
-from tiers import some_fast  # tests/ is on sys.path under pytest
+from jax_ragged_attn.testing.reference import reference_attention
 
 
 def segment_runs(segment_ids) -> list[tuple[int, int, int]]:
@@ -63,29 +63,41 @@ class Case:
         return max(len(self.runs) + self.spare_segments, 1)
 
     def options(self) -> dict:
-        return dict(scale=self.scale, is_causal=self.is_causal, local_window_size=self.local_window_size,
-                    diagonal_alignment=self.diagonal_alignment)
+        return dict(
+            scale=self.scale,
+            is_causal=self.is_causal,
+            local_window_size=self.local_window_size,
+            diagonal_alignment=self.diagonal_alignment,
+        )
 
 
-MIXED = ((1, 1, 1, 2, 2, 0, 0, 3),  # adjacent ids, a padding run in the middle, a segment touching the row end
-         (0, 0, 5, 5, 5, 5, 5, 5),  # leading padding
-         (0, 0, 0, 0, 0, 0, 0, 0),  # a row of padding only
-         (1, 1, 1, 1, 1, 1, 1, 1))  # one full row, id 1 again
+MIXED = (
+    (1, 1, 1, 2, 2, 0, 0, 3),  # adjacent ids, a padding run in the middle, a segment touching the row end
+    (0, 0, 5, 5, 5, 5, 5, 5),  # leading padding
+    (0, 0, 0, 0, 0, 0, 0, 0),  # a row of padding only
+    (1, 1, 1, 1, 1, 1, 1, 1),
+)  # one full row, id 1 again
 CASES = {
     "mixed_gqa_causal": Case(MIXED, heads=(4, 2), is_causal=True),
     # Row 0 ends and row 1 starts with id 1 (row 1 -> 2 likewise): contiguous in the flat buffer, yet two segments.
-    "id_continues_across_rows_dv_differs": Case(((3, 3, 1, 1, 1, 1), (1, 1, 1, 2, 2, 2), (2, 2, 0, 0, 0, 0)),
-                                                heads=(6, 2), dims=(8, 16)),
+    "id_continues_across_rows_dv_differs": Case(
+        ((3, 3, 1, 1, 1, 1), (1, 1, 1, 2, 2, 2), (2, 2, 0, 0, 0, 0)), heads=(6, 2), dims=(8, 16)
+    ),
     # One id twice in a row with padding between (two segments); ids <= 0 are padding.
-    "same_id_after_a_gap_negative_ids_window": Case(((1, 1, 0, 1, 1, -2), (-1, 4, 4, 0, 4, 0)), heads=(2, 2),
-                                                    local_window_size=1),
-    "single_tokens_mqa_causal_window_bottom_right": Case(((1, 2, 3, 3, 4, 5), (9, 8, 8, 8, 9, 9)), heads=(4, 1),
-                                                         is_causal=True, local_window_size=(1, 0),
-                                                         diagonal_alignment="bottom_right", scale=0.4,
-                                                         dtype="bfloat16"),
+    "same_id_after_a_gap_negative_ids_window": Case(
+        ((1, 1, 0, 1, 1, -2), (-1, 4, 4, 0, 4, 0)), heads=(2, 2), local_window_size=1
+    ),
+    "single_tokens_mqa_causal_window_bottom_right": Case(
+        ((1, 2, 3, 3, 4, 5), (9, 8, 8, 8, 9, 9)),
+        heads=(4, 1),
+        is_causal=True,
+        local_window_size=(1, 0),
+        diagonal_alignment="bottom_right",
+        scale=0.4,
+        dtype="bfloat16",
+    ),
     # Segments past max_segments (row-major order) are treated as padding.
-    "overflow_drops_the_last_segments": Case(MIXED, is_causal=True, spare_segments=-2,
-                                             dtype="bfloat16"),
+    "overflow_drops_the_last_segments": Case(MIXED, is_causal=True, spare_segments=-2, dtype="bfloat16"),
     # Unused trailing slots are zero-length sequences; segments longer than max_seqlen are cut.
     "spare_slots_max_seqlen_window_tuple": Case(MIXED, local_window_size=(2, 1), spare_segments=3, max_seqlen=3),
     "all_padding": Case(((0, 0, 0, 0), (0, 0, 0, 0)), spare_segments=2),
@@ -128,8 +140,17 @@ def expected_results(case: Case, q64, k64, v64, d_out=None, d_stats=None) -> dic
     for r, a, b in case.runs[: case.max_segments]:
         cu = np.array([0, b - a])
         cotangents = {} if d_out is None else dict(d_out=d_out[r, a:b], d_stats=d_stats[r, a:b])
-        one = reference_attention(q64[r, a:b], k64[r, a:b], v64[r, a:b], cu, cu, max_seqlen_q=limit,
-                                  max_seqlen_kv=limit, **case.options(), **cotangents)
+        one = reference_attention(
+            q64[r, a:b],
+            k64[r, a:b],
+            v64[r, a:b],
+            cu,
+            cu,
+            max_seqlen_q=limit,
+            max_seqlen_kv=limit,
+            **case.options(),
+            **cotangents,
+        )
         for name, value in one.items():
             result[name][r, a:b] = value
     return result
@@ -140,9 +161,18 @@ def forward_and_vjp(case: Case, layout: str, q, k, v, segment_ids, cotangent):
 
     def run(q, k, v, segment_ids, cotangent):
         def f(q, k, v):
-            return ragged_attention_segments(q, k, v, segment_ids, max_segments=case.max_segments,
-                                             max_seqlen=case.max_seqlen, stats_layout=layout, return_stats=True,
-                                             implementation="xla", **case.options())
+            return ragged_attention_segments(
+                q,
+                k,
+                v,
+                segment_ids,
+                max_segments=case.max_segments,
+                max_seqlen=case.max_seqlen,
+                stats_layout=layout,
+                return_stats=True,
+                implementation="xla",
+                **case.options(),
+            )
 
         outputs, vjp = jax.vjp(f, q, k, v)
         return outputs, vjp(cotangent)
@@ -164,8 +194,7 @@ def test_matches_reference_per_segment(rng, case_name):
     to_layout = (lambda s: s) if layout == "token_major" else (lambda s: np.moveaxis(s, 2, 0))  # -> [Hq, R, S]
     cotangent = (jnp.asarray(d_out, dtype), jnp.asarray(to_layout(d_stats), jnp.float32))
 
-    (out, stats), grads = forward_and_vjp(case, layout, q, k, v, jnp.asarray(case.segment_ids, jnp.int32),
-                                          cotangent)
+    (out, stats), grads = forward_and_vjp(case, layout, q, k, v, jnp.asarray(case.segment_ids, jnp.int32), cotangent)
 
     assert out.shape == (rows, seq, hq, dv) and out.dtype == q.dtype
     assert stats.shape == to_layout(expected["stats"]).shape and stats.dtype == jnp.float32
@@ -227,7 +256,7 @@ def test_layout_of_random_ids_is_an_in_bounds_permutation(rng):
         np.testing.assert_array_equal(cu, expected_cu, err_msg=what + "cu_seqlens")
         # Compacted rows of segment b hold exactly that segment's tokens, in order.
         for b, (r, a, stop) in enumerate(kept):
-            np.testing.assert_array_equal(gather[cu[b]:cu[b + 1]], r * seq + np.arange(a, stop), err_msg=what)
+            np.testing.assert_array_equal(gather[cu[b] : cu[b + 1]], r * seq + np.arange(a, stop), err_msg=what)
         valid = np.zeros((rows, seq), bool)
         for r, a, stop in kept:
             valid[r, a:stop] = True
@@ -243,8 +272,9 @@ def test_one_compilation_serves_any_segment_ids(rng):
     @jax.jit
     def f(q, k, v, segment_ids):
         traces.append(None)
-        return ragged_attention_segments(q, k, v, segment_ids, max_segments=budget, is_causal=True,
-                                         implementation="xla")
+        return ragged_attention_segments(
+            q, k, v, segment_ids, max_segments=budget, is_causal=True, implementation="xla"
+        )
 
     for ids in (MIXED, other):
         case = Case(ids, is_causal=True, spare_segments=budget - len(segment_runs(ids)))
@@ -264,8 +294,9 @@ def test_grad_of_output_only_loss(rng):
     segment_ids = jnp.asarray(case.segment_ids, jnp.int32)
 
     def loss(q, k, v):
-        out = ragged_attention_segments(q, k, v, segment_ids, max_segments=case.max_segments, is_causal=True,
-                                        implementation="xla")
+        out = ragged_attention_segments(
+            q, k, v, segment_ids, max_segments=case.max_segments, is_causal=True, implementation="xla"
+        )
         return jnp.sum(out * d_out)
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
@@ -276,25 +307,33 @@ def test_grad_of_output_only_loss(rng):
 
 def _valid_call(**changes):
     # float32 spelled out: under jax_enable_x64 (pytest --jax-config=x64) jnp.zeros would be float64.
-    args = dict(q=jnp.zeros((2, 4, 4, 8), jnp.float32), k=jnp.zeros((2, 4, 2, 8), jnp.float32),
-                v=jnp.zeros((2, 4, 2, 8), jnp.float32),
-                segment_ids=jnp.ones((2, 4), jnp.int32), max_segments=2, implementation="xla")
+    args = dict(
+        q=jnp.zeros((2, 4, 4, 8), jnp.float32),
+        k=jnp.zeros((2, 4, 2, 8), jnp.float32),
+        v=jnp.zeros((2, 4, 2, 8), jnp.float32),
+        segment_ids=jnp.ones((2, 4), jnp.int32),
+        max_segments=2,
+        implementation="xla",
+    )
     args.update(changes)
     return ragged_attention_segments(**args)
 
 
-@pytest.mark.parametrize("changes, name", [
-    pytest.param(dict(segment_ids=jnp.ones((8,), jnp.int32)), "segment_ids", id="segment_ids_rank_1"),
-    pytest.param(dict(segment_ids=jnp.ones((2, 4), jnp.float32)), "segment_ids", id="segment_ids_float"),
-    pytest.param(dict(segment_ids=[[1, 1, 1, 1]] * 2), "segment_ids", id="segment_ids_list"),
-    pytest.param(dict(q=jnp.zeros((2, 5, 4, 8))), "q", id="q_rows_differ"),
-    pytest.param(dict(k=jnp.zeros((8, 2, 8))), "k", id="k_rank_3"),
-    pytest.param(dict(v=jnp.zeros((2, 4, 2))), "v", id="v_rank_3"),
-    pytest.param(dict(max_segments=0), "max_segments", id="max_segments_0"),
-    pytest.param(dict(max_segments=2.5), "max_segments", id="max_segments_float"),
-    pytest.param(dict(max_seqlen=0), "max_seqlen", id="max_seqlen_0"),
-    pytest.param(dict(max_seqlen_q=4), "max_seqlen_q", id="max_seqlen_q_given"),
-])
+@pytest.mark.parametrize(
+    "changes, name",
+    [
+        pytest.param(dict(segment_ids=jnp.ones((8,), jnp.int32)), "segment_ids", id="segment_ids_rank_1"),
+        pytest.param(dict(segment_ids=jnp.ones((2, 4), jnp.float32)), "segment_ids", id="segment_ids_float"),
+        pytest.param(dict(segment_ids=[[1, 1, 1, 1]] * 2), "segment_ids", id="segment_ids_list"),
+        pytest.param(dict(q=jnp.zeros((2, 5, 4, 8))), "q", id="q_rows_differ"),
+        pytest.param(dict(k=jnp.zeros((8, 2, 8))), "k", id="k_rank_3"),
+        pytest.param(dict(v=jnp.zeros((2, 4, 2))), "v", id="v_rank_3"),
+        pytest.param(dict(max_segments=0), "max_segments", id="max_segments_0"),
+        pytest.param(dict(max_segments=2.5), "max_segments", id="max_segments_float"),
+        pytest.param(dict(max_seqlen=0), "max_seqlen", id="max_seqlen_0"),
+        pytest.param(dict(max_seqlen_q=4), "max_seqlen_q", id="max_seqlen_q_given"),
+    ],
+)
 def test_malformed_calls_name_the_argument(changes, name):
     with pytest.raises(ValueError, match=rf"\b{name}\b"):
         _valid_call(**changes)
@@ -312,11 +351,24 @@ def test_valid_call_and_check_mode_pass():
 DROP_ROWS = {
     # (max_segments, max_seqlen, dropped_segments, truncated tokens, check-mode message fragments)
     "fits": (5, None, 0, 0, ()),
-    "two_segments_past_max_segments": (3, None, 2, 0, (
-        "segment_ids hold 5 segments, more than max_segments = 3", "segments 3 to 4 (row-major)",
-        "the first of them at segment_ids[1, 2] = 5")),
-    "segments_longer_than_max_seqlen": (5, 5, 0, 1 + 3, (
-        "segment 3 (segment_ids[1, 2:8] = 5) has 6 tokens, more than max_seqlen = 5",)),
+    "two_segments_past_max_segments": (
+        3,
+        None,
+        2,
+        0,
+        (
+            "segment_ids hold 5 segments, more than max_segments = 3",
+            "segments 3 to 4 (row-major)",
+            "the first of them at segment_ids[1, 2] = 5",
+        ),
+    ),
+    "segments_longer_than_max_seqlen": (
+        5,
+        5,
+        0,
+        1 + 3,
+        ("segment 3 (segment_ids[1, 2:8] = 5) has 6 tokens, more than max_seqlen = 5",),
+    ),
     "both": (4, 3, 1, 3, ("more than max_segments = 4", "segment 3 (segment_ids[1, 2:8] = 5) has 6 tokens")),
 }
 
@@ -327,8 +379,16 @@ def _segments_call(rng, implementation="xla", **options):
     q, k, v = (jnp.nan_to_num(x) for x in (q, k, v))  # padding 0, every real token random
 
     def f(segment_ids, max_segments, max_seqlen):
-        return ragged_attention_segments(q, k, v, segment_ids, max_segments=max_segments, max_seqlen=max_seqlen,
-                                         implementation=implementation, **options)
+        return ragged_attention_segments(
+            q,
+            k,
+            v,
+            segment_ids,
+            max_segments=max_segments,
+            max_seqlen=max_seqlen,
+            implementation=implementation,
+            **options,
+        )
 
     return f
 
@@ -340,8 +400,12 @@ def test_default_mode_counts_dropped_segments_and_cut_tokens(rng, row):
     ids = jnp.asarray(MIXED, jnp.int32)
     for how, call in (("eager", f), ("jit", jax.jit(f, static_argnums=(1, 2)))):
         out, overflow = call(ids, max_segments, max_seqlen)
-        counts = (int(overflow.dropped_segments), int(overflow.truncated_rows_q), int(overflow.truncated_rows_kv),
-                  int(overflow.invalid_cu_seqlens))
+        counts = (
+            int(overflow.dropped_segments),
+            int(overflow.truncated_rows_q),
+            int(overflow.truncated_rows_kv),
+            int(overflow.invalid_cu_seqlens),
+        )
         assert counts == (dropped, cut, cut, 0), f"{row} {how}: {overflow}"
     # Independent of the counts: real tokens that read exactly 0 are the dropped and cut ones.
     real = np.asarray(MIXED) > 0
@@ -398,8 +462,9 @@ def test_overflow_is_aux_for_grad(rng):
     ids = jnp.asarray(MIXED, jnp.int32)
 
     def loss(q, return_overflow):
-        result = ragged_attention_segments(q, k, v, ids, max_segments=3,
-                                           implementation="xla", return_overflow=return_overflow)
+        result = ragged_attention_segments(
+            q, k, v, ids, max_segments=3, implementation="xla", return_overflow=return_overflow
+        )
         out, overflow = result if return_overflow else (result, None)
         return jnp.sum(out * out), overflow
 

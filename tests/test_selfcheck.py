@@ -57,8 +57,22 @@ def test_cudnn_version_encoding():
 def test_cpu_run_reports_no_libraries_and_ends_with_the_verdict(capsys):
     if jax.default_backend() == "gpu":
         pytest.skip("this checks the CPU report; on a GPU the libraries are loaded")
-    status = selfcheck.main(["--num-seqs", "2", "--min-len", "4", "--max-len", "16", "--heads", "2",
-                             "--head-dim", "16", "--iterations", "1"])
+    status = selfcheck.main(
+        [
+            "--num-seqs",
+            "2",
+            "--min-len",
+            "4",
+            "--max-len",
+            "16",
+            "--heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--iterations",
+            "1",
+        ]
+    )
     lines = capsys.readouterr().out.splitlines()
     assert "  libcudnn: not loaded (no CUDA device)" in lines
     assert "  libcudart: not loaded (no CUDA device)" in lines
@@ -98,18 +112,23 @@ def _assert_rows_passed_or_declined(rows):
         if row.status != "declined":
             continue
         unavailable = declines.unavailable_reason(row.backend)
-        listed = any(entry.backend == row.backend and entry.op == row.op and entry.says in row.detail
-                     for entry in declines.EXPECTED)
+        listed = any(
+            entry.backend == row.backend and entry.op == row.op and entry.says in row.detail
+            for entry in declines.EXPECTED
+        )
         assert (unavailable is not None and unavailable in row.detail) or listed, (
             f"{row.backend}, {row.op}: {row.feature} declined for a reason testing/declines.py does not list: "
-            f"{row.detail}")
+            f"{row.detail}"
+        )
 
 
 def test_deep_check_of_a_few_features_on_every_backend():
     rows = selfcheck.deep_check(features=["head-major", "seqused", "decode, paged cache"])
     assert [(r.feature, r.backend) for r in rows] == [
-        (f, b) for f in ("causal, head-major stats", "seqused (slots with unused rows)", "decode, paged cache")
-        for b in ("cudnn", "fa3", "xla")]
+        (f, b)
+        for f in ("causal, head-major stats", "seqused (slots with unused rows)", "decode, paged cache")
+        for b in ("cudnn", "fa3", "xla")
+    ]
     _assert_rows_passed_or_declined(rows)
 
 
@@ -121,10 +140,12 @@ def test_deep_check_of_every_feature():
 def test_deep_table_and_exit_status(monkeypatch, capsys):
     from jax_ragged_attn.tools import selfcheck_deep
 
-    rows = [selfcheck_deep.Row("ragged", "causal", "cudnn", "declined", "no CUDA device", 0.0),
-            selfcheck_deep.Row("ragged", "causal", "xla", "passed", "", 1.0),
-            selfcheck_deep.Row("kvcache", "decode", "cudnn", "declined", "no CUDA device", 0.0),
-            selfcheck_deep.Row("kvcache", "decode", "xla", "failed", "out: 3 of 8 entries off\ndetails", 1.0)]
+    rows = [
+        selfcheck_deep.Row("ragged", "causal", "cudnn", "declined", "no CUDA device", 0.0),
+        selfcheck_deep.Row("ragged", "causal", "xla", "passed", "", 1.0),
+        selfcheck_deep.Row("kvcache", "decode", "cudnn", "declined", "no CUDA device", 0.0),
+        selfcheck_deep.Row("kvcache", "decode", "xla", "failed", "out: 3 of 8 entries off\ndetails", 1.0),
+    ]
     monkeypatch.setattr(selfcheck_deep, "deep_check", lambda: rows)
     assert selfcheck.main(["--deep"]) == 1
     lines = capsys.readouterr().out.splitlines()

@@ -38,9 +38,9 @@ from absl.testing import parameterized
 
 import jax_ragged_attn
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.testing import PackedBatch, assert_close, packed_batch, reference_attention
-from jax_ragged_attn.backends.fa3 import dew as _dew, ragged as _fa3
-from jax_ragged_attn.testing import declines, fa3_emulator
+from jax_ragged_attn.backends.fa3 import dew as _dew
+from jax_ragged_attn.backends.fa3 import ragged as _fa3
+from jax_ragged_attn.testing import PackedBatch, assert_close, declines, fa3_emulator, packed_batch, reference_attention
 from jax_ragged_attn.testing.private_config import backend_options, config_overrides
 
 LAYOUTS = ("head_major", "token_major")
@@ -79,8 +79,12 @@ class Case:
             window = tuple(w * sizes.window_unit for w in window)
         elif window is not None:
             window = window * sizes.window_unit
-        options = dict(scale=self.scale, is_causal=self.is_causal, diagonal_alignment=self.diagonal_alignment,
-                       local_window_size=window)
+        options = dict(
+            scale=self.scale,
+            is_causal=self.is_causal,
+            diagonal_alignment=self.diagonal_alignment,
+            local_window_size=window,
+        )
         return options if self.softcap is None else {**options, "softcap": self.softcap}
 
 
@@ -90,8 +94,7 @@ CASES = {
     "causal_bottom_right": Case(heads=(4, 4), is_causal=True, diagonal_alignment="bottom_right", all_dtypes=True),
     "gqa_causal": Case(heads=(6, 2), is_causal=True),
     "mqa": Case(heads=(4, 1)),
-    "mqa_causal_bottom_right": Case(heads=(4, 1), is_causal=True, diagonal_alignment="bottom_right",
-                                    all_dtypes=True),
+    "mqa_causal_bottom_right": Case(heads=(4, 1), is_causal=True, diagonal_alignment="bottom_right", all_dtypes=True),
     "dv_larger_gqa_causal": Case(heads=(6, 3), dims=(2, 4), is_causal=True, all_dtypes=True),
     "dqk_larger": Case(dims=(4, 2)),
     "wide_heads_causal": Case(dims=(4, 4), is_causal=True, all_dtypes=True),
@@ -106,8 +109,9 @@ CASES = {
     "window_right_zero": Case(window=(9, 0)),
     "window_right_zero_gqa_bottom_right": Case(heads=(6, 2), window=(8, 0), diagonal_alignment="bottom_right"),
     "empty_first_middle_last": Case(empty_q=(0, 2, -1), empty_kv=(0, 2, -1), is_causal=True, all_dtypes=True),
-    "empty_gqa_causal_bottom_right": Case(heads=(6, 2), empty_q=(0, 2, -1), empty_kv=(0, 2, -1), is_causal=True,
-                                          diagonal_alignment="bottom_right"),
+    "empty_gqa_causal_bottom_right": Case(
+        heads=(6, 2), empty_q=(0, 2, -1), empty_kv=(0, 2, -1), is_causal=True, diagonal_alignment="bottom_right"
+    ),
     "empty_kv_only": Case(empty_kv=(0, 2)),  # query rows with no key at all
     "empty_q_only": Case(empty_q=(1, -1), is_causal=True),
     "all_empty": Case(empty_q="all", empty_kv="all"),
@@ -116,8 +120,9 @@ CASES = {
     # and one they mostly saturate against (scale 0.5: scores of a few units against a cap of 2).
     "softcap_gqa_causal": Case(heads=(6, 2), is_causal=True, softcap=1.0, all_dtypes=True),
     "softcap_saturated_mqa": Case(heads=(4, 1), scale=0.5, softcap=2.0),
-    "softcap_window_causal_bottom_right": Case(window=(3, 1), is_causal=True, diagonal_alignment="bottom_right",
-                                               softcap=5.0),
+    "softcap_window_causal_bottom_right": Case(
+        window=(3, 1), is_causal=True, diagonal_alignment="bottom_right", softcap=5.0
+    ),
     "softcap_empty_gqa": Case(heads=(6, 3), dims=(2, 4), empty_q=(0, -1), empty_kv=(2,), softcap=1.5),
 }
 
@@ -125,7 +130,7 @@ CASES = {
 def _random_case(seed: int) -> Case:
     """A configuration drawn with weights towards the awkward corners (the sweep draws many more)."""
     rng = np.random.default_rng(seed)
-    pick = lambda options: options[int(rng.integers(len(options)))]  # noqa: E731
+    pick = lambda options: options[int(rng.integers(len(options)))]
     return Case(
         heads=pick([(2, 2), (4, 2), (6, 2), (3, 1), (4, 1), (6, 3)]),
         dims=pick([(1, 1), (2, 2), (1, 3), (3, 2), (4, 4)]),
@@ -158,7 +163,7 @@ def _owned(cu, capacity: int, max_seqlen: int) -> np.ndarray:
     """[capacity] bool: the row belongs to a sequence (not capacity padding, not cut by max_seqlen)."""
     owned = np.zeros(capacity, dtype=bool)
     for start, stop in zip(np.asarray(cu)[:-1], np.asarray(cu)[1:]):
-        owned[start:min(stop, start + max_seqlen)] = True
+        owned[start : min(stop, start + max_seqlen)] = True
     return owned
 
 
@@ -180,12 +185,10 @@ class Inputs:
         """The float64 reference; with d_out / d_stats, gradients for those cotangents (the rest zero)."""
         cotangents = {}
         if d_out or d_stats:  # the reference reads every row it is given: poisoned rows become zeros
-            cotangents["d_out"] = np.nan_to_num(self.d_out.astype(np.float64)) if d_out else np.zeros(
-                self.d_out.shape)
+            cotangents["d_out"] = np.nan_to_num(self.d_out.astype(np.float64)) if d_out else np.zeros(self.d_out.shape)
         if d_stats:
             cotangents["d_stats"] = np.nan_to_num(self.d_stats.astype(np.float64))
-        return reference_attention(*self.batch.reference_args, **self.max_seqlen, **case.options(sizes),
-                                   **cotangents)
+        return reference_attention(*self.batch.reference_args, **self.max_seqlen, **case.options(sizes), **cotangents)
 
 
 def check_forward(out, stats, expected, inputs: Inputs, dtype, what=""):
@@ -216,7 +219,8 @@ def check_gradients(grads, expected, inputs: Inputs, dtype, what=""):
     np.testing.assert_array_equal(dv[~inputs.owned_kv], 0.0, err_msg=f"{what}dv of rows no sequence owns")
     if not empty_rows.all():  # agreeing with the reference means something only if it is not all zeros
         assert max(np.abs(expected[name]).max() for name in ("dq", "dk", "dv")) > 0, (
-            f"{what}the reference gradients are all zero: the case tests nothing")
+            f"{what}the reference gradients are all zero: the case tests nothing"
+        )
 
 
 def _stats_in(layout: str, token_major):
@@ -260,11 +264,24 @@ class SemanticsTest(parameterized.TestCase):
             lengths_kv = np.where(_lengths(rng, n, max_kv, case.empty_kv) == 0, 0, lengths_q)
         else:
             lengths_kv = _lengths(rng, n, max_kv, case.empty_kv)
-        slack_q, slack_kv = (n * max_q + sizes.slack[0] - lengths_q.sum(), n * max_kv + sizes.slack[1] -
-                             lengths_kv.sum()) if case.padding else (0, 0)
+        slack_q, slack_kv = (
+            (n * max_q + sizes.slack[0] - lengths_q.sum(), n * max_kv + sizes.slack[1] - lengths_kv.sum())
+            if case.padding
+            else (0, 0)
+        )
         (hq, hkv), (dqk, dv) = case.heads, (sizes.head_dim or d * sizes.head_dim_unit for d in case.dims)
-        batch = packed_batch(rng, lengths_q, lengths_kv, num_heads_q=hq, num_heads_kv=hkv, head_dim_qk=dqk,
-                             head_dim_v=dv, dtype=dtype, slack_q=int(slack_q), slack_kv=int(slack_kv))
+        batch = packed_batch(
+            rng,
+            lengths_q,
+            lengths_kv,
+            num_heads_q=hq,
+            num_heads_kv=hkv,
+            head_dim_qk=dqk,
+            head_dim_v=dv,
+            dtype=dtype,
+            slack_q=int(slack_q),
+            slack_kv=int(slack_kv),
+        )
         max_q, max_kv = max_seqlen or (max_q, max_kv)
         owned_q = _owned(batch.cu_seqlens_q, batch.q.shape[0], max_q)
         owned_kv = _owned(batch.cu_seqlens_kv, batch.k.shape[0], max_kv)
@@ -286,10 +303,20 @@ class SemanticsTest(parameterized.TestCase):
         batch = inputs.batch
 
         def attend(q, k, v):
-            return ragged_attention(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_kv, **inputs.max_seqlen,
-                                    stats_layout=stats_layout, return_stats=return_stats,
-                                    implementation=self.implementation, strategy=self.strategy,
-                                    **case.options(self.sizes), **extra)
+            return ragged_attention(
+                q,
+                k,
+                v,
+                batch.cu_seqlens_q,
+                batch.cu_seqlens_kv,
+                **inputs.max_seqlen,
+                stats_layout=stats_layout,
+                return_stats=return_stats,
+                implementation=self.implementation,
+                strategy=self.strategy,
+                **case.options(self.sizes),
+                **extra,
+            )
 
         return attend
 
@@ -319,8 +346,12 @@ class SemanticsTest(parameterized.TestCase):
                 results += (jax.vjp(without_stats, q, k, v)[1](d_out),)
             return results
 
-        out, stats, *grads = self.run_op(self.jit(step) if jit else step, *inputs.batch.args[:3],
-                                         jnp.asarray(inputs.d_out), jnp.asarray(_stats_in(layout, inputs.d_stats)))
+        out, stats, *grads = self.run_op(
+            self.jit(step) if jit else step,
+            *inputs.batch.args[:3],
+            jnp.asarray(inputs.d_out),
+            jnp.asarray(_stats_in(layout, inputs.d_stats)),
+        )
         return (out, _stats_in(layout, stats), *grads)
 
     def check_forward_and_vjps(self, results, inputs: Inputs, case: Case, dtype, what=""):
@@ -329,8 +360,13 @@ class SemanticsTest(parameterized.TestCase):
         check_forward(out, stats, expected, inputs, dtype, what)
         check_gradients(grads, expected, inputs, dtype, f"{what}out and stats cotangents: ")
         if grads_out_only:
-            check_gradients(grads_out_only[0], inputs.reference(case, self.sizes, d_out=True), inputs, dtype,
-                            f"{what}out cotangent alone: ")
+            check_gradients(
+                grads_out_only[0],
+                inputs.reference(case, self.sizes, d_out=True),
+                inputs,
+                dtype,
+                f"{what}out cotangent alone: ",
+            )
 
     @parameterized.named_parameters(*NAMED_CASES)
     def test_forward(self, case_name):
@@ -341,8 +377,9 @@ class SemanticsTest(parameterized.TestCase):
             expected = inputs.reference(case, self.sizes)
             attend = {layout: self.attention(inputs, case, stats_layout=layout) for layout in LAYOUTS}
             # One jit for both layouts: one compilation instead of two.
-            results = self.run_op(self.jit(lambda q, k, v: {layout: f(q, k, v) for layout, f in attend.items()}),
-                                  *inputs.batch.args[:3])
+            results = self.run_op(
+                self.jit(lambda q, k, v: {layout: f(q, k, v) for layout, f in attend.items()}), *inputs.batch.args[:3]
+            )
             for layout, (out, stats) in results.items():
                 want = inputs.batch.q.shape[:2]
                 assert stats.shape == (want if layout == "token_major" else want[::-1]), (layout, stats.shape)
@@ -356,8 +393,9 @@ class SemanticsTest(parameterized.TestCase):
         layout = LAYOUTS[list(CASES).index(case_name) % 2]
         for dtype in self.dtypes_for(case):
             inputs = self.inputs(rng, case, dtype)
-            self.check_forward_and_vjps(self.forward_and_vjps(inputs, case, layout), inputs, case, dtype,
-                                        f"{dtype} {layout}: ")
+            self.check_forward_and_vjps(
+                self.forward_and_vjps(inputs, case, layout), inputs, case, dtype, f"{dtype} {layout}: "
+            )
 
     def test_eager(self):
         """The other tests run under jit; this one dispatches the op and its vjp eagerly."""
@@ -366,8 +404,9 @@ class SemanticsTest(parameterized.TestCase):
         results = self.forward_and_vjps(inputs, case, "head_major", jit=False, out_only=False)
         self.check_forward_and_vjps(results, inputs, case, "bfloat16", "eager: ")
 
-    @parameterized.named_parameters(dict(testcase_name="deterministic", deterministic=True),
-                                    dict(testcase_name="default", deterministic=False))
+    @parameterized.named_parameters(
+        dict(testcase_name="deterministic", deterministic=True), dict(testcase_name="default", deterministic=False)
+    )
     def test_reruns_are_bit_identical(self, deterministic):
         """The same jitted step twice: forward bit for bit; gradients bit for bit with deterministic=True (and
         by default where the implementation promises it; else equal up to summation order)."""
@@ -428,7 +467,8 @@ class SemanticsTest(parameterized.TestCase):
         def loss(q, k, v):
             out, stats = f(q, k, v)
             return jnp.sum(out.astype(jnp.float32) * d_out) + jnp.sum(
-                jnp.where(jnp.isfinite(stats), stats * d_stats, 0.0))
+                jnp.where(jnp.isfinite(stats), stats * d_stats, 0.0)
+            )
 
         grads = self.run_op(self.jit(jax.grad(loss, argnums=(0, 1, 2))), *inputs.batch.args[:3])
         # The loss reads d_out in float32, the reference in the dtype: the same values (d_out is dtype-rounded).
@@ -442,17 +482,31 @@ class SemanticsTest(parameterized.TestCase):
         assert both[0].batch.q.shape == both[1].batch.q.shape and both[0].batch.k.shape == both[1].batch.k.shape
 
         def f(q, k, v, cu_q, cu_kv):
-            return ragged_attention(q, k, v, cu_q, cu_kv, **both[0].max_seqlen, stats_layout="token_major",
-                                    return_stats=True, implementation=self.implementation,
-                                    strategy=self.strategy, **case.options(self.sizes))
+            return ragged_attention(
+                q,
+                k,
+                v,
+                cu_q,
+                cu_kv,
+                **both[0].max_seqlen,
+                stats_layout="token_major",
+                return_stats=True,
+                implementation=self.implementation,
+                strategy=self.strategy,
+                **case.options(self.sizes),
+            )
 
         def step(args, d_out, d_stats):
             outputs, vjp = jax.vjp(jax.vmap(f), *args)
             return outputs, vjp((d_out, d_stats))[:3]  # the cu_seqlens are integers: their cotangents are float0
 
         stacked = [jnp.stack(parts) for parts in zip(*(i.batch.args for i in both))]
-        (out, stats), grads = self.run_op(self.jit(step), stacked, jnp.asarray(np.stack([i.d_out for i in both])),
-                                          jnp.asarray(np.stack([i.d_stats for i in both])))
+        (out, stats), grads = self.run_op(
+            self.jit(step),
+            stacked,
+            jnp.asarray(np.stack([i.d_out for i in both])),
+            jnp.asarray(np.stack([i.d_stats for i in both])),
+        )
         for n, inputs in enumerate(both):
             expected = inputs.reference(case, self.sizes, d_out=True, d_stats=True)
             check_forward(out[n], stats[n], expected, inputs, dtype, f"batch {n}: ")
@@ -530,8 +584,9 @@ class Fa3Test(SemanticsTest):
     __test__ = True
     implementation = "fa3"
     dtypes = ("bfloat16", "float16")
-    sizes = Sizes(num_seqs=6, max_seqlen=(160, 192), slack=(37, 21), head_dim_unit=32, window_unit=4,
-                  head_dim=_fa3.FA3_HEAD_DIM)
+    sizes = Sizes(
+        num_seqs=6, max_seqlen=(160, 192), slack=(37, 21), head_dim_unit=32, window_unit=4, head_dim=_fa3.FA3_HEAD_DIM
+    )
     deterministic_by_default = False  # dQ is accumulated with atomics unless deterministic=True
     bottom_right_only = True
 
@@ -540,8 +595,16 @@ class Fa3Test(SemanticsTest):
         self.enter_context(config_overrides(fa3_provider="flash-attn3-jax"))
 
 
-EMULATED_CASES = ("mha", "causal", "causal_bottom_right", "mqa_causal_bottom_right", "window_causal_bottom_right",
-                  "window_right_zero_gqa_bottom_right", "empty_gqa_causal_bottom_right", "all_empty")
+EMULATED_CASES = (
+    "mha",
+    "causal",
+    "causal_bottom_right",
+    "mqa_causal_bottom_right",
+    "window_causal_bottom_right",
+    "window_right_zero_gqa_bottom_right",
+    "empty_gqa_causal_bottom_right",
+    "all_empty",
+)
 
 
 class Fa3EmulatedTest(SemanticsTest):
@@ -552,8 +615,9 @@ class Fa3EmulatedTest(SemanticsTest):
     __test__ = True
     implementation = "fa3"
     dtypes = ("bfloat16",)  # float16 in test_grad_of_stats_alone; Fa3Test runs both everywhere
-    sizes = Sizes(num_seqs=5, max_seqlen=(7, 9), slack=(3, 2), head_dim_unit=8, window_unit=1,
-                  head_dim=_fa3.FA3_HEAD_DIM)
+    sizes = Sizes(
+        num_seqs=5, max_seqlen=(7, 9), slack=(3, 2), head_dim_unit=8, window_unit=1, head_dim=_fa3.FA3_HEAD_DIM
+    )
     deterministic_by_default = True  # dense jnp stand-ins
     bottom_right_only = True
 
@@ -578,8 +642,7 @@ class DewTest(SemanticsTest):
     __test__ = True
     implementation = "fa3"
     dtypes = ("bfloat16", "float16")
-    sizes = Sizes(num_seqs=6, max_seqlen=(160, 192), slack=(37, 21), head_dim_unit=32, window_unit=4,
-                  head_dim=128)
+    sizes = Sizes(num_seqs=6, max_seqlen=(160, 192), slack=(37, 21), head_dim_unit=32, window_unit=4, head_dim=128)
     deterministic_by_default = False
     bottom_right_only = True
 

@@ -17,21 +17,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.backends.fa3 import dew, ragged as fa3
+from jax_ragged_attn.backends.fa3 import dew
+from jax_ragged_attn.backends.fa3 import ragged as fa3
 from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.features.checks import RaggedAttentionInputError
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked, ragged_attention_qkvpacked
 from jax_ragged_attn.testing import assert_close, implementation_options, reference_attention
-from tiers import some_fast  # tests/ is on sys.path under pytest
 
 _CUDNN_REASON = extension.cudnn_unavailable_reason()
 
 
 def _gpu(name: str, reason: str | None, what: str):
-    return pytest.param(name, id=name, marks=[pytest.mark.gpu, pytest.mark.skipif(
-        reason is not None, reason=f"{what} unavailable: {reason}")])
+    return pytest.param(
+        name,
+        id=name,
+        marks=[pytest.mark.gpu, pytest.mark.skipif(reason is not None, reason=f"{what} unavailable: {reason}")],
+    )
 
 
 IMPLEMENTATIONS = [
@@ -42,8 +46,12 @@ IMPLEMENTATIONS = [
     _gpu("dew-flash-attn", dew.unavailable_reason(), "dew-flash-attn"),
 ]
 # (dtype, head dim) each runs at: the GPU kernels take 16-bit inputs; the FA3 wheels' common head dim is 128.
-PROFILES = {"xla": (jnp.float32, 8), "cudnn": (jnp.bfloat16, 64), "flash-attn3-jax": (jnp.bfloat16, 128),
-            "dew-flash-attn": (jnp.bfloat16, 128)}
+PROFILES = {
+    "xla": (jnp.float32, 8),
+    "cudnn": (jnp.bfloat16, 64),
+    "flash-attn3-jax": (jnp.bfloat16, 128),
+    "dew-flash-attn": (jnp.bfloat16, 128),
+}
 # FA3's kernels align masks bottom-right only; a top-left mask over slots of unequal lengths is declined.
 BOTTOM_RIGHT_ONLY = {"flash-attn3-jax", "dew-flash-attn"}
 
@@ -104,11 +112,25 @@ def _inputs(case: Slots, heads, dim, dtype, seed, slack=3):
 def _expected(case: Slots, q, k, v, d_out, d_stats, rows_q, rows_kv, **options):
     """The reference on the used rows packed tightly, scattered back into the slots (zeros / -inf elsewhere)."""
     cu_q, cu_kv = _offsets(case.used_q), _offsets(case.used_kv)
-    tight = reference_attention(q[rows_q], k[rows_kv], v[rows_kv], cu_q, cu_kv, max_seqlen_q=max(max(case.used_q), 1),
-                                max_seqlen_kv=max(max(case.used_kv), 1), d_out=d_out[rows_q],
-                                d_stats=d_stats[rows_q], **options)
-    full = {"out": np.zeros(d_out.shape), "stats": np.full(d_stats.shape, -np.inf), "dq": np.zeros(q.shape),
-            "dk": np.zeros(k.shape), "dv": np.zeros(v.shape)}
+    tight = reference_attention(
+        q[rows_q],
+        k[rows_kv],
+        v[rows_kv],
+        cu_q,
+        cu_kv,
+        max_seqlen_q=max(max(case.used_q), 1),
+        max_seqlen_kv=max(max(case.used_kv), 1),
+        d_out=d_out[rows_q],
+        d_stats=d_stats[rows_q],
+        **options,
+    )
+    full = {
+        "out": np.zeros(d_out.shape),
+        "stats": np.full(d_stats.shape, -np.inf),
+        "dq": np.zeros(q.shape),
+        "dk": np.zeros(k.shape),
+        "dv": np.zeros(v.shape),
+    }
     for name, rows in (("out", rows_q), ("stats", rows_q), ("dq", rows_q), ("dk", rows_kv), ("dv", rows_kv)):
         full[name][rows] = tight[name]
     return full
@@ -117,8 +139,14 @@ def _expected(case: Slots, q, k, v, d_out, d_stats, rows_q, rows_kv, **options):
 def _run(implementation, case, q, k, v, d_out, d_stats, dtype, *, stats_layout, **options):
     cu_q, cu_kv = _offsets(case.slots_q), _offsets(case.slots_kv)
     used_q, used_kv = np.asarray(case.used_q, np.int32), np.asarray(case.used_kv, np.int32)
-    kwargs = dict(max_seqlen_q=max(case.slots_q), max_seqlen_kv=max(case.slots_kv), return_stats=True,
-                  stats_layout=stats_layout, **implementation_options(implementation), **options)
+    kwargs = dict(
+        max_seqlen_q=max(case.slots_q),
+        max_seqlen_kv=max(case.slots_kv),
+        return_stats=True,
+        stats_layout=stats_layout,
+        **implementation_options(implementation),
+        **options,
+    )
     cast = lambda x: jnp.asarray(x, dtype)
     # The cotangents' NaN rows are the op's to ignore (they belong to no used row).
     g_out, g_stats = jnp.asarray(d_out, jnp.float32), jnp.asarray(d_stats, jnp.float32)
@@ -126,8 +154,16 @@ def _run(implementation, case, q, k, v, d_out, d_stats, dtype, *, stats_layout, 
         g_stats = g_stats.T
 
     def f(q, k, v):
-        return ragged_attention(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_kv), seqused_q=jnp.asarray(used_q),
-                                seqused_kv=jnp.asarray(used_kv), **kwargs)
+        return ragged_attention(
+            q,
+            k,
+            v,
+            jnp.asarray(cu_q),
+            jnp.asarray(cu_kv),
+            seqused_q=jnp.asarray(used_q),
+            seqused_kv=jnp.asarray(used_kv),
+            **kwargs,
+        )
 
     (out, stats), vjp = jax.vjp(jax.jit(f), cast(q), cast(k), cast(v))
     dq, dk, dv = vjp((g_out.astype(dtype), g_stats))
@@ -148,18 +184,29 @@ def _check(got, expected, rows_q, rows_kv, dtype):
         assert_close(got[name], expected[name], dtype, name)
 
 
-@some_fast({"stats_layout": ["head_major", "token_major"], "mask": ["none", "causal", "causal_bottom_right"],
-            "case_name": sorted(CASES), "implementation": IMPLEMENTATIONS},
-           fast=["head_major-none-cache-xla", "token_major-causal-gaps-xla", "head_major-causal_bottom_right-full-xla"])
+@some_fast(
+    {
+        "stats_layout": ["head_major", "token_major"],
+        "mask": ["none", "causal", "causal_bottom_right"],
+        "case_name": sorted(CASES),
+        "implementation": IMPLEMENTATIONS,
+    },
+    fast=["head_major-none-cache-xla", "token_major-causal-gaps-xla", "head_major-causal_bottom_right-full-xla"],
+)
 def test_seqused_against_reference(implementation, case_name, mask, stats_layout):
     if mask == "causal" and implementation in BOTTOM_RIGHT_ONLY:
-        pytest.skip(f"implementation={implementation!r} declines a top-left mask it cannot prove bottom-right "
-                    "(test_declines.py)")
+        pytest.skip(
+            f"implementation={implementation!r} declines a top-left mask it cannot prove bottom-right "
+            "(test_declines.py)"
+        )
     case = CASES[case_name]
     dtype, dim = PROFILES[implementation]
     inputs = _inputs(case, (4, 2), dim, dtype, _seed(implementation, case_name, mask, stats_layout))
-    options = {"none": {}, "causal": dict(is_causal=True),
-               "causal_bottom_right": dict(is_causal=True, diagonal_alignment="bottom_right")}[mask]
+    options = {
+        "none": {},
+        "causal": dict(is_causal=True),
+        "causal_bottom_right": dict(is_causal=True, diagonal_alignment="bottom_right"),
+    }[mask]
     got = _run(implementation, case, *inputs[:5], dtype, stats_layout=stats_layout, **options)
     expected = _expected(case, *inputs, **options)
     _check(got, expected, inputs[5], inputs[6], dtype)
@@ -173,11 +220,17 @@ def test_full_slots_equal_plain_cu_seqlens(implementation):
     q, k, v, *_ = _inputs(case, (4, 4), dim, dtype, _seed("full", implementation), slack=0)
     q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
     cu_q, cu_kv = jnp.asarray(_offsets(case.slots_q)), jnp.asarray(_offsets(case.slots_kv))
-    kwargs = dict(max_seqlen_q=7, max_seqlen_kv=7, is_causal=True, **implementation_options(implementation),
-                  diagonal_alignment="bottom_right" if implementation in BOTTOM_RIGHT_ONLY else "top_left")
+    kwargs = dict(
+        max_seqlen_q=7,
+        max_seqlen_kv=7,
+        is_causal=True,
+        **implementation_options(implementation),
+        diagonal_alignment="bottom_right" if implementation in BOTTOM_RIGHT_ONLY else "top_left",
+    )
     plain = ragged_attention(q, k, v, cu_q, cu_kv, **kwargs)
-    used = ragged_attention(q, k, v, cu_q, cu_kv, seqused_q=jnp.asarray(case.used_q), seqused_kv=jnp.asarray(case.used_kv),
-                            **kwargs)
+    used = ragged_attention(
+        q, k, v, cu_q, cu_kv, seqused_q=jnp.asarray(case.used_q), seqused_kv=jnp.asarray(case.used_kv), **kwargs
+    )
     np.testing.assert_array_equal(np.asarray(used, np.float32), np.asarray(plain, np.float32))
 
 
@@ -192,15 +245,31 @@ def test_packed_wrappers_take_seqused(implementation):
     qkv = jnp.asarray(rng.standard_normal((22, 3, 2, dim)), dtype)
     kwargs = dict(is_causal=True, **implementation_options(implementation))
     out = ragged_attention_qkvpacked(qkv, cu, max_seqlen=9, seqused_q=used, seqused_kv=used, **kwargs)
-    expected = ragged_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu, max_seqlen_q=9, max_seqlen_kv=9,
-                                seqused_q=used, seqused_kv=used, **kwargs)
+    expected = ragged_attention(
+        qkv[:, 0],
+        qkv[:, 1],
+        qkv[:, 2],
+        cu,
+        cu,
+        max_seqlen_q=9,
+        max_seqlen_kv=9,
+        seqused_q=used,
+        seqused_kv=used,
+        **kwargs,
+    )
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
     unused = np.setdiff1d(np.arange(22), _used_rows(slots, used))
-    grad = jax.grad(lambda x: ragged_attention_qkvpacked(x, cu, max_seqlen=9, seqused_q=used, seqused_kv=used,
-                                                         **kwargs).astype(jnp.float32).sum())(qkv)
+    grad = jax.grad(
+        lambda x: (
+            ragged_attention_qkvpacked(x, cu, max_seqlen=9, seqused_q=used, seqused_kv=used, **kwargs)
+            .astype(jnp.float32)
+            .sum()
+        )
+    )(qkv)
     assert grad.shape == qkv.shape and not np.asarray(grad, np.float32)[unused].any()
-    out_kv = ragged_attention_kvpacked(qkv[:, 0], qkv[:, 1:], cu, cu, max_seqlen_q=9, max_seqlen_kv=9, seqused_q=used,
-                                       seqused_kv=used, **kwargs)
+    out_kv = ragged_attention_kvpacked(
+        qkv[:, 0], qkv[:, 1:], cu, cu, max_seqlen_q=9, max_seqlen_kv=9, seqused_q=used, seqused_kv=used, **kwargs
+    )
     np.testing.assert_array_equal(np.asarray(out_kv, np.float32), np.asarray(expected, np.float32))
 
 
@@ -210,8 +279,18 @@ def test_check_mode_and_overflow_with_seqused():
     cu = jnp.array([0, 5, 12], jnp.int32)
     kwargs = dict(max_seqlen_q=7, max_seqlen_kv=7, implementation="xla")
     # A slot longer than max_seqlen is fine when the used part fits it.
-    out, overflow = ragged_attention(q, k, v, jnp.array([0, 4, 12]), jnp.array([0, 4, 12]), seqused_q=jnp.array([4, 7]),
-                                     seqused_kv=jnp.array([4, 7]), return_overflow=True, check=True, **kwargs)
+    out, overflow = ragged_attention(
+        q,
+        k,
+        v,
+        jnp.array([0, 4, 12]),
+        jnp.array([0, 4, 12]),
+        seqused_q=jnp.array([4, 7]),
+        seqused_kv=jnp.array([4, 7]),
+        return_overflow=True,
+        check=True,
+        **kwargs,
+    )
     assert int(overflow.truncated_rows_q) == 0 and int(overflow.truncated_rows_kv) == 0
     with pytest.raises(RaggedAttentionInputError, match=r"seqused_q\[1\] = 9 is more than the slot's 7 rows"):
         ragged_attention(q, k, v, cu, cu, seqused_q=np.array([5, 9]), check=True, **kwargs)
@@ -234,8 +313,19 @@ def test_context_parallelism_refuses_seqused_by_name():
     q = jnp.zeros((8, 2, 8), jnp.float32)
     cu = jnp.array([0, 4, 8], jnp.int32)
     with pytest.raises(NotImplementedError, match="seqused_q / seqused_kv with token_axis"):
-        sharded_ragged_attention(q, q, q, cu, cu, mesh=mesh, token_axis="cp", max_seqlen_q=8, max_seqlen_kv=8,
-                                 seqused_q=jnp.array([2, 3]), implementation="xla")
+        sharded_ragged_attention(
+            q,
+            q,
+            q,
+            cu,
+            cu,
+            mesh=mesh,
+            token_axis="cp",
+            max_seqlen_q=8,
+            max_seqlen_kv=8,
+            seqused_q=jnp.array([2, 3]),
+            implementation="xla",
+        )
 
 
 def test_check_mode_under_vmap_with_one_side_batched():
@@ -253,6 +343,9 @@ def test_check_mode_under_vmap_with_one_side_batched():
         np.testing.assert_allclose(np.asarray(out[i]), np.asarray(expected), rtol=1e-6, atol=1e-6)
     bad = good.at[2, 0].set(5)
     from jax_ragged_attn.features.checks import input_errors
-    with pytest.raises(RaggedAttentionInputError, match=r"vmapped element \(2,\).*seqused_kv\[0\] = 5 is more than"), \
-            input_errors():
+
+    with (
+        pytest.raises(RaggedAttentionInputError, match=r"vmapped element \(2,\).*seqused_kv\[0\] = 5 is more than"),
+        input_errors(),
+    ):
         jax.block_until_ready(f(bad))

@@ -13,14 +13,28 @@ import pytest
 pytest.importorskip("flax.nnx", reason="the main job needs flax and optax: pip install 'jax_ragged_attn[flax]'")
 pytest.importorskip("optax", reason="the main job needs flax and optax: pip install 'jax_ragged_attn[flax]'")
 
-from flax import nnx  # noqa: E402
-
-from jax_ragged_attn.tools import lm  # noqa: E402
-from jax_ragged_attn.tools.lm import serving  # noqa: E402
+from flax import nnx
 from tiers import some_fast  # tests/ is on sys.path under pytest
 
-TINY = ["--preset", "cpu", "--width", "64", "--heads", "2", "--kv-heads", "1", "--layers", "1", "--capacity", "1024",
-        "--max-seqlen", "128"]
+from jax_ragged_attn.tools import lm
+from jax_ragged_attn.tools.lm import serving
+
+TINY = [
+    "--preset",
+    "cpu",
+    "--width",
+    "64",
+    "--heads",
+    "2",
+    "--kv-heads",
+    "1",
+    "--layers",
+    "1",
+    "--capacity",
+    "1024",
+    "--max-seqlen",
+    "128",
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +43,13 @@ def tiny():
     return lm.ByteLM(setup, rngs=nnx.Rngs(2)), setup
 
 
-REQUESTS = [serving.Request(b"import os\nimport sys\n\ndef ", 12, samples=3),  # 25 bytes: 3 full pages of 8
-            serving.Request(b"x", 20), serving.Request(b"class A:\n    def f(self):\n", 5),
-            serving.Request(b"# comment\n", 9), serving.Request(b"for i in range(10):\n    print(i)\n", 16)]
+REQUESTS = [
+    serving.Request(b"import os\nimport sys\n\ndef ", 12, samples=3),  # 25 bytes: 3 full pages of 8
+    serving.Request(b"x", 20),
+    serving.Request(b"class A:\n    def f(self):\n", 5),
+    serving.Request(b"# comment\n", 9),
+    serving.Request(b"for i in range(10):\n    print(i)\n", 16),
+]
 
 
 @some_fast({"steps_per_call": [1, 8]}, fast=["8"])
@@ -60,8 +78,10 @@ def test_draws_follow_the_request_not_the_schedule(tiny):
     # Sampled (temperature 0.7): a request's bytes depend on its keys alone, so two slots or four, a large
     # token budget or a small one, give the same continuations.
     model, setup = tiny
-    configs = [serving.ServingConfig.for_setup(setup, slots, budget, 8, steps_per_call=n)
-               for slots, budget, n in ((2, 2, 1), (4, 40, 5))]
+    configs = [
+        serving.ServingConfig.for_setup(setup, slots, budget, 8, steps_per_call=n)
+        for slots, budget, n in ((2, 2, 1), (4, 40, 5))
+    ]
     runs = [serving.serve(model, setup, REQUESTS, config, seed=5) for config in configs]
     assert runs[0].texts == runs[1].texts
     assert runs[0].steps > runs[1].steps
@@ -108,8 +128,11 @@ def test_report_prints_both_side_by_side(tiny, capsys):
     assert label and label.group(1) in serving.backends.KVCACHE, out
     if jax.default_backend() == "cpu":
         assert label.group(1) == "xla", out  # FA3 and cuDNN are GPU kernels
-    assert re.search(r"continuous batching: [0-9,]+ bytes/s, latency p50 [0-9.]+ s / p99 [0-9.]+ s \([0-9]+ steps "
-                     r"of <= 8 tokens, 8 a call, 1 compilation; pages of 8 rows", out), out
+    assert re.search(
+        r"continuous batching: [0-9,]+ bytes/s, latency p50 [0-9.]+ s / p99 [0-9.]+ s \([0-9]+ steps "
+        r"of <= 8 tokens, 8 a call, 1 compilation; pages of 8 rows",
+        out,
+    ), out
     assert re.search(r"fixed batches of 2 \(generation.generate\): [0-9,]+ bytes/s, latency p50", out), out
     assert re.search(r"continuous / fixed: [0-9.]+x the throughput, p99 latency [0-9.]+x", out), out
 

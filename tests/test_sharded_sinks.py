@@ -51,8 +51,9 @@ def _check(index, name, case) -> None:
     restore = (lambda x, axis=0: restore_order(x, n, axis)) if balanced else (lambda x, axis=0: x)
 
     def sharded(q, k, v, sinks):
-        out, stats = sharded_ragged_attention(order(q), order(k), order(v), CU, CU, mesh=mesh, sinks=sinks,
-                                              **keywords, **OPTIONS)
+        out, stats = sharded_ragged_attention(
+            order(q), order(k), order(v), CU, CU, mesh=mesh, sinks=sinks, **keywords, **OPTIONS
+        )
         return restore(out), restore(stats, 1)
 
     def unsharded(q, k, v, sinks):
@@ -77,8 +78,19 @@ def test_ring_refuses_sinks_with_the_reason():
     q = jnp.zeros((8, 2, 8), jnp.float32)
     cu = jnp.array([0, 8], jnp.int32)
     with pytest.raises(NotImplementedError, match="sinks with context_strategy='ring'"):
-        sharded_ragged_attention(q, q, q, cu, cu, mesh=mesh, token_axis="m", context_strategy="ring",
-                                 sinks=jnp.zeros((2,)), max_seqlen_q=8, max_seqlen_kv=8)
+        sharded_ragged_attention(
+            q,
+            q,
+            q,
+            cu,
+            cu,
+            mesh=mesh,
+            token_axis="m",
+            context_strategy="ring",
+            sinks=jnp.zeros((2,)),
+            max_seqlen_q=8,
+            max_seqlen_kv=8,
+        )
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ import pytest
 
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.parallel.sharding import sharded_ragged_attention
-from jax_ragged_attn.testing.multidevice import cudnn_gpus, report_checks, run_checks_in_child
 from jax_ragged_attn.testing import assert_close, packed_batch
+from jax_ragged_attn.testing.multidevice import cudnn_gpus, report_checks, run_checks_in_child
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
 EXPLICIT, AUTO = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
@@ -36,15 +36,31 @@ CASES = {
 
 # ---- The child: runs every check on 4 devices and reports each as a JSON line. ----
 
+
 def _check(mesh_shape, mesh_axes, axis_type, head_axis, heads, stats_layout) -> None:
     assert len(jax.devices()) == 4, f"expected 4 virtual devices, got {jax.devices()}"
     mesh = jax.make_mesh(mesh_shape, mesh_axes, axis_types=(axis_type,) * len(mesh_axes))
     hq, hkv = heads
     rng = np.random.default_rng(hq * 10 + len(mesh_axes))
-    batch = packed_batch(rng, (5, 0, 9, 3), (7, 0, 4, 3), num_heads_q=hq, num_heads_kv=hkv, head_dim_qk=16,
-                         head_dim_v=8, dtype=np.float32, slack_q=3, slack_kv=2)
-    options = dict(max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv, is_causal=True,
-                   stats_layout=stats_layout, return_stats=True)
+    batch = packed_batch(
+        rng,
+        (5, 0, 9, 3),
+        (7, 0, 4, 3),
+        num_heads_q=hq,
+        num_heads_kv=hkv,
+        head_dim_qk=16,
+        head_dim_v=8,
+        dtype=np.float32,
+        slack_q=3,
+        slack_kv=2,
+    )
+    options = dict(
+        max_seqlen_q=batch.max_seqlen_q,
+        max_seqlen_kv=batch.max_seqlen_kv,
+        is_causal=True,
+        stats_layout=stats_layout,
+        return_stats=True,
+    )
     # Random cotangents for out and stats: the xla path differentiates through stats, so both are checked.
     d_out = jnp.asarray(rng.standard_normal((batch.q.shape[0], hq, 8)), jnp.float32)
     d_stats = jnp.asarray(rng.standard_normal((hq, batch.q.shape[0])), jnp.float32)
@@ -83,14 +99,23 @@ def _child() -> None:
 
 # ---- The tests. ----
 
+
 def test_sharded_matches_unsharded_without_collectives():
     # One test, one child: split into several, pytest -n would start a child per worker.
     run_checks_in_child(__file__, CASES)
 
 
 def _args(hq=8, hkv=4):
-    batch = packed_batch(np.random.default_rng(0), (3, 4), (3, 4), num_heads_q=hq, num_heads_kv=hkv,
-                         head_dim_qk=8, head_dim_v=8, dtype=np.float32)
+    batch = packed_batch(
+        np.random.default_rng(0),
+        (3, 4),
+        (3, 4),
+        num_heads_q=hq,
+        num_heads_kv=hkv,
+        head_dim_qk=8,
+        head_dim_v=8,
+        dtype=np.float32,
+    )
     return batch.args, dict(max_seqlen_q=4, max_seqlen_kv=4)
 
 
@@ -100,8 +125,11 @@ def test_token_split_input_without_token_axis_raises():
     args, options = _args()
     mesh = jax.make_mesh((1,), ("model",), axis_types=(EXPLICIT,))
     q = jax.device_put(args[0], jax.NamedSharding(mesh, jax.P("model", None, None)))
-    with pytest.raises(NotImplementedError, match=r"q is split along its packed token axis over 'model', but "
-                                                  r"token_axis is None: pass token_axis='model'"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"q is split along its packed token axis over 'model', but "
+        r"token_axis is None: pass token_axis='model'",
+    ):
         sharded_ragged_attention(q, *args[1:], mesh=mesh, head_axis="model", **options)
 
 
@@ -109,8 +137,11 @@ def test_token_split_input_without_token_axis_raises():
 def test_heads_must_divide_the_head_axis(hq, hkv, name):
     args, options = _args(hq, hkv)
     mesh = jax.sharding.AbstractMesh((4,), ("model",))  # validation needs only the axis sizes
-    with pytest.raises(ValueError, match=rf"{name}'s heads \({args[0 if name == 'q' else 1].shape[1]}\) must be a "
-                                         r"multiple of the 4 devices on head_axis 'model'"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{name}'s heads \({args[0 if name == 'q' else 1].shape[1]}\) must be a "
+        r"multiple of the 4 devices on head_axis 'model'",
+    ):
         sharded_ragged_attention(*args, mesh=mesh, head_axis="model", **options)
 
 
@@ -133,12 +164,23 @@ def test_two_gpus_cudnn_head_sharded_matches_one_gpu_without_collectives():
     gpus = cudnn_gpus(2)
     mesh = jax.make_mesh((2,), ("model",), axis_types=(EXPLICIT,), devices=gpus[:2])
     rng = np.random.default_rng(11)
-    batch = packed_batch(rng, (300, 0, 517, 64), (280, 9, 517, 70), num_heads_q=16, num_heads_kv=4, head_dim_qk=128,
-                         head_dim_v=128, dtype="bfloat16", slack_q=40, slack_kv=7)
-    options = dict(max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv, is_causal=True,
-                   implementation="cudnn")
+    batch = packed_batch(
+        rng,
+        (300, 0, 517, 64),
+        (280, 9, 517, 70),
+        num_heads_q=16,
+        num_heads_kv=4,
+        head_dim_qk=128,
+        head_dim_v=128,
+        dtype="bfloat16",
+        slack_q=40,
+        slack_kv=7,
+    )
+    options = dict(
+        max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv, is_causal=True, implementation="cudnn"
+    )
     d_out = rng.standard_normal((batch.q.shape[0], 16, 128)).astype("bfloat16")
-    d_out[sum(batch.seqlens_q):] = 0
+    d_out[sum(batch.seqlens_q) :] = 0
 
     def forward_and_backward(attention, q, k, v, cu_q, cu_kv, d_out):
         out, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, cu_q, cu_kv, **options), q, k, v)
@@ -146,15 +188,26 @@ def test_two_gpus_cudnn_head_sharded_matches_one_gpu_without_collectives():
 
     sharded = functools.partial(sharded_ragged_attention, mesh=mesh, head_axis="model")
     head_split = jax.NamedSharding(mesh, jax.P(None, "model", None))
-    args = (*jax.device_put(batch.args[:3], head_split), *batch.args[3:], jax.device_put(jnp.asarray(d_out), head_split))
+    args = (
+        *jax.device_put(batch.args[:3], head_split),
+        *batch.args[3:],
+        jax.device_put(jnp.asarray(d_out), head_split),
+    )
     compiled = jax.jit(functools.partial(forward_and_backward, sharded)).lower(*args).compile()
     got = compiled(*args)
     one_gpu = jax.jit(functools.partial(forward_and_backward, ragged_attention))(*batch.args, jnp.asarray(d_out))
-    expected = reference_attention(*batch.reference_args, d_out=d_out.astype(np.float64),
-                                   max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv, is_causal=True)
+    expected = reference_attention(
+        *batch.reference_args,
+        d_out=d_out.astype(np.float64),
+        max_seqlen_q=batch.max_seqlen_q,
+        max_seqlen_kv=batch.max_seqlen_kv,
+        is_causal=True,
+    )
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, one_gpu):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
         assert_close(np.asarray(a, np.float64), expected[name], "bfloat16", name)
-    assert got[0].addressable_shards[0].data.shape[1] == 8 and {s.device for s in got[0].addressable_shards} == set(gpus[:2])
+    assert got[0].addressable_shards[0].data.shape[1] == 8 and {s.device for s in got[0].addressable_shards} == set(
+        gpus[:2]
+    )
     found = [c for c in COLLECTIVES if c in compiled.as_text()]
     assert not found, f"collectives in the compiled program: {found}"

@@ -11,15 +11,22 @@ import numpy as np
 import pytest
 
 import jax_ragged_attn as jra
-from jax_ragged_attn.testing.reference import reference_attention
-from jax_ragged_attn.testing import assert_close, packed_batch
 from jax_ragged_attn.backends.shared import extension
+from jax_ragged_attn.testing import assert_close, packed_batch
+from jax_ragged_attn.testing.reference import reference_attention
 
 _CUDNN_REASON = extension.cudnn_unavailable_reason()
 IMPLEMENTATIONS = [
     pytest.param("xla", "float32", id="xla"),
-    pytest.param("cudnn", "bfloat16", id="cudnn", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        _CUDNN_REASON is not None, reason=f"cuDNN path unavailable: {_CUDNN_REASON}")]),
+    pytest.param(
+        "cudnn",
+        "bfloat16",
+        id="cudnn",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(_CUDNN_REASON is not None, reason=f"cuDNN path unavailable: {_CUDNN_REASON}"),
+        ],
+    ),
 ]
 
 
@@ -27,8 +34,18 @@ def _batch(seed, dtype="float32"):
     rng = np.random.default_rng(seed)
     # GQA 4/2, an empty sequence, a sequence with more queries than keys (bottom-right: some rows attend no
     # key), capacity padding (NaN-poisoned by packed_batch).
-    batch = packed_batch(rng, [6, 0, 9, 5], [8, 0, 4, 5], num_heads_q=4, num_heads_kv=2, head_dim_qk=16,
-                         head_dim_v=8, dtype=dtype, slack_q=3, slack_kv=2)
+    batch = packed_batch(
+        rng,
+        [6, 0, 9, 5],
+        [8, 0, 4, 5],
+        num_heads_q=4,
+        num_heads_kv=2,
+        head_dim_qk=16,
+        head_dim_v=8,
+        dtype=dtype,
+        slack_q=3,
+        slack_kv=2,
+    )
     return rng, batch
 
 
@@ -44,11 +61,20 @@ def test_values_and_every_gradient_match_the_reference(stats_layout, sink_scale,
     tq = batch.q.shape[0]
     d_out = rng.standard_normal((tq, 4, 8)).astype(np.float32)
     d_stats = rng.standard_normal((tq, 4)).astype(np.float32)
-    d_out[sum(batch.seqlens_q):] = np.nan  # never read
+    d_out[sum(batch.seqlens_q) :] = np.nan  # never read
 
     def attend(q, k, v, sinks):
-        return jra.ragged_attention(q, k, v, *batch.args[3:], sinks=sinks, stats_layout=stats_layout,
-                                    return_stats=True, implementation=implementation, **OPTIONS)
+        return jra.ragged_attention(
+            q,
+            k,
+            v,
+            *batch.args[3:],
+            sinks=sinks,
+            stats_layout=stats_layout,
+            return_stats=True,
+            implementation=implementation,
+            **OPTIONS,
+        )
 
     (out, stats), vjp = jax.vjp(jax.jit(attend), *batch.args[:3], jnp.asarray(sinks))
     expected = reference_attention(*batch.reference_args, sinks=sinks, d_out=d_out, d_stats=d_stats, **OPTIONS)
@@ -62,7 +88,9 @@ def test_values_and_every_gradient_match_the_reference(stats_layout, sink_scale,
     for name, got in (("dq", dq), ("dk", dk), ("dv", dv), ("dsinks", dsinks)):
         assert_close(np.asarray(got, np.float64), expected[name], dtype, name)
     # Real rows without keys (bottom-right, 9 queries over 4 keys) hold the sink itself as their stats.
-    keyless = np.isfinite(expected["stats"]) & ~np.isfinite(reference_attention(*batch.reference_args, **OPTIONS)["stats"])
+    keyless = np.isfinite(expected["stats"]) & ~np.isfinite(
+        reference_attention(*batch.reference_args, **OPTIONS)["stats"]
+    )
     assert keyless.any()
     assert np.abs(expected["dsinks"]).max() > 1e-3  # the sinks really receive a gradient here
 
@@ -74,7 +102,7 @@ def test_without_returned_stats_every_gradient_matches_the_reference(sink_scale,
     rng, batch = _batch(int(sink_scale * 10) + 3, dtype)
     sinks = (sink_scale * rng.standard_normal(4)).astype(np.float32)
     d_out = rng.standard_normal((batch.q.shape[0], 4, 8)).astype(np.float32)
-    d_out[sum(batch.seqlens_q):] = np.nan  # never read
+    d_out[sum(batch.seqlens_q) :] = np.nan  # never read
 
     def attend(q, k, v, sinks):
         return jra.ragged_attention(q, k, v, *batch.args[3:], sinks=sinks, implementation=implementation, **OPTIONS)
@@ -99,8 +127,11 @@ def test_a_very_negative_sink_changes_nothing_and_a_large_one_takes_the_mass():
 
 def test_bad_sinks_name_the_argument():
     _, batch = _batch(2)
-    for sinks, message in ((jnp.zeros((3,)), r"sinks must be \[Hq=4\]"), (jnp.zeros((4, 1)), "sinks must have rank 1"),
-                           (jnp.zeros((4,), jnp.int32), "sinks must be a floating array")):
+    for sinks, message in (
+        (jnp.zeros((3,)), r"sinks must be \[Hq=4\]"),
+        (jnp.zeros((4, 1)), "sinks must have rank 1"),
+        (jnp.zeros((4,), jnp.int32), "sinks must be a floating array"),
+    ):
         with pytest.raises(ValueError, match=message):
             jra.ragged_attention(*batch.args, sinks=sinks, implementation="xla", **OPTIONS)
     out = jra.ragged_attention(*batch.args, sinks=jnp.zeros((4,)), **OPTIONS)  # None: cuDNN where it serves
@@ -116,4 +147,4 @@ def test_huge_sinks_keep_every_gradient_finite():
         return jnp.sum(jnp.where(jnp.isfinite(out), out, 0.0))
 
     dq, dsinks = jax.grad(loss, argnums=(0, 1))(batch.q, jnp.full((4,), 100.0))
-    assert np.isfinite(np.asarray(dsinks)).all() and np.isfinite(np.asarray(dq)[:sum(batch.seqlens_q)]).all()
+    assert np.isfinite(np.asarray(dsinks)).all() and np.isfinite(np.asarray(dq)[: sum(batch.seqlens_q)]).all()

@@ -57,16 +57,35 @@ class SoftcapTest(parameterized.TestCase):
         rng = np.random.default_rng(seed)
         n = self.longest
         lengths_q, lengths_kv = [n // 2, 0, n, n // 3 + 1], [n, 0, n // 2, n // 3 + 1]
-        batch = packed_batch(rng, lengths_q, lengths_kv, num_heads_q=4, num_heads_kv=2, head_dim_qk=self.head_dim,
-                             head_dim_v=self.head_dim, dtype=self.dtype, slack_q=5, slack_kv=3)
+        batch = packed_batch(
+            rng,
+            lengths_q,
+            lengths_kv,
+            num_heads_q=4,
+            num_heads_kv=2,
+            head_dim_qk=self.head_dim,
+            head_dim_v=self.head_dim,
+            dtype=self.dtype,
+            slack_q=5,
+            slack_kv=3,
+        )
         return rng, batch
 
     def call(self, batch, **options):
         def attend(q, k, v, *sinks):
-            return jra.ragged_attention(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_kv,
-                                        max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv,
-                                        implementation=self.implementation, sinks=sinks[0] if sinks else None,
-                                        **options)
+            return jra.ragged_attention(
+                q,
+                k,
+                v,
+                batch.cu_seqlens_q,
+                batch.cu_seqlens_kv,
+                max_seqlen_q=batch.max_seqlen_q,
+                max_seqlen_kv=batch.max_seqlen_kv,
+                implementation=self.implementation,
+                sinks=sinks[0] if sinks else None,
+                **options,
+            )
+
         return attend
 
     def cotangents(self, rng, batch):
@@ -79,15 +98,24 @@ class SoftcapTest(parameterized.TestCase):
         return d_out, d_stats
 
     def reference(self, batch, d_out=None, d_stats=None, **options):
-        clean = lambda x: None if x is None else np.nan_to_num(np.asarray(x, np.float64))  # noqa: E731
-        return reference_attention(*batch.reference_args, max_seqlen_q=batch.max_seqlen_q,
-                                   max_seqlen_kv=batch.max_seqlen_kv, d_out=clean(d_out), d_stats=clean(d_stats),
-                                   **options)
+        clean = lambda x: None if x is None else np.nan_to_num(np.asarray(x, np.float64))
+        return reference_attention(
+            *batch.reference_args,
+            max_seqlen_q=batch.max_seqlen_q,
+            max_seqlen_kv=batch.max_seqlen_kv,
+            d_out=clean(d_out),
+            d_stats=clean(d_stats),
+            **options,
+        )
 
     def check(self, got, expected, names, what):
         for name, value in zip(names, got):
-            assert_close(np.asarray(value, np.float64), expected[name], "float32" if name == "stats" else self.dtype,
-                         f"{what}: {name}")
+            assert_close(
+                np.asarray(value, np.float64),
+                expected[name],
+                "float32" if name == "stats" else self.dtype,
+                f"{what}: {name}",
+            )
 
     @parameterized.product(stats_layout=LAYOUTS, mask=list(MASKS))
     def test_every_result_matches_the_reference(self, stats_layout, mask):
@@ -101,14 +129,17 @@ class SoftcapTest(parameterized.TestCase):
             outputs, vjp = jax.vjp(attend, q, k, v)
             return outputs, vjp((d_out, d_stats))
 
-        (out, stats), grads = jax.jit(step)(*batch.args[:3], jnp.asarray(d_out),
-                                           jnp.asarray(_token_major(d_stats, stats_layout)))
+        (out, stats), grads = jax.jit(step)(
+            *batch.args[:3], jnp.asarray(d_out), jnp.asarray(_token_major(d_stats, stats_layout))
+        )
         expected = self.reference(batch, d_out, d_stats, **options)
         self.check((out, _token_major(np.asarray(stats), stats_layout)), expected, ("out", "stats"), mask)
         self.check(grads, expected, ("dq", "dk", "dv"), mask)
         # Padding rows: out exactly 0, stats -inf, no gradient, whatever NaN they held.
         np.testing.assert_array_equal(np.asarray(out, np.float64)[batch.padding_q], 0.0)
-        for name, grad, padding in zip(("dq", "dk", "dv"), grads, (batch.padding_q, batch.padding_kv, batch.padding_kv)):
+        for name, grad, padding in zip(
+            ("dq", "dk", "dv"), grads, (batch.padding_q, batch.padding_kv, batch.padding_kv)
+        ):
             np.testing.assert_array_equal(np.asarray(grad, np.float64)[padding], 0.0, err_msg=name)
         # The cap changed the result: the test would pass for nothing otherwise.
         assert np.abs(self.reference(batch, **MASKS[mask])["out"] - expected["out"]).max() > 1e-2
@@ -163,8 +194,18 @@ class XlaTest(SoftcapTest):
 
     def test_bfloat16(self):
         """bfloat16 operands in the tiles' matmuls, capped scores in float32."""
-        batch = packed_batch(np.random.default_rng(7), [6, 9, 0], [8, 4, 2], num_heads_q=4, num_heads_kv=2,
-                             head_dim_qk=16, head_dim_v=16, dtype="bfloat16", slack_q=3, slack_kv=2)
+        batch = packed_batch(
+            np.random.default_rng(7),
+            [6, 9, 0],
+            [8, 4, 2],
+            num_heads_q=4,
+            num_heads_kv=2,
+            head_dim_qk=16,
+            head_dim_v=16,
+            dtype="bfloat16",
+            slack_q=3,
+            slack_kv=2,
+        )
         options = dict(is_causal=True, softcap=self.softcap)
         out = self.call(batch, **options)(*batch.args[:3])
         assert_close(np.asarray(out, np.float64), self.reference(batch, **options)["out"], "bfloat16", "out")
@@ -185,15 +226,18 @@ class CudnnTest(SoftcapTest):
 
 # ---- not per implementation -------------------------------------------------------------------------------
 
+
 def test_reference_backward_matches_finite_differences():
     """The reference's hand-written softcap backward against central differences of its own forward (float64):
     the other tests trust it."""
     rng = np.random.default_rng(0)
-    batch = packed_batch(rng, [3, 4], [4, 2], num_heads_q=2, num_heads_kv=1, head_dim_qk=4, head_dim_v=3,
-                         dtype="float64")
+    batch = packed_batch(
+        rng, [3, 4], [4, 2], num_heads_q=2, num_heads_kv=1, head_dim_qk=4, head_dim_v=3, dtype="float64"
+    )
     q, k, v, cu_q, cu_kv = batch.reference_args
-    options = dict(max_seqlen_q=4, max_seqlen_kv=4, is_causal=True, diagonal_alignment="bottom_right", softcap=0.7,
-                   scale=1.3)
+    options = dict(
+        max_seqlen_q=4, max_seqlen_kv=4, is_causal=True, diagonal_alignment="bottom_right", softcap=0.7, scale=1.3
+    )
     d_out = rng.standard_normal((q.shape[0], 2, 3))
     d_stats = rng.standard_normal((q.shape[0], 2))
     expected = reference_attention(q, k, v, cu_q, cu_kv, d_out=d_out, d_stats=d_stats, **options)
@@ -217,8 +261,9 @@ def test_reference_backward_matches_finite_differences():
 def test_large_cap_approaches_no_cap():
     """c * tanh(s / c) -> s as c grows: a cap far above the scores changes them by about s^3 / (3 c^2)."""
     rng = np.random.default_rng(1)
-    batch = packed_batch(rng, [5, 7], [6, 7], num_heads_q=2, num_heads_kv=2, head_dim_qk=8, head_dim_v=8,
-                         dtype="float32")
+    batch = packed_batch(
+        rng, [5, 7], [6, 7], num_heads_q=2, num_heads_kv=2, head_dim_qk=8, head_dim_v=8, dtype="float32"
+    )
     options = dict(max_seqlen_q=7, max_seqlen_kv=7, is_causal=True, implementation="xla")
     plain = jra.ragged_attention(*batch.args, **options)
     capped = jra.ragged_attention(*batch.args, softcap=1e4, **options)
@@ -227,22 +272,23 @@ def test_large_cap_approaches_no_cap():
 
 @pytest.mark.parametrize("softcap", [-1.0, -1e-30, float("nan"), float("inf"), float("-inf"), "50", True, 1e39])
 def test_bad_softcap_is_a_value_error_naming_it_on_every_entry_point(softcap):
-    batch = packed_batch(np.random.default_rng(2), [3], [3], num_heads_q=2, num_heads_kv=2, head_dim_qk=8,
-                         head_dim_v=8, dtype="float32")
+    batch = packed_batch(
+        np.random.default_rng(2), [3], [3], num_heads_q=2, num_heads_kv=2, head_dim_qk=8, head_dim_v=8, dtype="float32"
+    )
     q, k, v, cu_q, cu_kv = batch.args
     qkv, kv = jnp.stack([q, k, v], axis=1), jnp.stack([k, v], axis=1)
     ids = jnp.ones((1, 3), jnp.int32)
     calls = {
-        "ragged_attention": lambda: jra.ragged_attention(*batch.args, max_seqlen_q=3, max_seqlen_kv=3,
-                                                         softcap=softcap),
+        "ragged_attention": lambda: jra.ragged_attention(*batch.args, max_seqlen_q=3, max_seqlen_kv=3, softcap=softcap),
         "qkvpacked": lambda: ragged_attention_qkvpacked(qkv, cu_q, max_seqlen=3, softcap=softcap),
-        "kvpacked": lambda: ragged_attention_kvpacked(q, kv, cu_q, cu_kv, max_seqlen_q=3, max_seqlen_kv=3,
-                                                      softcap=softcap),
-        "segments": lambda: ragged_attention_segments(q[None], k[None], v[None], ids, max_segments=1,
-                                                      softcap=softcap),
+        "kvpacked": lambda: ragged_attention_kvpacked(
+            q, kv, cu_q, cu_kv, max_seqlen_q=3, max_seqlen_kv=3, softcap=softcap
+        ),
+        "segments": lambda: ragged_attention_segments(q[None], k[None], v[None], ids, max_segments=1, softcap=softcap),
         # The options are read first thing, before the mesh is looked at.
-        "sharded": lambda: sharded_ragged_attention(*batch.args, mesh=None, head_axis="heads", max_seqlen_q=3,
-                                                    max_seqlen_kv=3, softcap=softcap),
+        "sharded": lambda: sharded_ragged_attention(
+            *batch.args, mesh=None, head_axis="heads", max_seqlen_q=3, max_seqlen_kv=3, softcap=softcap
+        ),
         "options": lambda: AttentionOptions(softcap=softcap),
     }
     for name, call in calls.items():
@@ -269,8 +315,9 @@ def test_config_holds_a_plain_float_and_off_is_zero():
     view = jax.ShapeDtypeStruct((8, 2, 16), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((3,), jnp.int32)
     for softcap, want in ((None, 0.0), (0, 0.0), (30, 30.0), (np.float32(2.5), 2.5)):
-        config = make_config(view, view, view, cu, cu, AttentionOptions(softcap=softcap), max_seqlen_q=4,
-                             max_seqlen_kv=4)
+        config = make_config(
+            view, view, view, cu, cu, AttentionOptions(softcap=softcap), max_seqlen_q=4, max_seqlen_kv=4
+        )
         assert type(config.softcap) is float and config.softcap == want, (softcap, config.softcap)
         hash(config)
 
@@ -278,8 +325,15 @@ def test_config_holds_a_plain_float_and_off_is_zero():
 def test_fa3_declines_softcap_with_the_reason():
     view = jax.ShapeDtypeStruct((8, 2, fa3.FA3_HEAD_DIM), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((3,), jnp.int32)
-    config = make_config(view, view, view, cu, cu, AttentionOptions(softcap=50.0, is_causal=True,
-                                                                    diagonal_alignment="bottom_right"),
-                         max_seqlen_q=4, max_seqlen_kv=4)
+    config = make_config(
+        view,
+        view,
+        view,
+        cu,
+        cu,
+        AttentionOptions(softcap=50.0, is_causal=True, diagonal_alignment="bottom_right"),
+        max_seqlen_q=4,
+        max_seqlen_kv=4,
+    )
     reason = fa3.unsupported_reason(config)
     assert reason is not None and "softcap" in reason, reason

@@ -18,16 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiers import some_fast  # tests/ is on sys.path under pytest
 
-from jax_ragged_attn.backends.cudnn import ragged as cudnn
-from jax_ragged_attn.inputs import packed
-from jax_ragged_attn.backends.shared import extension, stats_grad
 from jax_ragged_attn.backends.cudnn import launch
 from jax_ragged_attn.backends.cudnn import options as cudnn_options
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
+from jax_ragged_attn.backends.shared import extension, stats_grad
 from jax_ragged_attn.config import PACKINGS, AttentionOptions, make_config
-from jax_ragged_attn.testing.reference import reference_attention
+from jax_ragged_attn.inputs import packed
 from jax_ragged_attn.testing import assert_close, packed_batch, stand_in_handler_args
-from tiers import some_fast  # tests/ is on sys.path under pytest
+from jax_ragged_attn.testing.reference import reference_attention
 
 # GQA, causal bottom-right, an empty query sequence (1), a sequence with queries but no keys (3) and one with
 # more queries than keys (2: its first rows attend nothing), capacity padding on both sides.
@@ -171,13 +171,27 @@ def rng(request) -> np.random.Generator:
 
 
 def _batch(rng, dtype, head_dim_v=8):
-    return packed_batch(rng, SEQLENS_Q, SEQLENS_KV, num_heads_q=4, num_heads_kv=2, head_dim_qk=16,
-                        head_dim_v=head_dim_v, dtype=dtype, slack_q=5, slack_kv=3)
+    return packed_batch(
+        rng,
+        SEQLENS_Q,
+        SEQLENS_KV,
+        num_heads_q=4,
+        num_heads_kv=2,
+        head_dim_qk=16,
+        head_dim_v=head_dim_v,
+        dtype=dtype,
+        slack_q=5,
+        slack_kv=3,
+    )
 
 
 def _install(monkeypatch, batch, layout, **changes):
-    config = make_config(*batch.args, AttentionOptions(stats_layout=layout, **OPTIONS),
-                         max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv)
+    config = make_config(
+        *batch.args,
+        AttentionOptions(stats_layout=layout, **OPTIONS),
+        max_seqlen_q=batch.max_seqlen_q,
+        max_seqlen_kv=batch.max_seqlen_kv,
+    )
     config = dataclasses.replace(config, **changes)
     kernel = CudnnArithmetic(config)
     monkeypatch.setattr(jax.ffi, "ffi_call", kernel)
@@ -186,8 +200,13 @@ def _install(monkeypatch, batch, layout, **changes):
 
 
 def _reference(batch, **cotangents):
-    return reference_attention(*batch.reference_args, max_seqlen_q=batch.max_seqlen_q,
-                               max_seqlen_kv=batch.max_seqlen_kv, **OPTIONS, **cotangents)
+    return reference_attention(
+        *batch.reference_args,
+        max_seqlen_q=batch.max_seqlen_q,
+        max_seqlen_kv=batch.max_seqlen_kv,
+        **OPTIONS,
+        **cotangents,
+    )
 
 
 def _cotangents(rng, batch, dtype):
@@ -229,8 +248,9 @@ def test_grad_of_a_loss_of_out_and_stats_matches_the_reference(monkeypatch, rng,
     def loss(q, k, v):
         out, stats = cudnn.attention_cudnn(q, k, v, *batch.args[3:], config)
         # -inf stats rows get a zero weight through `where`, so the loss stays finite there.
-        return (jnp.sum(out.astype(jnp.float32) * jnp.asarray(d_out, jnp.float32))
-                + jnp.sum(jnp.where(jnp.isfinite(stats), stats * weights, 0.0)))
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(d_out, jnp.float32)) + jnp.sum(
+            jnp.where(jnp.isfinite(stats), stats * weights, 0.0)
+        )
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*batch.args[:3])
     expected = _reference(batch, d_out=d_out.astype(np.float64), d_stats=d_stats.astype(np.float64))
@@ -256,8 +276,11 @@ def test_stats_cotangent_of_rows_without_a_softmax_is_never_read(monkeypatch, rn
         return vjp((d_out, d_stats))
 
     result = grads(*batch.args[:3], jnp.asarray(d_out), jnp.asarray(_in_layout(poisoned, layout)))
-    expected = _reference(batch, d_out=d_out.astype(np.float64),
-                          d_stats=np.where(np.isneginf(expected_stats), 0.0, d_stats.astype(np.float64)))
+    expected = _reference(
+        batch,
+        d_out=d_out.astype(np.float64),
+        d_stats=np.where(np.isneginf(expected_stats), 0.0, d_stats.astype(np.float64)),
+    )
     _check_gradients(result, expected, batch, dtype)
     if guard:
         assert (extension.BACKWARD_TARGET, True) in kernel.targets
@@ -290,7 +313,7 @@ def test_an_explicit_zero_stats_cotangent_changes_nothing(monkeypatch, rng):
     batch = _batch(rng, dtype)
     config, kernel = _install(monkeypatch, batch, "head_major")
     d_out, _ = _cotangents(rng, batch, dtype)
-    attend = lambda q, k, v: cudnn.attention_cudnn(q, k, v, *batch.args[3:], config)  # noqa: E731
+    attend = lambda q, k, v: cudnn.attention_cudnn(q, k, v, *batch.args[3:], config)
 
     @jax.jit
     def widened(q, k, v, d_out):
@@ -316,10 +339,30 @@ def _packed_batch(rng, packing: str):
     """q, k, v with one head dim (packed k and v share a row), GQA for kv; self-attention (one capacity,
     one set of lengths, Hq == Hkv) for qkv. Padding rows are NaN, in the packed buffers too."""
     if packing == "kv":
-        return packed_batch(rng, SEQLENS_Q, SEQLENS_KV, num_heads_q=4, num_heads_kv=2, head_dim_qk=16,
-                            head_dim_v=16, dtype="bfloat16", slack_q=5, slack_kv=3)
-    return packed_batch(rng, SEQLENS_Q, SEQLENS_Q, num_heads_q=4, num_heads_kv=4, head_dim_qk=16, head_dim_v=16,
-                        dtype="bfloat16", slack_q=4, slack_kv=4)
+        return packed_batch(
+            rng,
+            SEQLENS_Q,
+            SEQLENS_KV,
+            num_heads_q=4,
+            num_heads_kv=2,
+            head_dim_qk=16,
+            head_dim_v=16,
+            dtype="bfloat16",
+            slack_q=5,
+            slack_kv=3,
+        )
+    return packed_batch(
+        rng,
+        SEQLENS_Q,
+        SEQLENS_Q,
+        num_heads_q=4,
+        num_heads_kv=4,
+        head_dim_qk=16,
+        head_dim_v=16,
+        dtype="bfloat16",
+        slack_q=4,
+        slack_kv=4,
+    )
 
 
 def _packed_buffers(batch, packing: str) -> tuple:
@@ -336,10 +379,19 @@ def _unpacked_gradients(grads, packing: str) -> tuple:
     return d_qkv[:, 0], d_qkv[:, 1], d_qkv[:, 2]
 
 
-@some_fast({"packing": ["kv", "qkv"], "stats_in_loss": {"stats_as_aux": False, "stats_in_the_loss": True},
-            "mode": ["unowned", "poisoned", "check_mode"]},
-           fast=["kv-stats_as_aux-check_mode", "kv-stats_in_the_loss-poisoned", "qkv-stats_as_aux-unowned",
-                 "qkv-stats_in_the_loss-check_mode"])
+@some_fast(
+    {
+        "packing": ["kv", "qkv"],
+        "stats_in_loss": {"stats_as_aux": False, "stats_in_the_loss": True},
+        "mode": ["unowned", "poisoned", "check_mode"],
+    },
+    fast=[
+        "kv-stats_as_aux-check_mode",
+        "kv-stats_in_the_loss-poisoned",
+        "qkv-stats_as_aux-unowned",
+        "qkv-stats_in_the_loss-check_mode",
+    ],
+)
 def test_packed_buffers_get_gradients_in_their_own_layout(monkeypatch, rng, packing, stats_in_loss, mode):
     """The one custom_vjp (launch.attention) with packed buffers: the handlers receive the packed buffers and
     the backward writes one gradient per buffer, (dq, dkv) or (dqkv,), each part's rows masked by its side;
@@ -368,15 +420,23 @@ def test_packed_buffers_get_gradients_in_their_own_layout(monkeypatch, rng, pack
         grads, _ = jax.jit(jax.grad(terms, argnums=argnums, has_aux=True))(*buffers)
     for grad, buffer in zip(grads, buffers):
         assert grad.shape == buffer.shape and grad.dtype == buffer.dtype, (grad.shape, buffer.shape)
-    expected = _reference(batch, d_out=d_out.astype(np.float64),
-                          **(dict(d_stats=d_stats.astype(np.float64)) if stats_in_loss else {}))
-    _check_gradients(_unpacked_gradients(grads, packing), expected, batch, dtype, f"{packing}: ",
-                     rows_without_keys=packing == "kv")
+    expected = _reference(
+        batch, d_out=d_out.astype(np.float64), **(dict(d_stats=d_stats.astype(np.float64)) if stats_in_loss else {})
+    )
+    _check_gradients(
+        _unpacked_gradients(grads, packing), expected, batch, dtype, f"{packing}: ", rows_without_keys=packing == "kv"
+    )
     dv = batch.v.shape[2]
     if stats_in_loss:  # the unpacked (packing 0) backward on widened value columns
-        assert (kernel.backward_packings, kernel.backward_head_dims_v) == ([0] * CALLS, [dv + stats_grad.EXTRA_COLUMNS] * CALLS)
+        assert (kernel.backward_packings, kernel.backward_head_dims_v) == (
+            [0] * CALLS,
+            [dv + stats_grad.EXTRA_COLUMNS] * CALLS,
+        )
     else:  # the packed buffers themselves, in place
-        assert (kernel.backward_packings, kernel.backward_head_dims_v) == ([PACKINGS.index(packing)] * CALLS, [dv] * CALLS)
+        assert (kernel.backward_packings, kernel.backward_head_dims_v) == (
+            [PACKINGS.index(packing)] * CALLS,
+            [dv] * CALLS,
+        )
     # Initial buffers come in aliased to the results: check mode's canaries; and the split's square call takes
     # the rectangle's dK/dV where a gradient buffer holds key rows only (not dqkv) and the rectangle's call left
     # its unowned rows 0 (launch._writes_key_rows_in_place).
@@ -399,11 +459,18 @@ def test_the_public_packed_wrappers_reach_the_packed_cudnn_launch(monkeypatch, r
 
     def attend(*buffers, implementation):
         if packing == "qkv":
-            return packed.ragged_attention_qkvpacked(*buffers, batch.cu_seqlens_q, max_seqlen=batch.max_seqlen_q,
-                                                     implementation=implementation, **options)
-        return packed.ragged_attention_kvpacked(*buffers, batch.cu_seqlens_q, batch.cu_seqlens_kv,
-                                                max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv,
-                                                implementation=implementation, **options)
+            return packed.ragged_attention_qkvpacked(
+                *buffers, batch.cu_seqlens_q, max_seqlen=batch.max_seqlen_q, implementation=implementation, **options
+            )
+        return packed.ragged_attention_kvpacked(
+            *buffers,
+            batch.cu_seqlens_q,
+            batch.cu_seqlens_kv,
+            max_seqlen_q=batch.max_seqlen_q,
+            max_seqlen_kv=batch.max_seqlen_kv,
+            implementation=implementation,
+            **options,
+        )
 
     def run(implementation):  # stats as aux: the plain backward, on the packed buffers in place
         out, vjp, stats = jax.vjp(functools.partial(attend, implementation=implementation), *buffers, has_aux=True)
@@ -416,8 +483,14 @@ def test_the_public_packed_wrappers_reach_the_packed_cudnn_launch(monkeypatch, r
         assert_close(np.asarray(stats, np.float64), expected["stats"], "float32", f"{implementation}: stats")
         for grad, buffer in zip(grads, buffers):
             assert grad.shape == buffer.shape and grad.dtype == buffer.dtype, (grad.shape, buffer.shape)
-        _check_gradients(_unpacked_gradients(grads, packing), expected, batch, "bfloat16", f"{implementation}: ",
-                         rows_without_keys=packing == "kv")
+        _check_gradients(
+            _unpacked_gradients(grads, packing),
+            expected,
+            batch,
+            "bfloat16",
+            f"{implementation}: ",
+            rows_without_keys=packing == "kv",
+        )
     # The cuDNN run (first) took the plain backward on the packed buffers in place; the xla run no handler.
     # qkv passes one cu_seqlens for both sides: bottom-right is then top-left (api.attend), one backward call.
     calls = CALLS if packing == "kv" else 1
@@ -523,8 +596,9 @@ def test_sinks_fold_into_the_plain_backward(monkeypatch, rng, layout, dtype):
 
     @jax.jit
     def forward_and_grads(q, k, v, s, d_out):
-        attend = lambda q, k, v, s: cudnn_sinks.attention_with_sinks((q, k, v), *batch.args[3:], s, config,  # noqa: E731
-                                                                     (None, None))
+        attend = lambda q, k, v, s: cudnn_sinks.attention_with_sinks(
+            (q, k, v), *batch.args[3:], s, config, (None, None)
+        )
         out, vjp = jax.vjp(attend, q, k, v, s)
         return out, vjp(d_out)
 

@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn import ragged_attention
-from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.backends.cudnn import launch
+from jax_ragged_attn.backends.cudnn import ragged as cudnn
+from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.config import AttentionOptions, make_config
 
 MiB = 1 << 20
@@ -50,8 +50,9 @@ class FakeExtension:
 def _config(**options):
     q = jax.ShapeDtypeStruct((4096, 8, 64), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((17,), jnp.int32)
-    return make_config(q, q, q, cu, cu, AttentionOptions(is_causal=True, **options), max_seqlen_q=512,
-                       max_seqlen_kv=512)
+    return make_config(
+        q, q, q, cu, cu, AttentionOptions(is_causal=True, **options), max_seqlen_q=512, max_seqlen_kv=512
+    )
 
 
 def _bounded(config, direction="backward") -> bool:
@@ -89,9 +90,14 @@ def test_the_forward_has_no_layout_choice(install_extension):
     assert ext.tuned == []
 
 
-@pytest.mark.parametrize("padded_ms, bounded", [(1.5, False), (1.99, True), (2.5, True)],
-                         ids=["padded-clearly-faster", "within-the-margin", "padded-slower"])
-def test_autotune_times_both_layouts_and_keeps_the_lean_one_unless_clearly_slower(install_extension, padded_ms, bounded):
+@pytest.mark.parametrize(
+    "padded_ms, bounded",
+    [(1.5, False), (1.99, True), (2.5, True)],
+    ids=["padded-clearly-faster", "within-the-margin", "padded-slower"],
+)
+def test_autotune_times_both_layouts_and_keeps_the_lean_one_unless_clearly_slower(
+    install_extension, padded_ms, bounded
+):
     ext = install_extension(FakeExtension(100 * MiB, 150 * MiB, bounded_ms=2.0, padded_ms=padded_ms))
     assert _bounded(_config(autotune=True)) == bounded
     assert sorted(ext.tuned) == [("backward", 0), ("backward", 1)]
@@ -118,7 +124,6 @@ def test_an_unknown_strategy_is_refused_naming_the_argument(strategy_name):
     cu = jnp.array([0, 8], jnp.int32)
     with pytest.raises(ValueError, match=r"strategy must be one of \('fastest', 'lean_memory'\)"):
         ragged_attention(q, q, q, cu, cu, max_seqlen_q=8, max_seqlen_kv=8, strategy=strategy_name)
-
 
 
 def test_check_mode_checks_the_layout_the_unguarded_call_runs(monkeypatch, install_extension):

@@ -58,17 +58,23 @@ CASES = {
     # Dtypes.
     "k_dtype_differs": Bad(dict(k=_zeros(5, 2, 8, dtype=jnp.float16)), "k"),
     "v_dtype_differs": Bad(dict(v=_zeros(5, 2, 8, dtype=jnp.bfloat16)), "v"),
-    "qkv_integer": Bad(dict(q=_zeros(6, 4, 8, dtype=jnp.int32), k=_zeros(5, 2, 8, dtype=jnp.int32),
-                            v=_zeros(5, 2, 8, dtype=jnp.int32)), "q"),
+    "qkv_integer": Bad(
+        dict(
+            q=_zeros(6, 4, 8, dtype=jnp.int32), k=_zeros(5, 2, 8, dtype=jnp.int32), v=_zeros(5, 2, 8, dtype=jnp.int32)
+        ),
+        "q",
+    ),
     # float64 NumPy converts as jnp.asarray would (float32 without x64); integers never.
-    "qkv_int32": Bad(dict(q=np.zeros((6, 4, 8), np.int32), k=np.zeros((5, 2, 8), np.int32),
-                          v=np.zeros((5, 2, 8), np.int32)), "q"),
+    "qkv_int32": Bad(
+        dict(q=np.zeros((6, 4, 8), np.int32), k=np.zeros((5, 2, 8), np.int32), v=np.zeros((5, 2, 8), np.int32)), "q"
+    ),
     # Any integer dtype is accepted (tests/test_jax_configs.py); a float one is refused by name.
     "cu_seqlens_q_float": Bad(dict(cu_seqlens_q=np.array([0, 2, 6], np.float32)), "cu_seqlens_q"),
     "cu_seqlens_kv_float32": Bad(dict(cu_seqlens_kv=jnp.array([0, 3, 5], jnp.float32)), "cu_seqlens_kv"),
     # Shapes that disagree.
-    "cu_seqlens_single_entry": Bad(dict(cu_seqlens_q=jnp.array([0], jnp.int32),
-                                        cu_seqlens_kv=jnp.array([0], jnp.int32)), "cu_seqlens_q"),
+    "cu_seqlens_single_entry": Bad(
+        dict(cu_seqlens_q=jnp.array([0], jnp.int32), cu_seqlens_kv=jnp.array([0], jnp.int32)), "cu_seqlens_q"
+    ),
     "cu_seqlens_lengths_differ": Bad(dict(cu_seqlens_kv=jnp.array([0, 3, 4, 5], jnp.int32)), "cu_seqlens_kv"),
     "heads_not_a_multiple": Bad(dict(q=_zeros(6, 3, 8)), "q"),
     "k_head_dim_differs": Bad(dict(k=_zeros(5, 2, 4)), "k"),
@@ -115,13 +121,21 @@ CASES = {
 if _CUDNN_REASON is None:
     # Valid requests the cuDNN path cannot serve on a GPU: NotImplementedError, saying why (without a GPU the
     # reason is the missing GPU: test_cudnn_without_a_gpu_names_the_gpu_not_the_dtype).
-    CASES.update({
-        "cudnn_float32": Bad(dict(implementation="cudnn"), "float32", NotImplementedError),
-        "cudnn_head_dim_not_multiple_of_8": Bad(
-            dict(implementation="cudnn", q=_zeros(6, 4, 12, dtype=jnp.bfloat16),
-                 k=_zeros(5, 2, 12, dtype=jnp.bfloat16), v=_zeros(5, 2, 12, dtype=jnp.bfloat16)),
-            "Dqk", NotImplementedError),
-    })
+    CASES.update(
+        {
+            "cudnn_float32": Bad(dict(implementation="cudnn"), "float32", NotImplementedError),
+            "cudnn_head_dim_not_multiple_of_8": Bad(
+                dict(
+                    implementation="cudnn",
+                    q=_zeros(6, 4, 12, dtype=jnp.bfloat16),
+                    k=_zeros(5, 2, 12, dtype=jnp.bfloat16),
+                    v=_zeros(5, 2, 12, dtype=jnp.bfloat16),
+                ),
+                "Dqk",
+                NotImplementedError,
+            ),
+        }
+    )
 
 
 @pytest.mark.parametrize("bad", list(CASES.values()), ids=list(CASES))
@@ -133,17 +147,30 @@ def test_bad_input_names_the_argument(bad):
 # ragged_attention_with_kvcache validates through the same code (AttentionOptions, config.check_heads): the same
 # bad option is the same ValueError word for word, and the same bad heads, dtypes or sinks the same message with
 # k_cache / v_cache for k / v. Each case: (ragged_attention's changes, the KV-cache call's).
-KV_VALID = dict(q=_zeros(2, 1, 4, 8), k_cache=_zeros(2, 5, 2, 8), v_cache=_zeros(2, 5, 2, 8),
-                cache_seqlens=jnp.array([3, 5], jnp.int32), implementation="xla")
+KV_VALID = dict(
+    q=_zeros(2, 1, 4, 8),
+    k_cache=_zeros(2, 5, 2, 8),
+    v_cache=_zeros(2, 5, 2, 8),
+    cache_seqlens=jnp.array([3, 5], jnp.int32),
+    implementation="xla",
+)
 SHARED_CASES = {
-    **{name: (CASES[name].changes, CASES[name].changes) for name in CASES
-       if not CASES[name].traced and set(CASES[name].changes) <= {"stats_layout", "implementation", "scale",
-                                                                  "local_window_size", "is_causal", "softcap"}},
+    **{
+        name: (CASES[name].changes, CASES[name].changes)
+        for name in CASES
+        if not CASES[name].traced
+        and set(CASES[name].changes)
+        <= {"stats_layout", "implementation", "scale", "local_window_size", "is_causal", "softcap"}
+    },
     "heads_not_a_multiple": (dict(q=_zeros(6, 3, 8)), dict(q=_zeros(2, 1, 3, 8))),
-    "k_dtype_differs": (dict(k=_zeros(5, 2, 8, dtype=jnp.float16)),
-                        dict(k_cache=_zeros(2, 5, 2, 8, dtype=jnp.float16))),
-    "qkv_integer": ({name: x.astype(jnp.int32) for name, x in VALID.items() if name in "qkv"},
-                    {name: KV_VALID[name].astype(jnp.int32) for name in ("q", "k_cache", "v_cache")}),
+    "k_dtype_differs": (
+        dict(k=_zeros(5, 2, 8, dtype=jnp.float16)),
+        dict(k_cache=_zeros(2, 5, 2, 8, dtype=jnp.float16)),
+    ),
+    "qkv_integer": (
+        {name: x.astype(jnp.int32) for name, x in VALID.items() if name in "qkv"},
+        {name: KV_VALID[name].astype(jnp.int32) for name in ("q", "k_cache", "v_cache")},
+    ),
     "sinks_shape": (dict(sinks=_zeros(3)), dict(sinks=_zeros(3))),
     "sinks_integer": (dict(sinks=_zeros(4, dtype=jnp.int32)), dict(sinks=_zeros(4, dtype=jnp.int32))),
 }
@@ -186,13 +213,16 @@ def test_positional_max_seqlen_says_which_keywords_to_use():
         ragged_attention(*args, max_seqlen_q=4, implementation="xla")
 
 
-@pytest.mark.parametrize("window,same_as", [
-    ((-1, 0), dict(is_causal=True)),  # FlashAttention's causal spelling
-    ((-1, -1), dict()),
-    (-1, dict()),
-    ((2, -1), dict(local_window_size=(2, 10**6))),
-    ((-5, 1), dict(local_window_size=(10**6, 1))),
-])
+@pytest.mark.parametrize(
+    "window,same_as",
+    [
+        ((-1, 0), dict(is_causal=True)),  # FlashAttention's causal spelling
+        ((-1, -1), dict()),
+        (-1, dict()),
+        ((2, -1), dict(local_window_size=(2, 10**6))),
+        ((-5, 1), dict(local_window_size=(10**6, 1))),
+    ],
+)
 def test_window_conventions(window, same_as):
     """A negative window side has no limit (FlashAttention's -1); results equal the spelled-out mask."""
     rng = np.random.default_rng(0)

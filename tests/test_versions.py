@@ -28,9 +28,11 @@ def test_pyproject_floors_are_the_lowest_tested_python_and_jax():
     assert rows, "docs/INSTALL.md's table of tested combinations is empty"
     python_floor = re.fullmatch(r">=\s*(\d+\.\d+)", project["requires-python"]).group(1)
     assert min(_version(row["Python"])[:2] for row in rows) == _version(python_floor)
-    jax_floors = {re.fullmatch(r"jax(\[\w+\])?>=([\d.]+)", requirement).group(2)
-                  for requirement in project["dependencies"] + sum(project["optional-dependencies"].values(), [])
-                  if re.match(r"jax(\[|>|$)", requirement)}
+    jax_floors = {
+        re.fullmatch(r"jax(\[\w+\])?>=([\d.]+)", requirement).group(2)
+        for requirement in project["dependencies"] + sum(project["optional-dependencies"].values(), [])
+        if re.match(r"jax(\[|>|$)", requirement)
+    }
     assert len(jax_floors) == 1, f"the jax requirements disagree on the floor: {sorted(jax_floors)}"
     assert min(_version(row["jax"]) for row in rows) == _version(jax_floors.pop())
 

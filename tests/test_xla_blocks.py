@@ -45,8 +45,11 @@ class Case:
     sinks: bool = False
 
     def options(self) -> dict:
-        return dict(is_causal=self.is_causal, diagonal_alignment=self.diagonal_alignment,
-                    local_window_size=self.local_window_size)
+        return dict(
+            is_causal=self.is_causal,
+            diagonal_alignment=self.diagonal_alignment,
+            local_window_size=self.local_window_size,
+        )
 
 
 CASES = {
@@ -56,27 +59,35 @@ CASES = {
     "all_empty": Case((0, 0), (0, 0)),
     "no_capacity_padding": Case((4, 6), (5, 2), slack=(0, 0)),
     "gqa_causal": Case((5, 7, 2), heads=(6, 2), is_causal=True),
-    "mqa_causal_bottom_right": Case((3, 6, 4), (7, 4, 4), heads=(4, 1), is_causal=True,
-                                    diagonal_alignment="bottom_right"),
+    "mqa_causal_bottom_right": Case(
+        (3, 6, 4), (7, 4, 4), heads=(4, 1), is_causal=True, diagonal_alignment="bottom_right"
+    ),
     "bottom_right_window": Case((6, 2), (3, 7), local_window_size=2, diagonal_alignment="bottom_right"),
     "window_tuple_causal": Case((8, 3), (6, 5), local_window_size=(3, 1), is_causal=True),
-    "window_asymmetric_bottom_right_causal": Case((4, 7), (6, 3), local_window_size=(0, 2), is_causal=True,
-                                                  diagonal_alignment="bottom_right"),
+    "window_asymmetric_bottom_right_causal": Case(
+        (4, 7), (6, 3), local_window_size=(0, 2), is_causal=True, diagonal_alignment="bottom_right"
+    ),
     "window_right_only": Case((6, 5), local_window_size=(9, 0)),
     "dv_differs_gqa": Case((4, 6), (7, 3), heads=(6, 3), dims=(8, 24)),
-    "cut_by_max_seqlen": Case((6, 2, 5), (3, 7, 4), is_causal=True, diagonal_alignment="bottom_right",
-                              max_seqlen=(4, 5)),
-    "sinks_gqa_bottom_right": Case((6, 0, 9, 5), (8, 0, 4, 5), is_causal=True, diagonal_alignment="bottom_right",
-                                   sinks=True),
+    "cut_by_max_seqlen": Case(
+        (6, 2, 5), (3, 7, 4), is_causal=True, diagonal_alignment="bottom_right", max_seqlen=(4, 5)
+    ),
+    "sinks_gqa_bottom_right": Case(
+        (6, 0, 9, 5), (8, 0, 4, 5), is_causal=True, diagonal_alignment="bottom_right", sinks=True
+    ),
     "long_and_short": Case((17, 1, 2, 11), (13, 3, 1, 16), heads=(2, 1), local_window_size=(5, 2)),
 }
 # (block_q, block_kv): unequal, one-row and wider-than-some-sequences tiles.
 BLOCKS = [(3, 2), (1, 5), (4, 4)]
-PARAMS = [pytest.param(name, "float32", BLOCKS[i % len(BLOCKS)], id=f"{name}-float32-{BLOCKS[i % len(BLOCKS)]}")
-          for i, name in enumerate(CASES)]
-PARAMS += [pytest.param(name, dtype, (2, 3), id=f"{name}-{dtype}-(2, 3)")
-           for name in ("mqa_causal_bottom_right", "window_tuple_causal", "sinks_gqa_bottom_right")
-           for dtype in ("bfloat16", "float16")]
+PARAMS = [
+    pytest.param(name, "float32", BLOCKS[i % len(BLOCKS)], id=f"{name}-float32-{BLOCKS[i % len(BLOCKS)]}")
+    for i, name in enumerate(CASES)
+]
+PARAMS += [
+    pytest.param(name, dtype, (2, 3), id=f"{name}-{dtype}-(2, 3)")
+    for name in ("mqa_causal_bottom_right", "window_tuple_causal", "sinks_gqa_bottom_right")
+    for dtype in ("bfloat16", "float16")
+]
 
 
 @pytest.fixture
@@ -87,22 +98,50 @@ def rng(request) -> np.random.Generator:
 def _run_case(rng, case: Case, dtype: str, blocks, layout: str, **private):
     """private: the backend options to set (testing.backend_options), e.g. xla_fused_backward."""
     seqlens_kv = case.seqlens_q if case.seqlens_kv is None else case.seqlens_kv
-    batch = packed_batch(rng, case.seqlens_q, seqlens_kv, num_heads_q=case.heads[0], num_heads_kv=case.heads[1],
-                         head_dim_qk=case.dims[0], head_dim_v=case.dims[1], dtype=jnp.dtype(dtype),
-                         slack_q=case.slack[0], slack_kv=case.slack[1])
+    batch = packed_batch(
+        rng,
+        case.seqlens_q,
+        seqlens_kv,
+        num_heads_q=case.heads[0],
+        num_heads_kv=case.heads[1],
+        head_dim_qk=case.dims[0],
+        head_dim_v=case.dims[1],
+        dtype=jnp.dtype(dtype),
+        slack_q=case.slack[0],
+        slack_kv=case.slack[1],
+    )
     max_q, max_kv = case.max_seqlen or (batch.max_seqlen_q, batch.max_seqlen_kv)
     hq, dv = case.heads[0], case.dims[1]
     sinks = (2.0 * rng.standard_normal(hq)).astype(np.float32) if case.sinks else None
     tq = batch.q.shape[0]
     d_out = rng.standard_normal((tq, hq, dv)).astype(batch.q.dtype).astype(np.float64)
     d_stats = rng.standard_normal((tq, hq)).astype(np.float32).astype(np.float64)
-    expected = reference_attention(*batch.reference_args, max_seqlen_q=max_q, max_seqlen_kv=max_kv, d_out=d_out,
-                                   d_stats=d_stats, sinks=sinks, **case.options())
+    expected = reference_attention(
+        *batch.reference_args,
+        max_seqlen_q=max_q,
+        max_seqlen_kv=max_kv,
+        d_out=d_out,
+        d_stats=d_stats,
+        sinks=sinks,
+        **case.options(),
+    )
 
     def attention(q, k, v, sinks):
-        return ragged_attention(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_kv, max_seqlen_q=max_q,
-                                max_seqlen_kv=max_kv, stats_layout=layout, return_stats=True,
-                                implementation="xla", sinks=sinks, xla_block_size=blocks, **case.options())
+        return ragged_attention(
+            q,
+            k,
+            v,
+            batch.cu_seqlens_q,
+            batch.cu_seqlens_kv,
+            max_seqlen_q=max_q,
+            max_seqlen_kv=max_kv,
+            stats_layout=layout,
+            return_stats=True,
+            implementation="xla",
+            sinks=sinks,
+            xla_block_size=blocks,
+            **case.options(),
+        )
 
     def forward_and_vjp(primals, cotangent):
         outputs, vjp = jax.vjp(attention, *primals)
@@ -152,14 +191,23 @@ def test_the_two_pass_backward_matches_the_reference(rng, case_name):
     """The backward a GPU runs (a dQ pass and a dK/dV pass, no scatter-add), here on the CPU, whose default is
     the fused pass the other tests run."""
     blocks = BLOCKS[zlib.crc32(case_name.encode()) % len(BLOCKS)]
-    batch, expected, out, stats, grads = _run_case(rng, CASES[case_name], "float32", blocks, "token_major",
-                                                   xla_fused_backward=False)
+    batch, expected, out, stats, grads = _run_case(
+        rng, CASES[case_name], "float32", blocks, "token_major", xla_fused_backward=False
+    )
     _check(batch, expected, out, stats, grads, "float32", f"two passes, blocks {blocks}: ")
 
 
 def test_the_fused_backward_is_the_cpu_default():
-    batch = packed_batch(np.random.default_rng(0), (3,), (3,), num_heads_q=1, num_heads_kv=1, head_dim_qk=8,
-                         head_dim_v=8, dtype=jnp.float32)
+    batch = packed_batch(
+        np.random.default_rng(0),
+        (3,),
+        (3,),
+        num_heads_q=1,
+        num_heads_kv=1,
+        head_dim_qk=8,
+        head_dim_v=8,
+        dtype=jnp.float32,
+    )
     config = make_config(*batch.args, max_seqlen_q=3, max_seqlen_kv=3)
     assert xla_memory.fused_backward(config) == (jax.default_backend() == "cpu")
     with backend_options(xla_fused_backward=False):
@@ -175,16 +223,37 @@ def test_gradients_are_bit_identical_run_to_run(deterministic):
     different lanes add into the same query rows."""
     rng = np.random.default_rng(zlib.crc32(b"deterministic"))
     lengths = (9, 14, 5, 11, 7, 13)
-    batch = packed_batch(rng, lengths, lengths, num_heads_q=4, num_heads_kv=2, head_dim_qk=8, head_dim_v=8,
-                         dtype=np.float32, slack_q=3, slack_kv=2)
+    batch = packed_batch(
+        rng,
+        lengths,
+        lengths,
+        num_heads_q=4,
+        num_heads_kv=2,
+        head_dim_qk=8,
+        head_dim_v=8,
+        dtype=np.float32,
+        slack_q=3,
+        slack_kv=2,
+    )
 
     @jax.jit
     def grads(q, k, v):
         def loss(q, k, v):
-            out = ragged_attention(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_kv, max_seqlen_q=batch.max_seqlen_q,
-                                   max_seqlen_kv=batch.max_seqlen_kv, is_causal=True, implementation="xla",
-                                   deterministic=deterministic, xla_block_size=4)
+            out = ragged_attention(
+                q,
+                k,
+                v,
+                batch.cu_seqlens_q,
+                batch.cu_seqlens_kv,
+                max_seqlen_q=batch.max_seqlen_q,
+                max_seqlen_kv=batch.max_seqlen_kv,
+                is_causal=True,
+                implementation="xla",
+                deterministic=deterministic,
+                xla_block_size=4,
+            )
             return jnp.sum(out.astype(jnp.float32) * cotangent)
+
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     cotangent = jnp.asarray(rng.standard_normal(batch.q.shape), jnp.float32)
@@ -200,11 +269,17 @@ def _random_case(rng) -> Case:
     seqlens_kv = seqlens_q if rng.random() < 0.3 else random_lengths(rng, num_seqs, 0, 14)
     hkv = int(rng.choice([1, 2]))
     window = [None, None, int(rng.integers(0, 5)), (int(rng.integers(0, 5)), int(rng.integers(0, 5)))]
-    return Case(seqlens_q, seqlens_kv, heads=(hkv * int(rng.choice([1, 2, 3])), hkv),
-                dims=(int(rng.choice([4, 8])), int(rng.choice([4, 8, 12]))), is_causal=bool(rng.random() < 0.5),
-                diagonal_alignment=str(rng.choice(["top_left", "bottom_right"])),
-                local_window_size=window[int(rng.integers(len(window)))],
-                slack=(int(rng.integers(0, 4)), int(rng.integers(0, 4))), sinks=bool(rng.random() < 0.3))
+    return Case(
+        seqlens_q,
+        seqlens_kv,
+        heads=(hkv * int(rng.choice([1, 2, 3])), hkv),
+        dims=(int(rng.choice([4, 8])), int(rng.choice([4, 8, 12]))),
+        is_causal=bool(rng.random() < 0.5),
+        diagonal_alignment=str(rng.choice(["top_left", "bottom_right"])),
+        local_window_size=window[int(rng.integers(len(window)))],
+        slack=(int(rng.integers(0, 4)), int(rng.integers(0, 4))),
+        sinks=bool(rng.random() < 0.3),
+    )
 
 
 @pytest.mark.parametrize("draw", range(6))
@@ -235,15 +310,38 @@ def test_block_size_changes_only_rounding(rng):
 def test_vmap_with_small_blocks(rng):
     """Two batches whose ranges need different numbers of steps, under one vmap: the while loop runs
     until the longer one is done and the shorter one's extra steps must change nothing."""
-    batches = [packed_batch(rng, lengths, lengths, num_heads_q=2, num_heads_kv=1, head_dim_qk=8, head_dim_v=8,
-                            dtype=jnp.float32, slack_q=slack, slack_kv=slack)
-               for lengths, slack in (((3, 14, 0), 1), ((6, 5, 6), 1))]
+    batches = [
+        packed_batch(
+            rng,
+            lengths,
+            lengths,
+            num_heads_q=2,
+            num_heads_kv=1,
+            head_dim_qk=8,
+            head_dim_v=8,
+            dtype=jnp.float32,
+            slack_q=slack,
+            slack_kv=slack,
+        )
+        for lengths, slack in (((3, 14, 0), 1), ((6, 5, 6), 1))
+    ]
     max_len = 14
 
     def f(q, k, v, cu):
-        return ragged_attention(q, k, v, cu, cu, max_seqlen_q=max_len, max_seqlen_kv=max_len, is_causal=True,
-                                stats_layout="token_major", return_stats=True, implementation="xla",
-                                xla_block_size=(2, 3))
+        return ragged_attention(
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            max_seqlen_q=max_len,
+            max_seqlen_kv=max_len,
+            is_causal=True,
+            stats_layout="token_major",
+            return_stats=True,
+            implementation="xla",
+            xla_block_size=(2, 3),
+        )
 
     stacked = [jnp.stack(parts) for parts in zip(*((b.q, b.k, b.v, b.cu_seqlens_q) for b in batches))]
     d_out = rng.standard_normal((2,) + batches[0].q.shape).astype(np.float32)
@@ -255,14 +353,28 @@ def test_vmap_with_small_blocks(rng):
 
     (out, stats), grads = jax.jit(run)(stacked, (jnp.asarray(d_out), jnp.asarray(d_stats)))
     for i, batch in enumerate(batches):
-        expected = reference_attention(*batch.reference_args, max_seqlen_q=max_len, max_seqlen_kv=max_len,
-                                       is_causal=True, d_out=d_out[i], d_stats=d_stats[i])
+        expected = reference_attention(
+            *batch.reference_args,
+            max_seqlen_q=max_len,
+            max_seqlen_kv=max_len,
+            is_causal=True,
+            d_out=d_out[i],
+            d_stats=d_stats[i],
+        )
         _check(batch, expected, out[i], stats[i], [g[i] for g in grads], "float32", f"batch {i}: ")
 
 
 def test_block_setting_is_validated():
-    batch = packed_batch(np.random.default_rng(0), (3,), (3,), num_heads_q=1, num_heads_kv=1, head_dim_qk=8,
-                         head_dim_v=8, dtype=jnp.float32)
+    batch = packed_batch(
+        np.random.default_rng(0),
+        (3,),
+        (3,),
+        num_heads_q=1,
+        num_heads_kv=1,
+        head_dim_qk=8,
+        head_dim_v=8,
+        dtype=jnp.float32,
+    )
     call = functools.partial(ragged_attention, *batch.args, max_seqlen_q=3, max_seqlen_kv=3, implementation="xla")
     for bad in (0, "a", (1, 2, 3), -4, (2, 0), 1.5, True):
         with pytest.raises(ValueError, match="xla_block_size"):

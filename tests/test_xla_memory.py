@@ -16,10 +16,10 @@ import pytest
 
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.backends.xla import memory as xla_memory
+from jax_ragged_attn.backends.xla.ragged import WorkingSetTooLargeError, attention_xla
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.index import cu_seqlens_from_lengths
 from jax_ragged_attn.testing import packed_batch
-from jax_ragged_attn.backends.xla.ragged import WorkingSetTooLargeError, attention_xla
 
 pytestmark = pytest.mark.slow  # children capped at +1 GiB of address space
 
@@ -56,8 +56,13 @@ DENSE_SCORES = "jax.block_until_ready(jnp.zeros((64, 8, 2048, 2048)) + 1)"
 
 def _run_capped(body: str) -> subprocess.CompletedProcess:
     code = _CHILD + body + '\nprint("completed")\n'
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status and caps RLIMIT_AS")
@@ -79,19 +84,35 @@ def _config(lengths, *, heads=(4, 4), dim=32, dtype=jnp.float32, max_seqlen=None
     k = jax.ShapeDtypeStruct((t, heads[1], dim), dtype)
     cu = jnp.asarray(cu_seqlens_from_lengths(lengths))
     max_seqlen = max(lengths) if max_seqlen is None else max_seqlen
-    return make_config(q, k, k, cu, cu, AttentionOptions(**options), max_seqlen_q=max_seqlen,
-                       max_seqlen_kv=max_seqlen), q, k, cu
+    return (
+        make_config(q, k, k, cu, cu, AttentionOptions(**options), max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen),
+        q,
+        k,
+        cu,
+    )
 
 
 def test_max_seqlen_is_clamped_to_the_capacities_and_results_do_not_change():
     config, *_ = _config([5, 5], max_seqlen=10**9, slack=3)
     assert (config.max_seqlen_q, config.max_seqlen_kv) == (13, 13)
-    batch = packed_batch(np.random.default_rng(0), (5, 0, 4), (3, 6, 2), num_heads_q=2, num_heads_kv=1,
-                         head_dim_qk=8, head_dim_v=8, dtype=jnp.float32, slack_q=2, slack_kv=1)
-    exact = ragged_attention(*batch.args, max_seqlen_q=5, max_seqlen_kv=6, is_causal=True, return_stats=True,
-                             implementation="xla")
-    generous = ragged_attention(*batch.args, max_seqlen_q=10**9, max_seqlen_kv=2**40, is_causal=True,
-                                return_stats=True, implementation="xla")
+    batch = packed_batch(
+        np.random.default_rng(0),
+        (5, 0, 4),
+        (3, 6, 2),
+        num_heads_q=2,
+        num_heads_kv=1,
+        head_dim_qk=8,
+        head_dim_v=8,
+        dtype=jnp.float32,
+        slack_q=2,
+        slack_kv=1,
+    )
+    exact = ragged_attention(
+        *batch.args, max_seqlen_q=5, max_seqlen_kv=6, is_causal=True, return_stats=True, implementation="xla"
+    )
+    generous = ragged_attention(
+        *batch.args, max_seqlen_q=10**9, max_seqlen_kv=2**40, is_causal=True, return_stats=True, implementation="xla"
+    )
     for a, b in zip(exact, generous):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -114,11 +135,15 @@ def _compiled_bytes(config, q, k, cu, direction: str) -> int:
     return analysis.temp_size_in_bytes + analysis.output_size_in_bytes
 
 
-@pytest.mark.parametrize("shape", [
-    dict(lengths=[509, 1, 1024, 300, 70], heads=(4, 2), dim=32, dtype=jnp.bfloat16, is_causal=True),
-    dict(lengths=[40] * 30 + [800], heads=(2, 2), dim=64, dtype=jnp.float32),
-    dict(lengths=[700, 700], heads=(8, 1), dim=16, dtype=jnp.float16, local_window_size=(64, 0)),
-], ids=["w1_like_bf16", "many_short_f32", "mqa_window_f16"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(lengths=[509, 1, 1024, 300, 70], heads=(4, 2), dim=32, dtype=jnp.bfloat16, is_causal=True),
+        dict(lengths=[40] * 30 + [800], heads=(2, 2), dim=64, dtype=jnp.float32),
+        dict(lengths=[700, 700], heads=(8, 1), dim=16, dtype=jnp.float16, local_window_size=(64, 0)),
+    ],
+    ids=["w1_like_bf16", "many_short_f32", "mqa_window_f16"],
+)
 @pytest.mark.parametrize("blocks", [128, (32, 64)])
 def test_the_estimate_bounds_what_xla_allocates(shape, blocks):
     """An upper bound, and not a wild one: within 4x of XLA's own accounting on the CPU."""
@@ -139,24 +164,42 @@ def test_the_estimate_does_not_grow_with_max_seqlen_or_sequences():
 
 
 def test_a_working_set_past_the_bound_raises_before_compiling(monkeypatch):
-    batch = packed_batch(np.random.default_rng(0), (300, 200), (300, 200), num_heads_q=4, num_heads_kv=2,
-                         head_dim_qk=16, head_dim_v=16, dtype=jnp.float32)
+    batch = packed_batch(
+        np.random.default_rng(0),
+        (300, 200),
+        (300, 200),
+        num_heads_q=4,
+        num_heads_kv=2,
+        head_dim_qk=16,
+        head_dim_v=16,
+        dtype=jnp.float32,
+    )
     config = make_config(*batch.args, max_seqlen_q=300, max_seqlen_kv=300)
     forward = xla_memory.estimate_bytes(config, 128, 128, "forward")
     backward = xla_memory.estimate_bytes(config, 128, 128, "backward")
     assert forward < backward
 
     def call(q):  # 128-row blocks: the estimates above (the CPU's default is 64)
-        return ragged_attention(q, *batch.args[1:], max_seqlen_q=300, max_seqlen_kv=300, implementation="xla",
-                                xla_block_size=128)
+        return ragged_attention(
+            q, *batch.args[1:], max_seqlen_q=300, max_seqlen_kv=300, implementation="xla", xla_block_size=128
+        )
 
     monkeypatch.setenv(xla_memory.MEMORY_LIMIT_ENV, "1MiB")
     with pytest.raises(WorkingSetTooLargeError) as error:
         jax.jit(call).lower(batch.q)  # tracing is enough: nothing is compiled or allocated
     message = str(error.value)
     assert isinstance(error.value, MemoryError)
-    for fragment in ("forward", "Tq=500", "Hq=4", "blocks 128x128", "bound of 1 MiB",
-                     "xla_block_size=16", "implementation='cudnn'", "split the batch", xla_memory.MEMORY_LIMIT_ENV):
+    for fragment in (
+        "forward",
+        "Tq=500",
+        "Hq=4",
+        "blocks 128x128",
+        "bound of 1 MiB",
+        "xla_block_size=16",
+        "implementation='cudnn'",
+        "split the batch",
+        xla_memory.MEMORY_LIMIT_ENV,
+    ):
         assert fragment in message, (fragment, message)
 
     # A bound between the two: the forward runs, the gradient is refused when its backward is traced.
@@ -168,10 +211,18 @@ def test_a_working_set_past_the_bound_raises_before_compiling(monkeypatch):
     jax.grad(lambda q: call(q).sum())(batch.q)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("off", None), ("8GiB", 8 * 2**30), ("512MB", 512 * 10**6), ("3e9", 3 * 10**9), ("1024", 1024),
-    ("25%", "quarter"), (" 50 % ", "half"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("off", None),
+        ("8GiB", 8 * 2**30),
+        ("512MB", 512 * 10**6),
+        ("3e9", 3 * 10**9),
+        ("1024", 1024),
+        ("25%", "quarter"),
+        (" 50 % ", "half"),
+    ],
+)
 def test_memory_limit_settings(monkeypatch, text, expected):
     monkeypatch.setattr(xla_memory, "device_memory_bytes", lambda: 4 * 2**30)
     monkeypatch.setenv(xla_memory.MEMORY_LIMIT_ENV, text)
@@ -196,8 +247,16 @@ def test_fallback_on_a_gpu_warns_once_per_reason(monkeypatch):
     CPU made to look like one) warns once, naming the reason and the estimate; "xla" asked for is silent."""
     monkeypatch.setattr(xla_memory, "_on_gpu", lambda: True)
     monkeypatch.setattr(xla_memory, "_warned", set())
-    batch = packed_batch(np.random.default_rng(0), (5, 3), (5, 3), num_heads_q=2, num_heads_kv=2, head_dim_qk=8,
-                         head_dim_v=8, dtype=jnp.float32)
+    batch = packed_batch(
+        np.random.default_rng(0),
+        (5, 3),
+        (5, 3),
+        num_heads_q=2,
+        num_heads_kv=2,
+        head_dim_qk=8,
+        head_dim_v=8,
+        dtype=jnp.float32,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -209,6 +268,7 @@ def test_fallback_on_a_gpu_warns_once_per_reason(monkeypatch):
     assert "not cuDNN" in message and re.search(r"about [0-9.e-]+ MiB forward and [0-9.e-]+ MiB backward", message)
     config = make_config(*batch.args, max_seqlen_q=5, max_seqlen_kv=5)
     from jax_ragged_attn.backends.cudnn import ragged as cudnn
+
     assert cudnn.unsupported_reason(config) in message
     assert fallbacks[0].filename == __file__  # points at the caller's line
 
@@ -217,8 +277,16 @@ def test_no_fallback_warning_off_a_gpu(monkeypatch):
     monkeypatch.setattr(xla_memory, "_warned", set())
     if xla_memory._on_gpu():
         pytest.skip("on a GPU the fallback warning is expected")
-    batch = packed_batch(np.random.default_rng(0), (5,), (5,), num_heads_q=2, num_heads_kv=2, head_dim_qk=8,
-                         head_dim_v=8, dtype=jnp.float32)
+    batch = packed_batch(
+        np.random.default_rng(0),
+        (5,),
+        (5,),
+        num_heads_q=2,
+        num_heads_kv=2,
+        head_dim_qk=8,
+        head_dim_v=8,
+        dtype=jnp.float32,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error", xla_memory.CudnnFallbackWarning)
         ragged_attention(*batch.args, max_seqlen_q=5, max_seqlen_kv=5)

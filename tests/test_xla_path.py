@@ -26,17 +26,28 @@ def rng(request) -> np.random.Generator:
 def _batch(rng, dtype):
     # GQA with an empty sequence and capacity padding; head dims that are multiples of 8, so that with
     # bfloat16 the only obstacle left for cuDNN is the missing GPU.
-    return packed_batch(rng, (5, 0, 7), (6, 3, 2), num_heads_q=6, num_heads_kv=2, head_dim_qk=16, head_dim_v=8,
-                        dtype=dtype, slack_q=3, slack_kv=2)
+    return packed_batch(
+        rng,
+        (5, 0, 7),
+        (6, 3, 2),
+        num_heads_q=6,
+        num_heads_kv=2,
+        head_dim_qk=16,
+        head_dim_v=8,
+        dtype=dtype,
+        slack_q=3,
+        slack_kv=2,
+    )
 
 
 def test_default_implementation_on_cpu_is_xla(rng):
     if jax.default_backend() != "cpu":
-        pytest.skip(f"implementation=None picks cuDNN when it can; this checks the CPU fallback, backend is "
-                    f"{jax.default_backend()}")
+        pytest.skip(
+            f"implementation=None picks cuDNN when it can; this checks the CPU fallback, backend is "
+            f"{jax.default_backend()}"
+        )
     batch = _batch(rng, "bfloat16")
-    static = dict(max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv, return_stats=True,
-                  is_causal=True)
+    static = dict(max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv, return_stats=True, is_causal=True)
     default = jax.jit(functools.partial(ragged_attention, implementation=None, **static))(*batch.args)
     xla = jax.jit(functools.partial(ragged_attention, implementation="xla", **static))(*batch.args)
     for a, b in zip(default, xla):
@@ -49,5 +60,6 @@ def test_cudnn_on_cpu_raises_with_reason(rng):
         pytest.skip(f"checks the CPU refusal, backend is {jax.default_backend()}")
     batch = _batch(rng, "bfloat16")
     with pytest.raises(NotImplementedError, match=r"cudnn.*(CUDA|GPU|extension)"):
-        ragged_attention(*batch.args, max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv,
-                         implementation="cudnn")
+        ragged_attention(
+            *batch.args, max_seqlen_q=batch.max_seqlen_q, max_seqlen_kv=batch.max_seqlen_kv, implementation="cudnn"
+        )

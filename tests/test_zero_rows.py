@@ -23,7 +23,7 @@ def _expected(x, gate=None):
     owned = np.zeros(x.shape[0], bool)
     for b in range(len(LENGTHS)):
         if gate is None or gate[b] > 0:
-            owned[CU[b]:CU[b] + LENGTHS[b]] = True
+            owned[CU[b] : CU[b] + LENGTHS[b]] = True
     return np.where(owned.reshape((-1,) + (1,) * (x.ndim - 1)), np.asarray(x), 0)
 
 
@@ -37,8 +37,11 @@ def _buffers():
 @pytest.mark.parametrize("gate", [None, GATE], ids=["no_gate", "gate"])
 def test_unused_rows_are_zero_and_the_rest_untouched(gate):
     a, b = _buffers()
-    f = jax.jit(lambda a, b: row_zeroing.zero_unused_rows((a, b), jnp.asarray(CU), jnp.asarray(LENGTHS),
-                                                          None if gate is None else jnp.asarray(gate)))
+    f = jax.jit(
+        lambda a, b: row_zeroing.zero_unused_rows(
+            (a, b), jnp.asarray(CU), jnp.asarray(LENGTHS), None if gate is None else jnp.asarray(gate)
+        )
+    )
     got_a, got_b = f(a, b)
     np.testing.assert_array_equal(np.asarray(got_a, np.float32), _expected(np.asarray(a, np.float32), gate))
     np.testing.assert_array_equal(np.asarray(got_b), _expected(np.asarray(b), gate))
@@ -49,26 +52,34 @@ def test_many_buffers_of_different_rows_and_widths_in_one_call():
     """Six buffers in one call, past the kernel's four a launch (ffi/row_zeroing_params.h), of 16-byte, 4-byte
     and narrow rows, three of them shorter than the index reaches: each zeroed exactly, bit for bit."""
     rng = np.random.default_rng(3)
-    shapes = [((13, 4, 8), jnp.bfloat16), ((13, 3, 5), jnp.float32), ((9, 32, 128), jnp.bfloat16),
-              ((13, 2, 6), jnp.bfloat16), ((4, 7), jnp.float32), ((11, 1, 2), jnp.float16)]
-    buffers = tuple(jnp.asarray(np.where(rng.random(shape) < 0.2, np.nan, rng.normal(size=shape)), dtype)
-                    for shape, dtype in shapes)
-    got = jax.jit(lambda *xs: row_zeroing.zero_unused_rows(xs, jnp.asarray(CU), jnp.asarray(LENGTHS),
-                                                           jnp.asarray(GATE)))(*buffers)
+    shapes = [
+        ((13, 4, 8), jnp.bfloat16),
+        ((13, 3, 5), jnp.float32),
+        ((9, 32, 128), jnp.bfloat16),
+        ((13, 2, 6), jnp.bfloat16),
+        ((4, 7), jnp.float32),
+        ((11, 1, 2), jnp.float16),
+    ]
+    buffers = tuple(
+        jnp.asarray(np.where(rng.random(shape) < 0.2, np.nan, rng.normal(size=shape)), dtype) for shape, dtype in shapes
+    )
+    got = jax.jit(
+        lambda *xs: row_zeroing.zero_unused_rows(xs, jnp.asarray(CU), jnp.asarray(LENGTHS), jnp.asarray(GATE))
+    )(*buffers)
     for i, (x, y) in enumerate(zip(buffers, got)):
         x32 = np.asarray(x, np.float32)
-        expected = _expected(np.pad(x32, [(0, 13 - x.shape[0])] + [(0, 0)] * (x.ndim - 1)), GATE)[:x.shape[0]]
+        expected = _expected(np.pad(x32, [(0, 13 - x.shape[0])] + [(0, 0)] * (x.ndim - 1)), GATE)[: x.shape[0]]
         np.testing.assert_array_equal(np.asarray(y, np.float32), expected, err_msg=f"buffer {i} {x.shape}")
 
 
 def test_under_vmap():
     a, _ = _buffers()
     stacked = jnp.stack([a, 2 * a])
-    got = jax.jit(jax.vmap(lambda x: row_zeroing.zero_unused_rows((x,), jnp.asarray(CU),
-                                                                  jnp.asarray(LENGTHS))[0]))(stacked)
+    got = jax.jit(jax.vmap(lambda x: row_zeroing.zero_unused_rows((x,), jnp.asarray(CU), jnp.asarray(LENGTHS))[0]))(
+        stacked
+    )
     for i in range(2):
-        np.testing.assert_array_equal(np.asarray(got[i], np.float32),
-                                      _expected(np.asarray(stacked[i], np.float32)))
+        np.testing.assert_array_equal(np.asarray(got[i], np.float32), _expected(np.asarray(stacked[i], np.float32)))
 
 
 @pytest.mark.gpu
@@ -76,15 +87,20 @@ def test_the_gpu_uses_the_handler():
     if jax.default_backend() != "gpu":
         pytest.skip("the zero-rows handler runs on a CUDA GPU; this backend uses the jnp.where")
     a, _ = _buffers()
-    text = jax.jit(lambda a: row_zeroing.zero_unused_rows((a,), jnp.asarray(CU), jnp.asarray(LENGTHS))[0]).lower(
-        a).as_text()
+    text = (
+        jax.jit(lambda a: row_zeroing.zero_unused_rows((a,), jnp.asarray(CU), jnp.asarray(LENGTHS))[0])
+        .lower(a)
+        .as_text()
+    )
     assert "jax_ragged_attn_zero_rows" in text
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape, dtype", [((4, 8), "bfloat16"), ((3, 5), "float32"), ((32, 128), "bfloat16"),
-                                          ((2, 6), "bfloat16")],
-                         ids=["64-byte rows", "60-byte rows (4-byte stores)", "8-KiB rows", "24-byte rows"])
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [((4, 8), "bfloat16"), ((3, 5), "float32"), ((32, 128), "bfloat16"), ((2, 6), "bfloat16")],
+    ids=["64-byte rows", "60-byte rows (4-byte stores)", "8-KiB rows", "24-byte rows"],
+)
 def test_the_kernel_zeroes_exactly_the_unused_rows_of_every_row_width(shape, dtype):
     """The row-zeroing kernel on the GPU (16-byte stores where a row is whole 16-byte words, 4-byte stores
     otherwise), over many warps of rows, most of them unused as in a context-parallel key window: bit for bit
@@ -100,7 +116,7 @@ def test_the_kernel_zeroes_exactly_the_unused_rows_of_every_row_width(shape, dty
     got = jax.jit(lambda x: row_zeroing.zero_unused_rows((x,), jnp.asarray(cu), jnp.asarray(lengths))[0])(x)
     owned = np.zeros(rows, bool)
     for b in range(num):
-        owned[cu[b]:cu[b] + lengths[b]] = True
+        owned[cu[b] : cu[b] + lengths[b]] = True
     got = np.asarray(got, np.float32)
     assert np.isnan(got[owned]).all(), "a used row was written"
     np.testing.assert_array_equal(got[~owned], 0, err_msg="an unused row was not zeroed")

@@ -62,8 +62,9 @@ OPS = {"ragged": OpSpec(measured=True), "kvcache": OpSpec(measured=False)}
 def get(name: str, op: str = "ragged"):
     """The backend module registered as `name` for `op`; NotImplementedError where `op` has none of that name."""
     if name not in REGISTRIES[op]:
-        raise NotImplementedError(f"implementation={name!r} does not serve {op} calls (its backends: "
-                                  f"{', '.join(REGISTRIES[op])})")
+        raise NotImplementedError(
+            f"implementation={name!r} does not serve {op} calls (its backends: {', '.join(REGISTRIES[op])})"
+        )
     return importlib.import_module(REGISTRIES[op][name])
 
 
@@ -73,8 +74,11 @@ def _auto_candidate(backend, config) -> bool:
 
 def unsupported_reason(backend, config, index, *, stats_gradient: bool = False) -> str | None:
     """Why `backend` cannot serve this call, or None (its unsupported_reason, then its stats gradient's)."""
-    reason = (backend.unsupported_reason(config, index) if getattr(backend, "READS_INDEX", False)
-              else backend.unsupported_reason(config))
+    reason = (
+        backend.unsupported_reason(config, index)
+        if getattr(backend, "READS_INDEX", False)
+        else backend.unsupported_reason(config)
+    )
     if reason is None and stats_gradient and hasattr(backend, "stats_gradient_unsupported"):
         reason = backend.stats_gradient_unsupported(config)
     return reason

@@ -54,6 +54,16 @@ def pinned() -> str | None:
 
 def report(name: str, config, why: str) -> None:
     """The debug log line of a choice made for implementation=None."""
-    log.debug("implementation=None runs %s (%s) for B=%d, Tq=%d, Tkv=%d, heads %d/%d, head dims %d/%d, %s",
-              name, why, config.num_seqs, config.capacity_q, config.capacity_kv, config.num_heads_q,
-              config.num_heads_kv, config.head_dim_qk, config.head_dim_v, config.dtype)
+    log.debug(
+        "implementation=None runs %s (%s) for B=%d, Tq=%d, Tkv=%d, heads %d/%d, head dims %d/%d, %s",
+        name,
+        why,
+        config.num_seqs,
+        config.capacity_q,
+        config.capacity_kv,
+        config.num_heads_q,
+        config.num_heads_kv,
+        config.head_dim_qk,
+        config.head_dim_v,
+        config.dtype,
+    )

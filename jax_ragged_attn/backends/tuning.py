@@ -91,14 +91,18 @@ def key(config: AttentionConfig, same_index: bool, provider: str = FLASH_ATTN3_J
     fields = dataclasses.asdict(timed_config(config))
     for name in UNTIMED_FIELDS + ("fa3_provider",):  # so that a stored choice stays valid whatever they are
         fields.pop(name)
-    wheel = (dict(fa3_wheel=fa3_version) if provider == FLASH_ATTN3_JAX
-             else dict(fa3_build=provider, fa3_wheel=_dew_version()))
-    return json.dumps([*versions, DIRECTION, dict(sorted(fields.items()), **wheel,
-                                                  same_cu_seqlens=same_index, inputs=TIMED_INPUTS)])
+    wheel = (
+        dict(fa3_wheel=fa3_version)
+        if provider == FLASH_ATTN3_JAX
+        else dict(fa3_build=provider, fa3_wheel=_dew_version())
+    )
+    return json.dumps(
+        [*versions, DIRECTION, dict(sorted(fields.items()), **wheel, same_cu_seqlens=same_index, inputs=TIMED_INPUTS)]
+    )
 
 
 def choose(cudnn_ms: float, fa3_ms: float) -> str:
-    """"fa3" only when it is faster than cuDNN by more than autotune.MARGIN (timing noise is about 1 %)."""
+    """ "fa3" only when it is faster than cuDNN by more than autotune.MARGIN (timing noise is about 1 %)."""
     from jax_ragged_attn.backends.cudnn import autotune
 
     return "fa3" if fa3_ms < cudnn_ms * (1 - autotune.MARGIN) else "cudnn"
@@ -115,10 +119,12 @@ def _scratch(config: AttentionConfig, same_index: bool):
         return jnp.asarray(np.arange(config.num_seqs + 1, dtype=np.int32) * length)
 
     keys = jax.random.split(jax.random.key(0), 4)
-    shapes = [(config.capacity_q, config.num_heads_q, config.head_dim_qk),
-              (config.capacity_kv, config.num_heads_kv, config.head_dim_qk),
-              (config.capacity_kv, config.num_heads_kv, config.head_dim_v),
-              (config.capacity_q, config.num_heads_q, config.head_dim_v)]
+    shapes = [
+        (config.capacity_q, config.num_heads_q, config.head_dim_qk),
+        (config.capacity_kv, config.num_heads_kv, config.head_dim_qk),
+        (config.capacity_kv, config.num_heads_kv, config.head_dim_v),
+        (config.capacity_q, config.num_heads_q, config.head_dim_v),
+    ]
     q, k, v, d_out = (jax.random.normal(key, shape, config.dtype) for key, shape in zip(keys, shapes))
     cu_q = cu(config.capacity_q, config.max_seqlen_q)
     cu_kv = cu_q if same_index else cu(config.capacity_kv, config.max_seqlen_kv)
@@ -215,15 +221,18 @@ def entry(config: AttentionConfig, same_index: bool, provider: str = FLASH_ATTN3
         try:
             return _measure_outside_any_trace(config, same_index, provider), True
         except Exception as error:  # noqa: BLE001 - e.g. no memory for scratch: keep cuDNN, say why
-            warnings.warn(f"timing cuDNN against FlashAttention-3 failed, using cuDNN: "
-                          f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=6)
+            warnings.warn(
+                f"timing cuDNN against FlashAttention-3 failed, using cuDNN: {type(error).__name__}: {error}",
+                RuntimeWarning,
+                stacklevel=6,
+            )
             return dict(implementation="cudnn", failed=f"{type(error).__name__}: {error}"), False
 
     return autotune.remembered(key(config, same_index, provider), _chosen, _lock, measure)
 
 
 def faster(config: AttentionConfig, index) -> str:
-    """"cudnn" or "fa3": the measured faster of the two for this call (both can serve it), FA3 timed through the
+    """ "cudnn" or "fa3": the measured faster of the two for this call (both can serve it), FA3 timed through the
     provider that would run it."""
     from jax_ragged_attn.backends.fa3 import providers
 

@@ -16,7 +16,11 @@ from jax_ragged_attn.index import RaggedIndex
 
 def as_top_left(config: AttentionConfig, index: RaggedIndex) -> AttentionConfig:
     """`config` with diagonal_alignment="top_left" where that is provably the same mask, else unchanged."""
-    if (index.same and index.seqused_q is index.seqused_kv and config.diagonal_alignment == "bottom_right"
-            and (config.capacity_q, config.max_seqlen_q) == (config.capacity_kv, config.max_seqlen_kv)):
+    if (
+        index.same
+        and index.seqused_q is index.seqused_kv
+        and config.diagonal_alignment == "bottom_right"
+        and (config.capacity_q, config.max_seqlen_q) == (config.capacity_kv, config.max_seqlen_kv)
+    ):
         return dataclasses.replace(config, diagonal_alignment="top_left")
     return config

@@ -127,6 +127,7 @@ def check_callback(check, result_shape_dtypes, *args, vmap_method: str):
     """`jax.pure_callback(check, ...)` for a check that raises RaggedAttentionInputError: the error leaves the
     callback with a one-frame traceback (so XLA's text of it is three lines, see above), and
     where the callback runs inside this call (a transformation outside jit) it arrives unwrapped."""
+
     def run(*values):
         try:
             return check(*values)
@@ -166,7 +167,7 @@ def input_error_message(error: BaseException) -> str | None:
     marker = f"{RaggedAttentionInputError.__name__}: "
     text = str(error)
     at = text.rfind(marker)
-    return None if at < 0 else text[at + len(marker):].strip()
+    return None if at < 0 else text[at + len(marker) :].strip()
 
 
 def check_enabled(check: bool | None) -> bool:
@@ -201,8 +202,10 @@ def cu_seqlens_problems(cu: np.ndarray, name: str, capacity: int, max_seqlen: in
         problems.append(f"{name}[{i}] = {cu[i]} is past the capacity {capacity} (rows of the packed buffer)")
     if (lengths > max_seqlen).any():
         i = int(np.argmax(lengths > max_seqlen))
-        problems.append(f"sequence {i} has {lengths[i]} tokens ({name}[{i + 1}] - {name}[{i}] = {cu[i + 1]} - "
-                        f"{cu[i]}), more than {bound} = {max_seqlen}")
+        problems.append(
+            f"sequence {i} has {lengths[i]} tokens ({name}[{i + 1}] - {name}[{i}] = {cu[i + 1]} - "
+            f"{cu[i]}), more than {bound} = {max_seqlen}"
+        )
     return problems
 
 
@@ -218,14 +221,18 @@ def segment_problems(ids: np.ndarray, max_segments: int, max_seqlen: int) -> lis
     problems = []
     if first.size > max_segments:
         r, t = divmod(int(first[max_segments]), seq)
-        problems.append(f"segment_ids hold {first.size} segments, more than max_segments = {max_segments}: segments "
-                        f"{max_segments} to {first.size - 1} (row-major) would be dropped, the first of them "
-                        f"at segment_ids[{r}, {t}] = {ids[r, t]}")
+        problems.append(
+            f"segment_ids hold {first.size} segments, more than max_segments = {max_segments}: segments "
+            f"{max_segments} to {first.size - 1} (row-major) would be dropped, the first of them "
+            f"at segment_ids[{r}, {t}] = {ids[r, t]}"
+        )
     if (lengths > max_seqlen).any():
         i = int(np.argmax(lengths > max_seqlen))
         r, t = divmod(int(first[i]), seq)
-        problems.append(f"segment {i} (segment_ids[{r}, {t}:{t + lengths[i]}] = {ids[r, t]}) has {lengths[i]} "
-                        f"tokens, more than max_seqlen = {max_seqlen}")
+        problems.append(
+            f"segment {i} (segment_ids[{r}, {t}:{t + lengths[i]}] = {ids[r, t]}) has {lengths[i]} "
+            f"tokens, more than max_seqlen = {max_seqlen}"
+        )
     return problems
 
 
@@ -233,7 +240,7 @@ def _first_invalid(values: tuple, element_ranks: tuple, message_of) -> str | Non
     """What message_of(*element, where=...) says of the first element of `values` (NumPy arrays, one call's
     arguments) it finds invalid, or None. Under vmap the arrays carry the same leading mapped axes, and
     `where` names the mapped element."""
-    for index in np.ndindex(values[0].shape[:values[0].ndim - element_ranks[0]]):
+    for index in np.ndindex(values[0].shape[: values[0].ndim - element_ranks[0]]):
         message = message_of(*(v[index] for v in values), where=f" (vmapped element {index})" if index else "")
         if message:
             return message
@@ -242,12 +249,14 @@ def _first_invalid(values: tuple, element_ranks: tuple, message_of) -> str | Non
 
 def _named(name: str, problems_of):
     """message_of for one array: "<name> is invalid: <problems>. Got <values>", or None without problems."""
+
     def message_of(values, *, where):
         problems = problems_of(values)
         if not problems:
             return None
         got = np.array2string(values, threshold=32, max_line_width=10**6).replace("\n", "")
         return f"{name} is invalid{where}: " + "; ".join(problems) + f". Got {got}"
+
     return message_of
 
 
@@ -255,9 +264,11 @@ def _warn(values: np.ndarray, element_rank: int, name: str, problems_of) -> None
     """A RaggedAttentionInputWarning naming `name` if `problems_of` finds anything in host-resident `values`."""
     message = _first_invalid((values,), (element_rank,), _named(name, problems_of))
     if message:
-        warnings.warn(message + ". The op drops or clamps this data (check=True raises instead; "
-                      "return_overflow=True counts it)", RaggedAttentionInputWarning,
-                      stacklevel=_first_frame_outside_the_package())
+        warnings.warn(
+            message + ". The op drops or clamps this data (check=True raises instead; return_overflow=True counts it)",
+            RaggedAttentionInputWarning,
+            stacklevel=_first_frame_outside_the_package(),
+        )
 
 
 def _first_frame_outside_the_package() -> int:
@@ -275,6 +286,7 @@ def _checked(arrays: tuple, element_ranks: tuple, message_of) -> tuple:
     nothing); otherwise the computation stops with a RaggedAttentionInputError (see the module docstring).
     Concrete values are checked here and now, traced ones by one pure_callback over all of them. Every check
     of check mode, of both ops, is this: its caller brings the problem finder."""
+
     def check_on_host(*values):
         values = tuple(np.asarray(v) for v in values)
         message = _first_invalid(values, element_ranks, message_of)
@@ -302,13 +314,15 @@ def checked_cu_seqlens(cu_seqlens: jax.Array, *, name: str, capacity: int, max_s
     Valid means: starts at 0, never decreases, never exceeds `capacity` (the packed buffer's rows) and no
     sequence is longer than `max_seqlen`. Works eagerly and under jit, vmap, grad and checkpoint.
     """
-    problems_of = functools.partial(cu_seqlens_problems, name=name, capacity=int(capacity),
-                                    max_seqlen=int(max_seqlen), bound=_bound_name(name))
+    problems_of = functools.partial(
+        cu_seqlens_problems, name=name, capacity=int(capacity), max_seqlen=int(max_seqlen), bound=_bound_name(name)
+    )
     return _checked((cu_seqlens,), (1,), _named(name, problems_of))[0]
 
 
-def seqused_problems(cu: np.ndarray, seqused: np.ndarray, name: str, seqused_name: str, capacity: int,
-                     max_seqlen: int, bound: str) -> list[str]:
+def seqused_problems(
+    cu: np.ndarray, seqused: np.ndarray, name: str, seqused_name: str, capacity: int, max_seqlen: int, bound: str
+) -> list[str]:
     """What is wrong with one [B + 1] cu_seqlens (the slots' offsets) and its [B] seqused: the offsets as for
     cu_seqlens but a slot may exceed max_seqlen; seqused within [0, slot length] and at most max_seqlen."""
     problems = cu_seqlens_problems(cu, name, capacity, np.iinfo(np.int64).max, bound)
@@ -319,24 +333,31 @@ def seqused_problems(cu: np.ndarray, seqused: np.ndarray, name: str, seqused_nam
         problems.append(f"{seqused_name}[{i}] = {seqused[i]} is negative")
     if (seqused > slots).any():
         i = int(np.argmax(seqused > slots))
-        problems.append(f"{seqused_name}[{i}] = {seqused[i]} is more than the slot's {slots[i]} rows ({name}[{i + 1}] - "
-                        f"{name}[{i}] = {cu[i + 1]} - {cu[i]})")
+        problems.append(
+            f"{seqused_name}[{i}] = {seqused[i]} is more than the slot's {slots[i]} rows ({name}[{i + 1}] - "
+            f"{name}[{i}] = {cu[i + 1]} - {cu[i]})"
+        )
     if (seqused > max_seqlen).any():
         i = int(np.argmax(seqused > max_seqlen))
         problems.append(f"{seqused_name}[{i}] = {seqused[i]} is more than {bound} = {max_seqlen}")
     return problems
 
 
-def checked_seqused(cu_seqlens: jax.Array, seqused: jax.Array, *, name: str, seqused_name: str, capacity: int,
-                    max_seqlen: int):
+def checked_seqused(
+    cu_seqlens: jax.Array, seqused: jax.Array, *, name: str, seqused_name: str, capacity: int, max_seqlen: int
+):
     """(cu_seqlens, seqused), unchanged, once a host check has found them valid together (seqused_problems);
     otherwise the computation stops with a RaggedAttentionInputError naming the argument."""
+
     def message_of(cu, used, *, where):
         problems = seqused_problems(cu, used, name, seqused_name, int(capacity), int(max_seqlen), _bound_name(name))
         if not problems:
             return None
-        return (f"{name} / {seqused_name} are invalid{where}: " + "; ".join(problems)
-                + f". Got {name} = {cu.tolist()}, {seqused_name} = {used.tolist()}")
+        return (
+            f"{name} / {seqused_name} are invalid{where}: "
+            + "; ".join(problems)
+            + f". Got {name} = {cu.tolist()}, {seqused_name} = {used.tolist()}"
+        )
 
     return _checked((cu_seqlens, seqused), (1, 1), message_of)
 
@@ -350,8 +371,10 @@ def checked_segment_ids(segment_ids: jax.Array, *, max_segments: int, max_seqlen
 
 def _lengths_outside(lengths: np.ndarray, capacity: int, what: str) -> list[str]:
     """The first cache_seqlens entry outside [0, capacity], as a problem sentence (none: [])."""
-    return [f"cache_seqlens[{b}] = {lengths[b]} is outside [0, {capacity}] ({what})"
-            for b in np.flatnonzero((lengths < 0) | (lengths > capacity))[:1]]
+    return [
+        f"cache_seqlens[{b}] = {lengths[b]} is outside [0, {capacity}] ({what})"
+        for b in np.flatnonzero((lengths < 0) | (lengths > capacity))[:1]
+    ]
 
 
 def _first_bad_entry(page_table: np.ndarray, touched: np.ndarray, num_pages: int) -> tuple[int, int] | None:
@@ -368,8 +391,11 @@ def cache_index_problems(lengths: np.ndarray, page_table: np.ndarray | None, con
     [B, max_pages] (None: contiguous); config its KVCacheConfig (index/kvcache.py)."""
     problems = []
     lengths = lengths.astype(np.int64)
-    where = "k_cache.shape[1]" if not config.paged else f"page_table.shape[1] * page_size = {config.max_pages} * " \
-                                                        f"{config.page_size}"
+    where = (
+        "k_cache.shape[1]"
+        if not config.paged
+        else f"page_table.shape[1] * page_size = {config.max_pages} * {config.page_size}"
+    )
     problems += _lengths_outside(lengths, config.capacity, f"the capacity, {where}")
     if page_table is not None:
         used = (np.clip(lengths, 0, config.capacity) + config.page_size - 1) // config.page_size  # [B]
@@ -377,22 +403,25 @@ def cache_index_problems(lengths: np.ndarray, page_table: np.ndarray | None, con
         bad = _first_bad_entry(page_table, needed, config.num_pages)
         if bad is not None:
             b, p = bad
-            problems.append(f"page_table[{b}, {p}] = {page_table[b, p]} is outside [0, num_pages = "
-                            f"{config.num_pages}) (k_cache.shape[0]) and holds rows {p * config.page_size}.."
-                            f"{(p + 1) * config.page_size - 1} that sequence {b} uses (cache_seqlens[{b}] = "
-                            f"{lengths[b]})")
+            problems.append(
+                f"page_table[{b}, {p}] = {page_table[b, p]} is outside [0, num_pages = "
+                f"{config.num_pages}) (k_cache.shape[0]) and holds rows {p * config.page_size}.."
+                f"{(p + 1) * config.page_size - 1} that sequence {b} uses (cache_seqlens[{b}] = "
+                f"{lengths[b]})"
+            )
     return problems
 
 
 def checked_cache_index(cache_seqlens: jax.Array, page_table: jax.Array | None, config):
     """(cache_seqlens, page_table), unchanged, once a host check has found them valid together
     (cache_index_problems); otherwise the computation stops with a RaggedAttentionInputError."""
+
     def message_of(lengths, table=None, *, where):
         problems = cache_index_problems(lengths, table, config)
         return "KV cache index invalid" + where + ": " + "; ".join(problems) if problems else None
 
     arrays = (cache_seqlens,) if page_table is None else (cache_seqlens, page_table)
-    checked = _checked(arrays, (1, 2)[:len(arrays)], message_of)
+    checked = _checked(arrays, (1, 2)[: len(arrays)], message_of)
     return checked[0], (None if page_table is None else checked[1])
 
 
@@ -400,16 +429,30 @@ def warn_cu_seqlens_on_host(cu_seqlens, *, name: str, capacity: int, max_seqlen:
     """Outside check mode: a RaggedAttentionInputWarning if host-resident (NumPy) cu_seqlens will be clamped
     or cut. Device arrays and traced values are left alone: reading them would cost a round trip."""
     if isinstance(cu_seqlens, np.ndarray):
-        _warn(cu_seqlens, 1, name, functools.partial(cu_seqlens_problems, name=name, capacity=int(capacity),
-                                                     max_seqlen=int(max_seqlen), bound=_bound_name(name)))
+        _warn(
+            cu_seqlens,
+            1,
+            name,
+            functools.partial(
+                cu_seqlens_problems,
+                name=name,
+                capacity=int(capacity),
+                max_seqlen=int(max_seqlen),
+                bound=_bound_name(name),
+            ),
+        )
 
 
 def warn_segment_ids_on_host(segment_ids, *, max_segments: int, max_seqlen: int) -> None:
     """Outside check mode: a RaggedAttentionInputWarning if host-resident (NumPy) segment_ids will lose
     segments or tokens."""
     if isinstance(segment_ids, np.ndarray):
-        _warn(segment_ids, 2, "segment_ids", functools.partial(segment_problems, max_segments=int(max_segments),
-                                                               max_seqlen=int(max_seqlen)))
+        _warn(
+            segment_ids,
+            2,
+            "segment_ids",
+            functools.partial(segment_problems, max_segments=int(max_segments), max_seqlen=int(max_seqlen)),
+        )
 
 
 # Guard mode of the cuDNN path (on with check=True): GUARD_BYTES past the end of the workspace the graph
@@ -506,16 +549,32 @@ def apply_check(check: bool | None, config, index):
         if seqused[side] is None:
             checked.append(checked_cu_seqlens(cu, name=name, capacity=capacity, max_seqlen=max_seqlen))
         else:
-            cu, used[side] = checked_seqused(cu, seqused[side], name=name, capacity=capacity, max_seqlen=max_seqlen,
-                                             seqused_name=("seqused_q", "seqused_kv")[side])
+            cu, used[side] = checked_seqused(
+                cu,
+                seqused[side],
+                name=name,
+                capacity=capacity,
+                max_seqlen=max_seqlen,
+                seqused_name=("seqused_q", "seqused_kv")[side],
+            )
             checked.append(cu)
     if same and seqused[1] is not None and used[1] is seqused[1]:  # one cu for both sides: check kv's seqused too
-        _, used[1] = checked_seqused(checked[0], seqused[1], name="cu_seqlens" if config.packing == "qkv" else
-                                     "cu_seqlens_kv", seqused_name="seqused_kv",
-                                     capacity=config.capacity_kv, max_seqlen=config.max_seqlen_kv)
+        _, used[1] = checked_seqused(
+            checked[0],
+            seqused[1],
+            name="cu_seqlens" if config.packing == "qkv" else "cu_seqlens_kv",
+            seqused_name="seqused_kv",
+            capacity=config.capacity_kv,
+            max_seqlen=config.max_seqlen_kv,
+        )
     # The checked arrays are new values: `same` stays true only where one array still serves both sides.
-    return config, index.replace(cu_seqlens_q=checked[0], cu_seqlens_kv=checked[-1], seqused_q=used[0],
-                                 seqused_kv=used[1], same=index.same and checked[0] is checked[-1])
+    return config, index.replace(
+        cu_seqlens_q=checked[0],
+        cu_seqlens_kv=checked[-1],
+        seqused_q=used[0],
+        seqused_kv=used[1],
+        same=index.same and checked[0] is checked[-1],
+    )
 
 
 def apply_cache_check(check: bool | None, config, cache_seqlens, page_table, cu_seqlens_q=None):
@@ -528,18 +587,28 @@ def apply_cache_check(check: bool | None, config, cache_seqlens, page_table, cu_
     packed = cu_seqlens_q is not None
     if not check_enabled(check):
         if packed:
-            warn_cu_seqlens_on_host(cu_seqlens_q, name="cu_seqlens_q", capacity=config.total_q,
-                                    max_seqlen=config.seqlen_q)
+            warn_cu_seqlens_on_host(
+                cu_seqlens_q, name="cu_seqlens_q", capacity=config.total_q, max_seqlen=config.seqlen_q
+            )
         return cache_seqlens, page_table, cu_seqlens_q
     cache_seqlens, page_table = checked_cache_index(cache_seqlens, page_table, config)
     if packed:
-        cu_seqlens_q = checked_cu_seqlens(cu_seqlens_q, name="cu_seqlens_q", capacity=config.total_q,
-                                          max_seqlen=config.seqlen_q)
+        cu_seqlens_q = checked_cu_seqlens(
+            cu_seqlens_q, name="cu_seqlens_q", capacity=config.total_q, max_seqlen=config.seqlen_q
+        )
     return cache_seqlens, page_table, cu_seqlens_q
 
 
-def append_index_problems(lengths: np.ndarray, page_table: np.ndarray | None, cu: np.ndarray | None, *,
-                          new_rows: int, capacity: int, num_pages: int, page_size: int) -> list[str]:
+def append_index_problems(
+    lengths: np.ndarray,
+    page_table: np.ndarray | None,
+    cu: np.ndarray | None,
+    *,
+    new_rows: int,
+    capacity: int,
+    num_pages: int,
+    page_size: int,
+) -> list[str]:
     """What kvcache_append would not write, for one call: cache_seqlens [B] outside [0, capacity], a sequence
     whose new rows run past its capacity, a page-table entry outside [0, num_pages) that would receive rows;
     cu (packed: [B + 1] cu_seqlens_k_new over new_rows rows, None: new_rows each) as it would be clamped."""
@@ -550,24 +619,37 @@ def append_index_problems(lengths: np.ndarray, page_table: np.ndarray | None, cu
     start = np.clip(lengths, 0, capacity)
     end = start + counts  # rows start .. end - 1 are written
     for b in np.flatnonzero(end > capacity)[:1]:
-        problems.append(f"sequence {b}: cache_seqlens[{b}] = {lengths[b]} and its {counts[b]} new rows reach row "
-                        f"{end[b] - 1}, past its capacity {capacity}: rows {capacity}..{end[b] - 1} would not be "
-                        "written")
+        problems.append(
+            f"sequence {b}: cache_seqlens[{b}] = {lengths[b]} and its {counts[b]} new rows reach row "
+            f"{end[b] - 1}, past its capacity {capacity}: rows {capacity}..{end[b] - 1} would not be "
+            "written"
+        )
     if page_table is not None:
         pages = np.arange(page_table.shape[1])[None, :]
         written = (pages * page_size < np.minimum(end, capacity)[:, None]) & ((pages + 1) * page_size > start[:, None])
         bad = _first_bad_entry(page_table, written, num_pages)
         if bad is not None:
             b, p = bad
-            problems.append(f"page_table[{b}, {p}] = {page_table[b, p]} is outside [0, num_pages = {num_pages}) "
-                            f"(k_cache.shape[0]) and would receive rows {max(start[b], p * page_size)}.."
-                            f"{min(end[b], (p + 1) * page_size) - 1} of sequence {b} (cache_seqlens[{b}] = "
-                            f"{lengths[b]}, {counts[b]} new rows): they would not be written")
+            problems.append(
+                f"page_table[{b}, {p}] = {page_table[b, p]} is outside [0, num_pages = {num_pages}) "
+                f"(k_cache.shape[0]) and would receive rows {max(start[b], p * page_size)}.."
+                f"{min(end[b], (p + 1) * page_size) - 1} of sequence {b} (cache_seqlens[{b}] = "
+                f"{lengths[b]}, {counts[b]} new rows): they would not be written"
+            )
     return problems
 
 
-def apply_append_check(check: bool | None, cache_seqlens, page_table, cu_seqlens_k_new, *, new_rows: int,
-                       capacity: int, num_pages: int, page_size: int):
+def apply_append_check(
+    check: bool | None,
+    cache_seqlens,
+    page_table,
+    cu_seqlens_k_new,
+    *,
+    new_rows: int,
+    capacity: int,
+    num_pages: int,
+    page_size: int,
+):
     """The check feature of one kvcache_append call: with check on, (cache_seqlens, page_table,
     cu_seqlens_k_new) validated together on the host at run time (cu_seqlens_problems for cu_seqlens_k_new,
     append_index_problems for the rows that would not be written); off, as they are. Returns the three."""
@@ -581,11 +663,21 @@ def apply_append_check(check: bool | None, cache_seqlens, page_table, cu_seqlens
         problems = []
         if "cu" in given:
             problems += cu_seqlens_problems(given["cu"], "cu_seqlens_k_new", new_rows, new_rows, "its rows")
-        problems += append_index_problems(given["cache_seqlens"], given.get("page_table"), given.get("cu"),
-                                          new_rows=new_rows, capacity=capacity, num_pages=num_pages,
-                                          page_size=page_size)
+        problems += append_index_problems(
+            given["cache_seqlens"],
+            given.get("page_table"),
+            given.get("cu"),
+            new_rows=new_rows,
+            capacity=capacity,
+            num_pages=num_pages,
+            page_size=page_size,
+        )
         return "KV cache append invalid" + where + ": " + "; ".join(problems) if problems else None
 
-    checked = dict(zip((name for name, _, _ in present),
-                       _checked(tuple(x for _, x, _ in present), tuple(r for _, _, r in present), message_of)))
+    checked = dict(
+        zip(
+            (name for name, _, _ in present),
+            _checked(tuple(x for _, x, _ in present), tuple(r for _, _, r in present), message_of),
+        )
+    )
     return checked["cache_seqlens"], checked.get("page_table"), checked.get("cu")

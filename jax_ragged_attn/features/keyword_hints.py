@@ -14,33 +14,46 @@ import inspect
 # FlashAttention's keyword -> (ours or None, what to know when switching). A replacement is offered only where
 # the function takes it (ragged_attention has no page_table); {alignment} is the note on the diagonal.
 NAMES = {
-    "window_size": ("local_window_size", "(left, right), a negative side unlimited as FlashAttention's -1; "
-                                         "{alignment}"),
+    "window_size": (
+        "local_window_size",
+        "(left, right), a negative side unlimited as FlashAttention's -1; {alignment}",
+    ),
     "softmax_scale": ("scale", None),
     "causal": ("is_causal", "{alignment}"),
-    "return_softmax_lse": ("return_stats", "returns (out, lse), lse float32 and head-major as FlashAttention's "
-                                           "([H, T] packed, [B, H, Sq] over a cache)"),
-    "return_attn_probs": ("return_stats", "returns (out, lse), lse float32 and head-major ([H, T] packed, "
-                                          "[B, H, Sq] over a cache); no probabilities"),
+    "return_softmax_lse": (
+        "return_stats",
+        "returns (out, lse), lse float32 and head-major as FlashAttention's ([H, T] packed, [B, H, Sq] over a cache)",
+    ),
+    "return_attn_probs": (
+        "return_stats",
+        "returns (out, lse), lse float32 and head-major ([H, T] packed, [B, H, Sq] over a cache); no probabilities",
+    ),
     "cu_seqlens_k": ("cu_seqlens_kv", None),
     "max_seqlen_k": ("max_seqlen_kv", None),
     "seqused_k": ("seqused_kv", None),
     "block_table": ("page_table", None),
-    "k": (None, "append new keys and values with kvcache_append(k_cache, v_cache, k, v, cache_seqlens) first, "
-                "then attend with cache_seqlens + Sn"),
+    "k": (
+        None,
+        "append new keys and values with kvcache_append(k_cache, v_cache, k, v, cache_seqlens) first, "
+        "then attend with cache_seqlens + Sn",
+    ),
     "v": (None, "append new keys and values with kvcache_append first (see k)"),
     "dropout_p": (None, "no implementation here has attention dropout"),
     "alibi_slopes": (None, "no implementation here adds ALiBi biases"),
 }
-COMPAT = ("jax_ragged_attn.flash_attn_varlen_func and flash_attn_with_kvcache take FlashAttention's names, "
-          "semantics and bottom-right alignment as they are")
+COMPAT = (
+    "jax_ragged_attn.flash_attn_varlen_func and flash_attn_with_kvcache take FlashAttention's names, "
+    "semantics and bottom-right alignment as they are"
+)
 
 
 def _alignment(parameters) -> str:
     if "diagonal_alignment" in parameters:
-        return ("FlashAttention aligns the diagonal bottom-right, this function top-left unless "
-                "diagonal_alignment=\"bottom_right\": the same when a sequence has as many queries as keys, "
-                "different for cross-attention")
+        return (
+            "FlashAttention aligns the diagonal bottom-right, this function top-left unless "
+            'diagonal_alignment="bottom_right": the same when a sequence has as many queries as keys, '
+            "different for cross-attention"
+        )
     return "aligned bottom-right, as FlashAttention's; is_causal defaults to True here"
 
 
@@ -63,10 +76,14 @@ def reject_unknown_keywords(function, unknown: dict) -> None:
     the keyword `function` takes instead. Nothing when `unknown` is empty."""
     if not unknown:
         return
-    parameters = [name for name, parameter in inspect.signature(function).parameters.items()
-                  if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)]
+    parameters = [
+        name
+        for name, parameter in inspect.signature(function).parameters.items()
+        if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+    ]
     problems = [f"{name!r}: {hint(name, parameters)}" for name in unknown]
     noun = "an unexpected keyword argument" if len(problems) == 1 else "unexpected keyword arguments"
     flash_attention = any(name in NAMES for name in unknown)
-    raise TypeError(f"{function.__name__}() got {noun} " + "; ".join(problems) + (f". {COMPAT}" if flash_attention
-                                                                                    else ""))
+    raise TypeError(
+        f"{function.__name__}() got {noun} " + "; ".join(problems) + (f". {COMPAT}" if flash_attention else "")
+    )

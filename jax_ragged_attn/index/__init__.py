@@ -93,8 +93,10 @@ def host_slots(cu_seqlens, capacity: int) -> np.ndarray | None:
 
 def sanitize_both(cu_seqlens_q: jax.Array, cu_seqlens_kv: jax.Array, config) -> tuple[jax.Array, jax.Array]:
     """Both cu_seqlens clamped into their buffers, once per call: offsets, lengths and masks derive from these."""
-    return (sanitize_cu_seqlens(cu_seqlens_q, config.capacity_q),
-            sanitize_cu_seqlens(cu_seqlens_kv, config.capacity_kv))
+    return (
+        sanitize_cu_seqlens(cu_seqlens_q, config.capacity_q),
+        sanitize_cu_seqlens(cu_seqlens_kv, config.capacity_kv),
+    )
 
 
 def sequence_lengths(cu_seqlens: jax.Array, max_seqlen: int, seqused: jax.Array | None = None) -> jax.Array:
@@ -170,8 +172,10 @@ def as_int32(x, name: str):
         if outside.any():
             at = tuple(int(i) for i in np.argwhere(outside)[0])
             where = at[0] if len(at) == 1 else at
-            raise ValueError(f"{name}[{where}] = {x[at]} does not fit int32 (the kernels' index type); "
-                             f"{name} must hold values in [{_INT32.min}, {_INT32.max}]")
+            raise ValueError(
+                f"{name}[{where}] = {x[at]} does not fit int32 (the kernels' index type); "
+                f"{name} must hold values in [{_INT32.min}, {_INT32.max}]"
+            )
         return x.astype(np.int32)
     return _clip_to_int32(x)
 
@@ -186,8 +190,11 @@ def _clip_to_int32(x):
     return jax.lax.clamp(low, x, high).astype(jnp.int32)
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["cu_seqlens_q", "cu_seqlens_kv", "seqused_q", "seqused_kv"], meta_fields=["same"])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["cu_seqlens_q", "cu_seqlens_kv", "seqused_q", "seqused_kv"],
+    meta_fields=["same"],
+)
 @dataclasses.dataclass(frozen=True)
 class RaggedIndex:
     """The index arrays of one call, as the caller passed them (int32; checked ones in check mode), and what
@@ -219,16 +226,28 @@ class RaggedIndex:
 
     def sanitized(self, config) -> tuple[jax.Array, jax.Array]:
         """(cu_seqlens_q, cu_seqlens_kv) clamped monotone into their buffers (sanitize_cu_seqlens)."""
-        return self._memo(("sanitized", config.capacity_q, config.capacity_kv),
-                          lambda: sanitize_both(self.cu_seqlens_q, self.cu_seqlens_kv, config))
+        return self._memo(
+            ("sanitized", config.capacity_q, config.capacity_kv),
+            lambda: sanitize_both(self.cu_seqlens_q, self.cu_seqlens_kv, config),
+        )
 
     def real_rows_q(self, config) -> jax.Array:
         """[Tq] bool: the query row is a real token (row_positions' valid)."""
-        return self._memo(("real_q", config.capacity_q, config.max_seqlen_q), lambda: row_positions(
-            self.sanitized(config)[0], config.capacity_q, config.max_seqlen_q, self.seqused_q)[2])
+        return self._memo(
+            ("real_q", config.capacity_q, config.max_seqlen_q),
+            lambda: row_positions(self.sanitized(config)[0], config.capacity_q, config.max_seqlen_q, self.seqused_q)[2],
+        )
 
     def rows_with_keys(self, config) -> jax.Array:
         """[Tq] bool: the query row is real and its band holds at least one key (query_rows_with_keys)."""
-        key = ("keys", config.capacity_q, config.capacity_kv, config.max_seqlen_q, config.max_seqlen_kv,
-               config.diagonal_alignment, config.left_bound, config.right_bound)
+        key = (
+            "keys",
+            config.capacity_q,
+            config.capacity_kv,
+            config.max_seqlen_q,
+            config.max_seqlen_kv,
+            config.diagonal_alignment,
+            config.left_bound,
+            config.right_bound,
+        )
         return self._memo(key, lambda: query_rows_with_keys(*self.sanitized(config), config, *self.seqused))

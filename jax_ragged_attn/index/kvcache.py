@@ -179,6 +179,14 @@ def query_tiles(cu_seqlens_q: jax.Array, lengths: jax.Array, config: KVCacheConf
     row_sequence, row_offset, row_owned = row_positions(cu, config.total_q, config.seqlen_q)
     row_sequence = jnp.minimum(row_sequence, config.batch - 1)
     row_tile = jnp.clip((ends - per_sequence)[row_sequence] + row_offset // size, 0, count - 1)
-    return QueryTiles(size=size, count=count, sequence=sequence, first_row=cu[sequence] + offset, used=used,
-                      first_position=lengths[sequence] - counts[sequence] + offset, row_tile=row_tile,
-                      row_slot=jnp.clip(row_offset, 0, None) % size, row_owned=row_owned)
+    return QueryTiles(
+        size=size,
+        count=count,
+        sequence=sequence,
+        first_row=cu[sequence] + offset,
+        used=used,
+        first_position=lengths[sequence] - counts[sequence] + offset,
+        row_tile=row_tile,
+        row_slot=jnp.clip(row_offset, 0, None) % size,
+        row_owned=row_owned,
+    )

@@ -97,15 +97,18 @@ class Packing:
     def join(self, d_q, d_k, d_v) -> tuple:
         """Separate gradients assembled into the buffers' layout (the inverse of `split`)."""
         grads = dict(zip(TENSORS, (d_q, d_k, d_v)))
-        return tuple(jnp.stack([grads[t] for t in b.holds], axis=1) if b.packed else grads[b.holds[0]]
-                     for b in self.buffers)
+        return tuple(
+            jnp.stack([grads[t] for t in b.holds], axis=1) if b.packed else grads[b.holds[0]] for b in self.buffers
+        )
 
     def gradient_specs(self, config: AttentionConfig):
         """(shape, dtype, row axis) of each gradient the backward handler writes: each buffer's shape."""
         dtype = jnp.dtype(config.dtype)
-        shapes = {"q": (config.capacity_q, config.num_heads_q, config.head_dim_qk),
-                  "k": (config.capacity_kv, config.num_heads_kv, config.head_dim_qk),
-                  "v": (config.capacity_kv, config.num_heads_kv, config.head_dim_v)}
+        shapes = {
+            "q": (config.capacity_q, config.num_heads_q, config.head_dim_qk),
+            "k": (config.capacity_kv, config.num_heads_kv, config.head_dim_qk),
+            "v": (config.capacity_kv, config.num_heads_kv, config.head_dim_v),
+        }
         specs = []
         for b in self.buffers:
             rows, heads, dim = shapes[b.holds[0]]
@@ -115,14 +118,24 @@ class Packing:
     def gradient_masks(self, valid_q: jax.Array, valid_kv: jax.Array) -> tuple:
         """Per gradient, which rows (and, packed, which parts of a row) hold a gradient: [T] or [T, parts]."""
         side = {"q": valid_q, "k": valid_kv, "v": valid_kv}
-        return tuple(jnp.stack([side[t] for t in b.holds], axis=1) if b.packed else side[b.holds[0]]
-                     for b in self.buffers)
+        return tuple(
+            jnp.stack([side[t] for t in b.holds], axis=1) if b.packed else side[b.holds[0]] for b in self.buffers
+        )
 
 
-TABLE = {p.name: p for p in (
-    Packing("none", (Buffer("q", "[Tq, Hq, Dqk]", ("q",)), Buffer("k", "[Tkv, Hkv, Dqk]", ("k",)),
-                     Buffer("v", "[Tkv, Hkv, Dv]", ("v",)))),
-    Packing("kv", (Buffer("q", "[Tq, Hq, D]", ("q",)), Buffer("kv", "[Tkv, 2, Hkv, D]", ("k", "v")))),
-    Packing("qkv", (Buffer("qkv", "[T, 3, H, D]", ("q", "k", "v")),)),
-)}
+TABLE = {
+    p.name: p
+    for p in (
+        Packing(
+            "none",
+            (
+                Buffer("q", "[Tq, Hq, Dqk]", ("q",)),
+                Buffer("k", "[Tkv, Hkv, Dqk]", ("k",)),
+                Buffer("v", "[Tkv, Hkv, Dv]", ("v",)),
+            ),
+        ),
+        Packing("kv", (Buffer("q", "[Tq, Hq, D]", ("q",)), Buffer("kv", "[Tkv, 2, Hkv, D]", ("k", "v")))),
+        Packing("qkv", (Buffer("qkv", "[T, 3, H, D]", ("q", "k", "v")),)),
+    )
+}
 assert tuple(TABLE) == PACKINGS, "the table and config.PACKINGS (the C++ enum's order) must name the same packings"

@@ -121,13 +121,13 @@ class PackedDocuments:
         if n is None:
             return self
         rows = dual_chunk_rows(self.tokens.shape[0], n, inverse=True)
-        return dataclasses.replace(self, context_parallel_devices=None,
-                                   **{key: getattr(self, key)[rows] for key in _TOKEN_FIELDS})
+        return dataclasses.replace(
+            self, context_parallel_devices=None, **{key: getattr(self, key)[rows] for key in _TOKEN_FIELDS}
+        )
 
 
 # The arrays (read as batch[key]); context_parallel_devices describes them and is an attribute only.
-_FIELDS = tuple(field.name for field in dataclasses.fields(PackedDocuments)
-                if field.name != "context_parallel_devices")
+_FIELDS = tuple(field.name for field in dataclasses.fields(PackedDocuments) if field.name != "context_parallel_devices")
 # The [T] arrays, the ones the dual-chunk order permutes.
 _TOKEN_FIELDS = ("tokens", "targets", "loss_mask", "positions", "segment_ids")
 
@@ -152,15 +152,27 @@ class DocumentPacker(Iterable[PackedDocuments]):
     has emitted.
     """
 
-    def __init__(self, docs: Iterable, capacity: int, *, max_seqs: int, max_seqlen: int | None = None,
-                 buffer_size: int = 1024, pad_id: int = 0, rng: np.random.Generator | None = None,
-                 context_parallel_devices: int | None = None, balance_causal_work: bool = True):
+    def __init__(
+        self,
+        docs: Iterable,
+        capacity: int,
+        *,
+        max_seqs: int,
+        max_seqlen: int | None = None,
+        buffer_size: int = 1024,
+        pad_id: int = 0,
+        rng: np.random.Generator | None = None,
+        context_parallel_devices: int | None = None,
+        balance_causal_work: bool = True,
+    ):
         self.capacity = _positive_int(capacity, "capacity")
         self.max_seqs = _positive_int(max_seqs, "max_seqs")
         self.max_seqlen = self.capacity if max_seqlen is None else _positive_int(max_seqlen, "max_seqlen")
         if self.max_seqlen > self.capacity:
-            raise ValueError(f"max_seqlen ({self.max_seqlen}) must be <= capacity ({self.capacity}): a sequence "
-                             "must fit in one batch")
+            raise ValueError(
+                f"max_seqlen ({self.max_seqlen}) must be <= capacity ({self.capacity}): a sequence "
+                "must fit in one batch"
+            )
         if self.capacity > _INT32.max:
             raise ValueError(f"capacity must fit int32 offsets (<= {_INT32.max}), got {self.capacity}")
         self.buffer_size = _positive_int(buffer_size, "buffer_size")
@@ -174,15 +186,21 @@ class DocumentPacker(Iterable[PackedDocuments]):
         # generator still gets a new order each epoch, as when the packer drew from it directly.
         self._rng = None if rng is None else np.random.default_rng(int(rng.integers(0, 2**63 - 1)))
         self.rng = rng
-        self.context_parallel_devices = (None if context_parallel_devices is None
-                                         else _positive_int(context_parallel_devices, "context_parallel_devices"))
+        self.context_parallel_devices = (
+            None
+            if context_parallel_devices is None
+            else _positive_int(context_parallel_devices, "context_parallel_devices")
+        )
         if self.context_parallel_devices is not None and self.capacity % (2 * self.context_parallel_devices):
-            raise ValueError(f"capacity ({self.capacity}) must be a multiple of 2 * context_parallel_devices = "
-                             f"{2 * self.context_parallel_devices}: the dual-chunk order cuts it into 2 chunks per "
-                             "device")
+            raise ValueError(
+                f"capacity ({self.capacity}) must be a multiple of 2 * context_parallel_devices = "
+                f"{2 * self.context_parallel_devices}: the dual-chunk order cuts it into 2 chunks per "
+                "device"
+            )
         if not isinstance(balance_causal_work, (bool, np.bool_)):
-            raise ValueError(f"balance_causal_work must be a bool, got {type(balance_causal_work).__name__} "
-                             f"{balance_causal_work!r}")
+            raise ValueError(
+                f"balance_causal_work must be a bool, got {type(balance_causal_work).__name__} {balance_causal_work!r}"
+            )
         self.balance_causal_work = bool(balance_causal_work)
         if isinstance(docs, (str, bytes)) or not isinstance(docs, Iterable):
             raise ValueError(f"docs must be an iterable of 1-D integer token arrays, got {type(docs).__name__}")
@@ -199,7 +217,8 @@ class DocumentPacker(Iterable[PackedDocuments]):
                 "pack_documents was given a one-shot iterator (a generator or iterator, which one read consumes) "
                 "and its pass has already started: a second pass would yield no batch. To iterate again, pass a "
                 "list, or an iterable whose iter() starts over (a class with an __iter__ generator method), or "
-                "call pack_documents again with a fresh generator")
+                "call pack_documents again with a fresh generator"
+            )
         self._only_pass = PackingPass(self, self._docs)
         return self._only_pass
 
@@ -239,9 +258,11 @@ class DocumentPacker(Iterable[PackedDocuments]):
         input over the batches emitted so far, RuntimeError before the first."""
         counts = self._counts()
         if counts is None or not (counts.batches or counts.finished):
-            raise RuntimeError("fill_rate is not known before the first batch: docs is a one-shot iterator, which "
-                               "the packer cannot read ahead; read fill_rate after iterating, or pass a list (or "
-                               "an iterable whose iter() starts over) to know it up front")
+            raise RuntimeError(
+                "fill_rate is not known before the first batch: docs is a one-shot iterator, which "
+                "the packer cannot read ahead; read fill_rate after iterating, or pass a list (or "
+                "an iterable whose iter() starts over) to know it up front"
+            )
         return counts.fill_rate
 
     def _batch(self, pieces: list[_Piece]) -> PackedDocuments:
@@ -253,8 +274,9 @@ class DocumentPacker(Iterable[PackedDocuments]):
         if n is None:
             return batch
         rows = dual_chunk_rows(self.capacity, n)
-        return dataclasses.replace(batch, context_parallel_devices=n,
-                                   **{key: getattr(batch, key)[rows] for key in _TOKEN_FIELDS})
+        return dataclasses.replace(
+            batch, context_parallel_devices=n, **{key: getattr(batch, key)[rows] for key in _TOKEN_FIELDS}
+        )
 
     def _natural_batch(self, pieces: list[_Piece]) -> PackedDocuments:
         """The batch of these pieces, in this order, in the natural packed order."""
@@ -272,16 +294,23 @@ class DocumentPacker(Iterable[PackedDocuments]):
             n = len(piece)
             rows = slice(start, start + n)
             tokens[rows] = piece
-            targets[start:start + n - 1] = piece[1:]
-            loss_mask[start:start + n - 1] = True
+            targets[start : start + n - 1] = piece[1:]
+            loss_mask[start : start + n - 1] = True
             positions[rows] = np.arange(n)
             segment_ids[rows] = s + 1
             document_index[s], document_offset[s], lengths[s] = index, offset, n
             start += n
         cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-        return PackedDocuments(tokens=tokens, targets=targets, loss_mask=loss_mask, positions=positions,
-                               segment_ids=segment_ids, cu_seqlens=cu_seqlens, document_index=document_index,
-                               document_offset=document_offset)
+        return PackedDocuments(
+            tokens=tokens,
+            targets=targets,
+            loss_mask=loss_mask,
+            positions=positions,
+            segment_ids=segment_ids,
+            cu_seqlens=cu_seqlens,
+            document_index=document_index,
+            document_offset=document_offset,
+        )
 
 
 class PackingPass(Iterator[PackedDocuments]):
@@ -356,8 +385,10 @@ class PackingPass(Iterator[PackedDocuments]):
             if tokens.size == 0:
                 continue
             self.documents += 1
-            self._current.extend((index, start, tokens[start:start + self._packer.max_seqlen])
-                                 for start in range(0, tokens.size, self._packer.max_seqlen))
+            self._current.extend(
+                (index, start, tokens[start : start + self._packer.max_seqlen])
+                for start in range(0, tokens.size, self._packer.max_seqlen)
+            )
             return True
         self._exhausted = True
         return False
@@ -386,9 +417,18 @@ class PackingPass(Iterator[PackedDocuments]):
         return [sorted(b, key=lambda p: (p[0], p[1])) for b in bins]
 
 
-def pack_documents(docs: Iterable, capacity: int, *, max_seqs: int, max_seqlen: int | None = None,
-                   buffer_size: int = 1024, pad_id: int = 0, rng: np.random.Generator | None = None,
-                   context_parallel_devices: int | None = None, balance_causal_work: bool = True) -> DocumentPacker:
+def pack_documents(
+    docs: Iterable,
+    capacity: int,
+    *,
+    max_seqs: int,
+    max_seqlen: int | None = None,
+    buffer_size: int = 1024,
+    pad_id: int = 0,
+    rng: np.random.Generator | None = None,
+    context_parallel_devices: int | None = None,
+    balance_causal_work: bool = True,
+) -> DocumentPacker:
     """Packs token documents into fixed-shape batches for `ragged_attention` (see the module docstring).
 
     Args:
@@ -423,9 +463,17 @@ def pack_documents(docs: Iterable, capacity: int, *, max_seqs: int, max_seqlen: 
       documents as they are read; a malformed one raises ValueError naming its index. next() needs an
       iterator: `next(iter(batches))`, or keep `passes = iter(batches)`, whose counts are its own.
     """
-    return DocumentPacker(docs, capacity, max_seqs=max_seqs, max_seqlen=max_seqlen, buffer_size=buffer_size,
-                          pad_id=pad_id, rng=rng, context_parallel_devices=context_parallel_devices,
-                          balance_causal_work=balance_causal_work)
+    return DocumentPacker(
+        docs,
+        capacity,
+        max_seqs=max_seqs,
+        max_seqlen=max_seqlen,
+        buffer_size=buffer_size,
+        pad_id=pad_id,
+        rng=rng,
+        context_parallel_devices=context_parallel_devices,
+        balance_causal_work=balance_causal_work,
+    )
 
 
 def _tokens(doc, index: int) -> np.ndarray:

@@ -23,15 +23,33 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn.ops.ragged import ragged_attention
 from jax_ragged_attn.index import as_int32, sanitize_cu_seqlens
 from jax_ragged_attn.ops.kvcache import kvcache_append, ragged_attention_with_kvcache
+from jax_ragged_attn.ops.ragged import ragged_attention
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None, *, seqused_q=None,
-                           seqused_k=None, implementation=None):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+    *,
+    seqused_q=None,
+    seqused_k=None,
+    implementation=None,
+):
     """FlashAttention's `flash_attn_varlen_func` (2.1+ semantics, 2's argument order) on `ragged_attention`.
 
     Args:
@@ -60,31 +78,73 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
       softmax_lse is the float32 natural-log log-sum-exp of the scaled scores, [Hq, total_q] (FlashAttention's
       varlen layout), -inf on rows that attend no key and on padding rows.
     """
-    _unsupported(dropout_p=(dropout_p != 0, "no implementation here has attention dropout: pass dropout_p=0.0 "
-                                            "(apply dropout to the attention's output or inputs instead)"),
-                 alibi_slopes=(alibi_slopes is not None, "no implementation here adds ALiBi biases"),
-                 block_table=(block_table is not None, "a paged cache is read by flash_attn_with_kvcache("
-                                                       "block_table=...) or ragged_attention_with_kvcache("
-                                                       "page_table=...)"))
-    result = ragged_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                              max_seqlen_kv=max_seqlen_k, scale=softmax_scale, is_causal=_flag(causal, "causal"),
-                              diagonal_alignment="bottom_right", local_window_size=_window(window_size),
-                              softcap=_softcap(softcap), deterministic=_flag(deterministic, "deterministic"),
-                              return_stats=_flag(return_attn_probs, "return_attn_probs"),
-                              stats_layout="head_major", seqused_q=seqused_q, seqused_kv=seqused_k,
-                              implementation=implementation)
+    _unsupported(
+        dropout_p=(
+            dropout_p != 0,
+            "no implementation here has attention dropout: pass dropout_p=0.0 "
+            "(apply dropout to the attention's output or inputs instead)",
+        ),
+        alibi_slopes=(alibi_slopes is not None, "no implementation here adds ALiBi biases"),
+        block_table=(
+            block_table is not None,
+            "a paged cache is read by flash_attn_with_kvcache("
+            "block_table=...) or ragged_attention_with_kvcache("
+            "page_table=...)",
+        ),
+    )
+    result = ragged_attention(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_kv=max_seqlen_k,
+        scale=softmax_scale,
+        is_causal=_flag(causal, "causal"),
+        diagonal_alignment="bottom_right",
+        local_window_size=_window(window_size),
+        softcap=_softcap(softcap),
+        deterministic=_flag(deterministic, "deterministic"),
+        return_stats=_flag(return_attn_probs, "return_attn_probs"),
+        stats_layout="head_major",
+        seqused_q=seqused_q,
+        seqused_kv=seqused_k,
+        implementation=implementation,
+    )
     if not return_attn_probs:
         return result
     out, lse = result
     return out, lse, None
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            page_table=None, cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None,
-                            implementation=None):
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+    *,
+    page_table=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k_new=None,
+    max_seqlen_q=None,
+    implementation=None,
+):
     """FlashAttention's `flash_attn_with_kvcache` on `kvcache_append` and `ragged_attention_with_kvcache`.
 
     FlashAttention writes k and v into the caches in place. JAX arrays are immutable, so here the updated caches
@@ -122,18 +182,27 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _unsupported(
         rotary_cos=(rotary_cos is not None, "apply rotary embeddings to q and k before the call"),
         rotary_sin=(rotary_sin is not None, "apply rotary embeddings to q and k before the call"),
-        cache_batch_idx=(cache_batch_idx is not None, "gather the batch's caches (k_cache[cache_batch_idx]) first, "
-                                                      "or give each sequence its pages through block_table"),
+        cache_batch_idx=(
+            cache_batch_idx is not None,
+            "gather the batch's caches (k_cache[cache_batch_idx]) first, "
+            "or give each sequence its pages through block_table",
+        ),
         cache_leftpad=(cache_leftpad is not None, "a cache here starts at row 0 of its sequence"),
         alibi_slopes=(alibi_slopes is not None, "no implementation here adds ALiBi biases"),
-        num_splits=(num_splits != 0, "each implementation splits the keys as it sees fit; only the default 0 "
-                                     "(FlashAttention's heuristic) is taken"))
+        num_splits=(
+            num_splits != 0,
+            "each implementation splits the keys as it sees fit; only the default 0 "
+            "(FlashAttention's heuristic) is taken",
+        ),
+    )
     if block_table is not None and page_table is not None:
         raise ValueError("pass block_table (FlashAttention 2's name) or page_table (FlashAttention 3's), not both")
     page_table = block_table if block_table is not None else page_table
     if (k is None) != (v is None):
-        raise ValueError(f"k and v come together: got k {'None' if k is None else 'an array'} and v "
-                         f"{'None' if v is None else 'an array'}")
+        raise ValueError(
+            f"k and v come together: got k {'None' if k is None else 'an array'} and v "
+            f"{'None' if v is None else 'an array'}"
+        )
     if cu_seqlens_k_new is not None and k is None:
         raise ValueError("cu_seqlens_k_new describes packed k and v: pass them, or leave it None")
     q = jnp.asarray(q) if isinstance(q, np.ndarray) else q
@@ -150,19 +219,30 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = as_int32(cache_seqlens, "cache_seqlens")
     lengths = cache_seqlens
     if k is not None:
-        k_cache, v_cache = kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cu_seqlens_k_new=cu_seqlens_k_new,
-                                          page_table=page_table)
+        k_cache, v_cache = kvcache_append(
+            k_cache, v_cache, k, v, cache_seqlens, cu_seqlens_k_new=cu_seqlens_k_new, page_table=page_table
+        )
         if cu_seqlens_k_new is None:
             lengths = jnp.asarray(cache_seqlens) + k.shape[1]
         else:  # each sequence's new rows: its slot of cu_seqlens_k_new, clamped as kvcache_append clamps it
             cu = sanitize_cu_seqlens(jnp.asarray(as_int32(cu_seqlens_k_new, "cu_seqlens_k_new")), k.shape[0])
             lengths = jnp.asarray(cache_seqlens) + (cu[1:] - cu[:-1])
-    result = ragged_attention_with_kvcache(q, k_cache, v_cache, lengths, cu_seqlens_q=cu_seqlens_q,
-                                           max_seqlen_q=max_seqlen_q, page_table=page_table,
-                                           scale=softmax_scale, is_causal=_flag(causal, "causal"),
-                                           local_window_size=_window(window_size), softcap=_softcap(softcap),
-                                           return_stats=_flag(return_softmax_lse, "return_softmax_lse"),
-                                           stats_layout="head_major", implementation=implementation)
+    result = ragged_attention_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        lengths,
+        cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_q=max_seqlen_q,
+        page_table=page_table,
+        scale=softmax_scale,
+        is_causal=_flag(causal, "causal"),
+        local_window_size=_window(window_size),
+        softcap=_softcap(softcap),
+        return_stats=_flag(return_softmax_lse, "return_softmax_lse"),
+        stats_layout="head_major",
+        implementation=implementation,
+    )
     if k is None:
         return result
     return (*result, k_cache, v_cache) if return_softmax_lse else (result, k_cache, v_cache)
@@ -186,8 +266,11 @@ def _window(window_size):
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise ValueError(f"window_size must be a (left, right) pair of ints, -1 for unlimited, got {window_size!r}")
     left, right = window_size
-    if isinstance(left, (bool, np.bool_)) or isinstance(right, (bool, np.bool_)) or not all(
-            isinstance(side, (int, np.integer)) for side in (left, right)):
+    if (
+        isinstance(left, (bool, np.bool_))
+        or isinstance(right, (bool, np.bool_))
+        or not all(isinstance(side, (int, np.integer)) for side in (left, right))
+    ):
         raise ValueError(f"window_size must be a (left, right) pair of ints, -1 for unlimited, got {window_size!r}")
     return None if left < 0 and right < 0 else (int(left), int(right))
 

@@ -34,9 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.features import checks
 from jax_ragged_attn.ops.ragged import attend
-from jax_ragged_attn.config import AttentionOptions
 
 
 class SegmentLayout(NamedTuple):
@@ -76,8 +76,9 @@ def segments_to_cu_seqlens(segment_ids: jax.Array, *, max_segments: int) -> Segm
 
     # Kept tokens first, in their order, then all the others, in theirs: a permutation of the tokens.
     num_kept = jnp.sum(kept, dtype=jnp.int32)
-    scatter_index = jnp.where(kept, jnp.cumsum(kept, dtype=jnp.int32) - 1,
-                              num_kept + jnp.cumsum(~kept, dtype=jnp.int32) - 1)
+    scatter_index = jnp.where(
+        kept, jnp.cumsum(kept, dtype=jnp.int32) - 1, num_kept + jnp.cumsum(~kept, dtype=jnp.int32) - 1
+    )
     gather_index = jnp.zeros(tokens, jnp.int32).at[scatter_index].set(jnp.arange(tokens, dtype=jnp.int32))
 
     # lengths[b + 1] = kept tokens of segment b; index max_segments + 1 (not kept) is out of range: dropped.
@@ -136,8 +137,9 @@ def ragged_attention_segments(
     """
     for name in ("cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv"):
         if name in kwargs:
-            raise ValueError(f"ragged_attention_segments derives {name} from segment_ids and max_seqlen; "
-                             f"got {name}={kwargs[name]!r}")
+            raise ValueError(
+                f"ragged_attention_segments derives {name} from segment_ids and max_seqlen; got {name}={kwargs[name]!r}"
+            )
     options, rest = AttentionOptions.split({**kwargs, "check": check})
     sinks = rest.pop("sinks", None)
     if rest:
@@ -147,8 +149,9 @@ def ragged_attention_segments(
     for name, x, layout in (("q", q, "[R, S, Hq, Dqk]"), ("k", k, "[R, S, Hkv, Dqk]"), ("v", v, "[R, S, Hkv, Dv]")):
         shape = tuple(getattr(x, "shape", ()))
         if len(shape) != 4 or shape[:2] != (rows, seq):
-            raise ValueError(f"{name} must be {layout} with [R, S] = segment_ids.shape {(rows, seq)}, "
-                             f"got shape {shape}")
+            raise ValueError(
+                f"{name} must be {layout} with [R, S] = segment_ids.shape {(rows, seq)}, got shape {shape}"
+            )
     max_seqlen = seq if max_seqlen is None else _static_int(max_seqlen, "max_seqlen")
     max_segments = _static_int(max_segments, "max_segments")
     if not isinstance(return_overflow, bool):
@@ -164,8 +167,16 @@ def ragged_attention_segments(
     def compact(x):
         return x.reshape(rows * seq, *x.shape[2:])[layout.gather_index]
 
-    out, *rest = attend((compact(q), compact(k), compact(v)), layout.cu_seqlens, layout.cu_seqlens, options,
-                        max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen, sinks=sinks, return_overflow=True)
+    out, *rest = attend(
+        (compact(q), compact(k), compact(v)),
+        layout.cu_seqlens,
+        layout.cu_seqlens,
+        options,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+        sinks=sinks,
+        return_overflow=True,
+    )
     result = (out[layout.scatter_index].reshape(rows, seq, *out.shape[1:]),)
     if options.return_stats:
         stats = rest[0]
@@ -195,8 +206,10 @@ def _static_int(value, name: str) -> int:
     try:
         value = operator.index(value)
     except TypeError:
-        raise ValueError(f"{name} must be a static Python int (it fixes a shape), got {type(value).__name__} "
-                         f"{value!r}; pass it outside jax.jit or mark it static") from None
+        raise ValueError(
+            f"{name} must be a static Python int (it fixes a shape), got {type(value).__name__} "
+            f"{value!r}; pass it outside jax.jit or mark it static"
+        ) from None
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return int(value)

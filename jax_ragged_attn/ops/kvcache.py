@@ -35,10 +35,26 @@ from jax_ragged_attn.index.kvcache import clamped_lengths, packed_query_rows, pa
 from jax_ragged_attn.ops import common
 
 
-def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, cu_seqlens_q=None, max_seqlen_q=None,
-                                  page_table=None, scale=None, is_causal=True, local_window_size=None, sinks=None,
-                                  return_stats=False, stats_layout="head_major", implementation=None, check=None,
-                                  softcap=None, **unknown):
+def ragged_attention_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    *,
+    cu_seqlens_q=None,
+    max_seqlen_q=None,
+    page_table=None,
+    scale=None,
+    is_causal=True,
+    local_window_size=None,
+    sinks=None,
+    return_stats=False,
+    stats_layout="head_major",
+    implementation=None,
+    check=None,
+    softcap=None,
+    **unknown,
+):
     """Each sequence's newest queries attending to its KV cache (decoding, speculative decoding, chunked
     prefill). Forward only: for inference. jax.grad with respect to q or the caches raises
     NotImplementedError (the sinks' gradient, through the epilogue, works); jit and vmap work.
@@ -89,17 +105,34 @@ def ragged_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, cu_seql
       out [B, Sq, Hq, Dv] (packed: [T, Hq, Dv]) in q's dtype, or (out, stats) with return_stats=True.
     """
     keyword_hints.reject_unknown_keywords(ragged_attention_with_kvcache, unknown)  # FlashAttention's names
-    options = AttentionOptions(scale=scale, is_causal=is_causal, local_window_size=local_window_size,
-                               stats_layout=stats_layout, return_stats=return_stats, implementation=implementation,
-                               check=check, softcap=softcap)
+    options = AttentionOptions(
+        scale=scale,
+        is_causal=is_causal,
+        local_window_size=local_window_size,
+        stats_layout=stats_layout,
+        return_stats=return_stats,
+        implementation=implementation,
+        check=check,
+        softcap=softcap,
+    )
     q, k_cache, v_cache = (common.as_array(x) for x in (q, k_cache, v_cache))
     cache_seqlens = as_int32(cache_seqlens, "cache_seqlens")
     page_table = None if page_table is None else as_int32(page_table, "page_table")
     cu_seqlens_q = None if cu_seqlens_q is None else as_int32(cu_seqlens_q, "cu_seqlens_q")
-    config = kvcache_config(q, k_cache, v_cache, cache_seqlens, page_table, options, sinks,
-                            cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
-    cache_seqlens, page_table, cu_seqlens_q = apply_cache_check(options.check, config, cache_seqlens, page_table,
-                                                                cu_seqlens_q)
+    config = kvcache_config(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        page_table,
+        options,
+        sinks,
+        cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_q=max_seqlen_q,
+    )
+    cache_seqlens, page_table, cu_seqlens_q = apply_cache_check(
+        options.check, config, cache_seqlens, page_table, cu_seqlens_q
+    )
     backend = common.choose("kvcache", options, config, None)
     cache_seqlens = jnp.asarray(cache_seqlens)
     page_table = None if page_table is None else jnp.asarray(page_table)
@@ -144,14 +177,16 @@ def _attention_bwd(config, name, residuals, cotangents):
     raise NotImplementedError(
         "ragged_attention_with_kvcache is forward-only (inference): it has no gradient with respect to q, "
         "k_cache or v_cache. Train with ragged_attention (seqused_kv over the cache's slots gives the same "
-        "attention, differentiable)")
+        "attention, differentiable)"
+    )
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, *, cu_seqlens_k_new=None, page_table=None,
-                   check=None):
+def kvcache_append(
+    k_cache, v_cache, k_new, v_new, cache_seqlens, *, cu_seqlens_k_new=None, page_table=None, check=None
+):
     """Writes k_new[b, i] / v_new[b, i] ([B, Sn, Hkv, D]) at row cache_seqlens[b] + i of sequence b's cache and
     returns (k_cache, v_cache). With cu_seqlens_k_new (integer [B + 1]), k_new / v_new are packed [T, Hkv, D]:
     rows cu_seqlens_k_new[b] .. cu_seqlens_k_new[b + 1] - 1 are sequence b's, row i of them written at its cache
@@ -169,8 +204,12 @@ def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, *, cu_seqlens_
     """
     packed = cu_seqlens_k_new is not None
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
-        check_array(x, name, 3 if packed and name.endswith("_new") else 4,
-                    _PACKED_LAYOUTS[name] if packed and name.endswith("_new") else _LAYOUTS[name])
+        check_array(
+            x,
+            name,
+            3 if packed and name.endswith("_new") else 4,
+            _PACKED_LAYOUTS[name] if packed and name.endswith("_new") else _LAYOUTS[name],
+        )
     cache_seqlens = as_int32(cache_seqlens, "cache_seqlens")
     batch = _cache_batch(k_cache, page_table) if packed else k_new.shape[0]
     layout = "[T, Hkv, D" if packed else "[B, Sn, Hkv, D"
@@ -178,20 +217,25 @@ def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, *, cu_seqlens_
         raise ValueError(f"v_new must be {layout}v] like k_new {tuple(k_new.shape)}, got {tuple(v_new.shape)}")
     for cache, new, name in ((k_cache, k_new, "k"), (v_cache, v_new, "v")):
         if cache.shape[2:] != new.shape[-2:]:
-            raise ValueError(f"{name}_new must be {layout.split(', Hkv')[0]}, {cache.shape[2]}, {cache.shape[3]}] to "
-                             f"match {name}_cache {tuple(cache.shape)}, got {tuple(new.shape)}")
+            raise ValueError(
+                f"{name}_new must be {layout.split(', Hkv')[0]}, {cache.shape[2]}, {cache.shape[3]}] to "
+                f"match {name}_cache {tuple(cache.shape)}, got {tuple(new.shape)}"
+            )
         if cache.dtype != new.dtype:
             raise ValueError(f"{name}_new must have {name}_cache's dtype {cache.dtype}, got {new.dtype}")
     if tuple(cache_seqlens.shape) != (batch,):
         raise ValueError(f"cache_seqlens must be [B={batch}], got shape {tuple(cache_seqlens.shape)}")
     if k_cache.shape[0] != v_cache.shape[0] or k_cache.shape[1] != v_cache.shape[1]:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must agree in their "
-                         "first two dims")
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must agree in their first two dims"
+        )
     if packed:
         cu_seqlens_k_new = as_int32(cu_seqlens_k_new, "cu_seqlens_k_new")
         if tuple(cu_seqlens_k_new.shape) != (batch + 1,):
-            raise ValueError(f"cu_seqlens_k_new must be [B + 1 = {batch + 1}] (B sequences: "
-                             f"{_batch_source(page_table)}), got shape {tuple(cu_seqlens_k_new.shape)}")
+            raise ValueError(
+                f"cu_seqlens_k_new must be [B + 1 = {batch + 1}] (B sequences: "
+                f"{_batch_source(page_table)}), got shape {tuple(cu_seqlens_k_new.shape)}"
+            )
     if page_table is not None:
         page_table = as_int32(page_table, "page_table")
         _check_page_table(page_table, batch)
@@ -199,8 +243,15 @@ def kvcache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, *, cu_seqlens_
         raise ValueError(f"a contiguous k_cache must be [B={batch}, L, Hkv, D], got {tuple(k_cache.shape)}")
     capacity = k_cache.shape[1] * (1 if page_table is None else page_table.shape[1])
     cache_seqlens, page_table, cu_seqlens_k_new = apply_append_check(
-        check, cache_seqlens, page_table, cu_seqlens_k_new, new_rows=k_new.shape[0 if packed else 1],
-        capacity=capacity, num_pages=k_cache.shape[0], page_size=k_cache.shape[1])
+        check,
+        cache_seqlens,
+        page_table,
+        cu_seqlens_k_new,
+        new_rows=k_new.shape[0 if packed else 1],
+        capacity=capacity,
+        num_pages=k_cache.shape[0],
+        page_size=k_cache.shape[1],
+    )
     page_table = None if page_table is None else jnp.asarray(page_table)
     # Clamped first, so that no sum below can overflow int32 (a negative index would wrap around).
     start = jnp.clip(jnp.asarray(cache_seqlens), 0, capacity)
@@ -243,59 +294,95 @@ def _check_page_table(page_table, batch: int) -> None:
 
 
 # The layouts the rank errors name.
-_LAYOUTS = {"q": "[B, Sq, Hq, Dqk]", "k_cache": "[B, L, Hkv, Dqk] or [num_pages, page_size, Hkv, Dqk]",
-            "v_cache": "[B, L, Hkv, Dv] or [num_pages, page_size, Hkv, Dv]", "k_new": "[B, Sn, Hkv, Dqk]",
-            "v_new": "[B, Sn, Hkv, Dv]"}
+_LAYOUTS = {
+    "q": "[B, Sq, Hq, Dqk]",
+    "k_cache": "[B, L, Hkv, Dqk] or [num_pages, page_size, Hkv, Dqk]",
+    "v_cache": "[B, L, Hkv, Dv] or [num_pages, page_size, Hkv, Dv]",
+    "k_new": "[B, Sn, Hkv, Dqk]",
+    "v_new": "[B, Sn, Hkv, Dv]",
+}
 # ... and with cu_seqlens_q / cu_seqlens_k_new (packed rows).
-_PACKED_LAYOUTS = {"q": "[T, Hq, Dqk] (with cu_seqlens_q)", "k_new": "[T, Hkv, Dqk] (with cu_seqlens_k_new)",
-                   "v_new": "[T, Hkv, Dv] (with cu_seqlens_k_new)"}
+_PACKED_LAYOUTS = {
+    "q": "[T, Hq, Dqk] (with cu_seqlens_q)",
+    "k_new": "[T, Hkv, Dqk] (with cu_seqlens_k_new)",
+    "v_new": "[T, Hkv, Dv] (with cu_seqlens_k_new)",
+}
 
 
-def kvcache_config(q, k_cache, v_cache, cache_seqlens, page_table, options: AttentionOptions,
-                   sinks=None, *, cu_seqlens_q=None, max_seqlen_q=None) -> KVCacheConfig:
+def kvcache_config(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    page_table,
+    options: AttentionOptions,
+    sinks=None,
+    *,
+    cu_seqlens_q=None,
+    max_seqlen_q=None,
+) -> KVCacheConfig:
     """Checks every static property of the arguments (ValueError naming the argument) into a KVCacheConfig.
     What both ops share (dtypes, heads, head dims, sinks) is config.check_heads, and the options' fields
     config.masked_fields, as make_config does for ragged_attention; the cache's own layout is checked here.
     With cu_seqlens_q, q is packed [T, Hq, Dqk] (total_q = T, seqlen_q = max_seqlen_q)."""
     packed = cu_seqlens_q is not None
     if max_seqlen_q is not None and not packed:
-        raise ValueError("max_seqlen_q bounds packed queries' counts: pass it with cu_seqlens_q (q [T, Hq, Dqk]); "
-                         "q [B, Sq, Hq, Dqk] has Sq each")
+        raise ValueError(
+            "max_seqlen_q bounds packed queries' counts: pass it with cu_seqlens_q (q [T, Hq, Dqk]); "
+            "q [B, Sq, Hq, Dqk] has Sq each"
+        )
     check_array(q, "q", 3 if packed else 4, _PACKED_LAYOUTS["q"] if packed else _LAYOUTS["q"])
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_array(x, name, 4, _LAYOUTS[name])
     check_heads(q, k_cache, v_cache, sinks, k_name="k_cache", v_name="v_cache")
     if packed:
         if max_seqlen_q is None:
-            raise ValueError("max_seqlen_q (a static int >= 1: the most queries a sequence has) is required with "
-                             "cu_seqlens_q, as in FlashAttention's varlen calls")
+            raise ValueError(
+                "max_seqlen_q (a static int >= 1: the most queries a sequence has) is required with "
+                "cu_seqlens_q, as in FlashAttention's varlen calls"
+            )
         total_q, heads_q, dqk = q.shape
         # No sequence has more than T queries: a larger bound only widens the tiles (as ragged_attention clamps).
         seqlen_q = min(_static_int(max_seqlen_q, "max_seqlen_q", 1), int(total_q))
         batch = _cache_batch(k_cache, page_table)
         if tuple(cu_seqlens_q.shape) != (batch + 1,):
-            raise ValueError(f"cu_seqlens_q must be [B + 1 = {batch + 1}] (B sequences: {_batch_source(page_table)}), "
-                             f"got shape {tuple(cu_seqlens_q.shape)}")
+            raise ValueError(
+                f"cu_seqlens_q must be [B + 1 = {batch + 1}] (B sequences: {_batch_source(page_table)}), "
+                f"got shape {tuple(cu_seqlens_q.shape)}"
+            )
     else:
         batch, seqlen_q, heads_q, dqk = q.shape
         total_q = 0
     if k_cache.shape[:3] != v_cache.shape[:3]:
-        raise ValueError(f"v_cache must match k_cache {tuple(k_cache.shape)} but in its last dim, got "
-                         f"{tuple(v_cache.shape)}")
+        raise ValueError(
+            f"v_cache must match k_cache {tuple(k_cache.shape)} but in its last dim, got {tuple(v_cache.shape)}"
+        )
     if min(batch, q.shape[0], q.shape[1], *k_cache.shape[:2]) < 1:
         raise ValueError(f"every dim must be >= 1, got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
     if tuple(cache_seqlens.shape) != (batch,):
         raise ValueError(f"cache_seqlens must be [B={batch}], got shape {tuple(cache_seqlens.shape)}")
     if page_table is None:
         if k_cache.shape[0] != batch:
-            raise ValueError(f"a contiguous k_cache must be [B={batch}, L, Hkv, D] (or pass page_table), got "
-                             f"{tuple(k_cache.shape)}")
+            raise ValueError(
+                f"a contiguous k_cache must be [B={batch}, L, Hkv, D] (or pass page_table), got {tuple(k_cache.shape)}"
+            )
         paged, page_size, num_pages, max_pages = False, k_cache.shape[1], batch, 1
     else:
         _check_page_table(page_table, batch)
         paged, page_size, num_pages, max_pages = True, k_cache.shape[1], k_cache.shape[0], page_table.shape[1]
     return KVCacheConfig(
-        batch=int(batch), seqlen_q=int(seqlen_q), num_heads_q=int(heads_q), num_heads_kv=int(k_cache.shape[2]),
-        head_dim_qk=int(dqk), head_dim_v=int(v_cache.shape[3]), dtype=np.dtype(q.dtype).name, paged=paged,
-        page_size=int(page_size), num_pages=int(num_pages), max_pages=int(max_pages), has_sinks=sinks is not None,
-        total_q=int(total_q), **masked_fields(options, dqk))
+        batch=int(batch),
+        seqlen_q=int(seqlen_q),
+        num_heads_q=int(heads_q),
+        num_heads_kv=int(k_cache.shape[2]),
+        head_dim_qk=int(dqk),
+        head_dim_v=int(v_cache.shape[3]),
+        dtype=np.dtype(q.dtype).name,
+        paged=paged,
+        page_size=int(page_size),
+        num_pages=int(num_pages),
+        max_pages=int(max_pages),
+        has_sinks=sinks is not None,
+        total_q=int(total_q),
+        **masked_fields(options, dqk),
+    )

@@ -91,20 +91,50 @@ def ragged_attention(
     """
     reject_unknown_keywords(ragged_attention, unknown)  # FlashAttention's names: the TypeError says ours
     _check_keywords_only(positional, max_seqlen_q, max_seqlen_kv)
-    options = AttentionOptions(scale=scale, is_causal=is_causal, diagonal_alignment=diagonal_alignment,
-                               local_window_size=local_window_size, stats_layout=stats_layout,
-                               return_stats=return_stats, implementation=implementation,
-                               deterministic=deterministic, check=check, autotune=autotune,
-                               strategy=strategy, softcap=softcap, xla_block_size=xla_block_size,
-                               fa3_provider=fa3_provider)
-    return attend((q, k, v), cu_seqlens_q, cu_seqlens_kv, options, max_seqlen_q=max_seqlen_q,
-                  max_seqlen_kv=max_seqlen_kv, sinks=sinks, return_overflow=return_overflow, seqused_q=seqused_q,
-                  seqused_kv=seqused_kv)
+    options = AttentionOptions(
+        scale=scale,
+        is_causal=is_causal,
+        diagonal_alignment=diagonal_alignment,
+        local_window_size=local_window_size,
+        stats_layout=stats_layout,
+        return_stats=return_stats,
+        implementation=implementation,
+        deterministic=deterministic,
+        check=check,
+        autotune=autotune,
+        strategy=strategy,
+        softcap=softcap,
+        xla_block_size=xla_block_size,
+        fa3_provider=fa3_provider,
+    )
+    return attend(
+        (q, k, v),
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        options,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_kv=max_seqlen_kv,
+        sinks=sinks,
+        return_overflow=return_overflow,
+        seqused_q=seqused_q,
+        seqused_kv=seqused_kv,
+    )
 
 
-def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOptions, *, max_seqlen_q: int,
-           max_seqlen_kv: int, packing: str = "none", sinks=None, return_overflow: bool = False,
-           seqused_q=None, seqused_kv=None):
+def attend(
+    buffers: tuple,
+    cu_seqlens_q,
+    cu_seqlens_kv,
+    options: AttentionOptions,
+    *,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    packing: str = "none",
+    sinks=None,
+    return_overflow: bool = False,
+    seqused_q=None,
+    seqused_kv=None,
+):
     """`ragged_attention` of the buffers laid out as TABLE[packing] says: (q, k, v), (q, kv) or (qkv,).
 
     A backend that reads packed buffers in place (cuDNN) returns their gradients in their own layout; the
@@ -115,13 +145,28 @@ def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOption
     same = cu_seqlens_q is cu_seqlens_kv  # one array for both (qkv-packed, segments): checked once
     cu_seqlens_q = as_int32(cu_seqlens_q, "cu_seqlens" if same and packing == "qkv" else "cu_seqlens_q")
     cu_seqlens_kv = cu_seqlens_q if same else as_int32(cu_seqlens_kv, "cu_seqlens_kv")
-    config = make_config(q, k, v, cu_seqlens_q, cu_seqlens_kv, options, max_seqlen_q=max_seqlen_q,
-                         max_seqlen_kv=max_seqlen_kv, sinks=sinks, packing=packing)
+    config = make_config(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        options,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_kv=max_seqlen_kv,
+        sinks=sinks,
+        packing=packing,
+    )
     config = dataclasses.replace(config, return_stats=options.return_stats)
     if not isinstance(return_overflow, bool):
         raise ValueError(f"return_overflow must be a Python bool, got {type(return_overflow).__name__}")
-    index = RaggedIndex(cu_seqlens_q, cu_seqlens_kv, _seqused(seqused_q, "seqused_q", config),
-                        _seqused(seqused_kv, "seqused_kv", config), same=same)
+    index = RaggedIndex(
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        _seqused(seqused_q, "seqused_q", config),
+        _seqused(seqused_kv, "seqused_kv", config),
+        same=same,
+    )
     config = as_top_left(config, index)
     config, index = apply_check(options.check, config, index)
     # The backend runs without sinks (inner); they fold into its backward where it can (no stats returned,
@@ -140,22 +185,33 @@ def attend(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, options: AttentionOption
         out, stats = backend.attend(buffers, index, inner, stats=wanted)  # False: no -inf computed (debug_infs)
     overflow = ()
     if return_overflow:  # from the cu_seqlens as the caller passed them (checked ones are the same values)
-        overflow = (cu_seqlens_overflow(index.cu_seqlens_q, index.cu_seqlens_kv, config, same=index.same,
-                                        seqused=index.seqused),)
+        overflow = (
+            cu_seqlens_overflow(
+                index.cu_seqlens_q, index.cu_seqlens_kv, config, same=index.same, seqused=index.seqused
+            ),
+        )
     epilogue = sinks is not None and not folds_sinks
-    return common.result(out, stats, sinks if epilogue else None,
-                         index.real_rows_q(config) if epilogue else None,
-                         index.rows_with_keys(config) if epilogue else None,
-                         config.stats_layout, options.return_stats, overflow)
+    return common.result(
+        out,
+        stats,
+        sinks if epilogue else None,
+        index.real_rows_q(config) if epilogue else None,
+        index.rows_with_keys(config) if epilogue else None,
+        config.stats_layout,
+        options.return_stats,
+        overflow,
+    )
 
 
 def _check_keywords_only(positional: tuple, max_seqlen_q, max_seqlen_kv) -> None:
     """The max_seqlen bounds are keyword-only (two ints in a row are easy to swap unseen); a positional call
     says which keywords to use instead of Python's bare "takes 5 positional arguments"."""
     if positional:
-        raise TypeError(f"ragged_attention takes 5 positional arguments (q, k, v, cu_seqlens_q, cu_seqlens_kv), "
-                        f"got {5 + len(positional)}: pass the bounds as max_seqlen_q=... and max_seqlen_kv=... "
-                        "(keyword-only), and every option by its keyword")
+        raise TypeError(
+            f"ragged_attention takes 5 positional arguments (q, k, v, cu_seqlens_q, cu_seqlens_kv), "
+            f"got {5 + len(positional)}: pass the bounds as max_seqlen_q=... and max_seqlen_kv=... "
+            "(keyword-only), and every option by its keyword"
+        )
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
         if value is None:  # None is the default only so that a positional call reaches the TypeError above
             raise ValueError(f"{name} is required (keyword-only): a static Python int >= 1, got None")
@@ -167,6 +223,8 @@ def _seqused(seqused, name: str, config: AttentionConfig):
         return None
     seqused = as_int32(seqused, name)
     if tuple(seqused.shape) != (config.num_seqs,):
-        raise ValueError(f"{name} must be [B={config.num_seqs}] (one entry per sequence of cu_seqlens), got shape "
-                         f"{tuple(seqused.shape)}")
+        raise ValueError(
+            f"{name} must be [B={config.num_seqs}] (one entry per sequence of cu_seqlens), got shape "
+            f"{tuple(seqused.shape)}"
+        )
     return seqused

@@ -41,6 +41,7 @@ from jax import lax
 
 from jax_ragged_attn.index import sanitize_cu_seqlens
 from jax_ragged_attn.parallel.key_windows import window_bounds, windows
+
 # pieces_cu_seqlens is imported for the callers that reach it here, where it lived before pieces.py.
 from jax_ragged_attn.parallel.pieces import Pieces, chunk_pieces, pieces_cu_seqlens, two_chunk_slots  # noqa: F401
 
@@ -135,8 +136,10 @@ def device_chunks_attention(plan: Plan, attend, q, k_all, v_all, cu, r):
     n, rows = plan.devices, q.shape[0] // plan.chunks_per_device
     chunk_ids = [r] if not plan.load_balance else [r, 2 * n - 1 - r]
     if len(chunk_ids) == 1 or plan.window_left is not None:
-        parts = [chunk_attention(plan, attend, q[j * rows:(j + 1) * rows], k_all, v_all, cu, chunk * rows)
-                 for j, chunk in enumerate(chunk_ids)]
+        parts = [
+            chunk_attention(plan, attend, q[j * rows : (j + 1) * rows], k_all, v_all, cu, chunk * rows)
+            for j, chunk in enumerate(chunk_ids)
+        ]
         out = jnp.concatenate([o for o, _ in parts], axis=0)
         return out, None if parts[0][1] is None else jnp.concatenate([s for _, s in parts], axis=plan.stats_axis)
     slots, starts, size = two_chunk_call(plan, cu, r, rows, k_all.shape[0])
@@ -146,9 +149,17 @@ def device_chunks_attention(plan: Plan, attend, q, k_all, v_all, cu, r):
     # Every piece but a chunk's first starts at its sequence's first token (as many keys as queries, where
     # bottom-right is top-left); each chunk's first may start inside its sequence: bottom-right is every
     # piece's mask (chunk_attention).
-    return attend(q, windows(k_all, starts, size), windows(v_all, starts, size), cu_q, cu_kv,
-                  min(plan.max_seqlen, rows), plan.max_seqlen, seqused=(slots.q_len, slots.kv_len),
-                  diagonal_alignment="bottom_right" if plan.is_causal else "top_left")
+    return attend(
+        q,
+        windows(k_all, starts, size),
+        windows(v_all, starts, size),
+        cu_q,
+        cu_kv,
+        min(plan.max_seqlen, rows),
+        plan.max_seqlen,
+        seqused=(slots.q_len, slots.kv_len),
+        diagonal_alignment="bottom_right" if plan.is_causal else "top_left",
+    )
 
 
 def two_chunk_call(plan: Plan, cu, r, rows: int, total: int):
@@ -161,8 +172,14 @@ def two_chunk_call(plan: Plan, cu, r, rows: int, total: int):
         pieces = chunk_pieces(cu, chunk * rows, rows, max_seqlen=plan.max_seqlen, is_causal=plan.is_causal)
         first, size = _window_bounds(plan, total, chunk * rows, rows)
         # Pieces without queries may start outside the window: clamped, they stay empty and ascending.
-        parts.append(Pieces(j * rows + pieces.q_start, pieces.q_len,
-                            j * size + jnp.clip(pieces.kv_start - first, 0, size), pieces.kv_len))
+        parts.append(
+            Pieces(
+                j * rows + pieces.q_start,
+                pieces.q_len,
+                j * size + jnp.clip(pieces.kv_start - first, 0, size),
+                pieces.kv_len,
+            )
+        )
         starts.append(first)
     return two_chunk_slots(*parts), tuple(starts), size
 
@@ -182,8 +199,9 @@ def chunk_attention(plan: Plan, attend, q_chunk, k_all, v_all, cu, chunk_start):
     what a device runs (benchmarks/context_parallel.py).
     """
     rows = q_chunk.shape[0]
-    pieces = chunk_pieces(cu, chunk_start, rows, max_seqlen=plan.max_seqlen, is_causal=plan.is_causal,
-                          window_left=plan.window_left)
+    pieces = chunk_pieces(
+        cu, chunk_start, rows, max_seqlen=plan.max_seqlen, is_causal=plan.is_causal, window_left=plan.window_left
+    )
     k_all, v_all, kv_offset = key_window(plan, k_all, v_all, chunk_start, rows)
     total = k_all.shape[0]
     cu_q = jnp.concatenate([pieces.q_start, jnp.full((1,), rows, jnp.int32)])
@@ -191,30 +209,63 @@ def chunk_attention(plan: Plan, attend, q_chunk, k_all, v_all, cu, chunk_start):
     cu_kv = jnp.concatenate([jnp.clip(pieces.kv_start - kv_offset, 0, total), jnp.full((1,), total, jnp.int32)])
     max_q = min(plan.max_seqlen, rows)
     if not plan.is_causal:  # no mask: alignment means nothing, one call
-        return attend(q_chunk, k_all, v_all, cu_q, cu_kv, max_q, plan.max_seqlen,
-                      seqused=(pieces.q_len, pieces.kv_len), diagonal_alignment="top_left")
+        return attend(
+            q_chunk,
+            k_all,
+            v_all,
+            cu_q,
+            cu_kv,
+            max_q,
+            plan.max_seqlen,
+            seqused=(pieces.q_len, pieces.kv_len),
+            diagonal_alignment="top_left",
+        )
     if plan.window_left is None:
         # One bottom-right call: every piece but the first has as many keys as queries (bottom-right is then
         # top-left), and the cuDNN path runs a causal bottom-right backward as rectangle + square
         # (backends/cudnn/launch.py _backward), so no piece pays for masked tiles.
-        return attend(q_chunk, k_all, v_all, cu_q, cu_kv, max_q, plan.max_seqlen,
-                      seqused=(pieces.q_len, pieces.kv_len), diagonal_alignment="bottom_right")
+        return attend(
+            q_chunk,
+            k_all,
+            v_all,
+            cu_q,
+            cu_kv,
+            max_q,
+            plan.max_seqlen,
+            seqused=(pieces.q_len, pieces.kv_len),
+            diagonal_alignment="bottom_right",
+        )
     # With a left window the backward is not split: a piece needs bottom-right alignment iff it has more keys
     # than queries (a > 0 and keys before it), so that one piece runs alone.
     offset = (pieces.q_len > 0) & (pieces.kv_len != pieces.q_len)
     zero = jnp.zeros_like(pieces.q_len)
-    out, stats = attend(q_chunk, k_all, v_all, cu_q, cu_kv, max_q, plan.max_seqlen,
-                        seqused=(jnp.where(offset, zero, pieces.q_len), jnp.where(offset, zero, pieces.kv_len)),
-                        diagonal_alignment="top_left")
+    out, stats = attend(
+        q_chunk,
+        k_all,
+        v_all,
+        cu_q,
+        cu_kv,
+        max_q,
+        plan.max_seqlen,
+        seqused=(jnp.where(offset, zero, pieces.q_len), jnp.where(offset, zero, pieces.kv_len)),
+        diagonal_alignment="top_left",
+    )
     # The offset piece (at most one) as a single sequence: its slot from its first query / key to the end.
     b = jnp.argmax(offset)
     has = jnp.any(offset)
     one = lambda x: jnp.where(has, x[b], 0)[None]
     first_q, first_kv = jnp.where(has, pieces.q_start[b], 0), jnp.where(has, cu_kv[b], 0)  # in the window
-    out_b, stats_b = attend(q_chunk, k_all, v_all,
-                            jnp.stack([first_q, jnp.full((), rows, jnp.int32)]),
-                            jnp.stack([first_kv, jnp.full((), total, jnp.int32)]), max_q, plan.max_seqlen,
-                            seqused=(one(pieces.q_len), one(pieces.kv_len)), diagonal_alignment="bottom_right")
+    out_b, stats_b = attend(
+        q_chunk,
+        k_all,
+        v_all,
+        jnp.stack([first_q, jnp.full((), rows, jnp.int32)]),
+        jnp.stack([first_kv, jnp.full((), total, jnp.int32)]),
+        max_q,
+        plan.max_seqlen,
+        seqused=(one(pieces.q_len), one(pieces.kv_len)),
+        diagonal_alignment="bottom_right",
+    )
     local = jnp.arange(rows, dtype=jnp.int32)
     in_b = has & (local >= first_q) & (local < first_q + one(pieces.q_len)[0])
     out = jnp.where(in_b[:, None, None], out_b, out)
@@ -255,7 +306,8 @@ def effective_mask(is_causal: bool, window: tuple[int, int] | None) -> tuple[boo
     raise NotImplementedError(
         f"local_window_size={window} without is_causal: context parallelism serves no mask, causal, or causal "
         "with a left window (l, 0). A window reaching right of the diagonal needs, for a run of queries that "
-        "starts inside a sequence, keys on both sides of it, which a bottom-right aligned piece cannot express")
+        "starts inside a sequence, keys on both sides of it, which a bottom-right aligned piece cannot express"
+    )
 
 
 def token_axis_size(mesh, token_axis) -> int:

@@ -29,13 +29,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-__all__ = ["balanced_document_order", "causal_work_per_device", "device_of_chunk", "dual_chunk_order",
-           "dual_chunk_rows", "permute_chunks"]
+__all__ = [
+    "balanced_document_order",
+    "causal_work_per_device",
+    "device_of_chunk",
+    "dual_chunk_order",
+    "dual_chunk_rows",
+    "permute_chunks",
+]
 
 
 # ---- The order itself. ----
+
 
 def dual_chunk_order(n: int) -> list[int]:
     """The natural chunks (of 2n) in load-balanced order: position j holds natural chunk order[j], device r
@@ -50,7 +58,7 @@ def dual_chunk_order(n: int) -> list[int]:
 def device_of_chunk(n: int) -> np.ndarray:
     """int32 [2n]: the device that holds each natural chunk in the dual-chunk order.
 
-        n = 2 -> [0, 1, 1, 0];  n = 4 -> [0, 1, 2, 3, 3, 2, 1, 0]
+    n = 2 -> [0, 1, 1, 0];  n = 4 -> [0, 1, 2, 3, 3, 2, 1, 0]
     """
     device = np.empty(2 * n, np.int32)
     device[dual_chunk_order(n)] = np.arange(2 * n, dtype=np.int32) // 2
@@ -80,11 +88,11 @@ def _check_total(total: int, n: int, name: str, axis: int | None = None) -> None
     if total % (2 * n):
         where = "the token axis" if axis is None else f"the token axis (axis {axis}"
         where += f", {total} rows)" if axis is not None else f" ({total} rows)"
-        raise ValueError(f"{name}: {where} must be a multiple of 2n = {2 * n} (2 chunks for each of the {n} "
-                         "devices)")
+        raise ValueError(f"{name}: {where} must be a multiple of 2n = {2 * n} (2 chunks for each of the {n} devices)")
 
 
 # ---- JAX arrays: a local permutation, or a half-shard exchange between the devices. ----
+
 
 def permute_chunks(x, n: int, axis: int = 0, *, inverse: bool = False, name: str = "permute_chunks"):
     """x in the dual-chunk order along `axis` (inverse=True: back to the natural order).
@@ -164,7 +172,7 @@ def _permute_locally(x, n: int, axis: int, inverse: bool):
     call on a placed array, get the exchange instead.
     """
     size = x.shape[axis]
-    view = x.reshape(x.shape[:axis] + (2 * n, size // (2 * n)) + x.shape[axis + 1:])
+    view = x.reshape(x.shape[:axis] + (2 * n, size // (2 * n)) + x.shape[axis + 1 :])
     chunks = [lax.slice_in_dim(view, c, c + 1, axis=axis) for c in _permutation(n, inverse)]
     return jnp.concatenate(chunks, axis=axis).reshape(x.shape)
 
@@ -201,8 +209,9 @@ def _exchange_halves(block, *, n: int, axis: int, axes: tuple, inverse: bool):
         lo, hi = jnp.where(flipped, hi, lo), jnp.where(flipped, lo, hi)
         return jnp.concatenate([lax.ppermute(lo, axes, first_perm), lax.ppermute(hi, axes, second_perm)], axis=axis)
     from_first, from_second = lax.ppermute(lo, axes, first_perm), lax.ppermute(hi, axes, second_perm)
-    return jnp.concatenate([jnp.where(flipped, from_second, from_first), jnp.where(flipped, from_first, from_second)],
-                           axis=axis)
+    return jnp.concatenate(
+        [jnp.where(flipped, from_second, from_first), jnp.where(flipped, from_first, from_second)], axis=axis
+    )
 
 
 def _gather_permute_slice(block, *, n: int, axis: int, axes: tuple, inverse: bool):
@@ -216,8 +225,8 @@ def _gather_permute_slice(block, *, n: int, axis: int, axes: tuple, inverse: boo
 
 # ---- Causal work per device (NumPy). ----
 
-def causal_work_per_device(cu_seqlens, n: int, load_balance: bool = True, *, capacity: int | None = None
-                           ) -> np.ndarray:
+
+def causal_work_per_device(cu_seqlens, n: int, load_balance: bool = True, *, capacity: int | None = None) -> np.ndarray:
     """int64 [n]: the causal query-key pairs each of n context-parallel devices computes.
 
     A row at position p of its sequence attends p + 1 keys, so a sequence of length L costs L (L + 1) / 2
@@ -277,8 +286,17 @@ def _chunk_work(packings: np.ndarray, total: int, chunks: int) -> np.ndarray:
 
 # ---- A document order that balances the dual-chunk devices. ----
 
-def balanced_document_order(lengths, n: int, capacity: int, *, tolerance: float = 0.01, descents: int = 16,
-                            max_candidates: int = 2048, seed: int = 0) -> np.ndarray:
+
+def balanced_document_order(
+    lengths,
+    n: int,
+    capacity: int,
+    *,
+    tolerance: float = 0.01,
+    descents: int = 16,
+    max_candidates: int = 2048,
+    seed: int = 0,
+) -> np.ndarray:
     """int64 [B]: an order of the documents (indices into lengths) for which the dual-chunk devices' causal
     work is as even as a local search finds (packed back to back from row 0, padding at the end).
 
@@ -316,11 +334,16 @@ def balanced_document_order(lengths, n: int, capacity: int, *, tolerance: float 
     if not 0 <= tolerance < 1:
         raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
     descents = _positive_int(descents, "descents")
-    search = _Search(lengths, n, capacity, tolerance, _positive_int(max_candidates, "max_candidates"),
-                     np.random.default_rng(seed))
-    starts = sorted(((search.score(order), order) for order in
-                     (np.arange(lengths.size), _mirrored(lengths), _greedy_by_mass(lengths, n, capacity))),
-                    key=lambda scored: scored[0])
+    search = _Search(
+        lengths, n, capacity, tolerance, _positive_int(max_candidates, "max_candidates"), np.random.default_rng(seed)
+    )
+    starts = sorted(
+        (
+            (search.score(order), order)
+            for order in (np.arange(lengths.size), _mirrored(lengths), _greedy_by_mass(lengths, n, capacity))
+        ),
+        key=lambda scored: scored[0],
+    )
     best = starts[0]
     for start in range(descents):
         if search.balanced(best[0]) or lengths.size < 2:
@@ -420,7 +443,7 @@ def _scores(packings: np.ndarray, n: int, capacity: int) -> np.ndarray:
     relative = work / np.maximum(work.sum(axis=1, keepdims=True) / n, 1.0)
     busiest = relative.max(axis=1)
     spread = busiest / np.maximum(relative.min(axis=1), 1e-300)
-    return np.stack([busiest, (relative ** 2).sum(axis=1), spread], axis=1)
+    return np.stack([busiest, (relative**2).sum(axis=1), spread], axis=1)
 
 
 def _moves(order: np.ndarray, limit: int, rng: np.random.Generator) -> np.ndarray:
@@ -444,6 +467,7 @@ def _moves(order: np.ndarray, limit: int, rng: np.random.Generator) -> np.ndarra
 
 
 # ---- Arguments. ----
+
 
 def _int(value, name: str) -> int:
     if isinstance(value, (bool, np.bool_)):

@@ -30,8 +30,9 @@ class Pieces(NamedTuple):
     kv_len: jax.Array
 
 
-def chunk_pieces(cu_seqlens, chunk_start, chunk_rows: int, *, max_seqlen: int, is_causal: bool,
-                 window_left: int | None = None) -> Pieces:
+def chunk_pieces(
+    cu_seqlens, chunk_start, chunk_rows: int, *, max_seqlen: int, is_causal: bool, window_left: int | None = None
+) -> Pieces:
     """The pieces of the chunk of rows [chunk_start, chunk_start + chunk_rows) (chunk_start may be traced).
 
     cu_seqlens: int32 [B + 1] in the natural order, already sanitised into the buffer. A sequence longer
@@ -67,6 +68,7 @@ def pieces_cu_seqlens(pieces: Pieces) -> tuple[jax.Array, jax.Array]:
       lengths_q  = [0, 0, 0,  0, 0, 6,  0, 0, 2]    -> cu_q  = [0, 0, 0, 0, 0, 0, 6, 6, 6, 8]
       lengths_kv = [0, 0, 0,  0, 5, 9,  0, 0, 2]    -> cu_kv = [0, 0, 0, 0, 0, 5, 14, 14, 14, 16]
     """
+
     def gaps(start, length):
         end = start + length
         return start - jnp.concatenate([jnp.zeros((1,), end.dtype), end[:-1]])
@@ -102,5 +104,9 @@ def two_chunk_slots(first: Pieces, second: Pieces) -> Pieces:
     sequence = jnp.clip(jnp.where(from_first, slot, slot - 1), 0, num - 1)
     # With no piece in the first chunk (last = -1) slot 0 is an empty slot at the start of both buffers.
     empty_start = (slot == 0) & (last < 0)
-    return Pieces(*(jnp.where(empty_start, 0, jnp.where(from_first, a[sequence], b[sequence])).astype(jnp.int32)
-                    for a, b in zip(first, second)))
+    return Pieces(
+        *(
+            jnp.where(empty_start, 0, jnp.where(from_first, a[sequence], b[sequence])).astype(jnp.int32)
+            for a, b in zip(first, second)
+        )
+    )

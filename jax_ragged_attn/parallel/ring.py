@@ -50,13 +50,22 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ragged_attn.parallel import context_parallel as cp
-from jax_ragged_attn.ops.ragged import attend
 from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.index import sanitize_cu_seqlens
+from jax_ragged_attn.ops.ragged import attend
+from jax_ragged_attn.parallel import context_parallel as cp
 
-__all__ = ["CONTEXT_STRATEGIES", "block_pieces", "check_strategy", "device_attention", "merge_partials",
-           "pieces_arguments", "window_band", "window_layout", "window_pair"]
+__all__ = [
+    "CONTEXT_STRATEGIES",
+    "block_pieces",
+    "check_strategy",
+    "device_attention",
+    "merge_partials",
+    "pieces_arguments",
+    "window_band",
+    "window_layout",
+    "window_pair",
+]
 
 CONTEXT_STRATEGIES = ("all_gather", "ring")
 
@@ -98,8 +107,9 @@ def device_attention(plan: cp.Plan, options: AttentionOptions, q, k, v, cu_seqle
     window = plan.window_left
     if window is not None and window >= plan.max_seqlen - 1:
         window = None  # positions of one sequence differ by at most max_seqlen - 1: the window cuts nothing
-    block_options = dataclasses.replace(options, return_stats=True, stats_layout="token_major", check=False,
-                                        local_window_size=None)
+    block_options = dataclasses.replace(
+        options, return_stats=True, stats_layout="token_major", check=False, local_window_size=None
+    )
     ring = _Ring(plan=plan, options=block_options, chunk_rows=rows // per_device, window=window)
     cu = sanitize_cu_seqlens(cu_seqlens, rows * plan.devices)
     out, lse = _ring_attention(ring, q, k, v, cu)
@@ -110,6 +120,7 @@ def device_attention(plan: cp.Plan, options: AttentionOptions, q, k, v, cu_seqle
 
 # ---- Pieces: which rows of a block each sequence attends. ----
 
+
 def _shard_rows_before(x, chunk_starts, chunk_rows: int):
     """How many rows of a shard (the chunks starting at the natural rows chunk_starts, held back to back)
     lie before natural row x: maps natural rows to shard rows. Chunks [0, 3] of 4 rows (rows 0..3, 12..15):
@@ -117,8 +128,9 @@ def _shard_rows_before(x, chunk_starts, chunk_rows: int):
     return sum(jnp.clip(x - start, 0, chunk_rows) for start in chunk_starts)
 
 
-def block_pieces(cu_seqlens, q_start, q_rows: int, kv_starts, kv_rows: int, *, max_seqlen: int,
-                 keys_up_to_queries: bool) -> cp.Pieces:
+def block_pieces(
+    cu_seqlens, q_start, q_rows: int, kv_starts, kv_rows: int, *, max_seqlen: int, keys_up_to_queries: bool
+) -> cp.Pieces:
     """Per sequence b: its queries in the query chunk, and its keys in a shard made of key chunks.
 
     cu_seqlens: sanitised int32 [B + 1] of the natural order; q_start (may be traced): the query chunk's
@@ -151,14 +163,20 @@ def pieces_arguments(pieces: cp.Pieces, q_rows: int, kv_rows: int) -> dict:
     of block_pieces' example, (0, 0, 0, 0), (0, 6, 5, 3), (6, 2, 8, 0) in a chunk of 8 against 8 shard rows:
       cu_seqlens_q = [0, 0, 6, 8], seqused_q = [0, 6, 2];  cu_seqlens_kv = [0, 5, 8, 8], seqused_kv = [0, 3, 0]
     """
+
     def slots(starts, rows):
         return jnp.concatenate([starts, jnp.full((1,), rows, jnp.int32)])
 
-    return dict(cu_seqlens_q=slots(pieces.q_start, q_rows), cu_seqlens_kv=slots(pieces.kv_start, kv_rows),
-                seqused_q=pieces.q_len, seqused_kv=pieces.kv_len)
+    return dict(
+        cu_seqlens_q=slots(pieces.q_start, q_rows),
+        cu_seqlens_kv=slots(pieces.kv_start, kv_rows),
+        seqused_q=pieces.q_len,
+        seqused_kv=pieces.kv_len,
+    )
 
 
 # ---- One step: the local query chunks against the visiting shard. ----
+
 
 def _chunk_starts(ring: _Ring, device):
     """First natural rows of the device's chunks: [r C] or, balanced, [r C, (2n-1-r) C] (ascending)."""
@@ -167,19 +185,44 @@ def _chunk_starts(ring: _Ring, device):
     return [(i * c).astype(jnp.int32) for i in ids]
 
 
-def _call(options: AttentionOptions, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q: int, max_seqlen_kv: int,
-          seqused_q=None, seqused_kv=None):
+def _call(
+    options: AttentionOptions,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_kv,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    seqused_q=None,
+    seqused_kv=None,
+):
     """The op on one block: (out float32 [rows, Hq, Dv], lse float32 [rows, Hq])."""
-    out, lse = attend((q, k, v), cu_seqlens_q, cu_seqlens_kv, options, max_seqlen_q=max_seqlen_q,
-                      max_seqlen_kv=max_seqlen_kv, seqused_q=seqused_q, seqused_kv=seqused_kv)
+    out, lse = attend(
+        (q, k, v),
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        options,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_kv=max_seqlen_kv,
+        seqused_q=seqused_q,
+        seqused_kv=seqused_kv,
+    )
     return out.astype(jnp.float32), lse
 
 
 def _pieces_call(ring: _Ring, options: AttentionOptions, q_chunk, k, v, pieces: cp.Pieces):
     """The op on one block's pieces (k, v: the shard rows they index)."""
     max_seqlen = ring.plan.max_seqlen
-    return _call(options, q_chunk, k, v, max_seqlen_q=min(max_seqlen, q_chunk.shape[0]),
-                 max_seqlen_kv=min(max_seqlen, k.shape[0]), **pieces_arguments(pieces, q_chunk.shape[0], k.shape[0]))
+    return _call(
+        options,
+        q_chunk,
+        k,
+        v,
+        max_seqlen_q=min(max_seqlen, q_chunk.shape[0]),
+        max_seqlen_kv=min(max_seqlen, k.shape[0]),
+        **pieces_arguments(pieces, q_chunk.shape[0], k.shape[0]),
+    )
 
 
 def _empty(q, v):
@@ -195,7 +238,7 @@ def _step(ring: _Ring, diagonal: bool, q, k, v, cu, r, src):
     q_starts, kv_starts = _chunk_starts(ring, r), _chunk_starts(ring, src)
     results = []
     for j, q_start in enumerate(q_starts):
-        q_chunk = q[j * c:(j + 1) * c]
+        q_chunk = q[j * c : (j + 1) * c]
         if ring.window is None and not (diagonal and ring.plan.is_causal):
             results.append(_shard_block(ring, q_chunk, k, v, cu, q_start, kv_starts))
             continue
@@ -203,7 +246,7 @@ def _step(ring: _Ring, diagonal: bool, q, k, v, cu, r, src):
         # chunk 2n-1-src of a shard (>= n > r: after it), and its chunk 2n-1-r sees its own chunk r whole.
         partials = []
         for i, kv_start in enumerate(kv_starts):
-            k_chunk, v_chunk = k[i * c:(i + 1) * c], v[i * c:(i + 1) * c]
+            k_chunk, v_chunk = k[i * c : (i + 1) * c], v[i * c : (i + 1) * c]
             if diagonal and i == j:
                 partials.append(_own_chunk_block(ring, q_chunk, k_chunk, v_chunk, cu, q_start))
             elif j < i:
@@ -222,8 +265,7 @@ def _shard_block(ring: _Ring, q_chunk, k, v, cu, q_start, kv_starts):
     """A query chunk against shard chunks that are not itself, no window: one call without a mask (causal:
     only the chunks before it hold keys of its sequences, all visible; block_pieces drops the later ones)."""
     plan, c = ring.plan, ring.chunk_rows
-    pieces = block_pieces(cu, q_start, c, kv_starts, c, max_seqlen=plan.max_seqlen,
-                          keys_up_to_queries=plan.is_causal)
+    pieces = block_pieces(cu, q_start, c, kv_starts, c, max_seqlen=plan.max_seqlen, keys_up_to_queries=plan.is_causal)
     # No mask: the alignment means nothing; top-left keeps cuDNN off its bottom-right backward (sq x skv).
     options = dataclasses.replace(ring.options, is_causal=False, diagonal_alignment="top_left")
     return _pieces_call(ring, options, q_chunk, k, v, pieces)
@@ -233,10 +275,15 @@ def _own_chunk_block(ring: _Ring, q_chunk, k_chunk, v_chunk, cu, q_start):
     """A query chunk against its own rows, causal (with the left window if any). Every piece's keys are its
     own queries' rows (a sequence's earlier rows lie in other chunks), so top-left causal is the mask."""
     plan = ring.plan
-    pieces = block_pieces(cu, q_start, ring.chunk_rows, [q_start], ring.chunk_rows, max_seqlen=plan.max_seqlen,
-                          keys_up_to_queries=True)
-    options = dataclasses.replace(ring.options, is_causal=True, diagonal_alignment="top_left",
-                                  local_window_size=None if ring.window is None else (ring.window, 0))
+    pieces = block_pieces(
+        cu, q_start, ring.chunk_rows, [q_start], ring.chunk_rows, max_seqlen=plan.max_seqlen, keys_up_to_queries=True
+    )
+    options = dataclasses.replace(
+        ring.options,
+        is_causal=True,
+        diagonal_alignment="top_left",
+        local_window_size=None if ring.window is None else (ring.window, 0),
+    )
     return _pieces_call(ring, options, q_chunk, k_chunk, v_chunk, pieces)
 
 
@@ -277,17 +324,27 @@ def window_pair(ring: _Ring, q_chunk, k_chunk, v_chunk, cu, q_start, kv_start):
 
     def branch(m: int):
         sq, left = window_band(ring, m)
-        options = dataclasses.replace(ring.options, is_causal=False, diagonal_alignment="bottom_right",
-                                      local_window_size=(left, c))
+        options = dataclasses.replace(
+            ring.options, is_causal=False, diagonal_alignment="bottom_right", local_window_size=(left, c)
+        )
 
         def attend_band(q_chunk, k_chunk, v_chunk, run, kv0, kv_end):
             own = jnp.arange(c, dtype=jnp.int32) < run  # the crossing sequence's query rows
             q_in = jnp.where(own[:, None, None], q_chunk, 0)
             # One sequence: query rows 0 .. sq - 1 (rows past sq: out 0), key rows kv0 .. kv_end - 1.
             # max_seqlen = C: the bottom-right diagonal must count every row of the piece.
-            out, lse = _call(options, q_in, k_chunk, v_chunk, jnp.asarray([0, c], jnp.int32),
-                             jnp.stack([kv0, jnp.full((), c, jnp.int32)]), c, c,
-                             seqused_q=jnp.full((1,), sq, jnp.int32), seqused_kv=(kv_end - kv0)[None])
+            out, lse = _call(
+                options,
+                q_in,
+                k_chunk,
+                v_chunk,
+                jnp.asarray([0, c], jnp.int32),
+                jnp.stack([kv0, jnp.full((), c, jnp.int32)]),
+                c,
+                c,
+                seqused_q=jnp.full((1,), sq, jnp.int32),
+                seqused_kv=(kv_end - kv0)[None],
+            )
             return jnp.where(own[:, None, None], out, 0), jnp.where(own[:, None], lse, -jnp.inf)
 
         return attend_band
@@ -318,6 +375,7 @@ def window_band(ring: _Ring, m: int) -> tuple[int, int]:
 
 # ---- Merging partial results. ----
 
+
 def _live(lse):
     return lse > -jnp.inf
 
@@ -345,6 +403,7 @@ def _weight(lse_s, lse):
 
 
 # ---- The ring, forward and backward. ----
+
 
 def _rotate(ring: _Ring, x, shift: int = 1):
     """Every device's x to the device `shift` further on the ring (r -> r + shift mod n)."""
@@ -435,4 +494,3 @@ def check_strategy(context_strategy, token_axis) -> None:
         raise ValueError(f"context_strategy must be one of {CONTEXT_STRATEGIES}, got {context_strategy!r}")
     if context_strategy == "ring" and token_axis is None:
         raise ValueError("context_strategy='ring' rotates K/V over the token axis: it needs token_axis")
-

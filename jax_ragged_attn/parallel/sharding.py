@@ -30,18 +30,19 @@ import math
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from jax_ragged_attn.config import AttentionOptions, make_config
+from jax_ragged_attn.features.checks import check_enabled, checked_cu_seqlens
+from jax_ragged_attn.features.overflow import cu_seqlens_overflow
+from jax_ragged_attn.index import as_int32
+from jax_ragged_attn.ops.ragged import attend
 from jax_ragged_attn.parallel import context_parallel as cp
 from jax_ragged_attn.parallel import ring
-from jax_ragged_attn.ops.ragged import attend
-from jax_ragged_attn.features.checks import check_enabled, checked_cu_seqlens
-from jax_ragged_attn.config import AttentionOptions, make_config
-from jax_ragged_attn.index import as_int32
 from jax_ragged_attn.parallel.context_parallel import reorder_for_load_balance, restore_order
-from jax_ragged_attn.features.overflow import cu_seqlens_overflow
 
-__all__ = ["sharded_ragged_attention", "reorder_for_load_balance", "restore_order"]
+__all__ = ["reorder_for_load_balance", "restore_order", "sharded_ragged_attention"]
 
 
 def sharded_ragged_attention(
@@ -91,9 +92,11 @@ def sharded_ragged_attention(
     # The per-head sink logits travel with their heads: split over head_axis like q's heads.
     sinks = rest.pop("sinks", None)
     if sinks is not None and context_strategy == "ring":
-        raise NotImplementedError("sinks with context_strategy='ring': the sink joins each row's softmax once, "
-                                  "after the ring's partial results are merged, which the ring does not do yet; "
-                                  "use context_strategy='all_gather'")
+        raise NotImplementedError(
+            "sinks with context_strategy='ring': the sink joins each row's softmax once, "
+            "after the ring's partial results are merged, which the ring does not do yet; "
+            "use context_strategy='all_gather'"
+        )
     if head_axis is None and token_axis is None:
         raise ValueError("sharded_ragged_attention needs head_axis, token_axis or both, got neither")
     head_axes = _axes(mesh, head_axis, "head_axis")
@@ -122,8 +125,9 @@ def sharded_ragged_attention(
             )
 
     # Counted outside shard_map, from the caller's cu_seqlens and the whole buffers.
-    overflow = functools.partial(_overflow, q, k, v, cu_seqlens_q, cu_seqlens_kv, options, rest) if return_overflow \
-        else None
+    overflow = (
+        functools.partial(_overflow, q, k, v, cu_seqlens_q, cu_seqlens_kv, options, rest) if return_overflow else None
+    )
     tokens = P(token_axis, head_axis, None)
     axes = head_axes + token_axes
     if all(mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit for a in axes):
@@ -141,27 +145,40 @@ def sharded_ragged_attention(
     # The cuDNN path's ffi_call has JAX's standard rule for varying manual axes, which refuses to mix the
     # sharded q/k/v with the replicated cu_seqlens; every output here is sharded, so nothing relies on the
     # replication check.
-    shard = lambda body, in_specs: jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                                 check_vma=False)
+    shard = lambda body, in_specs: jax.shard_map(
+        body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )
 
     if token_axis is None:
+
         def attend_shard(q, k, v, cu_seqlens_q, cu_seqlens_kv, sinks):
             # rest: max_seqlen_q, max_seqlen_kv; attend raises TypeError for anything else.
             return attend((q, k, v), cu_seqlens_q, cu_seqlens_kv, options, sinks=sinks, **rest)
 
         result = shard(attend_shard, (tokens, tokens, tokens, P(), P(), P(head_axis)))(
-            q, k, v, cu_seqlens_q, cu_seqlens_kv, sinks)
+            q, k, v, cu_seqlens_q, cu_seqlens_kv, sinks
+        )
         return _with_overflow(result, options, overflow)
 
-    plan, inner, cu_seqlens = _context_parallel_plan(q, k, v, cu_seqlens_q, cu_seqlens_kv, mesh, token_axis,
-                                                     load_balance, options, rest)
+    plan, inner, cu_seqlens = _context_parallel_plan(
+        q, k, v, cu_seqlens_q, cu_seqlens_kv, mesh, token_axis, load_balance, options, rest
+    )
 
     def attend_tokens(q, k, v, cu_seqlens, sinks):
         # Each chunk's calls own disjoint rows, so each applies the sink epilogue (sinks.py) to its own rows.
         def attend_chunk(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, *, seqused, diagonal_alignment):
             options = dataclasses.replace(inner, diagonal_alignment=diagonal_alignment)
-            result = attend((q, k, v), cu_q, cu_kv, options, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-                            seqused_q=seqused[0], seqused_kv=seqused[1], sinks=sinks)
+            result = attend(
+                (q, k, v),
+                cu_q,
+                cu_kv,
+                options,
+                max_seqlen_q=max_seqlen_q,
+                max_seqlen_kv=max_seqlen_kv,
+                seqused_q=seqused[0],
+                seqused_kv=seqused[1],
+                sinks=sinks,
+            )
             return result if inner.return_stats else (result, None)
 
         if context_strategy == "ring":
@@ -170,13 +187,22 @@ def sharded_ragged_attention(
             out, stats = cp.device_attention(plan, attend_chunk, q, k, v, cu_seqlens)
         return (out, stats) if inner.return_stats else out
 
-    return _with_overflow(shard(attend_tokens, (tokens, tokens, tokens, P(), P(head_axis)))(q, k, v, cu_seqlens, sinks),
-                          options, overflow)
+    return _with_overflow(
+        shard(attend_tokens, (tokens, tokens, tokens, P(), P(head_axis)))(q, k, v, cu_seqlens, sinks), options, overflow
+    )
 
 
 def _overflow(q, k, v, cu_seqlens_q, cu_seqlens_kv, options, rest):
-    config = make_config(q, k, v, cu_seqlens_q, cu_seqlens_kv, options, max_seqlen_q=rest.get("max_seqlen_q"),
-                         max_seqlen_kv=rest.get("max_seqlen_kv"))
+    config = make_config(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        options,
+        max_seqlen_q=rest.get("max_seqlen_q"),
+        max_seqlen_kv=rest.get("max_seqlen_kv"),
+    )
     return cu_seqlens_overflow(cu_seqlens_q, cu_seqlens_kv, config, same=cu_seqlens_q is cu_seqlens_kv)
 
 
@@ -197,12 +223,15 @@ def _axes(mesh, axis, name: str) -> tuple[str, ...]:
     return axes
 
 
-def _context_parallel_plan(q, k, v, cu_seqlens_q, cu_seqlens_kv, mesh, token_axis, load_balance: bool,
-                           options: AttentionOptions, rest: dict):
+def _context_parallel_plan(
+    q, k, v, cu_seqlens_q, cu_seqlens_kv, mesh, token_axis, load_balance: bool, options: AttentionOptions, rest: dict
+):
     """Validates a context-parallel call; returns (cp.Plan, the options of each chunk's call, cu_seqlens)."""
     if rest.get("seqused_q") is not None or rest.get("seqused_kv") is not None:
-        raise NotImplementedError("seqused_q / seqused_kv with token_axis: context parallelism splits the packed "
-                                  "rows of tight cu_seqlens; pass the used rows packed back to back instead")
+        raise NotImplementedError(
+            "seqused_q / seqused_kv with token_axis: context parallelism splits the packed "
+            "rows of tight cu_seqlens; pass the used rows packed back to back instead"
+        )
     rest = {key: value for key, value in rest.items() if key not in ("seqused_q", "seqused_kv")}
     extra = sorted(set(rest) - {"max_seqlen_q", "max_seqlen_kv"})
     if extra:
@@ -214,17 +243,22 @@ def _context_parallel_plan(q, k, v, cu_seqlens_q, cu_seqlens_kv, mesh, token_axi
     per_device = 2 if load_balance else 1
     total = q.shape[0]
     if k.shape[0] != total or v.shape[0] != total:
-        raise ValueError(f"token_axis (context parallelism) is self-attention: q, k and v must share the capacity "
-                         f"T, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"token_axis (context parallelism) is self-attention: q, k and v must share the capacity "
+            f"T, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     if total % (n * per_device):
         need = f"2n = {2 * n} (load_balance=True: 2 chunks per device)" if load_balance else f"n = {n}"
-        raise ValueError(f"the packed token axis T = {total} must be a multiple of {need} for the {n} devices on "
-                         f"token_axis {token_axis!r}")
+        raise ValueError(
+            f"the packed token axis T = {total} must be a multiple of {need} for the {n} devices on "
+            f"token_axis {token_axis!r}"
+        )
     _check_same_cu_seqlens(cu_seqlens_q, cu_seqlens_kv)
     if rest["max_seqlen_q"] != rest["max_seqlen_kv"]:
         raise NotImplementedError(
             f"token_axis with max_seqlen_q={rest['max_seqlen_q']!r} != max_seqlen_kv={rest['max_seqlen_kv']!r}: "
-            "context parallelism is self-attention, where both bound the same sequences; pass one value for both")
+            "context parallelism is self-attention, where both bound the same sequences; pass one value for both"
+        )
     max_seqlen = min(_positive_int(rest["max_seqlen_q"], "max_seqlen_q"), total)
     causal, left = cp.effective_mask(options.is_causal, options.local_window_size)
 
@@ -234,27 +268,43 @@ def _context_parallel_plan(q, k, v, cu_seqlens_q, cu_seqlens_kv, mesh, token_axi
         cu_seqlens = checked_cu_seqlens(cu_seqlens, name="cu_seqlens_q", capacity=total, max_seqlen=max_seqlen)
     # Each chunk's call: the pieces, bottom-right aligned (the diagonal of a piece's query is its position).
     # The automatic kernel choice by the whole batch's shape class (its T / B), not by a device call's slots.
-    inner = dataclasses.replace(options, is_causal=causal, diagonal_alignment="bottom_right",
-                                local_window_size=None if left is None else (left, 0), check=False,
-                                policy_tokens_per_sequence=options.policy_tokens_per_sequence
-                                or cp.batch_tokens_per_sequence(total, cu_seqlens_q.shape[0] - 1))
-    plan = cp.Plan(token_axis=token_axis, devices=n, load_balance=bool(load_balance), max_seqlen=max_seqlen,
-                   is_causal=causal, window_left=left, stats_axis=1 if options.stats_layout == "head_major" else 0)
+    inner = dataclasses.replace(
+        options,
+        is_causal=causal,
+        diagonal_alignment="bottom_right",
+        local_window_size=None if left is None else (left, 0),
+        check=False,
+        policy_tokens_per_sequence=options.policy_tokens_per_sequence
+        or cp.batch_tokens_per_sequence(total, cu_seqlens_q.shape[0] - 1),
+    )
+    plan = cp.Plan(
+        token_axis=token_axis,
+        devices=n,
+        load_balance=bool(load_balance),
+        max_seqlen=max_seqlen,
+        is_causal=causal,
+        window_left=left,
+        stats_axis=1 if options.stats_layout == "head_major" else 0,
+    )
     return plan, inner, cu_seqlens
 
 
 def _check_same_cu_seqlens(cu_q, cu_kv) -> None:
     shape_q, shape_kv = getattr(cu_q, "shape", None), getattr(cu_kv, "shape", None)
     if shape_q != shape_kv or shape_q is None or len(shape_q) != 1:
-        raise ValueError(f"token_axis (context parallelism) is self-attention: cu_seqlens_q and cu_seqlens_kv must "
-                         f"be the same [B + 1] array, got shapes {shape_q} and {shape_kv}")
+        raise ValueError(
+            f"token_axis (context parallelism) is self-attention: cu_seqlens_q and cu_seqlens_kv must "
+            f"be the same [B + 1] array, got shapes {shape_q} and {shape_kv}"
+        )
     try:  # concrete values are compared; traced ones cannot be, and cu_seqlens_q is used
         same = np.array_equal(np.asarray(cu_q), np.asarray(cu_kv))
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         return
     if not same:
-        raise ValueError("token_axis (context parallelism) is self-attention: cu_seqlens_q and cu_seqlens_kv must be "
-                         f"equal, got {np.asarray(cu_q).tolist()} and {np.asarray(cu_kv).tolist()}")
+        raise ValueError(
+            "token_axis (context parallelism) is self-attention: cu_seqlens_q and cu_seqlens_kv must be "
+            f"equal, got {np.asarray(cu_q).tolist()} and {np.asarray(cu_kv).tolist()}"
+        )
 
 
 def _positive_int(value, name: str) -> int:

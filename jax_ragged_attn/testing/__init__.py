@@ -14,5 +14,15 @@ from jax_ragged_attn.testing.helpers import (
 from jax_ragged_attn.testing.private_config import backend_options, config_overrides
 from jax_ragged_attn.testing.reference import reference_attention
 
-__all__ = ["PackedBatch", "assert_close", "backend_options", "config_overrides", "implementation_options",
-           "packed_batch", "random_lengths", "reference_attention", "stand_in_handler_args", "tolerance"]
+__all__ = [
+    "PackedBatch",
+    "assert_close",
+    "backend_options",
+    "config_overrides",
+    "implementation_options",
+    "packed_batch",
+    "random_lengths",
+    "reference_attention",
+    "stand_in_handler_args",
+    "tolerance",
+]

@@ -26,7 +26,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 from unittest import mock
 
 from jax_ragged_attn import backends
@@ -76,9 +77,11 @@ def _cudnn_stats_gradient_too_wide(config) -> bool:
 def _window_splits_badly(tail: Callable[[Any], int]) -> Callable:
     """A left window that reaches past a sequence's head into its last `tail(config)` rows but not through them
     (shared/head_tail.py window_reason's condition)."""
+
     def when(config) -> bool:
         left = config.left_bound
         return left is not None and left < tail(config) < left + config.seqlen_q
+
     return when
 
 
@@ -118,10 +121,12 @@ def _cudnn_paged_window(config) -> bool:
 def _fenced(backend: str, op: str) -> Callable:
     """Where backends/shared/known_issues.py fences the call off: an upstream bug of the loaded release (its
     TABLE is the list of those declines, each with its version range, GPU and feature)."""
+
     def when(config) -> bool:
         from jax_ragged_attn.backends.shared import known_issues
 
         return known_issues.fence(backend, op, config) is not None
+
     return when
 
 
@@ -164,46 +169,100 @@ EXPECTED = (
     Decline("cudnn", "ragged", "takes bfloat16 or float16 inputs", _cudnn_dtype, _CUDNN),
     Decline("cudnn", "ragged", "head dims that are multiples of 8 up to", _cudnn_head_dims, _CUDNN),
     Decline("cudnn", "ragged", "ragged offsets are int32", _cudnn_too_large, _CUDNN + " (extents.py)"),
-    Decline("cudnn", "ragged", "which has a known bug there", _fenced("cudnn", "ragged"),
-            _CUDNN + " (shared/known_issues.py fence)"),
-    Decline("cudnn", "ragged", "which has a known bug there", _fenced_stats_gradient,
-            "backends/cudnn/launch.py stats_gradient_unsupported (the widened backward's fence)"),
-    Decline("cudnn", "ragged", "cannot differentiate through stats", _cudnn_stats_gradient_too_wide,
-            "backends/cudnn/launch.py stats_gradient_unsupported (Dv + 16 value columns)"),
+    Decline(
+        "cudnn",
+        "ragged",
+        "which has a known bug there",
+        _fenced("cudnn", "ragged"),
+        _CUDNN + " (shared/known_issues.py fence)",
+    ),
+    Decline(
+        "cudnn",
+        "ragged",
+        "which has a known bug there",
+        _fenced_stats_gradient,
+        "backends/cudnn/launch.py stats_gradient_unsupported (the widened backward's fence)",
+    ),
+    Decline(
+        "cudnn",
+        "ragged",
+        "cannot differentiate through stats",
+        _cudnn_stats_gradient_too_wide,
+        "backends/cudnn/launch.py stats_gradient_unsupported (Dv + 16 value columns)",
+    ),
     # cuDNN, ragged_attention_with_kvcache
     Decline("cudnn", "kvcache", "takes bfloat16 or float16 inputs", _cudnn_dtype, _CUDNN_KVCACHE),
     Decline("cudnn", "kvcache", "head dims that are multiples of 8 up to", _cudnn_head_dims, _CUDNN_KVCACHE),
-    Decline("cudnn", "kvcache", "page sizes that are powers of 2",
-            lambda c: c.paged and c.page_size & (c.page_size - 1) != 0, _CUDNN_KVCACHE),
+    Decline(
+        "cudnn",
+        "kvcache",
+        "page sizes that are powers of 2",
+        lambda c: c.paged and c.page_size & (c.page_size - 1) != 0,
+        _CUDNN_KVCACHE,
+    ),
     Decline("cudnn", "kvcache", "of at most 2**31 - 1 rows", lambda c: c.capacity > 2**31 - 1, _CUDNN_KVCACHE),
-    Decline("cudnn", "kvcache", "which has a known bug there", _fenced("cudnn", "kvcache"),
-            "backends/cudnn/kvcache.py paged_reason (shared/known_issues.py fence)"),
-    Decline("cudnn", "kvcache", "packed queries (cu_seqlens_q) over a paged cache take cuDNN",
-            lambda c: c.packed, "backends/cudnn/kvcache.py packed_version_reason (cuDNN < 9.8)"),
-    Decline("cudnn", "kvcache", "reaches into the rows cuDNN's paged graph reads", _cudnn_paged_window,
-            "backends/cudnn/kvcache.py paged_reason (shared/head_tail.py window_reason)"),
+    Decline(
+        "cudnn",
+        "kvcache",
+        "which has a known bug there",
+        _fenced("cudnn", "kvcache"),
+        "backends/cudnn/kvcache.py paged_reason (shared/known_issues.py fence)",
+    ),
+    Decline(
+        "cudnn",
+        "kvcache",
+        "packed queries (cu_seqlens_q) over a paged cache take cuDNN",
+        lambda c: c.packed,
+        "backends/cudnn/kvcache.py packed_version_reason (cuDNN < 9.8)",
+    ),
+    Decline(
+        "cudnn",
+        "kvcache",
+        "reaches into the rows cuDNN's paged graph reads",
+        _cudnn_paged_window,
+        "backends/cudnn/kvcache.py paged_reason (shared/head_tail.py window_reason)",
+    ),
     # FlashAttention-3, ragged_attention (fa3/providers.py): dew-flash-attn's declines, both providers', then
     # flash-attn3-jax's
     Decline("fa3", "ragged", "kernels are built without softcap", lambda c: bool(c.softcap), _DEW),
     Decline("fa3", "ragged", "kernels take equal head dims of", _dew_head_dims, _DEW),
     Decline("fa3", "ragged", "backward has no deterministic mode", lambda c: bool(c.deterministic), _DEW),
     Decline("fa3", "ragged", "FlashAttention-3 takes bfloat16 or float16 inputs", _fa3_dtype, _FA3 + ", " + _DEW),
-    Decline("fa3", "ragged", "aligns its causal mask and windows bottom-right",
-            lambda c: _bounded(c) and c.diagonal_alignment == "top_left", _FA3 + " (alignment_reason), " + _DEW),
+    Decline(
+        "fa3",
+        "ragged",
+        "aligns its causal mask and windows bottom-right",
+        lambda c: _bounded(c) and c.diagonal_alignment == "top_left",
+        _FA3 + " (alignment_reason), " + _DEW,
+    ),
     Decline("fa3", "ragged", "called with softcap 0", lambda c: bool(c.softcap), _FA3),
     Decline("fa3", "ragged", "kernels are built for head dim", _fa3_head_dims, _FA3),
     # FlashAttention-3, ragged_attention_with_kvcache
     Decline("fa3", "kvcache", "called with softcap 0", lambda c: bool(c.softcap), _FA3_KVCACHE),
     Decline("fa3", "kvcache", "FlashAttention-3 takes bfloat16 or float16 inputs", _fa3_dtype, _FA3_KVCACHE),
     Decline("fa3", "kvcache", "kernels are built for head dim", _fa3_head_dims, _FA3_KVCACHE),
-    Decline("fa3", "kvcache", "reaches into the rows FA3 reads", _window_splits_badly(_fa3_kvcache_tail),
-            "backends/fa3/kvcache.py unsupported_reason (shared/head_tail.py window_reason)"),
+    Decline(
+        "fa3",
+        "kvcache",
+        "reaches into the rows FA3 reads",
+        _window_splits_badly(_fa3_kvcache_tail),
+        "backends/fa3/kvcache.py unsupported_reason (shared/head_tail.py window_reason)",
+    ),
     # Packed queries (cu_seqlens_q) of the KV-cache op
-    Decline("fa3", "kvcache", "FA3 serves packed queries in tiles of at most",
-            lambda c: c.packed and c.group_size > _fa3_packed_tile_rows(c), _FA3_PACKED),
-    Decline("fa3", "kvcache", "packed queries with keys right of the diagonal",
-            lambda c: c.packed and c.right_bound != 0 and c.seqlen_q * c.group_size > _fa3_packed_tile_rows(c),
-            _FA3_PACKED),
+    Decline(
+        "fa3",
+        "kvcache",
+        "FA3 serves packed queries in tiles of at most",
+        lambda c: c.packed and c.group_size > _fa3_packed_tile_rows(c),
+        _FA3_PACKED,
+    ),
+    Decline(
+        "fa3",
+        "kvcache",
+        "packed queries with keys right of the diagonal",
+        lambda c: c.packed and c.right_bound != 0 and c.seqlen_q * c.group_size > _fa3_packed_tile_rows(c),
+        _FA3_PACKED,
+    ),
 )
 
 
@@ -290,8 +349,10 @@ def recorded():
             seen.append(Declined("cudnn", "ragged", config, reason))
         return reason
 
-    with mock.patch.object(backends, "unsupported_reason", recording), \
-            mock.patch.object(launch, "stats_gradient_unsupported", recording_stats_gradient):
+    with (
+        mock.patch.object(backends, "unsupported_reason", recording),
+        mock.patch.object(launch, "stats_gradient_unsupported", recording_stats_gradient),
+    ):
         yield seen
 
 
@@ -311,7 +372,8 @@ def verdict(implementation: str, error: NotImplementedError, seen: list[Declined
         raise AssertionError(
             f"{implementation} declined a configuration that jax_ragged_attn/testing/declines.py does not list as "
             f"declined by design (a regression, or a decline to list there with its predicate): "
-            f"{decline.reason}\nconfiguration: {decline.config}") from error
+            f"{decline.reason}\nconfiguration: {decline.config}"
+        ) from error
     return f"{implementation} declines this configuration by design ({entry.source}): {decline.reason}"
 
 

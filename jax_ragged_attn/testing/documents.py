@@ -27,5 +27,5 @@ def dense_mask(cu, total: int, max_seqlen: int, is_causal: bool, window_left) ->
             keep &= j <= i
         if window_left is not None:
             keep &= j >= i - window_left
-        mask[start:start + length, start:start + length] = keep
+        mask[start : start + length, start : start + length] = keep
     return mask

@@ -73,7 +73,7 @@ def forward_call(q, k, v, cu_q, cu_kv, used_q, used_kv, config):
     out = jnp.where(owned_q[:, None, None], out, jnp.nan).astype(q.dtype)
     lse_hm = jnp.where(owned_q[None, :], lse, jnp.nan)
     buffer = jnp.full(_fa3._lse_shape(config), jnp.nan, jnp.float32).reshape(-1)
-    buffer = buffer.at[:lse_hm.size].set(lse_hm.reshape(-1)).reshape(_fa3._lse_shape(config))
+    buffer = buffer.at[: lse_hm.size].set(lse_hm.reshape(-1)).reshape(_fa3._lse_shape(config))
     return out, buffer
 
 
@@ -94,7 +94,7 @@ def backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, config
     dq = config.scale * jnp.einsum("hqk,khd->qhd", ds, kf, precision="highest")
     dk = config.scale * jnp.einsum("hqk,qhd->khd", ds, qf, precision="highest")
     dv = jnp.einsum("hqk,qhd->khd", p, d_o, precision="highest")
-    fold = lambda x: x.reshape(x.shape[0], hkv, group, x.shape[-1]).sum(axis=2)  # noqa: E731
+    fold = lambda x: x.reshape(x.shape[0], hkv, group, x.shape[-1]).sum(axis=2)
     dk, dv = fold(dk), fold(dv)
     dq = jnp.where(owned_q[:, None, None], dq, jnp.nan).astype(q.dtype)
     dk = jnp.where(owned_kv[:, None, None], dk, jnp.nan).astype(k.dtype)
@@ -104,9 +104,11 @@ def backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, config
 
 def _without_seqused(call):
     """An emulated kernel of the dew binding's signature (offsets only, every sequence's rows all used)."""
+
     def kernel(*args):
         *arrays, offsets_q, offsets_kv, config = args
         return call(*arrays, offsets_q, offsets_kv, jnp.diff(offsets_q), jnp.diff(offsets_kv), config)
+
     return kernel
 
 
@@ -120,12 +122,14 @@ def _grid_cut_at_max_seqlen(forward):
     """The dew forward stand-in, leaving the rows of a sequence past max_seqlen_q unwritten (NaN out and
     log-sum-exp): what a kernel whose grid is sized by max_seqlen does. The wrapper must keep such rows out of
     every result (a gap sequence longer than max_seqlen, dew.py)."""
+
     def kernel(q, k, v, offsets_q, offsets_kv, config):
         out, lse = forward(q, k, v, offsets_q, offsets_kv, config)
         written = _rows_within_max_seqlen(offsets_q, config)
         out = jnp.where(written[:, None, None], out, jnp.nan)
         lse_hm = jnp.where(written[None, :], _fa3.lse_head_major(lse, config), jnp.nan)
         return out, lse_hm.reshape(lse.shape)
+
     return kernel
 
 
@@ -133,10 +137,12 @@ def _backward_grid_cut_at_max_seqlen(backward):
     """The dew backward stand-in reading the rows of a sequence past max_seqlen_q with a NaN log-sum-exp: FA3's
     backward preprocessing (its rows' log-sum-exp and rowsum(dO * O) scratch) runs over max_seqlen rows of each
     sequence, so the main loop reads those rows' scratch unwritten."""
+
     def kernel(d_out, q, k, v, out, lse, offsets_q, offsets_kv, config):
         written = _rows_within_max_seqlen(offsets_q, config)
         lse = jnp.where(written[None, :], _fa3.lse_head_major(lse, config), jnp.nan)
         return backward(d_out, q, k, v, out, lse, offsets_q, offsets_kv, config)
+
     return kernel
 
 
@@ -146,10 +152,14 @@ def patched_dew():
     from jax_ragged_attn.backends.fa3 import dew
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(dew, "_kernel_forward",
-                                              _grid_cut_at_max_seqlen(_without_seqused(forward_call))))
-        stack.enter_context(mock.patch.object(dew, "_kernel_backward",
-                                              _backward_grid_cut_at_max_seqlen(_without_seqused(backward_call))))
+        stack.enter_context(
+            mock.patch.object(dew, "_kernel_forward", _grid_cut_at_max_seqlen(_without_seqused(forward_call)))
+        )
+        stack.enter_context(
+            mock.patch.object(
+                dew, "_kernel_backward", _backward_grid_cut_at_max_seqlen(_without_seqused(backward_call))
+            )
+        )
         stack.enter_context(mock.patch.object(dew, "unavailable_reason", lambda: None))
         yield
 

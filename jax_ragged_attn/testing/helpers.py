@@ -89,8 +89,10 @@ def packed_batch(
     """Standard normal q, k, v packed back to back, with slack_q / slack_kv poisoned rows of capacity padding."""
     seqlens_q, seqlens_kv = tuple(map(int, seqlens_q)), tuple(map(int, seqlens_kv))
     if len(seqlens_q) != len(seqlens_kv):
-        raise ValueError(f"seqlens_q and seqlens_kv must name the same number of sequences, got "
-                         f"{len(seqlens_q)} and {len(seqlens_kv)}")
+        raise ValueError(
+            f"seqlens_q and seqlens_kv must name the same number of sequences, got "
+            f"{len(seqlens_q)} and {len(seqlens_kv)}"
+        )
     total_q, total_kv = sum(seqlens_q), sum(seqlens_kv)
     dtype = np.dtype(dtype)
     q, q64 = _packed(rng, total_q, num_heads_q, head_dim_qk, total_q + slack_q, dtype, poison)
@@ -161,8 +163,9 @@ def assert_close(actual, expected, dtype, what: str) -> None:
     bound = atol * scale + rtol * np.abs(np.where(finite, expected, 0.0))
     bad = ~(error <= bound)  # NaN in actual fails here
     if bad.any():
-        worst = np.unravel_index(np.argmax(np.where(bad, np.nan_to_num(error, nan=np.inf) - bound, -np.inf)),
-                                 error.shape)
+        worst = np.unravel_index(
+            np.argmax(np.where(bad, np.nan_to_num(error, nan=np.inf) - bound, -np.inf)), error.shape
+        )
         raise AssertionError(
             f"{what}: {int(bad.sum())} of {bad.size} entries off by more than atol={atol:.3g} * {scale:.3g} + "
             f"rtol={rtol:.3g} * |expected| ({np.dtype(dtype).name}); worst at {tuple(int(i) for i in worst)}: "
@@ -185,7 +188,7 @@ def stand_in_handler_args(args: tuple, result_types: tuple, aliases: dict | None
         fill = 0 if int(attributes.get("zero_outputs", 0)) else jnp.nan
         return args, workspace, [jnp.full(t.shape, fill, t.dtype) for t in result_types[:-1]]
     if num_results in aliases.values():  # the workspace (the last result) comes in too
-        return args[:-num_results - 1], args[-num_results - 1], args[-num_results:]
+        return args[: -num_results - 1], args[-num_results - 1], args[-num_results:]
     return args[:-num_results], jnp.zeros(result_types[-1].shape, jnp.uint8), args[-num_results:]
 
 

@@ -26,19 +26,31 @@ import numpy as np
 def _window(local_window_size):
     if local_window_size is None:
         return None, None
-    left, right = (local_window_size if isinstance(local_window_size, (tuple, list))
-                   else (local_window_size, local_window_size))
+    left, right = (
+        local_window_size if isinstance(local_window_size, (tuple, list)) else (local_window_size, local_window_size)
+    )
     return (None if left < 0 else int(left)), (None if right < 0 else int(right))
 
 
-def reference_kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, page_table=None, scale=None,
-                                is_causal=True, local_window_size=None, sinks=None,
-                                softcap=None) -> dict[str, np.ndarray]:
+def reference_kvcache_attention(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    *,
+    page_table=None,
+    scale=None,
+    is_causal=True,
+    local_window_size=None,
+    sinks=None,
+    softcap=None,
+) -> dict[str, np.ndarray]:
     """{"out": [B, Sq, Hq, Dv], "stats": [B, Hq, Sq] head-major} in float64."""
     q = np.asarray(q, np.float64)
     batch, seqlen_q, heads_q, _ = q.shape
-    cache = _Cache(k_cache, v_cache, page_table, heads_q, scale, is_causal, local_window_size, sinks, softcap,
-                   q.shape[3])
+    cache = _Cache(
+        k_cache, v_cache, page_table, heads_q, scale, is_causal, local_window_size, sinks, softcap, q.shape[3]
+    )
     out = np.zeros((batch, seqlen_q, heads_q, cache.v.shape[3]))
     stats = np.full((batch, heads_q, seqlen_q), -np.inf)
     for b in range(batch):
@@ -49,14 +61,27 @@ def reference_kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, page_tabl
     return {"out": out, "stats": stats}
 
 
-def reference_kvcache_attention_packed(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, max_seqlen_q, *,
-                                       page_table=None, scale=None, is_causal=True, local_window_size=None,
-                                       sinks=None, softcap=None) -> dict[str, np.ndarray]:
+def reference_kvcache_attention_packed(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    cu_seqlens_q,
+    max_seqlen_q,
+    *,
+    page_table=None,
+    scale=None,
+    is_causal=True,
+    local_window_size=None,
+    sinks=None,
+    softcap=None,
+) -> dict[str, np.ndarray]:
     """{"out": [T, Hq, Dv], "stats": [Hq, T] head-major} in float64, for packed queries q [T, Hq, D]."""
     q = np.asarray(q, np.float64)
     total, heads_q, _ = q.shape
-    cache = _Cache(k_cache, v_cache, page_table, heads_q, scale, is_causal, local_window_size, sinks, softcap,
-                   q.shape[2])
+    cache = _Cache(
+        k_cache, v_cache, page_table, heads_q, scale, is_causal, local_window_size, sinks, softcap, q.shape[2]
+    )
     cu = np.clip(np.maximum.accumulate(np.asarray(cu_seqlens_q, np.int64)), 0, total)
     out = np.zeros((total, heads_q, cache.v.shape[3]))
     stats = np.full((heads_q, total), -np.inf)
@@ -72,8 +97,7 @@ def reference_kvcache_attention_packed(q, k_cache, v_cache, cache_seqlens, cu_se
 class _Cache:
     """One call's cache and options: a sequence's rows, and one query's attention over them."""
 
-    def __init__(self, k_cache, v_cache, page_table, heads_q, scale, is_causal, local_window_size, sinks, softcap,
-                 dim):
+    def __init__(self, k_cache, v_cache, page_table, heads_q, scale, is_causal, local_window_size, sinks, softcap, dim):
         self.k, self.v = np.asarray(k_cache, np.float64), np.asarray(v_cache, np.float64)
         self.group = heads_q // self.k.shape[2]
         self.scale = 1.0 / math.sqrt(dim) if scale is None else scale

@@ -25,8 +25,11 @@ def report_checks(cases: dict, run) -> None:
 def run_checks_in_child(path: str, cases: dict, *, devices: int = 4, timeout: float = 600) -> dict:
     """Runs `python path` (whose __main__ calls report_checks) on `devices` virtual CPU devices; fails unless
     it exits 0 and reports every case in `cases` as passed. Returns {name: record}."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip())
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip(),
+    )
     run = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True, timeout=timeout)
     results = {}
     for line in run.stdout.splitlines():

@@ -46,8 +46,11 @@ def backend_options(**fields):
         raise ValueError(f"route must be None or one of {PINNED_ROUTES}, got {fields['route']!r}")
     with contextlib.ExitStack() as stack:
         for module in OPTIONS:
-            own = {name: value for name, value in fields.items()
-                   if name in {f.name for f in dataclasses.fields(module.OPTIONS)}}
+            own = {
+                name: value
+                for name, value in fields.items()
+                if name in {f.name for f in dataclasses.fields(module.OPTIONS)}
+            }
             if own:
                 stack.enter_context(mock.patch.object(module, "OPTIONS", dataclasses.replace(module.OPTIONS, **own)))
         yield
@@ -70,6 +73,8 @@ def config_overrides(**fields):
     unknown = sorted(set(fields) - known)
     if unknown:
         raise TypeError(f"no config field is named {unknown}")
-    with mock.patch.object(ragged, "make_config", _replaced(ragged.make_config, AttentionConfig, fields)), \
-            mock.patch.object(kvcache, "kvcache_config", _replaced(kvcache.kvcache_config, KVCacheConfig, fields)):
+    with (
+        mock.patch.object(ragged, "make_config", _replaced(ragged.make_config, AttentionConfig, fields)),
+        mock.patch.object(kvcache, "kvcache_config", _replaced(kvcache.kvcache_config, KVCacheConfig, fields)),
+    ):
         yield

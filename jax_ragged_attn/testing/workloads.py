@@ -97,11 +97,16 @@ class Workload:
         return direction_flops(attention_flops(self.seqlens, self.num_heads_q, self.head_dim, self.causal), direction)
 
     def summary(self) -> str:
-        heads = (f"{self.num_heads_q} heads" if self.num_heads_q == self.num_heads_kv
-                 else f"{self.num_heads_q}/{self.num_heads_kv} heads (GQA)")
-        return (f"{self.name}: {self.num_seqs} sequences of {min(self.seqlens)}..{self.max_seqlen} "
-                f"({self.total_tokens:,} tokens), {heads}, head dim {self.head_dim}, {self.dtype}, "
-                f"{'causal' if self.causal else 'non-causal'}")
+        heads = (
+            f"{self.num_heads_q} heads"
+            if self.num_heads_q == self.num_heads_kv
+            else f"{self.num_heads_q}/{self.num_heads_kv} heads (GQA)"
+        )
+        return (
+            f"{self.name}: {self.num_seqs} sequences of {min(self.seqlens)}..{self.max_seqlen} "
+            f"({self.total_tokens:,} tokens), {heads}, head dim {self.head_dim}, {self.dtype}, "
+            f"{'causal' if self.causal else 'non-causal'}"
+        )
 
     def packed_inputs(self, seed: int = 0):
         """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], cu_seqlens int32 [B + 1]) on the default device.
@@ -131,10 +136,8 @@ def _build() -> dict[str, Workload]:
         dataclasses.replace(w1, name="W4-d64", description="W1 with head dim 64", head_dim=64),
         dataclasses.replace(w1, name="W4-d256", description="W1 with head dim 256", head_dim=256),
         dataclasses.replace(w1, name="W4-noncausal", description="W1 without the causal mask", causal=False),
-        Workload("W5", "119 medium sequences", seeded_lengths(119, 64, 1022, total=65536),
-                 16, 16, 128),
-        Workload("W6", "16 sequences of 128..8192, GQA", seeded_lengths(16, 128, 8192), 32, 8,
-                 128),
+        Workload("W5", "119 medium sequences", seeded_lengths(119, 64, 1022, total=65536), 16, 16, 128),
+        Workload("W6", "16 sequences of 128..8192, GQA", seeded_lengths(16, 128, 8192), 32, 8, 128),
         Workload("tiny", "a smoke test that runs anywhere", seeded_lengths(4, 8, 64), 4, 2, 32),
     ]
     return {w.name: w for w in workloads}
@@ -151,9 +154,13 @@ def select(spec: str) -> list[Workload]:
     for token in (t.strip() for t in spec.split(",")):
         if not token:
             continue
-        names = (list(DEFAULT_WORKLOADS) if token == "all"
-                 else [token] if token in WORKLOADS
-                 else [n for n in WORKLOADS if n.startswith(token + "-")])
+        names = (
+            list(DEFAULT_WORKLOADS)
+            if token == "all"
+            else [token]
+            if token in WORKLOADS
+            else [n for n in WORKLOADS if n.startswith(token + "-")]
+        )
         if not names:
             raise ValueError(f"unknown workload {token!r}; choose from {', '.join(WORKLOADS)} or 'all'")
         chosen += [WORKLOADS[n] for n in names if WORKLOADS[n] not in chosen]

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # The library's one timing loop, which autotune=True's choice uses too (the library may not import a tool).
-from jax_ragged_attn.backends.tuning import median_loop_seconds, plain_loop_seconds  # noqa: F401
+from jax_ragged_attn.backends.tuning import median_loop_seconds, plain_loop_seconds
 
 __all__ = ["device_bytes", "interleaved_loop_seconds", "main", "median_loop_seconds", "plain_loop_seconds"]
 
@@ -61,8 +61,11 @@ def _lengths(text: str, flag: str) -> tuple[int, ...]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jax_ragged_attn.bench", description=__doc__.split("\n\nThe ")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m jax_ragged_attn.bench",
+        description=__doc__.split("\n\nThe ")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--lengths", help="comma-separated sequence lengths (default: W1 on a GPU, tiny elsewhere)")
     parser.add_argument("--kv-lengths", help="the keys' lengths, one per sequence (default: --lengths)")
     parser.add_argument("--workload", help="a named shape instead of --lengths: W1, W2, W3, W5, W6, tiny, ...")
@@ -71,8 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--implementations", default=None,
-                        help="comma-separated, in the order timed (default: every registered one)")
+    parser.add_argument(
+        "--implementations", default=None, help="comma-separated, in the order timed (default: every registered one)"
+    )
     parser.add_argument("--calls", type=int, default=10, help="jitted calls per timed loop")
     parser.add_argument("--repeats", type=int, default=5, help="timed loops; the median is reported")
     args = parser.parse_args(argv)
@@ -92,14 +96,30 @@ def shape_of(args: argparse.Namespace) -> dict:
         if name not in WORKLOADS:
             raise SystemExit(f"--workload must be one of {', '.join(WORKLOADS)}, got {name!r}")
         w = WORKLOADS[name]
-        return dict(name=name, q=w.seqlens, kv=w.seqlens, heads=w.num_heads_q, kv_heads=w.num_heads_kv,
-                    head_dim=w.head_dim, dtype=w.dtype, causal=w.causal)
+        return dict(
+            name=name,
+            q=w.seqlens,
+            kv=w.seqlens,
+            heads=w.num_heads_q,
+            kv_heads=w.num_heads_kv,
+            head_dim=w.head_dim,
+            dtype=w.dtype,
+            causal=w.causal,
+        )
     q = _lengths(args.lengths, "--lengths")
     kv = _lengths(args.kv_lengths, "--kv-lengths") if args.kv_lengths else q
     if len(kv) != len(q):
         raise SystemExit(f"--kv-lengths needs one length per sequence: {len(q)}, got {len(kv)}")
-    return dict(name="your shape", q=q, kv=kv, heads=args.heads, kv_heads=args.kv_heads or args.heads,
-                head_dim=args.head_dim, dtype=args.dtype, causal=args.causal)
+    return dict(
+        name="your shape",
+        q=q,
+        kv=kv,
+        heads=args.heads,
+        kv_heads=args.kv_heads or args.heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        causal=args.causal,
+    )
 
 
 def forward_flops(shape: dict) -> float:
@@ -126,17 +146,27 @@ def time_implementation(implementation: str, shape: dict, calls: int, repeats: i
     args, d_out = _inputs(shape)
 
     def attend(q, k, v, cu_q, cu_kv):
-        return ragged_attention(q, k, v, cu_q, cu_kv, max_seqlen_q=max(max(shape["q"]), 1),
-                                max_seqlen_kv=max(max(shape["kv"]), 1), is_causal=shape["causal"],
-                                implementation=implementation)
+        return ragged_attention(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_kv,
+            max_seqlen_q=max(max(shape["q"]), 1),
+            max_seqlen_kv=max(max(shape["kv"]), 1),
+            is_causal=shape["causal"],
+            implementation=implementation,
+        )
 
     def forward_backward(q, k, v, cu_q, cu_kv, d_out):
         out, pullback = jax.vjp(lambda q, k, v: attend(q, k, v, cu_q, cu_kv), q, k, v)
         return out, pullback(d_out)
 
     results = {}
-    for direction, function, arguments in (("forward", attend, args),
-                                           ("forward+backward", forward_backward, (*args, d_out))):
+    for direction, function, arguments in (
+        ("forward", attend, args),
+        ("forward+backward", forward_backward, (*args, d_out)),
+    ):
         try:
             results[direction] = median_loop_seconds(jax.jit(function), arguments, calls, repeats)
         except NotImplementedError as error:  # this implementation cannot serve the call here: the reason
@@ -164,9 +194,11 @@ def main(argv=None) -> int:
     q, kv = shape["q"], shape["kv"]
     kv_text = "" if kv == q else f", keys {min(kv)}..{max(kv)} ({sum(kv):,} tokens)"
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()})")
-    print(f"{shape['name']}: {len(q)} sequences of {min(q)}..{max(q)} ({sum(q):,} tokens){kv_text}, "
-          f"{shape['heads']}/{shape['kv_heads']} heads, head dim {shape['head_dim']}, {shape['dtype']}, "
-          f"{'causal' if shape['causal'] else 'non-causal'}")
+    print(
+        f"{shape['name']}: {len(q)} sequences of {min(q)}..{max(q)} ({sum(q):,} tokens){kv_text}, "
+        f"{shape['heads']}/{shape['kv_heads']} heads, head dim {shape['head_dim']}, {shape['dtype']}, "
+        f"{'causal' if shape['causal'] else 'non-causal'}"
+    )
     print(f"plain loop of {args.calls} jitted calls then block_until_ready; median of {args.repeats} loops, per call")
     flops = forward_flops(shape)
     print(f"{'implementation':15} {'forward':>31}   {'forward+backward':>31}")

@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn import testing
-from jax_ragged_attn.ops import ragged as api
 from jax_ragged_attn.backends.cudnn import ragged as cudnn
 from jax_ragged_attn.backends.shared import extension, known_issues
 from jax_ragged_attn.config import AttentionOptions, make_config
+from jax_ragged_attn.ops import ragged as api
 from jax_ragged_attn.testing.workloads import seeded_lengths
 from jax_ragged_attn.tools.bench import median_loop_seconds
 from jax_ragged_attn.tools.selfcheck_deep import deep_check, run_deep
@@ -79,8 +79,10 @@ def _cudart_version(path: str) -> str:
 # The cuDNN the advice line recommends: 9.28.1 runs this op's cuDNN path fwd+bwd 2-3 % faster than 9.19.0 on the
 # same machine (docs/PERFORMANCE.md#per-cudnn-release); the GPU test suite passes on both.
 FASTER_CUDNN = 92800
-FASTER_CUDNN_NOTE = ("cuDNN 9.28 ran this op's cuDNN path 2-3 % faster than 9.19 on the H200 (fwd+bwd, "
-                     "docs/PERFORMANCE.md): pip install -U nvidia-cudnn-cu13 (or -cu12)")
+FASTER_CUDNN_NOTE = (
+    "cuDNN 9.28 ran this op's cuDNN path 2-3 % faster than 9.19 on the H200 (fwd+bwd, "
+    "docs/PERFORMANCE.md): pip install -U nvidia-cudnn-cu13 (or -cu12)"
+)
 
 
 def upgrade_note(version: int) -> str | None:
@@ -94,9 +96,11 @@ def headers_note(loaded: int, headers: int) -> str | None:
     """The line for a cuDNN newer than the headers the extension was built against (minor versions), or None:
     cudnn-frontend uses a feature only where both have it, so the library then runs on the headers' paths."""
     if loaded and headers and headers // 100 < loaded // 100:
-        return (f"  note: the extension was built against cuDNN {_cudnn_version_text(headers)} headers, so "
-                f"cudnn-frontend keeps libcudnn {_cudnn_version_text(loaded)} on {_cudnn_version_text(headers)}'s "
-                f"paths (a pip install builds against the newest headers; docs/CUDNN_VERSIONS.md)")
+        return (
+            f"  note: the extension was built against cuDNN {_cudnn_version_text(headers)} headers, so "
+            f"cudnn-frontend keeps libcudnn {_cudnn_version_text(loaded)} on {_cudnn_version_text(headers)}'s "
+            f"paths (a pip install builds against the newest headers; docs/CUDNN_VERSIONS.md)"
+        )
     return None
 
 
@@ -136,14 +140,18 @@ def default_choice(q, k, v, cu, max_len: int) -> str:
     from jax_ragged_attn.backends import policy
     from jax_ragged_attn.index import RaggedIndex
 
-    config = make_config(q, k, v, cu, cu, AttentionOptions(is_causal=True), max_seqlen_q=max_len,
-                         max_seqlen_kv=max_len)
+    config = make_config(q, k, v, cu, cu, AttentionOptions(is_causal=True), max_seqlen_q=max_len, max_seqlen_kv=max_len)
     name = backends.choose(None, config, RaggedIndex(cu, cu, same=True)).NAME
     pinned = policy.pinned()
-    why = (f"pinned by {policy.ENV_VAR}={pinned}" if pinned == name else
-           "the shipped policy prefers FA3 here (backends/policy.py)" if name == "fa3" else
-           "the shipped policy keeps cuDNN here (backends/policy.py)" if name == "cudnn" else
-           "no GPU kernel serves this call here")
+    why = (
+        f"pinned by {policy.ENV_VAR}={pinned}"
+        if pinned == name
+        else "the shipped policy prefers FA3 here (backends/policy.py)"
+        if name == "fa3"
+        else "the shipped policy keeps cuDNN here (backends/policy.py)"
+        if name == "cudnn"
+        else "no GPU kernel serves this call here"
+    )
     return f"{name} ({why})"
 
 
@@ -166,13 +174,16 @@ def run(args) -> int:
     shape_q = (tokens, args.heads, args.head_dim)
     q, k, v = (jnp.asarray(rng.standard_normal(shape_q), dtype) for _ in range(3))
     kwargs = dict(max_seqlen_q=max_len, max_seqlen_kv=max_len, is_causal=True)
-    print(f"batch: {args.num_seqs} sequences of {lengths.min()}..{max_len} tokens ({tokens} in all), "
-          f"{args.heads} heads, head dim {args.head_dim}, {args.dtype}, causal")
+    print(
+        f"batch: {args.num_seqs} sequences of {lengths.min()}..{max_len} tokens ({tokens} in all), "
+        f"{args.heads} heads, head dim {args.head_dim}, {args.dtype}, causal"
+    )
     print(f"implementation=None runs: {default_choice(q, k, v, cu, max_len)}")
 
     status = 0
     grads_by_layout = {}
     for layout in ("head_major", "token_major"):
+
         def loss(q, k, v, implementation):
             out = api.ragged_attention(q, k, v, cu, cu, stats_layout=layout, implementation=implementation, **kwargs)
             weights = jnp.cos(jnp.arange(out.shape[-1], dtype=jnp.float32))[None, None, :]  # explicit ranks: a
@@ -196,27 +207,44 @@ def run(args) -> int:
         status |= not ok
         extra = ""
         if best == "cudnn":
-            config = make_config(q, k, v, cu, cu, AttentionOptions(is_causal=True, stats_layout=layout),
-                                 max_seqlen_q=max_len, max_seqlen_kv=max_len)
+            config = make_config(
+                q,
+                k,
+                v,
+                cu,
+                cu,
+                AttentionOptions(is_causal=True, stats_layout=layout),
+                max_seqlen_q=max_len,
+                max_seqlen_kv=max_len,
+            )
             extra = f", backward workspace {cudnn.graph_info('backward', config)['workspace_bytes']:,} bytes"
         print(f"[{layout}] {best}: forward {forward_s * 1e3:.3f} ms, forward+backward {step_s * 1e3:.3f} ms{extra}")
-        print(f"[{layout}] max |grad - float32 xla| (dq, dk, dv) = {', '.join(f'{e:.3g}' for e in errors)} "
-              f"(max |grad| {scale:.3g}) -> {'OK' if ok else 'FAIL'}")
+        print(
+            f"[{layout}] max |grad - float32 xla| (dq, dk, dv) = {', '.join(f'{e:.3g}' for e in errors)} "
+            f"(max |grad| {scale:.3g}) -> {'OK' if ok else 'FAIL'}"
+        )
     # Head-major stats are the layout that cudnn-frontend <= 1.27 got wrong: both must give the same gradients.
-    differences = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-                   for a, b in zip(grads_by_layout["head_major"], grads_by_layout["token_major"])]
+    differences = [
+        float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+        for a, b in zip(grads_by_layout["head_major"], grads_by_layout["token_major"])
+    ]
     print(f"max |grad(head_major) - grad(token_major)| (dq, dk, dv) = {', '.join(f'{d:.3g}' for d in differences)}")
     verdict = "FAILED" if status else "OK"
     gradients = "off the float32 xla path" if status else "within tolerance of the float32 xla path"
-    print(f"selfcheck: {verdict} ({best} path, {args.dtype}, {tokens} tokens, gradients {gradients} "
-          "in both stats layouts)")
+    print(
+        f"selfcheck: {verdict} ({best} path, {args.dtype}, {tokens} tokens, gradients {gradients} "
+        "in both stats layouts)"
+    )
     return status
 
 
 def main(argv=None) -> int:
     on_gpu = extension.cudnn_unavailable_reason() is None
-    parser = argparse.ArgumentParser(prog="python -m jax_ragged_attn.tools.selfcheck", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m jax_ragged_attn.tools.selfcheck",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     # On a GPU the default batch is the project's reference workload; on a CPU a small one.
     parser.add_argument("--num-seqs", type=int, default=16 if on_gpu else 8)
     parser.add_argument("--min-len", type=int, default=128 if on_gpu else 16)
@@ -227,8 +255,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--iterations", type=int, default=20 if on_gpu else 3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--deep", action="store_true",
-                        help="every feature of every backend here against the float64 reference, as a table")
+    parser.add_argument(
+        "--deep",
+        action="store_true",
+        help="every feature of every backend here against the float64 reference, as a table",
+    )
     args = parser.parse_args(argv)
     if args.deep:  # the loaded libraries' paths too: which cuDNN this process mapped
         return run_deep(library_lines=library_lines(jax.default_backend() == "gpu"))

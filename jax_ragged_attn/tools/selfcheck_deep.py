@@ -72,12 +72,23 @@ RAGGED_CASES = (
     RaggedCase("causal, token-major stats", options=(("is_causal", True), ("stats_layout", "token_major"))),
     RaggedCase("grouped-query heads (8 query heads on 2)", heads=(8, 2)),
     RaggedCase("window (8, 4), top-left", options=(("local_window_size", (8, 4)),)),
-    RaggedCase("window (8, 0), bottom-right", **CROSS,
-               options=(("is_causal", True), ("diagonal_alignment", "bottom_right"), ("local_window_size", (8, 0)))),
-    RaggedCase("causal bottom-right, fewer queries than keys", **CROSS,
-               options=(("is_causal", True), ("diagonal_alignment", "bottom_right"))),
-    RaggedCase("seqused (slots with unused rows)", slots_q=(9, 6, 12, 5), used_q=(4, 0, 12, 3),
-               slots_kv=(9, 6, 12, 5), used_kv=(7, 2, 12, 0)),
+    RaggedCase(
+        "window (8, 0), bottom-right",
+        **CROSS,
+        options=(("is_causal", True), ("diagonal_alignment", "bottom_right"), ("local_window_size", (8, 0))),
+    ),
+    RaggedCase(
+        "causal bottom-right, fewer queries than keys",
+        **CROSS,
+        options=(("is_causal", True), ("diagonal_alignment", "bottom_right")),
+    ),
+    RaggedCase(
+        "seqused (slots with unused rows)",
+        slots_q=(9, 6, 12, 5),
+        used_q=(4, 0, 12, 3),
+        slots_kv=(9, 6, 12, 5),
+        used_kv=(7, 2, 12, 0),
+    ),
     RaggedCase("sinks", sinks=True, return_stats=False),
     RaggedCase("softcap 2.0", options=(("is_causal", True), ("softcap", 2.0), ("scale", 0.3))),
     RaggedCase("stats gradient", stats_gradient=True),
@@ -87,12 +98,25 @@ RAGGED_CASES = (
     RaggedCase("unequal head dims (Dqk 160, Dv 128)", dims=(160, 128)),
     # Past one 128-row tile: cuDNN 9.14's Hopper backward of Dv 144 on Dqk 128 (a stats cotangent's widened
     # columns) is right in the first tile and wrong after it (known_issues.py, TransformerEngine#2185).
-    RaggedCase("stats gradient, sequences past one 128-row tile", slots_q=(300, 0, 200, 129),
-               slots_kv=(300, 0, 200, 129), stats_gradient=True),
-    RaggedCase("one query row per sequence, grouped heads", slots_q=(1, 1, 0, 1), slots_kv=(40, 7, 3, 19),
-               heads=(8, 2), options=(("is_causal", True), ("diagonal_alignment", "bottom_right"))),
-    RaggedCase("left window over 1100 keys", slots_q=(48, 5), slots_kv=(1100, 9),
-               options=(("is_causal", True), ("diagonal_alignment", "bottom_right"), ("local_window_size", (32, 0)))),
+    RaggedCase(
+        "stats gradient, sequences past one 128-row tile",
+        slots_q=(300, 0, 200, 129),
+        slots_kv=(300, 0, 200, 129),
+        stats_gradient=True,
+    ),
+    RaggedCase(
+        "one query row per sequence, grouped heads",
+        slots_q=(1, 1, 0, 1),
+        slots_kv=(40, 7, 3, 19),
+        heads=(8, 2),
+        options=(("is_causal", True), ("diagonal_alignment", "bottom_right")),
+    ),
+    RaggedCase(
+        "left window over 1100 keys",
+        slots_q=(48, 5),
+        slots_kv=(1100, 9),
+        options=(("is_causal", True), ("diagonal_alignment", "bottom_right"), ("local_window_size", (32, 0))),
+    ),
 )
 
 
@@ -111,8 +135,9 @@ class CacheCase:
 CACHE_CASES = (
     CacheCase("decode, contiguous cache", paged=False),
     CacheCase("decode, paged cache"),
-    CacheCase("chunked prefill (4 queries), paged, window (20, 0)", seqlen_q=4,
-              options=(("local_window_size", (20, 0)),)),
+    CacheCase(
+        "chunked prefill (4 queries), paged, window (20, 0)", seqlen_q=4, options=(("local_window_size", (20, 0)),)
+    ),
     CacheCase("decode, paged, softcap 2.0", options=(("softcap", 2.0),)),
     # A prefill chunk longer than its cache (positions below 0), a decode row, a short chunk, an empty sequence.
     CacheCase("serving step: packed chunks and decode rows, paged", queries=(70, 1, 20, 0)),
@@ -149,20 +174,39 @@ def _ragged_inputs(case: RaggedCase) -> dict:
     rows_q, rows_kv = _rows(case.slots_q, used_q), _rows(case.slots_kv, used_kv)
     tq, tkv = sum(case.slots_q) + 5, sum(case.slots_kv) + 5  # 5 rows of capacity padding
     (hq, hkv), (dqk, dv) = case.heads, case.dims
-    x = dict(q=_rounded(_poisoned(rng, rows_q, tq, hq, dqk)), k=_rounded(_poisoned(rng, rows_kv, tkv, hkv, dqk)),
-             v=_rounded(_poisoned(rng, rows_kv, tkv, hkv, dv)), d_out=_rounded(_poisoned(rng, rows_q, tq, hq, dv)),
-             d_stats=_poisoned(rng, rows_q, tq, hq) if case.stats_gradient else np.zeros((tq, hq)),
-             sinks=rng.standard_normal(hq).astype(np.float32).astype(np.float64) if case.sinks else None,
-             rows_q=rows_q, rows_kv=rows_kv)
+    x = dict(
+        q=_rounded(_poisoned(rng, rows_q, tq, hq, dqk)),
+        k=_rounded(_poisoned(rng, rows_kv, tkv, hkv, dqk)),
+        v=_rounded(_poisoned(rng, rows_kv, tkv, hkv, dv)),
+        d_out=_rounded(_poisoned(rng, rows_q, tq, hq, dv)),
+        d_stats=_poisoned(rng, rows_q, tq, hq) if case.stats_gradient else np.zeros((tq, hq)),
+        sinks=rng.standard_normal(hq).astype(np.float32).astype(np.float64) if case.sinks else None,
+        rows_q=rows_q,
+        rows_kv=rows_kv,
+    )
     options = dict(case.options)
     options.pop("stats_layout", None), options.pop("deterministic", None)
-    cu = lambda lengths: np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)  # noqa: E731
+    cu = lambda lengths: np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     tight = reference_attention(
-        x["q"][rows_q], x["k"][rows_kv], x["v"][rows_kv], cu(used_q), cu(used_kv),
-        max_seqlen_q=max(max(used_q), 1), max_seqlen_kv=max(max(used_kv), 1), d_out=x["d_out"][rows_q],
-        d_stats=x["d_stats"][rows_q], sinks=x["sinks"], **options)
-    expected = dict(out=np.zeros(x["d_out"].shape), stats=np.full((tq, hq), -np.inf), dq=np.zeros(x["q"].shape),
-                    dk=np.zeros(x["k"].shape), dv=np.zeros(x["v"].shape))
+        x["q"][rows_q],
+        x["k"][rows_kv],
+        x["v"][rows_kv],
+        cu(used_q),
+        cu(used_kv),
+        max_seqlen_q=max(max(used_q), 1),
+        max_seqlen_kv=max(max(used_kv), 1),
+        d_out=x["d_out"][rows_q],
+        d_stats=x["d_stats"][rows_q],
+        sinks=x["sinks"],
+        **options,
+    )
+    expected = dict(
+        out=np.zeros(x["d_out"].shape),
+        stats=np.full((tq, hq), -np.inf),
+        dq=np.zeros(x["q"].shape),
+        dk=np.zeros(x["k"].shape),
+        dv=np.zeros(x["v"].shape),
+    )
     for name, rows in (("out", rows_q), ("stats", rows_q), ("dq", rows_q), ("dk", rows_kv), ("dv", rows_kv)):
         expected[name][rows] = tight[name]
     if case.sinks:
@@ -174,21 +218,42 @@ def _ragged_run(case: RaggedCase, backend: str, x: dict) -> dict:
     used_q, used_kv = case.used_q or case.slots_q, case.used_kv or case.slots_kv
     cu_q = jnp.asarray(np.concatenate([[0], np.cumsum(case.slots_q)]), jnp.int32)
     cu_kv = jnp.asarray(np.concatenate([[0], np.cumsum(case.slots_kv)]), jnp.int32)
-    seqused = {} if case.used_q is None else dict(seqused_q=jnp.asarray(used_q, jnp.int32),
-                                                  seqused_kv=jnp.asarray(used_kv, jnp.int32))
+    seqused = (
+        {}
+        if case.used_q is None
+        else dict(seqused_q=jnp.asarray(used_q, jnp.int32), seqused_kv=jnp.asarray(used_kv, jnp.int32))
+    )
     options = dict(case.options)
     kwargs = dict(implementation=backend, return_stats=case.return_stats, **seqused, **options)
     head_major = options.get("stats_layout", "head_major") == "head_major"
 
     def attention(q, k, v, sinks):
         if case.packing == "qkv":
-            return ragged_attention_qkvpacked(jnp.stack([q, k, v], axis=1), cu_q, max_seqlen=max(case.slots_q),
-                                              sinks=sinks, **kwargs)
+            return ragged_attention_qkvpacked(
+                jnp.stack([q, k, v], axis=1), cu_q, max_seqlen=max(case.slots_q), sinks=sinks, **kwargs
+            )
         if case.packing == "kv":
-            return ragged_attention_kvpacked(q, jnp.stack([k, v], axis=1), cu_q, cu_kv, max_seqlen_q=max(case.slots_q),
-                                             max_seqlen_kv=max(case.slots_kv), sinks=sinks, **kwargs)
-        return ragged_attention(q, k, v, cu_q, cu_kv, max_seqlen_q=max(case.slots_q),
-                                max_seqlen_kv=max(case.slots_kv), sinks=sinks, **kwargs)
+            return ragged_attention_kvpacked(
+                q,
+                jnp.stack([k, v], axis=1),
+                cu_q,
+                cu_kv,
+                max_seqlen_q=max(case.slots_q),
+                max_seqlen_kv=max(case.slots_kv),
+                sinks=sinks,
+                **kwargs,
+            )
+        return ragged_attention(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_kv,
+            max_seqlen_q=max(case.slots_q),
+            max_seqlen_kv=max(case.slots_kv),
+            sinks=sinks,
+            **kwargs,
+        )
 
     d_out = jnp.asarray(x["d_out"], DTYPE)
     d_stats = jnp.asarray(x["d_stats"].T if head_major else x["d_stats"], jnp.float32)
@@ -261,8 +326,9 @@ def _cache_inputs(case: CacheCase) -> dict:
     if cu is None:
         expected = reference_kvcache_attention(q, k, v, lengths, page_table=table, **dict(case.options))
     else:
-        expected = reference_kvcache_attention_packed(q, k, v, lengths, cu, max(case.queries), page_table=table,
-                                                      **dict(case.options))
+        expected = reference_kvcache_attention_packed(
+            q, k, v, lengths, cu, max(case.queries), page_table=table, **dict(case.options)
+        )
     return dict(q=q, k=k, v=v, lengths=lengths, table=table, cu=cu, expected=expected)
 
 
@@ -270,11 +336,21 @@ def _cache_run(case: CacheCase, backend: str, x: dict) -> dict:
     table = None if x["table"] is None else jnp.asarray(x["table"])
     cu = None if x["cu"] is None else jnp.asarray(x["cu"])
     packed = {} if cu is None else dict(max_seqlen_q=max(case.queries))
-    call = jax.jit(lambda q, k, v, lengths, table, cu: ragged_attention_with_kvcache(
-        q, k, v, lengths, cu_seqlens_q=cu, page_table=table, return_stats=True, implementation=backend, **packed,
-        **dict(case.options)))
-    out, stats = call(*(jnp.asarray(x[name], DTYPE) for name in ("q", "k", "v")), jnp.asarray(x["lengths"]), table,
-                      cu)
+    call = jax.jit(
+        lambda q, k, v, lengths, table, cu: ragged_attention_with_kvcache(
+            q,
+            k,
+            v,
+            lengths,
+            cu_seqlens_q=cu,
+            page_table=table,
+            return_stats=True,
+            implementation=backend,
+            **packed,
+            **dict(case.options),
+        )
+    )
+    out, stats = call(*(jnp.asarray(x[name], DTYPE) for name in ("q", "k", "v")), jnp.asarray(x["lengths"]), table, cu)
     return dict(out=out, stats=stats)
 
 
@@ -303,10 +379,20 @@ def _row(op: str, feature: str, backend: str, run, check) -> Row:
 
 def _tasks(case, backend: str, x: dict):
     if isinstance(case, RaggedCase):
-        return ("ragged", case.feature, backend, lambda: _ragged_run(case, backend, x),
-                lambda got: _ragged_check(case, got, x["expected"]))
-    return ("kvcache", case.feature, backend, lambda: _cache_run(case, backend, x),
-            lambda got: _cache_check(case, got, x["expected"]))
+        return (
+            "ragged",
+            case.feature,
+            backend,
+            lambda: _ragged_run(case, backend, x),
+            lambda got: _ragged_check(case, got, x["expected"]),
+        )
+    return (
+        "kvcache",
+        case.feature,
+        backend,
+        lambda: _cache_run(case, backend, x),
+        lambda got: _cache_check(case, got, x["expected"]),
+    )
 
 
 def deep_check(backends=BACKENDS, *, features=None, lift=(), workers: int | None = None) -> list[Row]:
@@ -315,21 +401,25 @@ def deep_check(backends=BACKENDS, *, features=None, lift=(), workers: int | None
     `lift`: keys of known_issues.TABLE whose fences are lifted for the run (the reproducers' switch, never for
     a user's check). The rows run on `workers` threads (default: up to 8 by the CPU count), since most of a
     row's time is XLA compiling it."""
-    cases = [case for case in RAGGED_CASES + CACHE_CASES
-             if features is None or any(part in case.feature for part in features)]
+    cases = [
+        case
+        for case in RAGGED_CASES + CACHE_CASES
+        if features is None or any(part in case.feature for part in features)
+    ]
     workers = workers or max(1, min(8, os.cpu_count() or 1))
     with known_issues.lifted(*lift), concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        inputs = list(pool.map(lambda case: _ragged_inputs(case) if isinstance(case, RaggedCase)
-                               else _cache_inputs(case), cases))
+        inputs = list(
+            pool.map(lambda case: _ragged_inputs(case) if isinstance(case, RaggedCase) else _cache_inputs(case), cases)
+        )
         tasks = [_tasks(case, backend, x) for case, x in zip(cases, inputs) for backend in backends]
         # The first case's rows alone first: each backend registers its targets and loads its library once.
-        first = [_row(*task) for task in tasks[:len(backends)]]
-        return first + list(pool.map(lambda task: _row(*task), tasks[len(backends):]))
+        first = [_row(*task) for task in tasks[: len(backends)]]
+        return first + list(pool.map(lambda task: _row(*task), tasks[len(backends) :]))
 
 
 def _first_line(text: str, width: int = 300) -> str:
     line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= width else line[:width - 3] + "..."
+    return line if len(line) <= width else line[: width - 3] + "..."
 
 
 def table_lines(rows: list[Row]) -> list[str]:
@@ -342,8 +432,9 @@ def table_lines(rows: list[Row]) -> list[str]:
     lines = ["".join([f"{'feature':<{width}}"] + [f"{b:<10}" for b in backends])]
     for op, feature in features:
         status = [cell[op, feature, b].status if (op, feature, b) in cell else "-" for b in backends]
-        lines.append("".join([f"{op + ': ' + feature:<{width}}"] + [f"{s.upper() if s == 'failed' else s:<10}"
-                                                                      for s in status]))
+        lines.append(
+            "".join([f"{op + ': ' + feature:<{width}}"] + [f"{s.upper() if s == 'failed' else s:<10}" for s in status])
+        )
     failed = [row for row in rows if row.status == "failed"]
     if failed:
         lines.append("failures:")
@@ -359,8 +450,11 @@ def table_lines(rows: list[Row]) -> list[str]:
         shared = details.count(common)
         if not shared:  # every reason its own: each row named above
             continue
-        which = ("every row" if shared == sum(row.backend == backend for row in rows) else
-                 f"{'the other ' if shared < len(declined) else ''}{shared} declined row{'s' * (shared > 1)}")
+        which = (
+            "every row"
+            if shared == sum(row.backend == backend for row in rows)
+            else f"{'the other ' if shared < len(declined) else ''}{shared} declined row{'s' * (shared > 1)}"
+        )
         lines.append(f"  {backend}, {which}: {_first_line(common)}")
     return lines
 
@@ -386,8 +480,10 @@ def version_lines() -> list[str]:
     lines.append(f"  dew-flash-attn: {_dew_version()}")
     lines.append(f"  GPU compute capability: {'none' if versions.arch is None else versions.arch / 10}")
     issues = known_issues.summary_lines(versions)
-    lines.append("known issues of the loaded versions (backends/shared/known_issues.py): "
-                 + ("none" if not issues else f"{len(issues)}"))
+    lines.append(
+        "known issues of the loaded versions (backends/shared/known_issues.py): "
+        + ("none" if not issues else f"{len(issues)}")
+    )
     lines += [f"  {line}" for line in issues]
     return lines
 
@@ -403,6 +499,9 @@ def run_deep(file=None, library_lines=()) -> int:
     print("\n".join(table_lines(rows)), file=file)
     counts = {status: sum(row.status == status for row in rows) for status in ("passed", "failed", "declined")}
     verdict = "FAILED" if counts["failed"] else "OK"
-    print(f"selfcheck --deep: {verdict} ({counts['passed']} passed, {counts['failed']} failed, "
-          f"{counts['declined']} declined in {time.perf_counter() - start:.1f} s)", file=file)
+    print(
+        f"selfcheck --deep: {verdict} ({counts['passed']} passed, {counts['failed']} failed, "
+        f"{counts['declined']} declined in {time.perf_counter() - start:.1f} s)",
+        file=file,
+    )
     return int(bool(counts["failed"]))

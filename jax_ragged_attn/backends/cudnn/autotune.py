@@ -92,8 +92,14 @@ def tune(direction: str, attributes: dict, device: int) -> dict:
     plans = [dict(p) for p in result["plans"]]
     chosen = choose(plans)
     heuristic = min((p for p in plans if p["ok"]), key=lambda p: p["index"])
-    return dict(plan_index=chosen["index"], plan_name=chosen["name"], chosen_ms=chosen["median_ms"],
-                heuristic_index=heuristic["index"], heuristic_ms=heuristic["median_ms"], plans=plans)
+    return dict(
+        plan_index=chosen["index"],
+        plan_name=chosen["name"],
+        chosen_ms=chosen["median_ms"],
+        heuristic_index=heuristic["index"],
+        heuristic_ms=heuristic["median_ms"],
+        plans=plans,
+    )
 
 
 def plan_index(direction: str, attributes: dict, device: int) -> int:
@@ -115,8 +121,11 @@ def entry(direction: str, attributes: dict, device: int) -> dict:
         except NotImplementedError:  # the graph itself is unsupported: graph_info says so itself
             return dict(plan_index=-1, unsupported=True), False
         except RuntimeError as error:  # e.g. no memory for the scratch buffers: keep the heuristic's
-            warnings.warn(f"autotuning the cuDNN {direction} graph failed, using cuDNN's heuristic "
-                          f"choice: {error}", RuntimeWarning, stacklevel=6)
+            warnings.warn(
+                f"autotuning the cuDNN {direction} graph failed, using cuDNN's heuristic choice: {error}",
+                RuntimeWarning,
+                stacklevel=6,
+            )
             return dict(plan_index=-1, failed=str(error)), False
 
     return remembered(_key(direction, attributes, device), _chosen, _lock, measure)

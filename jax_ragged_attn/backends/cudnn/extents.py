@@ -21,11 +21,10 @@ A call that passes the bound runs as several over groups of heads (head_groups.p
 
 from __future__ import annotations
 
-from jax_ragged_attn.backends.shared import head_groups
-from jax_ragged_attn.index import packings
-from jax_ragged_attn.backends.shared import stats_grad
+from jax_ragged_attn.backends.shared import head_groups, stats_grad
 from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.features import checks
+from jax_ragged_attn.index import packings
 
 INT32_LIMIT = 2**31 - 1
 
@@ -63,5 +62,7 @@ def groups(config: AttentionConfig, *, backward: bool = True, stats_gradient: bo
 
 def too_large_reason(config: AttentionConfig) -> str:
     largest, extent = max(tensor_extents(config).items(), key=lambda item: item[1])
-    return (f"cuDNN's ragged offsets are int32 and the tensor {largest} spans {extent:,} elements (>= 2**31) even "
-            "with one query head per call; splitting a call by sequences is not implemented")
+    return (
+        f"cuDNN's ragged offsets are int32 and the tensor {largest} spans {extent:,} elements (>= 2**31) even "
+        "with one query head per call; splitting a call by sequences is not implemented"
+    )

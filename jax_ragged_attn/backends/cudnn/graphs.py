@@ -8,9 +8,8 @@ import warnings
 import jax
 import numpy as np
 
-from jax_ragged_attn.backends.shared import head_groups
 from jax_ragged_attn.backends.cudnn import autotune, extents, strategy
-from jax_ragged_attn.backends.shared import extension, known_issues
+from jax_ragged_attn.backends.shared import extension, head_groups, known_issues
 from jax_ragged_attn.backends.shared.extension import device_ordinal
 from jax_ragged_attn.config import PACKINGS, AttentionConfig
 
@@ -92,8 +91,10 @@ def ffi_kwargs(config: AttentionConfig, direction: str, zero_outputs: str = "no"
     attributes = {**ffi_attributes(config, direction, layout), "zero_outputs": ZERO_OUTPUTS.index(zero_outputs)}
     fields = extension.config_fields()
     if list(attributes) != [name for name, _ in fields]:
-        raise RuntimeError(f"ffi_attributes builds the fields {list(attributes)}, but the extension declares "
-                           f"{[name for name, _ in fields]} (ffi/attention_config.h): the two lists must match")
+        raise RuntimeError(
+            f"ffi_attributes builds the fields {list(attributes)}, but the extension declares "
+            f"{[name for name, _ in fields]} (ffi/attention_config.h): the two lists must match"
+        )
     return {name: _ATTRIBUTE_TYPES[kind](attributes[name]) for name, kind in fields}
 
 
@@ -160,5 +161,3 @@ def unsupported_reason(config: AttentionConfig) -> str | None:
         except NotImplementedError as error:
             return str(error)
     return None
-
-

@@ -41,11 +41,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_ragged_attn.backends.cudnn import options
+from jax_ragged_attn.backends.cudnn import options, paged
 from jax_ragged_attn.backends.cudnn import ragged as cudnn
-from jax_ragged_attn.backends.shared import head_tail as kvcache_head_tail
 from jax_ragged_attn.backends.shared import extension, known_issues
-from jax_ragged_attn.backends.cudnn import paged
+from jax_ragged_attn.backends.shared import head_tail as kvcache_head_tail
 from jax_ragged_attn.config import AttentionConfig, KVCacheConfig
 from jax_ragged_attn.index import RaggedIndex
 
@@ -69,16 +68,28 @@ def ragged_config(config: KVCacheConfig) -> AttentionConfig:
     """The ragged call a contiguous cache becomes (see the module docstring): B sequences of Sq query rows and
     `capacity` key rows each, bottom-right aligned, with the cache call's mask, scale and softcap."""
     return AttentionConfig(
-        num_seqs=config.batch, capacity_q=config.batch * config.seqlen_q, capacity_kv=config.batch * config.capacity,
-        num_heads_q=config.num_heads_q, num_heads_kv=config.num_heads_kv, head_dim_qk=config.head_dim_qk,
-        head_dim_v=config.head_dim_v, max_seqlen_q=config.seqlen_q, max_seqlen_kv=config.capacity,
-        dtype=config.dtype, scale=config.scale, is_causal=config.is_causal, diagonal_alignment="bottom_right",
-        window_left=config.window_left, window_right=config.window_right, stats_layout="head_major",
-        softcap=config.softcap)
+        num_seqs=config.batch,
+        capacity_q=config.batch * config.seqlen_q,
+        capacity_kv=config.batch * config.capacity,
+        num_heads_q=config.num_heads_q,
+        num_heads_kv=config.num_heads_kv,
+        head_dim_qk=config.head_dim_qk,
+        head_dim_v=config.head_dim_v,
+        max_seqlen_q=config.seqlen_q,
+        max_seqlen_kv=config.capacity,
+        dtype=config.dtype,
+        scale=config.scale,
+        is_causal=config.is_causal,
+        diagonal_alignment="bottom_right",
+        window_left=config.window_left,
+        window_right=config.window_right,
+        stats_layout="head_major",
+        softcap=config.softcap,
+    )
 
 
 def route(config: KVCacheConfig) -> str:
-    """"paged" or "ragged": how this call runs (see the module docstring). Packed queries: "paged" always."""
+    """ "paged" or "ragged": how this call runs (see the module docstring). Packed queries: "paged" always."""
     pin = pinned_route(config)
     if config.paged or config.packed or pin == "paged":
         return "paged"
@@ -104,11 +115,13 @@ def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config
     """(out [T, Hq, Dv], lse [Hq, T]) of packed queries (a serving step): the paged graph with ragged Q and O
     over each sequence's head (a contiguous cache through its page view), the xla path over its last TAIL rows,
     merged per row (shared/head_tail.py attend_packed), as the fixed form's paged route."""
+
     def head_call(q, k_cache, v_cache, head, cu_seqlens_q, page_table, config, left, right):
         return paged.attend_packed(q, k_cache, v_cache, head, cu_seqlens_q, page_table, config, bounds=(left, right))
 
-    return kvcache_head_tail.attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config, head_call,
-                                           tail(config))
+    return kvcache_head_tail.attend_packed(
+        q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config, head_call, tail(config)
+    )
 
 
 # cuDNN takes ragged Q / O beside page tables from 9.7 (cudnn-frontend's sdpa_support_surface.h); the frontend's
@@ -120,8 +133,10 @@ def packed_version_reason() -> str | None:
     """Why the loaded cuDNN is too old for packed queries over pages, or None."""
     loaded = known_issues.loaded_versions().cudnn
     if loaded is not None and loaded < PACKED_MIN_CUDNN:
-        return (f"cuDNN {known_issues.format_version(loaded)} is loaded; packed queries (cu_seqlens_q) over a paged "
-                f"cache take cuDNN {known_issues.format_version(PACKED_MIN_CUDNN)} or newer here")
+        return (
+            f"cuDNN {known_issues.format_version(loaded)} is loaded; packed queries (cu_seqlens_q) over a paged "
+            f"cache take cuDNN {known_issues.format_version(PACKED_MIN_CUDNN)} or newer here"
+        )
     return None
 
 
@@ -136,14 +151,17 @@ def unsupported_reason(config: KVCacheConfig) -> str | None:
     reason = paged_reason(config)
     if reason is not None and not config.paged and pinned_route(config) is None:
         ragged = cudnn.unsupported_reason(ragged_config(config))
-        return f"neither cuDNN route serves this contiguous cache: the ragged kernel ({ragged}) nor the paged graph " \
-               f"({reason})"
+        return (
+            f"neither cuDNN route serves this contiguous cache: the ragged kernel ({ragged}) nor the paged graph "
+            f"({reason})"
+        )
     return reason
 
 
 def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
     """(out [B, Sq, Hq, Dv], lse [B, Hq, Sq]) from the route `route` picks."""
     if route(config) == "paged":
+
         def head_call(q, k_cache, v_cache, head, page_table, config, left, right):
             return paged.attend(q, k_cache, v_cache, head, page_table, config, bounds=(left, right))
 
@@ -157,8 +175,11 @@ def _ragged_attend(q, k_cache, v_cache, lengths, config: KVCacheConfig):
     ragged = ragged_config(config)
     slots = jnp.arange(batch + 1, dtype=jnp.int32)
     index = RaggedIndex(slots * seqlen_q, slots * capacity, None, lengths)
-    flat = (q.reshape(batch * seqlen_q, *q.shape[2:]), k_cache.reshape(batch * capacity, *k_cache.shape[2:]),
-            v_cache.reshape(batch * capacity, *v_cache.shape[2:]))
+    flat = (
+        q.reshape(batch * seqlen_q, *q.shape[2:]),
+        k_cache.reshape(batch * capacity, *k_cache.shape[2:]),
+        v_cache.reshape(batch * capacity, *v_cache.shape[2:]),
+    )
     # forward_only: the cache op has no gradient, so head groups are sized for the forward's tensors alone.
     out, stats = cudnn.attend(flat, index, ragged, stats=True, forward_only=True)  # stats head-major [Hq, B * Sq]
     out = out.reshape(batch, seqlen_q, config.num_heads_q, config.head_dim_v)

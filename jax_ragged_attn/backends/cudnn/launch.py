@@ -20,18 +20,18 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jax_ragged_attn.features import checks
-from jax_ragged_attn.backends.shared import extension, known_issues, stats_grad
 from jax_ragged_attn.backends.cudnn import extents, graphs, options
-from jax_ragged_attn.backends.cudnn.graphs import MAX_HEAD_DIM, INT32_LIMIT, ffi_kwargs, graph_info
-from jax_ragged_attn.index.packings import TABLE
+from jax_ragged_attn.backends.cudnn.graphs import INT32_LIMIT, MAX_HEAD_DIM, ffi_kwargs, graph_info
+from jax_ragged_attn.backends.shared import extension, known_issues, stats_grad
 from jax_ragged_attn.config import AttentionConfig
+from jax_ragged_attn.features import checks
 from jax_ragged_attn.index import (
     query_rows_with_keys,
     row_positions,
     sanitize_both,
     sequence_lengths,
 )
+from jax_ragged_attn.index.packings import TABLE
 
 # Per direction: the handler, and what the forward's results are called in errors (the backward's are the
 # packing's gradients; the workspace comes last, unnamed).
@@ -69,17 +69,21 @@ def _launch(direction: str, inputs, result_specs, names, cu_q, cu_kv, config: At
         return results, jnp.bool_(True)
 
     rows = checks.GUARD_ROWS
-    padded = dataclasses.replace(config, capacity_q=config.capacity_q + 2 * rows,
-                                 capacity_kv=config.capacity_kv + 2 * rows)
+    padded = dataclasses.replace(
+        config, capacity_q=config.capacity_q + 2 * rows, capacity_kv=config.capacity_kv + 2 * rows
+    )
     # The backward layout the caller's buffers get unguarded: check mode checks the graph that runs.
     layout = graphs.backward_layout(config) if direction == "backward" else None
     size = graph_info(direction, padded, layout=layout)["workspace_bytes"]
-    args = (*(checks.padded_rows(x, axis, rows) for x, axis in inputs),
-            *_index_arrays(cu_q + rows, cu_kv + rows, padded, seqused))
+    args = (
+        *(checks.padded_rows(x, axis, rows) for x, axis in inputs),
+        *_index_arrays(cu_q + rows, cu_kv + rows, padded, seqused),
+    )
     specs = result_specs(padded)
-    guarded = (*(checks.canary_array(shape, dtype) for shape, dtype, _ in specs),
-               jnp.concatenate([jnp.zeros((size,), jnp.uint8),
-                                jnp.full((checks.GUARD_BYTES,), checks.CANARY, jnp.uint8)]))
+    guarded = (
+        *(checks.canary_array(shape, dtype) for shape, dtype, _ in specs),
+        jnp.concatenate([jnp.zeros((size,), jnp.uint8), jnp.full((checks.GUARD_BYTES,), checks.CANARY, jnp.uint8)]),
+    )
     types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in guarded)
     workspace_at = len(specs)
     aliases = {len(args): workspace_at, **{len(args) + 1 + i: i for i in range(len(specs))}}
@@ -89,8 +93,10 @@ def _launch(direction: str, inputs, result_specs, names, cu_q, cu_kv, config: At
     clobbered = checks.verified_guard_band(workspace[size:], description=description)
     for name, result, (_, _, axis) in zip(names, results, specs):
         clobbered = clobbered + checks.verified_output_band(result, axis, rows, name=name, description=description)
-    inner = [jax.lax.slice_in_dim(result, rows, result.shape[axis] - rows, axis=axis)
-             for result, (_, _, axis) in zip(results, specs)]
+    inner = [
+        jax.lax.slice_in_dim(result, rows, result.shape[axis] - rows, axis=axis)
+        for result, (_, _, axis) in zip(results, specs)
+    ]
     return inner, clobbered == 0
 
 
@@ -163,20 +169,23 @@ def _refuse_int32_overflow(config: AttentionConfig, *, backward: bool):
     if extent > extents.INT32_LIMIT:
         raise NotImplementedError(
             f"this cuDNN {'backward' if backward else 'forward'} launch would index {name} with {extent:,} "
-            "elements through int32 offsets; call it through backends.cudnn.attend, which splits by head groups")
+            "elements through int32 offsets; call it through backends.cudnn.attend, which splits by head groups"
+        )
 
 
 def _forward(buffers, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused=(None, None)):
     """Returns (out, stats for the caller, stats as cuDNN wrote them for the backward)."""
     packing = TABLE[config.packing]
     if len(buffers) != len(packing.buffers):
-        raise ValueError(f"packing {packing.name!r} takes the buffers {[b.name for b in packing.buffers]}, got "
-                         f"{len(buffers)} arrays")
+        raise ValueError(
+            f"packing {packing.name!r} takes the buffers {[b.name for b in packing.buffers]}, got {len(buffers)} arrays"
+        )
     _refuse_int32_overflow(config, backward=False)
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
     inputs = tuple((x, 0) for x in packing.kernel_inputs(buffers))
-    (out, raw_stats), intact = _launch("forward", inputs, _forward_results, FORWARD_RESULT_NAMES, cu_q, cu_kv,
-                                       config, seqused)
+    (out, raw_stats), intact = _launch(
+        "forward", inputs, _forward_results, FORWARD_RESULT_NAMES, cu_q, cu_kv, config, seqused
+    )
     # cuDNN writes only the rows of real tokens, and rows without any key have no defined softmax: give
     # both the documented values. The backward gets the raw stats, the values cuDNN itself expects.
     rows = query_rows_with_keys(cu_q, cu_kv, config, *seqused) & intact
@@ -197,8 +206,9 @@ def _splits_bottom_right(config: AttentionConfig) -> bool:
     return config.diagonal_alignment == "bottom_right" and config.right_bound == 0 and config.left_bound is None
 
 
-def _backward(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config: AttentionConfig,
-              seqused=(None, None)):
+def _backward(
+    buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config: AttentionConfig, seqused=(None, None)
+):
     """The gradients in the buffers' own layout, one per buffer: (dq, dk, dv), (dq, dkv) or (dqkv,).
 
     cuDNN's bottom-right causal backward does not skip masked tiles: it costs sq x skv per sequence, not the
@@ -226,15 +236,24 @@ def _backward(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, confi
     skv = sequence_lengths(cu_kv, config.max_seqlen_kv, seqused[1])
     before = jnp.maximum(skv - sq, 0)  # keys left of every query's band start: the rectangle
     band = jnp.minimum(sq, skv)  # the square's side
-    rectangle = dataclasses.replace(config, is_causal=False, window_left=None, window_right=None,
-                                    diagonal_alignment="top_left")
+    rectangle = dataclasses.replace(
+        config, is_causal=False, window_left=None, window_right=None, diagonal_alignment="top_left"
+    )
     square = dataclasses.replace(config, diagonal_alignment="top_left")
     # Slots start where each part's rows start and end where the sequence's slot ends; seqused says how many
     # rows each part uses (the rest of a slot is never read, and its gradient rows are zero).
     shifted = lambda cu, by: jnp.concatenate([cu[:-1] + by, cu[-1:]])
     grads_rect = _backward_call(buffers, cu_q, cu_kv, out, raw_stats, d_out, rectangle, (sq, before))
-    square_args = (buffers, shifted(cu_q, sq - band), shifted(cu_kv, before), out, raw_stats, d_out, square,
-                   (band, band))
+    square_args = (
+        buffers,
+        shifted(cu_q, sq - band),
+        shifted(cu_kv, before),
+        out,
+        raw_stats,
+        d_out,
+        square,
+        (band, band),
+    )
     holds_q = ["q" in b.holds for b in TABLE[config.packing].buffers]
     if not _writes_key_rows_in_place(config):
         return tuple(a + b for a, b in zip(grads_rect, _backward_call(*square_args)))
@@ -261,19 +280,31 @@ def _writes_key_rows_in_place(config: AttentionConfig) -> bool:
     return any("q" not in b.holds for b in TABLE[config.packing].buffers)
 
 
-def _backward_call(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, config: AttentionConfig,
-                   seqused=(None, None), initial=None):
+def _backward_call(
+    buffers,
+    cu_seqlens_q,
+    cu_seqlens_kv,
+    out,
+    raw_stats,
+    d_out,
+    config: AttentionConfig,
+    seqused=(None, None),
+    initial=None,
+):
     """One cuDNN backward call: the gradients in the buffers' own layout. `initial` (unguarded only): one
     array per gradient that the call writes into, see _backward_into."""
     _refuse_int32_overflow(config, backward=True)
     packing = TABLE[config.packing]
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
-    inputs = (*((x, 0) for x in packing.kernel_inputs(buffers)), (out, 0), (d_out.astype(config.dtype), 0),
-              (raw_stats, _stats_axis(config)))
+    inputs = (
+        *((x, 0) for x in packing.kernel_inputs(buffers)),
+        (out, 0),
+        (d_out.astype(config.dtype), 0),
+        (raw_stats, _stats_axis(config)),
+    )
     if initial is not None:
         return _backward_into(initial, inputs, cu_q, cu_kv, config, seqused)
-    grads, intact = _launch("backward", inputs, packing.gradient_specs, packing.gradients, cu_q, cu_kv, config,
-                            seqused)
+    grads, intact = _launch("backward", inputs, packing.gradient_specs, packing.gradients, cu_q, cu_kv, config, seqused)
     unwritten = known_issues.worked_around(known_issues.NO_QUERY_SEQUENCES)
     if _zero_filled(config):
         if not unwritten:
@@ -288,8 +319,10 @@ def _backward_call(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, 
             valid_kv = valid_kv & _key_rows_of_sequences_with_queries(cu_q, cu_kv, config, seqused)
     # Rows cuDNN does not own are garbage: zero them. In a packed gradient each part has its own rows.
     zero = jnp.zeros((), config.dtype)
-    return tuple(jnp.where(mask.reshape(mask.shape + (1,) * (g.ndim - mask.ndim)), g, zero)
-                 for g, mask in zip(grads, packing.gradient_masks(valid_q, valid_kv)))
+    return tuple(
+        jnp.where(mask.reshape(mask.shape + (1,) * (g.ndim - mask.ndim)), g, zero)
+        for g, mask in zip(grads, packing.gradient_masks(valid_q, valid_kv))
+    )
 
 
 def _key_rows_of_sequences_with_queries(cu_q, cu_kv, config: AttentionConfig, seqused) -> jax.Array:
@@ -307,8 +340,10 @@ def _backward_into(initial, inputs, cu_q, cu_kv, config: AttentionConfig, sequse
     nothing and cuDNN writes only the rows the graph owns, so every other row keeps the value it came in
     with. XLA writes in place when an initial array is not used after the call, and copies it otherwise."""
     info = graph_info("backward", config)
-    types = (*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in initial),
-             jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8))
+    types = (
+        *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in initial),
+        jax.ShapeDtypeStruct((info["workspace_bytes"],), jnp.uint8),
+    )
     args = (*(x for x, _ in inputs), *_index_arrays(cu_q, cu_kv, config, seqused))
     aliases = {len(args) + i: i for i in range(len(initial))}
     call = jax.ffi.ffi_call(_TARGETS["backward"], types, vmap_method="sequential", input_output_aliases=aliases)
@@ -332,8 +367,9 @@ def attention_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfi
 
 def _attention_fwd(buffers, cu_seqlens_q, cu_seqlens_kv, config, seqused=(None, None)):
     # symbolic_zeros=True wraps each primal input; unwrap them.
-    buffers, cu_seqlens_q, cu_seqlens_kv, seqused = jax.tree.map(lambda x: x.value,
-                                                                 (buffers, cu_seqlens_q, cu_seqlens_kv, seqused))
+    buffers, cu_seqlens_q, cu_seqlens_kv, seqused = jax.tree.map(
+        lambda x: x.value, (buffers, cu_seqlens_q, cu_seqlens_kv, seqused)
+    )
     out, stats, raw_stats = _run(_forward, 3, buffers, cu_seqlens_q, cu_seqlens_kv, config, seqused)
     return (out, stats), (buffers, cu_seqlens_q, cu_seqlens_kv, seqused, out, raw_stats)
 
@@ -342,34 +378,43 @@ def stats_gradient_unsupported(config: AttentionConfig) -> str | None:
     """Why the backward cannot take a stats cotangent here (stats_grad.py widens Dv), or None."""
     widened = config.head_dim_v + stats_grad.EXTRA_COLUMNS
     if widened > MAX_HEAD_DIM:
-        return (f"the cuDNN path cannot differentiate through stats (the log-sum-exp) with Dv={config.head_dim_v}: "
-                f"it carries the stats term on {stats_grad.EXTRA_COLUMNS} extra value columns, and Dv + "
-                f"{stats_grad.EXTRA_COLUMNS} = {widened} exceeds cuDNN's head dim limit of {MAX_HEAD_DIM} "
-                f"(Dv <= {MAX_HEAD_DIM - stats_grad.EXTRA_COLUMNS} works)")
+        return (
+            f"the cuDNN path cannot differentiate through stats (the log-sum-exp) with Dv={config.head_dim_v}: "
+            f"it carries the stats term on {stats_grad.EXTRA_COLUMNS} extra value columns, and Dv + "
+            f"{stats_grad.EXTRA_COLUMNS} = {widened} exceeds cuDNN's head dim limit of {MAX_HEAD_DIM} "
+            f"(Dv <= {MAX_HEAD_DIM - stats_grad.EXTRA_COLUMNS} works)"
+        )
     if max(config.capacity_q, config.capacity_kv) * config.num_heads_q * widened > INT32_LIMIT:
-        return (f"the cuDNN path cannot differentiate through stats (the log-sum-exp) here: with Dv + "
-                f"{stats_grad.EXTRA_COLUMNS} value columns the int32 ragged offsets would pass 2**31 elements")
+        return (
+            f"the cuDNN path cannot differentiate through stats (the log-sum-exp) here: with Dv + "
+            f"{stats_grad.EXTRA_COLUMNS} value columns the int32 ragged offsets would pass 2**31 elements"
+        )
     # The backward that runs has the widened Dv: an upstream bug of that graph's head dims fences it here.
     return known_issues.fence("cudnn", "ragged", stats_grad.widened_config(config))
 
 
-def _stats_cotangent_backward(buffers, cu_q, cu_kv, out, raw_stats, d_out, d_stats, config: AttentionConfig,
-                              seqused=(None, None)):
+def _stats_cotangent_backward(
+    buffers, cu_q, cu_kv, out, raw_stats, d_out, d_stats, config: AttentionConfig, seqused=(None, None)
+):
     """The gradients with a stats cotangent, carried on widened value columns (stats_grad.py). A packed buffer
     cannot hold the wider v, so its parts are copied out and the gradients stacked back: the one place the
     packed path copies."""
     reason = stats_gradient_unsupported(config)
     if reason is not None:
-        raise NotImplementedError(f"{reason}. Use implementation='xla' for this loss, or jax.lax.stop_gradient "
-                                  "the stats, or return them as has_aux.")
+        raise NotImplementedError(
+            f"{reason}. Use implementation='xla' for this loss, or jax.lax.stop_gradient "
+            "the stats, or return them as has_aux."
+        )
     packing = TABLE[config.packing]
     q, k, v = packing.split(buffers)
     separate = dataclasses.replace(config, packing="none")
-    widened, v_wide, out_wide, d_out_wide = stats_grad.widened_backward_inputs(v, out, d_out, d_stats, cu_q, cu_kv,
-                                                                               separate, seqused)
-    d_q, d_k, d_v_wide = _run(_backward, 6, (q, k, v_wide), cu_q, cu_kv, out_wide, raw_stats, d_out_wide, widened,
-                              seqused)
-    return packing.join(d_q, d_k, d_v_wide[:, :, :config.head_dim_v])
+    widened, v_wide, out_wide, d_out_wide = stats_grad.widened_backward_inputs(
+        v, out, d_out, d_stats, cu_q, cu_kv, separate, seqused
+    )
+    d_q, d_k, d_v_wide = _run(
+        _backward, 6, (q, k, v_wide), cu_q, cu_kv, out_wide, raw_stats, d_out_wide, widened, seqused
+    )
+    return packing.join(d_q, d_k, d_v_wide[:, :, : config.head_dim_v])
 
 
 def _attention_bwd(config, residuals, cotangents):
@@ -377,8 +422,9 @@ def _attention_bwd(config, residuals, cotangents):
     d_out, d_stats = cotangents
     if not isinstance(d_stats, SymbolicZero):
         # Under jit an explicit zero array lands here too: correct, only a little slower than the plain pass.
-        grads = _stats_cotangent_backward(buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, d_stats,
-                                          config, seqused)
+        grads = _stats_cotangent_backward(
+            buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out, d_stats, config, seqused
+        )
     elif isinstance(d_out, SymbolicZero):
         grads = tuple(jnp.zeros_like(x) for x in buffers)
     else:

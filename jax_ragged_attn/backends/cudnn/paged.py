@@ -40,11 +40,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.backends.cudnn.graphs import CUDNN_DTYPES, MAX_HEAD_DIM, device_ordinal
+from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.config import KVCacheConfig
-from jax_ragged_attn.index.kvcache import safe_page_table
 from jax_ragged_attn.index import row_positions, sanitize_cu_seqlens, sequence_lengths
+from jax_ragged_attn.index.kvcache import safe_page_table
 
 TARGET = extension.PAGED_FORWARD_TARGET
 # Query rows the graph is built for at least (see the module docstring): 1, true decode graphs.
@@ -80,8 +80,9 @@ def as_paged(config: KVCacheConfig) -> KVCacheConfig:
         return config
     page = contiguous_page_size(config.capacity)
     per_sequence = config.capacity // page
-    return dataclasses.replace(config, paged=True, page_size=page, num_pages=config.batch * per_sequence,
-                               max_pages=per_sequence)
+    return dataclasses.replace(
+        config, paged=True, page_size=page, num_pages=config.batch * per_sequence, max_pages=per_sequence
+    )
 
 
 def cache_view(k_cache, v_cache, config: KVCacheConfig):
@@ -89,8 +90,10 @@ def cache_view(k_cache, v_cache, config: KVCacheConfig):
     if config.paged:
         return k_cache, v_cache
     view = as_paged(config)
-    return (k_cache.reshape(view.num_pages, view.page_size, *k_cache.shape[2:]),
-            v_cache.reshape(view.num_pages, view.page_size, *v_cache.shape[2:]))
+    return (
+        k_cache.reshape(view.num_pages, view.page_size, *k_cache.shape[2:]),
+        v_cache.reshape(view.num_pages, view.page_size, *v_cache.shape[2:]),
+    )
 
 
 def attributes(config: KVCacheConfig, bounds: tuple | None = None) -> dict:
@@ -122,8 +125,10 @@ def ffi_kwargs(config: KVCacheConfig, bounds: tuple | None = None) -> dict:
     values = attributes(config, bounds)
     fields = extension.module().paged_config_fields()
     if list(values) != [name for name, _ in fields]:
-        raise RuntimeError(f"paged.attributes builds the fields {list(values)}, but the extension declares "
-                           f"{[name for name, _ in fields]} (ffi/paged_config.h): the two lists must match")
+        raise RuntimeError(
+            f"paged.attributes builds the fields {list(values)}, but the extension declares "
+            f"{[name for name, _ in fields]} (ffi/paged_config.h): the two lists must match"
+        )
     return {name: _ATTRIBUTE_TYPES[kind](values[name]) for name, kind in fields}
 
 
@@ -137,8 +142,10 @@ def static_reason(config: KVCacheConfig) -> str | None:
     if config.paged and config.page_size & (config.page_size - 1):
         return f"cuDNN's paged graph takes page sizes that are powers of 2, got page_size={config.page_size}"
     if config.capacity > INT_MAX:
-        return (f"cuDNN's paged graph takes a capacity (max_pages * page_size = {config.max_pages} * "
-                f"{config.page_size}) of at most 2**31 - 1 rows")
+        return (
+            f"cuDNN's paged graph takes a capacity (max_pages * page_size = {config.max_pages} * "
+            f"{config.page_size}) of at most 2**31 - 1 rows"
+        )
     return None
 
 
@@ -194,19 +201,32 @@ def attend(q, k_cache, v_cache, lengths, page_table_, config: KVCacheConfig, bou
     if rows > config.seqlen_q:
         q = jnp.pad(q, ((0, 0), (0, rows - config.seqlen_q), (0, 0), (0, 0)))
     batch, heads_q = config.batch, config.num_heads_q
-    types = (jax.ShapeDtypeStruct((batch, rows, heads_q, config.head_dim_v), q.dtype),
-             jax.ShapeDtypeStruct((batch, heads_q, rows), jnp.float32),
-             jax.ShapeDtypeStruct((workspace,), jnp.uint8))
+    types = (
+        jax.ShapeDtypeStruct((batch, rows, heads_q, config.head_dim_v), q.dtype),
+        jax.ShapeDtypeStruct((batch, heads_q, rows), jnp.float32),
+        jax.ShapeDtypeStruct((workspace,), jnp.uint8),
+    )
     seq_len_q, seq_len_kv = seq_lens(lengths, config)
     call = jax.ffi.ffi_call(TARGET, types, vmap_method="sequential")
     no_offsets = jnp.zeros((0,), jnp.int32)  # dense queries: the handler's offsets are unused
-    out, lse, _ = call(q, k_cache, v_cache, page_table(page_table_, config), seq_len_q, seq_len_kv, no_offsets,
-                       no_offsets, no_offsets, **ffi_kwargs(config, bounds))
-    return out[:, :config.seqlen_q], lse[:, :, :config.seqlen_q]
+    out, lse, _ = call(
+        q,
+        k_cache,
+        v_cache,
+        page_table(page_table_, config),
+        seq_len_q,
+        seq_len_kv,
+        no_offsets,
+        no_offsets,
+        no_offsets,
+        **ffi_kwargs(config, bounds),
+    )
+    return out[:, : config.seqlen_q], lse[:, :, : config.seqlen_q]
 
 
-def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table_, config: KVCacheConfig,
-                  bounds: tuple | None = None):
+def attend_packed(
+    q, k_cache, v_cache, lengths, cu_seqlens_q, page_table_, config: KVCacheConfig, bounds: tuple | None = None
+):
     """(out [T, Hq, Dv], lse [Hq, T] float32) of packed queries q [T, Hq, D] (config.packed) from the paged
     graph with ragged Q and O (ffi/paged_graph.h): sequence b's n_b queries (its slot of the sanitised
     cu_seqlens_q, at most max_seqlen_q) over `lengths` rows, bottom-right on them (query i on diagonal
@@ -220,12 +240,23 @@ def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table_, confi
     counts = sequence_lengths(cu, config.seqlen_q)  # <= cu[b + 1] - cu[b]: no row past the real ones is a query
     lengths = lengths.astype(jnp.int32)
     seq_len_q = jnp.where(lengths > 0, counts, jnp.int32(0))  # no keys: no softmax to take
-    types = (jax.ShapeDtypeStruct((padded.total_q, heads_q, config.head_dim_v), q.dtype),
-             jax.ShapeDtypeStruct((padded.total_q, heads_q), jnp.float32),
-             jax.ShapeDtypeStruct((workspace,), jnp.uint8))
+    types = (
+        jax.ShapeDtypeStruct((padded.total_q, heads_q, config.head_dim_v), q.dtype),
+        jax.ShapeDtypeStruct((padded.total_q, heads_q), jnp.float32),
+        jax.ShapeDtypeStruct((workspace,), jnp.uint8),
+    )
     call = jax.ffi.ffi_call(TARGET, types, vmap_method="sequential")
-    out, lse, _ = call(jnp.pad(q, ((0, PACKED_SPARE_ROWS), (0, 0), (0, 0))), k_cache, v_cache,
-                       page_table(page_table_, config), seq_len_q, lengths, cu * (heads_q * config.head_dim_qk),
-                       cu * (heads_q * config.head_dim_v), cu * heads_q, **ffi_kwargs(padded, bounds))
+    out, lse, _ = call(
+        jnp.pad(q, ((0, PACKED_SPARE_ROWS), (0, 0), (0, 0))),
+        k_cache,
+        v_cache,
+        page_table(page_table_, config),
+        seq_len_q,
+        lengths,
+        cu * (heads_q * config.head_dim_qk),
+        cu * (heads_q * config.head_dim_v),
+        cu * heads_q,
+        **ffi_kwargs(padded, bounds),
+    )
     owned = row_positions(cu, total, config.seqlen_q)[2]  # rows that are queries (the others hold anything)
     return out[:total], jnp.where(owned[:, None], lse[:total], -jnp.inf).T

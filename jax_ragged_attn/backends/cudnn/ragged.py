@@ -6,17 +6,34 @@ imports the extension and the lower layers (config, index, features), never the 
 
 import functools
 
-from jax_ragged_attn.backends.shared import head_groups
-from jax_ragged_attn.backends.cudnn import extents, launch, sinks as folded_sinks
-from jax_ragged_attn.backends.shared.extension import cudnn_unavailable_reason
-from jax_ragged_attn.backends.cudnn.graphs import (MAX_HEAD_DIM, device_ordinal, ffi_attributes, graph_info,
-                                                   unsupported_reason)
+from jax_ragged_attn.backends.cudnn import extents, launch
+from jax_ragged_attn.backends.cudnn import sinks as folded_sinks
+from jax_ragged_attn.backends.cudnn.graphs import (
+    MAX_HEAD_DIM,
+    device_ordinal,
+    ffi_attributes,
+    graph_info,
+    unsupported_reason,
+)
 from jax_ragged_attn.backends.cudnn.launch import attention_cudnn
+from jax_ragged_attn.backends.shared import head_groups
+from jax_ragged_attn.backends.shared.extension import cudnn_unavailable_reason
 
 NAME = "cudnn"
 
-__all__ = ["MAX_HEAD_DIM", "NAME", "attend", "attend_with_sinks", "attention_cudnn", "cudnn_unavailable_reason",
-           "device_ordinal", "ffi_attributes", "graph_info", "stats_gradient_unsupported", "unsupported_reason"]
+__all__ = [
+    "MAX_HEAD_DIM",
+    "NAME",
+    "attend",
+    "attend_with_sinks",
+    "attention_cudnn",
+    "cudnn_unavailable_reason",
+    "device_ordinal",
+    "ffi_attributes",
+    "graph_info",
+    "stats_gradient_unsupported",
+    "unsupported_reason",
+]
 
 
 def _groups(config, *, backward: bool = True, stats_gradient: bool = False) -> int:
@@ -55,5 +72,6 @@ def attend_with_sinks(buffers, index, sinks, config):
     groups = _groups(config, stats_gradient=False)
     if groups > 1:
         return head_groups.attend_with_sinks_in_groups(attend_with_sinks, buffers, index, sinks, config, groups)
-    return folded_sinks.attention_with_sinks(tuple(buffers), index.cu_seqlens_q, index.cu_seqlens_kv, sinks, config,
-                                             index.seqused)
+    return folded_sinks.attention_with_sinks(
+        tuple(buffers), index.cu_seqlens_q, index.cu_seqlens_kv, sinks, config, index.seqused
+    )

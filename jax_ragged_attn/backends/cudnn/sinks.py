@@ -23,8 +23,8 @@ import jax.numpy as jnp
 
 from jax_ragged_attn.backends.cudnn import launch
 from jax_ragged_attn.config import AttentionConfig
-from jax_ragged_attn.index import query_rows_with_keys, sanitize_both
 from jax_ragged_attn.features.sinks import sink_terms
+from jax_ragged_attn.index import query_rows_with_keys, sanitize_both
 
 
 def _sigma(raw_stats, sinks, rows_with_keys, config: AttentionConfig):
@@ -43,8 +43,9 @@ def _forward(buffers, cu_seqlens_q, cu_seqlens_kv, sinks, config, seqused):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def attention_with_sinks(buffers: tuple, cu_seqlens_q, cu_seqlens_kv, sinks, config: AttentionConfig,
-                         seqused=(None, None)):
+def attention_with_sinks(
+    buffers: tuple, cu_seqlens_q, cu_seqlens_kv, sinks, config: AttentionConfig, seqused=(None, None)
+):
     """out [Tq, Hq, Dv] with sinks [Hq] of the buffers laid out as config.packing says (launch.attention's),
     without stats; differentiable in the buffers and the sinks."""
     return _forward(buffers, cu_seqlens_q, cu_seqlens_kv, sinks, config, seqused)[0]
@@ -63,8 +64,9 @@ def _bwd(config, residuals, d_out):
     dot = jnp.sum(d_out * o.astype(jnp.float32), axis=-1)
     d_sinks = -jnp.sum(sigma * (1.0 - sigma) * dot, axis=0).astype(sinks.dtype)
     d_out_folded = (d_out * sigma[:, :, None]).astype(config.dtype)
-    grads = launch._run(launch._backward, 6, buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out_folded,
-                        config, seqused)
+    grads = launch._run(
+        launch._backward, 6, buffers, cu_seqlens_q, cu_seqlens_kv, out, raw_stats, d_out_folded, config, seqused
+    )
     return grads, None, None, d_sinks, jax.tree.map(lambda _: None, seqused)
 
 

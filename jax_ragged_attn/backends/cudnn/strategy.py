@@ -42,7 +42,7 @@ LAYOUTS = ("bounded", "padded")
 
 
 def backward_layout(config: AttentionConfig, attributes: dict, device: int) -> str:
-    """"bounded" or "padded" for the backward graph of `config`; `attributes` are its FFI attributes with the
+    """ "bounded" or "padded" for the backward graph of `config`; `attributes` are its FFI attributes with the
     heuristic's plan, built on `device`."""
     if config.strategy == "lean_memory":
         return "bounded"
@@ -65,8 +65,9 @@ def _fastest_layout(tune: bool, attributes: dict, device: int) -> str:
         return "bounded"
     if not tune:
         return "padded"
-    bounded_ms, padded_ms = (autotune.chosen_ms("backward", with_layout(attributes, layout), device)
-                             for layout in LAYOUTS)
+    bounded_ms, padded_ms = (
+        autotune.chosen_ms("backward", with_layout(attributes, layout), device) for layout in LAYOUTS
+    )
     return "padded" if padded_ms < bounded_ms * (1 - autotune.MARGIN) else "bounded"
 
 

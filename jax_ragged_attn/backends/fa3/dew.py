@@ -55,8 +55,9 @@ def _registered() -> str | None:
 
         library = ctypes.CDLL(os.path.join(os.path.dirname(dew_flash_attn.__file__), LIBRARY))
         for name in TARGETS:
-            jax.ffi.register_ffi_target(TARGET_PREFIX + name, jax.ffi.pycapsule(getattr(library, name)),
-                                        platform="CUDA")
+            jax.ffi.register_ffi_target(
+                TARGET_PREFIX + name, jax.ffi.pycapsule(getattr(library, name)), platform="CUDA"
+            )
     except Exception as error:  # noqa: BLE001 - any failure is a reason to decline
         return f"the {WHEEL} wheel's FlashAttention-3 handlers do not register: {type(error).__name__}: {error}"
     return None
@@ -74,20 +75,26 @@ def unavailable_reason() -> str | None:
 # ---- what it serves ---------------------------------------------------------------------------------------
 
 
-def unsupported_reason(config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv=None,
-                       seqused=(None, None)) -> str | None:
+def unsupported_reason(
+    config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv=None, seqused=(None, None)
+) -> str | None:
     """None when dew-flash-attn's kernels can serve this call here, else a sentence saying why not (the index
     proves a top-left mask, as for the flash-attn3-jax provider)."""
     if isinstance(cu_seqlens_q, RaggedIndex):
-        cu_seqlens_q, cu_seqlens_kv, seqused = cu_seqlens_q.cu_seqlens_q, cu_seqlens_q.cu_seqlens_kv, \
-            cu_seqlens_q.seqused
+        cu_seqlens_q, cu_seqlens_kv, seqused = (
+            cu_seqlens_q.cu_seqlens_q,
+            cu_seqlens_q.cu_seqlens_kv,
+            cu_seqlens_q.seqused,
+        )
     if config.softcap:
         return f"the {WHEEL} wheel's kernels are built without softcap, got softcap={config.softcap}"
     if config.dtype not in fa3.FA3_DTYPES:
         return f"FlashAttention-3 takes bfloat16 or float16 inputs, got {config.dtype}"
     if config.head_dim_qk != config.head_dim_v or config.head_dim_qk not in HEAD_DIMS:
-        return (f"the {WHEEL} wheel's kernels take equal head dims of {', '.join(map(str, HEAD_DIMS))} (Dqk = Dv), "
-                f"got Dqk={config.head_dim_qk}, Dv={config.head_dim_v}")
+        return (
+            f"the {WHEEL} wheel's kernels take equal head dims of {', '.join(map(str, HEAD_DIMS))} (Dqk = Dv), "
+            f"got Dqk={config.head_dim_qk}, Dv={config.head_dim_v}"
+        )
     if config.deterministic:
         return f"the {WHEEL} wheel's backward has no deterministic mode (deterministic=True)"
     return fa3.alignment_reason(config, cu_seqlens_q, cu_seqlens_kv, seqused) or unavailable_reason()
@@ -102,8 +109,14 @@ def attend(buffers, index, config: AttentionConfig, *, stats=True):
     variant = None
     if all(used is None for used in index.seqused):
         variant = PLAIN if no_cut_rows(config, index) else PAIRED
-    return fa3.attention(*TABLE[config.packing].split(buffers), index.cu_seqlens_q, index.cu_seqlens_kv, config,
-                         index.seqused, binding=f"{NAME}/{variant}" if variant else NAME)
+    return fa3.attention(
+        *TABLE[config.packing].split(buffers),
+        index.cu_seqlens_q,
+        index.cu_seqlens_kv,
+        config,
+        index.seqused,
+        binding=f"{NAME}/{variant}" if variant else NAME,
+    )
 
 
 def no_cut_rows(config: AttentionConfig, index: RaggedIndex) -> bool:
@@ -114,9 +127,13 @@ def no_cut_rows(config: AttentionConfig, index: RaggedIndex) -> bool:
     max_seqlen rows of each sequence, so the rows of a longer one past it would be read with log-sum-exps and
     row sums never written, inside the band of the sequence's used keys (a test needs a slot longer than one
     64-row tile to see it)."""
-    return all(_slots_fit(cu, capacity, max_seqlen) for cu, capacity, max_seqlen in (
-        (index.cu_seqlens_q, config.capacity_q, config.max_seqlen_q),
-        (index.cu_seqlens_kv, config.capacity_kv, config.max_seqlen_kv)))
+    return all(
+        _slots_fit(cu, capacity, max_seqlen)
+        for cu, capacity, max_seqlen in (
+            (index.cu_seqlens_q, config.capacity_q, config.max_seqlen_q),
+            (index.cu_seqlens_kv, config.capacity_kv, config.max_seqlen_kv),
+        )
+    )
 
 
 def _slots_fit(cu, capacity: int, max_seqlen: int) -> bool:
@@ -159,22 +176,30 @@ def with_gaps(cu: jax.Array, used: jax.Array, side: str, paired: bool = False) -
 
 def _attributes(config: AttentionConfig) -> dict:
     is_causal, left, right = fa3._window(config)
-    return dict(max_seqlen=np.int64(config.max_seqlen_q), max_seqlen_k=np.int64(config.max_seqlen_kv),
-                softmax_scale=np.float64(config.scale), is_causal=is_causal,
-                window_size_left=np.int64(left), window_size_right=np.int64(right))
+    return dict(
+        max_seqlen=np.int64(config.max_seqlen_q),
+        max_seqlen_k=np.int64(config.max_seqlen_kv),
+        softmax_scale=np.float64(config.scale),
+        is_causal=is_causal,
+        window_size_left=np.int64(left),
+        window_size_right=np.int64(right),
+    )
 
 
 def _forward_call(q, k, v, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig, paired: bool = False):
     """(out [Tq, Hq, D] with garbage in rows no used sequence owns, lse [Hq, Tq])."""
-    return _kernel_forward(q, k, v, with_gaps(cu_q, used_q, "q", paired), with_gaps(cu_kv, used_kv, "kv", paired),
-                           config)
+    return _kernel_forward(
+        q, k, v, with_gaps(cu_q, used_q, "q", paired), with_gaps(cu_kv, used_kv, "kv", paired), config
+    )
 
 
-def _backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig,
-                   paired: bool = False):
+def _backward_call(
+    d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig, paired: bool = False
+):
     """(dq, dk, dv), garbage in rows no used sequence owns."""
-    return _kernel_backward(d_out, q, k, v, out, lse, with_gaps(cu_q, used_q, "q", paired),
-                            with_gaps(cu_kv, used_kv, "kv", paired), config)
+    return _kernel_backward(
+        d_out, q, k, v, out, lse, with_gaps(cu_q, used_q, "q", paired), with_gaps(cu_kv, used_kv, "kv", paired), config
+    )
 
 
 # Calls without seqused: the rows a slot does not use are those max_seqlen cuts (none where max_seqlen bounds
@@ -207,8 +232,12 @@ def _backward_call_plain(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv,
 def _kernel_forward(q, k, v, offsets_q, offsets_kv, config: AttentionConfig):
     """The library's varlen forward over the sequences between consecutive offsets."""
     heads, rows = q.shape[1], q.shape[0]
-    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((heads, rows), jnp.float32),
-               jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32), jax.ShapeDtypeStruct((1, 1, 1), jnp.float32))
+    results = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((heads, rows), jnp.float32),
+        jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32),
+        jax.ShapeDtypeStruct((1, 1, 1), jnp.float32),
+    )
     call = jax.ffi.ffi_call(TARGET_PREFIX + TARGETS[0], results, vmap_method="sequential")
     out, lse, _, _ = call(q, k, v, offsets_q, offsets_kv, **_attributes(config))
     return out, lse
@@ -218,9 +247,15 @@ def _kernel_backward(d_out, q, k, v, out, lse, offsets_q, offsets_kv, config: At
     """The library's varlen backward over the same sequences: (dq, dk, dv), dk and dv per key head."""
     sequences = offsets_q.shape[0] - 1
     scratch = jax.ShapeDtypeStruct((q.shape[1] * (q.shape[0] + SCRATCH_ROWS * (sequences + 1)),), jnp.float32)
-    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-               jax.ShapeDtypeStruct(v.shape, v.dtype), scratch, scratch)
+    results = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+        scratch,
+        scratch,
+    )
     call = jax.ffi.ffi_call(TARGET_PREFIX + TARGETS[1], results, vmap_method="sequential")
-    dq, dk, dv, _, _ = call(d_out, q, k, v, out, fa3.lse_head_major(lse, config), offsets_q, offsets_kv,
-                            **_attributes(config))
+    dq, dk, dv, _, _ = call(
+        d_out, q, k, v, out, fa3.lse_head_major(lse, config), offsets_q, offsets_kv, **_attributes(config)
+    )
     return dq, dk, dv

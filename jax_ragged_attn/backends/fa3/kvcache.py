@@ -88,7 +88,7 @@ def tail(config: KVCacheConfig) -> int:
 
 
 def route(config: KVCacheConfig) -> str:
-    """"one_call" where FA3's zero-filling paged loader serves the call (module docstring), else "head_tail"
+    """ "one_call" where FA3's zero-filling paged loader serves the call (module docstring), else "head_tail"
     (also where a test pinned it: OPTIONS.route)."""
     if options.OPTIONS.route != "head_tail" and config.seqlen_q * config.group_size <= ZERO_FILL_MAX_ROWS:
         return "one_call"
@@ -103,11 +103,15 @@ def unsupported_reason(config: KVCacheConfig) -> str | None:
     if config.dtype not in fa3.FA3_DTYPES:
         return f"FlashAttention-3 takes bfloat16 or float16 inputs, got {config.dtype}"
     if config.head_dim_qk != fa3.FA3_HEAD_DIM or config.head_dim_v != fa3.FA3_HEAD_DIM:
-        return (f"the {fa3.WHEEL} wheel's kernels are built for head dim {fa3.FA3_HEAD_DIM} only (Dqk = Dv = "
-                f"{fa3.FA3_HEAD_DIM}), got Dqk={config.head_dim_qk}, Dv={config.head_dim_v}")
+        return (
+            f"the {fa3.WHEEL} wheel's kernels are built for head dim {fa3.FA3_HEAD_DIM} only (Dqk = Dv = "
+            f"{fa3.FA3_HEAD_DIM}), got Dqk={config.head_dim_qk}, Dv={config.head_dim_v}"
+        )
     if config.softcap:
-        return (f"the {fa3.WHEEL} wheel's kernels are called with softcap 0 (its binding hard-codes it), got "
-                f"softcap={config.softcap}")
+        return (
+            f"the {fa3.WHEEL} wheel's kernels are called with softcap 0 (its binding hard-codes it), got "
+            f"softcap={config.softcap}"
+        )
     if not config.packed and route(config) == "head_tail":
         reason = kvcache_head_tail.window_reason(config, tail(config), "FA3")
         if reason is not None:
@@ -144,32 +148,68 @@ def _fa3_call(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, w
     # runs, none with the same call without seqused_q): one split there. A mixed step's tiles fill the GPU
     # without splits (num_splits' heuristic gives 1 there anyway); decode rows alone take the fixed form.
     splits = 1 if used_q is not None else num_splits(config)
-    empty_i32, empty_f32, empty_like_q = (jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32),
-                                          jnp.zeros((0,), q.dtype))
+    empty_i32, empty_f32, empty_like_q = (
+        jnp.zeros((0,), jnp.int32),
+        jnp.zeros((0,), jnp.float32),
+        jnp.zeros((0,), q.dtype),
+    )
     table = empty_i32 if page_table is None else page_table
-    accumulators = ([(splits, batch, heads_q, seqlen_q, dim), (splits, batch, heads_q, seqlen_q)] if splits > 1
-                    else [(1, 1, 1, 1), (1, 1, 1)])
-    result_types = [jax.ShapeDtypeStruct(q.shape, q.dtype),
-                    jax.ShapeDtypeStruct((batch, heads_q, seqlen_q), jnp.float32),
-                    *(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in accumulators)]
-    out, lse, _, _ = jax.ffi.ffi_call(fa3.TARGET_PREFIX + "flash_mha_fwd", result_types, has_side_effect=False,
-                                      vmap_method="sequential", input_layouts=[None] * 21,
-                                      output_layouts=[None] * 4)(
-        q, k_cache, v_cache,
-        empty_like_q, empty_like_q, empty_like_q,  # k_new, v_new, q_v
-        empty_i32, empty_i32, empty_i32,  # cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new: batch mode
-        empty_i32 if used_q is None else used_q, lengths,  # seqused_q, seqused_k (= cache_seqlens)
-        table, empty_i32, empty_i32,  # page_table, kv_batch_idx, leftpad_k
-        empty_like_q, empty_like_q, empty_i32,  # rotary_cos, rotary_sin, seqlens_rotary
-        empty_f32, empty_f32, empty_f32,  # q/k/v descale
+    accumulators = (
+        [(splits, batch, heads_q, seqlen_q, dim), (splits, batch, heads_q, seqlen_q)]
+        if splits > 1
+        else [(1, 1, 1, 1), (1, 1, 1)]
+    )
+    result_types = [
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((batch, heads_q, seqlen_q), jnp.float32),
+        *(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in accumulators),
+    ]
+    out, lse, _, _ = jax.ffi.ffi_call(
+        fa3.TARGET_PREFIX + "flash_mha_fwd",
+        result_types,
+        has_side_effect=False,
+        vmap_method="sequential",
+        input_layouts=[None] * 21,
+        output_layouts=[None] * 4,
+    )(
+        q,
+        k_cache,
+        v_cache,
+        empty_like_q,
+        empty_like_q,
+        empty_like_q,  # k_new, v_new, q_v
+        empty_i32,
+        empty_i32,
+        empty_i32,  # cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new: batch mode
+        empty_i32 if used_q is None else used_q,
+        lengths,  # seqused_q, seqused_k (= cache_seqlens)
+        table,
+        empty_i32,
+        empty_i32,  # page_table, kv_batch_idx, leftpad_k
+        empty_like_q,
+        empty_like_q,
+        empty_i32,  # rotary_cos, rotary_sin, seqlens_rotary
+        empty_f32,
+        empty_f32,
+        empty_f32,  # q/k/v descale
         empty_i32,  # scheduler_metadata
         # The wheel's lowering: max_seqlen_k is the contiguous cache's L; a paged one's FA3 reads off the table.
-        max_seqlen_q=seqlen_q, max_seqlen_q_has_value=True,
-        max_seqlen_k=0 if config.paged else config.capacity, max_seqlen_k_has_value=not config.paged,
-        softmax_scale_val=float(config.scale), softmax_scale_has_value=True,
-        pack_gqa_val=False, pack_gqa_has_value=False,
-        is_causal=is_causal, window_size_left=left, window_size_right=right,
-        attention_chunk=0, softcap=0.0, is_rotary_interleaved=True, num_splits=splits, sm_margin=0,
+        max_seqlen_q=seqlen_q,
+        max_seqlen_q_has_value=True,
+        max_seqlen_k=0 if config.paged else config.capacity,
+        max_seqlen_k_has_value=not config.paged,
+        softmax_scale_val=float(config.scale),
+        softmax_scale_has_value=True,
+        pack_gqa_val=False,
+        pack_gqa_has_value=False,
+        is_causal=is_causal,
+        window_size_left=left,
+        window_size_right=right,
+        attention_chunk=0,
+        softcap=0.0,
+        is_rotary_interleaved=True,
+        num_splits=splits,
+        sm_margin=0,
     )
     return out, lse
 
@@ -219,6 +259,7 @@ def zeroes_rows_without_keys(config: KVCacheConfig) -> bool:
 def _head_tail(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
     """(out [B, Sq, Hq, D], lse [B, Hq, Sq]): FA3 over each sequence's head, the xla path over its last TAIL
     rows (shared/head_tail.py)."""
+
     def head_call(q, k_cache, v_cache, head, page_table, config, left, right):
         window = (False, -1 if left is None else left, -1 if right is None else right)
         return _fa3_call(q, k_cache, v_cache, head, page_table, config, window)
@@ -247,6 +288,7 @@ def _head_tail(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig):
 # Decode rows only (max_seqlen_q = 1): the tiles are the sequences that have a query, run through the fixed
 # form's attend (q [N, 1, Hq, D], N <= B: today's decode call, its split-KV heuristic included).
 
+
 def packed_tile_rows(config: KVCacheConfig) -> int:
     """Query rows a packed tile holds: zero_fill_rows() (FA3's 128-row query tile for head dim 128 on the audited
     wheel), or the tests' smaller one (OPTIONS.packed_tile_rows)."""
@@ -264,13 +306,17 @@ def packed_reason(config: KVCacheConfig) -> str | None:
     """Why FA3 cannot serve packed queries with this config (beyond unsupported_reason's), or None."""
     rows = packed_tile_rows(config)
     if config.group_size > rows:
-        return (f"FA3 serves packed queries in tiles of at most {rows} query rows with the GQA group "
-                f"packed in; a group of {config.group_size} query heads per kv head does not fit one")
+        return (
+            f"FA3 serves packed queries in tiles of at most {rows} query rows with the GQA group "
+            f"packed in; a group of {config.group_size} query heads per kv head does not fit one"
+        )
     if config.right_bound != 0 and config.seqlen_q * config.group_size > rows:
-        return (f"packed queries with keys right of the diagonal (is_causal=False or a right window) run on FA3 "
-                f"as one tile per sequence, which needs max_seqlen_q x (Hq / Hkv) <= {rows} (beyond it "
-                f"FA3 loads whole key tiles with TMA and a NaN in an unused cache row would reach the result), got "
-                f"{config.seqlen_q} x {config.group_size}; use is_causal=True or implementation='xla'")
+        return (
+            f"packed queries with keys right of the diagonal (is_causal=False or a right window) run on FA3 "
+            f"as one tile per sequence, which needs max_seqlen_q x (Hq / Hkv) <= {rows} (beyond it "
+            f"FA3 loads whole key tiles with TMA and a NaN in an unused cache row would reach the result), got "
+            f"{config.seqlen_q} x {config.group_size}; use is_causal=True or implementation='xla'"
+        )
     return None
 
 
@@ -290,8 +336,9 @@ def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config
     tile_config = dataclasses.replace(paged, batch=tiles.count, seqlen_q=size, total_q=0)
     left, right = config.left_bound, config.right_bound
     window = (left is None and right == 0, -1 if left is None else left, -1 if right is None else right)
-    out, lse = _fa3_call(tiles.gather(q), k_cache, v_cache, keys, page_table[tiles.sequence], tile_config, window,
-                         used_q=tiles.used)
+    out, lse = _fa3_call(
+        tiles.gather(q), k_cache, v_cache, keys, page_table[tiles.sequence], tile_config, window, used_q=tiles.used
+    )
     # A query without keys holds FA3's lse +inf and anything in out: the op layer masks those rows (the
     # backend Protocol), so the rows are gathered as they come.
     return tiles.to_rows(out, 0), tiles.to_rows(lse.transpose(0, 2, 1), -jnp.inf).T

@@ -52,8 +52,14 @@ from jax.custom_derivatives import SymbolicZero
 from jax_ragged_attn.backends.shared import stats_grad
 from jax_ragged_attn.backends.shared.row_zeroing import zero_unused_rows
 from jax_ragged_attn.config import AttentionConfig
-from jax_ragged_attn.index import (RaggedIndex, host_slots, query_rows_with_keys, sanitize_both,
-                                   sanitize_cu_seqlens, sequence_lengths)
+from jax_ragged_attn.index import (
+    RaggedIndex,
+    host_slots,
+    query_rows_with_keys,
+    sanitize_both,
+    sanitize_cu_seqlens,
+    sequence_lengths,
+)
 
 WHEEL = "flash-attn3-jax"
 INSTALL = "pip install 'jax_ragged_attn[fa3]'"
@@ -62,7 +68,6 @@ FA3_HEAD_DIM = 128  # the only head dim the wheel's kernels are compiled for (qk
 TARGET_PREFIX = "jax_ragged_attn_fa3_"  # our registrations of the wheel's handlers
 # The backward's dQ accumulator rows: FA3 pads each sequence to its tile of 128 query rows (the wheel's own).
 BLOCK_M = 128
-
 
 
 # ---- availability ------------------------------------------------------------------------------------------
@@ -95,8 +100,10 @@ def hopper_reason(wheel: str) -> str | None:
     device = jax.devices()[0]
     capability = getattr(device, "compute_capability", None)
     if capability is None or str(capability).split(".")[0] != "9":
-        return (f"FlashAttention-3's kernels in the {wheel} wheel are built for Hopper (sm_90) only; this GPU "
-                f"({device.device_kind}) has compute capability {capability}")
+        return (
+            f"FlashAttention-3's kernels in the {wheel} wheel are built for Hopper (sm_90) only; this GPU "
+            f"({device.device_kind}) has compute capability {capability}"
+        )
     return None
 
 
@@ -127,42 +134,59 @@ def lengths_equal(config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv, seqused=
     """Whether every sequence provably has as many used keys as queries (so top-left = bottom-right)."""
     if cu_seqlens_q is None or cu_seqlens_kv is None:
         return False
-    if (cu_seqlens_q is cu_seqlens_kv and seqused[0] is seqused[1] and config.capacity_q == config.capacity_kv
-            and config.max_seqlen_q == config.max_seqlen_kv):
+    if (
+        cu_seqlens_q is cu_seqlens_kv
+        and seqused[0] is seqused[1]
+        and config.capacity_q == config.capacity_kv
+        and config.max_seqlen_q == config.max_seqlen_kv
+    ):
         return True
     lengths_q = _host_lengths(cu_seqlens_q, config.capacity_q, config.max_seqlen_q, seqused[0])
     lengths_kv = _host_lengths(cu_seqlens_kv, config.capacity_kv, config.max_seqlen_kv, seqused[1])
     return lengths_q is not None and lengths_kv is not None and np.array_equal(lengths_q, lengths_kv)
 
 
-def unsupported_reason(config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv=None,
-                       seqused=(None, None)) -> str | None:
+def unsupported_reason(
+    config: AttentionConfig, cu_seqlens_q=None, cu_seqlens_kv=None, seqused=(None, None)
+) -> str | None:
     """None when FA3 can serve this call here, else a sentence saying why not. The cu_seqlens (and seqused),
     or one index.RaggedIndex in their place, serve to prove a top-left mask equal to FA3's bottom-right one;
     without them such a mask is declined. (Its stats differentiate with a second backward call.)"""
     if isinstance(cu_seqlens_q, RaggedIndex):
-        cu_seqlens_q, cu_seqlens_kv, seqused = cu_seqlens_q.cu_seqlens_q, cu_seqlens_q.cu_seqlens_kv, \
-            cu_seqlens_q.seqused
+        cu_seqlens_q, cu_seqlens_kv, seqused = (
+            cu_seqlens_q.cu_seqlens_q,
+            cu_seqlens_q.cu_seqlens_kv,
+            cu_seqlens_q.seqused,
+        )
     if config.softcap:
-        return (f"the {WHEEL} wheel's kernels are called with softcap 0 (its binding hard-codes it), got "
-                f"softcap={config.softcap}")
+        return (
+            f"the {WHEEL} wheel's kernels are called with softcap 0 (its binding hard-codes it), got "
+            f"softcap={config.softcap}"
+        )
     if config.dtype not in FA3_DTYPES:
         return f"FlashAttention-3 takes bfloat16 or float16 inputs, got {config.dtype}"
     if config.head_dim_qk != FA3_HEAD_DIM or config.head_dim_v != FA3_HEAD_DIM:
-        return (f"the {WHEEL} wheel's kernels are built for head dim {FA3_HEAD_DIM} only (Dqk = Dv = "
-                f"{FA3_HEAD_DIM}), got Dqk={config.head_dim_qk}, Dv={config.head_dim_v}")
+        return (
+            f"the {WHEEL} wheel's kernels are built for head dim {FA3_HEAD_DIM} only (Dqk = Dv = "
+            f"{FA3_HEAD_DIM}), got Dqk={config.head_dim_qk}, Dv={config.head_dim_v}"
+        )
     return alignment_reason(config, cu_seqlens_q, cu_seqlens_kv, seqused) or unavailable_reason()
 
 
 def alignment_reason(config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv, seqused) -> str | None:
     """Why FA3's bottom-right masks cannot serve this call's top-left one, or None (every binding's kernels)."""
     bounded = config.left_bound is not None or config.right_bound is not None
-    if (bounded and config.diagonal_alignment == "top_left"
-            and not lengths_equal(config, cu_seqlens_q, cu_seqlens_kv, seqused)):
-        return ("FlashAttention-3 aligns its causal mask and windows bottom-right; a top-left one is the same "
-                "mask only where every sequence has as many keys as queries, which this call does not prove "
-                "(pass one array as both cu_seqlens, or concrete cu_seqlens with equal lengths, or use "
-                "diagonal_alignment='bottom_right')")
+    if (
+        bounded
+        and config.diagonal_alignment == "top_left"
+        and not lengths_equal(config, cu_seqlens_q, cu_seqlens_kv, seqused)
+    ):
+        return (
+            "FlashAttention-3 aligns its causal mask and windows bottom-right; a top-left one is the same "
+            "mask only where every sequence has as many keys as queries, which this call does not prove "
+            "(pass one array as both cu_seqlens, or concrete cu_seqlens with equal lengths, or use "
+            "diagonal_alignment='bottom_right')"
+        )
     return None
 
 
@@ -175,8 +199,9 @@ def attend(buffers, index, config: AttentionConfig, *, stats=True):
     """(out, stats) of the parts sliced out of packed buffers; autodiff assembles their gradients."""
     from jax_ragged_attn.index.packings import TABLE
 
-    return attention(*TABLE[config.packing].split(buffers), index.cu_seqlens_q, index.cu_seqlens_kv, config,
-                     index.seqused)
+    return attention(
+        *TABLE[config.packing].split(buffers), index.cu_seqlens_q, index.cu_seqlens_kv, config, index.seqused
+    )
 
 
 # ---- the kernels ------------------------------------------------------------------------------------------
@@ -211,27 +236,62 @@ def _forward_call(q, k, v, cu_q, cu_kv, used_q, used_kv, config: AttentionConfig
     """FA3's varlen forward: (out [Tq, Hq, D] with garbage in rows it does not own, lse buffer)."""
     is_causal, left, right = _window(config)
     dtype = q.dtype
-    empty_i32, empty_f32, empty_like_q = (jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32),
-                                          jnp.zeros((0,), dtype))
-    result_types = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct(_lse_shape(config), jnp.float32),
-                    jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32), jax.ShapeDtypeStruct((1, 1, 1), jnp.float32)]
-    out, lse, _, _ = jax.ffi.ffi_call(TARGET_PREFIX + "flash_mha_fwd", result_types, has_side_effect=False,
-                                      vmap_method="sequential", input_layouts=[None] * 21,
-                                      output_layouts=[None] * 4)(
-        q, k, v,
-        empty_like_q, empty_like_q, empty_like_q,  # k_new, v_new, q_v
-        cu_q, cu_kv, empty_i32,  # cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new
-        used_q, used_kv,  # seqused_q, seqused_k
-        empty_i32, empty_i32, empty_i32,  # page_table, kv_batch_idx, leftpad_k
-        empty_like_q, empty_like_q, empty_i32,  # rotary_cos, rotary_sin, seqlens_rotary
-        empty_f32, empty_f32, empty_f32,  # q/k/v descale
+    empty_i32, empty_f32, empty_like_q = (
+        jnp.zeros((0,), jnp.int32),
+        jnp.zeros((0,), jnp.float32),
+        jnp.zeros((0,), dtype),
+    )
+    result_types = [
+        jax.ShapeDtypeStruct(q.shape, dtype),
+        jax.ShapeDtypeStruct(_lse_shape(config), jnp.float32),
+        jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32),
+        jax.ShapeDtypeStruct((1, 1, 1), jnp.float32),
+    ]
+    out, lse, _, _ = jax.ffi.ffi_call(
+        TARGET_PREFIX + "flash_mha_fwd",
+        result_types,
+        has_side_effect=False,
+        vmap_method="sequential",
+        input_layouts=[None] * 21,
+        output_layouts=[None] * 4,
+    )(
+        q,
+        k,
+        v,
+        empty_like_q,
+        empty_like_q,
+        empty_like_q,  # k_new, v_new, q_v
+        cu_q,
+        cu_kv,
+        empty_i32,  # cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new
+        used_q,
+        used_kv,  # seqused_q, seqused_k
+        empty_i32,
+        empty_i32,
+        empty_i32,  # page_table, kv_batch_idx, leftpad_k
+        empty_like_q,
+        empty_like_q,
+        empty_i32,  # rotary_cos, rotary_sin, seqlens_rotary
+        empty_f32,
+        empty_f32,
+        empty_f32,  # q/k/v descale
         empty_i32,  # scheduler_metadata
-        max_seqlen_q=_grid_seqlens(config)[0], max_seqlen_q_has_value=True,
-        max_seqlen_k=_grid_seqlens(config)[1], max_seqlen_k_has_value=True,
-        softmax_scale_val=float(config.scale), softmax_scale_has_value=True,
-        pack_gqa_val=False, pack_gqa_has_value=False,
-        is_causal=is_causal, window_size_left=left, window_size_right=right,
-        attention_chunk=0, softcap=0.0, is_rotary_interleaved=False, num_splits=1, sm_margin=0,
+        max_seqlen_q=_grid_seqlens(config)[0],
+        max_seqlen_q_has_value=True,
+        max_seqlen_k=_grid_seqlens(config)[1],
+        max_seqlen_k_has_value=True,
+        softmax_scale_val=float(config.scale),
+        softmax_scale_has_value=True,
+        pack_gqa_val=False,
+        pack_gqa_has_value=False,
+        is_causal=is_causal,
+        window_size_left=left,
+        window_size_right=right,
+        attention_chunk=0,
+        softcap=0.0,
+        is_rotary_interleaved=False,
+        num_splits=1,
+        sm_margin=0,
     )
     return out, lse
 
@@ -241,19 +301,43 @@ def _backward_call(d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv, confi
     is_causal, left, right = _window(config)
     total_q, heads_q = q.shape[0], q.shape[1]
     rounded = ((total_q + config.num_seqs * BLOCK_M + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
-    result_types = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-                    jax.ShapeDtypeStruct(v.shape, v.dtype),
-                    jax.ShapeDtypeStruct((heads_q, rounded), jnp.float32),  # softmax_d
-                    jax.ShapeDtypeStruct((heads_q, rounded), jnp.float32)]  # softmax_lse_log2
-    dq, dk, dv, _, _ = jax.ffi.ffi_call(TARGET_PREFIX + "flash_mha_bwd", result_types, has_side_effect=False,
-                                        vmap_method="sequential", input_layouts=[None] * 10,
-                                        output_layouts=[None] * 5)(
-        d_out, q, k, v, out, lse, cu_q, cu_kv, used_q, used_kv,
-        max_seqlen_q_val=_grid_seqlens(config)[0], max_seqlen_q_has_value=True,
-        max_seqlen_k_val=_grid_seqlens(config)[1], max_seqlen_k_has_value=True,
-        softmax_scale_val=float(config.scale), softmax_scale_has_value=True,
-        is_causal=is_causal, window_size_left=left, window_size_right=right,
-        softcap=0.0, deterministic=bool(config.deterministic), sm_margin=0,
+    result_types = [
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+        jax.ShapeDtypeStruct((heads_q, rounded), jnp.float32),  # softmax_d
+        jax.ShapeDtypeStruct((heads_q, rounded), jnp.float32),
+    ]  # softmax_lse_log2
+    dq, dk, dv, _, _ = jax.ffi.ffi_call(
+        TARGET_PREFIX + "flash_mha_bwd",
+        result_types,
+        has_side_effect=False,
+        vmap_method="sequential",
+        input_layouts=[None] * 10,
+        output_layouts=[None] * 5,
+    )(
+        d_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_q,
+        cu_kv,
+        used_q,
+        used_kv,
+        max_seqlen_q_val=_grid_seqlens(config)[0],
+        max_seqlen_q_has_value=True,
+        max_seqlen_k_val=_grid_seqlens(config)[1],
+        max_seqlen_k_has_value=True,
+        softmax_scale_val=float(config.scale),
+        softmax_scale_has_value=True,
+        is_causal=is_causal,
+        window_size_left=left,
+        window_size_right=right,
+        softcap=0.0,
+        deterministic=bool(config.deterministic),
+        sm_margin=0,
     )
     return dq, dk, dv
 
@@ -273,7 +357,7 @@ def _kernels(binding: str):
 def lse_head_major(lse: jax.Array, config: AttentionConfig) -> jax.Array:
     """FA3's log-sum-exp buffer as [Hq, Tq] (unmasked)."""
     heads, rows = config.num_heads_q, config.capacity_q
-    return lse.reshape(-1)[:heads * rows].reshape(heads, rows)
+    return lse.reshape(-1)[: heads * rows].reshape(heads, rows)
 
 
 def shares_rows(config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv, seqused) -> bool:
@@ -281,8 +365,11 @@ def shares_rows(config: AttentionConfig, cu_seqlens_q, cu_seqlens_kv, seqused) -
     equal capacities and max_seqlen (self-attention, as a language model calls it). Then the index is
     sanitised once and Q, K, V (and dQ, dK, dV) are cleared in one call of the zero-rows kernel, not three
     (what the wrapper's small kernels add: docs/PERFORMANCE.md#what-the-measurements-found)."""
-    return (cu_seqlens_q is cu_seqlens_kv and seqused[0] is seqused[1]
-            and (config.capacity_q, config.max_seqlen_q) == (config.capacity_kv, config.max_seqlen_kv))
+    return (
+        cu_seqlens_q is cu_seqlens_kv
+        and seqused[0] is seqused[1]
+        and (config.capacity_q, config.max_seqlen_q) == (config.capacity_kv, config.max_seqlen_kv)
+    )
 
 
 def _index(cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused, shared: bool = False):
@@ -293,8 +380,12 @@ def _index(cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused, shared
         used = sequence_lengths(cu, config.max_seqlen_q, seqused[0])
         return cu, cu, used, used
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
-    return (cu_q, cu_kv, sequence_lengths(cu_q, config.max_seqlen_q, seqused[0]),
-            sequence_lengths(cu_kv, config.max_seqlen_kv, seqused[1]))
+    return (
+        cu_q,
+        cu_kv,
+        sequence_lengths(cu_q, config.max_seqlen_q, seqused[0]),
+        sequence_lengths(cu_kv, config.max_seqlen_kv, seqused[1]),
+    )
 
 
 def _cleared(buffers, cu, used):
@@ -355,7 +446,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, se
 
 def _attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, config, seqused, binding, shared):
     q, k, v, cu_seqlens_q, cu_seqlens_kv, seqused = jax.tree.map(
-        lambda x: x.value, (q, k, v, cu_seqlens_q, cu_seqlens_kv, seqused))
+        lambda x: x.value, (q, k, v, cu_seqlens_q, cu_seqlens_kv, seqused)
+    )
     # The backward needs Q and K cleared too (see _cleared). Clearing them here, where q and k are first used,
     # and keeping the cleared ones as residuals lets XLA zero a projection's output in place; cleared in the
     # backward, after the forward kernel has read them, XLA would copy both first
@@ -388,8 +480,9 @@ def _attention_bwd(config, binding, shared, residuals, cotangents):
         c, e = stats_grad.stats_columns(g, dtype)  # [Tq, Hq, EXTRA_COLUMNS], sum(c * e) = -g
         pad = [(0, 0), (0, 0), (0, config.head_dim_v - c.shape[-1])]
         d_out_stats, out_stats = jnp.pad(c, pad), jnp.pad(e, pad)
-        dq, dk, _ = backward_call(d_out_stats, q, k, jnp.zeros_like(v), out_stats, lse, cu_q, cu_kv, used_q,
-                                  used_kv, config)
+        dq, dk, _ = backward_call(
+            d_out_stats, q, k, jnp.zeros_like(v), out_stats, lse, cu_q, cu_kv, used_q, used_kv, config
+        )
         parts.append((dq, dk, None))
     if not parts:
         grads = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
@@ -415,8 +508,9 @@ def _attention_bwd(config, binding, shared, residuals, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
-def attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused=(None, None), *,
-              binding: str = NAME):
+def attention(
+    q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused=(None, None), *, binding: str = NAME
+):
     """(out [Tq, Hq, Dv], stats float32 in the configured layout) through FA3; differentiable in q, k, v and
     (through the second backward call above) in the stats. The caller has checked unsupported_reason.
     binding: whose build of FA3's kernels runs them (_kernels): NAME, the flash-attn3-jax wheel's, or "dew"."""

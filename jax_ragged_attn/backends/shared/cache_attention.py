@@ -70,23 +70,29 @@ def _loader(k_cache, v_cache, lengths, page_table, config: KVCacheConfig, size: 
             ok = jax.lax.dynamic_slice_in_dim(ok_pages, begin, per_block, axis=1)
             pages = begin + jnp.arange(per_block, dtype=jnp.int32)
             ok = ok & (pages >= start)[None, :]
-            rows = (pages[:, None] * config.page_size
-                    + jnp.arange(config.page_size, dtype=jnp.int32)[None, :]).reshape(-1)
+            rows = (pages[:, None] * config.page_size + jnp.arange(config.page_size, dtype=jnp.int32)[None, :]).reshape(
+                -1
+            )
             present = jnp.repeat(ok, config.page_size, axis=1)
             k = k_cache[ids].reshape(batch, -1, heads_kv, k_cache.shape[-1])
             v = v_cache[ids].reshape(batch, -1, heads_kv, v_cache.shape[-1])
             return k, v, rows, present & (rows[None, :] < lengths[:, None])
     else:
         steps = math.ceil(config.capacity / size)
-        pick = (lambda block: block) if sequence is None else (lambda block: block[sequence])  # noqa: E731
+        pick = (lambda block: block) if sequence is None else (lambda block: block[sequence])
 
         def load(t):
             start = t * size
             begin = jnp.minimum(start, config.capacity - size)
             rows = begin + jnp.arange(size, dtype=jnp.int32)
             present = (rows >= start)[None, :] & (rows[None, :] < lengths[:, None])
-            return (pick(jax.lax.dynamic_slice_in_dim(k_cache, begin, size, axis=1)),
-                    pick(jax.lax.dynamic_slice_in_dim(v_cache, begin, size, axis=1)), rows, present)
+            return (
+                pick(jax.lax.dynamic_slice_in_dim(k_cache, begin, size, axis=1)),
+                pick(jax.lax.dynamic_slice_in_dim(v_cache, begin, size, axis=1)),
+                rows,
+                present,
+            )
+
     return steps, load
 
 
@@ -107,15 +113,26 @@ def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config
     itemsize = jnp.dtype(k_cache.dtype).itemsize
     # A step's float32 scores and the cache rows it gathers for every tile (and, contiguous, slices first).
     groups = tiles.count + (0 if config.paged else config.batch)
-    row_bytes = (4 * tiles.count * tiles.size * config.num_heads_q
-                 + groups * config.num_heads_kv * (config.head_dim_qk + config.head_dim_v) * itemsize)
-    out, lse = _blocked(tiles.gather(q), k_cache, v_cache, lengths[tiles.sequence], first, last, table, config,
-                        block_rows(config, row_bytes), sequence=None if config.paged else tiles.sequence)
+    row_bytes = (
+        4 * tiles.count * tiles.size * config.num_heads_q
+        + groups * config.num_heads_kv * (config.head_dim_qk + config.head_dim_v) * itemsize
+    )
+    out, lse = _blocked(
+        tiles.gather(q),
+        k_cache,
+        v_cache,
+        lengths[tiles.sequence],
+        first,
+        last,
+        table,
+        config,
+        block_rows(config, row_bytes),
+        sequence=None if config.paged else tiles.sequence,
+    )
     return tiles.to_rows(out, 0), tiles.to_rows(lse.transpose(0, 2, 1), -jnp.inf).T  # lse [Hq, T]
 
 
-def _blocked(q, k_cache, v_cache, lengths, first, last, page_table, config: KVCacheConfig, size: int,
-             sequence=None):
+def _blocked(q, k_cache, v_cache, lengths, first, last, page_table, config: KVCacheConfig, size: int, sequence=None):
     """(out [N, M, Hq, Dv] in q's dtype, lse [N, Hq, M] float32, -inf where no key was attended) of N groups
     of M queries q [N, M, Hq, D], query (n, i) attending rows first[n, i] .. last[n, i] of its group's cache
     (of lengths[n] rows; _loader says which). Blocks of `size` rows."""
@@ -134,8 +151,9 @@ def _blocked(q, k_cache, v_cache, lengths, first, last, page_table, config: KVCa
     def fold(carry, t):
         m, l, acc = carry
         k, v, rows, present = load(t)
-        keep = (present[:, None, :] & (rows[None, None, :] >= first[:, :, None])
-                & (rows[None, None, :] <= last[:, :, None]))  # [B, Sq, C]
+        keep = (
+            present[:, None, :] & (rows[None, None, :] >= first[:, :, None]) & (rows[None, None, :] <= last[:, :, None])
+        )  # [B, Sq, C]
         s = jnp.einsum("bqhgd,bchd->bhgqc", q, k, preferred_element_type=jnp.float32, precision=precision)
         s = s * config.scale
         if config.softcap:  # logit soft-capping before the mask, as ragged_attention does
@@ -146,8 +164,9 @@ def _blocked(q, k_cache, v_cache, lengths, first, last, page_table, config: KVCa
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(s - m_safe[..., None])
         v = jnp.where(present[:, :, None, None], v, jnp.zeros((), v.dtype))  # NaN in unused rows: 0 * NaN
-        pv = jnp.einsum("bhgqc,bchd->bhgqd", p.astype(p_dtype), v, preferred_element_type=jnp.float32,
-                        precision=precision)
+        pv = jnp.einsum(
+            "bhgqc,bchd->bhgqd", p.astype(p_dtype), v, preferred_element_type=jnp.float32, precision=precision
+        )
         return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
 
     def step(carry, t):
@@ -155,8 +174,11 @@ def _blocked(q, k_cache, v_cache, lengths, first, last, page_table, config: KVCa
         return jax.lax.cond(needed, fold, lambda carry, t: carry, carry, t), None
 
     shape = (batch, heads_kv, group, seqlen_q)
-    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros(shape + (dv,), jnp.float32))
+    init = (
+        jnp.full(shape, -jnp.inf, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros(shape + (dv,), jnp.float32),
+    )
     (m, l, acc), _ = jax.lax.scan(step, init, jnp.arange(steps, dtype=jnp.int32))
     some = l > 0
     out = acc / jnp.where(some, l, 1.0)[..., None]

@@ -28,8 +28,9 @@ def reference(cache_seqlens: jax.Array, page_table: jax.Array, config: KVCacheCo
     return clamped_lengths(cache_seqlens, config), safe_page_table(page_table, config)
 
 
-def safe_cache_index(cache_seqlens: jax.Array, page_table: jax.Array,
-                     config: KVCacheConfig) -> tuple[jax.Array, jax.Array]:
+def safe_cache_index(
+    cache_seqlens: jax.Array, page_table: jax.Array, config: KVCacheConfig
+) -> tuple[jax.Array, jax.Array]:
     """(lengths int32 like cache_seqlens, table int32 like page_table): the module docstring's clamps."""
     target = extension.own_kernel_target("clamp_cache_index")
     if target is None:
@@ -37,5 +38,11 @@ def safe_cache_index(cache_seqlens: jax.Array, page_table: jax.Array,
     types = (jax.ShapeDtypeStruct(cache_seqlens.shape, np.int32), jax.ShapeDtypeStruct(page_table.shape, np.int32))
     # Elementwise over each flat array: a vmapped call's batch axes are served as they lie.
     call = jax.ffi.ffi_call(target, types, vmap_method="broadcast_all")
-    return tuple(call(cache_seqlens.astype(np.int32), page_table.astype(np.int32),
-                      capacity=np.int64(config.capacity), num_pages=np.int64(config.num_pages)))
+    return tuple(
+        call(
+            cache_seqlens.astype(np.int32),
+            page_table.astype(np.int32),
+            capacity=np.int64(config.capacity),
+            num_pages=np.int64(config.num_pages),
+        )
+    )

@@ -17,18 +17,21 @@ axis are strided) and one of the outputs back; autodiff routes every gradient th
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax.numpy as jnp
 
-from jax_ragged_attn.index.packings import TABLE
 from jax_ragged_attn.config import AttentionConfig
+from jax_ragged_attn.index.packings import TABLE
 
 
 def group_counts(num_heads_q: int, num_heads_kv: int) -> list[int]:
     """Every G that splits these heads (module docstring), smallest first; 1 (no split) included."""
-    return [g for g in range(1, num_heads_q + 1)
-            if num_heads_q % g == 0 and (num_heads_kv % g == 0 or g % num_heads_kv == 0)]
+    return [
+        g
+        for g in range(1, num_heads_q + 1)
+        if num_heads_q % g == 0 and (num_heads_kv % g == 0 or g % num_heads_kv == 0)
+    ]
 
 
 def group_config(config: AttentionConfig, groups: int) -> AttentionConfig:
@@ -36,14 +39,19 @@ def group_config(config: AttentionConfig, groups: int) -> AttentionConfig:
     of a packed row)."""
     if groups == 1:
         return config
-    return dataclasses.replace(config, num_heads_q=config.num_heads_q // groups,
-                               num_heads_kv=max(config.num_heads_kv // groups, 1), packing="none")
+    return dataclasses.replace(
+        config,
+        num_heads_q=config.num_heads_q // groups,
+        num_heads_kv=max(config.num_heads_kv // groups, 1),
+        packing="none",
+    )
 
 
 def fewest_groups(config: AttentionConfig, fits: Callable[[AttentionConfig], bool]) -> int | None:
     """The smallest G whose group configuration fits, or None when not even one query head per call does."""
-    return next((g for g in group_counts(config.num_heads_q, config.num_heads_kv) if fits(group_config(config, g))),
-                None)
+    return next(
+        (g for g in group_counts(config.num_heads_q, config.num_heads_kv) if fits(group_config(config, g))), None
+    )
 
 
 def _kv_heads(group: int, groups: int, num_heads_kv: int) -> slice:
@@ -58,8 +66,14 @@ def _split(buffers, config: AttentionConfig, groups: int):
     """Per group: (q, k, v) sliced along their head axis."""
     q, k, v = TABLE[config.packing].split(buffers)
     width_q = config.num_heads_q // groups
-    return [(q[:, g * width_q:(g + 1) * width_q], k[:, _kv_heads(g, groups, config.num_heads_kv)],
-             v[:, _kv_heads(g, groups, config.num_heads_kv)]) for g in range(groups)]
+    return [
+        (
+            q[:, g * width_q : (g + 1) * width_q],
+            k[:, _kv_heads(g, groups, config.num_heads_kv)],
+            v[:, _kv_heads(g, groups, config.num_heads_kv)],
+        )
+        for g in range(groups)
+    ]
 
 
 def _join_stats(parts, config: AttentionConfig):
@@ -72,15 +86,17 @@ def attend_in_groups(attend: Callable, buffers, index, config: AttentionConfig, 
     """attend(buffers, index, config, stats=...) -> (out, stats) run once per head group and joined."""
     inner = group_config(config, groups)
     results = [attend(part, index, inner, stats=stats) for part in _split(buffers, config, groups)]
-    return (jnp.concatenate([out for out, _ in results], axis=1),
-            _join_stats([s for _, s in results], config))
+    return (jnp.concatenate([out for out, _ in results], axis=1), _join_stats([s for _, s in results], config))
 
 
-def attend_with_sinks_in_groups(attend_with_sinks: Callable, buffers, index, sinks, config: AttentionConfig,
-                                groups: int):
+def attend_with_sinks_in_groups(
+    attend_with_sinks: Callable, buffers, index, sinks, config: AttentionConfig, groups: int
+):
     """attend_with_sinks(buffers, index, sinks, config) -> out, once per head group (sinks [Hq] sliced too)."""
     inner = group_config(config, groups)
     width = config.num_heads_q // groups
-    outs = [attend_with_sinks(part, index, sinks[g * width:(g + 1) * width], inner)
-            for g, part in enumerate(_split(buffers, config, groups))]
+    outs = [
+        attend_with_sinks(part, index, sinks[g * width : (g + 1) * width], inner)
+        for g, part in enumerate(_split(buffers, config, groups))
+    ]
     return jnp.concatenate(outs, axis=1)

@@ -21,7 +21,7 @@ A left bound shorter than `tail` that still reaches the head cannot be expressed
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -45,9 +45,11 @@ def window_reason(config: KVCacheConfig, tail: int, kernel: str) -> str | None:
     """Why a left window cannot be split at `tail` rows (see the module docstring), or None."""
     left = config.left_bound
     if left is not None and left < tail < left + config.seqlen_q:
-        return (f"a left window of {left} rows with {config.seqlen_q} queries reaches into the rows {kernel} "
-                f"reads but cannot be expressed there ({kernel} reads all but each sequence's last {tail} rows, "
-                f"whose NaN-safety it cannot give); use implementation='xla'")
+        return (
+            f"a left window of {left} rows with {config.seqlen_q} queries reaches into the rows {kernel} "
+            f"reads but cannot be expressed there ({kernel} reads all but each sequence's last {tail} rows, "
+            f"whose NaN-safety it cannot give); use implementation='xla'"
+        )
     return None
 
 
@@ -66,9 +68,9 @@ def tail_cache(k_cache, v_cache, head, page_table, config: KVCacheConfig, tail: 
     if config.paged:
         pages = jnp.take_along_axis(safe_page_table(page_table, config), rows // config.page_size, axis=1)
         flat = pages * config.page_size + rows % config.page_size
-        gather = lambda cache: cache.reshape((-1,) + cache.shape[2:])[flat]  # noqa: E731
+        gather = lambda cache: cache.reshape((-1,) + cache.shape[2:])[flat]
     else:
-        gather = lambda cache: jnp.take_along_axis(cache, rows[:, :, None, None], axis=1)  # noqa: E731
+        gather = lambda cache: jnp.take_along_axis(cache, rows[:, :, None, None], axis=1)
     small = dataclasses.replace(config, paged=False, page_size=tail, num_pages=config.batch, max_pages=1)
     return gather(k_cache), gather(v_cache), small
 
@@ -79,8 +81,13 @@ def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, head
     head = jnp.maximum(lengths - tail, 0)
     first, last = key_band(lengths, config)  # [B, Sq], true positions
     has_head = (head[:, None] > 0) & (first < head[:, None]) & (first <= last)
-    out_h, lse_h = _head_part(lambda *bounds: head_call(q, k_cache, v_cache, head, page_table, config, *bounds),
-                              has_head, config, tail, q.dtype)
+    out_h, lse_h = _head_part(
+        lambda *bounds: head_call(q, k_cache, v_cache, head, page_table, config, *bounds),
+        has_head,
+        config,
+        tail,
+        q.dtype,
+    )
     k_t, v_t, config_t = tail_cache(k_cache, v_cache, head, page_table, config, tail)
     # Queries and keys both shift by `head`, so the tail's bottom-right masks and windows keep their meaning,
     # and the head's keys fall before its first row.
@@ -93,8 +100,9 @@ def attend(q, k_cache, v_cache, lengths, page_table, config: KVCacheConfig, head
 HeadCallPacked = Callable[..., tuple[jax.Array, jax.Array]]
 
 
-def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config: KVCacheConfig,
-                  head_call: HeadCallPacked, tail: int):
+def attend_packed(
+    q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config: KVCacheConfig, head_call: HeadCallPacked, tail: int
+):
     """(out [T, Hq, Dv], lse [Hq, T]) of packed queries q [T, Hq, D] (config.packed): `head_call` over each
     sequence's head, the xla path's packed form over its last `tail` rows, merged per row. A sequence's query i
     sits at len - n + i, the kernel's diagonal over the head (head - n + i) `tail` rows left of it, as above."""
@@ -105,7 +113,11 @@ def attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config
     has_head = owned & (own_head > 0) & (first < own_head) & (first <= last)
     out_h, lse_h = _head_part(
         lambda *bounds: head_call(q, k_cache, v_cache, head, cu_seqlens_q, page_table, config, *bounds),
-        has_head, config, tail, q.dtype)
+        has_head,
+        config,
+        tail,
+        q.dtype,
+    )
     k_t, v_t, config_t = tail_cache(k_cache, v_cache, head, page_table, config, tail)
     out_t, lse_t = cache_attention.attend_packed(q, k_t, v_t, lengths - head, cu_seqlens_q, None, config_t)
     return merge(out_h, lse_h, out_t, lse_t, q.dtype)
@@ -118,11 +130,15 @@ def _head_part(call, has_head, config: KVCacheConfig, tail: int, dtype):
     rows = has_head.shape
     bounds = head_bounds(config, tail)
     if bounds is None:  # the band never reaches a head
-        return (jnp.zeros(rows + (config.num_heads_q, config.head_dim_v), dtype),
-                jnp.full(rows[:-1] + (config.num_heads_q, rows[-1]), -jnp.inf, jnp.float32))
+        return (
+            jnp.zeros(rows + (config.num_heads_q, config.head_dim_v), dtype),
+            jnp.full(rows[:-1] + (config.num_heads_q, rows[-1]), -jnp.inf, jnp.float32),
+        )
     out_h, lse_h = call(*bounds)
-    return (jnp.where(has_head[..., None, None], out_h, jnp.zeros((), out_h.dtype)),
-            jnp.where(jnp.expand_dims(has_head, -2), lse_h, -jnp.inf))
+    return (
+        jnp.where(has_head[..., None, None], out_h, jnp.zeros((), out_h.dtype)),
+        jnp.where(jnp.expand_dims(has_head, -2), lse_h, -jnp.inf),
+    )
 
 
 def merge(out_h, lse_h, out_t, lse_t, dtype):
@@ -130,6 +146,6 @@ def merge(out_h, lse_h, out_t, lse_t, dtype):
     lse [..., Hq, rows] ([B, Sq, Hq, Dv] with [B, Hq, Sq], or packed [T, Hq, Dv] with [Hq, T])."""
     lse = jnp.logaddexp(lse_h, lse_t)
     safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    weight = lambda part: jnp.swapaxes(jnp.exp(part - safe), -1, -2)[..., None]  # noqa: E731 ([.., rows, Hq, 1])
+    weight = lambda part: jnp.swapaxes(jnp.exp(part - safe), -1, -2)[..., None]
     out = weight(lse_h) * out_h.astype(jnp.float32) + weight(lse_t) * out_t.astype(jnp.float32)
     return out.astype(dtype), lse

@@ -47,7 +47,8 @@ import dataclasses
 import functools
 import importlib.metadata
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 Version = tuple[int, ...]
 LIBRARIES = ("cudnn", "cudnn_frontend", "flash-attn3-jax")
@@ -106,8 +107,10 @@ class KnownIssue:
 
     def reason(self, versions: Versions) -> str:
         version = format_version(versions.of(self.library))
-        return (f"{self.feature} is declined on {_name(self.library)} {version}, which has a known bug there: "
-                f"{self.description} ({self.key}, {self.report}); {self.remedy()}")
+        return (
+            f"{self.feature} is declined on {_name(self.library)} {version}, which has a known bug there: "
+            f"{self.description} ({self.key}, {self.report}); {self.remedy()}"
+        )
 
 
 def _name(library: str) -> str:
@@ -159,7 +162,7 @@ def _hopper_backward_head_dims(op: str, config) -> bool:
     # with that Dv).
     dqk, dv = config.head_dim_qk, config.head_dim_v
     unequal_wide = dqk >= 128 and dv >= 128 and dqk != dv and (dqk, dv) != (192, 128)
-    return op == "ragged" and (unequal_wide or dqk < dv and 128 < dv < 256)
+    return op == "ragged" and (unequal_wide or (dqk < dv and 128 < dv < 256))
 
 
 def _ragged_backward(op: str, config) -> bool:
@@ -167,8 +170,10 @@ def _ragged_backward(op: str, config) -> bool:
     return op == "ragged"
 
 
-_INSTALL_9_26_27 = ("yes: nvidia-cudnn-cu13 9.26.0.51, 9.26.1.1 and 9.27.0.42 (the 9.27 wheel 537 MB; the "
-                    "libraries SDPA loads, xz-compressed, in parts: docs/CUDNN_VERSIONS.md)")
+_INSTALL_9_26_27 = (
+    "yes: nvidia-cudnn-cu13 9.26.0.51, 9.26.1.1 and 9.27.0.42 (the 9.27 wheel 537 MB; the "
+    "libraries SDPA loads, xz-compressed, in parts: docs/CUDNN_VERSIONS.md)"
+)
 
 # Found by this package (no public report): the key is a name here, the report a section of docs/CUDNN_VERSIONS.md.
 NO_QUERY_SEQUENCES = "jax_ragged_attn#no-query-sequences"
@@ -192,15 +197,19 @@ TABLE: tuple[KnownIssue, ...] = (
         ops=("kvcache",),
         feature="packed queries with grouped-query heads through cuDNN's paged graph",
         applies=_packed_with_grouped_heads,
-        description=("with s_q = 1, ragged stats and more query heads than KV heads the forward writes the softmax "
-                     "stats of the first query head of each KV group only; a packed step's decode rows are such "
-                     "sequences, and the paged route merges its head and tail by those stats"),
+        description=(
+            "with s_q = 1, ragged stats and more query heads than KV heads the forward writes the softmax "
+            "stats of the first query head of each KV group only; a packed step's decode rows are such "
+            "sequences, and the paged route merges its head and tail by those stats"
+        ),
         report="https://github.com/NVIDIA/cudnn-frontend/issues/1083",
         reproducer="tests/test_known_issues.py::test_cudnn_frontend_1083_packed_decode_workaround",
         installable=_INSTALL_9_26_27 + "; not reproduced in this package's graphs on 9.27.0 (see the comment)",
-        workaround=("the KV-cache op's packed paged graphs are built for at least paged.PACKED_MIN_SEQLEN_Q = 2 "
-                    "query rows on every cuDNN (one-row packed graphs with grouped heads came back wrong on 9.19; "
-                    "on 9.27.0 they did not)"),
+        workaround=(
+            "the KV-cache op's packed paged graphs are built for at least paged.PACKED_MIN_SEQLEN_Q = 2 "
+            "query rows on every cuDNN (one-row packed graphs with grouped heads came back wrong on 9.19; "
+            "on 9.27.0 they did not)"
+        ),
     ),
     KnownIssue(
         key="cudnn-frontend#1083",
@@ -216,8 +225,10 @@ TABLE: tuple[KnownIssue, ...] = (
         report="https://github.com/NVIDIA/cudnn-frontend/issues/1083",
         reproducer="tests/test_known_issues.py::test_cudnn_frontend_1083_ragged_workaround",
         installable=_INSTALL_9_26_27 + "; not reproduced in this package's graphs on 9.27.0 (see the comment above)",
-        workaround=("ragged graphs are built for at least graphs.MIN_GRAPH_SEQLEN = 2 query rows on every cuDNN "
-                    "(s_q = 1 graphs wrote wrong or NaN stats on 9.19 too)"),
+        workaround=(
+            "ragged graphs are built for at least graphs.MIN_GRAPH_SEQLEN = 2 query rows on every cuDNN "
+            "(s_q = 1 graphs wrote wrong or NaN stats on 9.19 too)"
+        ),
     ),
     KnownIssue(
         key=NO_QUERY_SEQUENCES,
@@ -237,14 +248,18 @@ TABLE: tuple[KnownIssue, ...] = (
         ops=("ragged",),
         feature="the ragged backward of a sequence with keys but no query rows",
         applies=_ragged_backward,
-        description=("the backward leaves the dK and dV rows of a sequence that has keys but no query rows "
-                     "unwritten (garbage or NaN where they must be 0); no public report: found by this "
-                     "package's deep self-check"),
+        description=(
+            "the backward leaves the dK and dV rows of a sequence that has keys but no query rows "
+            "unwritten (garbage or NaN where they must be 0); no public report: found by this "
+            "package's deep self-check"
+        ),
         report="docs/CUDNN_VERSIONS.md#no-query-sequences",
         reproducer="tests/test_known_issues.py::test_reproduces_no_query_sequences",
         installable="yes: nvidia-cudnn-cu13 9.14.0.64 (215 MiB of parts: docs/CUDNN_VERSIONS.md)",
-        workaround=("on the releases in range the backward masks dK and dV to 0 in the rows of sequences without "
-                    "query rows (backends/cudnn/launch.py), one elementwise pass over each"),
+        workaround=(
+            "on the releases in range the backward masks dK and dV to 0 in the rows of sequences without "
+            "query rows (backends/cudnn/launch.py), one elementwise pass over each"
+        ),
     ),
     KnownIssue(
         key="TransformerEngine#2185",
@@ -262,12 +277,16 @@ TABLE: tuple[KnownIssue, ...] = (
         archs=frozenset({90}),
         backend="cudnn",
         ops=("ragged",),
-        feature=("the Hopper backward with 128 <= Dqk != Dv or 128 < Dv < 256 above a smaller Dqk (a stats "
-                 "cotangent's Dv + 16 included)"),
+        feature=(
+            "the Hopper backward with 128 <= Dqk != Dv or 128 < Dv < 256 above a smaller Dqk (a stats "
+            "cotangent's Dv + 16 included)"
+        ),
         applies=_hopper_backward_head_dims,
-        description=("the Hopper backward gives wrong or NaN dQ, dK and dV past the first tile for 128 <= Dqk != Dv "
-                     "(but 192 / 128; TransformerEngine declines it from 9.11) and, seen by this package on 9.14.0, "
-                     "for 128 < Dv < 256 above a smaller Dqk (Dv 144 with Dqk 64 and 128)"),
+        description=(
+            "the Hopper backward gives wrong or NaN dQ, dK and dV past the first tile for 128 <= Dqk != Dv "
+            "(but 192 / 128; TransformerEngine declines it from 9.11) and, seen by this package on 9.14.0, "
+            "for 128 < Dv < 256 above a smaller Dqk (Dv 144 with Dqk 64 and 128)"
+        ),
         report="https://github.com/NVIDIA/TransformerEngine/pull/2185",
         reproducer="tests/test_known_issues.py::test_reproduces_transformer_engine_2185_unequal_head_dims",
         installable="yes: nvidia-cudnn-cu13 9.14.0.64 (reproduced on it)",
@@ -282,9 +301,11 @@ TABLE: tuple[KnownIssue, ...] = (
         ops=("ragged", "kvcache"),
         feature="a left window over more than 1024 keys",
         applies=_left_window_past_1024_keys,
-        description=("cuDNN 9.14.0 gives NaN outputs for a left window with max_seqlen_kv > 1024 under any mask "
-                     "but plain causal (padding masks included: every ragged call); TransformerEngine declines it "
-                     "(NVIDIA's own report is internal)"),
+        description=(
+            "cuDNN 9.14.0 gives NaN outputs for a left window with max_seqlen_kv > 1024 under any mask "
+            "but plain causal (padding masks included: every ragged call); TransformerEngine declines it "
+            "(NVIDIA's own report is internal)"
+        ),
         report="https://github.com/NVIDIA/TransformerEngine/pull/2344",
         # Not reproduced in this package's forms on cuDNN 9.14.0.64 (H100, the fence lifted, forward
         # and backward against the float64 reference: windows (64, 64) over 1500 keys, (128, 0) without causal
@@ -305,12 +326,16 @@ TABLE: tuple[KnownIssue, ...] = (
         ops=("ragged", "kvcache"),
         feature="every cuDNN attention call",
         applies=_every_call,
-        description=("TransformerEngine skips cuDNN 9.10.0 and 9.10.1 for every FP16/BF16 attention graph for "
-                     "known bugs (not itemised publicly; JAX itself refuses 9.10.0 against other builds)"),
+        description=(
+            "TransformerEngine skips cuDNN 9.10.0 and 9.10.1 for every FP16/BF16 attention graph for "
+            "known bugs (not itemised publicly; JAX itself refuses 9.10.0 against other builds)"
+        ),
         report="https://github.com/NVIDIA/TransformerEngine/pull/1937",
         reproducer="tests/test_known_issues.py::test_reproduces_transformer_engine_1937_deep_check",
-        installable=("no, not next to jax[cuda13]: nvidia-cudnn-cu13 starts at 9.12; nvidia-cudnn-cu12 9.10.0.56 "
-                     "and 9.10.1.4 need jax[cuda12]"),
+        installable=(
+            "no, not next to jax[cuda13]: nvidia-cudnn-cu13 starts at 9.12; nvidia-cudnn-cu12 9.10.0.56 "
+            "and 9.10.1.4 need jax[cuda12]"
+        ),
     ),
     KnownIssue(
         key="cudnn-frontend#462",
@@ -322,13 +347,17 @@ TABLE: tuple[KnownIssue, ...] = (
         ops=("ragged",),
         feature="the ragged backward with head-major stats",
         applies=_head_major_stats,
-        description=("with max_total_seq_len set the frontend sized the head-major stats' intermediates H times "
-                     "too small and dQ, dK, dV came back all zero"),
+        description=(
+            "with max_total_seq_len set the frontend sized the head-major stats' intermediates H times "
+            "too small and dQ, dK, dV came back all zero"
+        ),
         report="https://github.com/NVIDIA/cudnn-frontend/pull/462",
         reproducer="tests/test_known_issues.py::test_reproduces_cudnn_frontend_462",
         installable="yes: nvidia-cudnn-frontend 1.27.0 (headers; scripts/build_old_frontend.sh builds against it)",
-        workaround=("the build refuses frontends before 1.28; a test build against one checks the reserved region "
-                    "when it builds each backward graph and falls back to the dense layout (ffi/graph_build.cc)"),
+        workaround=(
+            "the build refuses frontends before 1.28; a test build against one checks the reserved region "
+            "when it builds each backward graph and falls back to the dense layout (ffi/graph_build.cc)"
+        ),
     ),
 )
 
@@ -355,8 +384,13 @@ def fence(backend: str, op: str, config, versions: Versions | None = None) -> st
     """The reason `backend` must not serve this `op` call with the loaded versions, naming the bug, or None."""
     versions = loaded_versions() if versions is None else versions
     for issue in TABLE:
-        if (issue.backend != backend or op not in issue.ops or issue.workaround or issue.key in _lifted
-                or not issue.affects(versions)):
+        if (
+            issue.backend != backend
+            or op not in issue.ops
+            or issue.workaround
+            or issue.key in _lifted
+            or not issue.affects(versions)
+        ):
             continue
         if issue.applies(op, config):
             return issue.reason(versions)
@@ -407,8 +441,11 @@ def warn_once() -> None:
     fenced = [line for issue, line in zip(active(versions), summary_lines(versions)) if not issue.workaround]
     if fenced:
         loaded = ", ".join(f"{_name(lib)} {format_version(versions.of(lib))}" for lib in LIBRARIES if versions.of(lib))
-        warnings.warn(f"jax_ragged_attn: {loaded} has known bugs in features this package fences: "
-                      + "; ".join(fenced), KnownIssueWarning, stacklevel=3)
+        warnings.warn(
+            f"jax_ragged_attn: {loaded} has known bugs in features this package fences: " + "; ".join(fenced),
+            KnownIssueWarning,
+            stacklevel=3,
+        )
 
 
 # ---- what is loaded ---------------------------------------------------------------------------------------
@@ -422,9 +459,12 @@ def loaded_versions() -> Versions:
         from jax_ragged_attn import _ext as ext
     except ImportError:  # no extension: no cuDNN path to fence
         ext = None
-    return Versions(cudnn=cudnn_version_tuple(ext.cudnn_version()) if ext else None,
-                    cudnn_frontend=tuple(ext.frontend_version) if ext else None,
-                    fa3=fa3_version(), arch=_arch())
+    return Versions(
+        cudnn=cudnn_version_tuple(ext.cudnn_version()) if ext else None,
+        cudnn_frontend=tuple(ext.frontend_version) if ext else None,
+        fa3=fa3_version(),
+        arch=_arch(),
+    )
 
 
 @functools.cache

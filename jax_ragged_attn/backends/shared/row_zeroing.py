@@ -40,11 +40,18 @@ def zero_unused_rows(buffers: tuple, starts: jax.Array, lengths: jax.Array, gate
     gate = jnp.ones_like(lengths) if gate is None else gate.astype(jnp.int32)
     target = _kernel_target(buffers)
     if target is None:
-        return tuple(jnp.where(_used_rows(starts, lengths, gate, x.shape[0]).reshape((-1,) + (1,) * (x.ndim - 1)),
-                               x, jnp.zeros((), x.dtype)) for x in buffers)
+        return tuple(
+            jnp.where(
+                _used_rows(starts, lengths, gate, x.shape[0]).reshape((-1,) + (1,) * (x.ndim - 1)),
+                x,
+                jnp.zeros((), x.dtype),
+            )
+            for x in buffers
+        )
     types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in buffers)
-    call = jax.ffi.ffi_call(target, types, vmap_method="sequential",
-                            input_output_aliases={3 + i: i for i in range(len(buffers))})
+    call = jax.ffi.ffi_call(
+        target, types, vmap_method="sequential", input_output_aliases={3 + i: i for i in range(len(buffers))}
+    )
     return tuple(call(starts, lengths, gate, *buffers))
 
 

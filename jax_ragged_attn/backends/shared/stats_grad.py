@@ -62,8 +62,9 @@ def stats_columns(g: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return c, e
 
 
-def widened_backward_inputs(v, out, d_out, d_stats, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig,
-                            seqused=(None, None)):
+def widened_backward_inputs(
+    v, out, d_out, d_stats, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused=(None, None)
+):
     """(config, v'', out'', d_out'') for the cuDNN backward; its dV comes back [Tkv, Hkv, Dv + EXTRA_COLUMNS]
     and only the first Dv columns are the gradient.
 
@@ -82,7 +83,9 @@ def widened_backward_inputs(v, out, d_out, d_stats, cu_seqlens_q, cu_seqlens_kv,
     c, e = stats_columns(g, dtype)
     widened = widened_config(config)
     v_zeros = jnp.zeros((*v.shape[:2], EXTRA_COLUMNS), dtype)
-    return (widened,
-            jnp.concatenate([v, v_zeros], axis=-1),
-            jnp.concatenate([out.astype(dtype), e], axis=-1),
-            jnp.concatenate([d_out.astype(dtype), c], axis=-1))
+    return (
+        widened,
+        jnp.concatenate([v, v_zeros], axis=-1),
+        jnp.concatenate([out.astype(dtype), e], axis=-1),
+        jnp.concatenate([d_out.astype(dtype), c], axis=-1),
+    )

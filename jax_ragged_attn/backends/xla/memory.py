@@ -116,8 +116,16 @@ def estimate_bytes(config: AttentionConfig, block_q: int, block_kv: int, directi
     carry = tq_pad * hq * (dv + 2) * _F32  # one online-softmax state (acc, max, sum) per query row
     # The forward's lanes (xla._walk_fold): their states, a step's copy, the slots (lanes + blocks of them),
     # the merged states; the query rows a step gathers and k, v padded for the tiles' slices.
-    forward = (rows + inputs_clean + key_tiles + 3 * scores + 5 * carry + tq_pad * hq * dqk * _F32
-               + (tkv + block_kv) * hkv * (dqk + dv) * _F32 + residuals)
+    forward = (
+        rows
+        + inputs_clean
+        + key_tiles
+        + 3 * scores
+        + 5 * carry
+        + tq_pad * hq * dqk * _F32
+        + (tkv + block_kv) * hkv * (dqk + dv) * _F32
+        + residuals
+    )
     if direction == "forward":
         return int(forward)
 
@@ -126,12 +134,16 @@ def estimate_bytes(config: AttentionConfig, block_q: int, block_kv: int, directi
     # slots its finished segments go to (lanes + blocks of them), the per-block sum gathered from the slots,
     # and the rows a step gathers (the lane's own block's rows besides the tile it walks).
     q_rows = tq_pad * hq * (dqk + dv + 2) * _F32  # the lanes' q, dO, lse, delta rows for one step
-    dq_pass = (key_tiles + 5 * scores + 4 * tq_pad * hq * dqk * _F32 + q_rows
-               + (tkv + block_kv) * hkv * (dqk + dv) * _F32)  # k, v padded for the tiles' slices
+    dq_pass = (
+        key_tiles + 5 * scores + 4 * tq_pad * hq * dqk * _F32 + q_rows + (tkv + block_kv) * hkv * (dqk + dv) * _F32
+    )  # k, v padded for the tiles' slices
     query_tiles = n_kv * block_q * hq * (dqk + dv + 2) * (_F32 + item)  # the query rows a step of pass 2 slices
-    dkv_pass = (query_tiles + 5 * n_kv * block_q * block_kv * hq * _F32
-                + (tq + block_q) * hq * (dqk + dv + 2) * _F32  # q, dO, lse, delta padded for the slices
-                + 6 * tkv_pad * hkv * (dqk + dv) * _F32)  # k, v tiles, a step's copy, running sums, slots, sums
+    dkv_pass = (
+        query_tiles
+        + 5 * n_kv * block_q * block_kv * hq * _F32
+        + (tq + block_q) * hq * (dqk + dv + 2) * _F32  # q, dO, lse, delta padded for the slices
+        + 6 * tkv_pad * hkv * (dqk + dv) * _F32
+    )  # k, v tiles, a step's copy, running sums, slots, sums
     grads = (tq * hq * dqk + tkv * hkv * (dqk + dv)) * (_F32 + item)
     if fused_backward(config):  # one pass over the key blocks, adding dQ into a float32 buffer it carries
         return int(live + dkv_pass + 2 * (tq + block_q) * hq * dqk * _F32 + grads)
@@ -149,8 +161,18 @@ def device_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def memory_limit_bytes(limit=None) -> int | None:
@@ -168,8 +190,10 @@ def memory_limit_bytes(limit=None) -> int | None:
     match = re.fullmatch(r"([0-9.]+(?:e[0-9]+)?)\s*(%|[kmgt]i?b|b|)", text)
     value = float(match.group(1)) if match else None
     if value is None or value <= 0 or not math.isfinite(value):
-        raise ValueError(f"{MEMORY_LIMIT_ENV} must be a percentage of the device's memory ('50%'), a size "
-                         f"('8GiB', '512MB', '3e9') or 'off', got {limit!r}")
+        raise ValueError(
+            f"{MEMORY_LIMIT_ENV} must be a percentage of the device's memory ('50%'), a size "
+            f"('8GiB', '512MB', '3e9') or 'off', got {limit!r}"
+        )
     if match.group(2) == "%":
         return int(device_memory_bytes() * value / 100)
     return int(value * _UNITS[match.group(2)])
@@ -187,8 +211,11 @@ def check_working_set(config: AttentionConfig, block_q: int, block_kv: int, dire
     if bound is None or need <= bound:
         return need
     smallest = estimate_bytes(config, min(16, block_q), min(16, block_kv), direction)
-    smaller = (f"smaller blocks (xla_block_size=16 brings it to {_size(smallest)})" if smallest < need else
-               "smaller blocks cannot help: the float32 accumulators alone are that large")
+    smaller = (
+        f"smaller blocks (xla_block_size=16 brings it to {_size(smallest)})"
+        if smallest < need
+        else "smaller blocks cannot help: the float32 accumulators alone are that large"
+    )
     raise WorkingSetTooLargeError(
         f"the xla attention {direction} would need about {_size(need)} of working memory (Tq={config.capacity_q}, "
         f"Tkv={config.capacity_kv}, Hq={config.num_heads_q}, Hkv={config.num_heads_kv}, Dqk={config.head_dim_qk}, "

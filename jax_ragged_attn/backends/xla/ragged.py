@@ -64,11 +64,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ragged_attn.backends.xla import memory as xla_memory
+from jax_ragged_attn.backends.xla.memory import WorkingSetTooLargeError, warn_cudnn_fallback
 from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.index import row_positions, sanitize_both, sequence_lengths
-from jax_ragged_attn.backends.xla.memory import WorkingSetTooLargeError, warn_cudnn_fallback
 
-__all__ = ["attention_xla", "warn_cudnn_fallback", "WorkingSetTooLargeError"]
+__all__ = ["WorkingSetTooLargeError", "attention_xla", "warn_cudnn_fallback"]
 
 # jax.nn's choice: exp() of it is exactly 0, and a running max that starts from it stays finite.
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -133,9 +133,22 @@ def _bands(cu_q, cu_kv, config: AttentionConfig, used_q=None, used_kv=None) -> _
     return _Bands(first, last, key_first, key_last, key_valid, seq_q, seq_kv)
 
 
-def attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, sinks=None, *,
-                  return_stats: bool | None = None, block_q: int | None = None, block_kv: int | None = None,
-                  memory_limit=None, seqused_q=None, seqused_kv=None):
+def attention_xla(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_kv,
+    config: AttentionConfig,
+    sinks=None,
+    *,
+    return_stats: bool | None = None,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    memory_limit=None,
+    seqused_q=None,
+    seqused_kv=None,
+):
     """Returns (out [Tq, Hq, Dv] in q's dtype, stats float32 in the configured layout, or None).
 
     sinks: None or [Hq], one logit per query head that joins each row's softmax without a value.
@@ -147,8 +160,9 @@ def attention_xla(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig,
     working set of the forward, or of the backward when it is traced, exceeds the bound.
     """
     block_q, block_kv = xla_memory.block_sizes(config, block_q, block_kv)
-    plan = _Plan(config, block_q, block_kv, xla_memory.memory_limit_bytes(memory_limit),
-                 xla_memory.matmul_dtype(config))
+    plan = _Plan(
+        config, block_q, block_kv, xla_memory.memory_limit_bytes(memory_limit), xla_memory.matmul_dtype(config)
+    )
     xla_memory.check_working_set(config, block_q, block_kv, "forward", plan.memory_limit)
     cu_q, cu_kv = sanitize_both(cu_seqlens_q, cu_seqlens_kv, config)
     bands = _bands(cu_q, cu_kv, config, seqused_q, seqused_kv)
@@ -205,8 +219,7 @@ def _dot(plan, spec, a, b):
     FlashAttention), accumulated in float32; float32 operands at HIGHEST (no TF32 on a GPU)."""
     dtype = jnp.dtype(plan.operand)
     precision = lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
-    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), precision=precision,
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), precision=precision, preferred_element_type=jnp.float32)
 
 
 def _tile_mask(first, last, cols):
@@ -318,22 +331,26 @@ def _forward(plan: _Plan, q, k, v, sinks, bands: _Bands):
         return (new_max, row_sum, acc), side
 
     # float32 state whatever jax_enable_x64 says: jnp's default float would be float64 there.
-    neutral = (jnp.full(row_shape, _MASKED, jnp.float32), jnp.zeros(row_shape, jnp.float32),
-               jnp.zeros(row_shape + (c.head_dim_v,), jnp.float32))
+    neutral = (
+        jnp.full(row_shape, _MASKED, jnp.float32),
+        jnp.zeros(row_shape, jnp.float32),
+        jnp.zeros(row_shape + (c.head_dim_v,), jnp.float32),
+    )
     (row_max, row_sum, acc), _ = _walk_fold(_walk(steps, n), n, tile, neutral, _merge_softmax)
     if sinks is not None:  # the sink is one more logit of every row, with weight exp(sink - max) and no value
         sink = sinks.astype(jnp.float32).reshape(1, c.num_heads_kv, c.group_size, 1)
         sink = jnp.broadcast_to(sink, row_max.shape)
-        row_max, row_sum, acc = _merge_softmax((row_max, row_sum, acc), (sink, jnp.ones_like(row_sum),
-                                                                           jnp.zeros_like(acc)))
+        row_max, row_sum, acc = _merge_softmax(
+            (row_max, row_sum, acc), (sink, jnp.ones_like(row_sum), jnp.zeros_like(acc))
+        )
     shape = row_max.shape
     attends = jnp.broadcast_to((first <= last)[:, None, None, :], shape)
     # A row with a key has row_sum >= 1 (its largest logit contributes exp(0)); the others divide by 1.
     safe_sum = jnp.where(attends, row_sum, 1.0)
     out = jnp.where(attends[..., None], acc / safe_sum[..., None], 0.0)
     lse = jnp.where(attends, row_max + jnp.log(safe_sum), 0.0)
-    out = _heads_last(out)[:c.capacity_q]
-    return _poison_value_bands(out, v, bands, c), _heads_last(lse)[:c.capacity_q]
+    out = _heads_last(out)[: c.capacity_q]
+    return _poison_value_bands(out, v, bands, c), _heads_last(lse)[: c.capacity_q]
 
 
 def _poison_value_bands(out, v, bands: _Bands, c: AttentionConfig):
@@ -369,10 +386,15 @@ def _attention_bwd(plan: _Plan, residuals, cotangents):
     # A sequence with a non-finite input, cotangent or saved output gets NaN in all its gradient rows; the
     # tiles see 0 in place of each such entry, so no other sequence's rows do (the module docstring).
     # Cotangents of rows without keys are ignored (they may hold anything, NaN included).
-    bad_q = (_nonfinite_rows(q, attends) | _nonfinite_rows(d_out, attends) | _nonfinite_rows(out, attends)
-             | _nonfinite_rows(d_lse, attends) | _nonfinite_rows(lse, attends))
+    bad_q = (
+        _nonfinite_rows(q, attends)
+        | _nonfinite_rows(d_out, attends)
+        | _nonfinite_rows(out, attends)
+        | _nonfinite_rows(d_lse, attends)
+        | _nonfinite_rows(lse, attends)
+    )
     bad_kv = _nonfinite_rows(k, bands.key_valid) | _nonfinite_rows(v, bands.key_valid)
-    bad_seq = (jnp.zeros(c.num_seqs, bool).at[bands.seq_q].max(bad_q).at[bands.seq_kv].max(bad_kv))
+    bad_seq = jnp.zeros(c.num_seqs, bool).at[bands.seq_q].max(bad_q).at[bands.seq_kv].max(bad_kv)
     d_out = _finite(d_out, attends)
     d_lse = _finite(d_lse, attends)
     out, lse = _finite(out, attends), _finite(lse, attends)
@@ -398,8 +420,7 @@ def _attention_bwd(plan: _Plan, residuals, cotangents):
         d_sinks = jnp.where(jnp.any(bad_seq), jnp.nan, d_sinks).astype(sinks.dtype)  # every sequence reaches it
     d_q = _poison(d_q, attends & bad_seq[bands.seq_q])
     d_k, d_v = (_poison(x, attended & bad_seq[bands.seq_kv]) for x in (d_k, d_v))
-    return (d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_sinks,
-            jax.tree.map(lambda _: None, bands))
+    return (d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_sinks, jax.tree.map(lambda _: None, bands))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -465,6 +486,7 @@ def _walk_fold(walk: _Walk, lanes: int, update, neutral, merge, side=None):
     t0 = lane * walk.per_lane
     block0 = jnp.minimum(jnp.searchsorted(walk.starts + walk.steps, t0, side="right"), n - 1).astype(jnp.int32)
     r0 = t0 - walk.starts[block0]
+
     def spread(count):  # the neutral state for `count` lanes, slots or blocks
         return tuple(jnp.broadcast_to(x, (count,) + x.shape) for x in neutral)
 
@@ -483,8 +505,9 @@ def _walk_fold(walk: _Walk, lanes: int, update, neutral, merge, side=None):
         block = jnp.where(ends_block, following[jnp.minimum(block, n - 1)], block)
         return block, jnp.where(ends_block, 0, r + 1), state, slots, side
 
-    _, _, _, slots, side = lax.fori_loop(0, jnp.where(walk.total > 0, walk.per_lane, 0), step,
-                                         (block0, r0, spread(lanes), spread(lanes + n), side))
+    _, _, _, slots, side = lax.fori_loop(
+        0, jnp.where(walk.total > 0, walk.per_lane, 0), step, (block0, r0, spread(lanes), spread(lanes + n), side)
+    )
 
     def gather(j, out):
         index = jnp.minimum(walk.base + j, lanes + n - 1)
@@ -524,7 +547,7 @@ def _dq_pass(plan, q_clean, k_clean, v_clean, d_out, lse, delta, bands):
         return (_dot(plan, "nhgqk,nkhd->nqhgd", ds, k_tile),)
 
     (d_q,) = _walk_loop(walk, n, tile, [q_tiles.shape])
-    return (d_q * c.scale).reshape(n * bq, c.num_heads_q, c.head_dim_qk)[:c.capacity_q]
+    return (d_q * c.scale).reshape(n * bq, c.num_heads_q, c.head_dim_qk)[: c.capacity_q]
 
 
 def _dkv_pass(plan, q_clean, k_clean, v_clean, d_out, lse, delta, bands, with_dq: bool = False):
@@ -571,20 +594,26 @@ def _dkv_pass(plan, q_clean, k_clean, v_clean, d_out, lse, delta, bands, with_dq
         # Lanes whose query tiles overlap add into the same rows: a scatter-add of one [bq, Hkv, G, D] window
         # per lane (a lane past the total has ds = 0, as every masked entry).
         part = _dot(plan, "nhgqk,nkhd->nqhgd", ds, k_tile)
-        numbers = lax.ScatterDimensionNumbers(update_window_dims=(1, 2, 3, 4), inserted_window_dims=(),
-                                              scatter_dims_to_operand_dims=(0,))
+        numbers = lax.ScatterDimensionNumbers(
+            update_window_dims=(1, 2, 3, 4), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)
+        )
         return sums, lax.scatter_add(d_q, start[:, None], part, numbers, mode=lax.GatherScatterMode.CLIP)
 
     if with_dq:
-        (d_k, d_v), d_q = _walk_loop(walk, n, fused_tile, [k_tiles.shape, v_tiles.shape],
-                                     side=jnp.zeros((rows, c.num_heads_kv, c.group_size, c.head_dim_qk), jnp.float32))
+        (d_k, d_v), d_q = _walk_loop(
+            walk,
+            n,
+            fused_tile,
+            [k_tiles.shape, v_tiles.shape],
+            side=jnp.zeros((rows, c.num_heads_kv, c.group_size, c.head_dim_qk), jnp.float32),
+        )
     else:
         d_k, d_v = _walk_loop(walk, n, lambda *args: tile(*args)[0], [k_tiles.shape, v_tiles.shape])
-    d_k = (d_k * c.scale).reshape(n * bk, c.num_heads_kv, -1)[:c.capacity_kv]
-    d_v = d_v.reshape(n * bk, c.num_heads_kv, -1)[:c.capacity_kv]
+    d_k = (d_k * c.scale).reshape(n * bk, c.num_heads_kv, -1)[: c.capacity_kv]
+    d_v = d_v.reshape(n * bk, c.num_heads_kv, -1)[: c.capacity_kv]
     if not with_dq:
         return d_k, d_v
-    return d_k, d_v, (d_q * c.scale).reshape(rows, c.num_heads_q, c.head_dim_qk)[:c.capacity_q]
+    return d_k, d_v, (d_q * c.scale).reshape(rows, c.num_heads_q, c.head_dim_qk)[: c.capacity_q]
 
 
 # ---- the backend surface (backends/__init__.py) ------------------------------------------------------------
@@ -601,5 +630,12 @@ def attend(buffers, index, config: AttentionConfig, *, stats=True):
     """(out, stats) of the parts sliced out of packed buffers; autodiff assembles their gradients."""
     from jax_ragged_attn.index.packings import TABLE
 
-    return attention_xla(*TABLE[config.packing].split(buffers), index.cu_seqlens_q, index.cu_seqlens_kv, config,
-                         return_stats=stats, seqused_q=index.seqused_q, seqused_kv=index.seqused_kv)
+    return attention_xla(
+        *TABLE[config.packing].split(buffers),
+        index.cu_seqlens_q,
+        index.cu_seqlens_kv,
+        config,
+        return_stats=stats,
+        seqused_q=index.seqused_q,
+        seqused_kv=index.seqused_kv,
+    )

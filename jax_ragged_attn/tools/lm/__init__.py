@@ -22,18 +22,58 @@ try:
 except ImportError as error:
     raise SystemExit(f"the main job needs flax and optax: pip install 'jax_ragged_attn[flax]' ({error})") from None
 
-from jax_ragged_attn.tools.lm.model import (VOCAB, Block, ByteLM, Setup, _nll, eval_nll, packed_attend,  # noqa: F401
-                                            packed_loss, padded_attend, padded_loss, split_heads)
-from jax_ragged_attn.tools.lm.corpus import (device_batch, packed_batches, padded_batch, padded_batches,  # noqa: F401
-                                             padded_pieces, padded_rows, stdlib_files, windows)
-from jax_ragged_attn.tools.lm.training import (Trainer, evaluate, make_trainer, make_tx, train,  # noqa: F401
-                                               unigram_bits_per_byte)
-from jax_ragged_attn.tools.lm.profiling import (Timing, matmul_parameters, profile, step_flops,  # noqa: F401
-                                                time_calls)
-from jax_ragged_attn.tools.lm.compare import (SYSTEMS, XLA_SCORES_LIMIT_BYTES, SystemResult,  # noqa: F401
-                                              measure_system, side_by_side, system_batches, system_unavailable)
-from jax_ragged_attn.tools.lm.generation import (PAGE_SIZE, decode, empty_caches, generate,  # noqa: F401
-                                                 page_table_for, prefill, sample_and_time, sample_prompts)
-from jax_ragged_attn.tools.lm.serving import (PagePool, Request, Served, ServingConfig, make_requests,  # noqa: F401
-                                              serve, serve_and_compare, serve_fixed)
 from jax_ragged_attn.tools.lm.cli import PRESETS, attention_implementation, main, parse_args, plot_losses  # noqa: F401
+from jax_ragged_attn.tools.lm.compare import (  # noqa: F401
+    SYSTEMS,
+    XLA_SCORES_LIMIT_BYTES,
+    SystemResult,
+    measure_system,
+    side_by_side,
+    system_batches,
+    system_unavailable,
+)
+from jax_ragged_attn.tools.lm.corpus import (  # noqa: F401
+    device_batch,
+    packed_batches,
+    padded_batch,
+    padded_batches,
+    padded_pieces,
+    padded_rows,
+    stdlib_files,
+    windows,
+)
+from jax_ragged_attn.tools.lm.generation import (  # noqa: F401
+    PAGE_SIZE,
+    decode,
+    empty_caches,
+    generate,
+    page_table_for,
+    prefill,
+    sample_and_time,
+    sample_prompts,
+)
+from jax_ragged_attn.tools.lm.model import (  # noqa: F401
+    VOCAB,
+    Block,
+    ByteLM,
+    Setup,
+    _nll,
+    eval_nll,
+    packed_attend,
+    packed_loss,
+    padded_attend,
+    padded_loss,
+    split_heads,
+)
+from jax_ragged_attn.tools.lm.profiling import Timing, matmul_parameters, profile, step_flops, time_calls  # noqa: F401
+from jax_ragged_attn.tools.lm.serving import (  # noqa: F401
+    PagePool,
+    Request,
+    Served,
+    ServingConfig,
+    make_requests,
+    serve,
+    serve_and_compare,
+    serve_fixed,
+)
+from jax_ragged_attn.tools.lm.training import Trainer, evaluate, make_trainer, make_tx, train, unigram_bits_per_byte  # noqa: F401

@@ -52,10 +52,12 @@ def system_unavailable(system: str, setup: Setup) -> str | None:
     if system == "padded-cudnn" and jax.default_backend() != "gpu":
         return f"jax.nn's cudnn attention needs a CUDA GPU; JAX's backend is {jax.default_backend()!r}"
     if system == "padded-xla":
-        scores = padded_rows(setup) * setup.heads * setup.max_seqlen ** 2 * 4
+        scores = padded_rows(setup) * setup.heads * setup.max_seqlen**2 * 4
         if scores > XLA_SCORES_LIMIT_BYTES:
-            return (f"jax.nn's xla attention materialises [rows, heads, S, S] float32 scores: {scores / 1e9:.0f} GB "
-                    f"per layer here, over the {XLA_SCORES_LIMIT_BYTES / 1e9:.0f} GB this run allows")
+            return (
+                f"jax.nn's xla attention materialises [rows, heads, S, S] float32 scores: {scores / 1e9:.0f} GB "
+                f"per layer here, over the {XLA_SCORES_LIMIT_BYTES / 1e9:.0f} GB this run allows"
+            )
     return None
 
 
@@ -76,8 +78,9 @@ def measure_system(system: str, setup: Setup, files, seed: int, timing: Timing, 
     if reason:
         result.status = f"skipped: {reason}"
         return result
-    loss_fn = (packed_loss if system == "packed"
-               else functools.partial(padded_loss, implementation=system.split("-", 1)[1]))
+    loss_fn = (
+        packed_loss if system == "packed" else functools.partial(padded_loss, implementation=system.split("-", 1)[1])
+    )
     pipeline = system_batches(system, files, setup, seed)
     prepared = [next(pipeline) for _ in range(timing.warmup + timing.steps)]
     batches = [device_batch(arrays) for arrays, _, _ in prepared]
@@ -112,22 +115,30 @@ def measure_system(system: str, setup: Setup, files, seed: int, timing: Timing, 
     return result
 
 
-def side_by_side(setup: Setup, files, seed: int, timing: Timing, systems=SYSTEMS, loop_steps: int = 20,
-                 label: str = "") -> list[SystemResult]:
+def side_by_side(
+    setup: Setup, files, seed: int, timing: Timing, systems=SYSTEMS, loop_steps: int = 20, label: str = ""
+) -> list[SystemResult]:
     """Packed vs padded: the same model and initialisation, the same stream of documents (packed, or padded
     to [rows, max_seqlen] in stream order), one timing method. Prints the method and a table; returns the
     results."""
     rows = padded_rows(setup)
-    print(f"side-by-side{label}: {setup.layers} layers, width {setup.width}, {setup.dtype}; batches of "
-          f"{setup.capacity:,} bytes, sequences <= {setup.max_seqlen:,} (padded: [{rows}, {setup.max_seqlen}])")
-    print(f"  method: every system the same jitted step (jax.jit over nnx.split state, flat AdamW, donated) from the "
-          f"same initialisation (seed {seed}), fed the same stream of documents (windows of <= {setup.window_bytes:,} "
-          f"bytes split at {setup.max_seqlen:,}): packed by pack_documents, or padded {rows} pieces per batch in "
-          f"stream order, one per row; the first {timing.warmup + timing.steps} batches put on the device before "
-          f"timing; {timing.describe()}. tokens/s counts real (non-padding) tokens. 'loop' = {loop_steps} more "
-          "steps fed as the training loop feeds them (batches made on the host each step).")
-    print(f"  {'system':<14} {'ms/step':>9} {'tok/s':>12} {'vs packed':>9} {'fill':>6} {'step memory':>11} "
-          f"{'compile':>8} {'loop tok/s':>11} {'loss':>6}", flush=True)
+    print(
+        f"side-by-side{label}: {setup.layers} layers, width {setup.width}, {setup.dtype}; batches of "
+        f"{setup.capacity:,} bytes, sequences <= {setup.max_seqlen:,} (padded: [{rows}, {setup.max_seqlen}])"
+    )
+    print(
+        f"  method: every system the same jitted step (jax.jit over nnx.split state, flat AdamW, donated) from the "
+        f"same initialisation (seed {seed}), fed the same stream of documents (windows of <= {setup.window_bytes:,} "
+        f"bytes split at {setup.max_seqlen:,}): packed by pack_documents, or padded {rows} pieces per batch in "
+        f"stream order, one per row; the first {timing.warmup + timing.steps} batches put on the device before "
+        f"timing; {timing.describe()}. tokens/s counts real (non-padding) tokens. 'loop' = {loop_steps} more "
+        "steps fed as the training loop feeds them (batches made on the host each step)."
+    )
+    print(
+        f"  {'system':<14} {'ms/step':>9} {'tok/s':>12} {'vs packed':>9} {'fill':>6} {'step memory':>11} "
+        f"{'compile':>8} {'loop tok/s':>11} {'loss':>6}",
+        flush=True,
+    )
     results, packed = [], None
     for system in systems:  # each row printed as it is measured: a run cut short keeps the rows it has
         try:
@@ -142,8 +153,11 @@ def side_by_side(setup: Setup, files, seed: int, timing: Timing, systems=SYSTEMS
         packed = r if r.system == "packed" else packed
         versus = f"{r.tokens_per_s / packed.tokens_per_s:.2f}x" if packed else "-"
         loop = f"{r.loop_tokens_per_s:,.0f}" if r.loop_tokens_per_s else "-"
-        print(f"  {r.system:<14} {r.step_s * 1e3:9.2f} {r.tokens_per_s:12,.0f} {versus:>9} {r.fill:6.1%} "
-              f"{_gb(r.memory):>11} {r.compile_s:7.1f}s {loop:>11} {r.loss / math.log(2):6.2f}", flush=True)
+        print(
+            f"  {r.system:<14} {r.step_s * 1e3:9.2f} {r.tokens_per_s:12,.0f} {versus:>9} {r.fill:6.1%} "
+            f"{_gb(r.memory):>11} {r.compile_s:7.1f}s {loop:>11} {r.loss / math.log(2):6.2f}",
+            flush=True,
+        )
     for r in results:
         if r.status == "ok" and r.system != "packed" and packed:
             print(f"  packed is {packed.tokens_per_s / r.tokens_per_s:.2f}x {r.system} in useful tokens/s")

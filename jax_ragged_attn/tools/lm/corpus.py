@@ -14,6 +14,7 @@ import numpy as np
 from jax_ragged_attn.inputs.data import pack_documents
 from jax_ragged_attn.tools.lm.model import Setup
 
+
 def stdlib_files(root: str | None = None) -> tuple[list[bytes], list[bytes], str]:
     """(training files, held-out files, root): every non-empty .py file under the standard library (site- and
     dist-packages excluded), split by a hash of the path relative to root, one in ten held out."""
@@ -38,8 +39,9 @@ def stdlib_files(root: str | None = None) -> tuple[list[bytes], list[bytes], str
     return train, held_out, root
 
 
-def windows(files: list[bytes], rng: np.random.Generator, window: int, epochs: int | None = None,
-            lengths: list | None = None) -> Iterator:
+def windows(
+    files: list[bytes], rng: np.random.Generator, window: int, epochs: int | None = None, lengths: list | None = None
+) -> Iterator:
     """Each epoch, the files in a random order, each as one random window of at most `window` bytes (whose
     lengths are appended to `lengths` when given)."""
     epoch = 0
@@ -57,12 +59,20 @@ def device_batch(arrays: dict) -> dict:
     """Host arrays -> device arrays (asynchronous), with the keys the losses read."""
     return {key: jax.device_put(value) for key, value in arrays.items() if key != "segment_ids"}
 
+
 def packed_batches(files, setup: Setup, seed: int, lengths: list | None = None):
     """The packer's one pass over endless training windows (document lengths appended to `lengths`): an iterator
     of batches that counts what it has emitted (batches, tokens, pieces)."""
     documents = windows(files, np.random.default_rng([seed, 0]), setup.window_bytes, lengths=lengths)
-    return iter(pack_documents(documents, setup.capacity, max_seqs=setup.max_seqs, max_seqlen=setup.max_seqlen,
-                               rng=np.random.default_rng([seed, 1])))
+    return iter(
+        pack_documents(
+            documents,
+            setup.capacity,
+            max_seqs=setup.max_seqs,
+            max_seqlen=setup.max_seqlen,
+            rng=np.random.default_rng([seed, 1]),
+        )
+    )
 
 
 def padded_rows(setup: Setup) -> int:
@@ -74,14 +84,16 @@ def padded_pieces(pieces: list, setup: Setup) -> tuple[dict, int]:
     `rows` of them; (batch, the rows' real tokens). An empty row gets length 1 (a masked pad byte): a row with
     no key at all is undefined for some backends."""
     rows, s = padded_rows(setup), setup.max_seqlen
-    arrays = {key: np.zeros((rows, s), dtype) for key, dtype in
-              (("tokens", np.int32), ("targets", np.int32), ("loss_mask", bool))}
+    arrays = {
+        key: np.zeros((rows, s), dtype)
+        for key, dtype in (("tokens", np.int32), ("targets", np.int32), ("loss_mask", bool))
+    }
     lengths = np.zeros(rows, np.int32)
     for r, piece in enumerate(pieces[:rows]):
         n = len(piece)
         arrays["tokens"][r, :n] = piece
-        arrays["targets"][r, :n - 1] = piece[1:]
-        arrays["loss_mask"][r, :n - 1] = True
+        arrays["targets"][r, : n - 1] = piece[1:]
+        arrays["loss_mask"][r, : n - 1] = True
         lengths[r] = n
     return dict(arrays, lengths=np.maximum(lengths, 1)), int(lengths.sum())
 
@@ -90,7 +102,7 @@ def padded_batch(batch, setup: Setup) -> tuple[dict, int]:
     """The first rows = capacity // max_seqlen sequences of a packed batch as rows of [rows, max_seqlen] (the
     same token buffer), one per row; (batch, rows' real tokens). The rest of the batch is dropped."""
     cu = batch.cu_seqlens
-    return padded_pieces([batch.tokens[int(cu[r]):int(cu[r + 1])] for r in range(batch.num_seqs)], setup)
+    return padded_pieces([batch.tokens[int(cu[r]) : int(cu[r + 1])] for r in range(batch.num_seqs)], setup)
 
 
 def padded_batches(files, setup: Setup, seed: int) -> Iterator[tuple[dict, int]]:
@@ -98,9 +110,10 @@ def padded_batches(files, setup: Setup, seed: int) -> Iterator[tuple[dict, int]]
     at max_seqlen as the packer splits it, the pieces in stream order, `rows` of them per [rows, max_seqlen]
     batch; yields (batch, real tokens)."""
     s, rows = setup.max_seqlen, padded_rows(setup)
-    pieces = (doc[start:start + s].astype(np.int32)
-              for doc in windows(files, np.random.default_rng([seed, 0]), setup.window_bytes)
-              for start in range(0, len(doc), s))
+    pieces = (
+        doc[start : start + s].astype(np.int32)
+        for doc in windows(files, np.random.default_rng([seed, 0]), setup.window_bytes)
+        for start in range(0, len(doc), s)
+    )
     while True:
         yield padded_pieces([next(pieces) for _ in range(rows)], setup)
-

@@ -56,17 +56,22 @@ def prefill(model: ByteLM, tokens, cu_seqlens, max_seqlen: int, caches: tuple, p
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     batch = lengths.shape[0]
     positions = jnp.arange(tokens.shape[0], dtype=jnp.int32) - jnp.repeat(
-        cu_seqlens[:-1], lengths, total_repeat_length=tokens.shape[0])
-    rows = cu_seqlens[:-1, None] + jnp.minimum(jnp.arange(max_seqlen, dtype=jnp.int32)[None, :], lengths[:, None] - 1)  # [B, S]
+        cu_seqlens[:-1], lengths, total_repeat_length=tokens.shape[0]
+    )
+    rows = cu_seqlens[:-1, None] + jnp.minimum(
+        jnp.arange(max_seqlen, dtype=jnp.int32)[None, :], lengths[:, None] - 1
+    )  # [B, S]
     layers = iter(caches)
     written = []
 
     def attend(attention, x):
         qkv, q, kv = attention.project(x, positions)
         _, k, v = split_heads(qkv, q, kv)
-        written.append(kvcache_append(*next(layers), k[rows], v[rows], jnp.zeros(batch, jnp.int32),
-                                      page_table=page_table))
+        written.append(
+            kvcache_append(*next(layers), k[rows], v[rows], jnp.zeros(batch, jnp.int32), page_table=page_table)
+        )
         return attention.project_out(attention.attend(qkv, q, kv, cu_seqlens, max_seqlen=max_seqlen))
+
     logits = model.forward(tokens, attend)
     return logits[cu_seqlens[1:] - 1], tuple(written)
 
@@ -82,9 +87,17 @@ def decode(model: ByteLM, tokens, lengths, caches: tuple, page_table, implementa
         q, k, v = split_heads(*attention.project(x, lengths[:, None]))
         k_cache, v_cache = kvcache_append(*next(layers), k, v, lengths, page_table=page_table)
         written.append((k_cache, v_cache))
-        out = ragged_attention_with_kvcache(q, k_cache, v_cache, lengths + 1, page_table=page_table,
-                                            scale=attention.scale, implementation=implementation)
+        out = ragged_attention_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            lengths + 1,
+            page_table=page_table,
+            scale=attention.scale,
+            implementation=implementation,
+        )
         return attention.project_out(out)
+
     logits = model.forward(tokens[:, None], attend)
     return logits[:, 0], tuple(written)
 
@@ -113,6 +126,7 @@ def _generate_cached(graphdef, state, buffer, key, *, prompts, length, temperatu
         buffer = buffer.at[rows, n0 + i].set(token)
         logits, caches = decode(model, token, n0 + i, caches, page_table, implementation)
         return buffer, logits, caches
+
     return jax.lax.fori_loop(0, length, body, (buffer, logits, caches))[0]
 
 
@@ -129,25 +143,34 @@ def _generate_full(graphdef, state, buffer, key, *, prompts, length, temperature
         n = n0 + i
         logits = model(buffer.reshape(-1), cu, positions).reshape(batch, s, -1)[rows, n - 1]
         return buffer.at[rows, n].set(_sample(logits, key, i, temperature))
+
     return jax.lax.fori_loop(0, length, body, buffer)
 
 
 def sample_prompts(first: bytes, files: list[bytes], count: int) -> list[bytes]:
     """`first`, then the opening 8, 16, .., 48 bytes of files in turn (held out: text the model never saw):
     `count` prompts of different lengths."""
-    return [first] + [files[i % len(files)][:8 * (1 + i % 6)] for i in range(count - 1)]
+    return [first] + [files[i % len(files)][: 8 * (1 + i % 6)] for i in range(count - 1)]
 
 
 def fit_prompts(prompts, length: int, max_seqlen: int) -> tuple[list[bytes], int]:
     """(prompts, length) cut to fit [max_seqlen] rows: each prompt keeps its last max_seqlen - 1 bytes (an empty
     one becomes b"\\n"), length drops to what the longest prompt leaves."""
-    prompts = [p[-(max_seqlen - 1):] or b"\n" for p in prompts]
+    prompts = [p[-(max_seqlen - 1) :] or b"\n" for p in prompts]
     return prompts, max(0, min(length, max_seqlen - max(map(len, prompts))))
 
 
-def generate(model: ByteLM, setup: Setup, prompts: list[bytes], length: int, seed: int, temperature: float = 0.7,
-             cached: bool = True, implementation: str | None = None,
-             page_size: int = PAGE_SIZE) -> tuple[list[bytes], float]:
+def generate(
+    model: ByteLM,
+    setup: Setup,
+    prompts: list[bytes],
+    length: int,
+    seed: int,
+    temperature: float = 0.7,
+    cached: bool = True,
+    implementation: str | None = None,
+    page_size: int = PAGE_SIZE,
+) -> tuple[list[bytes], float]:
     """([prompt + up to `length` sampled bytes] per prompt, seconds the generation took once compiled).
     cached=True: the packed prompts prefilled once into a paged cache, then one `decode` per byte for every
     prompt at once; cached=False: the packed model over every [max_seqlen] row for every byte. temperature 0
@@ -155,27 +178,38 @@ def generate(model: ByteLM, setup: Setup, prompts: list[bytes], length: int, see
     prompts, length = fit_prompts(prompts, length, setup.max_seqlen)
     buffer = np.zeros((len(prompts), setup.max_seqlen), np.int32)
     for b, p in enumerate(prompts):
-        buffer[b, :len(p)] = np.frombuffer(p, np.uint8)
+        buffer[b, : len(p)] = np.frombuffer(p, np.uint8)
     graphdef, state = nnx.split(model)
     fn = _generate_cached if cached else _generate_full
-    run = jax.jit(functools.partial(fn, graphdef, prompts=tuple(prompts), length=length, temperature=temperature,
-                                    implementation=implementation, page_size=page_size))
+    run = jax.jit(
+        functools.partial(
+            fn,
+            graphdef,
+            prompts=tuple(prompts),
+            length=length,
+            temperature=temperature,
+            implementation=implementation,
+            page_size=page_size,
+        )
+    )
     key = jax.random.key(seed)
     compiled = run.lower(state, buffer, key).compile()
     start = time.perf_counter()
     out = np.asarray(jax.block_until_ready(compiled(state, buffer, key)))
     seconds = time.perf_counter() - start
-    return [bytes(row[:len(p) + length].astype(np.uint8)) for row, p in zip(out, prompts)], seconds
+    return [bytes(row[: len(p) + length].astype(np.uint8)) for row, p in zip(out, prompts)], seconds
 
 
 def sample_and_time(model: ByteLM, setup: Setup, prompts: list[bytes], length: int, seed: int) -> None:
     """Prints the first prompt's cached sample and bytes/s over every prompt, the paged cache against a full
     forward per byte (a failure is printed, not raised: the reports after it still run)."""
+
     def attempt(**options):
         try:
             return generate(model, setup, prompts, length, seed, **options), None
         except Exception as error:  # noqa: BLE001
             return (None, None), f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+
     (texts, cached_s), error = attempt()
     note = ""
     if error:  # the cache's attention call refused where it runs: say so, run the xla path
@@ -184,8 +218,9 @@ def sample_and_time(model: ByteLM, setup: Setup, prompts: list[bytes], length: i
     (full_texts, full_s), full_error = attempt(cached=False)
     rule = "-" * 60
     if texts is not None:
-        print(f"sample (temperature 0.7, paged KV cache):\n{rule}\n{texts[0].decode('utf-8', errors='replace')}\n"
-              f"{rule}")
+        print(
+            f"sample (temperature 0.7, paged KV cache):\n{rule}\n{texts[0].decode('utf-8', errors='replace')}\n{rule}"
+        )
     fitted, n = fit_prompts(prompts, length, setup.max_seqlen)
     total = n * len(fitted)
     cached = f"{total / max(cached_s, 1e-9):,.0f} bytes/s" if texts is not None else f"failed ({error})"
@@ -194,6 +229,8 @@ def sample_and_time(model: ByteLM, setup: Setup, prompts: list[bytes], length: i
     if texts is not None and full_texts is not None:
         same = "the same bytes" if full_texts == texts else "different bytes (rounding tipped a draw)"
         tail = f" ({full_s / max(cached_s, 1e-9):.1f}x slower); {same}"
-    print(f"generation, {len(fitted)} prompts x {n} bytes: paged KV cache (ragged_attention_with_kvcache, pages of "
-          f"{PAGE_SIZE} rows){note} {cached}; full forward over [{len(fitted)}, {setup.max_seqlen}] per byte "
-          f"{full}{tail}")
+    print(
+        f"generation, {len(fitted)} prompts x {n} bytes: paged KV cache (ragged_attention_with_kvcache, pages of "
+        f"{PAGE_SIZE} rows){note} {cached}; full forward over [{len(fitted)}, {setup.max_seqlen}] per byte "
+        f"{full}{tail}"
+    )

@@ -17,6 +17,7 @@ from jax_ragged_attn.flax import RaggedSelfAttention
 
 VOCAB = 256  # bytes
 
+
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """One run's model, batches and schedule (the CLI's flags; tools/lm/cli.py's PRESETS give the defaults)."""
@@ -34,16 +35,36 @@ class Setup:
     eval_bytes: int
     dtype: str
     max_bits_per_byte: float
+
+
 class Block(nnx.Module):
     """Pre-norm decoder block: x + attention(norm(x)), then x + MLP(norm(x)) (GELU, hidden `hidden`)."""
 
-    def __init__(self, width: int, heads: int, kv_heads: int, *, dtype, implementation=None,
-                 hidden: int | None = None, head_dim: int | None = None, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        width: int,
+        heads: int,
+        kv_heads: int,
+        *,
+        dtype,
+        implementation=None,
+        hidden: int | None = None,
+        head_dim: int | None = None,
+        rngs: nnx.Rngs,
+    ):
         dtype = jnp.dtype(dtype)
         hidden = hidden or 4 * width
         self.attention_norm = nnx.RMSNorm(width, dtype=dtype, rngs=rngs)
-        self.attention = RaggedSelfAttention(width, heads, num_kv_heads=kv_heads, head_dim=head_dim, is_causal=True,
-                                             dtype=dtype, implementation=implementation, rngs=rngs)
+        self.attention = RaggedSelfAttention(
+            width,
+            heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            is_causal=True,
+            dtype=dtype,
+            implementation=implementation,
+            rngs=rngs,
+        )
         self.mlp_norm = nnx.RMSNorm(width, dtype=dtype, rngs=rngs)
         self.up = nnx.Linear(width, hidden, use_bias=False, dtype=dtype, rngs=rngs)
         self.down = nnx.Linear(hidden, width, use_bias=False, dtype=dtype, rngs=rngs)
@@ -65,18 +86,29 @@ def split_heads(qkv, q, kv):
 
 def packed_attend(cu_seqlens, positions, max_seqlen: int):
     """attend for packed tokens [T, d]: the module's own ragged attention (cuDNN where it serves)."""
+
     def attend(attention, x):
         return attention(x, cu_seqlens, positions, max_seqlen=max_seqlen)
+
     return attend
 
 
 def padded_attend(lengths, positions, implementation):
     """attend for padded rows [R, S, d]: the same projections around jax.nn.dot_product_attention."""
+
     def attend(attention, x):
         q, k, v = split_heads(*attention.project(x, positions))
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lengths,
-                                           key_value_seq_lengths=lengths, implementation=implementation)
+        out = jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            query_seq_lengths=lengths,
+            key_value_seq_lengths=lengths,
+            implementation=implementation,
+        )
         return attention.project_out(out)
+
     return attend
 
 
@@ -87,8 +119,12 @@ class ByteLM(nnx.Module):
     def __init__(self, setup: Setup, implementation=None, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(setup.dtype)
         self.embed = nnx.Embed(VOCAB, setup.width, dtype=dtype, rngs=rngs)
-        self.blocks = nnx.List([Block(setup.width, setup.heads, setup.kv_heads, dtype=dtype,
-                                      implementation=implementation, rngs=rngs) for _ in range(setup.layers)])
+        self.blocks = nnx.List(
+            [
+                Block(setup.width, setup.heads, setup.kv_heads, dtype=dtype, implementation=implementation, rngs=rngs)
+                for _ in range(setup.layers)
+            ]
+        )
         self.norm = nnx.RMSNorm(setup.width, dtype=dtype, rngs=rngs)
         self.head = nnx.Linear(setup.width, VOCAB, use_bias=False, dtype=dtype, rngs=rngs)
         self.max_seqlen = setup.max_seqlen
@@ -127,18 +163,19 @@ def _nll(logits, targets, mask):
 
 
 def packed_loss(model, batch):
-    total, count = _nll(model(batch["tokens"], batch["cu_seqlens"], batch["positions"]), batch["targets"],
-                        batch["loss_mask"])
+    total, count = _nll(
+        model(batch["tokens"], batch["cu_seqlens"], batch["positions"]), batch["targets"], batch["loss_mask"]
+    )
     return total / jnp.maximum(count, 1)
 
 
 def padded_loss(model, batch, implementation):
-    total, count = _nll(model.padded(batch["tokens"], batch["lengths"], implementation), batch["targets"],
-                        batch["loss_mask"])
+    total, count = _nll(
+        model.padded(batch["tokens"], batch["lengths"], implementation), batch["targets"], batch["loss_mask"]
+    )
     return total / jnp.maximum(count, 1)
 
 
 @nnx.jit
 def eval_nll(model, batch):
-    return _nll(model(batch["tokens"], batch["cu_seqlens"], batch["positions"]), batch["targets"],
-                batch["loss_mask"])
+    return _nll(model(batch["tokens"], batch["cu_seqlens"], batch["positions"]), batch["targets"], batch["loss_mask"])

@@ -20,12 +20,18 @@ def progress_bar(total: int):
             state["done"] = state["done"] + 1 if done is None else done
             bar.set_postfix_str(text, refresh=False)
             bar.update(state["done"] - bar.n)
+
         return update, bar.close
 
     def update(text, done=None):
         state["done"] = state["done"] + 1 if done is None else done
         if state["done"] % max(1, total // 50) == 0 or state["done"] == total:  # ~50 redraws in all
             filled = 30 * state["done"] // total
-            print(f"\r[{'#' * filled}{'.' * (30 - filled)}] {state['done']}/{total} {text}", end="", file=sys.stderr,
-                  flush=True)
+            print(
+                f"\r[{'#' * filled}{'.' * (30 - filled)}] {state['done']}/{total} {text}",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+
     return update, lambda: print(file=sys.stderr)

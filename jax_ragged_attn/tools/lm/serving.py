@@ -143,11 +143,20 @@ class ServingConfig:
     steps_per_call: int = STEPS_PER_CALL
 
     @classmethod
-    def for_setup(cls, setup: Setup, slots: int, budget: int, page_size: int,
-                  num_pages: int | None = None, steps_per_call: int = STEPS_PER_CALL) -> "ServingConfig":
+    def for_setup(
+        cls,
+        setup: Setup,
+        slots: int,
+        budget: int,
+        page_size: int,
+        num_pages: int | None = None,
+        steps_per_call: int = STEPS_PER_CALL,
+    ) -> ServingConfig:
         if budget < slots:
-            raise ValueError(f"the token budget ({budget}) must be at least the slots ({slots}): every slot that "
-                             "is generating takes one row of each step")
+            raise ValueError(
+                f"the token budget ({budget}) must be at least the slots ({slots}): every slot that "
+                "is generating takes one row of each step"
+            )
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
         max_pages = math.ceil(setup.max_seqlen / page_size)
@@ -177,9 +186,17 @@ def make_step(graphdef, config: ServingConfig, temperature: float, implementatio
             q, k, v = split_heads(*attention.project(x, positions))
             k_cache, v_cache = kvcache_append(*next(layers), k, v, cached, cu_seqlens_k_new=cu, page_table=table)
             written.append((k_cache, v_cache))
-            out = ragged_attention_with_kvcache(q, k_cache, v_cache, cached + new, cu_seqlens_q=cu,
-                                                max_seqlen_q=budget, page_table=table, scale=attention.scale,
-                                                implementation=implementation)
+            out = ragged_attention_with_kvcache(
+                q,
+                k_cache,
+                v_cache,
+                cached + new,
+                cu_seqlens_q=cu,
+                max_seqlen_q=budget,
+                page_table=table,
+                scale=attention.scale,
+                implementation=implementation,
+            )
             return attention.project_out(out)
 
         x = model.embed_tokens(tokens)
@@ -196,6 +213,7 @@ def make_step(graphdef, config: ServingConfig, temperature: float, implementatio
     def steps(state, caches, last, key, schedule):
         """schedule: step's per-step arguments stacked on a leading axis of steps_per_call -> (bytes
         [steps_per_call, S], the last step's bytes [S], caches)."""
+
         def body(carry, arguments):
             last, caches = carry
             tokens, from_last, cu, cached, table, ids, draws = arguments
@@ -213,8 +231,15 @@ def shared_rows(prompt_len: int, page_size: int) -> int:
     return (prompt_len - 1) // page_size * page_size
 
 
-def serve(model: ByteLM, setup: Setup, requests: list[Request], config: ServingConfig, seed: int,
-          temperature: float = 0.7, implementation=None) -> Served:
+def serve(
+    model: ByteLM,
+    setup: Setup,
+    requests: list[Request],
+    config: ServingConfig,
+    seed: int,
+    temperature: float = 0.7,
+    implementation=None,
+) -> Served:
     """Runs `requests` by continuous batching (the module docstring). Every prompt + max_new must fit
     max_seqlen rows.
 
@@ -225,9 +250,11 @@ def serve(model: ByteLM, setup: Setup, requests: list[Request], config: ServingC
     to take its latency: a request's latency is the end of the call that carries its last step."""
     for r, request in enumerate(requests):
         if not request.prompt or len(request.prompt) + request.max_new > setup.max_seqlen or request.samples < 1:
-            raise ValueError(f"request {r}: a prompt of 1 .. max_seqlen - max_new bytes and samples >= 1, got "
-                             f"{len(request.prompt)} + {request.max_new} bytes (max_seqlen {setup.max_seqlen}), "
-                             f"{request.samples} samples")
+            raise ValueError(
+                f"request {r}: a prompt of 1 .. max_seqlen - max_new bytes and samples >= 1, got "
+                f"{len(request.prompt)} + {request.max_new} bytes (max_seqlen {setup.max_seqlen}), "
+                f"{request.samples} samples"
+            )
     graphdef, state = nnx.split(model)
     step = make_step(graphdef, config, temperature, implementation)
     caches = empty_caches(model, config.num_pages, config.page_size)
@@ -235,10 +262,16 @@ def serve(model: ByteLM, setup: Setup, requests: list[Request], config: ServingC
     slots_n, budget, per_call = config.slots, config.budget, config.steps_per_call
     last = jnp.zeros(slots_n, jnp.int32)
     # A step no slot has rows in: nothing is written, nothing read. It fills the last call's schedule.
-    idle = (np.zeros(budget, np.int32), np.full(budget, -1, np.int32), np.zeros(slots_n + 1, np.int32),
-            np.zeros(slots_n, np.int32), np.full((slots_n, config.max_pages), -1, np.int32),
-            np.zeros(slots_n, np.int32), np.zeros(slots_n, np.int32))
-    stacked = lambda schedule: tuple(np.stack(column) for column in zip(*schedule))  # noqa: E731
+    idle = (
+        np.zeros(budget, np.int32),
+        np.full(budget, -1, np.int32),
+        np.zeros(slots_n + 1, np.int32),
+        np.zeros(slots_n, np.int32),
+        np.full((slots_n, config.max_pages), -1, np.int32),
+        np.zeros(slots_n, np.int32),
+        np.zeros(slots_n, np.int32),
+    )
+    stacked = lambda schedule: tuple(np.stack(column) for column in zip(*schedule))
     _, last, caches = step(state, caches, last, key, stacked([idle] * per_call))  # compiles
     jax.block_until_ready(caches)
 
@@ -269,8 +302,9 @@ def serve(model: ByteLM, setup: Setup, requests: list[Request], config: ServingC
             pool.hold(pages[:shared] * (request.samples - 1))  # kept for the other continuations
             return _Slot(r, s, request.prompt, request.max_new, pages, own)
         served.shared_reads += shared
-        return _Slot(r, s, request.prompt, request.max_new, first_pages[r][:shared] + own, own,
-                     cached=shared * config.page_size)
+        return _Slot(
+            r, s, request.prompt, request.max_new, first_pages[r][:shared] + own, own, cached=shared * config.page_size
+        )
 
     def plan() -> tuple[tuple, list, list]:
         """The next step's arguments, the slots that draw a byte in it and the requests it finishes; the
@@ -305,9 +339,9 @@ def serve(model: ByteLM, setup: Setup, requests: list[Request], config: ServingC
             if decoding[b]:
                 from_last[cu[b]] = b  # its byte: the one it drew the step before, on the device
             else:
-                tokens[cu[b]:cu[b + 1]] = np.frombuffer(slot.prompt[slot.cached:slot.cached + counts[b]], np.uint8)
+                tokens[cu[b] : cu[b + 1]] = np.frombuffer(slot.prompt[slot.cached : slot.cached + counts[b]], np.uint8)
             cached[b] = slot.cached
-            table[b, :len(slot.pages)] = slot.pages
+            table[b, : len(slot.pages)] = slot.pages
             ids[b] = slot.request * 1024 + slot.sample
             draws[b] = slot.drawn
         served.steps += 1
@@ -326,7 +360,7 @@ def serve(model: ByteLM, setup: Setup, requests: list[Request], config: ServingC
             if slot.done:
                 pool.release(slot.own)
                 if slot.sample > 0:
-                    pool.release(slot.pages[:len(slot.pages) - len(slot.own)])
+                    pool.release(slot.pages[: len(slot.pages) - len(slot.own)])
                 left[slot.request] -= 1
                 if not left[slot.request]:
                     finished.append(slot.request)
@@ -358,8 +392,16 @@ def serve(model: ByteLM, setup: Setup, requests: list[Request], config: ServingC
     return served
 
 
-def serve_fixed(model: ByteLM, setup: Setup, requests: list[Request], slots: int, seed: int,
-                temperature: float = 0.7, implementation=None, page_size: int | None = None) -> Served:
+def serve_fixed(
+    model: ByteLM,
+    setup: Setup,
+    requests: list[Request],
+    slots: int,
+    seed: int,
+    temperature: float = 0.7,
+    implementation=None,
+    page_size: int | None = None,
+) -> Served:
     """The same requests through today's generation (generation.generate): batches of `slots` continuations in
     queue order, each prefilled as a phase of its own and decoded for its longest request's length; a batch
     starts when the one before has finished. Each batch compiles apart (its prompts are static), timed apart."""
@@ -369,21 +411,29 @@ def serve_fixed(model: ByteLM, setup: Setup, requests: list[Request], slots: int
     options = {} if page_size is None else {"page_size": page_size}
     clock = 0.0
     for start in range(0, len(flat), slots):
-        batch = flat[start:start + slots]
+        batch = flat[start : start + slots]
         prompts = [requests[r].prompt for r, _ in batch]
         length = max(requests[r].max_new for r, _ in batch)
-        out, seconds = generate(model, setup, prompts, length, seed, temperature=temperature,
-                                implementation=implementation, **options)
+        out, seconds = generate(
+            model, setup, prompts, length, seed, temperature=temperature, implementation=implementation, **options
+        )
         clock += seconds
         for (r, s), text in zip(batch, out):
-            texts[r][s] = text[:len(requests[r].prompt) + requests[r].max_new]
+            texts[r][s] = text[: len(requests[r].prompt) + requests[r].max_new]
             latency[r] = clock
     generated = sum(len(text) - len(request.prompt) for request, row in zip(requests, texts) for text in row)
     return Served(texts=texts, latency=latency, seconds=clock, generated=generated)
 
 
-def make_requests(prompt: bytes, files: list[bytes], count: int, setup: Setup, max_new: tuple[int, int],
-                  samples: int = 3, seed: int = 0) -> list[Request]:
+def make_requests(
+    prompt: bytes,
+    files: list[bytes],
+    count: int,
+    setup: Setup,
+    max_new: tuple[int, int],
+    samples: int = 3,
+    seed: int = 0,
+) -> list[Request]:
     """`count` requests: openings of held-out `files` of mixed lengths (up to a quarter of max_seqlen), each
     generating a length drawn from max_new (low, high; at most 3/4 of max_seqlen, so that any prompt fits beside
     any length and a fixed batch cuts none), the first `prompt` with `samples` continuations."""
@@ -395,8 +445,8 @@ def make_requests(prompt: bytes, files: list[bytes], count: int, setup: Setup, m
         if i == 0:
             text = prompt
         else:
-            text = files[i % len(files)][:int(rng.integers(8, max(9, setup.max_seqlen // 4)))] or b"\n"
-        text = text[-(setup.max_seqlen // 4):]
+            text = files[i % len(files)][: int(rng.integers(8, max(9, setup.max_seqlen // 4)))] or b"\n"
+        text = text[-(setup.max_seqlen // 4) :]
         requests.append(Request(text, new, samples if i == 0 else 1))
     return requests
 
@@ -410,60 +460,86 @@ def packed_implementation(model: ByteLM, config: ServingConfig) -> str:
     struct = jax.ShapeDtypeStruct
     cache = struct((config.num_pages, config.page_size, attention.num_kv_heads, attention.head_dim), dtype)
     try:
-        call = kvcache_config(struct((config.budget, attention.num_heads, attention.head_dim), dtype), cache, cache,
-                              struct((config.slots,), jnp.int32), struct((config.slots, config.max_pages), jnp.int32),
-                              AttentionOptions(scale=attention.scale, is_causal=True),
-                              cu_seqlens_q=struct((config.slots + 1,), jnp.int32),
-                              max_seqlen_q=config.budget)
+        call = kvcache_config(
+            struct((config.budget, attention.num_heads, attention.head_dim), dtype),
+            cache,
+            cache,
+            struct((config.slots,), jnp.int32),
+            struct((config.slots, config.max_pages), jnp.int32),
+            AttentionOptions(scale=attention.scale, is_causal=True),
+            cu_seqlens_q=struct((config.slots + 1,), jnp.int32),
+            max_seqlen_q=config.budget,
+        )
         return backends.choose(None, call, None, op="kvcache").NAME
     except Exception as error:  # noqa: BLE001 - a report line, not a failure
         return f"unknown ({type(error).__name__}: {error})"
 
 
-def serve_and_compare(model: ByteLM, setup: Setup, requests: list[Request], config: ServingConfig, seed: int,
-                      temperature: float = 0.7, implementation: str | None = None) -> tuple[Served, Served | None]:
+def serve_and_compare(
+    model: ByteLM,
+    setup: Setup,
+    requests: list[Request],
+    config: ServingConfig,
+    seed: int,
+    temperature: float = 0.7,
+    implementation: str | None = None,
+) -> tuple[Served, Served | None]:
     """Prints continuous batching beside the fixed-batch generation on the same requests (a failure of either
     is printed, not raised). implementation: the packed attention's (None: the op's choice)."""
+
     def attempt(run, **options):
         try:
             return run(**options), None
         except Exception as error:  # noqa: BLE001 - the report goes on
             return None, f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
 
-    served, error = attempt(functools.partial(serve, model, setup, requests, config, seed, temperature,
-                                              implementation=implementation))
+    served, error = attempt(
+        functools.partial(serve, model, setup, requests, config, seed, temperature, implementation=implementation)
+    )
     note = ""
     if error:
         note = f" (implementation {implementation or 'None'} failed: {error}; xla instead)"
-        served, error = attempt(functools.partial(serve, model, setup, requests, config, seed, temperature,
-                                                  implementation="xla"))
-    fixed, fixed_error = attempt(functools.partial(serve_fixed, model, setup, requests, config.slots, seed,
-                                                   temperature))
+        served, error = attempt(
+            functools.partial(serve, model, setup, requests, config, seed, temperature, implementation="xla")
+        )
+    fixed, fixed_error = attempt(
+        functools.partial(serve_fixed, model, setup, requests, config.slots, seed, temperature)
+    )
     total = sum(r.samples for r in requests)
-    print(f"serving {len(requests)} requests ({total} continuations, prompts of {min(len(r.prompt) for r in requests)}"
-          f"-{max(len(r.prompt) for r in requests)} bytes, {min(r.max_new for r in requests)}-"
-          f"{max(r.max_new for r in requests)} new bytes each), {config.slots} slots, packed attention by "
-          f"{implementation or packed_implementation(model, config)}:")
+    print(
+        f"serving {len(requests)} requests ({total} continuations, prompts of {min(len(r.prompt) for r in requests)}"
+        f"-{max(len(r.prompt) for r in requests)} bytes, {min(r.max_new for r in requests)}-"
+        f"{max(r.max_new for r in requests)} new bytes each), {config.slots} slots, packed attention by "
+        f"{implementation or packed_implementation(model, config)}:"
+    )
 
     def line(name, result, failure):
         if result is None:
             return f"  {name}: failed ({failure})"
-        return (f"  {name}: {result.bytes_per_s:,.0f} bytes/s, latency p50 {result.percentile(50):.3f} s / p99 "
-                f"{result.percentile(99):.3f} s")
+        return (
+            f"  {name}: {result.bytes_per_s:,.0f} bytes/s, latency p50 {result.percentile(50):.3f} s / p99 "
+            f"{result.percentile(99):.3f} s"
+        )
 
     if served is not None:
         first = requests[0]
-        print(line("continuous batching", served, error) + f" ({served.steps} steps of <= {config.budget} tokens, "
-              f"{config.steps_per_call} a call, "
-              f"{served.compilations} compilation{'s' if served.compilations != 1 else ''}; pages of "
-              f"{config.page_size} rows, at most {served.peak_pages} of {config.num_pages} in use; "
-              f"{first.samples} continuations of one {len(first.prompt)}-byte prompt read its "
-              f"{shared_rows(len(first.prompt), config.page_size) // config.page_size} full pages in place){note}")
+        print(
+            line("continuous batching", served, error) + f" ({served.steps} steps of <= {config.budget} tokens, "
+            f"{config.steps_per_call} a call, "
+            f"{served.compilations} compilation{'s' if served.compilations != 1 else ''}; pages of "
+            f"{config.page_size} rows, at most {served.peak_pages} of {config.num_pages} in use; "
+            f"{first.samples} continuations of one {len(first.prompt)}-byte prompt read its "
+            f"{shared_rows(len(first.prompt), config.page_size) // config.page_size} full pages in place){note}"
+        )
     else:
         print(line("continuous batching", None, error))
-    print(line(f"fixed batches of {config.slots} (generation.generate)", fixed, fixed_error) +
-          (" (each batch compiled apart, not timed)" if fixed is not None else ""))
+    print(
+        line(f"fixed batches of {config.slots} (generation.generate)", fixed, fixed_error)
+        + (" (each batch compiled apart, not timed)" if fixed is not None else "")
+    )
     if served is not None and fixed is not None:
-        print(f"  continuous / fixed: {served.bytes_per_s / max(fixed.bytes_per_s, 1e-9):.2f}x the throughput, p99 "
-              f"latency {served.percentile(99) / max(fixed.percentile(99), 1e-9):.2f}x")
+        print(
+            f"  continuous / fixed: {served.bytes_per_s / max(fixed.bytes_per_s, 1e-9):.2f}x the throughput, p99 "
+            f"latency {served.percentile(99) / max(fixed.percentile(99), 1e-9):.2f}x"
+        )
     return served, fixed

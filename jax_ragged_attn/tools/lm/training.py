@@ -20,6 +20,7 @@ from jax_ragged_attn.tools.lm.corpus import device_batch, packed_batches, window
 from jax_ragged_attn.tools.lm.model import VOCAB, Setup, eval_nll, packed_loss
 from jax_ragged_attn.tools.lm.progress import progress_bar
 
+
 def make_tx(lr: float, steps: int):
     warmup = max(1, steps // 20)
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr / 10)
@@ -66,6 +67,7 @@ def make_trainer(model, loss_fn, tx) -> Trainer:
     trainer.step = jax.jit(step, donate_argnums=(0, 1))
     return trainer
 
+
 def train(model, setup: Setup, files, seed: int, progress: bool = True, steps: int | None = None) -> dict:
     """Trains `model` in place for `steps` (default setup.steps) on packed batches through the jitted step.
     The host packs batch i+1 while the device runs step i; the progress bar waits for the step before the
@@ -102,16 +104,24 @@ def train(model, setup: Setup, files, seed: int, progress: bool = True, steps: i
     # fill_rate: real tokens / buffer rows, as trained on. The padded alternatives, from the same documents:
     # each document (window) in a row as long as the longest document can be; or, split at max_seqlen as for
     # packing, one piece per max_seqlen row.
-    return dict(losses=np.array([float(x) for x in losses]), tokens_per_s=tokens / max(seconds, 1e-9),
-                seconds=seconds, fill_rate=packer.tokens / max(packer.batches * setup.capacity, 1),
-                padded_document_fill=float(np.mean(document_lengths)) / setup.window_bytes,
-                padded_rows_fill=packer.tokens / max(packer.pieces * setup.max_seqlen, 1))
+    return dict(
+        losses=np.array([float(x) for x in losses]),
+        tokens_per_s=tokens / max(seconds, 1e-9),
+        seconds=seconds,
+        fill_rate=packer.tokens / max(packer.batches * setup.capacity, 1),
+        padded_document_fill=float(np.mean(document_lengths)) / setup.window_bytes,
+        padded_rows_fill=packer.tokens / max(packer.pieces * setup.max_seqlen, 1),
+    )
 
 
 def evaluate(model, files, setup: Setup) -> dict:
     """Held-out bits per byte over up to setup.eval_bytes predicted bytes (fixed windows: seed 0 always)."""
-    packer = pack_documents(windows(files, np.random.default_rng(0), setup.window_bytes, epochs=1),
-                            setup.capacity, max_seqs=setup.max_seqs, max_seqlen=setup.max_seqlen)
+    packer = pack_documents(
+        windows(files, np.random.default_rng(0), setup.window_bytes, epochs=1),
+        setup.capacity,
+        max_seqs=setup.max_seqs,
+        max_seqlen=setup.max_seqlen,
+    )
     nats = count = 0.0
     for batch in packer:
         total, n = eval_nll(model, device_batch(batch.arrays()))
