@@ -371,7 +371,8 @@ def _attention_fwd(buffers, cu_seqlens_q, cu_seqlens_kv, config, seqused=(None, 
         lambda x: x.value, (buffers, cu_seqlens_q, cu_seqlens_kv, seqused)
     )
     out, stats, raw_stats = _run(_forward, 3, buffers, cu_seqlens_q, cu_seqlens_kv, config, seqused)
-    return (out, stats), (buffers, cu_seqlens_q, cu_seqlens_kv, seqused, out, raw_stats)
+    saved_out, raw_stats = named_residuals(out, raw_stats)
+    return (out, stats), (buffers, cu_seqlens_q, cu_seqlens_kv, seqused, saved_out, raw_stats)
 
 
 def stats_gradient_unsupported(config: AttentionConfig) -> str | None:
