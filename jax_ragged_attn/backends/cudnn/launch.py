@@ -23,6 +23,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax_ragged_attn.backends.cudnn import extents, graphs, options
 from jax_ragged_attn.backends.cudnn.graphs import INT32_LIMIT, MAX_HEAD_DIM, ffi_kwargs, graph_info
 from jax_ragged_attn.backends.shared import extension, known_issues, stats_grad
+from jax_ragged_attn.backends.shared.remat_names import named_residuals
 from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.features import checks
 from jax_ragged_attn.index import (
