@@ -9,10 +9,11 @@
 #
 # The build runs without build isolation, so that a rebuild reuses this environment's CMake tree
 # (build/env-<hash of the venv path>/, one per environment) instead of starting from scratch. Its build
-# requirements are therefore installed here, from pyproject.toml's [build-system] requires, the nvidia-*
-# header wheels with --no-deps (their headers are all the build reads; the libraries they would pull in, such
-# as cuBLAS, stay off a CPU machine). jaxlib is the one jax installs: its XLA FFI headers match it exactly (the
-# wheels built by scripts/check_wheel.sh use the oldest supported jaxlib's instead, docs/INSTALL.md).
+# requirements are therefore installed here, from pyproject.toml's [build-system] requires and the extension's
+# [tool.scikit-build] build.requires, the nvidia-* header wheels with --no-deps (their headers are all the build
+# reads; the libraries they would pull in, such as cuBLAS, stay off a CPU machine). jaxlib is the one jax
+# installs: its XLA FFI headers match it exactly (the wheels built by scripts/check_wheel.sh use the oldest
+# supported jaxlib's instead, docs/INSTALL.md).
 # With an NVIDIA driver present it installs jax[cuda13], which brings the cuDNN the extension loads at run time.
 #
 # --no-extension skips the C++ extension (CMake, ninja, nanobind and the 1.1 GB of CUDA header wheels): the
@@ -135,7 +136,8 @@ fi
 # wheels, which follow with --no-deps.
 mapfile -t build_requires < <("$py" -c '
 import tomllib
-for r in tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"]:
+pyproject = tomllib.load(open("pyproject.toml", "rb"))
+for r in pyproject["build-system"]["requires"] + pyproject["tool"]["scikit-build"]["build"]["requires"]:
     print(r)')
 tools=() headers=()
 for r in "${build_requires[@]}"; do
