@@ -154,7 +154,7 @@ def device_memory_bytes() -> int:
     """The default device's memory: the allocator's limit on a GPU, physical RAM on a CPU."""
     try:
         stats = jax.local_devices()[0].memory_stats()
-    except Exception:  # a backend without memory_stats
+    except Exception:  # noqa: BLE001  a backend without memory_stats, however it says so
         stats = None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
