@@ -188,8 +188,7 @@ def memory_limit_bytes(limit=None) -> int | None:
     if text in ("off", "none", "inf"):
         return None
     match = re.fullmatch(r"([0-9.]+(?:e[0-9]+)?)\s*(%|[kmgt]i?b|b|)", text)
-    value = float(match.group(1)) if match else None
-    if value is None or value <= 0 or not math.isfinite(value):
+    if match is None or (value := float(match.group(1))) <= 0 or not math.isfinite(value):
         raise ValueError(
             f"{MEMORY_LIMIT_ENV} must be a percentage of the device's memory ('50%'), a size "
             f"('8GiB', '512MB', '3e9') or 'off', got {limit!r}"
