@@ -23,6 +23,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax_ragged_attn.backends.cudnn import extents, graphs, options
 from jax_ragged_attn.backends.cudnn.graphs import INT32_LIMIT, MAX_HEAD_DIM, ffi_kwargs, graph_info
 from jax_ragged_attn.backends.shared import extension, known_issues, stats_grad
+from jax_ragged_attn.backends.shared.remat_names import named_residuals
 from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.features import checks
 from jax_ragged_attn.index import (
@@ -371,7 +372,8 @@ def _attention_fwd(buffers, cu_seqlens_q, cu_seqlens_kv, config, seqused=(None, 
         lambda x: x.value, (buffers, cu_seqlens_q, cu_seqlens_kv, seqused)
     )
     out, stats, raw_stats = _run(_forward, 3, buffers, cu_seqlens_q, cu_seqlens_kv, config, seqused)
-    return (out, stats), (buffers, cu_seqlens_q, cu_seqlens_kv, seqused, out, raw_stats)
+    saved_out, raw_stats = named_residuals(out, raw_stats)
+    return (out, stats), (buffers, cu_seqlens_q, cu_seqlens_kv, seqused, saved_out, raw_stats)
 
 
 def stats_gradient_unsupported(config: AttentionConfig) -> str | None:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ragged_attn.backends.cudnn import launch
+from jax_ragged_attn.backends.shared.remat_names import named_residuals
 from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.features.sinks import sink_terms
 from jax_ragged_attn.index import query_rows_with_keys, sanitize_both
@@ -53,6 +54,7 @@ def attention_with_sinks(
 
 def _fwd(buffers, cu_seqlens_q, cu_seqlens_kv, sinks, config, seqused=(None, None)):
     out, (o, raw_stats, keys, sigma) = _forward(buffers, cu_seqlens_q, cu_seqlens_kv, sinks, config, seqused)
+    o, raw_stats = named_residuals(o, raw_stats)
     return out, (buffers, cu_seqlens_q, cu_seqlens_kv, sinks, seqused, o, out, raw_stats, keys, sigma)
 
 

@@ -50,6 +50,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from jax_ragged_attn.backends.shared import stats_grad
+from jax_ragged_attn.backends.shared.remat_names import named_residuals
 from jax_ragged_attn.backends.shared.row_zeroing import zero_unused_rows
 from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.index import (
@@ -459,7 +460,8 @@ def _attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, config, seqused, bindin
     else:
         (q,), (k,) = _cleared((q,), cu_q, used_q), _cleared((k,), cu_kv, used_kv)
     out, stats, lse, v = _forward(q, k, v, index, config, seqused, binding, v_cleared=shared)
-    return (out, stats), (q, k, v, index, seqused, out, lse)
+    saved_out, lse = named_residuals(out, lse)
+    return (out, stats), (q, k, v, index, seqused, saved_out, lse)
 
 
 def _attention_bwd(config, binding, shared, residuals, cotangents):

@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ragged_attn.backends.shared.remat_names import named_residuals
 from jax_ragged_attn.backends.xla import memory as xla_memory
 from jax_ragged_attn.backends.xla.memory import WorkingSetTooLargeError, warn_cudnn_fallback
 from jax_ragged_attn.config import AttentionConfig
@@ -372,7 +373,7 @@ def _attention(plan: _Plan, q, k, v, sinks, bands: _Bands):
 
 
 def _attention_fwd(plan, q, k, v, sinks, bands):
-    out, lse = _forward(plan, q, k, v, sinks, bands)
+    out, lse = named_residuals(*_forward(plan, q, k, v, sinks, bands))
     return (out.astype(q.dtype), lse), (q, k, v, sinks, bands, out, lse)
 
 
