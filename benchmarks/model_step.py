@@ -598,7 +598,8 @@ def main(argv=None) -> int:
         f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}",
         f"block: d_model {config.d_model}, {config.num_heads_q}/{config.num_heads_kv} heads of "
         f"{config.head_dim}, GELU MLP {config.d_mlp}, {config.matmul_parameters() / 1e6:.1f}M matmul parameters, "
-        "bf16 compute, the main job's block and step (lm.Block, lm.make_trainer: flat f32 AdamW); plain timing: N jitted steps then block_until_ready, median of "
+        "bf16 compute, the main job's block and step (lm.Block, lm.make_trainer: flat f32 AdamW); "
+        "plain timing: N jitted steps then block_until_ready, median of "
         f"{settings.iterations}",
         limit_line,
     ]

@@ -17,6 +17,7 @@ import argparse
 import collections
 import concurrent.futures
 import functools
+import itertools
 import json
 import multiprocessing
 import os
@@ -241,7 +242,7 @@ def repro_command(case: dict) -> str:
 def _owned_rows(cu: np.ndarray, capacity: int, max_seqlen: int) -> np.ndarray:
     """[capacity] bool: the row belongs to a sequence (not padding, not cut by max_seqlen)."""
     owned = np.zeros(capacity, dtype=bool)
-    for start, stop in zip(cu[:-1], cu[1:]):
+    for start, stop in itertools.pairwise(cu):
         owned[start : min(stop, start + max_seqlen)] = True
     return owned
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import math
 import sys
 import time
@@ -91,7 +92,7 @@ def pack(rng: np.random.Generator, setup: Setup) -> dict:
 def to_padded(batch: dict, setup: Setup) -> dict:
     """The same sequences as rows of a [B, S] batch, for padded attention: B = real sequences, S = max_seqlen."""
     cu = batch["cu_seqlens"]
-    spans = [(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:]) if b > a]
+    spans = [(int(a), int(b)) for a, b in itertools.pairwise(cu) if b > a]
     padded = {key: np.zeros((len(spans), setup.max_seqlen), batch[key].dtype) for key in ("tokens", "targets", "mask")}
     for row, (start, end) in enumerate(spans):
         for key in padded:
@@ -247,7 +248,7 @@ def train(setup: Setup, seed: int, eval_batches: int, progress: bool = True) -> 
         mask = batch["mask"] > 0
         correct, total = correct + int(right[mask].sum()), total + int(mask.sum())
         cu = batch["cu_seqlens"]
-        for a, b in zip(cu[:-1], cu[1:]):
+        for a, b in itertools.pairwise(cu):
             if b > a:
                 exact, sequences = exact + bool(right[a:b][mask[a:b]].all()), sequences + 1
     return dict(
@@ -297,7 +298,7 @@ def compare_padded(params, setup: Setup, seed: int) -> None:
         data = batch if implementation is None else padded
         try:
             seconds = _step_seconds(params, data, setup, implementation)
-        except Exception as error:  # e.g. cuDNN refusing this shape: report it, keep the other timings
+        except Exception as error:  # noqa: BLE001  e.g. cuDNN refusing this shape: report it, keep the other timings
             print(f"  {label}: unavailable ({type(error).__name__}: {str(error).splitlines()[0]})")
             continue
         print(f"  {label}: {real / seconds:,.0f} real tokens/s ({seconds * 1e3:.2f} ms per training step)")

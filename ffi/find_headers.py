@@ -23,7 +23,7 @@ def _package_dir(module: str) -> str | None:
         return None
     if spec is None or not spec.submodule_search_locations:
         return None
-    return list(spec.submodule_search_locations)[0]
+    return next(iter(spec.submodule_search_locations))
 
 
 def xla_ffi() -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+from typing import Any, ClassVar, cast
 
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +36,14 @@ STRATEGIES = ("fastest", "lean_memory")
 class MaskedConfig:
     """What a static call configuration with heads, a causal flag and a window derives from them; shared by
     AttentionConfig and KVCacheConfig."""
+
+    # Declared by each subclass, a frozen dataclass; named here for the properties and describe() below.
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+    num_heads_q: int
+    num_heads_kv: int
+    is_causal: bool
+    window_left: int | None
+    window_right: int | None
 
     @property
     def group_size(self) -> int:
@@ -338,7 +347,9 @@ def check_heads(q, k, v, sinks=None, *, k_name: str = "k", v_name: str = "v") ->
 def masked_fields(options: AttentionOptions, head_dim_qk: int) -> dict:
     """The fields every MaskedConfig (both ops' configs) takes from the validated options: scale (1/sqrt(Dqk)
     by default), is_causal, the window's sides (None: no limit) and softcap (0.0: no cap)."""
-    window_left, window_right = options.local_window_size or (None, None)
+    # AttentionOptions.__post_init__ has normalised the window to a (left, right) pair or None.
+    window = cast("tuple[int, int] | None", options.local_window_size)
+    window_left, window_right = window or (None, None)
     return dict(
         scale=1.0 / math.sqrt(head_dim_qk) if options.scale is None else options.scale,
         is_causal=options.is_causal,
@@ -413,7 +424,7 @@ def make_config(
         packing=packing,
         has_sinks=sinks is not None,
         policy_tokens_per_sequence=options.policy_tokens_per_sequence,
-        xla_block_size=options.xla_block_size,
+        xla_block_size=cast("tuple[int, int] | None", options.xla_block_size),  # normalised by AttentionOptions
         fa3_provider=options.fa3_provider,
         **masked_fields(options, dqk),
     )

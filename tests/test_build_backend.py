@@ -11,8 +11,8 @@ import zipfile
 import pytest
 
 pytest.importorskip("scikit_build_core", minversion="1.1")  # the config-setting table is 1.1's
-from scikit_build_core import build  # noqa: E402
-from scikit_build_core.settings.skbuild_read_settings import SettingsReader  # noqa: E402
+from scikit_build_core import build
+from scikit_build_core.settings.skbuild_read_settings import SettingsReader
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SWITCH = "jax-ragged-attn.extension"
@@ -41,8 +41,15 @@ def test_static_requires_are_what_every_build_needs():
 
 def test_extension_requires_name_every_header_package_the_cmake_build_reads():
     names = {r.split(";")[0].split(">")[0].split("<")[0].strip() for r in EXTENSION_REQUIRES}
-    assert names == {"nanobind", "jaxlib", "nvidia-cudnn-cu13", "nvidia-cuda-runtime", "nvidia-cuda-crt",
-                     "nvidia-cuda-cccl", "nvidia-cuda-nvrtc"}
+    assert names == {
+        "nanobind",
+        "jaxlib",
+        "nvidia-cudnn-cu13",
+        "nvidia-cuda-runtime",
+        "nvidia-cuda-crt",
+        "nvidia-cuda-cccl",
+        "nvidia-cuda-nvrtc",
+    }
 
 
 @pytest.mark.parametrize("state", ["wheel", "editable"])

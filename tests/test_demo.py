@@ -4,6 +4,7 @@ sequence see another."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import pathlib
 import subprocess
 import sys
@@ -130,7 +131,7 @@ def test_padded_batch_gives_the_packed_logits():
     packed_logits = np.asarray(demo.logits(params, batch, setup))
     padded_logits = np.asarray(demo.logits(params, jax.tree.map(jnp.asarray, padded), setup, padded="xla"))
     cu = batch["cu_seqlens"]
-    spans = [(a, b) for a, b in zip(cu[:-1], cu[1:]) if b > a]
+    spans = [(a, b) for a, b in itertools.pairwise(cu) if b > a]
     assert len(spans) == len(padded["lengths"])
     for row, (a, b) in enumerate(spans):
         assert padded["lengths"][row] == b - a

@@ -1,9 +1,10 @@
 """backends/fa3/dew.py: FlashAttention-3 as dew-flash-attn builds it, whose kernels take no seqused. On the CPU its
 two kernel calls are the dense stand-ins of testing/fa3_emulator.py taking offsets alone (`patched_dew`), so what
-is tested there is the wrapper; on a Hopper GPU with the wheel the same cases run on its kernels. The cases: the offsets with gaps that hand each sequence's unused rows (past seqused, cut by
-max_seqlen) over as sequences of their own, against the float64 reference with NaN in every row the op does not
-own. The semantic suite runs on it in test_semantics.py (DewEmulatedTest here, DewTest on a Hopper GPU with the
-wheel installed); the declines are in test_declines.py.
+is tested there is the wrapper; on a Hopper GPU with the wheel the same cases run on its kernels. The cases: the offsets
+with gaps that hand each sequence's unused rows (past seqused, cut by max_seqlen) over as sequences of their own,
+against the float64 reference with NaN in every row the op does not own. The semantic suite runs on it in
+test_semantics.py (DewEmulatedTest here, DewTest on a Hopper GPU with the wheel installed); the declines are in
+test_declines.py.
 """
 
 from __future__ import annotations

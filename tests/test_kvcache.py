@@ -234,7 +234,7 @@ class KVCacheTest(SeededCacheCase, parameterized.TestCase):
     def test_check_names_cache_seqlens(self):
         q, k, v, lengths, _ = self.make()
         bad = lengths.at[3].set(self.capacity + 1)
-        with self.assertRaisesRegex(RaggedAttentionInputError, r"cache_seqlens\[3\] = %d" % (self.capacity + 1)):
+        with self.assertRaisesRegex(RaggedAttentionInputError, rf"cache_seqlens\[3\] = {self.capacity + 1}"):
             self.attend(q, k, v, bad, check=True)
         run = jax.jit(
             lambda n: ragged_attention_with_kvcache(q, k, v, n, check=True, implementation=self.implementation)

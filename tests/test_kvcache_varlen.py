@@ -264,9 +264,9 @@ class PackedKVCacheTest(SeededCacheCase, parameterized.TestCase):
         self.attend(q, k, v, lengths, cu, max_q, table, check=True)  # valid: no error
         for bad, message in [
             (dict(cu=cu.at[2].set(cu[1] - 1)), r"cu_seqlens_q is invalid.*decreases at index 2"),
-            (dict(cu=cu.at[-1].set(q.shape[0] + 1)), r"cu_seqlens_q\[7\] = %d is past the capacity" % (q.shape[0] + 1)),
-            (dict(max_q=max_q - 1), r"sequence 3 has %d tokens .* more than max_seqlen_q = %d" % (max_q, max_q - 1)),
-            (dict(lengths=lengths.at[1].set(self.capacity + 2)), r"cache_seqlens\[1\] = %d" % (self.capacity + 2)),
+            (dict(cu=cu.at[-1].set(q.shape[0] + 1)), rf"cu_seqlens_q\[7\] = {q.shape[0] + 1} is past the capacity"),
+            (dict(max_q=max_q - 1), rf"sequence 3 has {max_q} tokens .* more than max_seqlen_q = {max_q - 1}"),
+            (dict(lengths=lengths.at[1].set(self.capacity + 2)), rf"cache_seqlens\[1\] = {self.capacity + 2}"),
             (dict(table=table.at[4, 0].set(-2)), r"page_table\[4, 0\] = -2"),
         ]:
             call = {**dict(cu=cu, max_q=max_q, lengths=lengths, table=table), **bad}

@@ -4,8 +4,8 @@ only the first seqused[b] of its slot cu_seqlens[b]:cu_seqlens[b+1] are used.
 Held to the float64 reference run on the same used rows packed tightly: every unused row of a slot is NaN
 in q, k, v and both cotangents (so reading one fails the test), reads out 0 / stats -inf, and gets
 exactly zero gradients. Every implementation (cuDNN and both FlashAttention-3 builds on a GPU, skipped with the
-reason elsewhere; the FA3 ones bottom-right only), both stats layouts, GQA, causal top-left and bottom-right (which counts the used lengths), gaps, zero used and
-used = slot; packed QKV / KV; check mode and the overflow counts.
+reason elsewhere; the FA3 ones bottom-right only), both stats layouts, GQA, causal top-left and bottom-right (which
+counts the used lengths), gaps, zero used and used = slot; packed QKV / KV; check mode and the overflow counts.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The cuDNN path's stats gradient (jax_ragged_attn/backends/shared/stats_grad.py) on a CPU, against the float64 reference.
+"""The cuDNN path's stats gradient (backends/shared/stats_grad.py) on a CPU, against the float64 reference.
 
 The trick lives in what cuDNN's backward does with the buffers it is handed: it recomputes P from q, k and
 the stats, and shifts dP by D = rowsum(dO * O) taken from the O and dO it receives. The stand-in kernel of

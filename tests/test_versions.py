@@ -2,6 +2,7 @@
 starts at the lowest Python and JAX that requires-python and the jax requirement allow (no bound below what
 was tested), and CI's newest-JAX stage is the one release-check script a person runs by hand."""
 
+import itertools
 import pathlib
 import re
 import tomllib
@@ -30,7 +31,7 @@ def test_pyproject_floors_are_the_lowest_tested_python_and_jax():
     assert min(_version(row["Python"])[:2] for row in rows) == _version(python_floor)
     jax_floors = {
         re.fullmatch(r"jax(\[\w+\])?>=([\d.]+)", requirement).group(2)
-        for requirement in project["dependencies"] + sum(project["optional-dependencies"].values(), [])
+        for requirement in itertools.chain(project["dependencies"], *project["optional-dependencies"].values())
         if re.match(r"jax(\[|>|$)", requirement)
     }
     assert len(jax_floors) == 1, f"the jax requirements disagree on the floor: {sorted(jax_floors)}"

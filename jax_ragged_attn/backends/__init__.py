@@ -104,7 +104,8 @@ def choose(implementation: str | None, config, index, *, stats_gradient: bool = 
             if unsupported_reason(get(pin, op), config, index, stats_gradient=stats_gradient) is None:
                 policy.report(pin, config, f"pinned by {policy.ENV_VAR}")
                 return get(pin, op)
-    serving, declined = [], []
+    serving: list[tuple[str, object]] = []  # (name, backend)
+    declined: list[tuple[str, str]] = []  # (name, reason)
     for name in REGISTRIES[op]:
         backend = get(name, op)
         if name == spec.fallback or not _auto_candidate(backend, config):

@@ -32,7 +32,8 @@ def _compute_capability() -> str | None:
 
 def prefers_fa3(config) -> bool:
     """Whether the shipped policy prefers FlashAttention-3 over cuDNN for this configuration on this GPU."""
-    threshold = FA3_MIN_TOKENS_PER_SEQUENCE.get(_compute_capability())
+    capability = _compute_capability()
+    threshold = None if capability is None else FA3_MIN_TOKENS_PER_SEQUENCE.get(capability)
     return threshold is not None and tokens_per_sequence(config) >= threshold
 
 

@@ -50,8 +50,8 @@ class KVCacheBackend(Protocol):
     def attend(self, q, k_cache, v_cache, lengths, page_table, config) -> tuple:
         """(out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32), forward only. lengths: cache_seqlens clamped into
         [0, capacity]; page_table None (contiguous) or int32 as passed (entries outside [0, num_pages) are the
-        backend's to keep from being read; with READS_TABLE_UNCHECKED, page 0 instead). Rows with no keys may hold anything: the op layer masks them
-        (unless zeroes_rows_without_keys says they are 0)."""
+        backend's to keep from being read; with READS_TABLE_UNCHECKED, page 0 instead). Rows with no keys may
+        hold anything: the op layer masks them (unless zeroes_rows_without_keys says they are 0)."""
 
     def attend_packed(self, q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config) -> tuple:
         """Packed queries (config.packed; unsupported_reason declines those it cannot serve): (out [T, Hq, Dv],

@@ -237,4 +237,6 @@ def faster(config: AttentionConfig, index) -> str:
     from jax_ragged_attn.backends.fa3 import providers
 
     same_index = index.cu_seqlens_q is index.cu_seqlens_kv
-    return entry(config, same_index, providers.provider(config, index))["implementation"]
+    provider = providers.provider(config, index)
+    assert provider is not None  # FA3 serves the call: some provider does
+    return entry(config, same_index, provider)["implementation"]

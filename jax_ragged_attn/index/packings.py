@@ -85,14 +85,15 @@ class Packing:
         """The q, k and v arguments of the handlers: the buffer holding each, itself (no slice, no copy)."""
         return tuple(buffers[self._where(t)[0]] for t in TENSORS)
 
-    def split(self, buffers) -> tuple:
+    def split(self, buffers) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(q, k, v) as separate [T, H, D] arrays: slices, i.e. copies, of packed buffers."""
         parts = []
         for tensor in TENSORS:
             index, buffer = self._where(tensor)
             x = buffers[index]
             parts.append(x[:, buffer.holds.index(tensor)] if buffer.packed else x)
-        return tuple(parts)
+        q, k, v = parts
+        return q, k, v
 
     def join(self, d_q, d_k, d_v) -> tuple:
         """Separate gradients assembled into the buffers' layout (the inverse of `split`)."""

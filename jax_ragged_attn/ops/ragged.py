@@ -22,7 +22,7 @@ from jax_ragged_attn.config import AttentionConfig, AttentionOptions, make_confi
 from jax_ragged_attn.features.bottom_right import as_top_left
 from jax_ragged_attn.features.checks import apply_check
 from jax_ragged_attn.features.keyword_hints import hints_keywords, reject_unknown_keywords
-from jax_ragged_attn.features.overflow import cu_seqlens_overflow
+from jax_ragged_attn.features.overflow import Overflow, cu_seqlens_overflow
 from jax_ragged_attn.index import RaggedIndex, as_int32
 from jax_ragged_attn.index.packings import TABLE
 from jax_ragged_attn.ops import common
@@ -91,7 +91,7 @@ def ragged_attention(
     Every keyword in full, the input layouts and what happens to input that does not fit: docs/API.md.
     """
     reject_unknown_keywords(ragged_attention, unknown)  # FlashAttention's names: the TypeError says ours
-    _check_keywords_only(positional, max_seqlen_q, max_seqlen_kv)
+    max_seqlen_q, max_seqlen_kv = _check_keywords_only(positional, max_seqlen_q, max_seqlen_kv)
     options = AttentionOptions(
         scale=scale,
         is_causal=is_causal,
@@ -184,7 +184,7 @@ def attend(
     else:
         wanted = "raw" if sinks is not None and not options.return_stats else options.return_stats
         out, stats = backend.attend(buffers, index, inner, stats=wanted)  # False: no -inf computed (debug_infs)
-    overflow = ()
+    overflow: tuple[Overflow, ...] = ()
     if return_overflow:  # from the cu_seqlens as the caller passed them (checked ones are the same values)
         overflow = (
             cu_seqlens_overflow(
@@ -204,9 +204,10 @@ def attend(
     )
 
 
-def _check_keywords_only(positional: tuple, max_seqlen_q, max_seqlen_kv) -> None:
+def _check_keywords_only(positional: tuple, max_seqlen_q, max_seqlen_kv) -> tuple[int, int]:
     """The max_seqlen bounds are keyword-only (two ints in a row are easy to swap unseen); a positional call
-    says which keywords to use instead of Python's bare "takes 5 positional arguments"."""
+    says which keywords to use instead of Python's bare "takes 5 positional arguments". Returns the bounds,
+    both given."""
     if positional:
         raise TypeError(
             f"ragged_attention takes 5 positional arguments (q, k, v, cu_seqlens_q, cu_seqlens_kv), "
@@ -216,6 +217,7 @@ def _check_keywords_only(positional: tuple, max_seqlen_q, max_seqlen_kv) -> None
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
         if value is None:  # None is the default only so that a positional call reaches the TypeError above
             raise ValueError(f"{name} is required (keyword-only): a static Python int >= 1, got None")
+    return max_seqlen_q, max_seqlen_kv
 
 
 def _seqused(seqused, name: str, config: AttentionConfig):

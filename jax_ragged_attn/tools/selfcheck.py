@@ -45,7 +45,8 @@ _LIBRARY = re.compile(r"^(libcudnn[a-z_]*|libcudart)\.so(?:\.([0-9.]+))?$")
 def loaded_libraries(maps_text: str) -> dict[str, tuple[str, str]]:
     """{stem: (path, version from the file name or "")} of the libcudnn*/libcudart libraries mapped in a
     /proc/<pid>/maps text, first mapping of each stem; e.g. the line
-    "7f..-7f.. r-xp 00000000 fd:01 123 /x/nvidia/cudnn/lib/libcudnn.so.9" -> {"libcudnn": ("/x/.../libcudnn.so.9", "9")}."""
+    "7f..-7f.. r-xp 00000000 fd:01 123 /x/nvidia/cudnn/lib/libcudnn.so.9"
+    -> {"libcudnn": ("/x/.../libcudnn.so.9", "9")}."""
     found = {}
     for line in maps_text.splitlines():
         fields = line.split(maxsplit=5)  # address perms offset dev inode [path, which may hold spaces]

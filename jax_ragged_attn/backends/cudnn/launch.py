@@ -102,7 +102,7 @@ def _launch(direction: str, inputs, result_specs, names, cu_q, cu_kv, config: At
 
 
 def _debugging_floats() -> bool:
-    return bool(jax.config.jax_debug_nans or jax.config.jax_debug_infs)
+    return bool(jax.config.jax_debug_nans or jax.config.jax_debug_infs)  # type: ignore[attr-defined]
 
 
 def _zero_filled(config: AttentionConfig) -> bool:

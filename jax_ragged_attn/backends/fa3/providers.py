@@ -67,4 +67,6 @@ def auto_candidate(config: AttentionConfig) -> bool:
 
 def attend(buffers, index, config: AttentionConfig, *, stats=True):
     """(out, stats) through the provider that serves this call (the caller has checked unsupported_reason)."""
-    return PROVIDERS[provider(config, index)].attend(buffers, index, config, stats=stats)
+    name = provider(config, index)
+    assert name is not None  # unsupported_reason is None: some provider serves the call
+    return PROVIDERS[name].attend(buffers, index, config, stats=stats)

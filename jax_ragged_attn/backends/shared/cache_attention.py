@@ -2,13 +2,13 @@
 
 The xla family's KV-cache backend (xla/kvcache.py) is this; the kernels' head/tail split (head_tail.py) runs
 its short tail through it. Portable (runs on CPU in CI) and the implementation the kernels are compared with
-beside the float64 reference. The cache is read in blocks of rows (whole pages of a paged cache, gathered through the page
-table); each step of a `lax.scan` scores every query of every sequence against one block in float32 and folds
-it into a running (max, sum, weighted values) per query row: the flash-attention recurrence, so no [Sq, L]
-score matrix is ever formed. A block is large (a budget of float32 scores, `SCORES_BUDGET_BYTES`), so one step
-already runs in parallel over many rows of many sequences: on a GPU that is what split-KV (flash decoding) buys
-a kernel. A block no query needs (past every sequence's end, or left of every window) is skipped with
-`lax.cond`, so the cache rows read follow the lengths, not the capacity.
+beside the float64 reference. The cache is read in blocks of rows (whole pages of a paged cache, gathered through the
+page table); each step of a `lax.scan` scores every query of every sequence against one block in float32 and folds it
+into a running (max, sum, weighted values) per query row: the flash-attention recurrence, so no [Sq, L] score matrix is
+ever formed. A block is large (a budget of float32 scores, `SCORES_BUDGET_BYTES`), so one step already runs in parallel
+over many rows of many sequences: on a GPU that is what split-KV (flash decoding) buys a kernel. A block no query needs
+(past every sequence's end, or left of every window) is skipped with `lax.cond`, so the cache rows read follow the
+lengths, not the capacity.
 
 Rows a sequence does not use (past cache_seqlens, on pages outside [0, num_pages)) may hold NaN: their scores
 are masked with `where` (never multiplied) and their values zeroed before P.V, so nothing leaks. A page-table

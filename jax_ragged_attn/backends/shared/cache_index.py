@@ -38,11 +38,10 @@ def safe_cache_index(
     types = (jax.ShapeDtypeStruct(cache_seqlens.shape, np.int32), jax.ShapeDtypeStruct(page_table.shape, np.int32))
     # Elementwise over each flat array: a vmapped call's batch axes are served as they lie.
     call = jax.ffi.ffi_call(target, types, vmap_method="broadcast_all")
-    return tuple(
-        call(
-            cache_seqlens.astype(np.int32),
-            page_table.astype(np.int32),
-            capacity=np.int64(config.capacity),
-            num_pages=np.int64(config.num_pages),
-        )
+    lengths, table = call(
+        cache_seqlens.astype(np.int32),
+        page_table.astype(np.int32),
+        capacity=np.int64(config.capacity),
+        num_pages=np.int64(config.num_pages),
     )
+    return lengths, table

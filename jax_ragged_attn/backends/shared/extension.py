@@ -81,7 +81,7 @@ def config_fields() -> tuple[tuple[str, str], ...]:
 def _wheel_cudnn_path() -> str:
     """libcudnn.so.9 inside the nvidia-cudnn wheel, for when jaxlib has not loaded one yet."""
     spec = importlib.util.find_spec("nvidia.cudnn") if importlib.util.find_spec("nvidia") else None
-    for base in spec.submodule_search_locations if spec else []:
+    for base in (spec.submodule_search_locations or []) if spec else []:
         for path in glob.glob(os.path.join(base, "lib", "libcudnn.so.9*")):
             return path
     return ""

@@ -456,7 +456,7 @@ def loaded_versions() -> Versions:
     # The compiled module itself, not extension.py: extension.py warns through this module (warn_once), so
     # reading the versions through it would make the two import each other.
     try:
-        from jax_ragged_attn import _ext as ext
+        import jax_ragged_attn._ext as ext
     except ImportError:  # no extension: no cuDNN path to fence
         ext = None
     return Versions(

@@ -6,8 +6,8 @@ a cotangent g_i on stats_i adds g_i * p_ij to the gradient of every logit of row
 cuDNN's backward computes dS_ij = p_ij * (dP_ij - D_i) with dP = dO.V^T and D_i = rowsum(dO_i * O_i), and D
 is the only use it makes of O. Lowering D_i by g_i therefore adds exactly g_i * p_ij to dS, and dQ = scale *
 dS.K and dK = scale * dS^T.Q take the stats term from there like any other (with softcap, s_ij is the capped
-score and the graph's score modifier carries all of dS through the cap's derivative alike). No handler takes D as an input,
-so it is shifted through O and dO, by appending EXTRA_COLUMNS columns to the value head dim:
+score and the graph's score modifier carries all of dS through the cap's derivative alike). No handler takes
+D as an input, so it is shifted through O and dO, by appending EXTRA_COLUMNS columns to the value head dim:
 
     V''  = [V, 0]   P.V'' and dP = dO''.V''^T read V'' only where it is V: dP is unchanged;
     O''  = [O, e]   D''_i = rowsum(dO_i * O_i) + sum(c_i * e_i) = D_i - g_i, since sum(c_i * e_i) = -g_i;

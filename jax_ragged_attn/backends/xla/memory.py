@@ -154,7 +154,7 @@ def device_memory_bytes() -> int:
     """The default device's memory: the allocator's limit on a GPU, physical RAM on a CPU."""
     try:
         stats = jax.local_devices()[0].memory_stats()
-    except Exception:  # a backend without memory_stats
+    except Exception:  # noqa: BLE001  a backend without memory_stats, however it says so
         stats = None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
@@ -188,8 +188,7 @@ def memory_limit_bytes(limit=None) -> int | None:
     if text in ("off", "none", "inf"):
         return None
     match = re.fullmatch(r"([0-9.]+(?:e[0-9]+)?)\s*(%|[kmgt]i?b|b|)", text)
-    value = float(match.group(1)) if match else None
-    if value is None or value <= 0 or not math.isfinite(value):
+    if match is None or (value := float(match.group(1))) <= 0 or not math.isfinite(value):
         raise ValueError(
             f"{MEMORY_LIMIT_ENV} must be a percentage of the device's memory ('50%'), a size "
             f"('8GiB', '512MB', '3e9') or 'off', got {limit!r}"

@@ -435,7 +435,7 @@ class _Walk(NamedTuple):
     not blocks * the largest count: causal blocks need from one tile to a whole sequence's worth.
     A lane's run of one block's tiles is a segment; segment (lane l, block b) is kept in slot l + b, which is
     unique since along the list l and b never decrease and one of them grows at every new segment. Block b's
-    segments are slots base[b] .. base[b] + count[b] - 1, summed in order after the loop: a fixed order,
+    segments are slots base[b] .. base[b] + num_slots[b] - 1, summed in order after the loop: a fixed order,
     whatever the data, so the result is deterministic and nothing is scattered with an add.
     """
 
@@ -444,7 +444,7 @@ class _Walk(NamedTuple):
     per_lane: jax.Array  # scalar: tiles per lane, ceil(total / lanes)
     total: jax.Array  # scalar: tiles in all
     base: jax.Array  # [n] block b's first slot
-    count: jax.Array  # [n] block b's slots
+    num_slots: jax.Array  # [n] block b's slots (`count` would hide tuple.count)
 
 
 def _walk(steps, lanes: int) -> _Walk:
@@ -512,10 +512,10 @@ def _walk_fold(walk: _Walk, lanes: int, update, neutral, merge, side=None):
 
     def gather(j, out):
         index = jnp.minimum(walk.base + j, lanes + n - 1)
-        taken = j < walk.count
+        taken = j < walk.num_slots
         return merge(out, tuple(jnp.where(per_lane(taken, x), x[index], e) for x, e in zip(slots, neutral)))
 
-    merged = lax.fori_loop(0, walk.count.max(initial=0), gather, spread(n))
+    merged = lax.fori_loop(0, walk.num_slots.max(initial=0), gather, spread(n))
     return merged, side
 
 
