@@ -14,24 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from implementations import xla_and_cudnn
 
 import jax_ragged_attn as jra
-from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.index import cu_seqlens_from_lengths
 
 LENGTHS = (13, 21, 9)  # document 1 (rows 13..33) gets the planted value
 CAPACITY, HEADS_Q, HEADS_KV, DIM = 48, 4, 2, 64
 DOC = slice(LENGTHS[0], LENGTHS[0] + LENGTHS[1])
-
-
-def _implementations():
-    yield pytest.param("xla", id="xla")
-    reason = extension.cudnn_unavailable_reason()
-    yield pytest.param(
-        "cudnn",
-        id="cudnn",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(reason is not None, reason=f"cuDNN path unavailable: {reason}")],
-    )
 
 
 def _call(implementation, q, k, v, d_out, cu, is_causal):
@@ -44,7 +34,7 @@ def _call(implementation, q, k, v, d_out, cu, is_causal):
     return (out, *pullback(d_out))
 
 
-@pytest.mark.parametrize("implementation", list(_implementations()))
+@pytest.mark.parametrize("implementation", xla_and_cudnn())
 # The fast tier plants NaN under a causal mask; inf and the full mask take the same paths (slow tier).
 @pytest.mark.parametrize(
     "is_causal", [pytest.param(False, id="full", marks=pytest.mark.slow), pytest.param(True, id="causal")]

@@ -12,6 +12,7 @@ import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from implementations import xla_and_cudnn
 
 import jax_ragged_attn as jra
 from jax_ragged_attn.backends.shared import extension
@@ -29,16 +30,6 @@ POLICIES = {
         offload_dst="pinned_host",
     ),
 }
-
-
-def _implementations():
-    yield pytest.param("xla", id="xla")
-    reason = extension.cudnn_unavailable_reason()
-    yield pytest.param(
-        "cudnn",
-        id="cudnn",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(reason is not None, reason=f"cuDNN path unavailable: {reason}")],
-    )
 
 
 def _loss(implementation):
@@ -77,7 +68,7 @@ def _forward_passes(implementation, policy, args) -> int:
     )
 
 
-@pytest.mark.parametrize("implementation", list(_implementations()))
+@pytest.mark.parametrize("implementation", xla_and_cudnn())
 @pytest.mark.parametrize("policy", ["save_nothing", "save_out_and_lse", "offload_out_and_lse"])
 def test_gradients_are_the_same_under_every_policy(implementation, policy):
     args = _inputs(implementation)
@@ -87,7 +78,7 @@ def test_gradients_are_the_same_under_every_policy(implementation, policy):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
-@pytest.mark.parametrize("implementation", list(_implementations()))
+@pytest.mark.parametrize("implementation", xla_and_cudnn())
 @pytest.mark.parametrize("policy", ["save_out_and_lse", "offload_out_and_lse"])
 def test_saving_the_named_values_skips_the_recomputed_forward(implementation, policy):
     args = _inputs(implementation)
