@@ -23,7 +23,7 @@ the uniform (8) and byte-frequency baselines, a loss plot, samples from --sample
 sample printed), then serving (--serve-requests requests of mixed prompt and output lengths by continuous
 batching: every step one jitted call carrying prefill chunks and decode rows over packed queries, requests
 taking a slot as others finish, the first prompt's continuations sharing its cache pages; its throughput and
-p50 / p99 latency beside today's fixed-batch generation on the same requests, serving.py). Exits 1 if held-out bits per
+p50 / p99 latency beside the fixed-batch generation on the same requests, serving.py). Exits 1 if held-out bits per
 byte stay above --max-bits-per-byte. --profile prints where a step's device time goes. The side-by-side (default on a
 GPU, --compare-steps elsewhere) trains the same model from the same initialisation on the same batches, packed and
 padded to [rows, max_seqlen] through `jax.nn.dot_product_attention` (cuDNN, XLA), every system timed the same way (the

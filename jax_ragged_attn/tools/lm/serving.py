@@ -1,4 +1,4 @@
-"""Serving by continuous batching, side by side with today's fixed-batch generation on the same requests.
+"""Serving by continuous batching, side by side with the fixed-batch generation on the same requests.
 
 A queue of requests (a prompt, how many bytes to generate, how many continuations to sample), a fixed number
 of slots and a fixed pool of cache pages. Every step is one call of one jitted function, compiled once for
