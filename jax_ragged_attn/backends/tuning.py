@@ -31,6 +31,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 from jax_ragged_attn.config import AttentionConfig
+from jax_ragged_attn.features.stacklevel import users_stacklevel
 
 CALLS = 5  # calls per timed loop (plain dispatch, one block at the end)
 SAMPLES = 7  # timed loops; their median is the figure
@@ -224,7 +225,7 @@ def entry(config: AttentionConfig, same_index: bool, provider: str = FLASH_ATTN3
             warnings.warn(
                 f"timing cuDNN against FlashAttention-3 failed, using cuDNN: {type(error).__name__}: {error}",
                 RuntimeWarning,
-                stacklevel=6,
+                stacklevel=users_stacklevel(),
             )
             return dict(implementation="cudnn", failed=f"{type(error).__name__}: {error}"), False
 

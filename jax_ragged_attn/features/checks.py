@@ -24,14 +24,13 @@ import dataclasses
 import functools
 import logging
 import os
-import sys
-import types
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ragged_attn.features.stacklevel import users_stacklevel
 from jax_ragged_attn.index import host_slots
 
 ENV_VAR = "JAX_RAGGED_ATTN_CHECK"
@@ -275,18 +274,8 @@ def _warn_first(values: tuple, element_ranks: tuple, message_of, *, counted: boo
             + ". The op drops or clamps this data (check=True raises instead"
             + ("; return_overflow=True counts it)" if counted else ")"),
             RaggedAttentionInputWarning,
-            stacklevel=_first_frame_outside_the_package(),
+            stacklevel=users_stacklevel(),
         )
-
-
-def _first_frame_outside_the_package() -> int:
-    """The stacklevel, seen from our caller, of the first frame outside jax_ragged_attn: the user's call."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # jax_ragged_attn/, not features/
-    frame: types.FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _checked(arrays: tuple, element_ranks: tuple, message_of) -> tuple:

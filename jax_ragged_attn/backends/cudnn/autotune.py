@@ -25,6 +25,7 @@ import warnings
 from pathlib import Path
 
 from jax_ragged_attn.backends.shared import extension
+from jax_ragged_attn.features.stacklevel import users_stacklevel
 
 CACHE_ENV = "JAX_RAGGED_ATTN_AUTOTUNE_CACHE"
 # Another plan replaces the heuristic's choice only if its median is this much lower: run-to-run noise of
@@ -124,7 +125,7 @@ def entry(direction: str, attributes: dict, device: int) -> dict:
             warnings.warn(
                 f"autotuning the cuDNN {direction} graph failed, using cuDNN's heuristic choice: {error}",
                 RuntimeWarning,
-                stacklevel=6,
+                stacklevel=users_stacklevel(),
             )
             return dict(plan_index=-1, failed=str(error)), False
 

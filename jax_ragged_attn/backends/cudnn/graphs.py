@@ -12,6 +12,7 @@ from jax_ragged_attn.backends.cudnn import autotune, extents, strategy
 from jax_ragged_attn.backends.shared import extension, head_groups, known_issues
 from jax_ragged_attn.backends.shared.extension import device_ordinal
 from jax_ragged_attn.config import PACKINGS, AttentionConfig
+from jax_ragged_attn.features.stacklevel import users_stacklevel
 
 CUDNN_DTYPES = ("bfloat16", "float16")
 MAX_HEAD_DIM = 256
@@ -125,7 +126,7 @@ def graph_info(direction: str, config: AttentionConfig, layout: str | None = Non
             f"extent ({info['expected_intermediate_bytes']} bytes); using the dense layout without "
             "max_total_seq_len instead (correct, larger workspace). Upgrade nvidia-cudnn-frontend to 1.28+.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=users_stacklevel(),
         )
     return info
 

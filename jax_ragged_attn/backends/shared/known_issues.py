@@ -50,6 +50,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from jax_ragged_attn.features.stacklevel import users_stacklevel
+
 Version = tuple[int, ...]
 LIBRARIES = ("cudnn", "cudnn_frontend", "flash-attn3-jax")
 OPS = ("ragged", "kvcache")
@@ -444,7 +446,7 @@ def warn_once() -> None:
         warnings.warn(
             f"jax_ragged_attn: {loaded} has known bugs in features this package fences: " + "; ".join(fenced),
             KnownIssueWarning,
-            stacklevel=3,
+            stacklevel=users_stacklevel(),
         )
 
 

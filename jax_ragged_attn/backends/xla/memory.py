@@ -32,6 +32,7 @@ import numpy as np
 
 from jax_ragged_attn.backends.xla import options
 from jax_ragged_attn.config import AttentionConfig
+from jax_ragged_attn.features.stacklevel import users_stacklevel
 
 MEMORY_LIMIT_ENV = "JAX_RAGGED_ATTN_XLA_MEMORY_LIMIT"
 # The backward (fused_backward): "fused", one pass over the key blocks, computes P and dP once per tile and
@@ -249,5 +250,5 @@ def warn_cudnn_fallback(reason: str, config: AttentionConfig) -> None:
         f"backward (blocks {block_q}x{block_kv}, xla_block_size). Pass implementation='xla' to choose it "
         f"explicitly (and silence this), or remove the reason to run cuDNN. Shown once per reason.",
         CudnnFallbackWarning,
-        stacklevel=5,  # warn <- backends.choose <- ops.ragged.attend <- entry point <- the caller
+        stacklevel=users_stacklevel(),
     )
