@@ -21,7 +21,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_ragged_attn.index import sanitize_cu_seqlens
+from jax_ragged_attn.index import out_of_order, sanitize_cu_seqlens
+from jax_ragged_attn.index.kvcache import bad_used_entries, lengths_outside
 
 
 class Overflow(NamedTuple):
@@ -39,11 +40,8 @@ class Overflow(NamedTuple):
 def invalid_entries(cu_seqlens: jax.Array, capacity: int) -> jax.Array:
     """Entries that start elsewhere than 0, fall below an earlier entry, or leave [0, capacity]:
     [2, 5, 3, 12] with capacity 10 -> 3 (entry 0 is not 0, 3 < 5, 12 > 10)."""
-    cu_seqlens = jax.lax.optimization_barrier(cu_seqlens)  # not constant-folded (packing.sanitize_cu_seqlens)
-    earlier_max = jax.lax.cummax(cu_seqlens, axis=0)[:-1]
-    out_of_order = jnp.concatenate([cu_seqlens[:1] != 0, cu_seqlens[1:] < earlier_max])
     outside = (cu_seqlens < 0) | (cu_seqlens > capacity)
-    return jnp.sum(out_of_order | outside, dtype=jnp.int32)
+    return jnp.sum(out_of_order(cu_seqlens) | outside, dtype=jnp.int32)
 
 
 def truncated_rows(cu_seqlens: jax.Array, capacity: int, max_seqlen: int, seqused=None) -> jax.Array:
@@ -77,13 +75,9 @@ def cache_overflow(cache_seqlens, page_table, cu_seqlens_q, config) -> Overflow:
     truncated_rows_kv is 0: a length past the capacity is an invalid entry. cache_seqlens [5, -1, 9] with
     capacity 8 -> 2 invalid entries (-1 and 9)."""
     zero = jnp.zeros((), jnp.int32)
-    outside = (cache_seqlens < 0) | (cache_seqlens > config.capacity)
-    invalid = jnp.sum(outside, dtype=jnp.int32)
+    invalid = jnp.sum(lengths_outside(cache_seqlens, config), dtype=jnp.int32)
     if page_table is not None:  # entries of the pages each sequence uses, its length clamped as the op does
-        used = (jnp.clip(cache_seqlens, 0, config.capacity) + config.page_size - 1) // config.page_size
-        needed = jnp.arange(config.max_pages)[None, :] < used[:, None]
-        bad = needed & ((page_table < 0) | (page_table >= config.num_pages))
-        invalid = invalid + jnp.sum(bad, dtype=jnp.int32)
+        invalid = invalid + jnp.sum(bad_used_entries(cache_seqlens, page_table, config), dtype=jnp.int32)
     truncated_q = zero
     if cu_seqlens_q is not None:
         invalid = invalid + invalid_entries(cu_seqlens_q, config.total_q)

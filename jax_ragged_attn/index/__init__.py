@@ -153,6 +153,43 @@ def query_rows_with_keys(cu_seqlens_q, cu_seqlens_kv, config, seqused_q=None, se
     return valid & (first <= last)
 
 
+# ---- invalid input: the rows that come out NaN ---------------------------------------------------------------
+# One definition of each invalid case, shared by the overflow counts (features/overflow.py) and the NaN rows
+# (RaggedIndex.invalid_rows_q, ops/common.loud); check mode and the host warnings (features/checks.py) test
+# the same conditions on NumPy values. Malformed cu_seqlens make every row NaN: the clamped offsets then
+# describe a different batch, so no row is known to be right. A well-formed cu_seqlens makes a sequence
+# invalid where its end runs past the buffer or it holds more than max_seqlen rows.
+
+
+def out_of_order(cu_seqlens: jax.Array) -> jax.Array:
+    """bool [B + 1]: the entry breaks the order (entry 0 is not 0, or it falls below an earlier entry):
+    [2, 5, 3, 12] -> [T, F, T, F]. Any such entry makes the whole cu_seqlens malformed."""
+    cu_seqlens = jax.lax.optimization_barrier(cu_seqlens)  # not constant-folded (see sanitize_cu_seqlens)
+    earlier_max = running_max(cu_seqlens)[:-1]
+    return jnp.concatenate([cu_seqlens[:1] != 0, cu_seqlens[1:] < earlier_max])
+
+
+def invalid_sequences(cu_seqlens: jax.Array, capacity: int, max_seqlen: int, seqused=None) -> jax.Array:
+    """bool [B]: sequence b of a well-formed cu_seqlens is invalid: it ends past `capacity` or holds more
+    than max_seqlen rows (with seqused, more than max_seqlen used rows). cu_seqlens [0, 7, 9, 14], capacity
+    12, max_seqlen 4 -> [T, F, T]."""
+    cu_seqlens = jax.lax.optimization_barrier(cu_seqlens)
+    lengths = jnp.diff(sanitize_cu_seqlens(cu_seqlens, capacity))
+    if seqused is not None:
+        lengths = jnp.clip(seqused, 0, lengths)
+    return (cu_seqlens[1:] > capacity) | (lengths > max_seqlen)
+
+
+def rows_of_invalid(sanitized: jax.Array, capacity: int, malformed: jax.Array, invalid: jax.Array) -> jax.Array:
+    """bool [capacity]: the row lies in the slot of an invalid sequence (`invalid` [B]) of the sanitised
+    cu_seqlens, or `malformed` (a bool scalar) is true. Padding rows past the last slot stay False.
+    sanitized [0, 3, 3, 5], capacity 7, invalid [F, F, T] -> [F, F, F, T, T, F, F]."""
+    num_seqs = invalid.shape[0]
+    sequence = count_at_or_before(sanitized[1:], capacity)  # [capacity]; num_seqs past the last slot
+    owned = (sequence < num_seqs) & invalid[jnp.minimum(sequence, num_seqs - 1)]
+    return malformed | owned
+
+
 def as_int32(x, name: str):
     """`x` as int32 (a NumPy array stays a NumPy array, a jax value a jax value); see the module docstring."""
     if isinstance(x, (list, tuple)):
@@ -251,3 +288,17 @@ class RaggedIndex:
             config.right_bound,
         )
         return self._memo(key, lambda: query_rows_with_keys(*self.sanitized(config), config, *self.seqused))
+
+    def invalid_rows_q(self, config) -> jax.Array:
+        """[Tq] bool: the query row comes out NaN (see "invalid input" above): every row when either
+        cu_seqlens is malformed, else the rows of each sequence invalid on the q or the kv side."""
+
+        def compute():
+            cu_q, cu_kv = self.cu_seqlens_q, self.cu_seqlens_kv
+            malformed = jnp.any(out_of_order(cu_q)) | jnp.any(out_of_order(cu_kv))
+            invalid = invalid_sequences(cu_q, config.capacity_q, config.max_seqlen_q, self.seqused_q)
+            invalid = invalid | invalid_sequences(cu_kv, config.capacity_kv, config.max_seqlen_kv, self.seqused_kv)
+            return rows_of_invalid(self.sanitized(config)[0], config.capacity_q, malformed, invalid)
+
+        key = ("invalid_q", config.capacity_q, config.capacity_kv, config.max_seqlen_q, config.max_seqlen_kv)
+        return self._memo(key, compute)

@@ -35,7 +35,14 @@ import jax
 import jax.numpy as jnp
 
 from jax_ragged_attn.config import KVCacheConfig
-from jax_ragged_attn.index import row_positions, sanitize_cu_seqlens, sequence_lengths
+from jax_ragged_attn.index import (
+    invalid_sequences,
+    out_of_order,
+    row_positions,
+    rows_of_invalid,
+    sanitize_cu_seqlens,
+    sequence_lengths,
+)
 
 
 def clamped_lengths(cache_seqlens: jax.Array, config: KVCacheConfig) -> jax.Array:
@@ -52,6 +59,45 @@ def safe_page_table(page_table: jax.Array, config: KVCacheConfig) -> jax.Array:
     """page_table with every entry outside [0, num_pages) replaced by page 0: what a kernel that reads the
     table itself is given, so that it cannot address memory outside the cache."""
     return jnp.where(valid_pages(page_table, config), page_table, 0)
+
+
+def used_pages(cache_seqlens: jax.Array, config: KVCacheConfig) -> jax.Array:
+    """bool [B, max_pages]: the page holds rows the sequence uses (its length clamped into the cache):
+    cache_seqlens [5, 0, 9], page_size 4, max_pages 2 -> [[T, T], [F, F], [T, T]]."""
+    pages = (clamped_lengths(cache_seqlens, config) + config.page_size - 1) // config.page_size
+    return jnp.arange(config.max_pages, dtype=jnp.int32)[None, :] < pages[:, None]
+
+
+def lengths_outside(cache_seqlens: jax.Array, config: KVCacheConfig) -> jax.Array:
+    """bool [B]: cache_seqlens[b] lies outside [0, capacity]."""
+    return (cache_seqlens < 0) | (cache_seqlens > config.capacity)
+
+
+def bad_used_entries(cache_seqlens: jax.Array, page_table: jax.Array, config: KVCacheConfig) -> jax.Array:
+    """bool [B, max_pages]: the entry names no page of the cache and holds rows its sequence uses."""
+    return used_pages(cache_seqlens, config) & ~valid_pages(page_table, config)
+
+
+def invalid_cache_sequences(cache_seqlens: jax.Array, page_table: jax.Array | None, config: KVCacheConfig):
+    """bool [B]: sequence b's cache index is invalid: cache_seqlens[b] outside [0, capacity], or an entry of a
+    page it uses outside [0, num_pages). Its query rows come out NaN; overflow.cache_overflow counts the
+    same entries."""
+    invalid = lengths_outside(cache_seqlens, config)
+    if page_table is not None:
+        invalid = invalid | jnp.any(bad_used_entries(cache_seqlens, page_table, config), axis=1)
+    return invalid
+
+
+def invalid_query_rows(cache_seqlens, page_table, cu_seqlens_q, config: KVCacheConfig) -> jax.Array:
+    """bool, the query rows ([B, Sq], packed [T]): the row comes out NaN. Its sequence's cache index is
+    invalid (invalid_cache_sequences); packed, also its slot of cu_seqlens_q runs past T or holds more than
+    max_seqlen_q queries, and every row when cu_seqlens_q is malformed (index.out_of_order)."""
+    invalid = invalid_cache_sequences(cache_seqlens, page_table, config)
+    if not config.packed:
+        return jnp.broadcast_to(invalid[:, None], (config.batch, config.seqlen_q))
+    malformed = jnp.any(out_of_order(cu_seqlens_q))
+    invalid = invalid | invalid_sequences(cu_seqlens_q, config.total_q, config.seqlen_q)
+    return rows_of_invalid(sanitize_cu_seqlens(cu_seqlens_q, config.total_q), config.total_q, malformed, invalid)
 
 
 def query_positions(lengths: jax.Array, config: KVCacheConfig) -> jax.Array:

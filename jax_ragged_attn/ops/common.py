@@ -23,11 +23,40 @@ def choose(op: str, options: AttentionOptions, config, index, *, stats_gradient:
     return backends.choose(options.implementation, config, index, stats_gradient=stats_gradient, op=op)
 
 
-def result(out, stats, sinks, real_rows, rows_with_keys, stats_layout: str, return_stats: bool, extra: tuple = ()):
+def result(
+    out,
+    stats,
+    sinks,
+    real_rows,
+    rows_with_keys,
+    stats_layout: str,
+    return_stats: bool,
+    extra: tuple = (),
+    *,
+    invalid_rows=None,
+):
     """out, or (out, stats), then `extra`: the op's result from the sink-free backend's out and stats (in
     `stats_layout`), with sinks (None: none, or already folded into the backend's call) as features/sinks.py's
-    epilogue over the rows given."""
+    epilogue over the rows given, and the `invalid_rows` (bool, out's row axes) made NaN (`loud`)."""
     if sinks is not None:
         out, stats = apply_sinks(out, stats, sinks, real_rows, rows_with_keys, stats_layout, return_stats)
+    if invalid_rows is not None:
+        out, stats = loud(out, stats if return_stats else None, invalid_rows, stats_layout)
     values = ((out, stats) if return_stats else (out,)) + tuple(extra)
     return values if len(values) > 1 else out
+
+
+def loud(out, stats, invalid_rows, stats_layout: str):
+    """(out, stats) with the rows `invalid_rows` marks NaN, in out ([..., rows, H, D]) and in stats
+    (head_major [..., H, rows], token_major [..., rows, H]; None: not returned).
+
+    Outside check mode the kernels run on index arrays clamped into the buffers, so a row whose inputs are
+    invalid (index.invalid_sequences, index/kvcache.invalid_query_rows) would read finite, wrong numbers. This
+    one select makes them NaN on the device, with no host round trip, so a NaN loss, a metric or
+    jax.debug_nans notices; every other row passes through bit for bit. Its cotangent is 0 on those rows, so
+    the backward sees no NaN from here."""
+    out = jnp.where(invalid_rows[..., None, None], jnp.asarray(jnp.nan, out.dtype), out)
+    if stats is not None:
+        rows = invalid_rows[..., None, :] if stats_layout == "head_major" else invalid_rows[..., None]
+        stats = jnp.where(rows, jnp.asarray(jnp.nan, stats.dtype), stats)
+    return out, stats

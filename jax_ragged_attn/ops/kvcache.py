@@ -32,7 +32,13 @@ from jax_ragged_attn.features import keyword_hints
 from jax_ragged_attn.features.checks import apply_append_check, apply_cache_check
 from jax_ragged_attn.features.overflow import cache_overflow
 from jax_ragged_attn.index import as_int32, row_positions, sanitize_cu_seqlens
-from jax_ragged_attn.index.kvcache import clamped_lengths, packed_query_rows, packed_rows_with_keys, rows_with_keys
+from jax_ragged_attn.index.kvcache import (
+    clamped_lengths,
+    invalid_query_rows,
+    packed_query_rows,
+    packed_rows_with_keys,
+    rows_with_keys,
+)
 from jax_ragged_attn.ops import common
 
 
@@ -146,8 +152,9 @@ def ragged_attention_with_kvcache(
     cache_seqlens = jnp.asarray(cache_seqlens)
     page_table = None if page_table is None else jnp.asarray(page_table)
     cu_seqlens_q = None if cu_seqlens_q is None else jnp.asarray(cu_seqlens_q)
-    # From the index arrays as the caller passed them (checked ones are the same values).
+    # From the index arrays as the caller passed them (checked ones are the same values), as are the invalid rows.
     overflow = (cache_overflow(cache_seqlens, page_table, cu_seqlens_q, config),) if return_overflow else ()
+    invalid = invalid_query_rows(cache_seqlens, page_table, cu_seqlens_q, config)  # their rows come out NaN
     if page_table is not None and getattr(backend, "READS_TABLE_UNCHECKED", False):
         # Its kernel reads both without bounds: lengths and entries clamped into the cache, one launch on a GPU.
         lengths, page_table = safe_cache_index(cache_seqlens, page_table, config)
@@ -165,7 +172,7 @@ def ragged_attention_with_kvcache(
         out = jnp.where(keys[..., None, None], out, jnp.zeros((), out.dtype))
     if sinks is None and options.return_stats:
         lse = jnp.where(keys[..., None, :], lse, -jnp.inf)
-    result = common.result(out, lse, sinks, real, keys, "head_major", options.return_stats)
+    result = common.result(out, lse, sinks, real, keys, "head_major", options.return_stats, invalid_rows=invalid)
     if options.return_stats and options.stats_layout == "token_major":
         out, stats = result
         result = out, jnp.swapaxes(stats, -1, -2)

@@ -201,6 +201,7 @@ def attend(
         config.stats_layout,
         options.return_stats,
         overflow,
+        invalid_rows=index.invalid_rows_q(config),
     )
 
 
