@@ -44,6 +44,7 @@ class Row:
     cu_kv: tuple[int, ...]
     counts: tuple[int, int, int]  # truncated_rows_q, truncated_rows_kv, invalid_cu_seqlens
     fragments: tuple[str, ...] = ()  # check mode's message holds these (empty: valid input)
+    nan_rows: tuple[int, int] = (0, 0)  # default mode: query rows start..stop - 1 read NaN, the rest are finite
 
 
 ROWS = {
@@ -58,19 +59,25 @@ ROWS = {
             "more than max_seqlen_q = 4",
             "Got [0 6 6 7]",
         ),
+        (0, 6),
     ),
     "kv_longer_than_max_seqlen_kv": Row(
         VALID_Q,
         [0, 2, 9, 10],
         (0, 2, 0),
         ("cu_seqlens_kv is invalid", "sequence 1 has 7 tokens", "more than max_seqlen_kv = 5"),
+        (3, 3),  # sequence 1 is invalid, and it has no query rows
     ),
-    "q_not_starting_at_0": Row([1, 3, 3, 7], VALID_KV, (0, 0, 1), ("cu_seqlens_q[0] = 1, must be 0",)),
+    # Malformed cu_seqlens (not from 0, decreasing): every row, padding included.
+    "q_not_starting_at_0": Row(
+        [1, 3, 3, 7], VALID_KV, (0, 0, 1), ("cu_seqlens_q[0] = 1, must be 0",), (0, CAPACITY_Q)
+    ),
     "kv_decreasing": Row(
         VALID_Q,
         [0, 5, 4, 9],
         (0, 0, 1),
         ("cu_seqlens_kv is invalid: it decreases at index 2", "cu_seqlens_kv[1] = 5 > cu_seqlens_kv[2] = 4"),
+        (0, CAPACITY_Q),
     ),
     # Clamped to [0, 3, 3, 12]: its last sequence becomes 9 rows long, 5 of them past max_seqlen_q.
     "q_past_capacity": Row(
@@ -78,8 +85,9 @@ ROWS = {
         VALID_KV,
         (5, 0, 1),
         ("cu_seqlens_q[3] = 15 is past the capacity 12 (rows of the packed buffer)", "sequence 2 has 12 tokens"),
+        (3, CAPACITY_Q),
     ),
-    "kv_negative": Row(VALID_Q, [-2, 5, 5, 9], (0, 0, 1), ("cu_seqlens_kv[0] = -2, must be 0",)),
+    "kv_negative": Row(VALID_Q, [-2, 5, 5, 9], (0, 0, 1), ("cu_seqlens_kv[0] = -2, must be 0",), (0, CAPACITY_Q)),
 }
 INVALID = {name: row for name, row in ROWS.items() if row.fragments}
 RAISED = (ValueError, jax.errors.JaxRuntimeError)  # what XLA delivers under jit (checks module docstring)
@@ -173,13 +181,21 @@ def test_default_mode_runs_and_counts_what_was_dropped(inputs, implementation, r
     for how, call in (("eager", f), ("jit", jax.jit(f))):
         out, overflow = call(_cu(row.cu_q), _cu(row.cu_kv))
         what = f"{row_name} {implementation} {how}: "
-        assert np.isfinite(np.asarray(out)).all(), what + "out"
+        nan = np.isnan(np.asarray(out, np.float32)).all(axis=(1, 2))
+        expected = np.zeros(CAPACITY_Q, bool)
+        expected[slice(*row.nan_rows)] = True
+        np.testing.assert_array_equal(nan, expected, err_msg=what + "NaN rows")
+        assert np.isfinite(np.asarray(out, np.float32)[~expected]).all(), what + "out"
         _assert_counts(overflow, row.counts, what)
-    # Independent of the counting code: with every sequence owning keys, a query row inside the (clamped)
-    # sequences reads exactly 0 only if it was cut by max_seqlen_q.
+    # Independent of the counting code: with every sequence owning keys, no finite query row inside the
+    # (clamped) sequences reads exactly 0 (a cut row reads NaN with the rest of its sequence), and the padding
+    # rows past them read exactly 0 unless they are NaN.
     cu = np.asarray(sanitize_cu_seqlens(_cu(row.cu_q), CAPACITY_Q))
-    inside = np.asarray(out)[cu[0] : cu[-1]]
-    assert int(np.sum(np.all(inside == 0, axis=(1, 2)))) == row.counts[0], row_name
+    finite = np.asarray(out)[~expected]
+    rows = np.arange(CAPACITY_Q)[~expected]
+    inside = (rows >= cu[0]) & (rows < cu[-1])
+    assert not np.all(finite[inside] == 0, axis=(1, 2)).any(), row_name
+    assert np.all(finite[~inside] == 0), row_name
 
 
 @some_fast(
