@@ -69,9 +69,7 @@ ROWS = {
         (3, 3),  # sequence 1 is invalid, and it has no query rows
     ),
     # Malformed cu_seqlens (not from 0, decreasing): every row, padding included.
-    "q_not_starting_at_0": Row(
-        [1, 3, 3, 7], VALID_KV, (0, 0, 1), ("cu_seqlens_q[0] = 1, must be 0",), (0, CAPACITY_Q)
-    ),
+    "q_not_starting_at_0": Row([1, 3, 3, 7], VALID_KV, (0, 0, 1), ("cu_seqlens_q[0] = 1, must be 0",), (0, CAPACITY_Q)),
     "kv_decreasing": Row(
         VALID_Q,
         [0, 5, 4, 9],

@@ -131,13 +131,16 @@ def make_inputs(rng, case: Case, dtype):
 
 
 def expected_results(case: Case, q64, k64, v64, d_out=None, d_stats=None) -> dict[str, np.ndarray]:
-    """The reference on each segment alone; stats token-major [R, S, Hq]. Untouched tokens: 0 / -inf."""
+    """The reference on each segment alone; stats token-major [R, S, Hq]. Untouched tokens: 0 / -inf, as are
+    segments longer than max_seqlen, whose rows the op makes NaN (loud_tokens) and which get no gradient."""
     rows, seq, hq, _ = q64.shape
     result = {"out": np.zeros((rows, seq, hq, v64.shape[3])), "stats": np.full((rows, seq, hq), -np.inf)}
     if d_out is not None:
         result.update(dq=np.zeros_like(q64), dk=np.zeros_like(k64), dv=np.zeros_like(v64))
     limit = case.max_seqlen or seq
     for r, a, b in case.runs[: case.max_segments]:
+        if b - a > limit:
+            continue
         cu = np.array([0, b - a])
         cotangents = {} if d_out is None else dict(d_out=d_out[r, a:b], d_stats=d_stats[r, a:b])
         one = reference_attention(
@@ -154,6 +157,14 @@ def expected_results(case: Case, q64, k64, v64, d_out=None, d_stats=None) -> dic
         for name, value in one.items():
             result[name][r, a:b] = value
     return result
+
+
+def loud_tokens(case: Case) -> np.ndarray:
+    """[R, S] bool: the tokens of kept segments longer than max_seqlen, which read NaN."""
+    loud = np.zeros(np.shape(case.segment_ids), bool)
+    for r, a, b in case.runs[: case.max_segments]:
+        loud[r, a:b] = b - a > (case.max_seqlen or loud.shape[1])
+    return loud
 
 
 def forward_and_vjp(case: Case, layout: str, q, k, v, segment_ids, cotangent):
@@ -201,6 +212,9 @@ def test_matches_reference_per_segment(rng, case_name):
     if layout == "head_major":
         stats = jnp.moveaxis(stats, 0, 2)
     what = f"{case_name} {dtype} {layout}: "
+    loud = loud_tokens(case)
+    assert np.isnan(np.asarray(out, np.float32)[loud]).all() and np.isnan(np.asarray(stats)[loud]).all(), what
+    out, stats = jnp.where(loud[..., None, None], 0, out), jnp.where(loud[..., None], -jnp.inf, stats)
     assert_close(out, expected["out"], dtype, what + "out")
     assert_close(stats, expected["stats"], dtype, what + "stats")
     for name, grad, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
@@ -407,11 +421,19 @@ def test_default_mode_counts_dropped_segments_and_cut_tokens(rng, row):
             int(overflow.invalid_cu_seqlens),
         )
         assert counts == (dropped, cut, cut, 0), f"{row} {how}: {overflow}"
-    # Independent of the counts: real tokens that read exactly 0 are the dropped and cut ones.
+    # Independent of the counts: real tokens that read exactly 0 are the dropped ones, and those that read NaN
+    # every token of a kept segment longer than max_seqlen.
     real = np.asarray(MIXED) > 0
     zero = np.all(np.asarray(out) == 0, axis=(2, 3))
     dropped_tokens = sum(b - a for _, a, b in segment_runs(MIXED)[max_segments:])
-    assert int(np.sum(zero & real)) == dropped_tokens + cut, (row, zero.astype(int).tolist())
+    assert int(np.sum(zero & real)) == dropped_tokens, (row, zero.astype(int).tolist())
+    limit = max_seqlen or np.shape(MIXED)[1]
+    long_segments = [(r, a, b) for r, a, b in segment_runs(MIXED)[:max_segments] if b - a > limit]
+    assert cut == sum(b - a - limit for _, a, b in long_segments), row
+    loud = np.zeros(np.shape(MIXED), bool)
+    for r, a, b in long_segments:
+        loud[r, a:b] = True
+    np.testing.assert_array_equal(np.isnan(np.asarray(out)).all(axis=(2, 3)), loud, err_msg=row)
 
 
 @pytest.mark.parametrize("row", [r for r in DROP_ROWS if DROP_ROWS[r][4]])

@@ -1,10 +1,11 @@
 """Check mode (check=True or JAX_RAGGED_ATTN_CHECK=1): input data the op would drop or clamp is an error.
 
-Without it, cu_seqlens are clamped monotone into the buffers (index.sanitize_cu_seqlens), sequences longer
-than max_seqlen are cut and segments past max_segments are treated as padding: no kernel addresses outside
-its buffers, and `return_overflow=True` counts what was dropped (overflow.py), but a malformed batch
-silently becomes a different, valid one. With check mode, it stops the computation with a
-`RaggedAttentionInputError` (a ValueError) naming the argument, the index and the values.
+Without it, cu_seqlens are clamped monotone into the buffers (index.sanitize_cu_seqlens) and segments past
+max_segments are treated as padding: no kernel addresses outside its buffers, the query rows of a sequence
+whose index data is invalid read NaN (index.invalid_sequences, ops/common.loud), and
+`return_overflow=True` counts what was dropped (overflow.py). With check mode, such data stops the
+computation with a `RaggedAttentionInputError` (a ValueError) naming the argument, the index and the values.
+The problem finders here test on the host the conditions index/ and overflow.py test on the device.
 
 Concrete values (an eager call) are checked on the host here and raise as they are; traced ones are checked by
 a `jax.pure_callback` whose result is the checked array, so the kernels wait for it. Under jit the error reaches
@@ -269,9 +270,14 @@ def _warn_first(values: tuple, element_ranks: tuple, message_of, *, counted: boo
     `values` (_first_invalid); `counted`: the op's return_overflow counts such data."""
     message = _first_invalid(values, element_ranks, message_of)
     if message:
+        # The attention ops (counted) make the rows of a sequence with invalid index data NaN (ops/common.loud).
         warnings.warn(
             message
-            + ". The op drops or clamps this data (check=True raises instead"
+            + (
+                ". The op clamps this data and the query rows it concerns read NaN (check=True raises instead"
+                if counted
+                else ". The op drops or clamps this data (check=True raises instead"
+            )
             + ("; return_overflow=True counts it)" if counted else ")"),
             RaggedAttentionInputWarning,
             stacklevel=users_stacklevel(),

@@ -1,7 +1,8 @@
 """How much input data a call dropped, cut or clamped: device-side counts, no host round trip.
 
-Outside check mode the op never fails on data: cu_seqlens are clamped into the buffers, sequences longer
-than max_seqlen are cut, segments past max_segments are treated as padding (README, "What can be dropped").
+Outside check mode the op never fails on data: cu_seqlens are clamped into the buffers, the query rows of a
+sequence whose index data is invalid read NaN (index.invalid_sequences: the same conditions these counts
+count), segments past max_segments are treated as padding (docs/API.md, "What can be dropped").
 `return_overflow=True` on every entry point returns an `Overflow` of int32 scalars that say how much, so a
 training loop can log them (or sum them over steps) with the loss, at the cost of a few O(B) integer ops:
 

@@ -9,7 +9,8 @@ diagonal of a bottom-right mask. Row r of sequence b lives at
 
 A page-table entry outside [0, num_pages) is never read: its rows are absent keys (the xla path leaves them
 out; a kernel that cannot mask single pages reads page 0 in their place, memory-safe but not the same
-result: check=True names such an entry).
+result). Either way a sequence whose used pages hold such an entry, or whose cache_seqlens lies outside
+[0, capacity], is invalid: its query rows come out NaN (invalid_query_rows; check=True names the entry).
 
 Worked example, page_size 4, cache_seqlens [6, 0], page_table [[3, 1], [7, -1]], Sq = 2:
     sequence 0: rows 0-3 on page 3, rows 4-5 on page 1; queries at positions 4 and 5
@@ -17,7 +18,8 @@ Worked example, page_size 4, cache_seqlens [6, 0], page_table [[3, 1], [7, -1]],
 
 Packed queries (`total_q` > 0): q is [T, Hq, D] and cu_seqlens_q [B + 1] gives each sequence its rows, as in
 ragged_attention: sequence b's queries are rows cu[b] .. cu[b + 1] - 1 (cu clamped monotone into [0, T]; at
-most max_seqlen_q of them, the config's seqlen_q, count: a longer slot's later rows are not queries), its
+most max_seqlen_q of them, the config's seqlen_q, count: a longer slot's later rows are not queries, and
+its rows come out NaN), its
 newest n_b positions: query i sits at len[b] - n_b + i. Rows outside every sequence's queries read out 0,
 stats -inf. `packed_query_rows` gives each row its sequence, position and ownership:
 

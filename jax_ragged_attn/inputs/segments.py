@@ -114,9 +114,9 @@ def ragged_attention_segments(
       max_segments: static bound on the number of segments in the whole batch (real segments only; padding
         needs no slot). Segments past it, counted in row-major order, are treated as padding (counted in
         the overflow's dropped_segments; check=True raises instead).
-      max_seqlen: static bound on a segment's length, default S (always enough). A longer segment is cut
-        to it; its tokens past the bound are treated as padding, as in `ragged_attention` (counted in
-        truncated_rows_q/kv; check=True raises instead).
+      max_seqlen: static bound on a segment's length, default S (always enough). A longer segment's tokens
+        read NaN, as a longer sequence's rows do in `ragged_attention` (counted in truncated_rows_q/kv;
+        check=True raises instead).
       check: as in `ragged_attention`, plus: more segments than max_segments, or a segment longer than
         max_seqlen, raises checks.RaggedAttentionInputError naming segment_ids' row and token, the count
         and the bound. None reads JAX_RAGGED_ATTN_CHECK. Off, NumPy segment_ids that will lose segments or

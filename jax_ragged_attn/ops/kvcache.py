@@ -75,18 +75,20 @@ def ragged_attention_with_kvcache(
         Dqk] / [..., Dv] with page_table. Hq must be a multiple of Hkv (GQA, MQA): query head h reads kv head
         h // (Hq // Hkv). Same dtype as q: bfloat16, float16 or float32.
       cache_seqlens: integer [B]: the rows of the cache sequence b uses, its newest Sq tokens included (call
-        kvcache_append first). Clamped into [0, capacity] (L, or max_pages * page_size).
+        kvcache_append first). Clamped into [0, capacity] (L, or max_pages * page_size); a sequence whose
+        value lies outside reads NaN in its query rows.
       cu_seqlens_q: None, or integer [B + 1] with q [T, Hq, Dqk] (FlashAttention's flash_attn_with_kvcache
         varlen form): sequence b's queries are q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]], its newest n_b
         positions (query i at cache_seqlens[b] - n_b + i, bottom-right as the fixed form). Clamped monotone into
-        [0, T]; rows outside every sequence's read out 0 and stats -inf; a sequence may have none.
+        [0, T]; rows outside every sequence's read out 0 and stats -inf; a sequence may have none. The rows
+        of a sequence running past T read NaN, and every row when cu_seqlens_q does not start at 0 or
+        decreases.
       max_seqlen_q: a static int >= 1, required with cu_seqlens_q: the most queries a sequence has (a longer
-        slot keeps its first max_seqlen_q rows as its queries, as ragged_attention does; check=True raises).
+        slot's rows read NaN, as in ragged_attention; check=True raises).
       page_table: None (contiguous), or integer [B, max_pages]: row r of sequence b is
         k_cache[page_table[b, r // page_size], r % page_size]. Entries of pages a sequence does not use may be
-        anything (-1 for unallocated, say). An entry outside [0, num_pages) is never read: on the xla path its
-        rows are left out; the kernels read page 0 instead, so the result of a sequence that uses such an
-        entry is unspecified (check=True raises).
+        anything (-1 for unallocated, say). An entry outside [0, num_pages) is never read; a sequence that
+        uses such an entry reads NaN in its query rows (out and stats; check=True raises).
       scale: multiplies q.k; default 1/sqrt(Dqk).
       is_causal: query i of sequence b sits at position cache_seqlens[b] - Sq + i and sees the keys at
         positions <= it (bottom-right). False: every used row.

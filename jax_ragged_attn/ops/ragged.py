@@ -64,8 +64,10 @@ def ragged_attention(
       q: [Tq, Hq, Dqk]; k: [Tkv, Hkv, Dqk]; v: [Tkv, Hkv, Dv]. Query head h reads key/value head h // (Hq // Hkv).
       cu_seqlens_q, cu_seqlens_kv: integer [B + 1]; sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
         and key rows cu_seqlens_kv[b]:cu_seqlens_kv[b+1]. Tq, Tkv are static capacities; rows past
-        cu_seqlens[-1] are padding. Values are clamped monotone into [0, T] before any kernel reads them.
-      max_seqlen_q, max_seqlen_kv: keyword-only static bounds; a longer sequence's extra rows are padding.
+        cu_seqlens[-1] are padding. Values are clamped monotone into [0, T] before any kernel reads them; the
+        query rows of a sequence ending past T read NaN, and every row when cu_seqlens does not start at 0
+        or decreases (docs/API.md, "What can be dropped").
+      max_seqlen_q, max_seqlen_kv: keyword-only static bounds; a longer sequence's query rows read NaN.
       scale: multiplies q.k; default 1/sqrt(Dqk). softcap: None, 0 or c > 0 caps scores to c * tanh(s / c).
       is_causal, diagonal_alignment ("top_left" | "bottom_right"), local_window_size ((left, right) or an int;
         a negative side has no limit): the mask, per sequence.
@@ -81,7 +83,7 @@ def ragged_attention(
     Returns:
       out [Tq, Hq, Dv] in q's dtype; (out, stats) with return_stats; the Overflow appended last with
       return_overflow. Rows with no attended key and padding rows read out = 0 and stats = -inf, and their
-      gradients are 0.
+      gradients are 0. Rows of a sequence with invalid index data read NaN (out and stats), gradients 0.
 
     Raises:
       ValueError for malformed input (rank, dtype, shape, a negative softcap), NotImplementedError where the
