@@ -137,11 +137,14 @@ def attend(
     return_overflow: bool = False,
     seqused_q=None,
     seqused_kv=None,
+    loud: bool = True,
 ):
     """`ragged_attention` of the buffers laid out as TABLE[packing] says: (q, k, v), (q, kv) or (qkv,).
 
     A backend that reads packed buffers in place (cuDNN) returns their gradients in their own layout; the
     others slice the parts out and let autodiff assemble the gradients (correct everywhere, with copies).
+    `loud`: the rows of invalid sequences read NaN (ops/common.loud); False for a caller that builds the
+    cu_seqlens itself from the user's and applies the select over the user's rows (parallel/).
     """
     buffers = tuple(common.as_array(x) for x, _ in zip(buffers, TABLE[packing].buffers))
     q, k, v = TABLE[packing].views(buffers)
@@ -203,7 +206,7 @@ def attend(
         config.stats_layout,
         options.return_stats,
         overflow,
-        invalid_rows=index.invalid_rows_q(config),
+        invalid_rows=index.invalid_rows_q(config) if loud else None,
     )
 
 

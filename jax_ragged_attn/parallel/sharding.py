@@ -36,7 +36,8 @@ from jax.sharding import PartitionSpec as P
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.features.checks import check_enabled, checked_cu_seqlens
 from jax_ragged_attn.features.overflow import cu_seqlens_overflow
-from jax_ragged_attn.index import as_int32
+from jax_ragged_attn.index import RaggedIndex, as_int32
+from jax_ragged_attn.ops import common
 from jax_ragged_attn.ops.ragged import attend
 from jax_ragged_attn.parallel import context_parallel as cp
 from jax_ragged_attn.parallel import ring
@@ -178,6 +179,7 @@ def sharded_ragged_attention(
                 seqused_q=seqused[0],
                 seqused_kv=seqused[1],
                 sinks=sinks,
+                loud=False,  # a chunk's gap sequences may exceed max_seqlen: _loud selects over the caller's rows
             )
             return result if inner.return_stats else (result, None)
 
@@ -187,9 +189,23 @@ def sharded_ragged_attention(
             out, stats = cp.device_attention(plan, attend_chunk, q, k, v, cu_seqlens)
         return (out, stats) if inner.return_stats else out
 
-    return _with_overflow(
-        shard(attend_tokens, (tokens, tokens, tokens, P(), P(head_axis)))(q, k, v, cu_seqlens, sinks), options, overflow
+    result = shard(attend_tokens, (tokens, tokens, tokens, P(), P(head_axis)))(q, k, v, cu_seqlens, sinks)
+    result = _loud(result, q, k, v, cu_seqlens, options, rest, plan.devices if load_balance else None)
+    return _with_overflow(result, options, overflow)
+
+
+def _loud(result, q, k, v, cu_seqlens, options: AttentionOptions, rest, balanced_devices):
+    """The context-parallel result with the rows of the caller's invalid sequences NaN, as ragged_attention
+    makes them (ops/common.loud); balanced_devices: n where the rows are in reorder_for_load_balance's order."""
+    config = make_config(
+        q, k, v, cu_seqlens, cu_seqlens, options, max_seqlen_q=rest["max_seqlen_q"], max_seqlen_kv=rest["max_seqlen_kv"]
     )
+    rows = RaggedIndex(cu_seqlens, cu_seqlens, same=True).invalid_rows_q(config)
+    if balanced_devices is not None:
+        rows = reorder_for_load_balance(rows, balanced_devices)
+    out, stats = result if options.return_stats else (result, None)
+    out, stats = common.loud(out, stats, rows, options.stats_layout)
+    return (out, stats) if options.return_stats else out
 
 
 def _overflow(q, k, v, cu_seqlens_q, cu_seqlens_kv, options, rest):
