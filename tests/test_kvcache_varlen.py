@@ -221,12 +221,19 @@ class PackedKVCacheTest(SeededCacheCase, parameterized.TestCase):
         expected = reference_kvcache_attention_packed(q, k, v, lengths, cu, max_q, page_table=table)
         assert_close(run(q, k, v, lengths, cu, table), expected["out"], self.dtype, "out under jit")
 
-    def test_slots_longer_than_max_seqlen_q_keep_their_first_rows(self):
-        # A slot of 6 rows with max_seqlen_q = 4: its first 4 rows are the queries (the newest positions), its
-        # last 2 are no query (out 0), as ragged_attention cuts at max_seqlen.
+    def test_slots_longer_than_max_seqlen_q_read_nan(self):
+        # A slot of 6 rows with max_seqlen_q = 4: all 6 rows read NaN, as ragged_attention's do past
+        # max_seqlen; the other sequences are exact.
         q, k, v, lengths, _, _, table = self.mix(max_seqlen_q=6, batch=7)
         cu = jnp.asarray([0, 6, 7, 7, 9, 10, 12, 12], jnp.int32)
-        self.check((q, k, v, lengths, cu, 4, table))
+        out, stats = self.attend(q, k, v, lengths, cu, 4, table, return_stats=True)
+        rows = np.arange(q.shape[0]) < 6
+        self.assertTrue(
+            np.isnan(np.asarray(out, np.float32)[rows]).all() and np.isnan(np.asarray(stats)[:, rows]).all()
+        )
+        expected = reference_kvcache_attention_packed(q, k, v, lengths, cu, 4, page_table=table)
+        assert_close(np.asarray(out)[~rows], expected["out"][~rows], self.dtype, "out")
+        assert_close(np.asarray(stats)[:, ~rows], expected["stats"][:, ~rows], self.dtype, "stats")
 
     def test_max_seqlen_q_past_the_token_count_is_the_token_count(self):
         # No sequence can have more than T queries: a looser static bound serves the same call (the tiles a
@@ -253,9 +260,9 @@ class PackedKVCacheTest(SeededCacheCase, parameterized.TestCase):
         table = table.at[0, 0].set(-5)  # sequence 0's first page: outside the cache
         expected = reference_kvcache_attention_packed(q, k, v, lengths, cu, max_q, page_table=table)
         out = self.attend(q, k, v, lengths, cu, max_q, table)
-        rows = np.arange(q.shape[0]) >= int(cu[1])  # a kernel reads page 0 instead: compare the others
-        compare = slice(None) if self.implementation == "xla" else rows
-        assert_close(np.asarray(out)[compare], expected["out"][compare], self.dtype, "out")
+        rows = np.arange(q.shape[0]) >= int(cu[1])  # sequence 0's rows read NaN: compare the others
+        self.assertTrue(np.isnan(np.asarray(out, np.float32)[~rows]).all())
+        assert_close(np.asarray(out)[rows], expected["out"][rows], self.dtype, "out")
 
     # ---- check mode ------------------------------------------------------------------------------------------
 
@@ -370,7 +377,11 @@ class XlaPackedTest(PackedKVCacheTest):
         with pytest.warns(RaggedAttentionInputWarning, match=r"sequence 0 has 6 tokens.*return_overflow=True"):
             out, overflow = self.attend(q, k, v, lengths, np.asarray(cu), 4, table, return_overflow=True)
         self.assertEqual(tuple(int(x) for x in overflow), (2, 0, 0, 0))
-        assert_close(out, self.attend(q, k, v, lengths, jnp.asarray(cu), 4, table), self.dtype, "out")
+        # Sequence 0's rows read NaN in both: equal as arrays.
+        np.testing.assert_array_equal(
+            np.asarray(out, np.float32),
+            np.asarray(self.attend(q, k, v, lengths, jnp.asarray(cu), 4, table), np.float32),
+        )
         bad = jnp.asarray(cu).at[3].set(5)  # below an earlier entry
         overflow = jax.jit(
             lambda cu: self.attend(q, k, v, lengths, cu, 4, table, return_overflow=True, return_stats=True)[2]
