@@ -366,12 +366,18 @@ class XlaKVCacheTest(KVCacheTest):
         q, k, v, lengths, table = self.make(paged=True, lengths=[5, 8, 0, 3, 12])
         k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
         k_new = jnp.asarray(self.rng.standard_normal((5, 2, 2, self.head_dim)), self.dtype)
-        # Sequences 1 and 3 need a page they do not have (-1): those rows are not written, and the attention
-        # reads NaN for those two sequences (a page they use is outside the cache).
+        # Sequences 1 to 4 need a page they do not have (-1): those rows are not written, and the attention
+        # reads NaN for those sequences (a page they use is outside the cache); sequence 0 has its pages.
         k2, v2, _ = kvcache_append(k, v, k_new, k_new, lengths, page_table=table)
         out = ragged_attention_with_kvcache(q, k2, v2, lengths + 2, page_table=table, implementation="xla")
-        self.assertTrue(np.isnan(np.asarray(out)[np.array([1, 3])]).all())
-        keep = np.array([0, 2, 4])
+        pages = (
+            np.arange(self.max_pages)[None, :]
+            < (np.asarray(lengths)[:, None] + 2 + self.page_size - 1) // self.page_size
+        )
+        missing = (pages & ((np.asarray(table) < 0) | (np.asarray(table) >= k.shape[0]))).any(axis=1)
+        np.testing.assert_array_equal(missing, [False, True, True, True, True])
+        self.assertTrue(np.isnan(np.asarray(out)[missing]).all())
+        keep = ~missing
         expected = reference_kvcache_attention(q, k2, v2, lengths + 2, page_table=table)["out"]
         assert_close(out[keep], expected[keep], self.dtype, "out")
 
