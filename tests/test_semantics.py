@@ -424,18 +424,38 @@ class SemanticsTest(parameterized.TestCase):
             else:  # accumulated with atomics: equal up to summation order
                 assert_close(np.asarray(a, np.float64), np.asarray(b, np.float64), dtype, f"{name}: rerun")
 
-    def test_sequences_longer_than_max_seqlen_are_cut(self):
-        """Rows of a sequence past max_seqlen are not part of it: out 0, stats -inf, no gradient, never read
-        (they are NaN here)."""
+    def test_sequences_longer_than_max_seqlen_read_nan(self):
+        """A sequence longer than max_seqlen (queries or keys) is invalid: its query rows read NaN, out and
+        stats, and take no cotangent (NaN here: never read), so its gradients are 0; its rows past max_seqlen
+        are never read (NaN here); every other sequence is the reference's."""
         case = Case(heads=(4, 2), is_causal=True, diagonal_alignment="bottom_right")
         max_q, max_kv = self.sizes.max_seqlen
         cut = (2 * max_q // 3, 2 * max_kv // 3)
-        inputs = self.inputs(self.rng(), case, self.dtypes[0], max_seqlen=cut)
-        lengths_q = np.diff(np.asarray(inputs.batch.cu_seqlens_q))
+        dtype = self.dtypes[0]
+        inputs = self.inputs(self.rng(), case, dtype, max_seqlen=cut)
+        cu_q = np.asarray(inputs.batch.cu_seqlens_q)
+        lengths_q = np.diff(cu_q)
         lengths_kv = np.diff(np.asarray(inputs.batch.cu_seqlens_kv))
         assert lengths_q.max() > cut[0] and lengths_kv.max() > cut[1]  # the case does cut rows away
-        results = self.forward_and_vjps(inputs, case, "token_major")
-        self.check_forward_and_vjps(results, inputs, case, self.dtypes[0], f"max_seqlen {cut}: ")
+        loud = np.zeros(inputs.batch.q.shape[0], bool)
+        for b in np.flatnonzero((lengths_q > cut[0]) | (lengths_kv > cut[1])):
+            loud[cu_q[b] : cu_q[b + 1]] = True
+        d_out, d_stats = inputs.d_out.copy(), inputs.d_stats.copy()
+        d_out[loud], d_stats[loud] = np.nan, np.nan
+        inputs = dataclasses.replace(inputs, d_out=d_out, d_stats=d_stats)  # the reference reads them as 0
+        out, stats, grads, grads_out_only = self.forward_and_vjps(inputs, case, "token_major")
+        what = f"max_seqlen {cut}: "
+        out, stats = np.asarray(out, np.float64), np.asarray(stats, np.float64)
+        assert np.isnan(out[loud]).all() and np.isnan(stats[loud]).all(), f"{what}a row of an invalid sequence"
+        expected = inputs.reference(case, self.sizes, d_out=True, d_stats=True)
+        assert_close(out[~loud], expected["out"][~loud], dtype, f"{what}out")
+        assert_close(stats[~loud], expected["stats"][~loud], "float32", f"{what}stats")
+        empty = np.isneginf(expected["stats"]) & ~loud[:, None]
+        np.testing.assert_array_equal(out[empty], 0.0, err_msg=f"{what}out of rows that attend no key")
+        check_gradients(grads, expected, inputs, dtype, f"{what}out and stats cotangents: ")
+        check_gradients(
+            grads_out_only, inputs.reference(case, self.sizes, d_out=True), inputs, dtype, f"{what}out cotangent: "
+        )
 
     def test_grad_of_stats_alone(self):
         """A loss of stats alone (out's cotangent a symbolic zero), in float16, whose narrow range cuDNN's
