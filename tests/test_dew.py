@@ -10,6 +10,7 @@ test_declines.py.
 from __future__ import annotations
 
 import zlib
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from tiers import some_fast  # tests/ is on sys.path under pytest
 
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.backends.fa3 import dew
+from jax_ragged_attn.ops import common
 from jax_ragged_attn.testing import assert_close, fa3_emulator, reference_attention
 
 _DEW_REASON = dew.unavailable_reason()
@@ -240,6 +242,17 @@ def _check_against_reference(case_name, mask, stats_layout, head_dim, forward_on
         )
 
     cast = lambda x: jnp.asarray(x, jnp.bfloat16)
+    # A slot longer than max_seqlen makes its sequence invalid, whose rows the op reads NaN after the backend
+    # (ops/common.loud, test_loud_rows.py). What is tested here is what the wrapper computes for the rows it is
+    # given, cut slots included, so that select is left out.
+    with mock.patch.object(common, "loud", lambda out, stats, rows, layout: (out, stats)):
+        got = _run(attention, cast, q, k, v, d_out, d_stats, stats_layout, forward_only)
+    for name, value in got.items():
+        assert_close(value, expected[name], jnp.bfloat16, name)
+
+
+def _run(attention, cast, q, k, v, d_out, d_stats, stats_layout, forward_only):
+    """The op's out and token-major stats, and its gradients unless forward_only."""
     if forward_only:  # no vjp: the forward clears V alone, so NaN gap queries meet NaN gap keys in the kernels
         out, stats = jax.jit(attention)(cast(q), cast(k), cast(v))
         got = dict(out=out, stats=stats.T if stats_layout == "head_major" else stats)
@@ -248,8 +261,7 @@ def _check_against_reference(case_name, mask, stats_layout, head_dim, forward_on
         g_stats = jnp.asarray(d_stats.T if stats_layout == "head_major" else d_stats, jnp.float32)
         dq, dk, dv = vjp((cast(d_out), g_stats))
         got = dict(out=out, stats=stats.T if stats_layout == "head_major" else stats, dq=dq, dk=dk, dv=dv)
-    for name, value in got.items():
-        assert_close(value, expected[name], jnp.bfloat16, name)
+    return got
 
 
 def test_implementation_none_takes_it_where_the_policy_prefers_fa3(emulated, monkeypatch):
