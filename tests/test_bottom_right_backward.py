@@ -16,6 +16,7 @@ and the calls are checked: which backward call gets initial buffers aliased to i
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,7 @@ from jax_ragged_attn.backends.cudnn import options as cudnn_options
 from jax_ragged_attn.backends.shared import extension
 from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.inputs.packed import ragged_attention_kvpacked
+from jax_ragged_attn.ops import common
 from jax_ragged_attn.testing import assert_close, reference_attention
 from jax_ragged_attn.testing.private_config import backend_options
 
@@ -187,7 +189,11 @@ def _gpu_grads(batch: Batch, packing: str, layout: str, with_stats: bool):
         return jax.vjp(lambda b: op(*b, cu_q, cu_kv, **options), buffers)[1](cotangents)[0]
 
     buffers = (q, k, v) if packing == "none" else (q, jnp.stack([k, v], axis=1))
-    return _unpacked(step(buffers, cu_q, cu_kv, d_out if d_stats is None else (d_out, d_stats)), packing)
+    # Sequence 5, cut by both max_seqlens, is invalid: the op reads its rows NaN after the kernels and passes
+    # them no cotangent (ops/common.loud, test_loud_rows.py). The kernels' split backward over the rows they
+    # are given is what is tested here, so that select is left out.
+    with mock.patch.object(common, "loud", lambda out, stats, rows, layout: (out, stats)):
+        return _unpacked(step(buffers, cu_q, cu_kv, d_out if d_stats is None else (d_out, d_stats)), packing)
 
 
 @pytest.mark.gpu
