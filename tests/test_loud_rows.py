@@ -151,6 +151,21 @@ def test_debug_nans_catches_an_invalid_sequence(case_name):
             jax.block_until_ready(f(_cu(case.cu_q), _cu(case.cu_kv)))
 
 
+def test_debug_nans_stays_quiet_on_valid_eager_calls_and_catches_invalid_ones():
+    """Eagerly every operation is checked on its own: the NaN fill must not trip it where no row is invalid."""
+    q, k, v = _inputs()
+
+    def call(cu_q):
+        return ragged_attention(
+            q, k, v, cu_q, _cu(VALID_KV), max_seqlen_q=MAX_Q, max_seqlen_kv=MAX_KV, implementation="xla"
+        )
+
+    with jax.debug_nans(True):
+        assert np.isfinite(np.asarray(call(_cu(VALID_Q)), np.float32)).all()
+        with pytest.raises(FloatingPointError):
+            call(_cu(CASES["q_past_T"].cu_q))
+
+
 def test_the_loss_is_nan_and_the_backward_runs(implementation):
     q, k, v = _inputs()
     case = CASES["q_past_max_seqlen_q"]

@@ -3,6 +3,9 @@ registry picks, and the result from the backend's (out, stats) with sinks as an 
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -46,6 +49,9 @@ def result(
     return values if len(values) > 1 else out
 
 
+# Jitted, so that the NaN fill is a constant inside one program: called eagerly under jax.debug_nans, a NaN
+# made on its own would stop valid calls too; this way only a NaN that reaches the result does.
+@functools.partial(jax.jit, static_argnames="stats_layout")
 def loud(out, stats, invalid_rows, stats_layout: str):
     """(out, stats) with the rows `invalid_rows` marks NaN, in out ([..., rows, H, D]) and in stats
     (head_major [..., H, rows], token_major [..., rows, H]; None: not returned).
