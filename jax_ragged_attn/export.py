@@ -21,8 +21,6 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from jax_ragged_attn.backends.fa3 import dew
-from jax_ragged_attn.backends.fa3 import ragged as flash_attn3_jax
 from jax_ragged_attn.backends.shared import extension
 
 # The flash-attn3-jax handlers the fa3 family calls (fa3/ragged.py, fa3/kvcache.py), under its prefix.
@@ -32,6 +30,10 @@ FLASH_ATTN3_JAX_KERNELS = ("flash_mha_fwd", "flash_mha_bwd")
 def _targets() -> dict[str, Callable[[], str | None]]:
     """{target: the call that registers its handler in this process and returns None, or why it cannot run
     here} for every FFI target a step of this package may contain."""
+    # Here, not at import: `import jax_ragged_attn` loads no kernel family (backends/__init__.py's registry).
+    from jax_ragged_attn.backends.fa3 import dew
+    from jax_ragged_attn.backends.fa3 import ragged as flash_attn3_jax
+
     providers = (
         (extension.cudnn_unavailable_reason, extension.targets().values()),
         (flash_attn3_jax.unavailable_reason, [flash_attn3_jax.TARGET_PREFIX + n for n in FLASH_ATTN3_JAX_KERNELS]),
