@@ -7,6 +7,8 @@ The layout, in layers that import only downwards (tests/test_layout.py holds it)
 
     tools/, testing/      the main job, the self-check, a bench of your own shapes; the float64 reference, test
                           helpers and the named workloads (the benchmarks live outside the package: benchmarks/)
+    export.py             jax.export of steps that call the ops: the exporter's allowance for our custom calls,
+                          their handlers registered where a deserialized step runs
     flax.py               the Flax block
     inputs/               other input layouts: packed projections, segment ids, FlashAttention's names, the
                           document packer
@@ -29,6 +31,7 @@ if tuple(int(part) for part in _jax.__version__.split(".")[:3] if part.isdigit()
         f"jax_ragged_attn needs jax 0.10.2 or newer, found {_jax.__version__}: pip install -U 'jax>=0.10.2'"
     )
 
+from jax_ragged_attn import export
 from jax_ragged_attn.backends.shared.extension import cudnn_unavailable_reason
 from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.inputs.flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -38,6 +41,7 @@ from jax_ragged_attn.ops.ragged import ragged_attention
 __all__ = [
     "AttentionConfig",
     "cudnn_unavailable_reason",
+    "export",
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
     "kvcache_append",

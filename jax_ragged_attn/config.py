@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+from collections.abc import Mapping
 from typing import Any, ClassVar, cast
 
 import jax.numpy as jnp
@@ -180,6 +181,12 @@ class AttentionOptions:
     policy_tokens_per_sequence: int | None = None
     xla_block_size: int | tuple[int, int] | None = None  # None, or (block_q, block_kv) rows; an int b: (b, b)
     fa3_provider: str | None = None  # None, or one of FA3_PROVIDERS: whose FlashAttention-3 kernels "fa3" runs
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> AttentionOptions:
+        """The options among an entry point's arguments (its `locals()` first thing): the entry points take
+        the same keywords, and copying each one by name into the options is how one gets dropped."""
+        return cls(**{f.name: arguments[f.name] for f in dataclasses.fields(cls) if f.name in arguments})
 
     def __post_init__(self):
         check_implementation(self.implementation)

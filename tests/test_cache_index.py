@@ -12,27 +12,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from decode_configs import decode_config  # tests/ is on sys.path under pytest
 
 from jax_ragged_attn.backends.shared import cache_index
-from jax_ragged_attn.config import KVCacheConfig
 
 INT32 = np.iinfo(np.int32)
-CONFIG = KVCacheConfig(
+CONFIG = decode_config(
     batch=5,
-    seqlen_q=1,
     num_heads_q=4,
-    num_heads_kv=2,
     head_dim_qk=16,
     head_dim_v=16,
     dtype="float32",
-    paged=True,
     page_size=4,
     num_pages=9,
     max_pages=3,
     scale=1.0,
-    is_causal=True,
-    window_left=None,
-    window_right=None,
 )  # capacity 12
 
 

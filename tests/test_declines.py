@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from decode_configs import decode_config  # tests/ is on sys.path under pytest
 
 from jax_ragged_attn import ragged_attention
 from jax_ragged_attn.backends.cudnn import graphs
@@ -22,7 +23,7 @@ from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
 from jax_ragged_attn.backends.fa3 import ragged as fa3
 from jax_ragged_attn.backends.shared import extension, known_issues
 from jax_ragged_attn.backends.xla import ragged as xla
-from jax_ragged_attn.config import AttentionOptions, KVCacheConfig, make_config
+from jax_ragged_attn.config import AttentionOptions, make_config
 from jax_ragged_attn.testing import declines
 
 
@@ -49,27 +50,6 @@ def _ragged(dtype="bfloat16", dqk=128, dv=128, tokens=64, heads=4, **options):
     )
 
 
-def _kvcache(**overrides) -> KVCacheConfig:
-    fields = dict(
-        batch=2,
-        seqlen_q=1,
-        num_heads_q=8,
-        num_heads_kv=2,
-        head_dim_qk=128,
-        head_dim_v=128,
-        dtype="bfloat16",
-        paged=True,
-        page_size=64,
-        num_pages=16,
-        max_pages=8,
-        scale=0.1,
-        is_causal=True,
-        window_left=None,
-        window_right=None,
-    )
-    return KVCacheConfig(**{**fields, **overrides})
-
-
 # (entry's backend, op, fragment) -> (the backend's check, a configuration it declines that way)
 EXAMPLES = {
     ("cudnn", "ragged", "takes bfloat16 or float16 inputs"): (graphs.unsupported_reason, _ragged("float32")),
@@ -79,25 +59,28 @@ EXAMPLES = {
     ("cudnn", "ragged", "cannot differentiate through stats"): (cudnn.stats_gradient_unsupported, _ragged(dv=248)),
     ("cudnn", "kvcache", "takes bfloat16 or float16 inputs"): (
         cudnn_kvcache.unsupported_reason,
-        _kvcache(dtype="float32"),
+        decode_config(dtype="float32"),
     ),
     ("cudnn", "kvcache", "head dims that are multiples of 8 up to"): (
         cudnn_kvcache.unsupported_reason,
-        _kvcache(head_dim_v=100),
+        decode_config(head_dim_v=100),
     ),
-    ("cudnn", "kvcache", "page sizes that are powers of 2"): (cudnn_kvcache.unsupported_reason, _kvcache(page_size=48)),
+    ("cudnn", "kvcache", "page sizes that are powers of 2"): (
+        cudnn_kvcache.unsupported_reason,
+        decode_config(page_size=48),
+    ),
     ("cudnn", "kvcache", "of at most 2**31 - 1 rows"): (
         cudnn_kvcache.unsupported_reason,
-        _kvcache(page_size=2**16, max_pages=2**15),
+        decode_config(page_size=2**16, max_pages=2**15),
     ),
-    ("cudnn", "kvcache", "which has a known bug there"): (cudnn_kvcache.unsupported_reason, _kvcache()),
+    ("cudnn", "kvcache", "which has a known bug there"): (cudnn_kvcache.unsupported_reason, decode_config()),
     ("cudnn", "kvcache", "packed queries (cu_seqlens_q) over a paged cache take cuDNN"): (
         cudnn_kvcache.unsupported_reason,
-        _kvcache(total_q=20, seqlen_q=4, num_heads_q=2),
+        decode_config(total_q=20, seqlen_q=4, num_heads_q=2),
     ),
     ("cudnn", "kvcache", "reaches into the rows cuDNN's paged graph reads"): (
         cudnn_kvcache.unsupported_reason,
-        _kvcache(seqlen_q=10, window_left=cudnn_kvcache.TAIL - 5),
+        decode_config(seqlen_q=10, window_left=cudnn_kvcache.TAIL - 5),
     ),
     ("fa3", "ragged", "kernels are built without softcap"): (dew.unsupported_reason, _ragged(softcap=1.0)),
     ("fa3", "ragged", "kernels take equal head dims of"): (dew.unsupported_reason, _ragged(dqk=128, dv=64)),
@@ -112,24 +95,27 @@ EXAMPLES = {
         fa3.unsupported_reason,
         _ragged(is_causal=True),
     ),
-    ("fa3", "kvcache", "called with softcap 0"): (fa3_kvcache.unsupported_reason, _kvcache(softcap=1.0)),
+    ("fa3", "kvcache", "called with softcap 0"): (fa3_kvcache.unsupported_reason, decode_config(softcap=1.0)),
     ("fa3", "kvcache", "FlashAttention-3 takes bfloat16 or float16 inputs"): (
         fa3_kvcache.unsupported_reason,
-        _kvcache(dtype="float32"),
+        decode_config(dtype="float32"),
     ),
-    ("fa3", "kvcache", "kernels are built for head dim"): (fa3_kvcache.unsupported_reason, _kvcache(head_dim_qk=64)),
+    ("fa3", "kvcache", "kernels are built for head dim"): (
+        fa3_kvcache.unsupported_reason,
+        decode_config(head_dim_qk=64),
+    ),
     ("fa3", "kvcache", "reaches into the rows FA3 reads"): (
         fa3_kvcache.unsupported_reason,
-        _kvcache(seqlen_q=40, window_left=fa3_kvcache.TAIL - 5),
+        decode_config(seqlen_q=40, window_left=fa3_kvcache.TAIL - 5),
     ),
     # packed queries (cu_seqlens_q: total_q rows, seqlen_q their max_seqlen_q)
     ("fa3", "kvcache", "FA3 serves packed queries in tiles of at most"): (
         fa3_kvcache.unsupported_reason,
-        _kvcache(total_q=20, seqlen_q=4, num_heads_q=2 * 129),
+        decode_config(total_q=20, seqlen_q=4, num_heads_q=2 * 129),
     ),
     ("fa3", "kvcache", "packed queries with keys right of the diagonal"): (
         fa3_kvcache.unsupported_reason,
-        _kvcache(total_q=100, seqlen_q=64, is_causal=False),
+        decode_config(total_q=100, seqlen_q=64, is_causal=False),
     ),
 }
 

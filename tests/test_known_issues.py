@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from decode_configs import decode_config  # tests/ is on sys.path under pytest
 
 from jax_ragged_attn import ragged_attention, ragged_attention_with_kvcache
 from jax_ragged_attn.backends.cudnn import graphs
@@ -47,22 +48,12 @@ def _issue(key: str, op: str) -> known_issues.KnownIssue:
 def _kv_config(**overrides) -> KVCacheConfig:
     fields = dict(
         batch=4,
-        seqlen_q=1,
-        num_heads_q=8,
-        num_heads_kv=2,
-        head_dim_qk=128,
-        head_dim_v=128,
-        dtype="bfloat16",
-        paged=True,
         page_size=16,
         num_pages=80,
         max_pages=32,
         scale=0.088,
-        is_causal=True,
-        window_left=None,
-        window_right=None,
     )
-    return KVCacheConfig(**{**fields, **overrides})
+    return decode_config(**{**fields, **overrides})
 
 
 def _packed_kv_config(**overrides) -> KVCacheConfig:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl.testing import parameterized
+from decode_configs import decode_config  # tests/ is on sys.path under pytest
 from tiers import slow_cases  # tests/ is on sys.path under pytest
 
 import jax_ragged_attn
@@ -29,7 +30,7 @@ from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
 from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.backends.shared import known_issues
 from jax_ragged_attn.backends.xla import kvcache as xla_kvcache
-from jax_ragged_attn.config import AttentionOptions, KVCacheConfig
+from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
 from jax_ragged_attn.ops.kvcache import kvcache_config
 from jax_ragged_attn.testing import assert_close, declines, fa3_emulator
@@ -568,22 +569,16 @@ class Fa3SplitKVCacheTest(Fa3OneCallKVCacheTest):
 
 
 def test_fa3_routes_by_query_rows():
-    config = lambda seqlen_q, heads_q: KVCacheConfig(
+    config = lambda seqlen_q, heads_q: decode_config(
         batch=4,
         seqlen_q=seqlen_q,
         num_heads_q=heads_q,
         num_heads_kv=8,
-        head_dim_qk=128,
-        head_dim_v=128,
-        dtype="bfloat16",
         paged=False,
         page_size=2048,
         num_pages=4,
         max_pages=1,
         scale=1.0,
-        is_causal=True,
-        window_left=None,
-        window_right=None,
     )
     assert fa3_kvcache.route(config(1, 32)) == "one_call"  # decode, GQA 32/8: 4 rows
     assert fa3_kvcache.route(config(16, 32)) == "one_call"  # 64 rows: FA3 still reads without TMA
@@ -614,22 +609,15 @@ class CudnnKVCacheTest(KVCacheTest):
 
 
 def test_fa3_splits_fill_one_wave():
-    config = lambda batch, capacity: KVCacheConfig(
+    config = lambda batch, capacity: decode_config(
         batch=batch,
-        seqlen_q=1,
         num_heads_q=32,
         num_heads_kv=8,
-        head_dim_qk=128,
-        head_dim_v=128,
-        dtype="bfloat16",
         paged=False,
         page_size=capacity,
         num_pages=batch,
         max_pages=1,
         scale=1.0,
-        is_causal=True,
-        window_left=None,
-        window_right=None,
     )
     assert fa3_kvcache.num_splits(config(8, 32768)) == 2  # 64 tiles: 128 CTAs, one wave of 132 SMs
     assert fa3_kvcache.num_splits(config(2, 32768)) == 8

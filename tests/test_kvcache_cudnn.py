@@ -23,6 +23,7 @@ from unittest import mock
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from decode_configs import decode_config  # tests/ is on sys.path under pytest
 from test_handler_contract import BF16, F16, F32, S32, S64, U8, _array, harness  # noqa: F401 - harness: a fixture
 from test_kvcache import KVCacheTest
 
@@ -45,21 +46,14 @@ def _config(**overrides) -> KVCacheConfig:
     fields = dict(
         batch=3,
         seqlen_q=2,
-        num_heads_q=8,
-        num_heads_kv=2,
         head_dim_qk=64,
         head_dim_v=64,
-        dtype="bfloat16",
-        paged=True,
         page_size=16,
         num_pages=10,
         max_pages=4,
         scale=0.125,
-        is_causal=True,
-        window_left=None,
-        window_right=None,
     )
-    return KVCacheConfig(**{**fields, **overrides})
+    return decode_config(**{**fields, **overrides})
 
 
 # ---- pure Python: runs everywhere -----------------------------------------------------------------------------

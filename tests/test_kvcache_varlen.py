@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl.testing import parameterized
+from decode_configs import decode_config  # tests/ is on sys.path under pytest
 from tiers import slow_cases  # tests/ is on sys.path under pytest
 
 import jax_ragged_attn
@@ -38,7 +39,7 @@ from jax_ragged_attn.backends.cudnn import paged
 from jax_ragged_attn.backends.fa3 import kvcache as fa3_kvcache
 from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.backends.shared import cache_attention, extension, known_issues
-from jax_ragged_attn.config import AttentionOptions, KVCacheConfig
+from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.features.checks import RaggedAttentionInputError, RaggedAttentionInputWarning, input_errors
 from jax_ragged_attn.index.kvcache import band, query_tiles
 from jax_ragged_attn.ops import kvcache as kvcache_inputs
@@ -646,22 +647,15 @@ class CudnnPackedTest(PackedKVCacheTest):
 
 
 def test_fa3_declines_what_one_tile_per_sequence_cannot_hold():
-    config = KVCacheConfig(
+    config = decode_config(
         batch=4,
         seqlen_q=64,
         num_heads_q=32,
         num_heads_kv=8,
-        head_dim_qk=128,
-        head_dim_v=128,
-        dtype="bfloat16",
-        paged=True,
         page_size=256,
         num_pages=64,
-        max_pages=8,
         scale=1.0,
         is_causal=False,
-        window_left=None,
-        window_right=None,
         total_q=100,
     )
     with mock.patch.object(known_issues, "fa3_version", lambda: fa3_kvcache.AUDITED_WHEEL):
@@ -675,22 +669,14 @@ def test_fa3_declines_what_one_tile_per_sequence_cannot_hold():
 def test_fa3_tiles_hold_128_query_rows_only_on_the_audited_wheel(version, rows):
     """Up to 128 query rows keep FA3 off TMA (its zero-filling loader) only where its head-dim-128 query tile is
     128 rows, as in flash-attn3-jax 0.2.3; upstream FA3 also has a 64-row tile, so any other wheel gets 64."""
-    config = KVCacheConfig(
+    config = decode_config(
         batch=4,
         seqlen_q=64,
         num_heads_q=32,
         num_heads_kv=8,
-        head_dim_qk=128,
-        head_dim_v=128,
-        dtype="bfloat16",
-        paged=True,
         page_size=256,
         num_pages=64,
-        max_pages=8,
         scale=1.0,
-        is_causal=True,
-        window_left=None,
-        window_right=None,
         total_q=100,
     )
     with mock.patch.object(known_issues, "fa3_version", lambda: version):
@@ -703,7 +689,7 @@ def test_fa3_tiles_hold_128_query_rows_only_on_the_audited_wheel(version, rows):
 def test_query_tiles_cover_every_query_once():
     rng = np.random.default_rng(0)
     batch, max_q, total = 6, 7, 44  # one shape for every draw: the op-by-op arithmetic compiles once per size
-    config = KVCacheConfig(
+    config = decode_config(
         batch=batch,
         seqlen_q=max_q,
         num_heads_q=2,
@@ -716,9 +702,6 @@ def test_query_tiles_cover_every_query_once():
         num_pages=batch,
         max_pages=1,
         scale=1.0,
-        is_causal=True,
-        window_left=None,
-        window_right=None,
         total_q=total,
     )
     for size in (1, 2, 3, 7):

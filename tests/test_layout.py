@@ -3,8 +3,8 @@
 The layers, bottom up (jax_ragged_attn/__init__.py's docstring): config and index (both ops' configs and the
 index arithmetic every layer shares), features (checks, sinks, the bottom-right rewrite, overflow counts),
 backends (the kernels and their registry), ops (one module per op), parallel (several devices), inputs (other
-input layouts and data helpers), flax, testing, tools; the entry points (__init__, __main__, bench, selfcheck)
-sit on top.
+input layouts and data helpers), flax, export (jax.export of steps), testing, tools; the entry points (__init__,
+__main__, bench, selfcheck) sit on top.
 """
 
 import ast
@@ -13,7 +13,7 @@ import pathlib
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jax_ragged_attn"
-LAYERS = ["config", "index", "features", "backends", "ops", "parallel", "inputs", "flax", "testing", "tools"]
+LAYERS = ["config", "index", "features", "backends", "ops", "parallel", "inputs", "flax", "export", "testing", "tools"]
 SHARED = {"config", "index"}  # one layer: neither imports the other's layer above it
 ENTRY_POINTS = {"__init__", "__main__", "bench", "selfcheck"}
 

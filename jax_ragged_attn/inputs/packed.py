@@ -48,21 +48,7 @@ def ragged_attention_qkvpacked(
     means in `ragged_attention`. Returns out [T, H, D] (and stats, then the overflow.Overflow with
     return_overflow=True; cu_seqlens' invalid entries count once); the gradient has qkv's shape.
     """
-    options = AttentionOptions(
-        scale=scale,
-        is_causal=is_causal,
-        diagonal_alignment=diagonal_alignment,
-        local_window_size=local_window_size,
-        stats_layout=stats_layout,
-        return_stats=return_stats,
-        implementation=implementation,
-        deterministic=deterministic,
-        check=check,
-        autotune=autotune,
-        strategy=strategy,
-        softcap=softcap,
-        fa3_provider=fa3_provider,
-    )
+    options = AttentionOptions.from_arguments(locals())
     return attend(
         (qkv,),
         cu_seqlens,
@@ -109,21 +95,7 @@ def ragged_attention_kvpacked(
     Every option means what it means in `ragged_attention`. Returns out [Tq, Hq, D] (and stats, then the
     overflow.Overflow with return_overflow=True); the gradients have the shapes of q and kv.
     """
-    options = AttentionOptions(
-        scale=scale,
-        is_causal=is_causal,
-        diagonal_alignment=diagonal_alignment,
-        local_window_size=local_window_size,
-        stats_layout=stats_layout,
-        return_stats=return_stats,
-        implementation=implementation,
-        deterministic=deterministic,
-        check=check,
-        autotune=autotune,
-        strategy=strategy,
-        softcap=softcap,
-        fa3_provider=fa3_provider,
-    )
+    options = AttentionOptions.from_arguments(locals())
     return attend(
         (q, kv),
         cu_seqlens_q,

@@ -120,16 +120,7 @@ def ragged_attention_with_kvcache(
       Overflow appended last when return_overflow=True.
     """
     keyword_hints.reject_unknown_keywords(ragged_attention_with_kvcache, unknown)  # FlashAttention's names
-    options = AttentionOptions(
-        scale=scale,
-        is_causal=is_causal,
-        local_window_size=local_window_size,
-        stats_layout=stats_layout,
-        return_stats=return_stats,
-        implementation=implementation,
-        check=check,
-        softcap=softcap,
-    )
+    options = AttentionOptions.from_arguments(locals())
     if not isinstance(return_overflow, bool):
         raise ValueError(f"return_overflow must be a Python bool, got {type(return_overflow).__name__}")
     q, k_cache, v_cache = (common.as_array(x) for x in (q, k_cache, v_cache))

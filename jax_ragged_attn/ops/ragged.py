@@ -94,22 +94,7 @@ def ragged_attention(
     """
     reject_unknown_keywords(ragged_attention, unknown)  # FlashAttention's names: the TypeError says ours
     max_seqlen_q, max_seqlen_kv = _check_keywords_only(positional, max_seqlen_q, max_seqlen_kv)
-    options = AttentionOptions(
-        scale=scale,
-        is_causal=is_causal,
-        diagonal_alignment=diagonal_alignment,
-        local_window_size=local_window_size,
-        stats_layout=stats_layout,
-        return_stats=return_stats,
-        implementation=implementation,
-        deterministic=deterministic,
-        check=check,
-        autotune=autotune,
-        strategy=strategy,
-        softcap=softcap,
-        xla_block_size=xla_block_size,
-        fa3_provider=fa3_provider,
-    )
+    options = AttentionOptions.from_arguments(locals())
     return attend(
         (q, k, v),
         cu_seqlens_q,
