@@ -87,7 +87,7 @@ def test_main_learns_reports_plots_and_fails_above_the_bound(tmp_path, capsys):
         r"serving 2 requests \(4 continuations, .*\), 2 slots, packed attention by xla:\n  "
         r"continuous batching: [0-9,]+ "
         r"bytes/s, latency p50 [0-9.]+ s / p99 [0-9.]+ s \([0-9]+ steps of <= 8 tokens, [0-9]+ a call, "
-        r"1 compilation",
+        r"[01] compilations?",  # 0 where an earlier test in this process compiled the same step
         out,
     ), out
     assert re.search(r"fixed batches of 2 \(generation.generate\): [0-9,]+ bytes/s", out), out

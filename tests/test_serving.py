@@ -66,7 +66,8 @@ def test_continuous_batching_writes_the_fixed_batch_bytes(tiny, steps_per_call):
     for request, texts in zip(REQUESTS, served.texts):
         assert [len(t) for t in texts] == [len(request.prompt) + request.max_new] * request.samples
         assert all(t.startswith(request.prompt) for t in texts)
-    assert served.compilations == 1 and served.steps > sum(r.max_new for r in REQUESTS) // 3
+    # At most one compilation for the whole run (none where an earlier test in this process compiled the step).
+    assert served.compilations <= 1 and served.steps > sum(r.max_new for r in REQUESTS) // 3
     # The first prompt's 25 rows: pages 0-2 full (rows 0-23) are shared, its last row prefilled by each.
     assert serving.shared_rows(25, 8) == 24 and served.shared_reads == 2 * 3
     assert served.generated == sum(r.max_new * r.samples for r in REQUESTS) == fixed.generated
@@ -130,7 +131,7 @@ def test_report_prints_both_side_by_side(tiny, capsys):
         assert label.group(1) == "xla", out  # FA3 and cuDNN are GPU kernels
     assert re.search(
         r"continuous batching: [0-9,]+ bytes/s, latency p50 [0-9.]+ s / p99 [0-9.]+ s \([0-9]+ steps "
-        r"of <= 8 tokens, 8 a call, 1 compilation; pages of 8 rows",
+        r"of <= 8 tokens, 8 a call, [01] compilations?; pages of 8 rows",  # 0: compiled by an earlier test
         out,
     ), out
     assert re.search(r"fixed batches of 2 \(generation.generate\): [0-9,]+ bytes/s, latency p50", out), out
