@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ragged_attn.backends.shared.forward_mode import forward_mode
+
 
 def window_bounds(total: int, chunk_start, rows: int, *, max_seqlen: int, is_causal: bool):
     """(first row, static size): the rows of `total` gathered, natural-order key rows that the queries of the
@@ -65,3 +67,5 @@ def _windows_bwd(size, total, starts, g):
 
 
 _windows.defvjp(_windows_fwd, _windows_bwd)
+# The windows are slices: forward mode slices the tangent the same way.
+_windows = forward_mode(_windows, _windows.fun, second_order=False)

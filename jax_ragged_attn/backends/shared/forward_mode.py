@@ -146,10 +146,11 @@ def _base_tangents(rule, static, prim_tree, res_tree, out_tree, present, out_ava
     return [t.astype(a.dtype) for t, a in zip(out, out_avals, strict=True)]
 
 
-def _nested(fn, levels, extra_axes=()):
-    """fn vmapped over every level (outermost first in `levels`: each batching moved its axis to 0)."""
+def _nested(fn, levels, leading=None, extra_axes=()):
+    """fn vmapped over every level (outermost first in `levels`: each batching moved its axis to 0), over the
+    first `leading` operands' axes of each level (all by default) and then `extra_axes`."""
     for _, axes in reversed(levels):
-        fn = jax.vmap(fn, in_axes=tuple(axes) + tuple(extra_axes))
+        fn = jax.vmap(fn, in_axes=tuple(axes[:leading]) + tuple(extra_axes))
     return fn
 
 
@@ -186,11 +187,11 @@ ad.primitive_jvps[tangents_p] = _jvp_rule
 
 
 def _batch(operands, dims, *, prim_tree, res_tree, levels, **params):
-    size = next(x.shape[d] for x, d in zip(operands, dims) if d is not batching.not_mapped)
+    size = next(x.shape[d] for x, d in zip(operands, dims) if d is not None)
     fixed = prim_tree.num_leaves + res_tree.num_leaves
     moved, axes = [], []
     for i, (x, d) in enumerate(zip(operands, dims)):
-        if d is not batching.not_mapped:
+        if d is not None:
             moved.append(jnp.moveaxis(x, d, 0))
             axes.append(0)
         elif i >= fixed:  # tangents are always batched, so their transposes come back batched along 0
@@ -217,7 +218,7 @@ def _transpose(cts, *operands, rule, static, prim_tree, res_tree, out_tree, pres
         return nothing
     live = [c for c, z in zip(cts, zero) if not z]
     base = functools.partial(_base_backward, rule, static, prim_tree, res_tree, out_tree, present, out_avals, zero)
-    grads = _nested(base, levels, extra_axes=(0,) * len(live))(*prims, *residuals, *live)
+    grads = _nested(base, levels, len(prims) + len(residuals), (0,) * len(live))(*prims, *residuals, *live)
     return [None] * (len(prims) + len(residuals)) + list(grads)
 
 
