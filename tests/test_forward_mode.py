@@ -224,7 +224,7 @@ def test_packed_qkv_and_flash_attn_names_and_segments():
 def test_kvcache_op_jvp_is_the_references_and_its_gradient_still_raises():
     batch, seqlen_q, length, heads, head_dim = 2, 2, 6, 2, 8
     q, k_cache, v_cache = (_normal(i, (batch, n, heads, head_dim)) for i, n in enumerate((seqlen_q, length, length)))
-    tangents = [_normal(10 + i, x.shape) for i, x in enumerate((q, k_cache, v_cache))]
+    tangents = tuple(_normal(10 + i, x.shape) for i, x in enumerate((q, k_cache, v_cache)))
     lengths = np.array([4, 6], np.int32)
 
     def op(q, k, v):
@@ -259,7 +259,7 @@ def test_flax_layer_jvp_is_the_references():
 
     def reference(x):
         return np.concatenate(
-            [_reference_sequence(model, x[a:b])[0] for a, b in zip(cu_host[:-1], cu_host[1:])]
+            [_reference_sequence(model, x[a:b])[0] for a, b in zip(cu_host[:-1], cu_host[1:]) if b > a]
             + [np.zeros((x.shape[0] - cu_host[-1], x.shape[1]))]
         )
 
