@@ -296,3 +296,41 @@ def test_gpu_backends_jvp_and_hvp_match_the_xla_path(implementation, packing):
 
     a, b = np.asarray(hvp(implementation), np.float32), np.asarray(hvp("xla"), np.float32)
     np.testing.assert_allclose(a, b, atol=5e-2 * max(1.0, np.abs(b).max()))
+
+
+@pytest.mark.parametrize("context_strategy", ["ring", "all_gather"])
+def test_context_parallel_jvp_equals_the_ops(context_strategy):
+    """Context parallelism on a token axis of one device: the ring (its own custom_vjp, differentiated in
+    forward mode through its steps) and the all-gather strategy (the key windows) give the op's tangents."""
+    from jax_ragged_attn.parallel.sharding import sharded_ragged_attention
+
+    primals, tangents = _qkv(11, heads_q=2, heads_kv=2)
+    options = dict(max_seqlen_q=MAX_SEQLEN, max_seqlen_kv=MAX_SEQLEN, is_causal=True, return_stats=True)
+    cu = jnp.asarray(CU)
+    mesh = jax.make_mesh((1,), ("cp",))
+
+    def sharded(q, k, v):
+        return sharded_ragged_attention(
+            q, k, v, cu, cu, mesh=mesh, token_axis="cp", context_strategy=context_strategy, implementation="xla",
+            **options,
+        )  # fmt: skip
+
+    def plain(q, k, v):
+        return ragged_attention(q, k, v, cu, cu, implementation="xla", **options)
+
+    got = jax.jit(lambda p, t: jax.jvp(sharded, p, t)[1])(primals, tangents)
+    want = jax.jvp(plain, primals, tangents)[1]
+    for a, b, what in zip(got, want, ("out", "stats")):
+        assert_close(a, b, np.float32, f"{context_strategy} d {what}")
+
+
+def test_key_windows_jvp_slices_the_tangent():
+    from jax import lax
+
+    from jax_ragged_attn.parallel.key_windows import windows
+
+    x, t = _normal(0, (15, 2, 3)), _normal(1, (15, 2, 3))
+    a, b = jnp.int32(9), jnp.int32(2)
+    _, got = jax.jvp(lambda x: windows(x, (a, b), 5), (x,), (t,))
+    want = np.concatenate([lax.dynamic_slice_in_dim(t, s, 5) for s in (9, 2)])
+    np.testing.assert_array_equal(got, want)
