@@ -334,3 +334,66 @@ def test_key_windows_jvp_slices_the_tangent():
     _, got = jax.jvp(lambda x: windows(x, (a, b), 5), (x,), (t,))
     want = np.concatenate([lax.dynamic_slice_in_dim(t, s, 5) for s in (9, 2)])
     np.testing.assert_array_equal(got, want)
+
+
+def test_heads_sharded_jvp_equals_the_ops():
+    """sharded_ragged_attention over a head axis (the op inside shard_map) in forward mode."""
+    from jax_ragged_attn.parallel.sharding import sharded_ragged_attention
+
+    primals, tangents = _qkv(12, heads_q=2, heads_kv=2)
+    options = dict(max_seqlen_q=MAX_SEQLEN, max_seqlen_kv=MAX_SEQLEN, is_causal=True, return_stats=True)
+    cu = jnp.asarray(CU)
+    mesh = jax.make_mesh((1,), ("heads",))
+
+    def sharded(q, k, v):
+        return sharded_ragged_attention(q, k, v, cu, cu, mesh=mesh, head_axis="heads", implementation="xla", **options)
+
+    def plain(q, k, v):
+        return ragged_attention(q, k, v, cu, cu, implementation="xla", **options)
+
+    got = jax.jit(lambda p, t: jax.jvp(sharded, p, t)[1])(primals, tangents)
+    want = jax.jvp(plain, primals, tangents)[1]
+    for a, b, what in zip(got, want, ("out", "stats")):
+        assert_close(a, b, np.float32, f"heads d {what}")
+
+
+# ---- On 4 virtual CPU devices, in a child interpreter (this file run as a script): forward mode inside shard_map.
+
+MULTI_DEVICE = {
+    "heads": dict(head_axis="cp"),
+    "ring": dict(token_axis="cp", context_strategy="ring"),
+    "all_gather": dict(token_axis="cp", context_strategy="all_gather"),
+}
+
+
+def _multi_device_check(index, name, sharding):
+    from jax_ragged_attn.parallel.sharding import sharded_ragged_attention
+
+    primals, tangents = _qkv(20 + index, heads_q=4, heads_kv=4)
+    options = dict(max_seqlen_q=MAX_SEQLEN, max_seqlen_kv=MAX_SEQLEN, is_causal=True, return_stats=True)
+    cu = jnp.asarray(CU)
+    mesh = jax.make_mesh((4,), ("cp",))
+
+    def sharded(q, k, v):
+        return sharded_ragged_attention(q, k, v, cu, cu, mesh=mesh, implementation="xla", **sharding, **options)
+
+    def plain(q, k, v):
+        return ragged_attention(q, k, v, cu, cu, implementation="xla", **options)
+
+    got = jax.jit(lambda p, t: jax.jvp(sharded, p, t)[1])(primals, tangents)
+    want = jax.jvp(plain, primals, tangents)[1]
+    for a, b, what in zip(got, want, ("out", "stats")):
+        assert_close(a, b, np.float32, f"{name} d {what}")
+
+
+@pytest.mark.slow
+def test_forward_mode_on_four_devices():
+    from jax_ragged_attn.testing.multidevice import run_checks_in_child
+
+    run_checks_in_child(__file__, MULTI_DEVICE)
+
+
+if __name__ == "__main__":
+    from jax_ragged_attn.testing.multidevice import report_checks
+
+    report_checks(MULTI_DEVICE, _multi_device_check)
