@@ -10,6 +10,7 @@ FlashAttention-3's wrapper runs on testing/fa3_emulator.py's kernels; the cuDNN 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -259,7 +260,7 @@ def test_flax_layer_jvp_is_the_references():
 
     def reference(x):
         return np.concatenate(
-            [_reference_sequence(model, x[a:b])[0] for a, b in zip(cu_host[:-1], cu_host[1:]) if b > a]
+            [_reference_sequence(model, x[a:b])[0] for a, b in itertools.pairwise(cu_host) if b > a]
             + [np.zeros((x.shape[0] - cu_host[-1], x.shape[1]))]
         )
 
@@ -397,3 +398,43 @@ if __name__ == "__main__":
     from jax_ragged_attn.testing.multidevice import report_checks
 
     report_checks(MULTI_DEVICE, _multi_device_check)
+
+
+def _opaque(kernel):
+    """kernel(*arrays, config) behind jax.pure_callback: a call JAX cannot differentiate, as a GPU kernel."""
+
+    def call(*args):
+        *arrays, config = args
+        shapes = jax.eval_shape(lambda *a: kernel(*a, config), *arrays)
+        host = lambda *a: jax.tree.map(np.asarray, kernel(*a, config))
+        return jax.pure_callback(host, shapes, *arrays, vmap_method="sequential")
+
+    return call
+
+
+def test_kernels_are_never_differentiated():
+    """FA3's wrapper with kernels JAX cannot differentiate: forward mode, jacfwd and forward over reverse
+    take every derivative of them from the portable path, and agree with it."""
+    from jax_ragged_attn.backends.fa3 import ragged as fa3
+
+    primals, tangents = _qkv(13, heads_q=2, heads_kv=2, head_dim=128, dtype=jnp.bfloat16)
+    with fa3_emulator.patched():
+        forward, backward = fa3._forward_call, fa3._backward_call
+        fa3._forward_call, fa3._backward_call = _opaque(forward), _opaque(backward)
+        try:
+            fn = _op("fa3", True, "token_major")
+            got = jax.jit(lambda p, t: jax.jvp(fn, p, t)[1])(primals, tangents)
+
+            def loss(q):
+                out, stats = fn(q, *primals[1:])
+                return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.where(jnp.isfinite(stats), stats, 0))
+
+            hvp = jax.jit(lambda q, t: jax.jvp(jax.grad(loss), (q,), (t,))[1])(primals[0], tangents[0])
+        finally:
+            fa3._forward_call, fa3._backward_call = forward, backward
+    want = jax.jvp(_op("xla", True, "token_major"), primals, tangents)[1]
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with fa3_emulator.patched():
+        expected = jax.jvp(jax.grad(loss), (primals[0],), (tangents[0],))[1]
+    np.testing.assert_allclose(np.asarray(hvp, np.float32), np.asarray(expected, np.float32), rtol=0.05, atol=0.05)

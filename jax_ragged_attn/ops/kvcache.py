@@ -19,8 +19,6 @@ backend shares once: rows without keys (out 0, stats -inf), sinks (ops/common.py
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np

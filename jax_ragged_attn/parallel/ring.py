@@ -489,7 +489,9 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
 _ring_attention.defvjp(_ring_fwd, _ring_bwd)
 # Forward mode differentiates the ring's forward as it is: its steps are the op's own calls (which have forward
 # mode), the rotations and merges plain JAX; the backward likewise, for forward-over-reverse.
-_ring_attention = forward_mode(_ring_attention, _forward, second_order=False)
+_ring_attention = forward_mode(
+    _ring_attention, _forward, second_order=False, primals_from=lambda ring, saved: saved[:4]
+)
 
 
 def check_strategy(context_strategy, token_axis) -> None:

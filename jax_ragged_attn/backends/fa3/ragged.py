@@ -521,7 +521,14 @@ def _portable(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seq
     return portable().attend((q, k, v), RaggedIndex(cu_seqlens_q, cu_seqlens_kv, *seqused), config, stats="raw")
 
 
-_attention = forward_mode(_attention, _portable)
+def _saved_arguments(config, binding, shared, saved):
+    """_attention's arguments as its residuals hold them: q, k, v cleared and the cu_seqlens sanitised, which
+    the portable path reads alike (it never reads a row outside the sequences, and sanitises again)."""
+    q, k, v, (cu_q, cu_kv, _, _), seqused = saved[:5]
+    return q, k, v, cu_q, cu_kv, seqused
+
+
+_attention = forward_mode(_attention, _portable, primals_from=_saved_arguments)
 
 
 def attention(

@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
@@ -50,10 +51,11 @@ def portable(op: str = "ragged"):
 class _Rule:
     """One custom_vjp with its reference: a static parameter of tangents_p (hashed by identity)."""
 
-    def __init__(self, op, reference: Callable, second_order: bool):
+    def __init__(self, op, reference: Callable, second_order: bool, primals_from: Callable | None):
         self.op = op
         self.reference = reference
         self.second_order = second_order
+        self.primals_from = primals_from
         self.nondiff = tuple(op.nondiff_argnums)
         self.name = getattr(op.fun, "__qualname__", "op")
 
@@ -61,10 +63,14 @@ class _Rule:
         return f"forward_mode({self.name})"
 
 
-def forward_mode(op, reference: Callable, *, second_order: bool = True):
+def forward_mode(op, reference: Callable, *, second_order: bool = True, primals_from: Callable | None = None):
     """A custom_jvp with op's signature and outputs: forward mode through tangents_p (the module docstring),
-    reverse mode through op's own rules. second_order=False: op.bwd is plain jnp, differentiated as it is."""
-    rule = _Rule(op, reference, second_order)
+    reverse mode through op's own rules. second_order=False: op.bwd is plain jnp, differentiated as it is.
+
+    primals_from(nondiff args, residuals) -> op's differentiable arguments (their tree), or arrays the
+    reference gives the same derivatives at (the backend's cleared copies): the tangent then reads the
+    residuals alone, so reverse mode keeps no array alive that op's backward does not keep."""
+    rule = _Rule(op, reference, second_order, primals_from)
 
     @functools.wraps(op.fun)
     def primal(*args):
@@ -86,11 +92,10 @@ def _jvp(rule: _Rule, *args):
     present = tuple(
         _inexact(p) and not isinstance(t, SymbolicZero) for p, t in zip(prim_leaves, tan_leaves, strict=True)
     )
-    dynamic = primals
-    if rule.op.symbolic_zeros:
-        perturbed = jax.tree.unflatten(prim_tree, present)
-        dynamic = jax.tree.map(CustomVJPPrimal, primals, perturbed)
-    outs, residuals = rule.op.fwd(*_merge(rule.nondiff, static, dynamic))
+    run_fwd = functools.partial(_run_fwd, rule, tuple(static), prim_tree, present)
+    if rule.second_order:  # op.fwd calls kernels: an outer derivative of it must come from the reference
+        run_fwd = _differentiable_fwd(rule, tuple(static), prim_tree, run_fwd)
+    outs, residuals = run_fwd(prim_leaves)
     out_leaves, out_tree = jax.tree.flatten(outs)
     if not any(present):
         return outs, jax.tree.map(jnp.zeros_like, outs)
@@ -106,8 +111,63 @@ def _jvp(rule: _Rule, *args):
         levels=(),
     )
     tangent_ops = [t for t, p in zip(tan_leaves, present) if p]
-    tangents_out = tangents_p.bind(*prim_leaves, *res_leaves, *tangent_ops, **params)
+    carried = [] if rule.primals_from else prim_leaves
+    tangents_out = tangents_p.bind(*carried, *res_leaves, *tangent_ops, **params)
     return outs, jax.tree.unflatten(out_tree, tangents_out)
+
+
+def _run_fwd(rule, static, prim_tree, present, prim_leaves):
+    """op.fwd of the primal leaves: (outputs, residuals)."""
+    dynamic = jax.tree.unflatten(prim_tree, prim_leaves)
+    if rule.op.symbolic_zeros:
+        dynamic = jax.tree.map(CustomVJPPrimal, dynamic, jax.tree.unflatten(prim_tree, present))
+    return rule.op.fwd(*_merge(rule.nondiff, static, dynamic))
+
+
+def _differentiable_fwd(rule, static, prim_tree, run_fwd):
+    """run_fwd as a custom_jvp, for a derivative of the forward rule itself (forward over reverse, jvp of jvp):
+    the outputs' tangents are the reference's; each residual that primals_from reads an argument from gets
+    that argument's tangent (the residual tangents the second-order backward reads), the others 0."""
+    fwd = jax.custom_jvp(run_fwd)
+
+    @fwd.defjvp
+    def _(primals, tangents):
+        (leaves,), (d_leaves,) = primals, tangents
+        outs, residuals = run_fwd(leaves)
+        where = [i for i, x in enumerate(leaves) if _inexact(x)]
+
+        def along(*values):
+            inner = list(leaves)
+            for i, x in zip(where, values):
+                inner[i] = x
+            return _reference_outputs(rule, static, prim_tree, inner)
+
+        d_outs = jax.jvp(along, [leaves[i] for i in where], [d_leaves[i] for i in where])[1]
+        d_outs = jax.tree.map(lambda t, o: t.astype(o.dtype), d_outs, outs)
+        res_leaves, res_tree = jax.tree.flatten(residuals)
+        d_res = [_zero_tangent(x) for x in res_leaves]
+        if rule.primals_from:
+            floats = [i for i, x in enumerate(res_leaves) if _inexact(x)]
+
+            def selected(*values):
+                inner = list(res_leaves)
+                for i, x in zip(floats, values):
+                    inner[i] = x
+                derived = prim_tree.flatten_up_to(tuple(rule.primals_from(*static, res_tree.unflatten(inner))))
+                return [derived[i] for i in where]
+
+            scatter = jax.linear_transpose(selected, *[res_leaves[i] for i in floats])
+            for i, t in zip(floats, scatter([d_leaves[i].astype(leaves[i].dtype) for i in where])):
+                d_res[i] = t
+        return (outs, residuals), (d_outs, res_tree.unflatten(d_res))
+
+    return fwd
+
+
+def _zero_tangent(x):
+    if _inexact(x):
+        return jnp.zeros(jnp.shape(x), jnp.result_type(x))
+    return np.zeros(jnp.shape(x), jax.dtypes.float0)
 
 
 def _merge(nondiff, static, dynamic) -> list:
@@ -122,9 +182,21 @@ tangents_p = Primitive("ragged_attention_tangents")
 tangents_p.multiple_results = True
 
 
-def _split(operands, prim_tree, res_tree):
-    n, r = prim_tree.num_leaves, res_tree.num_leaves
-    return list(operands[:n]), list(operands[n : n + r]), list(operands[n + r :])
+def _fixed(rule, prim_tree, res_tree) -> int:
+    """How many operands precede the tangents: the primal leaves (unless derived) and the residuals."""
+    return (0 if rule.primals_from else prim_tree.num_leaves) + res_tree.num_leaves
+
+
+def _split(rule, static, operands, prim_tree, res_tree):
+    """(primal leaves, residual leaves, the operands after them) of tangents_p's operands."""
+    fixed = _fixed(rule, prim_tree, res_tree)
+    residuals = list(operands[fixed - res_tree.num_leaves : fixed])
+    if rule.primals_from:
+        derived = rule.primals_from(*static, jax.tree.unflatten(res_tree, residuals))
+        prims = prim_tree.flatten_up_to(tuple(derived))
+    else:
+        prims = list(operands[: prim_tree.num_leaves])
+    return prims, residuals, list(operands[fixed:])
 
 
 def _reference_outputs(rule, static, prim_tree, leaves):
@@ -133,7 +205,7 @@ def _reference_outputs(rule, static, prim_tree, leaves):
 
 def _base_tangents(rule, static, prim_tree, res_tree, out_tree, present, out_avals, *operands):
     """One (unbatched) evaluation: the reference's output tangents for the present input tangents."""
-    prims, _, tangents = _split(operands, prim_tree, res_tree)
+    prims, _, tangents = _split(rule, static, operands, prim_tree, res_tree)
     where = [i for i, p in enumerate(present) if p]
 
     def along(*values):
@@ -186,9 +258,9 @@ def _jvp_rule(primals, tangents, **params):
 ad.primitive_jvps[tangents_p] = _jvp_rule
 
 
-def _batch(operands, dims, *, prim_tree, res_tree, levels, **params):
+def _batch(operands, dims, *, rule, prim_tree, res_tree, levels, **params):
     size = next(x.shape[d] for x, d in zip(operands, dims) if d is not None)
-    fixed = prim_tree.num_leaves + res_tree.num_leaves
+    fixed = _fixed(rule, prim_tree, res_tree)
     moved, axes = [], []
     for i, (x, d) in enumerate(zip(operands, dims)):
         if d is not None:
@@ -201,7 +273,7 @@ def _batch(operands, dims, *, prim_tree, res_tree, levels, **params):
             moved.append(x)
             axes.append(None)
     levels = ((size, tuple(axes)),) + tuple(levels)
-    outs = tangents_p.bind(*moved, prim_tree=prim_tree, res_tree=res_tree, levels=levels, **params)
+    outs = tangents_p.bind(*moved, rule=rule, prim_tree=prim_tree, res_tree=res_tree, levels=levels, **params)
     return outs, [0] * len(outs)
 
 
@@ -209,8 +281,9 @@ batching.primitive_batchers[tangents_p] = _batch
 
 
 def _transpose(cts, *operands, rule, static, prim_tree, res_tree, out_tree, present, out_avals, levels):
-    prims, residuals, tangents = _split(operands, prim_tree, res_tree)
-    if any(ad.is_undefined_primal(x) for x in prims + residuals):
+    fixed = _fixed(rule, prim_tree, res_tree)
+    known = list(operands[:fixed])
+    if any(ad.is_undefined_primal(x) for x in known):
         raise NotImplementedError(f"{rule!r}: the primal inputs and residuals of a tangent must be known")
     zero = tuple(type(c) is ad.Zero for c in cts)
     nothing = [None] * len(operands)
@@ -218,14 +291,13 @@ def _transpose(cts, *operands, rule, static, prim_tree, res_tree, out_tree, pres
         return nothing
     live = [c for c, z in zip(cts, zero) if not z]
     base = functools.partial(_base_backward, rule, static, prim_tree, res_tree, out_tree, present, out_avals, zero)
-    grads = _nested(base, levels, len(prims) + len(residuals), (0,) * len(live))(*prims, *residuals, *live)
-    return [None] * (len(prims) + len(residuals)) + list(grads)
+    grads = _nested(base, levels, fixed, (0,) * len(live))(*known, *live)
+    return [None] * fixed + list(grads)
 
 
 def _base_backward(rule, static, prim_tree, res_tree, out_tree, present, out_avals, zero, *operands):
     """One (unbatched) transposition: op.bwd's cotangents of the present tangent inputs."""
-    n, r = prim_tree.num_leaves, res_tree.num_leaves
-    prims, residuals, live = list(operands[:n]), list(operands[n : n + r]), list(operands[n + r :])
+    prims, residuals, live = _split(rule, static, operands, prim_tree, res_tree)
 
     def backward(prims, residuals, live):
         cts, rest = [], iter(live)
