@@ -19,14 +19,13 @@ backend shares once: rows without keys (out 0, stats -inf), sinks (ops/common.py
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_ragged_attn import backends
 from jax_ragged_attn.backends.shared.cache_index import safe_cache_index
+from jax_ragged_attn.backends.shared.forward_mode import forward_mode
 from jax_ragged_attn.config import AttentionOptions, KVCacheConfig, _static_int, check_array, check_heads, masked_fields
 from jax_ragged_attn.features import keyword_hints
 from jax_ragged_attn.features.checks import apply_append_check, apply_cache_check
@@ -174,16 +173,18 @@ def ragged_attention_with_kvcache(
     return result
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _attention(q, k_cache, v_cache, lengths, page_table, cu_seqlens_q, config: KVCacheConfig, name: str):
+def _run(q, k_cache, v_cache, lengths, page_table, cu_seqlens_q, config: KVCacheConfig, name: str):
     backend = backends.get(name, "kvcache")
     if config.packed:
         return backend.attend_packed(q, k_cache, v_cache, lengths, cu_seqlens_q, page_table, config)
     return backend.attend(q, k_cache, v_cache, lengths, page_table, config)
 
 
+_attention = jax.custom_vjp(_run, nondiff_argnums=(6, 7))
+
+
 def _attention_fwd(q, k_cache, v_cache, lengths, page_table, cu_seqlens_q, config, name):
-    return _attention(q, k_cache, v_cache, lengths, page_table, cu_seqlens_q, config, name), None
+    return _run(q, k_cache, v_cache, lengths, page_table, cu_seqlens_q, config, name), None
 
 
 def _attention_bwd(config, name, residuals, cotangents):
@@ -195,6 +196,14 @@ def _attention_bwd(config, name, residuals, cotangents):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _portable(q, k_cache, v_cache, lengths, page_table, cu_seqlens_q, config: KVCacheConfig, name: str):
+    """_attention on the portable backend: the derivatives forward mode takes (reverse mode still raises)."""
+    return _run(q, k_cache, v_cache, lengths, page_table, cu_seqlens_q, config, backends.FALLBACK)
+
+
+_attention = forward_mode(_attention, _portable)
 
 
 def kvcache_append(

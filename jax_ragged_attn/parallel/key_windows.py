@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ragged_attn.backends.shared.forward_mode import forward_mode
+
 
 def window_bounds(total: int, chunk_start, rows: int, *, max_seqlen: int, is_causal: bool):
     """(first row, static size): the rows of `total` gathered, natural-order key rows that the queries of the
@@ -45,10 +47,12 @@ def _windows(x, starts, size, total):
 
 
 def _windows_fwd(x, starts, size, total):
-    return _windows(x, starts, size, total), starts
+    # x's dtype and trailing shape on zero rows: what forward mode needs of x (the windows are linear in it).
+    return _windows(x, starts, size, total), (starts, x[:0])
 
 
-def _windows_bwd(size, total, starts, g):
+def _windows_bwd(size, total, saved, g):
+    starts, _ = saved
     # One elementwise pass over the T rows: each row takes its rows of the windows that cover it (gathered
     # rows, clamped where a window does not), so XLA writes the gradient once and reads each window once,
     # where zeros + in-place updates compiled to a pad of all T rows and a second full pass per update.
@@ -65,3 +69,10 @@ def _windows_bwd(size, total, starts, g):
 
 
 _windows.defvjp(_windows_fwd, _windows_bwd)
+# The windows are slices: forward mode slices the tangent the same way.
+_windows = forward_mode(
+    _windows,
+    _windows.fun,
+    second_order=False,
+    primals_from=lambda size, total, saved: (jnp.zeros((total, *saved[1].shape[1:]), saved[1].dtype), saved[0]),
+)

@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ragged_attn.backends.shared.forward_mode import forward_mode
 from jax_ragged_attn.config import AttentionOptions
 from jax_ragged_attn.index import sanitize_cu_seqlens
 from jax_ragged_attn.ops.ragged import attend
@@ -487,6 +488,11 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
 
 
 _ring_attention.defvjp(_ring_fwd, _ring_bwd)
+# Forward mode differentiates the ring's forward as it is: its steps are the op's own calls (which have forward
+# mode), the rotations and merges plain JAX; the backward likewise, for forward-over-reverse.
+_ring_attention = forward_mode(
+    _ring_attention, _forward, second_order=False, primals_from=lambda ring, saved: saved[:4]
+)
 
 
 def check_strategy(context_strategy, token_axis) -> None:

@@ -23,10 +23,12 @@ from jax.custom_derivatives import SymbolicZero
 from jax_ragged_attn.backends.cudnn import extents, graphs, options
 from jax_ragged_attn.backends.cudnn.graphs import INT32_LIMIT, MAX_HEAD_DIM, ffi_kwargs, graph_info
 from jax_ragged_attn.backends.shared import extension, known_issues, stats_grad
+from jax_ragged_attn.backends.shared.forward_mode import forward_mode, portable
 from jax_ragged_attn.backends.shared.remat_names import named_residuals
 from jax_ragged_attn.config import AttentionConfig
 from jax_ragged_attn.features import checks
 from jax_ragged_attn.index import (
+    RaggedIndex,
     query_rows_with_keys,
     row_positions,
     sanitize_both,
@@ -435,3 +437,15 @@ def _attention_bwd(config, residuals, cotangents):
 
 
 attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+
+
+def portable_attention(buffers, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused=(None, None)):
+    """`attention` on the portable path (the same buffers, index and config): the derivatives forward mode
+    takes, since no cuDNN graph computes a tangent. Its stats carry 0, not -inf, on rows without keys (a
+    constant either way, so the tangent is the same, and no -inf is made)."""
+    index = RaggedIndex(cu_seqlens_q, cu_seqlens_kv, *seqused)
+    return portable().attend(buffers, index, config, stats="raw")
+
+
+# The residuals begin with the arguments themselves.
+attention = forward_mode(attention, portable_attention, primals_from=lambda config, saved: saved[:4])

@@ -22,10 +22,11 @@ import jax
 import jax.numpy as jnp
 
 from jax_ragged_attn.backends.cudnn import launch
+from jax_ragged_attn.backends.shared.forward_mode import forward_mode
 from jax_ragged_attn.backends.shared.remat_names import named_residuals
 from jax_ragged_attn.config import AttentionConfig
-from jax_ragged_attn.features.sinks import sink_terms
-from jax_ragged_attn.index import query_rows_with_keys, sanitize_both
+from jax_ragged_attn.features.sinks import apply_sinks, sink_terms
+from jax_ragged_attn.index import RaggedIndex, query_rows_with_keys, sanitize_both
 
 
 def _sigma(raw_stats, sinks, rows_with_keys, config: AttentionConfig):
@@ -73,3 +74,16 @@ def _bwd(config, residuals, d_out):
 
 
 attention_with_sinks.defvjp(_fwd, _bwd)
+
+
+def _portable(buffers, cu_seqlens_q, cu_seqlens_kv, sinks, config: AttentionConfig, seqused=(None, None)):
+    """attention_with_sinks on the portable path: its raw stats and the sink epilogue (the op's own for a
+    backend without folded sinks), the derivatives forward mode takes."""
+    index = RaggedIndex(cu_seqlens_q, cu_seqlens_kv, *seqused)
+    out, stats = launch.portable_attention(buffers, cu_seqlens_q, cu_seqlens_kv, config, seqused)
+    real, keys = index.real_rows_q(config), index.rows_with_keys(config)
+    return apply_sinks(out, stats, sinks, real, keys, config.stats_layout, False)[0]
+
+
+# The residuals begin with the arguments themselves.
+attention_with_sinks = forward_mode(attention_with_sinks, _portable, primals_from=lambda config, saved: saved[:5])

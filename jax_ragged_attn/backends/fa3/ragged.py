@@ -50,6 +50,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from jax_ragged_attn.backends.shared import stats_grad
+from jax_ragged_attn.backends.shared.forward_mode import forward_mode, portable
 from jax_ragged_attn.backends.shared.remat_names import named_residuals
 from jax_ragged_attn.backends.shared.row_zeroing import zero_unused_rows
 from jax_ragged_attn.config import AttentionConfig
@@ -512,6 +513,22 @@ def _attention_bwd(config, binding, shared, residuals, cotangents):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+
+
+def _portable(q, k, v, cu_seqlens_q, cu_seqlens_kv, config: AttentionConfig, seqused, binding: str, shared: bool):
+    """_attention on the portable path (same inputs and config), the derivatives forward mode takes: no FA3
+    kernel computes a tangent. Stats 0, not -inf, on rows without keys (constant either way)."""
+    return portable().attend((q, k, v), RaggedIndex(cu_seqlens_q, cu_seqlens_kv, *seqused), config, stats="raw")
+
+
+def _saved_arguments(config, binding, shared, saved):
+    """_attention's arguments as its residuals hold them: q, k, v cleared and the cu_seqlens sanitised, which
+    the portable path reads alike (it never reads a row outside the sequences, and sanitises again)."""
+    q, k, v, (cu_q, cu_kv, _, _), seqused = saved[:5]
+    return q, k, v, cu_q, cu_kv, seqused
+
+
+_attention = forward_mode(_attention, _portable, primals_from=_saved_arguments)
 
 
 def attention(

@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ragged_attn.backends.shared.forward_mode import forward_mode
 from jax_ragged_attn.backends.shared.remat_names import named_residuals
 from jax_ragged_attn.backends.xla import memory as xla_memory
 from jax_ragged_attn.backends.xla.memory import WorkingSetTooLargeError, warn_cudnn_fallback
@@ -425,6 +426,16 @@ def _attention_bwd(plan: _Plan, residuals, cotangents):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _reference(plan: _Plan, q, k, v, sinks, bands: _Bands):
+    """_attention in plain jnp, for forward mode: its backward is plain jnp too, and differentiates as it is."""
+    out, lse = _forward(plan, q, k, v, sinks, bands)
+    return out.astype(q.dtype), lse
+
+
+# The residuals begin with the arguments themselves.
+_attention = forward_mode(_attention, _reference, second_order=False, primals_from=lambda plan, saved: saved[:5])
 
 
 class _Walk(NamedTuple):
