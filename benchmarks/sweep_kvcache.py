@@ -7,9 +7,9 @@ contiguous caches, GQA/MQA, windows, causal or not, softcap, sinks, both stats l
     python -m benchmarks.sweep_kvcache --repro '{"seed": 17, ...}'          # what a failing case prints
 
 Every cache row no sequence uses (past its length, on its unused pages, two spare pages) is NaN, and so are q's
-rows past cu_seqlens_q[-1]; cache_seqlens are drawn past the capacity and below 0 at times (the op clamps
-them). An unused page's table entry is -1 at times (never read). Each result is held to the float64 reference
-(testing/kvcache_reference.py) within the dtype's tolerance. A decline the implementation lists
+rows past cu_seqlens_q[-1]; cache_seqlens are drawn past the capacity and below 0 at times (such a
+sequence must read NaN). An unused page's table entry is -1 at times (never read). Each other result is held to
+the float64 reference (testing/kvcache_reference.py) within the dtype's tolerance. A decline the implementation lists
 (testing/declines.py) is a skip with its reason; any other decline, error or mismatch fails, with the case's
 JSON to repeat it.
 """
@@ -72,7 +72,7 @@ def draw_case(seed: int, tier: str = "cpu", implementation: str | None = None) -
     if rng.random() < 0.3:
         window = [int(rng.integers(-1, 3 * page)), int(rng.integers(-1, 4))]
     lengths = [int(x) for x in rng.integers(0, capacity + 1, batch)]
-    if rng.random() < 0.3:  # clamped by the op: past the capacity, below 0
+    if rng.random() < 0.3:  # invalid, read NaN by the op: past the capacity, below 0
         lengths[0] = capacity + int(rng.integers(1, 5))
         lengths[-1] = -int(rng.integers(1, 3))
     counts = [int(x) for x in rng.integers(0, max_queries + 1, batch)] if packed else None
@@ -184,12 +184,28 @@ def compare(case: dict) -> None:
         expected = reference_kvcache_attention_packed(
             q, k, v, lengths, cu, case["max_seqlen_q"], page_table=table, sinks=sinks, **_options(case)
         )
-    assert_close(out, expected["out"], dtype, "out")
+    # A sequence whose cache_seqlens is outside [0, capacity] reads NaN on every one of its query rows (the op's
+    # signal for invalid input); the reference's clamped numbers are not what it returns there.
+    out = np.asarray(out, np.float64)
+    expected_out, expected_stats = np.array(expected["out"], np.float64), np.array(expected["stats"], np.float64)
+    invalid = (lengths < 0) | (lengths > case["page_size"] * case["max_pages"])
+    rows = np.zeros(out.shape[:-2], bool)  # [B, Sq] or [T]
+    for b in np.flatnonzero(invalid):
+        if cu is None:
+            rows[b] = True
+        else:
+            rows[cu[b] : cu[b + 1]] = True
+    stats_rows = np.swapaxes(rows[..., None], -1, -2)  # stats are [..., Hq, rows]
+    assert np.isnan(out[rows]).all(), "out: a sequence with cache_seqlens outside the cache does not read NaN"
+    assert np.isnan(np.where(stats_rows, stats, np.nan)).all(), "stats: an invalid sequence's rows are not NaN"
+    out[rows], expected_out[rows] = 0.0, 0.0
+    stats, expected_stats = np.where(stats_rows, 0.0, stats), np.where(stats_rows, 0.0, expected_stats)
+    assert_close(out, expected_out, dtype, "out")
     # The stats are float32 whatever the inputs' dtype, and the inputs are the values the op sees (as sweep.py).
-    assert_close(stats, expected["stats"], "float32", "stats")
+    assert_close(stats, expected_stats, "float32", "stats")
     # A query without keys (and without sinks): out exactly 0. Rows [B * Sq] or [T], heads last.
-    out = np.asarray(out, np.float64).reshape(-1, q.shape[-2], v.shape[-1])
-    empty = np.swapaxes(np.isneginf(expected["stats"]), -1, -2).reshape(-1, q.shape[-2])
+    out = out.reshape(-1, q.shape[-2], v.shape[-1])
+    empty = np.swapaxes(np.isneginf(expected_stats), -1, -2).reshape(-1, q.shape[-2])
     bad = empty & (out != 0).any(axis=-1)
     assert not bad.any(), f"out: {int(bad.sum())} (row, head) pairs that attend no key are not exactly 0"
 
