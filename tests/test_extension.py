@@ -192,8 +192,11 @@ def test_an_install_without_the_extension_says_it_is_not_built(tmp_path):
     and where the build is described, not Python's "partially initialized module ... circular import"."""
     import sys
 
+    import jax_ragged_attn
+
+    # The package this run imports (the source tree, or an installed wheel when tests run from a copy of tests/).
     shutil.copytree(
-        ROOT / "jax_ragged_attn",
+        pathlib.Path(jax_ragged_attn.__file__).parent,
         tmp_path / "jax_ragged_attn",
         ignore=shutil.ignore_patterns("_ext*.so", "_ext*.pyd", "__pycache__"),
     )
