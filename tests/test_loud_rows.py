@@ -131,14 +131,21 @@ def test_ragged_attention_rows_of_an_invalid_sequence_are_nan(implementation, ca
 
 
 def test_valid_rows_are_unchanged_by_the_select(implementation):
-    """Valid input: the result is bit for bit the backend's, and padding rows read exactly 0."""
+    """Valid input: the result is the backend's (bit for bit from a kernel), and padding rows read exactly 0."""
     f = _ragged(implementation)
     out, stats = f(_cu(VALID_Q), _cu(VALID_KV))
     assert np.all(np.asarray(out)[VALID_Q[-1] :] == 0) and np.isfinite(np.asarray(out)).all()
     with mock.patch.object(common, "loud", lambda out, stats, rows, layout: (out, stats)):
         plain_out, plain_stats = _ragged(implementation)(_cu(VALID_Q), _cu(VALID_KV))
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(plain_out))
-    np.testing.assert_array_equal(np.asarray(stats), np.asarray(plain_stats))
+    if implementation == "xla":
+        # The select joins the portable path's own XLA program, which XLA may fuse differently with it: the same
+        # values within a few roundings of their dtype. A kernel's result reaches the select as a finished buffer.
+        for got, want in ((out, plain_out), (stats, plain_stats)):
+            eps = float(jnp.finfo(got.dtype).eps)
+            np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=4 * eps, atol=0)
+    else:
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(plain_out))
+        np.testing.assert_array_equal(np.asarray(stats), np.asarray(plain_stats))
 
 
 @pytest.mark.parametrize("case_name", ["q_past_max_seqlen_q", "kv_decreasing"])

@@ -492,5 +492,7 @@ def test_overflow_is_aux_for_grad(rng):
 
     grad, overflow = jax.jit(jax.grad(lambda q: loss(q, True), has_aux=True))(q)
     plain, _ = jax.jit(jax.grad(lambda q: loss(q, False), has_aux=True))(q)
-    np.testing.assert_array_equal(np.asarray(grad), np.asarray(plain))
+    # Two XLA programs (the count is an extra output), which XLA may fuse differently: equal within float32's
+    # rounding of the gradient's terms, not bit for bit.
+    assert_close(grad, plain, np.float32, "dq with return_overflow=True")
     assert int(overflow.dropped_segments) == 2
