@@ -6,14 +6,16 @@ sequences, chunks longer than their cache (queries at positions below 0), sequen
 prefix pages, NaN in every cache row and page no sequence uses and in q's rows past cu_seqlens_q[-1]. A NaN in
 a result proves such a row leaked; padded rows must read exactly 0 (out) and -inf (stats).
 
-`PackedKVCacheTest` holds the cases, through the public API only; each subclass runs them on one
-implementation: `XlaPackedTest` on the portable path (tiles of 2 queries and blocks of 8 rows, so sequences
-straddle both), `Fa3TilesStandInTest` on FA3's tile arithmetic with the kernel call replaced by the xla path
-with FA3's masks (any machine), `Fa3PackedTest` on FlashAttention-3 (Hopper GPU with the flash-attn3-jax
-wheel; skipped elsewhere with the reason; `pytest -m "not soak" tests/test_kvcache_varlen.py -k Fa3PackedTest`
-on the H200); `CudnnPackedStandInTest` on cuDNN's packed paged route with the FFI handler replaced by its
-contract in jnp (any machine), `CudnnPackedTest` on cuDNN's graph (a CUDA GPU). The GPU classes' "two runs
-differ" check is what caught FA3's split-KV with seqused_q differing run to run (fa3/kvcache.py _fa3_call).
+`PackedKVCacheTest` draws the mixes and runs kvcache_conformance.py's checks (every case of CASES, jit, vmap,
+invalid page entries, check mode, forward only) and this layout's own, through the public API only; each
+subclass runs them on one implementation: `XlaPackedTest` on the portable path (tiles of 2 queries and blocks of
+8 rows, so sequences straddle both), `Fa3TilesStandInTest` on FA3's tile arithmetic with the kernel call
+replaced by the xla path with FA3's masks (any machine), `Fa3PackedTest` on FlashAttention-3 (Hopper GPU with
+the flash-attn3-jax wheel; skipped elsewhere with the reason; `pytest -m "not soak" tests/test_kvcache_varlen.py
+-k Fa3PackedTest` on the H200); `CudnnPackedStandInTest` on cuDNN's packed paged route with the FFI handler
+replaced by its contract in jnp (any machine), `CudnnPackedTest` on cuDNN's graph (a CUDA GPU). The GPU
+classes' "two runs differ" check is what caught FA3's split-KV with seqused_q differing run to run
+(fa3/kvcache.py _fa3_call).
 
     pytest tests/test_kvcache_varlen.py -k 'XlaPackedTest and test_attention_window_paged'
 """
