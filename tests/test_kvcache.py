@@ -1,13 +1,14 @@
 """ragged_attention_with_kvcache and kvcache_append against the float64 reference (testing/kvcache_reference.py).
 
-`KVCacheTest` holds the cases and checks, through the public API only; each subclass runs them on one
-implementation: `XlaKVCacheTest` on the portable path (any backend; small blocks, so sequences straddle them),
-`Fa3KVCacheTest` on FlashAttention-3's kvcache kernels and `CudnnKVCacheTest` on the ragged cuDNN kernel over a
-contiguous cache (its paged graph: test_kvcache_cudnn.py) (GPU only, skipped with the reason elsewhere; a
-configuration a backend declines by design, as testing/declines.py lists, is a skip naming its reason, any other
-decline fails). Every row and page a sequence does not use is NaN in both caches: a NaN in a result proves
-an unused row leaked. Inputs come from a seed derived from the test's id, so a failure reproduces with
-`pytest tests/test_kvcache.py -k 'XlaKVCacheTest and test_attention_paged_gqa'`.
+`KVCacheTest` draws [B, Sq] queries over the cache and runs kvcache_conformance.py's checks (every case of CASES,
+jit, vmap, invalid page entries, check mode, forward only) and this layout's own, through the public API only;
+each subclass runs them on one implementation: `XlaKVCacheTest` on the portable path (any backend; small blocks,
+so sequences straddle them), `Fa3KVCacheTest` on FlashAttention-3's kvcache kernels and `CudnnKVCacheTest` on the
+ragged cuDNN kernel over a contiguous cache (its paged graph: test_kvcache_cudnn.py) (GPU only, skipped with the
+reason elsewhere; a configuration a backend declines by design, as testing/declines.py lists, is a skip naming
+its reason, any other decline fails). Every row and page a sequence does not use is NaN in both caches: a NaN in
+a result proves an unused row leaked. Inputs come from a seed derived from the test's id, so a failure
+reproduces with `pytest tests/test_kvcache.py -k 'XlaKVCacheTest and test_attention_gqa_two_queries_paged'`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 from decode_configs import decode_config  # tests/ is on sys.path under pytest
+from kvcache_conformance import KVCacheConformance, XlaKVCacheConformance, attention_tests
 from tiers import slow_cases  # tests/ is on sys.path under pytest
 
 import jax_ragged_attn
@@ -31,10 +33,8 @@ from jax_ragged_attn.backends.fa3 import ragged as _fa3
 from jax_ragged_attn.backends.shared import known_issues
 from jax_ragged_attn.backends.xla import kvcache as xla_kvcache
 from jax_ragged_attn.config import AttentionOptions
-from jax_ragged_attn.features.checks import RaggedAttentionInputError, input_errors
 from jax_ragged_attn.ops.kvcache import kvcache_config
 from jax_ragged_attn.testing import assert_close, declines, fa3_emulator
-from jax_ragged_attn.testing.helpers import SeededCacheCase
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention
 from jax_ragged_attn.testing.private_config import backend_options
 
@@ -58,18 +58,12 @@ CASES = {
 }
 
 
-class KVCacheTest(SeededCacheCase, parameterized.TestCase):
+class KVCacheTest(KVCacheConformance):
+    """[B, Sq] queries over the cache: kvcache_conformance.py's hooks for this layout, and its own checks."""
+
     __test__ = False  # the subclasses run these, each against its implementation
-    implementation: str
-    dtype = jnp.float32
-    head_dim = 16
-    page_size = 4
-    max_pages = 6  # capacity max_pages * page_size, contiguous too
     paged_only = False
-    contiguous_only = False
-    # Two calls give the same bits; False where a kernel's reduction order varies run to run (cuDNN's decode
-    # graphs: the stats of one H200 run differed from the next by one float32 ulp).
-    bit_reproducible = True
+    test_attention = attention_tests(CASES)
 
     def lengths(self, batch: int) -> np.ndarray:
         """A full cache, an empty one, one shorter than 5 queries, the rest at random."""
@@ -111,10 +105,6 @@ class KVCacheTest(SeededCacheCase, parameterized.TestCase):
             table = table.astype(np.int32)
         cast = lambda x: jnp.asarray(x, self.dtype)
         return cast(q), cast(k), cast(v), jnp.asarray(lengths), (None if table is None else jnp.asarray(table))
-
-    def need(self, paged: bool) -> None:
-        if paged and self.contiguous_only:
-            self.skipTest(f"{self.implementation} serves contiguous caches only")
 
     def attend(self, *args, **kwargs):
         """The op through self.implementation; a decline testing/declines.py lists is a skip naming the reason,
@@ -161,35 +151,24 @@ class KVCacheTest(SeededCacheCase, parameterized.TestCase):
         self.assertTrue((np.asarray(out[compare], np.float32)[no_keys] == 0).all(), "a query without keys is not 0")
         return out
 
-    # ---- attention -----------------------------------------------------------------------------------------
+    # ---- kvcache_conformance.py's hooks ---------------------------------------------------------------------
 
-    @parameterized.named_parameters(
-        [
-            dict(case, testcase_name=f"{name}_{'paged' if paged else 'contiguous'}", paged=paged)
-            for name, case in CASES.items()
-            for paged in (False, True)
-        ]
-    )
-    def test_attention(self, paged, seqlen_q=2, heads=(4, 2), **options):
-        self.need(paged)
-        self.check(self.make(seqlen_q=seqlen_q, heads=heads, paged=paged), **options)
+    def draw(self, paged=False):
+        return self.make(paged=paged)
 
-    @parameterized.parameters(False, True)
-    def test_jit(self, paged):
-        self.need(paged)
-        q, k, v, lengths, table = self.make(paged=paged)
+    def case_inputs(self, paged, seqlen_q=2, heads=(4, 2), **options):
+        return self.make(seqlen_q=seqlen_q, heads=heads, paged=paged), options
 
-        @jax.jit
-        def run(q, k, v, lengths, table):
-            return ragged_attention_with_kvcache(q, k, v, lengths, page_table=table, implementation=self.implementation)
+    def page_table_case(self):
+        return self.make(paged=True, lengths=[self.capacity, self.page_size + 3, 6, 5, 0]), (1, 1)
 
-        self.attend(q, k, v, lengths, page_table=table)  # skips where declined
-        expected = reference_kvcache_attention(q, k, v, lengths, page_table=table)
-        assert_close(run(q, k, v, lengths, table), expected["out"], self.dtype, "out under jit")
+    def invalid_page_entries(self):
+        # Sequence 0's second page and sequence 2's first are outside the cache.
+        q, k, v, lengths, table = self.make(paged=True, lengths=[self.capacity, 7, 6, 5, 0])
+        table = table.at[0, 1].set(-5).at[2, 0].set(10**6)
+        return (q, k, v, lengths, table), np.array([0, 2]), (np.array([1, 3, 4]),)
 
-    @parameterized.parameters(False, True)
-    def test_vmap(self, paged):
-        self.need(paged)
+    def vmap_parts(self, paged):
         size = self.page_size  # both draw max_pages + 1 pages, so that the paged caches stack
         parts = [
             self.make(paged=paged, extra_pages=0, lengths=lengths)
@@ -197,125 +176,27 @@ class KVCacheTest(SeededCacheCase, parameterized.TestCase):
         ]
         if paged:  # vmapped caches need one page count: both draw the same page total
             self.assertEqual(parts[0][1].shape, parts[1][1].shape)
-        stacked = [None if parts[0][i] is None else jnp.stack([p[i] for p in parts]) for i in range(5)]
-        self.attend(*parts[0][:4], page_table=parts[0][4])  # skips where declined
-        out = jax.vmap(
-            lambda q, k, v, n, t: ragged_attention_with_kvcache(
-                q, k, v, n, page_table=t, implementation=self.implementation
-            ),
-            in_axes=(0, 0, 0, 0, None if not paged else 0),
-        )(*stacked)
-        for i, part in enumerate(parts):
-            assert_close(
-                out[i],
-                reference_kvcache_attention(*part[:4], page_table=part[4])["out"],
-                self.dtype,
-                f"vmapped element {i}",
-            )
+        return parts
 
-    def test_out_of_range_cache_seqlens_read_nan(self):
-        # Sequences 0-2 have lengths outside [0, capacity]: their rows read NaN, the others are exact.
-        q, k, v, _, _ = self.make(lengths=[self.capacity] * 5)
-        lengths = jnp.asarray([self.capacity + 5, -3, 2**31 - 1, 0, self.capacity], jnp.int32)
-        out = self.attend(q, k, v, lengths)
-        self.assertTrue(np.isnan(np.asarray(out, np.float32)[:3]).all())
-        clamped = jnp.clip(lengths, 0, self.capacity)
-        assert_close(out[3:], reference_kvcache_attention(q, k, v, clamped)["out"][3:], self.dtype, "out")
+    def attend_inputs(self, inputs, **kwargs):
+        q, k, v, lengths, table = inputs
+        return self.attend(q, k, v, lengths, page_table=table, **kwargs)
 
-    def test_invalid_page_entries_are_never_read(self):
-        # Sequence 0's second page and sequence 2's first are outside the cache: those sequences read NaN on
-        # every path, the other sequences must be exact, and nothing may fault.
-        self.need(True)
-        q, k, v, lengths, table = self.make(paged=True, lengths=[self.capacity, 7, 6, 5, 0])
-        table = table.at[0, 1].set(-5).at[2, 0].set(10**6)
-        out = self.check((q, k, v, lengths, table), compare=(np.array([1, 3, 4]),))
-        self.assertTrue(np.isnan(np.asarray(out, np.float32)[np.array([0, 2])]).all())
+    def traced(self, inputs, **kwargs):
+        kwargs = dict(implementation=self.implementation) | kwargs
 
-    # ---- check mode ------------------------------------------------------------------------------------------
+        def run(q, k, v, lengths, table):
+            return ragged_attention_with_kvcache(q, k, v, lengths, page_table=table, **kwargs)
 
-    def test_check_names_cache_seqlens(self):
-        q, k, v, lengths, _ = self.make()
-        bad = lengths.at[3].set(self.capacity + 1)
-        with self.assertRaisesRegex(RaggedAttentionInputError, rf"cache_seqlens\[3\] = {self.capacity + 1}"):
-            self.attend(q, k, v, bad, check=True)
-        run = jax.jit(
-            lambda n: ragged_attention_with_kvcache(q, k, v, n, check=True, implementation=self.implementation)
-        )
-        with self.assertRaisesRegex(RaggedAttentionInputError, r"cache_seqlens\[3\]"), input_errors():
-            jax.block_until_ready(run(bad))
-        jax.block_until_ready(run(lengths))  # valid: no error
+        return run, inputs
 
-    def test_check_names_page_table(self):
-        self.need(True)
-        q, k, v, lengths, table = self.make(paged=True, lengths=[self.capacity, self.page_size + 3, 6, 5, 0])
-        self.attend(q, k, v, lengths, page_table=table, check=True)  # -1 and past-the-cache on unused pages: fine
-        bad = table.at[1, 1].set(-2)
-        with self.assertRaisesRegex(RaggedAttentionInputError, r"page_table\[1, 1\] = -2"):
-            self.attend(q, k, v, lengths, page_table=bad, check=True)
-        run = jax.jit(
-            lambda t: ragged_attention_with_kvcache(
-                q, k, v, lengths, page_table=t, check=True, implementation=self.implementation
-            )
-        )
-        with self.assertRaisesRegex(RaggedAttentionInputError, r"page_table\[1, 1\]"), input_errors():
-            jax.block_until_ready(run(bad))
+    def reference(self, inputs, **options):
+        q, k, v, lengths, table = inputs
+        return reference_kvcache_attention(q, k, v, lengths, page_table=table, **options)
 
-    # ---- forward only ----------------------------------------------------------------------------------------
-
-    def test_gradient_raises(self):
-        q, k, v, lengths, _ = self.make()
-        self.attend(q, k, v, lengths)  # skips where declined
-        loss = lambda q: (
-            ragged_attention_with_kvcache(q, k, v, lengths, implementation=self.implementation)
-            .astype(jnp.float32)
-            .sum()
-        )
-        with self.assertRaisesRegex(NotImplementedError, "forward-only"):
-            jax.grad(loss)(q)
-
-
-class XlaKVCacheTest(KVCacheTest):
-    __test__ = True
-    implementation = "xla"
-
-    def setUp(self):
-        super().setUp()
-        # Blocks of 8 rows (2 pages): sequences straddle blocks, and the last block is shifted back.
-        self.enter_context(backend_options(block_rows=8))
-
-    def test_one_block_by_default(self):
-        with backend_options(block_rows=None):
-            self.check(self.make(paged=True, seqlen_q=2))
-            self.check(self.make(seqlen_q=2))
-
-    @parameterized.parameters(jnp.bfloat16, jnp.float16)
-    def test_half_precision(self, dtype):
-        with mock.patch.object(self, "dtype", dtype):
-            self.check(self.make(paged=True, seqlen_q=2), local_window_size=(4, 0))
-
-    def test_sinks_gradient(self):
-        q, k, v, lengths, table = self.make(paged=True)
-        sinks = jnp.asarray(self.rng.standard_normal(4), jnp.float32)
-        loss = lambda s: ragged_attention_with_kvcache(
-            q, k, v, lengths, page_table=table, sinks=s, implementation="xla"
-        ).sum()
-        grad = jax.grad(loss)(sinks)
-        step = 1e-3
-        numeric = [(loss(sinks.at[h].add(step)) - loss(sinks.at[h].add(-step))) / (2 * step) for h in range(4)]
-        np.testing.assert_allclose(grad, numeric, rtol=2e-2, atol=1e-3)
-
-    def test_auto_picks_what_serves(self):
-        q, k, v, lengths, table = self.make(paged=True)
-        out = ragged_attention_with_kvcache(q, k, v, lengths, page_table=table)
-        assert_close(out, reference_kvcache_attention(q, k, v, lengths, page_table=table)["out"], self.dtype, "out")
-        with self.assertRaisesRegex(NotImplementedError, "implementation='cudnn' cannot serve"):
-            ragged_attention_with_kvcache(q, k, v, lengths, page_table=table, implementation="cudnn")
-        with self.assertRaisesRegex(NotImplementedError, "implementation='fa3' cannot serve"):
-            ragged_attention_with_kvcache(q, k, v, lengths, page_table=table, implementation="fa3")
-
-    def test_validation_names_the_argument(self):
-        q, k, v, lengths, table = self.make(paged=True)
-        for call, message in [
+    def invalid_calls(self, inputs):
+        q, k, v, lengths, table = inputs
+        return [
             (lambda: ragged_attention_with_kvcache(q[0], k, v, lengths, page_table=table), "q must have rank 4"),
             (lambda: ragged_attention_with_kvcache(q, k, v, lengths[:2], page_table=table), "cache_seqlens must be"),
             (lambda: ragged_attention_with_kvcache(q, k, v, lengths, page_table=table[:2]), "page_table must be"),
@@ -328,9 +209,33 @@ class XlaKVCacheTest(KVCacheTest):
                 lambda: ragged_attention_with_kvcache(q, k, v, lengths.astype(jnp.float32), page_table=table),
                 "cache_seqlens must have an integer dtype",
             ),
-        ]:
-            with self.assertRaisesRegex(ValueError, message):
-                call()
+        ]
+
+    # ---- this layout's own checks ----------------------------------------------------------------------------
+
+    def test_out_of_range_cache_seqlens_read_nan(self):
+        # Sequences 0-2 have lengths outside [0, capacity]: their rows read NaN, the others are exact.
+        q, k, v, _, _ = self.make(lengths=[self.capacity] * 5)
+        lengths = jnp.asarray([self.capacity + 5, -3, 2**31 - 1, 0, self.capacity], jnp.int32)
+        out = self.attend(q, k, v, lengths)
+        self.assertTrue(np.isnan(np.asarray(out, np.float32)[:3]).all())
+        clamped = jnp.clip(lengths, 0, self.capacity)
+        assert_close(out[3:], reference_kvcache_attention(q, k, v, clamped)["out"][3:], self.dtype, "out")
+
+
+class XlaKVCacheTest(KVCacheTest, XlaKVCacheConformance):
+    __test__ = True
+    implementation = "xla"
+
+    def setUp(self):
+        super().setUp()
+        # Blocks of 8 rows (2 pages): sequences straddle blocks, and the last block is shifted back.
+        self.enter_context(backend_options(block_rows=8))
+
+    def test_one_block_by_default(self):
+        with backend_options(block_rows=None):
+            self.check(self.make(paged=True, seqlen_q=2))
+            self.check(self.make(seqlen_q=2))
 
     # ---- kvcache_append (implementation-independent: run once, here) --------------------------------------
 

@@ -6,14 +6,16 @@ sequences, chunks longer than their cache (queries at positions below 0), sequen
 prefix pages, NaN in every cache row and page no sequence uses and in q's rows past cu_seqlens_q[-1]. A NaN in
 a result proves such a row leaked; padded rows must read exactly 0 (out) and -inf (stats).
 
-`PackedKVCacheTest` holds the cases, through the public API only; each subclass runs them on one
-implementation: `XlaPackedTest` on the portable path (tiles of 2 queries and blocks of 8 rows, so sequences
-straddle both), `Fa3TilesStandInTest` on FA3's tile arithmetic with the kernel call replaced by the xla path
-with FA3's masks (any machine), `Fa3PackedTest` on FlashAttention-3 (Hopper GPU with the flash-attn3-jax
-wheel; skipped elsewhere with the reason; `pytest -m "not soak" tests/test_kvcache_varlen.py -k Fa3PackedTest`
-on the H200); `CudnnPackedStandInTest` on cuDNN's packed paged route with the FFI handler replaced by its
-contract in jnp (any machine), `CudnnPackedTest` on cuDNN's graph (a CUDA GPU). The GPU classes' "two runs
-differ" check is what caught FA3's split-KV with seqused_q differing run to run (fa3/kvcache.py _fa3_call).
+`PackedKVCacheTest` draws the mixes and runs kvcache_conformance.py's checks (every case of CASES, jit, vmap,
+invalid page entries, check mode, forward only) and this layout's own, through the public API only; each
+subclass runs them on one implementation: `XlaPackedTest` on the portable path (tiles of 2 queries and blocks of
+8 rows, so sequences straddle both), `Fa3TilesStandInTest` on FA3's tile arithmetic with the kernel call
+replaced by the xla path with FA3's masks (any machine), `Fa3PackedTest` on FlashAttention-3 (Hopper GPU with
+the flash-attn3-jax wheel; skipped elsewhere with the reason; `pytest -m "not soak" tests/test_kvcache_varlen.py
+-k Fa3PackedTest` on the H200); `CudnnPackedStandInTest` on cuDNN's packed paged route with the FFI handler
+replaced by its contract in jnp (any machine), `CudnnPackedTest` on cuDNN's graph (a CUDA GPU). The GPU
+classes' "two runs differ" check is what caught FA3's split-KV with seqused_q differing run to run
+(fa3/kvcache.py _fa3_call).
 
     pytest tests/test_kvcache_varlen.py -k 'XlaPackedTest and test_attention_window_paged'
 """
@@ -31,6 +33,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 from decode_configs import decode_config  # tests/ is on sys.path under pytest
+from kvcache_conformance import KVCacheConformance, XlaKVCacheConformance, attention_tests
 from tiers import slow_cases  # tests/ is on sys.path under pytest
 
 import jax_ragged_attn
@@ -44,7 +47,6 @@ from jax_ragged_attn.features.checks import RaggedAttentionInputError, RaggedAtt
 from jax_ragged_attn.index.kvcache import band, query_tiles
 from jax_ragged_attn.ops import kvcache as kvcache_inputs
 from jax_ragged_attn.testing import assert_close, declines, fa3_emulator
-from jax_ragged_attn.testing.helpers import SeededCacheCase
 from jax_ragged_attn.testing.kvcache_reference import reference_kvcache_attention_packed
 from jax_ragged_attn.testing.private_config import backend_options
 
@@ -64,15 +66,12 @@ CASES = {
 }
 
 
-class PackedKVCacheTest(SeededCacheCase, parameterized.TestCase):
+class PackedKVCacheTest(KVCacheConformance):
+    """Packed [T] queries over the cache: kvcache_conformance.py's hooks for this layout, and its own checks."""
+
     __test__ = False  # the subclasses run these, each against its implementation
-    implementation: str
-    dtype = jnp.float32
-    head_dim = 16
-    page_size = 4
-    max_pages = 6
     max_seqlen_q = 7
-    bit_reproducible = True
+    test_attention = attention_tests(CASES)
 
     def mix(self, *, max_seqlen_q=None, heads=(4, 2), paged=True, batch=7, spare_rows=3, share=True):
         """(q [T, Hq, D], k_cache, v_cache, cache_seqlens, cu_seqlens_q, max_seqlen_q, page_table): sequence 0
@@ -159,16 +158,21 @@ class PackedKVCacheTest(SeededCacheCase, parameterized.TestCase):
             **kwargs,
         )
 
-    def check(self, args, *, sinks=None, **options):
-        """Runs the op twice (bit-identical), both stats layouts, against the reference."""
+    def check(self, args, *, sinks=None, compare=slice(None), **options):
+        """Runs the op twice (bit-identical), both stats layouts, against the reference, on the query rows
+        `compare` indexes (all by default)."""
         q, k, v, lengths, cu, max_q, table = args
         if sinks is True:
             sinks = jnp.asarray(self.rng.standard_normal(q.shape[1]), jnp.float32)
         out, stats = self.attend(*args, sinks=sinks, return_stats=True, **options)
         again, token_major = self.attend(*args, sinks=sinks, return_stats=True, stats_layout="token_major", **options)
         pairs = (
-            (np.asarray(out, np.float32), np.asarray(again, np.float32), "two runs differ"),
-            (np.asarray(stats), np.asarray(token_major).T, "token_major is not the head-major stats transposed"),
+            (np.asarray(out, np.float32)[compare], np.asarray(again, np.float32)[compare], "two runs differ"),
+            (
+                np.asarray(stats)[:, compare],
+                np.asarray(token_major).T[:, compare],
+                "token_major is not the head-major stats transposed",
+            ),
         )
         for first, second, message in pairs:
             if self.bit_reproducible:
@@ -181,46 +185,110 @@ class PackedKVCacheTest(SeededCacheCase, parameterized.TestCase):
         self.assertEqual(out.dtype, q.dtype)
         self.assertEqual(out.shape, q.shape[:2] + (v.shape[-1],))
         self.assertEqual(stats.shape, (q.shape[1], q.shape[0]))
-        assert_close(out, expected["out"], self.dtype, "out")
-        assert_close(stats, expected["stats"], self.dtype, "stats")
-        padding = np.arange(q.shape[0]) >= int(cu[-1])
-        self.assertTrue((np.asarray(out, np.float32)[padding] == 0).all(), "a row past cu_seqlens_q[-1] is not 0")
+        assert_close(out[compare], expected["out"][compare], self.dtype, "out")
+        assert_close(stats[:, compare], expected["stats"][:, compare], self.dtype, "stats")
+        compared_out, compared_stats = np.asarray(out, np.float32)[compare], np.asarray(stats)[:, compare]
+        padding = (np.arange(q.shape[0]) >= int(cu[-1]))[compare]
+        self.assertTrue((compared_out[padding] == 0).all(), "a row past cu_seqlens_q[-1] is not 0")
         self.assertTrue(
-            np.isneginf(np.asarray(stats)[:, padding]).all(),
+            np.isneginf(compared_stats[:, padding]).all(),
             "a row past cu_seqlens_q[-1] has stats other than -inf (sinks or not: it is no query)",
         )
-        no_keys = np.isneginf(expected["stats"]).T  # [T, Hq]
-        self.assertTrue((np.asarray(out, np.float32)[no_keys] == 0).all(), "a query without keys is not 0")
+        no_keys = np.isneginf(expected["stats"]).T[compare]  # [T, Hq]
+        self.assertTrue((compared_out[no_keys] == 0).all(), "a query without keys is not 0")
         return out
 
-    # ---- attention -------------------------------------------------------------------------------------------
+    # ---- kvcache_conformance.py's hooks ---------------------------------------------------------------------
 
-    @parameterized.named_parameters(
-        [
-            dict(case, testcase_name=f"{name}_{'paged' if paged else 'contiguous'}", paged=paged)
-            for name, case in CASES.items()
-            for paged in (False, True)
+    def draw(self, paged=True):
+        return self.mix(paged=paged)
+
+    def case_inputs(self, paged, heads=(4, 2), max_seqlen_q=None, **options):
+        return self.mix(paged=paged, heads=heads, max_seqlen_q=max_seqlen_q), options
+
+    def page_table_case(self):
+        return self.mix(share=False), (4, 0)  # sequence 4: a full cache
+
+    def invalid_page_entries(self):
+        q, k, v, lengths, cu, max_q, table = self.mix(share=False)
+        table = table.at[0, 0].set(-5)  # sequence 0's first page: outside the cache
+        rows = np.arange(q.shape[0]) >= int(cu[1])  # sequence 0's rows read NaN: compare the others
+        return (q, k, v, lengths, cu, max_q, table), ~rows, rows
+
+    def vmap_parts(self, paged):
+        parts = [self.mix(share=False, batch=7, spare_rows=2, paged=paged) for _ in range(2)]
+        pages = max(p[1].shape[0] for p in parts)
+        total = max(p[0].shape[0] for p in parts)
+        return [
+            (
+                jnp.pad(q, ((0, total - q.shape[0]), (0, 0), (0, 0))),
+                jnp.pad(k, ((0, pages - k.shape[0]),) + ((0, 0),) * 3, constant_values=np.nan),
+                jnp.pad(v, ((0, pages - v.shape[0]),) + ((0, 0),) * 3, constant_values=np.nan),
+                n,
+                cu,
+                m,
+                t,
+            )
+            for q, k, v, n, cu, m, t in parts
         ]
-    )
-    def test_attention(self, paged, heads=(4, 2), max_seqlen_q=None, **options):
-        self.check(self.mix(paged=paged, heads=heads, max_seqlen_q=max_seqlen_q), **options)
+
+    def attend_inputs(self, inputs, **kwargs):
+        return self.attend(*inputs, **kwargs)
+
+    def traced(self, inputs, **kwargs):
+        q, k, v, lengths, cu, max_q, table = inputs
+        kwargs = dict(implementation=self.implementation) | kwargs
+
+        def run(q, k, v, lengths, cu, table):
+            return ragged_attention_with_kvcache(
+                q, k, v, lengths, cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=table, **kwargs
+            )
+
+        return run, (q, k, v, lengths, cu, table)
+
+    def reference(self, inputs, **options):
+        q, k, v, lengths, cu, max_q, table = inputs
+        return reference_kvcache_attention_packed(q, k, v, lengths, cu, max_q, page_table=table, **options)
+
+    def queries(self, inputs, out):
+        return out[: int(inputs[4][-1])]
+
+    def invalid_calls(self, inputs):
+        q, k, v, lengths, cu, max_q, table = inputs
+        packed = dict(cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=table)
+        return [
+            (
+                lambda: ragged_attention_with_kvcache(q, k, v, lengths, cu_seqlens_q=cu, page_table=table),
+                "max_seqlen_q",
+            ),
+            (lambda: ragged_attention_with_kvcache(q[None], k, v, lengths, **packed), "q must have rank 3"),
+            (lambda: ragged_attention_with_kvcache(q, k, v, lengths[:3], **packed), "cache_seqlens must be"),
+            (
+                lambda: ragged_attention_with_kvcache(
+                    q, k, v, lengths, cu_seqlens_q=cu[:4], max_seqlen_q=max_q, page_table=table
+                ),
+                "cu_seqlens_q must be",
+            ),
+            (
+                lambda: ragged_attention_with_kvcache(
+                    q, k, v, lengths, cu_seqlens_q=cu, max_seqlen_q=0, page_table=table
+                ),
+                "max_seqlen_q",
+            ),
+            (
+                lambda: ragged_attention_with_kvcache(
+                    q, k, v, lengths, cu_seqlens_q=cu.astype(jnp.float32), max_seqlen_q=max_q, page_table=table
+                ),
+                "cu_seqlens_q must have an integer dtype",
+            ),
+        ]
+
+    # ---- attention -------------------------------------------------------------------------------------------
 
     def test_random_mixes(self):
         for _ in range(3):
             batch = int(self.rng.integers(7, 12))
             self.check(self.mix(batch=batch, spare_rows=int(self.rng.integers(0, 5))))
-
-    def test_jit(self):
-        args = self.mix()
-        q, k, v, lengths, cu, max_q, table = args
-        self.attend(*args)  # skips where declined
-        run = jax.jit(
-            lambda q, k, v, n, cu, t: ragged_attention_with_kvcache(
-                q, k, v, n, cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=t, implementation=self.implementation
-            )
-        )
-        expected = reference_kvcache_attention_packed(q, k, v, lengths, cu, max_q, page_table=table)
-        assert_close(run(q, k, v, lengths, cu, table), expected["out"], self.dtype, "out under jit")
 
     def test_slots_longer_than_max_seqlen_q_read_nan(self):
         # A slot of 6 rows with max_seqlen_q = 4: all 6 rows read NaN, as ragged_attention's do past
@@ -256,15 +324,6 @@ class PackedKVCacheTest(SeededCacheCase, parameterized.TestCase):
         )
         self.assertEqual(config.seqlen_q, q.shape[0], "max_seqlen_q is not clamped to the token count")
 
-    def test_invalid_page_entries_are_never_read(self):
-        q, k, v, lengths, cu, max_q, table = self.mix(share=False)
-        table = table.at[0, 0].set(-5)  # sequence 0's first page: outside the cache
-        expected = reference_kvcache_attention_packed(q, k, v, lengths, cu, max_q, page_table=table)
-        out = self.attend(q, k, v, lengths, cu, max_q, table)
-        rows = np.arange(q.shape[0]) >= int(cu[1])  # sequence 0's rows read NaN: compare the others
-        self.assertTrue(np.isnan(np.asarray(out, np.float32)[~rows]).all())
-        assert_close(np.asarray(out)[rows], expected["out"][rows], self.dtype, "out")
-
     # ---- check mode ------------------------------------------------------------------------------------------
 
     def test_check_names_the_argument_sequence_and_value(self):
@@ -297,32 +356,18 @@ class PackedKVCacheTest(SeededCacheCase, parameterized.TestCase):
             jax.block_until_ready(run(cu.at[2].set(cu[1] - 1)))
         jax.block_until_ready(run(cu))
 
-    def test_gradient_raises(self):
-        q, k, v, lengths, cu, max_q, table = self.mix()
-        q = jnp.nan_to_num(q)
-        self.attend(q, k, v, lengths, cu, max_q, table)  # skips where declined
-        loss = lambda q: (
-            ragged_attention_with_kvcache(
-                q,
-                k,
-                v,
-                lengths,
-                cu_seqlens_q=cu,
-                max_seqlen_q=max_q,
-                page_table=table,
-                implementation=self.implementation,
-            )
-            .astype(jnp.float32)
-            .sum()
-        )
-        with self.assertRaisesRegex(NotImplementedError, "forward-only"):
-            jax.grad(loss)(q)
-
 
 # The xla path's extra mixes, dtypes and vmap run in the slow tier; every case, the appends and the tiles'
 # arithmetic stay fast.
-@slow_cases("test_random_mixes")
-class XlaPackedTest(PackedKVCacheTest):
+@slow_cases(
+    "test_random_mixes",
+    "test_half_precision0",
+    "test_half_precision1",
+    "test_vmap0",
+    "test_vmap1",
+    "test_sinks_gradient",
+)
+class XlaPackedTest(PackedKVCacheTest, XlaKVCacheConformance):
     __test__ = True
     implementation = "xla"
 
@@ -336,40 +381,6 @@ class XlaPackedTest(PackedKVCacheTest):
         with backend_options(query_tile=None, block_rows=None):  # cache_attention.QUERY_TILE, the budget's rows
             self.check(self.mix())
             self.check(self.mix(paged=False))
-
-    @parameterized.parameters(jnp.bfloat16, jnp.float16)
-    @pytest.mark.slow
-    def test_half_precision(self, dtype):
-        with mock.patch.object(self, "dtype", dtype):
-            self.check(self.mix(), local_window_size=(4, 0))
-
-    @pytest.mark.slow
-    def test_vmap(self):
-        parts = [self.mix(share=False, batch=7, spare_rows=2) for _ in range(2)]
-        pages = max(p[1].shape[0] for p in parts)
-        total = max(p[0].shape[0] for p in parts)
-        parts = [
-            (
-                jnp.pad(q, ((0, total - q.shape[0]), (0, 0), (0, 0))),
-                jnp.pad(k, ((0, pages - k.shape[0]),) + ((0, 0),) * 3, constant_values=np.nan),
-                jnp.pad(v, ((0, pages - v.shape[0]),) + ((0, 0),) * 3, constant_values=np.nan),
-                n,
-                cu,
-                m,
-                t,
-            )
-            for q, k, v, n, cu, m, t in parts
-        ]
-        max_q = parts[0][5]
-        stacked = [jnp.stack([p[i] for p in parts]) for i in (0, 1, 2, 3, 4, 6)]
-        out = jax.vmap(
-            lambda q, k, v, n, cu, t: ragged_attention_with_kvcache(
-                q, k, v, n, cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=t, implementation="xla"
-            )
-        )(*stacked)
-        for i, (q, k, v, n, cu, m, t) in enumerate(parts):
-            expected = reference_kvcache_attention_packed(q, k, v, n, cu, m, page_table=t)
-            assert_close(out[i], expected["out"], self.dtype, f"vmapped element {i}")
 
     def test_return_overflow_counts_what_the_warning_names(self):
         # The warning for NumPy cu_seqlens_q recommends return_overflow=True: it counts the cut rows.
@@ -388,57 +399,6 @@ class XlaPackedTest(PackedKVCacheTest):
             lambda cu: self.attend(q, k, v, lengths, cu, 4, table, return_overflow=True, return_stats=True)[2]
         )(bad)
         self.assertEqual(int(overflow.invalid_cu_seqlens), 1)
-
-    @pytest.mark.slow
-    def test_sinks_gradient(self):
-        q, k, v, lengths, cu, max_q, table = self.mix()
-        sinks = jnp.asarray(self.rng.standard_normal(4), jnp.float32)
-        loss = lambda s: ragged_attention_with_kvcache(
-            q, k, v, lengths, cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=table, sinks=s, implementation="xla"
-        )[: int(cu[-1])].sum()
-        grad = jax.grad(loss)(sinks)
-        step = 1e-3
-        numeric = [(loss(sinks.at[h].add(step)) - loss(sinks.at[h].add(-step))) / (2 * step) for h in range(4)]
-        np.testing.assert_allclose(grad, numeric, rtol=2e-2, atol=1e-3)
-
-    def test_auto_picks_what_serves(self):
-        args = self.mix()
-        q, k, v, lengths, cu, max_q, table = args
-        out = ragged_attention_with_kvcache(q, k, v, lengths, cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=table)
-        expected = reference_kvcache_attention_packed(q, k, v, lengths, cu, max_q, page_table=table)
-        assert_close(out, expected["out"], self.dtype, "out")
-
-    def test_validation_names_the_argument(self):
-        q, k, v, lengths, cu, max_q, table = self.mix()
-        packed = dict(cu_seqlens_q=cu, max_seqlen_q=max_q, page_table=table)
-        for call, message in [
-            (
-                lambda: ragged_attention_with_kvcache(q, k, v, lengths, cu_seqlens_q=cu, page_table=table),
-                "max_seqlen_q",
-            ),
-            (lambda: ragged_attention_with_kvcache(q[None], k, v, lengths, **packed), "q must have rank 3"),
-            (lambda: ragged_attention_with_kvcache(q, k, v, lengths[:3], **packed), "cache_seqlens must be"),
-            (
-                lambda: ragged_attention_with_kvcache(
-                    q, k, v, lengths, cu_seqlens_q=cu[:4], max_seqlen_q=max_q, page_table=table
-                ),
-                "cu_seqlens_q must be",
-            ),
-            (
-                lambda: ragged_attention_with_kvcache(
-                    q, k, v, lengths, cu_seqlens_q=cu, max_seqlen_q=0, page_table=table
-                ),
-                "max_seqlen_q",
-            ),
-            (
-                lambda: ragged_attention_with_kvcache(
-                    q, k, v, lengths, cu_seqlens_q=cu.astype(jnp.float32), max_seqlen_q=max_q, page_table=table
-                ),
-                "cu_seqlens_q must have an integer dtype",
-            ),
-        ]:
-            with self.assertRaisesRegex(ValueError, message):
-                call()
 
 
 def _fa3_tile_stand_in(q, k_cache, v_cache, lengths, page_table, config, window, used_q=None):
@@ -577,9 +537,15 @@ def _paged_handler_stand_in(
 
 
 # The route takes a contiguous cache as pages of one page per sequence: the fast tier runs the paged cases and one
-# contiguous case, the slow tier the other contiguous ones and the random mixes.
+# contiguous case, the slow tier the other contiguous ones, the random mixes, vmap and check mode (which the xla
+# classes run fast).
 @slow_cases(
     "test_random_mixes",
+    "test_jit0",
+    "test_vmap0",
+    "test_vmap1",
+    "test_check_names_cache_seqlens",
+    "test_check_names_page_table",
     *(
         f"test_attention_{case}_contiguous"
         for case in ("causal", "mqa", "sinks", "mha", "non_causal", "scale", "softcap")
