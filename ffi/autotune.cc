@@ -188,3 +188,6 @@ xla::ffi::Error time_candidate_plans(cudnnHandle_t handle, InspectableGraph& gra
 }
 
 }  // namespace jax_ragged_attn
+
+// File-local, also in a unity build (CMakeLists.txt) where the next source follows in the same unit.
+#undef CUDA_OK

@@ -427,3 +427,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRaggedAttnBackward, jax_ragged_attn::backward_i
                                   .RemainingRets()  // the gradients per packing, then the workspace
                                   .Attrs<jax_ragged_attn::AttentionConfig>(),
                               {ffi::Traits::kCmdBufferCompatible});
+
+// File-local, also in a unity build (CMakeLists.txt) where the next source follows in the same unit.
+#undef JAX_RAGGED_ATTN_INITIALIZE_BINDING
+#undef JAX_RAGGED_ATTN_INDEX_ARGS

@@ -33,7 +33,7 @@ t0=$SECONDS
 export PATH="$work/tools/bin:$PATH"
 if [ -z "${SKIP_BUILD:-}" ]; then
   say "building the sdist and, from it, the wheel with $("$python" --version) (the isolated build environment"
-  say "downloads ~1.2 GB the first time, mostly the cuDNN and cuBLAS wheels, for cudnn.h; compiling takes 3-4 min on 2 cores)"
+  say "downloads ~1.2 GB the first time, mostly the cuDNN and cuBLAS wheels, for cudnn.h; compiling takes about 5 CPU-minutes)"
   rm -rf "$dist/raw"
   # The sdist needs scikit-build-core alone (no CMake run), so it is made without the isolated environment;
   # the wheel, built from the sdist, gets one.

@@ -162,7 +162,7 @@ t=$SECONDS
 if ((extension)); then
   build_dir="build/env-$(printf %s "$venv_abs" | sha1sum | cut -c1-8)/{wheel_tag}"
   say "building the C++ extension into $build_dir and installing jax_ragged_attn[test,flax,tools] editable"
-  say "(a full build: 24 ninja steps, about 6 CPU-minutes, 2.5 minutes on 2 idle cores (2026-12-05);"
+  say "(a full build: 15 ninja steps, nanobind's 11 sources and ours in two unity units, about 5 CPU-minutes;"
   say " a rebuild only recompiles what changed)"
   run_shown "$py" -m pip install -v --no-build-isolation -C build-dir="$build_dir" -e '.[test,flax,tools]'
 else
