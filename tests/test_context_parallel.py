@@ -657,10 +657,8 @@ def _check_device_calls(
     # Rows of a document longer than max_seqlen: the op reads NaN there (ops/common.loud; the sharded op selects
     # over the caller's rows after the device calls, parallel/sharding.py), so they are compared as NaN in the
     # one call and left out of the device calls' comparison, and no cotangent reaches them on either side.
-    starts = np.cumsum((0, *lengths))
     cut = np.zeros(total, bool)
-    for start, length in zip(starts, lengths):
-        cut[start : start + length] = length > max_seqlen
+    cut[: sum(lengths)] = np.repeat(np.asarray(lengths) > max_seqlen, lengths)
     d_out = rng.standard_normal((total, hq, head_dim)).astype("bfloat16")
     d_out[sum(lengths) :] = 0
     d_out[cut] = 0
@@ -685,11 +683,11 @@ def _check_device_calls(
     )
     for i, name in enumerate(("out", "stats", "dq", "dk", "dv")):
         mine, theirs = np.asarray(got[i], np.float64), np.asarray(one_call[i], np.float64)
-        want = expected[name].T if name == "stats" and layout == "head_major" else expected[name]
+        want = np.asarray(expected[name])
+        if name == "stats" and layout == "head_major":  # compared token-major: rows first
+            mine, theirs = mine.T, theirs.T
         if name in ("out", "stats"):
-            rows = (slice(None), ~cut) if name == "stats" and layout == "head_major" else (~cut,)
-            cut_rows = (slice(None), cut) if name == "stats" and layout == "head_major" else (cut,)
-            assert np.isnan(theirs[cut_rows]).all(), f"{name}: a cut document's rows must read NaN in one call"
-            mine, theirs, want = mine[rows], theirs[rows], np.asarray(want)[rows]
+            assert np.isnan(theirs[cut]).all(), f"{name}: a cut document's rows must read NaN in one call"
+            mine, theirs, want = mine[~cut], theirs[~cut], want[~cut]
         assert_close(mine, theirs, "bfloat16", f"{name} against one call")
         assert_close(mine, want, "bfloat16", f"{name} against the float64 reference")
